@@ -1,0 +1,1 @@
+"""tito derender service."""

@@ -1,0 +1,1 @@
+"""tito engine service."""

@@ -1,0 +1,1 @@
+"""tito render service."""

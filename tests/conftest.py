@@ -1,0 +1,86 @@
+"""Shared fixtures: tiny models built once per session, and grpc.aio servers on port 0.
+
+pytest-grpc cannot host grpc.aio servicers, so `AioServer` is the small equivalent: it runs a
+service's real `create_server(config)` on an event loop in a background thread, exposes the bound
+address, and shuts the server down cleanly. Tests talk to it with ordinary synchronous stubs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tito.tiny_models import TEXT_MODEL, VL_MODEL, ensure_model
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_text_model(model_cache) -> Path:
+    return ensure_model(TEXT_MODEL, model_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_model(model_cache) -> Path:
+    return ensure_model(VL_MODEL, model_cache)
+
+
+class AioServer:
+    """Runs `factory()` (a coroutine returning a tito.serving.RunningServer) on a private loop."""
+
+    def __init__(self, factory: Callable[[], Awaitable]):
+        self._factory = factory
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="aio-server")
+        self.running = None
+
+    def start(self) -> "AioServer":
+        self._thread.start()
+        self.running = asyncio.run_coroutine_threadsafe(self._factory(), self._loop).result(timeout=120)
+        return self
+
+    @property
+    def address(self) -> str:
+        return self.running.address
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.address)
+
+    def call(self, coro_factory: Callable[[], Awaitable], timeout: float = 30):
+        """Run a coroutine on the server's loop (e.g. to inspect server state)."""
+        return asyncio.run_coroutine_threadsafe(coro_factory(), self._loop).result(timeout=timeout)
+
+    def stop(self, grace: float = 1.0) -> None:
+        if self.running is not None:
+            asyncio.run_coroutine_threadsafe(self.running.stop(grace), self._loop).result(timeout=60)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> "AioServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@pytest.fixture
+def aio_server():
+    """Factory fixture: `aio_server(lambda: create_server(config))` -> started AioServer."""
+    started: list[AioServer] = []
+
+    def start(factory):
+        server = AioServer(factory).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in reversed(started):
+        server.stop()

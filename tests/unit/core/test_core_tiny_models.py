@@ -1,0 +1,461 @@
+"""Tests for tito.tiny_models: deterministic offline tiny Qwen2 / Qwen2-VL builds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from tito import tiny_models  # noqa: E402
+from tito.tiny_models import TEXT_MODEL, VL_MODEL, build_text_model, build_tokenizer, build_vl_model, ensure_model  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+EXPECTED_IDS = {
+    "<|endoftext|>": 1000,
+    "<|im_start|>": 1001,
+    "<|im_end|>": 1002,
+    "<|vision_start|>": 1003,
+    "<|vision_end|>": 1004,
+    "<|image_pad|>": 1005,
+    "<|video_pad|>": 1006,
+    "<tool_call>": 1007,
+    "</tool_call>": 1008,
+    "<tool_response>": 1009,
+    "</tool_response>": 1010,
+    "<think>": 1011,
+    "</think>": 1012,
+}
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the weather for a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def build_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny_models")
+
+
+@pytest.fixture(scope="session")
+def text_dir(build_root) -> Path:
+    return build_text_model(build_root / "text")
+
+
+@pytest.fixture(scope="session")
+def vl_dir(build_root) -> Path:
+    return build_vl_model(build_root / "vl")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(text_dir):
+    return transformers.AutoTokenizer.from_pretrained(text_dir)
+
+
+@pytest.fixture(scope="session")
+def vl_model(vl_dir):
+    model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(vl_dir)
+    return model.eval()
+
+
+def _dir_bytes(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def _render(tokenizer, messages, **kwargs) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+
+
+# --------------------------------------------------------------------------- determinism
+
+
+def test_rebuild_is_byte_identical(build_root, text_dir, vl_dir):
+    again_text = build_text_model(build_root / "text-again")
+    again_vl = build_vl_model(build_root / "vl-again")
+    assert _dir_bytes(again_text) == _dir_bytes(text_dir)
+    assert _dir_bytes(again_vl) == _dir_bytes(vl_dir)
+    assert set(_dir_bytes(text_dir)) == {
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
+    assert set(_dir_bytes(vl_dir)) == set(_dir_bytes(text_dir)) | {"preprocessor_config.json"}
+
+
+def test_cli_in_fresh_process_matches(build_root, text_dir):
+    # A fresh interpreter has different hash seeds (Python and Rust), so this also
+    # checks that tokenizer training does not depend on them.
+    out = build_root / "cli-text"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+    env["PYTHONHASHSEED"] = "12345"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tito.tiny_models", str(out), "--model", TEXT_MODEL],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(out)
+    assert _dir_bytes(out) == _dir_bytes(text_dir)
+
+
+def test_build_tokenizer_only(build_root, text_dir):
+    out = build_tokenizer(build_root / "tok-only")
+    files = _dir_bytes(out)
+    assert set(files) == {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
+    reference = _dir_bytes(text_dir)
+    for name, data in files.items():
+        assert data == reference[name]
+
+
+def test_json_files_are_sorted(text_dir, vl_dir):
+    for path in [*text_dir.glob("*config.json"), vl_dir / "preprocessor_config.json", vl_dir / "config.json"]:
+        text = path.read_text(encoding="utf-8")
+        assert text == json.dumps(json.loads(text), indent=2, sort_keys=True, ensure_ascii=False) + "\n", path
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_loads_with_expected_special_tokens(tokenizer, text_dir):
+    assert type(tokenizer).__name__ in {"Qwen2Tokenizer", "Qwen2TokenizerFast", "PreTrainedTokenizerFast"}
+    assert len(tokenizer) == 1013
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.pad_token == "<|endoftext|>"
+    assert tokenizer.eos_token_id == EXPECTED_IDS["<|im_end|>"]
+    assert tokenizer.pad_token_id == EXPECTED_IDS["<|endoftext|>"]
+    for token, token_id in EXPECTED_IDS.items():
+        assert tokenizer.convert_tokens_to_ids(token) == token_id
+        assert tokenizer.encode(token, add_special_tokens=False) == [token_id], token
+        # Also inside running text.
+        ids = tokenizer.encode(f"a{token}b", add_special_tokens=False)
+        assert token_id in ids
+    special = set(tokenizer.all_special_tokens)
+    assert {t for t in EXPECTED_IDS if t.startswith("<|")} <= special
+    assert not {"<think>", "</think>", "<tool_call>"} & special
+    config = json.loads((text_dir / "config.json").read_text())
+    assert config["vocab_size"] == len(tokenizer)
+
+
+def test_tokenizer_matches_raw_tokenizers_and_round_trips(tokenizer, text_dir):
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(str(text_dir / "tokenizer.json"))
+    samples = [
+        "Hello, world! The café serves crème brûlée.",
+        "日本語のテキスト 😀🚀 — «quotes» and numbers 12345.678",
+        'def f(x):\n    return {"a": [1, 2, 3]}\n',
+        "<|im_start|>user\nhi<|im_end|>\n<think>\nok\n</think>\n\n<tool_call>{}</tool_call>",
+        "unseen words: zyxwvut qqq ÆØÅ ß 🦙",
+    ]
+    for text in samples:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert ids == raw.encode(text, add_special_tokens=False).ids
+        assert tokenizer.decode(ids) == text
+    # Byte-level BPE: every id decodes, and the vocabulary is really ~1000 tokens.
+    assert raw.get_vocab_size(with_added_tokens=False) == 1000
+    # BPE merges really happened: common words are single tokens, text is shorter than its bytes.
+    assert len(tokenizer.encode(" the", add_special_tokens=False)) == 1
+    sentence = "The quick brown fox jumps over the lazy dog."
+    assert len(tokenizer.encode(sentence, add_special_tokens=False)) < len(sentence.encode()) // 2
+
+
+def test_skip_special_tokens_keeps_think_and_tool_tags(tokenizer):
+    ids = tokenizer.encode("<|im_start|>assistant\n<think>x</think><tool_call>y</tool_call><|im_end|>")
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "assistant\n<think>x</think><tool_call>y</tool_call>"
+
+
+# --------------------------------------------------------------------------- chat template
+
+
+def test_chat_template_file_is_used(tokenizer, text_dir):
+    assert (text_dir / "chat_template.jinja").read_text(encoding="utf-8") == tokenizer.chat_template
+    assert "chat_template" not in json.loads((text_dir / "tokenizer_config.json").read_text())
+
+
+def test_chat_template_basic_and_generation_prompt(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    assert _render(tokenizer, messages) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
+    )
+    assert _render(tokenizer, messages, add_generation_prompt=True).endswith(
+        "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert _render(tokenizer, messages, add_generation_prompt=True, enable_thinking=True).endswith(
+        "<|im_start|>assistant\n"
+    )
+    assert _render(tokenizer, messages, add_generation_prompt=True, enable_thinking=False).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+
+
+def test_chat_template_tools_tool_calls_and_results(tokenizer):
+    messages = [
+        {"role": "system", "content": "You are helpful."},
+        {"role": "user", "content": "Weather in Paris and Tokyo?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "I should call the tool twice.",
+            "tool_calls": [
+                {"id": "c0", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Tokyo"}'}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c0", "content": '{"temp": 22}'},
+        {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 18}'},
+    ]
+    text = _render(tokenizer, messages, tools=TOOLS, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nYou are helpful.\n\n# Tools\n")
+    assert "<tools>\n" + json.dumps(TOOLS[0]) + "\n</tools>" in text
+    assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' in text
+    assert (
+        "<|im_start|>assistant\n<think>\nI should call the tool twice.\n</think>\n\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        # string arguments are rendered verbatim
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Tokyo"}}\n</tool_call><|im_end|>\n'
+    ) in text
+    assert (
+        "<|im_start|>user\n<tool_response>\n{\"temp\": 22}\n</tool_response>\n"
+        "<tool_response>\n{\"temp\": 18}\n</tool_response><|im_end|>\n"
+    ) in text
+    assert text.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+    # content=None (dropped by transformers) with a tool call, no reasoning, thinking off.
+    messages[2] = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}],
+    }
+    text = _render(tokenizer, messages[:4], tools=TOOLS, add_generation_prompt=True, enable_thinking=False)
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}' in text
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+    ids = tokenizer.apply_chat_template(messages[:4], tools=TOOLS, add_generation_prompt=True, return_dict=False)
+    for token in ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"):
+        assert EXPECTED_IDS[token] in ids
+
+
+def test_chat_template_reasoning_history(tokenizer):
+    # reasoning of the final turn is rendered; that of turns before the last user query is dropped (Qwen3).
+    messages = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "Add them."},
+    ]
+    assert _render(tokenizer, messages) == (
+        "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n<think>\nAdd them.\n</think>\n\n4<|im_end|>\n"
+    )
+    messages.append({"role": "user", "content": "And 3+3?"})
+    text = _render(tokenizer, messages, add_generation_prompt=True)
+    assert "Add them." not in text
+    assert "<|im_start|>assistant\n4<|im_end|>\n" in text
+    # <think> inline in content is split out like reasoning_content.
+    inline = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nyes"}]
+    assert _render(tokenizer, inline).endswith("<|im_start|>assistant\n<think>\nhmm\n</think>\n\nyes<|im_end|>\n")
+
+
+def test_chat_template_multimodal_parts(tokenizer):
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Look: "},
+                {"type": "image"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                {"type": "video"},
+                {"type": "text", "text": " What is it?"},
+            ],
+        }
+    ]
+    text = _render(tokenizer, messages, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>user\nLook: "
+        "<|vision_start|><|image_pad|><|vision_end|>"
+        "<|vision_start|><|image_pad|><|vision_end|>"
+        "<|vision_start|><|video_pad|><|vision_end|>"
+        " What is it?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    assert ids.count(EXPECTED_IDS["<|image_pad|>"]) == 2
+    assert ids.count(EXPECTED_IDS["<|video_pad|>"]) == 1
+    assert ids.count(EXPECTED_IDS["<|vision_start|>"]) == 3
+
+
+def test_chat_template_rejects_unknown_role(tokenizer):
+    from jinja2.exceptions import TemplateError
+
+    with pytest.raises(TemplateError, match="narrator"):
+        _render(tokenizer, [{"role": "narrator", "content": "Once upon a time"}])
+
+
+# --------------------------------------------------------------------------- text model
+
+
+def test_text_model_config_and_varied_greedy_generation(text_dir, tokenizer):
+    model = transformers.AutoModelForCausalLM.from_pretrained(text_dir).eval()
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert model.dtype == torch.float32
+    cfg = model.config
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (64, 2, 4, 2)
+    assert (cfg.intermediate_size, cfg.max_position_embeddings, cfg.vocab_size) == (128, 2048, len(tokenizer))
+    assert cfg.tie_word_embeddings is False
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    gen = transformers.GenerationConfig.from_pretrained(text_dir)
+    assert gen.eos_token_id == [EXPECTED_IDS["<|im_end|>"], EXPECTED_IDS["<|endoftext|>"]]
+
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Tell me a story about a fox."}], add_generation_prompt=True, return_tensors="pt"
+    )
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=20, do_sample=False, min_new_tokens=20)
+    new = out[0, inputs["input_ids"].shape[1] :].tolist()
+    assert len(new) == 20
+    assert len(set(new)) > 5, new
+    with torch.no_grad():
+        again = model.generate(**inputs, max_new_tokens=20, do_sample=False, min_new_tokens=20)
+    assert torch.equal(out, again)
+
+
+# --------------------------------------------------------------------------- VL model
+
+
+def _image():
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 256, size=(48, 64, 3), dtype=np.uint8))  # 64 wide, 48 high
+
+
+def test_vl_config_matches_tokenizer(vl_model, vl_dir):
+    tok = transformers.AutoTokenizer.from_pretrained(vl_dir)
+    cfg = vl_model.config
+    assert type(vl_model).__name__ == "Qwen2VLForConditionalGeneration"
+    assert cfg.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>") == EXPECTED_IDS["<|image_pad|>"]
+    assert cfg.video_token_id == tok.convert_tokens_to_ids("<|video_pad|>")
+    assert cfg.vision_start_token_id == tok.convert_tokens_to_ids("<|vision_start|>")
+    text_cfg, vision_cfg = cfg.text_config, cfg.vision_config
+    assert text_cfg.vocab_size == len(tok)
+    assert text_cfg.hidden_size == vision_cfg.hidden_size == 64
+    head_dim = text_cfg.hidden_size // text_cfg.num_attention_heads
+    assert sum(text_cfg.rope_parameters["mrope_section"]) == head_dim // 2
+    assert (vision_cfg.embed_dim, vision_cfg.num_heads, vision_cfg.patch_size) == (32, 2, 14)
+    assert (vision_cfg.spatial_merge_size, vision_cfg.temporal_patch_size) == (2, 2)
+
+
+def test_vl_image_processor(vl_dir):
+    processor = transformers.AutoImageProcessor.from_pretrained(vl_dir)
+    out = processor(images=[_image()], return_tensors="pt")
+    assert set(out) >= {"pixel_values", "image_grid_thw"}
+    grid = out["image_grid_thw"]
+    assert grid.shape == (1, 3)
+    assert grid[0, 0].item() == 1
+    patches = int(grid.prod())
+    assert out["pixel_values"].shape == (patches, 3 * 2 * 14 * 14)
+    assert patches // 4 <= 64  # max_pixels keeps images tiny
+
+
+def test_vl_forward_with_one_image(vl_model, vl_dir):
+    tok = transformers.AutoTokenizer.from_pretrained(vl_dir)
+    processor = transformers.AutoImageProcessor.from_pretrained(vl_dir)
+    image_inputs = processor(images=[_image()], return_tensors="pt")
+    grid = image_inputs["image_grid_thw"]
+    n_image_tokens = int(grid.prod()) // vl_model.config.vision_config.spatial_merge_size**2
+
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = text.replace("<|image_pad|>", "<|image_pad|>" * n_image_tokens)
+    enc = tok(text, return_tensors="pt")
+    input_ids = enc["input_ids"]
+    mm_token_type_ids = (input_ids == vl_model.config.image_token_id).to(torch.int32)
+    assert int(mm_token_type_ids.sum()) == n_image_tokens
+
+    with torch.no_grad():
+        # transformers 5.x refuses image inputs without mm_token_type_ids (needed for M-RoPE).
+        with pytest.raises(ValueError, match="mm_token_type_ids"):
+            vl_model(**enc, pixel_values=image_inputs["pixel_values"], image_grid_thw=grid)
+        out = vl_model(
+            **enc,
+            pixel_values=image_inputs["pixel_values"],
+            image_grid_thw=grid,
+            mm_token_type_ids=mm_token_type_ids,
+        )
+    assert out.logits.shape == (1, input_ids.shape[1], vl_model.config.text_config.vocab_size)
+    assert torch.isfinite(out.logits).all()
+
+
+# --------------------------------------------------------------------------- ensure_model
+
+
+def test_ensure_model_builds_once(tmp_path, text_dir):
+    first = ensure_model(TEXT_MODEL, cache_dir=tmp_path)
+    assert first == tmp_path / f"{TEXT_MODEL}-{tiny_models.VERSION}"
+    assert _dir_bytes(first) == _dir_bytes(text_dir)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert ensure_model(TEXT_MODEL, cache_dir=tmp_path) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp dirs left behind
+
+
+def test_ensure_model_uses_env_cache_dir(tmp_path, monkeypatch, text_dir):
+    monkeypatch.setenv("TITO_CACHE_DIR", str(tmp_path / "env-cache"))
+    path = ensure_model(TEXT_MODEL)
+    assert path == tmp_path / "env-cache" / f"{TEXT_MODEL}-{tiny_models.VERSION}"
+    assert (path / "config.json").is_file()
+
+
+def test_ensure_model_concurrent_callers(tmp_path, text_dir):
+    results, errors = [], []
+
+    def worker():
+        try:
+            results.append(ensure_model(TEXT_MODEL, cache_dir=tmp_path))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert len(set(results)) == 1
+    assert _dir_bytes(results[0]) == _dir_bytes(text_dir)
+    assert [p.name for p in tmp_path.iterdir()] == [results[0].name]
+
+
+def test_ensure_model_rejects_unknown_name(tmp_path):
+    with pytest.raises(ValueError, match="unknown tiny model"):
+        ensure_model("gpt-5", cache_dir=tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_ensure_model_vl_registered():
+    assert tiny_models.MODELS == (TEXT_MODEL, VL_MODEL) == ("tiny-qwen2", "tiny-qwen2-vl")

@@ -1,0 +1,219 @@
+"""The `tito` command.
+
+    tito serve render|engine|derender [--address ADDR] [--model M] ...   one service
+    tito serve all [--model M] ...                                        the three, as processes
+    tito chat "Hello"                                                     a chat through all three
+
+`tito chat` without addresses starts `tito serve all` on private Unix sockets, waits until the
+three services report SERVING, streams the answer as it arrives, and shuts them down again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tito.config import DEFAULT_MAX_MESSAGE_BYTES, ConfigError
+from tito.logs import LOG_LEVELS, setup_logging
+from tito.model_paths import DEFAULT_MODEL, resolve_model
+
+SERVICES = ("render", "engine", "derender")
+DEFAULT_ADDRESSES = {"render": "127.0.0.1:50051", "engine": "127.0.0.1:50052", "derender": "127.0.0.1:50053"}
+
+
+def _service_module(name: str):
+    return importlib.import_module(f"tito_{name}.server")
+
+
+def _add_common_arguments(parser: argparse.ArgumentParser, service: str) -> None:
+    parser.add_argument("--address", default=DEFAULT_ADDRESSES[service],
+                        help="host:port (port 0 = any free port) or unix:/path/to.sock (default %(default)s)")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="local Hugging Face model directory, or a built-in tiny model name (default %(default)s)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                        help="largest gRPC message accepted or sent (default %(default)s)")
+    parser.add_argument("--grace-seconds", type=float, default=10.0,
+                        help="on SIGTERM, time given to in-flight calls before they are cancelled")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tito", description="token-in/token-out LLM serving over gRPC")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run a service")
+    services = serve.add_subparsers(dest="service", required=True)
+    for name in SERVICES:
+        sub = services.add_parser(name, help=f"run the {name} service")
+        _add_common_arguments(sub, name)
+        _service_module(name).add_arguments(sub)
+    everything = services.add_parser("all", help="run render, engine and derender as three processes")
+    _add_all_arguments(everything)
+
+    chat = commands.add_parser("chat", help="run one chat through render -> engine -> derender")
+    chat.add_argument("text", help="the user message")
+    chat.add_argument("--system", help="an optional system message")
+    chat.add_argument("--max-tokens", type=int, default=64)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--seed", type=int)
+    chat.add_argument("--no-thinking", action="store_true", help="pass enable_thinking=false to the template")
+    chat.add_argument("--render", help="render address; with --engine and --derender, use running services")
+    chat.add_argument("--engine", help="engine address")
+    chat.add_argument("--derender", help="derender address")
+    chat.add_argument("--model", default=DEFAULT_MODEL, help="model for the services `tito chat` starts itself")
+    chat.add_argument("--device", default="auto")
+    chat.add_argument("--timeout", type=float, default=300.0, help="deadline of each call, seconds")
+    return parser
+
+
+def _add_all_arguments(parser: argparse.ArgumentParser) -> None:
+    for name in SERVICES:
+        parser.add_argument(f"--{name}-address", default=DEFAULT_ADDRESSES[name], help=f"{name} address")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+
+
+def serve_one(args: argparse.Namespace) -> int:
+    module = _service_module(args.service)
+    setup_logging(args.log_level, args.service)
+    try:
+        config = module.config_from_args(args)
+        config.validate()
+    except ConfigError as exc:
+        print(f"tito serve {args.service}: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(module.serve(config))
+    return 0
+
+
+def spawn_all(addresses: dict[str, str], model: str, device: str, log_level: str) -> list[subprocess.Popen]:
+    """Start the three services as separate processes (each could run on its own machine)."""
+    processes = []
+    for name in SERVICES:
+        command = [sys.executable, "-m", "tito.cli", "serve", name, "--address", addresses[name],
+                   "--model", model, "--device", device, "--log-level", log_level]
+        processes.append(subprocess.Popen(command))
+    return processes
+
+
+def stop_all(processes: list[subprocess.Popen], timeout: float = 30.0) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def serve_all(args: argparse.Namespace) -> int:
+    addresses = {name: getattr(args, f"{name}_address") for name in SERVICES}
+    try:
+        model = str(resolve_model(args.model))  # build a tiny model once, not in three processes
+    except ConfigError as exc:
+        print(f"tito serve all: {exc}", file=sys.stderr)
+        return 2
+    processes = spawn_all(addresses, model, args.device, args.log_level)
+    stopping = False
+
+    def forward(signum, _frame):
+        nonlocal stopping
+        stopping = True
+        stop_all(processes)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    try:
+        while True:
+            for process in processes:
+                code = process.poll()
+                if code is not None:
+                    if not stopping:
+                        print(f"tito serve all: a service exited with code {code}; stopping the others",
+                              file=sys.stderr)
+                        stop_all(processes)
+                    return 0 if stopping else (code or 1)
+            time.sleep(0.2)
+    finally:
+        stop_all(processes)
+
+
+def chat(args: argparse.Namespace) -> int:
+    from google.protobuf import struct_pb2
+
+    from tito.pipeline import ChatPipeline, Endpoints, wait_until_serving
+    from tito.v1 import chat_pb2, engine_pb2, render_pb2
+
+    given = [args.render, args.engine, args.derender]
+    if any(given) and not all(given):
+        print("tito chat: give all of --render, --engine and --derender, or none to start them", file=sys.stderr)
+        return 2
+    processes: list[subprocess.Popen] = []
+    tmp = None
+    if all(given):
+        endpoints = Endpoints(args.render, args.engine, args.derender)
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="tito-")
+        addresses = {name: f"unix:{Path(tmp.name) / (name + '.sock')}" for name in SERVICES}
+        print(f"starting render, engine and derender on Unix sockets in {tmp.name} ...", file=sys.stderr)
+        try:
+            model = str(resolve_model(args.model))  # build a tiny model once, not in three processes
+        except ConfigError as exc:
+            print(f"tito chat: {exc}", file=sys.stderr)
+            return 2
+        processes = spawn_all(addresses, model, args.device, "warning")
+        endpoints = Endpoints(**addresses)
+    try:
+        for address in (endpoints.render, endpoints.engine, endpoints.derender):
+            wait_until_serving(address, timeout=args.timeout)
+        messages = []
+        if args.system:
+            messages.append(chat_pb2.ChatMessage(role="system", content=args.system))
+        messages.append(chat_pb2.ChatMessage(role="user", content=args.text))
+        kwargs = struct_pb2.Struct()
+        if args.no_thinking:
+            kwargs.update({"enable_thinking": False})
+        sampling = render_pb2.SamplingOptions(max_tokens=args.max_tokens, temperature=args.temperature)
+        if args.seed is not None:
+            sampling.seed = args.seed
+        request = render_pb2.RenderChatRequest(messages=messages, sampling=sampling, chat_template_kwargs=kwargs)
+        with ChatPipeline(endpoints, timeout=args.timeout) as pipeline:
+            for chunk in pipeline.stream_chat(request):
+                text = chunk.reasoning_content + chunk.content
+                for call in chunk.tool_calls:
+                    text += (f"[tool call {call.name}] " if call.name else "") + call.arguments
+                if text:
+                    print(text, end="", flush=True)
+                if chunk.finish_reason:
+                    usage = chunk.usage
+                    print(f"\n[finish_reason={engine_pb2.FinishReason.Name(chunk.finish_reason)} "
+                          f"prompt_tokens={usage.prompt_tokens} completion_tokens={usage.completion_tokens}]")
+        return 0
+    finally:
+        stop_all(processes)
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve_all(args) if args.service == "all" else serve_one(args)
+    if args.command == "chat":
+        return chat(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

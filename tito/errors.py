@@ -1,0 +1,98 @@
+"""Domain errors shared by the three services.
+
+Domain code raises these (it never imports grpc); `tito.grpc_errors` maps them to gRPC status
+codes with `google.rpc` details in exactly one place per server. Anything else that escapes a
+handler is a bug in tito and becomes INTERNAL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class FieldViolation:
+    """One offending request field: a dotted path (e.g. "messages[2].role") and what is wrong."""
+
+    field: str
+    description: str
+
+
+class TitoError(Exception):
+    """Base of errors a caller can act on. `reason` is an UPPER_SNAKE machine-readable code."""
+
+    code_name = "INTERNAL"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str,
+        field: str | None = None,
+        violations: list[FieldViolation] | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.reason = reason
+        self.violations = list(violations or [])
+        if field is not None:
+            self.violations.insert(0, FieldViolation(field, message))
+        self.metadata = dict(metadata or {})
+
+    @property
+    def field(self) -> str | None:
+        return self.violations[0].field if self.violations else None
+
+
+class InvalidArgument(TitoError):
+    """The request itself is malformed or out of range; retrying it unchanged cannot succeed."""
+
+    code_name = "INVALID_ARGUMENT"
+
+
+class FailedPrecondition(TitoError):
+    """The request is well-formed but the server's state cannot serve it (e.g. missing tensors)."""
+
+    code_name = "FAILED_PRECONDITION"
+
+
+class ResourceExhausted(TitoError):
+    """A limit was hit (sizes, queue, KV memory); the caller may retry later or send less."""
+
+    code_name = "RESOURCE_EXHAUSTED"
+
+
+class NotFound(TitoError):
+    """A named thing (request id, cache entry) does not exist."""
+
+    code_name = "NOT_FOUND"
+
+
+class Unimplemented(TitoError):
+    """The contract defines this capability but this server does not provide it yet."""
+
+    code_name = "UNIMPLEMENTED"
+
+
+class Unavailable(TitoError):
+    """The server is not ready (model loading) or is shutting down; retry elsewhere or later."""
+
+    code_name = "UNAVAILABLE"
+
+
+@dataclass
+class Violations:
+    """Collects field violations so a validator can report them all at once."""
+
+    items: list[FieldViolation] = field(default_factory=list)
+
+    def add(self, field_path: str, description: str) -> None:
+        self.items.append(FieldViolation(field_path, description))
+
+    def raise_if_any(self, reason: str = "INVALID_REQUEST") -> None:
+        if self.items:
+            first = self.items[0]
+            more = f" (and {len(self.items) - 1} more)" if len(self.items) > 1 else ""
+            raise InvalidArgument(f"{first.field}: {first.description}{more}", reason=reason,
+                                  violations=self.items)

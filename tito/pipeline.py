@@ -1,0 +1,113 @@
+"""Client for the whole path: render -> engine -> derender, streaming chat chunks.
+
+This is what a router does, in Python: render the chat, forward the `GenerateRequest` to the
+engine unchanged, and feed the derender stream its `DerenderContext` followed by every engine
+message as it arrives. When derender ends a choice itself (a stop string matched) it sets
+`cancel_generation`, and the pipeline cancels the engine stream so the engine frees the slot.
+Every call carries a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tito.v1 import (
+    derender_pb2,
+    derender_pb2_grpc,
+    engine_pb2_grpc,
+    render_pb2,
+    render_pb2_grpc,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Addresses of the three services (host:port or unix:/path)."""
+
+    render: str
+    engine: str
+    derender: str
+
+
+def wait_until_serving(address: str, service: str = "", timeout: float = 120.0) -> None:
+    """Poll the standard health service until `service` is SERVING, or raise TimeoutError."""
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as exc:
+                last = exc.code().name
+            time.sleep(0.1)
+    raise TimeoutError(f"{address} did not become SERVING within {timeout:.0f}s (last status: {last})")
+
+
+class ChatPipeline:
+    """Synchronous client running chats through the three services."""
+
+    def __init__(self, endpoints: Endpoints, timeout: float = 300.0, max_message_bytes: int = 64 * 1024 * 1024):
+        self.timeout = timeout
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        self._channels = [grpc.insecure_channel(a, options=options)
+                          for a in (endpoints.render, endpoints.engine, endpoints.derender)]
+        self.render = render_pb2_grpc.RenderServiceStub(self._channels[0])
+        self.engine = engine_pb2_grpc.EngineServiceStub(self._channels[1])
+        self.derender = derender_pb2_grpc.DerenderServiceStub(self._channels[2])
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+
+    def __enter__(self) -> "ChatPipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def stream_chat(self, request: render_pb2.RenderChatRequest) -> Iterator[derender_pb2.ChatChunk]:
+        """Yield chat chunks as derender produces them."""
+        rendered = self.render.RenderChat(request, timeout=self.timeout)
+        generation = self.engine.Generate(rendered.generate_request, timeout=self.timeout)
+
+        engine_errors: list[grpc.RpcError] = []
+
+        def derender_requests():
+            # Runs on grpc's request-sending thread. An engine error must reach the caller as the
+            # engine's status, so it is kept and re-raised below instead of breaking this stream.
+            yield derender_pb2.DerenderRequest(context=rendered.derender_context)
+            try:
+                for response in generation:
+                    yield derender_pb2.DerenderRequest(generate_response=response)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.CANCELLED:
+                    engine_errors.append(exc)
+
+        chunks = self.derender.Derender(derender_requests(), timeout=self.timeout)
+        try:
+            for reply in chunks:
+                if reply.chunk.cancel_generation:
+                    generation.cancel()
+                yield reply.chunk
+        except grpc.RpcError:
+            if engine_errors:
+                raise engine_errors[0] from None
+            raise
+        finally:
+            generation.cancel()
+            chunks.cancel()
+        if engine_errors:
+            raise engine_errors[0]

@@ -1,0 +1,110 @@
+"""Server bootstrap shared by the three services (the grpc examples' idioms, in one place).
+
+`start_server` builds a `grpc.aio` server with the error-mapping interceptor, message size
+limits, the standard health service (NOT_SERVING until the service says it is ready), server
+reflection, and binds a TCP `host:port` (port 0 picks a free one) or a `unix:` socket.
+`run_until_signal` serves until SIGTERM/SIGINT, then enters graceful shutdown (health turns
+NOT_SERVING, new calls are refused) and gives in-flight calls `grace_seconds` to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tito.config import ServerConfig
+from tito.grpc_errors import ErrorMappingInterceptor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningServer:
+    """A started server: the grpc server, the address clients should dial, its health servicer."""
+
+    server: grpc.aio.Server
+    address: str
+    health: health.aio.HealthServicer
+    service_names: tuple[str, ...]
+    grace_seconds: float
+    cleanups: list[Callable[[], object]] = field(default_factory=list)
+
+    def add_cleanup(self, cleanup: Callable[[], object]) -> None:
+        """Run `cleanup` (sync or async) after the server has stopped, e.g. to free a model."""
+        self.cleanups.append(cleanup)
+
+    async def set_serving(self) -> None:
+        """Mark every service (and the whole server, "") SERVING."""
+        for name in ("", *self.service_names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Graceful shutdown: health NOT_SERVING, refuse new calls, let in-flight ones finish."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.grace_seconds if grace is None else grace)
+        for cleanup in reversed(self.cleanups):
+            result = cleanup()
+            if asyncio.iscoroutine(result):
+                await result
+        self.cleanups.clear()
+
+
+def server_options(config: ServerConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 1 if config.reuse_port else 0),
+    ]
+
+
+async def start_server(
+    config: ServerConfig,
+    service_names: Iterable[str],
+    register: Callable[[grpc.aio.Server], None],
+) -> RunningServer:
+    """Create, bind and start a server; health stays NOT_SERVING until `set_serving()`."""
+    config.validate()
+    names = tuple(service_names)
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=server_options(config))
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", *names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = config.address
+    if address.startswith("unix:"):
+        path = address.removeprefix("unix://").removeprefix("unix:")
+        if os.path.exists(path):
+            os.unlink(path)  # a stale socket from a previous run would make the bind fail
+        server.add_insecure_port(address)
+        dial = address
+    else:
+        port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"could not bind {address}: address in use or not available")
+        host = address.rsplit(":", 1)[0]
+        dial = f"{host}:{port}"
+    await server.start()
+    log.info("listening on %s (services: %s)", dial, ", ".join(names))
+    return RunningServer(server, dial, health_servicer, names, config.grace_seconds)
+
+
+async def run_until_signal(running: RunningServer) -> None:
+    """Serve until SIGTERM or SIGINT, then shut down gracefully."""
+    loop = asyncio.get_running_loop()
+    stop_event = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_event.set)
+    await stop_event.wait()
+    log.info("shutting down: finishing in-flight calls (grace %.1fs)", running.grace_seconds)
+    await running.stop()
+    log.info("stopped")

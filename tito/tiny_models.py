@@ -1,0 +1,768 @@
+"""Deterministic, offline builder for tiny Hugging Face model directories.
+
+The models built here are random-weight, Qwen-shaped toys used by the tests and
+as the default model of ``tito serve``.  Nothing is downloaded: the tokenizer is
+trained from a corpus embedded in this module and the weights come from
+private generators seeded per parameter name (normal(0, 0.2) for matrices, so
+greedy output is varied), so every build writes byte-identical files.  Only
+``tokenizers``, ``torch`` and ``transformers`` are needed, imported lazily.
+
+Two models are available:
+
+``tiny-qwen2`` (:data:`TEXT_MODEL`, :func:`build_text_model`)
+    ``Qwen2ForCausalLM``: hidden size 64, 2 layers, 4 attention heads / 2 KV
+    heads (head_dim 16), intermediate size 128, 2048 positions, untied
+    embeddings, float32 safetensors, plus ``generation_config.json`` whose
+    ``eos_token_id`` is ``[<|im_end|>, <|endoftext|>]``.
+
+``tiny-qwen2-vl`` (:data:`VL_MODEL`, :func:`build_vl_model`)
+    ``Qwen2VLForConditionalGeneration`` with the same text part, a one-layer
+    vision tower (embed_dim 32, 2 heads, patch 14, spatial merge 2, temporal
+    patch 2), ``mrope_section`` ``[2, 3, 3]`` (sums to head_dim / 2) and a
+    ``preprocessor_config.json`` for ``Qwen2VLImageProcessor`` limited to
+    ``56*56 <= pixels <= 28*28*64`` so images stay tiny (at most 64 merged
+    image tokens).
+
+Both directories share one tokenizer (:func:`build_tokenizer`): a byte-level
+BPE with the Qwen2 pre-tokenizer regex, NFC normalisation and a ~1000 token
+vocabulary, followed by these added tokens (ids are fixed by the build)::
+
+    <|endoftext|>    1000  special (pad token, also a stop token)
+    <|im_start|>     1001  special
+    <|im_end|>       1002  special (eos token)
+    <|vision_start|> 1003  special
+    <|vision_end|>   1004  special
+    <|image_pad|>    1005  special
+    <|video_pad|>    1006  special
+    <tool_call>      1007  not special
+    </tool_call>     1008  not special
+    <tool_response>  1009  not special
+    </tool_response> 1010  not special
+    <think>          1011  not special
+    </think>         1012  not special
+
+for a total of 1013 tokens (``len(tokenizer)`` equals the models' vocab size).
+
+Notes on transformers 5.x (checked against 5.24):
+
+* ``AutoTokenizer`` maps ``tokenizer_class: "Qwen2Tokenizer"`` to the
+  ``tokenizers``-backed class.  Because ``Qwen2Tokenizer`` defines its own
+  ``__init__``, transformers does *not* load ``tokenizer.json`` verbatim: it
+  takes vocab, merges and post-processor from the file and rebuilds the
+  normaliser / pre-tokenizer / decoder from the class.  The pipeline trained
+  here is therefore exactly Qwen2's (NFC, the Qwen2 split regex, ByteLevel
+  without regex, ByteLevel decoder) so both ways of loading encode alike.
+* The chat template is written to ``chat_template.jinja``.  transformers 5.x
+  reads that file (when present it overrides any ``chat_template`` key in
+  ``tokenizer_config.json``) and ``save_pretrained`` writes it there too, so
+  ``tokenizer_config.json`` carries no template.
+* ``apply_chat_template`` drops message keys whose value is ``None`` before
+  rendering, so the template treats a missing ``content`` as empty.  It also
+  returns a ``BatchEncoding`` by default (``return_dict=True``) when
+  tokenizing; pass ``return_dict=False`` for a plain list of ids.
+* Qwen2-VL config field names: the text settings live in ``text_config``
+  (``Qwen2VLTextConfig``; ``rope_parameters`` holds ``rope_theta``,
+  ``rope_type`` and ``mrope_section``; ``"mrope"`` is normalised to
+  ``"default"``), the vision tower in ``vision_config``
+  (``Qwen2VLVisionConfig``: ``depth``, ``embed_dim``, ``num_heads``,
+  ``hidden_size`` = output size of the patch merger = text hidden size,
+  ``mlp_ratio``, ``patch_size``, ``spatial_merge_size``,
+  ``temporal_patch_size``), and ``image_token_id`` / ``video_token_id`` /
+  ``vision_start_token_id`` / ``vision_end_token_id`` /
+  ``tie_word_embeddings`` on the top-level config.
+* Qwen2-VL forward **requires** ``mm_token_type_ids`` (same shape as
+  ``input_ids``; 0 = text, 1 = image token, 2 = video token) whenever
+  ``image_grid_thw`` / ``video_grid_thw`` is passed together with
+  ``input_ids``: without it ``compute_3d_position_ids`` raises ``ValueError``
+  ("Multimodal data was passed ... but `mm_token_type_ids` is missing").  It is
+  used to find the vision spans for M-RoPE.  ``generate()`` does *not* raise
+  in that case: it silently falls back to plain 1-D positions for the vision
+  tokens (different, wrong output), so always pass it.  Text-only inputs need
+  no ``mm_token_type_ids``.  The processor would normally
+  return it, but ``AutoProcessor`` for Qwen2-VL needs torchvision (for the
+  video processor); ``AutoImageProcessor`` works without it (it falls back to
+  ``Qwen2VLImageProcessorPil``).  Callers expand each ``<|image_pad|>`` to
+  ``image_grid_thw[i].prod() // merge_size**2`` copies themselves and set
+  ``mm_token_type_ids`` to 1 at those positions.
+* ``save_pretrained`` of ``Qwen2VLForConditionalGeneration`` writes the
+  original checkpoint key layout (``model.layers.*``, ``visual.*``,
+  ``lm_head.*``) although the in-memory modules are
+  ``model.language_model.*`` / ``model.visual.*``; loading maps them back.
+* In the image processor, ``min_pixels`` / ``max_pixels`` are stored as
+  ``size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}``; the
+  written ``preprocessor_config.json`` carries both spellings so that older
+  transformers versions read the same limits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import zlib
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "TEXT_MODEL",
+    "VL_MODEL",
+    "MODELS",
+    "VERSION",
+    "SPECIAL_TOKENS",
+    "NON_SPECIAL_ADDED_TOKENS",
+    "CHAT_TEMPLATE",
+    "build_tokenizer",
+    "build_text_model",
+    "build_vl_model",
+    "ensure_model",
+    "main",
+]
+
+TEXT_MODEL = "tiny-qwen2"
+VL_MODEL = "tiny-qwen2-vl"
+MODELS = (TEXT_MODEL, VL_MODEL)
+
+#: Bump whenever the produced bytes change, so cached copies are rebuilt.
+VERSION = "v1"
+
+#: Size of the trained byte-level BPE vocabulary (added tokens come after it).
+BPE_VOCAB_SIZE = 1000
+SEED = 1234
+INITIALIZER_RANGE = 0.2
+
+#: Special added tokens, in id order (first id == BPE_VOCAB_SIZE).
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+#: Non-special added tokens (kept by ``decode(skip_special_tokens=True)``).
+NON_SPECIAL_ADDED_TOKENS = (
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+)
+
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+
+# Same split regex as transformers' Qwen2Tokenizer (PRETOKENIZE_REGEX).
+_QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+# Fixed training corpus: varied English prose, code, JSON, numbers, punctuation,
+# chat/tool phrasing and some non-ASCII text.  Changing it changes every id.
+_CORPUS = r'''
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
+Hello, world! How are you today? I am fine, thank you. What time is it? It is 10:45 in the morning.
+Once upon a time, in a small village by the sea, there lived an old fisherman and his wife.
+Every morning he walked down to the harbour, checked the weather, and pushed his boat into the water.
+The sun was shining, the birds were singing, and the children were playing in the park.
+Please answer the question below. Think step by step, then give the final answer.
+The answer is 42. The result is correct. That is not what I expected, but it works.
+Yesterday we visited the museum; tomorrow we will go to the library, and on Friday we rest.
+She said: "I don't know." He replied, "Let's find out!" They couldn't agree, so they asked a friend.
+It's a beautiful day -- isn't it? We'll see. You're right; they've already left, and I'd stay.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 42 100 256 1024 2048 3.14159 2.71828 -7 +15 1e-5 50% $19.99 #1
+Dates and times: 2024-01-15, 12/31/1999, 08:30 AM, 23:59:59, Monday, March 3rd, the 21st century.
+Math: 2 + 2 = 4; 3 * 7 = 21; 10 / 4 = 2.5; x^2 + y^2 = z^2; a <= b && b >= c || !d; f(x) = 3x + 1.
+Punctuation: commas, periods. Question marks? Exclamation marks! Colons: semicolons; (parentheses) [brackets] {braces} <angles> 'quotes' "double quotes" `backticks` ~tilde @at #hash %percent ^caret &amp *star _under -dash +plus =equals |pipe \backslash /slash...
+You are a helpful assistant. The user asks a question and the assistant answers it politely.
+The system message sets the rules. The assistant may call a tool; the tool returns a response.
+You may call one or more functions to assist with the user query.
+You are provided with function signatures within XML tags.
+For each function call, return a json object with function name and arguments within XML tags.
+The weather in Paris is sunny with a high of 22 degrees. The weather in Tokyo is rainy and cool.
+Search results: three documents were found. The first document describes the history of the city.
+The model generates one token at a time. Each token has an id. Tokens are decoded back into text.
+def add(a, b):
+    """Return the sum of a and b."""
+    return a + b
+
+def get_weather(city: str, unit: str = "celsius") -> dict:
+    if not city:
+        raise ValueError("city must not be empty")
+    return {"city": city, "temperature": 22, "unit": unit}
+
+class Counter:
+    def __init__(self, start=0):
+        self.value = start
+
+    def increment(self, step=1):
+        self.value += step
+        return self.value
+
+for i in range(10):
+    print(f"item {i}: {i * i}")
+
+import json, os, sys
+data = json.loads('{"key": "value", "list": [1, 2, 3]}')
+with open("output.txt", "w", encoding="utf-8") as handle:
+    handle.write(str(data))
+
+function greet(name) {
+  const message = `Hello, ${name}!`;
+  console.log(message);
+  return message.length;
+}
+
+if (x > 0 && y < 10) { return true; } else { return null; }
+SELECT id, name, email FROM users WHERE age >= 18 ORDER BY name LIMIT 10;
+$ pip install tito && tito serve --port 50051 --model tiny-qwen2
+{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+{"name": "search", "arguments": {"query": "tiny language models", "max_results": 5}}
+{"type": "function", "function": {"name": "get_time", "description": "Get the current time in a timezone.", "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "description": "An IANA timezone name"}}, "required": ["timezone"]}}}
+{"role": "user", "content": "What is the weather like?"}
+{"role": "assistant", "content": null, "tool_calls": [{"id": "call_0", "type": "function"}]}
+{"role": "tool", "content": "{\"temperature\": 22, \"condition\": \"sunny\"}"}
+{"id": 7, "ok": true, "error": null, "values": [0.5, 1.25, -3], "nested": {"a": [], "b": {}}}
+<html><body><p class="note">A short paragraph.</p><a href="https://example.com/path?q=1&x=2">link</a></body></html>
+# Heading
+## Subheading
+- first item
+- second item
+1. step one
+2. step two
+**bold** and *italic* and `code`.
+The café on the corner serves crème brûlée, jalapeño nachos and a naïve piña colada.
+Grüße aus München! Ça va? ¿Qué tal? Señor Müller wohnt in Zürich. Æsir, Øresund, Åland.
+Привет, мир! Γειά σου κόσμε! שלום עולם! مرحبا بالعالم
+日本語のテキスト。日本、東京、こんにちは世界。中文：你好，世界！한국어: 안녕하세요
+Emoji: 😀 🎉 🚀 👍 ❤️ 🐍 ☕ ✨ 🌍 — and symbols: © ® ™ € £ ¥ ° ± × ÷ → ← ↑ ↓ … « » “ ” ‘ ’
+Tabs	and	spaces    and
+newlines
+
+and blank lines end here.
+'''
+
+
+_VISION_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+_VISION_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+
+#: Qwen3-style chat template (tools, tool calls, tool responses, thinking,
+#: ``enable_thinking``) with Qwen2-VL style multimodal content parts.
+CHAT_TEMPLATE = (
+    r"""{%- macro render_content(content) -%}
+    {%- if content is none or content is undefined -%}
+    {%- elif content is string -%}
+        {{- content -}}
+    {%- elif content is mapping -%}
+        {{- raise_exception('Message content must be a string or a list of content parts') -}}
+    {%- elif content is iterable -%}
+        {%- for part in content -%}
+            {%- if part is string -%}
+                {{- part -}}
+            {%- elif part.type == 'text' or (part.type is not defined and 'text' in part) -%}
+                {{- part.text -}}
+            {%- elif part.type in ['image', 'image_url'] or 'image' in part or 'image_url' in part -%}
+                {{- '"""
+    + _VISION_IMAGE
+    + r"""' -}}
+            {%- elif part.type in ['video', 'video_url'] or 'video' in part or 'video_url' in part -%}
+                {{- '"""
+    + _VISION_VIDEO
+    + r"""' -}}
+            {%- else -%}
+                {{- raise_exception('Unsupported content part type: ' ~ part.type) -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{- raise_exception('Message content must be a string or a list of content parts') -}}
+    {%- endif -%}
+{%- endmacro -%}
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- render_content(messages[0].content) + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + render_content(messages[0].content) + '<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" %}
+        {%- set query = render_content(message.content) %}
+        {%- if not (query.startswith('<tool_response>') and query.endswith('</tool_response>')) %}
+            {%- set ns.multi_step_tool = false %}
+            {%- set ns.last_query_index = index %}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = render_content(message.content) %}
+    {%- if message.role == "system" %}
+        {%- if not loop.first %}
+            {{- '<|im_start|>system\n' + content + '<|im_end|>\n' }}
+        {%- endif %}
+    {%- elif message.role == "user" %}
+        {{- '<|im_start|>user\n' + content + '<|im_end|>\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- elif '</think>' in content %}
+            {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}
+            {{- '<|im_start|>assistant\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+        {%- else %}
+            {{- '<|im_start|>assistant\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- raise_exception('Unexpected message role: ' ~ message.role) }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+)
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _write_text(path: Path, text: str) -> None:
+    # newline="" keeps "\n" on every platform, so the bytes never depend on the OS.
+    with open(path, "w", encoding="utf-8", newline="") as handle:
+        handle.write(text)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    _write_text(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def _read_json(path: Path) -> Any:
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def _added_token_ids() -> dict[str, int]:
+    tokens = SPECIAL_TOKENS + NON_SPECIAL_ADDED_TOKENS
+    return {token: BPE_VOCAB_SIZE + index for index, token in enumerate(tokens)}
+
+
+def _vocab_size() -> int:
+    return BPE_VOCAB_SIZE + len(SPECIAL_TOKENS) + len(NON_SPECIAL_ADDED_TOKENS)
+
+
+def _corpus_lines() -> list[str]:
+    # Keep line endings so the trainer sees newline/indent tokens too.
+    return _CORPUS.strip("\n").splitlines(keepends=True)
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def _train_backend_tokenizer():
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers.models import BPE
+
+    tokenizer = Tokenizer(
+        BPE(
+            unk_token=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            byte_fallback=False,
+        )
+    )
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE,
+        min_frequency=1,
+        show_progress=False,
+        continuing_subword_prefix="",
+        end_of_word_suffix="",
+        special_tokens=[],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(_corpus_lines(), trainer=trainer, length=None)
+    trained = tokenizer.get_vocab_size(with_added_tokens=False)
+    if trained != BPE_VOCAB_SIZE:
+        raise RuntimeError(f"BPE training produced {trained} tokens, expected {BPE_VOCAB_SIZE}; enlarge the corpus")
+
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False, lstrip=False, rstrip=False, single_word=False) for t in SPECIAL_TOKENS]
+    )
+    tokenizer.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False, lstrip=False, rstrip=False, single_word=False)
+            for t in NON_SPECIAL_ADDED_TOKENS
+        ]
+    )
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS + NON_SPECIAL_ADDED_TOKENS}
+    if ids != _added_token_ids():
+        raise RuntimeError(f"unexpected added token ids: {ids}")
+    return tokenizer
+
+
+def _tokenizer_config() -> dict[str, Any]:
+    added_tokens_decoder = {}
+    for token, token_id in _added_token_ids().items():
+        added_tokens_decoder[str(token_id)] = {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": token in SPECIAL_TOKENS,
+        }
+    return {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": added_tokens_decoder,
+        "bos_token": None,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": EOS_TOKEN,
+        "errors": "replace",
+        # transformers 5.x reads this (deprecated) name as ``extra_special_tokens``; 4.x reads it natively.
+        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t != PAD_TOKEN],
+        "model_max_length": 2048,
+        "pad_token": PAD_TOKEN,
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+
+
+def build_tokenizer(out_dir: Path) -> Path:
+    """Train the tiny byte-level BPE tokenizer and write it into ``out_dir``.
+
+    Writes ``tokenizer.json``, ``tokenizer_config.json`` and
+    ``chat_template.jinja``; returns ``out_dir``.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_backend_tokenizer()
+    _write_text(out_dir / "tokenizer.json", tokenizer.to_str(pretty=True) + "\n")
+    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config())
+    _write_text(out_dir / "chat_template.jinja", CHAT_TEMPLATE)
+    return out_dir
+
+
+# --------------------------------------------------------------------------- models
+
+
+def _text_settings() -> dict[str, Any]:
+    ids = _added_token_ids()
+    return {
+        "vocab_size": _vocab_size(),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "initializer_range": INITIALIZER_RANGE,
+        "rms_norm_eps": 1e-6,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": ids[PAD_TOKEN],
+        "eos_token_id": ids[EOS_TOKEN],
+        "pad_token_id": ids[PAD_TOKEN],
+    }
+
+
+def _write_generation_config(out_dir: Path) -> None:
+    ids = _added_token_ids()
+    _write_json(
+        out_dir / "generation_config.json",
+        {
+            "bos_token_id": ids[PAD_TOKEN],
+            "do_sample": False,
+            "eos_token_id": [ids[EOS_TOKEN], ids[PAD_TOKEN]],
+            "pad_token_id": ids[PAD_TOKEN],
+        },
+    )
+
+
+def _save_model(model, out_dir: Path) -> None:
+    from transformers.utils import logging as hf_logging
+
+    # save_pretrained shows a "Writing model shards" progress bar; keep builds quiet.
+    bar_was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        # Writes the original (pre-v5) checkpoint key layout, e.g. ``model.layers.*`` / ``visual.*``.
+        model.save_pretrained(out_dir, safe_serialization=True)
+    finally:
+        if bar_was_enabled:
+            hf_logging.enable_progress_bar()
+    # Re-write config.json sorted (transformers already sorts; this pins it) and replace the
+    # generation config transformers derived from the model config with ours.
+    config_path = out_dir / "config.json"
+    _write_json(config_path, _read_json(config_path))
+    _write_generation_config(out_dir)
+    # safetensors files come out as 0600; make them as readable as the other files.
+    os.chmod(out_dir / "model.safetensors", 0o644)
+
+
+# Building sets torch's global default dtype for a moment, so builds in one
+# process are serialised (e.g. ensure_model called from several threads).
+_BUILD_LOCK = threading.RLock()
+
+
+def _deterministic_init(model) -> None:
+    """Re-initialise every parameter from private, per-parameter seeded generators.
+
+    Mirrors transformers' own init for these architectures (normal(0, std) for
+    Linear / Conv / Embedding weights, zero biases, unit norm weights) but does
+    not touch torch's global RNG and does not depend on module order, so the
+    weights only depend on parameter names and shapes.
+    """
+    import torch
+    from torch import nn
+
+    with torch.no_grad():
+        for module_name, module in model.named_modules():
+            params = dict(module.named_parameters(recurse=False))
+            if not params:
+                continue
+            kind = type(module).__name__
+            if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+                for param_name, param in params.items():
+                    if param_name == "bias":
+                        param.zero_()
+                    else:
+                        full_name = f"{module_name}.{param_name}"
+                        generator = torch.Generator().manual_seed(SEED + zlib.crc32(full_name.encode()))
+                        param.normal_(0.0, INITIALIZER_RANGE, generator=generator)
+            elif "Norm" in kind:
+                for param_name, param in params.items():
+                    param.fill_(0.0 if param_name == "bias" else 1.0)
+            else:
+                raise RuntimeError(f"no deterministic init for {module_name} ({kind})")
+
+
+def _create_model(model_cls, config):
+    """Instantiate ``model_cls(config)`` in float32 with deterministic weights."""
+    import torch
+
+    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):  # construction's random init is discarded
+        previous_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float32)
+        try:
+            model = model_cls(config)
+        finally:
+            torch.set_default_dtype(previous_dtype)
+    model = model.to(torch.float32).eval()
+    _deterministic_init(model)
+    return model
+
+
+def build_text_model(out_dir: Path) -> Path:
+    """Write the tokenizer, a tiny random ``Qwen2ForCausalLM`` and its generation config."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out_dir = Path(out_dir)
+    build_tokenizer(out_dir)
+    config = Qwen2Config(
+        **_text_settings(),
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        dtype="float32",
+    )
+    config.architectures = ["Qwen2ForCausalLM"]
+    model = _create_model(Qwen2ForCausalLM, config)
+    _save_model(model, out_dir)
+    return out_dir
+
+
+def _image_processor_config() -> dict[str, Any]:
+    min_pixels = 56 * 56
+    max_pixels = 28 * 28 * 64
+    return {
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "max_pixels": max_pixels,
+        "merge_size": 2,
+        "min_pixels": min_pixels,
+        "patch_size": 14,
+        "resample": 3,
+        "rescale_factor": 0.00392156862745098,
+        "size": {"longest_edge": max_pixels, "shortest_edge": min_pixels},
+        "temporal_patch_size": 2,
+    }
+
+
+def build_vl_model(out_dir: Path) -> Path:
+    """Write the tokenizer, a tiny random ``Qwen2VLForConditionalGeneration`` and an image processor config."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    out_dir = Path(out_dir)
+    build_tokenizer(out_dir)
+    ids = _added_token_ids()
+    text_config = dict(
+        _text_settings(),
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )
+    vision_config = {
+        "depth": 1,
+        "embed_dim": 32,
+        "hidden_size": text_config["hidden_size"],
+        "hidden_act": "quick_gelu",
+        "mlp_ratio": 2,
+        "num_heads": 2,
+        "in_channels": 3,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "initializer_range": INITIALIZER_RANGE,
+    }
+    config = Qwen2VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    config.architectures = ["Qwen2VLForConditionalGeneration"]
+    model = _create_model(Qwen2VLForConditionalGeneration, config)
+    _save_model(model, out_dir)
+    _write_json(out_dir / "preprocessor_config.json", _image_processor_config())
+    return out_dir
+
+
+_BUILDERS = {TEXT_MODEL: build_text_model, VL_MODEL: build_vl_model}
+
+
+# --------------------------------------------------------------------------- cache
+
+
+def _default_cache_root() -> Path:
+    env = os.environ.get("TITO_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "tito" / "models"
+
+
+def _is_complete(model_dir: Path) -> bool:
+    return (model_dir / "config.json").is_file() and (model_dir / "model.safetensors").is_file()
+
+
+def ensure_model(name: str, cache_dir: Path | None = None) -> Path:
+    """Return a directory holding the tiny model ``name``, building it on first use.
+
+    The model lives in ``<cache_dir>/<name>-<VERSION>``; ``cache_dir`` defaults to
+    ``$TITO_CACHE_DIR`` if set, else ``~/.cache/tito/models``.  The build goes
+    into a temporary directory next to the target that is then moved into place
+    with ``os.replace``, so concurrent callers never see a half-written model;
+    if another process wins the race its copy is used.
+    """
+    try:
+        builder = _BUILDERS[name]
+    except KeyError:
+        raise ValueError(f"unknown tiny model {name!r}; expected one of {list(_BUILDERS)}") from None
+    root = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_root()
+    target = root / f"{name}-{VERSION}"
+    if _is_complete(target):
+        return target
+
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
+    try:
+        builder(tmp)
+        os.chmod(tmp, 0o755)
+        if target.exists() and not _is_complete(target):
+            # A leftover that is not a finished build (not ours: builds only appear via os.replace).
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            # Another process moved its finished build into place first.
+            if not _is_complete(target):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tito.tiny_models",
+        description="Build a tiny deterministic Qwen-style model directory (offline).",
+    )
+    parser.add_argument("out_dir", type=Path, help="directory to write the model into")
+    parser.add_argument("--model", choices=sorted(_BUILDERS), default=TEXT_MODEL, help="model to build")
+    args = parser.parse_args(argv)
+    path = _BUILDERS[args.model](args.out_dir)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
