@@ -1,0 +1,50 @@
+"""DerenderFull: a whole engine output to one chat completion, by running the same stream state
+machine and concatenating each choice's chunks (so streaming and non-streaming never disagree)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from tito.errors import InvalidArgument
+from tito_derender.domain import EngineOutput, FinishReason, RequestContext, Usage
+from tito_derender.stream import DerenderStream
+from tito_derender.tokenizer import TextTokenizer
+
+
+@dataclass
+class CompletedChoice:
+    index: int
+    content: str = ""
+    reasoning_content: str = ""
+    tool_calls: list = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    matched_stop: str = ""
+
+
+def derender_full(tokenizer: TextTokenizer, context: RequestContext,
+                  outputs: Iterable[EngineOutput]) -> tuple[list[CompletedChoice], Usage]:
+    stream = DerenderStream(tokenizer, context)
+    choices = {index: CompletedChoice(index) for index in range(stream.n)}
+    for position, output in enumerate(outputs):
+        try:
+            chunks = stream.feed(output)
+        except InvalidArgument as error:
+            # Name the response too: "responses[3].token_ids[0]" instead of "generate_response...".
+            raise InvalidArgument(error.message, reason=error.reason,
+                                  field=(error.field or "").replace("generate_response", f"responses[{position}]", 1)
+                                  ) from None
+        for chunk in chunks:
+            choice = choices[chunk.index]
+            choice.content += chunk.content
+            choice.reasoning_content += chunk.reasoning_content
+            choice.tool_calls.extend(chunk.tool_calls)
+            if chunk.finish_reason is not None:
+                choice.finish_reason = chunk.finish_reason
+                choice.matched_stop = chunk.matched_stop
+    unfinished = stream.unfinished_choices
+    if unfinished:
+        raise InvalidArgument(
+            f"choice {unfinished[0]} has no final response (one with finish_reason set); DerenderFull needs "
+            f"the whole engine output of all {stream.n} choices", reason="INCOMPLETE_OUTPUT", field="responses")
+    return [choices[i] for i in range(stream.n)], stream.usage()

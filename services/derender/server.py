@@ -1,0 +1,90 @@
+"""Derender server: factory, CLI flags and entry point (thin; the work is in the domain modules)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+
+from tito.config import DEFAULT_MAX_MESSAGE_BYTES
+from tito.logs import setup_logging
+from tito.model_paths import DEFAULT_MODEL, resolve_model
+from tito.serving import RunningServer, run_until_signal, start_server
+from tito.v1 import derender_pb2_grpc
+from tito_derender.config import DerenderConfig
+from tito_derender.servicer import DerenderServicer
+from tito_derender.tokenizer import TextTokenizer
+
+SERVICE_NAME = "tito.v1.DerenderService"
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Derender-specific flags (none beyond the common ones yet: all output options arrive per
+    request in DerenderContext)."""
+    parser.add_argument("--model-cache-dir", default=None,
+                        help="where tiny models are built (default: tito's cache)")
+
+
+def config_from_args(args: argparse.Namespace) -> DerenderConfig:
+    config = DerenderConfig(
+        address=args.address,
+        max_message_bytes=args.max_message_bytes,
+        grace_seconds=args.grace_seconds,
+        log_level=args.log_level,
+        model=args.model,
+        model_cache_dir=getattr(args, "model_cache_dir", None),
+    )
+    config.validate()
+    return config
+
+
+async def create_server(config: DerenderConfig) -> RunningServer:
+    """Start NOT_SERVING, load the tokenizer off the event loop, then go SERVING.
+
+    The servicer is registered before the tokenizer exists (grpc.aio takes services only before
+    start); calls that arrive meanwhile get UNAVAILABLE, and health says NOT_SERVING.
+    """
+    config.validate()
+    servicer = DerenderServicer()
+    running = await start_server(
+        config, (SERVICE_NAME,),
+        lambda server: derender_pb2_grpc.add_DerenderServiceServicer_to_server(servicer, server))
+    running.derender_servicer = servicer  # for tests and operators: live stream count
+    cache = Path(config.model_cache_dir) if config.model_cache_dir else None
+    try:
+        tokenizer = await asyncio.to_thread(lambda: TextTokenizer.load(resolve_model(config.model, cache)))
+    except BaseException:
+        await running.stop(0)
+        raise
+    servicer.set_tokenizer(tokenizer)
+    log.info("derender ready: tokenizer of %s (vocab %d, %d special tokens)", config.model,
+             tokenizer.vocab_size, len(tokenizer.special_ids))
+    await running.set_serving()
+    return running
+
+
+async def serve(config: DerenderConfig) -> None:
+    running = await create_server(config)
+    await run_until_signal(running)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="tito-derender", description="tito derender service")
+    parser.add_argument("--address", default="127.0.0.1:50053")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--device", default="cpu", help="ignored: derender runs on CPU")
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    parser.add_argument("--grace-seconds", type=float, default=10.0)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    config = config_from_args(args)
+    setup_logging(config.log_level, "derender")
+    asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The DerenderService servicer (grpc.aio): proto in, domain call, proto out. Nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from tito.errors import InvalidArgument, Unavailable
+from tito.logs import bind_request_id
+from tito.v1 import derender_pb2, derender_pb2_grpc
+from tito_derender.convert import (
+    choice_to_proto, chunk_to_proto, context_from_proto, output_from_proto, text_options, usage_to_proto)
+from tito_derender.detokenizer import detokenize
+from tito_derender.full import derender_full
+from tito_derender.stream import DerenderStream
+from tito_derender.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
+
+
+class DerenderServicer(derender_pb2_grpc.DerenderServiceServicer):
+    def __init__(self, tokenizer: TextTokenizer | None = None) -> None:
+        self._tokenizer = tokenizer
+        #: Derender streams currently holding state (for operators and tests: drops release it).
+        self.live_streams = 0
+
+    def set_tokenizer(self, tokenizer: TextTokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    @property
+    def tokenizer(self) -> TextTokenizer:
+        if self._tokenizer is None:
+            raise Unavailable("derender is still loading its tokenizer; retry shortly", reason="LOADING")
+        return self._tokenizer
+
+    async def Derender(self, request_iterator: AsyncIterator[derender_pb2.DerenderRequest],
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[derender_pb2.DerenderResponse]:
+        stream: DerenderStream | None = None
+        self.live_streams += 1
+        try:
+            async for request in request_iterator:
+                kind = request.WhichOneof("kind")
+                if stream is None:
+                    if kind != "context":
+                        raise InvalidArgument(
+                            "the first message of a Derender stream must be a DerenderContext (the `context` "
+                            "field of render's response), then the engine's GenerateResponses",
+                            reason="CONTEXT_REQUIRED", field="context")
+                    domain_context = context_from_proto(request.context)
+                    bind_request_id(domain_context.request_id)
+                    stream = DerenderStream(self.tokenizer, domain_context)
+                    log.debug("derender stream started (n=%d)", stream.n)
+                    continue
+                if kind != "generate_response":
+                    raise InvalidArgument(
+                        "only the first message of a Derender stream may be a context; later messages must "
+                        "be GenerateResponses" if kind == "context" else
+                        "a Derender message must set `generate_response` after the context",
+                        reason="UNEXPECTED_CONTEXT" if kind == "context" else "EMPTY_MESSAGE",
+                        field="context" if kind == "context" else "generate_response")
+                for chunk in stream.feed(output_from_proto(request.generate_response)):
+                    yield chunk_to_proto(chunk)
+            if stream is not None and not stream.finished:
+                log.info("client closed the derender stream with choices %s unfinished", stream.unfinished_choices)
+        finally:
+            # Runs on normal end, on error and on cancellation (client dropped the call): the
+            # stream's state goes with this frame.
+            self.live_streams -= 1
+
+    async def DerenderFull(self, request: derender_pb2.DerenderFullRequest,
+                           context: grpc.aio.ServicerContext) -> derender_pb2.DerenderFullResponse:
+        domain_context = context_from_proto(request.context)
+        bind_request_id(domain_context.request_id)
+        outputs = [output_from_proto(response, field=f"responses[{i}]")
+                   for i, response in enumerate(request.responses)]
+        tokenizer = self.tokenizer
+        choices, usage = await _off_loop_if_large(
+            sum(len(o.token_ids) for o in outputs), derender_full, tokenizer, domain_context, outputs)
+        return derender_pb2.DerenderFullResponse(choices=[choice_to_proto(c) for c in choices],
+                                                 usage=usage_to_proto(usage))
+
+    async def Detokenize(self, request: derender_pb2.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> derender_pb2.DetokenizeResponse:
+        vocab = self.tokenizer.vocab_size
+        for position, token_id in enumerate(request.token_ids):
+            if token_id >= vocab:
+                raise InvalidArgument(f"token id {token_id} is outside the vocabulary [0, {vocab})",
+                                      reason="TOKEN_ID_OUT_OF_RANGE", field=f"token_ids[{position}]")
+        text = await _off_loop_if_large(len(request.token_ids), detokenize, self.tokenizer,
+                                        list(request.token_ids), text_options(request))
+        return derender_pb2.DetokenizeResponse(text=text)
+
+
+#: Token counts above which whole-output work runs on a thread, so one big unary call does not
+#: stall every stream sharing the event loop.
+_OFF_LOOP_TOKENS = 4096
+
+
+async def _off_loop_if_large(token_count: int, function, *args):
+    if token_count > _OFF_LOOP_TOKENS:
+        return await asyncio.to_thread(function, *args)
+    return function(*args)
