@@ -1,0 +1,118 @@
+"""tito.v1.EngineService over grpc.aio: protos in, domain calls, protos out. Nothing else."""
+
+from __future__ import annotations
+
+from tito.errors import Unavailable, Unimplemented
+from tito.logs import bind_request_id
+from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2, sampling_pb2
+
+from .engine import Engine
+from .request import ChoiceOutput, FinishReason, GenerateInput, RawSamplingParams
+
+_FINISH_REASONS = {
+    FinishReason.STOP: engine_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: engine_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: engine_pb2.FINISH_REASON_ABORT,
+}
+
+
+def _optional(message, name: str):
+    return getattr(message, name) if message.HasField(name) else None
+
+
+def sampling_from_proto(params: sampling_pb2.SamplingParams) -> RawSamplingParams:
+    return RawSamplingParams(
+        max_tokens=_optional(params, "max_tokens"),
+        min_tokens=params.min_tokens,
+        temperature=_optional(params, "temperature"),
+        top_p=_optional(params, "top_p"),
+        top_k=params.top_k,
+        min_p=params.min_p,
+        seed=_optional(params, "seed"),
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=_optional(params, "repetition_penalty"),
+        stop_token_ids=tuple(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        n=_optional(params, "n"),
+        logprobs=params.logprobs,
+        top_logprobs=params.top_logprobs,
+    )
+
+
+def _modality_name(value: int) -> str:
+    return multimodal_pb2.Modality.Name(value).removeprefix("MODALITY_").lower()
+
+
+def generate_input_from_proto(request: engine_pb2.GenerateRequest) -> GenerateInput:
+    return GenerateInput(
+        request_id=request.request_id,
+        token_ids=list(request.token_ids),
+        sampling=sampling_from_proto(request.sampling_params),
+        mm_modalities=[_modality_name(item.modality) for item in request.mm_features.items],
+    )
+
+
+def output_to_proto(output: ChoiceOutput) -> engine_pb2.GenerateResponse:
+    response = engine_pb2.GenerateResponse(index=output.index, token_ids=output.token_ids)
+    if output.finish_reason is not None:
+        response.finish_reason = _FINISH_REASONS[output.finish_reason]
+        if output.matched_stop_token_id is not None:
+            response.matched_stop_token_id = output.matched_stop_token_id
+    if output.usage is not None:
+        response.usage.prompt_tokens = output.usage.prompt_tokens
+        response.usage.completion_tokens = output.usage.completion_tokens
+        response.usage.cached_tokens = output.usage.cached_tokens
+    return response
+
+
+class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
+    def __init__(self, engine: Engine | None = None):
+        self._attached = engine
+
+    def attach(self, engine: Engine) -> None:
+        """Start answering with `engine` (the server is bound before the model finishes loading)."""
+        self._attached = engine
+
+    @property
+    def _engine(self) -> Engine:
+        if self._attached is None:
+            raise Unavailable("the engine is still loading its model; retry shortly", reason="MODEL_LOADING")
+        return self._attached
+
+    async def Generate(self, request: engine_pb2.GenerateRequest, context):
+        if request.request_id:
+            bind_request_id(request.request_id)
+        outputs = self._engine.generate(generate_input_from_proto(request))
+        try:
+            async for output in outputs:
+                yield output_to_proto(output)
+        finally:
+            await outputs.aclose()  # on cancel: aborts the request in the engine
+
+    async def Encode(self, request: engine_pb2.EncodeRequest, context):
+        raise Unimplemented("Encode (encoder-only runs) is not implemented yet", reason="NOT_IMPLEMENTED")
+
+    async def Abort(self, request: engine_pb2.AbortRequest, context):
+        return engine_pb2.AbortResponse(aborted_request_ids=self._engine.abort(list(request.request_ids)))
+
+    async def GetModelInfo(self, request, context):
+        info = self._engine.info
+        return engine_pb2.EngineServiceGetModelInfoResponse(
+            model_id=info.model_id,
+            vocab_size=info.vocab_size,
+            max_context_length=info.max_context_length,
+            eos_token_ids=info.eos_token_ids,
+            dtype=info.dtype,
+            device=info.device,
+            model_fingerprint=info.fingerprint,
+            max_running_requests=self._engine.max_running_requests,
+        )
+
+    async def GetLoad(self, request, context):
+        load = self._engine.load()
+        return engine_pb2.GetLoadResponse(
+            running_requests=load.running_requests,
+            waiting_requests=load.waiting_requests,
+            finished_requests=load.finished_requests,
+        )

@@ -1,0 +1,139 @@
+"""Admission checks for Generate, run before a request reaches the scheduler.
+
+Every caller mistake becomes an InvalidArgument naming the offending field (dotted path as in
+the proto, e.g. `token_ids[3]`, `sampling_params.top_p`), so nothing malformed can reach the
+model and surface as an INTERNAL error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tito.errors import InvalidArgument, Unimplemented, Violations
+
+from .request import GenerateInput, RawSamplingParams, SamplingOptions
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the loaded model and the engine's config allow."""
+
+    vocab_size: int
+    max_context_length: int
+    max_choices: int = 16
+    modalities: frozenset[str] = frozenset()  # empty: text-only model
+
+
+def validate_generate(request: GenerateInput, limits: ModelLimits) -> SamplingOptions:
+    """Check `request` against `limits`; return its resolved sampling options or raise."""
+    _check_prompt(request, limits)
+    _check_media(request, limits)
+    return resolve_sampling(request.sampling, len(request.token_ids), limits)
+
+
+def _check_prompt(request: GenerateInput, limits: ModelLimits) -> None:
+    if not request.token_ids:
+        raise InvalidArgument("token_ids must not be empty", reason="EMPTY_PROMPT", field="token_ids")
+    for position, token_id in enumerate(request.token_ids):
+        if not 0 <= token_id < limits.vocab_size:
+            raise InvalidArgument(
+                f"token id {token_id} is outside the model's vocabulary [0, {limits.vocab_size})",
+                reason="TOKEN_ID_OUT_OF_RANGE", field=f"token_ids[{position}]")
+    if len(request.token_ids) >= limits.max_context_length:
+        raise InvalidArgument(
+            f"the prompt has {len(request.token_ids)} tokens; the context limit is "
+            f"{limits.max_context_length}, which leaves no room to generate",
+            reason="PROMPT_TOO_LONG", field="token_ids")
+
+
+def _check_media(request: GenerateInput, limits: ModelLimits) -> None:
+    for position, modality in enumerate(request.mm_modalities):
+        if modality not in limits.modalities:
+            supported = ", ".join(sorted(limits.modalities)) or "none: the model is text-only"
+            raise InvalidArgument(
+                f"the model does not accept {modality} input (supported: {supported})",
+                reason="UNSUPPORTED_MODALITY", field=f"mm_features.items[{position}].modality")
+    if request.mm_modalities:
+        raise Unimplemented("multimodal generation is not implemented yet", reason="NOT_IMPLEMENTED",
+                            field="mm_features")
+
+
+def resolve_sampling(raw: RawSamplingParams, prompt_len: int, limits: ModelLimits) -> SamplingOptions:
+    """Apply the proto's documented defaults and check every range, reporting all violations."""
+    violations = Violations()
+
+    def field(name: str) -> str:
+        return f"sampling_params.{name}"
+
+    temperature = 1.0 if raw.temperature is None else raw.temperature
+    if not math.isfinite(temperature) or temperature < 0:
+        violations.add(field("temperature"), f"must be a finite number >= 0, got {temperature}")
+    top_p = 1.0 if raw.top_p is None else raw.top_p
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        violations.add(field("top_p"), f"must be in (0, 1], got {top_p}")
+    if raw.top_k < -1:
+        violations.add(field("top_k"), f"must be -1, 0 (both disable it) or a positive count, got {raw.top_k}")
+    if not (math.isfinite(raw.min_p) and 0 <= raw.min_p <= 1):
+        violations.add(field("min_p"), f"must be in [0, 1], got {raw.min_p}")
+    n = 1 if raw.n is None else raw.n
+    if not 1 <= n <= limits.max_choices:
+        violations.add(field("n"), f"must be between 1 and {limits.max_choices}, got {n}")
+    if raw.top_logprobs > MAX_TOP_LOGPROBS:
+        violations.add(field("top_logprobs"), f"must be at most {MAX_TOP_LOGPROBS}, got {raw.top_logprobs}")
+    repetition_penalty = 1.0 if raw.repetition_penalty is None else raw.repetition_penalty
+    if not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
+        violations.add(field("repetition_penalty"), f"must be > 0 (1 disables it), got {repetition_penalty}")
+    for name, value in (("presence_penalty", raw.presence_penalty), ("frequency_penalty", raw.frequency_penalty)):
+        if not (math.isfinite(value) and -2 <= value <= 2):
+            violations.add(field(name), f"must be in [-2, 2], got {value}")
+    for position, token_id in enumerate(raw.stop_token_ids):
+        if not 0 <= token_id < limits.vocab_size:
+            violations.add(field(f"stop_token_ids[{position}]"),
+                           f"token id {token_id} is outside the vocabulary [0, {limits.vocab_size})")
+
+    room = limits.max_context_length - prompt_len
+    if raw.max_tokens is not None:
+        if raw.max_tokens < 1:
+            violations.add(field("max_tokens"), "must be >= 1 (leave it unset to generate up to the context limit)")
+        elif raw.max_tokens > room:
+            violations.add(field("max_tokens"),
+                           f"prompt ({prompt_len} tokens) + max_tokens ({raw.max_tokens}) exceeds the context "
+                           f"limit of {limits.max_context_length} tokens; at most {room} fits")
+    max_tokens = room if raw.max_tokens is None else raw.max_tokens
+    if raw.min_tokens > max_tokens:
+        violations.add(field("min_tokens"), f"must not exceed max_tokens ({max_tokens}), got {raw.min_tokens}")
+    violations.raise_if_any(reason="INVALID_SAMPLING_PARAMS")
+
+    # Valid but not implemented yet: refuse rather than silently ignore them.
+    _refuse_unimplemented(raw, repetition_penalty)
+
+    return SamplingOptions(
+        max_tokens=max_tokens,
+        min_tokens=raw.min_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=0 if raw.top_k == -1 else raw.top_k,
+        min_p=float(raw.min_p),
+        seed=raw.seed,
+        stop_token_ids=frozenset(raw.stop_token_ids),
+        ignore_eos=raw.ignore_eos,
+        n=n,
+    )
+
+
+def _refuse_unimplemented(raw: RawSamplingParams, repetition_penalty: float) -> None:
+    unsupported = []
+    if raw.presence_penalty != 0:
+        unsupported.append("presence_penalty")
+    if raw.frequency_penalty != 0:
+        unsupported.append("frequency_penalty")
+    if repetition_penalty != 1.0:
+        unsupported.append("repetition_penalty")
+    if raw.logprobs or raw.top_logprobs:
+        unsupported.append("logprobs" if raw.logprobs else "top_logprobs")
+    if unsupported:
+        raise Unimplemented(f"sampling_params.{unsupported[0]} is not implemented yet by this engine",
+                            reason="NOT_IMPLEMENTED", field=f"sampling_params.{unsupported[0]}")

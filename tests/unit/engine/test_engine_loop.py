@@ -1,0 +1,123 @@
+"""The engine thread and its async facade, without gRPC."""
+
+import asyncio
+
+import pytest
+
+from tito.config import ConfigError
+from tito.errors import InvalidArgument
+from tito_engine.config import EngineConfig
+from tito_engine.engine import Engine
+from tito_engine.model_runner import ModelRunner
+from tito_engine.request import FinishReason, GenerateInput, RawSamplingParams
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_text_model):
+    return ModelRunner(tiny_text_model, model_id="tiny-qwen2", device="cpu")
+
+
+@pytest.fixture
+def engine(runner):
+    engine = Engine(runner, max_running_requests=4)
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+def greedy(prompt, request_id="", **sampling):
+    sampling.setdefault("temperature", 0.0)
+    sampling.setdefault("max_tokens", 6)
+    return GenerateInput(request_id, prompt, RawSamplingParams(**sampling))
+
+
+async def tokens_of(engine, generate_input):
+    tokens, finish = [], None
+    async for output in engine.generate(generate_input):
+        tokens.extend(output.token_ids)
+        finish = output.finish_reason
+    return tokens, finish
+
+
+def test_concurrent_async_streams_and_load(engine):
+    async def main():
+        results = await asyncio.gather(*(tokens_of(engine, greedy([i + 5, 7, 9])) for i in range(6)))
+        alone = [await tokens_of(engine, greedy([i + 5, 7, 9])) for i in range(6)]
+        return results, alone
+
+    results, alone = asyncio.run(main())
+    assert results == alone  # 6 requests with 4 slots: some waited, none was disturbed
+    load = engine.load()
+    assert (load.running_requests, load.waiting_requests, load.finished_requests) == (0, 0, 12)
+
+
+def test_closing_the_stream_aborts_and_ids_can_be_reused(engine):
+    async def main():
+        stream = engine.generate(greedy([5, 6], request_id="x", max_tokens=1500, ignore_eos=True))
+        await stream.__anext__()
+        with pytest.raises(InvalidArgument):
+            engine.submit(greedy([5], request_id="x"), lambda _: None)
+        await stream.aclose()
+        for _ in range(200):
+            if engine.load().running_requests == 0 and engine.abort(["x"]) == []:
+                break
+            await asyncio.sleep(0.01)
+        return await tokens_of(engine, greedy([5, 6], request_id="x"))
+
+    tokens, finish = asyncio.run(main())
+    assert len(tokens) == 6 and finish is FinishReason.LENGTH
+
+
+def test_a_failing_forward_fails_only_its_request(engine, runner, monkeypatch):
+    real_decode = runner.decode
+    calls = {"n": 0}
+
+    def flaky_decode(token_id, cache):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated device error")
+        return real_decode(token_id, cache)
+
+    monkeypatch.setattr(runner, "decode", flaky_decode)
+
+    async def main():
+        with pytest.raises(RuntimeError, match="simulated"):
+            await tokens_of(engine, greedy([5, 6]))
+        return await tokens_of(engine, greedy([5, 6]))
+
+    tokens, finish = asyncio.run(main())
+    assert len(tokens) == 6 and finish is FinishReason.LENGTH
+    assert engine.load().running_requests == 0
+
+
+@pytest.mark.parametrize("overrides", [{"device": "tpu"}, {"max_running_requests": 0},
+                                       {"max_model_len": 1}, {"max_choices_per_request": 100},
+                                       {"max_waiting_requests": -1}])
+def test_config_rejects_bad_values(overrides):
+    with pytest.raises(ConfigError):
+        EngineConfig(**overrides).validate()
+    EngineConfig().validate()
+
+
+def test_an_unexpected_engine_error_fails_live_requests_and_the_engine_recovers(engine, monkeypatch):
+    scheduler = engine._scheduler
+    real_step = scheduler.step
+    calls = {"n": 0}
+
+    def broken_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated scheduler bug")
+        return real_step()
+
+    monkeypatch.setattr(scheduler, "step", broken_step)
+
+    async def main():
+        with pytest.raises(RuntimeError, match="scheduler bug"):
+            await tokens_of(engine, greedy([5, 6], request_id="doomed", max_tokens=20))
+        return await tokens_of(engine, greedy([5, 6], request_id="doomed"))
+
+    tokens, finish = asyncio.run(main())
+    assert len(tokens) == 6 and finish is FinishReason.LENGTH
+    load = engine.load()
+    assert load.running_requests == 0 and load.waiting_requests == 0

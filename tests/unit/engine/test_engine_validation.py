@@ -1,0 +1,73 @@
+import pytest
+
+from tito.errors import InvalidArgument, Unimplemented
+from tito_engine.request import GenerateInput, RawSamplingParams
+from tito_engine.validation import ModelLimits, validate_generate
+
+LIMITS = ModelLimits(vocab_size=100, max_context_length=32, max_choices=4)
+
+
+def check(token_ids=(1, 2, 3), modalities=(), **sampling):
+    return validate_generate(GenerateInput("r", list(token_ids), RawSamplingParams(**sampling), list(modalities)),
+                             LIMITS)
+
+
+def field_of(exc_info) -> str:
+    return exc_info.value.field
+
+
+def test_defaults_are_resolved():
+    options = check()
+    assert options.max_tokens == 29  # up to the context limit
+    assert options.temperature == 1.0 and options.top_p == 1.0 and options.n == 1
+    assert not options.greedy
+    assert check(temperature=0.0).greedy
+    assert check(top_k=-1).top_k == 0
+
+
+@pytest.mark.parametrize("token_ids, field", [((), "token_ids"), ((1, 100), "token_ids[1]"),
+                                              ((5, 7, 1000), "token_ids[2]"), ((1,) * 32, "token_ids")])
+def test_prompt_errors_name_the_field(token_ids, field):
+    with pytest.raises(InvalidArgument) as exc:
+        check(token_ids)
+    assert field_of(exc) == field
+
+
+@pytest.mark.parametrize("sampling, field", [
+    ({"max_tokens": 30}, "sampling_params.max_tokens"),
+    ({"max_tokens": 0}, "sampling_params.max_tokens"),
+    ({"temperature": -0.1}, "sampling_params.temperature"),
+    ({"temperature": float("nan")}, "sampling_params.temperature"),
+    ({"top_p": 0.0}, "sampling_params.top_p"),
+    ({"top_p": 1.5}, "sampling_params.top_p"),
+    ({"min_p": 1.5}, "sampling_params.min_p"),
+    ({"top_k": -2}, "sampling_params.top_k"),
+    ({"n": 0}, "sampling_params.n"),
+    ({"n": 5}, "sampling_params.n"),
+    ({"top_logprobs": 21}, "sampling_params.top_logprobs"),
+    ({"repetition_penalty": 0.0}, "sampling_params.repetition_penalty"),
+    ({"presence_penalty": 3.0}, "sampling_params.presence_penalty"),
+    ({"stop_token_ids": (5, 100)}, "sampling_params.stop_token_ids[1]"),
+    ({"max_tokens": 4, "min_tokens": 5}, "sampling_params.min_tokens"),
+])
+def test_sampling_errors_name_the_field(sampling, field):
+    with pytest.raises(InvalidArgument) as exc:
+        check(**sampling)
+    assert field_of(exc) == field
+    assert exc.value.reason == "INVALID_SAMPLING_PARAMS"
+
+
+def test_max_tokens_exactly_filling_the_context_is_accepted():
+    assert check(max_tokens=29).max_tokens == 29
+
+
+def test_media_on_text_model_names_the_item():
+    with pytest.raises(InvalidArgument) as exc:
+        check(modalities=["image"])
+    assert field_of(exc) == "mm_features.items[0].modality"
+
+
+@pytest.mark.parametrize("sampling", [{"logprobs": True}, {"frequency_penalty": 0.5}, {"repetition_penalty": 1.1}])
+def test_valid_but_unimplemented_options_are_refused_not_ignored(sampling):
+    with pytest.raises(Unimplemented):
+        check(**sampling)
