@@ -84,3 +84,18 @@ def aio_server():
     yield start
     for server in reversed(started):
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def module_aio_server():
+    """Like `aio_server`, but the servers live for the whole test module (load a model once)."""
+    started: list[AioServer] = []
+
+    def start(factory):
+        server = AioServer(factory).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in reversed(started):
+        server.stop()

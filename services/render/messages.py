@@ -1,0 +1,179 @@
+"""Proto chat (messages, tools, tool_choice) -> the plain dicts Hugging Face chat templates expect,
+validating at the edge so that every caller mistake names its field.
+
+The dicts are exactly the OpenAI-style dicts a Python caller would pass to
+`tokenizer.apply_chat_template`: string content stays a string, content parts stay a list of
+`{"type": "text", "text": ...}` parts, unset optional fields are left out (as HF drops None keys).
+Tool-call `arguments` given as a JSON string stay that string (after checking it parses as a JSON
+object), so the ids equal HF's for the same OpenAI dicts; `arguments_object` becomes a dict.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from google.protobuf import json_format, struct_pb2
+
+from tito.errors import InvalidArgument, Unimplemented, Violations
+from tito.v1 import chat_pb2
+
+ALLOWED_ROLES = ("system", "developer", "user", "assistant", "tool")
+_MAX_SAFE_INT = 2**53
+
+
+def struct_to_dict(struct: struct_pb2.Struct) -> dict[str, Any]:
+    """Struct -> plain dict for the template.
+
+    Two repairs of what the wire loses: a Struct stores every number as a double, so integral
+    numbers become ints again (JSON the client meant as {"minimum": 1} must not render as 1.0);
+    and a Struct is a map without key order, so keys are sorted, making the rendered prompt (and
+    its prefix-cache keys) the same for the same request whatever order the map arrived in."""
+    return _normalise(json_format.MessageToDict(struct))
+
+
+def _normalise(value: Any) -> Any:
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer() and abs(value) < _MAX_SAFE_INT:
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _normalise(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_normalise(v) for v in value]
+    return value
+
+
+def _content(message: chat_pb2.ChatMessage, path: str, violations: Violations) -> Any:
+    has_parts = len(message.content_parts) > 0
+    if message.HasField("content") and has_parts:
+        violations.add(f"{path}.content_parts", "set at most one of content and content_parts")
+        return None
+    if message.HasField("content"):
+        return message.content
+    if not has_parts:
+        return None
+    parts = []
+    for j, part in enumerate(message.content_parts):
+        kind = part.WhichOneof("part")
+        if kind == "text":
+            parts.append({"type": "text", "text": part.text})
+        elif kind in ("image", "video"):
+            raise Unimplemented(f"{kind} content is not implemented yet (text-only rendering)",
+                                reason="NOT_IMPLEMENTED", field=f"{path}.content_parts[{j}].{kind}")
+        else:
+            violations.add(f"{path}.content_parts[{j}]", "empty content part: set text, image or video")
+    return parts
+
+
+def _tool_call(call: chat_pb2.ToolCall, path: str, violations: Violations) -> dict[str, Any]:
+    if call.type not in ("", "function"):
+        violations.add(f"{path}.type", f"tool call type {call.type!r} is not supported; use \"function\"")
+    if not call.function.name:
+        violations.add(f"{path}.function.name", "function name is empty")
+    function: dict[str, Any] = {"name": call.function.name}
+    kind = call.function.WhichOneof("args")
+    if kind == "arguments":
+        try:
+            parsed = json.loads(call.function.arguments)
+        except ValueError as exc:
+            parsed, problem = None, f"not valid JSON ({exc})"
+        else:
+            problem = None if isinstance(parsed, dict) else f"a JSON {type(parsed).__name__}, not an object"
+        if problem:
+            violations.add(f"{path}.function.arguments", f"arguments must be a JSON object: {problem}")
+        function["arguments"] = call.function.arguments
+    elif kind == "arguments_object":
+        function["arguments"] = struct_to_dict(call.function.arguments_object)
+    else:
+        function["arguments"] = {}
+    result: dict[str, Any] = {}
+    if call.id:
+        result["id"] = call.id
+    result["type"] = "function"
+    result["function"] = function
+    return result
+
+
+def messages_to_dicts(messages: list[chat_pb2.ChatMessage]) -> list[dict[str, Any]]:
+    """Validate and convert the chat; raises InvalidArgument naming every bad field."""
+    violations = Violations()
+    if not messages:
+        raise InvalidArgument("messages is empty: send at least one message", reason="EMPTY_MESSAGES",
+                              field="messages")
+    result = []
+    for i, message in enumerate(messages):
+        path = f"messages[{i}]"
+        if message.role not in ALLOWED_ROLES:
+            violations.add(f"{path}.role", f"unknown role {message.role!r}; use one of {', '.join(ALLOWED_ROLES)}")
+        entry: dict[str, Any] = {"role": message.role}
+        content = _content(message, path, violations)
+        if content is not None:
+            entry["content"] = content
+        if message.name:
+            entry["name"] = message.name
+        if message.tool_calls:
+            if message.role != "assistant":
+                violations.add(f"{path}.tool_calls", "only assistant messages carry tool_calls")
+            entry["tool_calls"] = [_tool_call(call, f"{path}.tool_calls[{j}]", violations)
+                                   for j, call in enumerate(message.tool_calls)]
+        # A tool message without tool_call_id is allowed: Qwen-style templates never read it.
+        if message.tool_call_id:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.HasField("reasoning_content"):
+            entry["reasoning_content"] = message.reasoning_content
+        result.append(entry)
+    violations.raise_if_any()
+    return result
+
+
+def tools_to_dicts(tools: list[chat_pb2.Tool]) -> list[dict[str, Any]] | None:
+    """Tools -> OpenAI tool dicts (None when there are none, as HF expects)."""
+    if not tools:
+        return None
+    violations = Violations()
+    result = []
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        if tool.type not in ("", "function"):
+            violations.add(f"tools[{i}].type", f"tool type {tool.type!r} is not supported; use \"function\"")
+        name = tool.function.name
+        if not name:
+            violations.add(f"tools[{i}].function.name", "function name is empty")
+        elif name in seen:
+            violations.add(f"tools[{i}].function.name", f"duplicate function name {name!r}")
+        seen.add(name)
+        function: dict[str, Any] = {"name": name}
+        if tool.function.description:
+            function["description"] = tool.function.description
+        if tool.function.HasField("parameters"):
+            function["parameters"] = struct_to_dict(tool.function.parameters)
+        if tool.function.HasField("strict"):
+            function["strict"] = tool.function.strict
+        result.append({"type": "function", "function": function})
+    violations.raise_if_any()
+    return result
+
+
+def resolve_tool_choice(choice: chat_pb2.ToolChoice, tools: list[chat_pb2.Tool]) -> chat_pb2.ToolChoice:
+    """Validate tool_choice against the tools and make UNSPECIFIED explicit (AUTO with tools, NONE
+    without). NONE keeps the tools in the prompt (as vLLM does by default): the model still sees
+    them, derender then leaves any tool-call markup as plain content."""
+    names = {tool.function.name for tool in tools}
+    kind = choice.WhichOneof("choice")
+    if kind == "function_name":
+        if choice.function_name not in names:
+            raise InvalidArgument(
+                f"tool_choice names function {choice.function_name!r}, which is not among the tools"
+                + (f" ({', '.join(sorted(names))})" if names else " (no tools were given)"),
+                reason="UNKNOWN_TOOL", field="tool_choice.function_name")
+        return chat_pb2.ToolChoice(function_name=choice.function_name)
+    mode = choice.mode if kind == "mode" else chat_pb2.TOOL_CHOICE_MODE_UNSPECIFIED
+    if mode not in chat_pb2.ToolChoiceMode.values():
+        raise InvalidArgument(f"unknown tool_choice mode {mode}", reason="INVALID_TOOL_CHOICE",
+                              field="tool_choice.mode")
+    if mode == chat_pb2.TOOL_CHOICE_MODE_UNSPECIFIED:
+        mode = chat_pb2.TOOL_CHOICE_MODE_AUTO if tools else chat_pb2.TOOL_CHOICE_MODE_NONE
+    if mode == chat_pb2.TOOL_CHOICE_MODE_REQUIRED and not tools:
+        raise InvalidArgument("tool_choice REQUIRED needs at least one tool", reason="INVALID_TOOL_CHOICE",
+                              field="tool_choice.mode")
+    return chat_pb2.ToolChoice(mode=mode)

@@ -1,0 +1,118 @@
+"""The model as render sees it: tokenizer, chat template, context limit, generation defaults,
+and the parser names derender should use. Loaded once at start-up (slow: run it off the loop)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tito.config import ConfigError
+from tito.model_paths import resolve_model
+
+from tito_render.config import AUTO, NONE, RenderConfig
+
+log = logging.getLogger(__name__)
+
+#: tokenizer.model_max_length values at or above this are HF's "unknown" sentinel.
+_UNKNOWN_MAX_LENGTH = 10**9
+#: Generation-config keys render takes as sampling defaults (as vLLM does).
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+THINK_START, THINK_END = "<think>", "</think>"
+TOOL_CALL_START = "<tool_call>"
+
+
+@dataclass
+class RenderModel:
+    """Everything render needs from the model directory."""
+
+    model_id: str
+    path: Path
+    tokenizer: Any
+    max_context_length: int
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    reasoning_parser: str = ""
+    tool_parser: str = ""
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: not readable JSON ({exc})") from exc
+    return data if isinstance(data, dict) else {}
+
+
+def model_context_length(model_config: dict[str, Any], tokenizer: Any) -> int | None:
+    """The model's own context limit: config max_position_embeddings (top level or text_config),
+    else the tokenizer's model_max_length when it is a real value."""
+    for section in (model_config, model_config.get("text_config") or {}):
+        value = section.get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    value = getattr(tokenizer, "model_max_length", None)
+    if isinstance(value, int) and 0 < value < _UNKNOWN_MAX_LENGTH:
+        return value
+    return None
+
+
+def resolve_context_length(model_limit: int | None, override: int) -> int:
+    if override:
+        if model_limit is not None and override > model_limit:
+            raise ConfigError(f"max_model_len={override} exceeds the model's context length {model_limit}; "
+                              f"use a value <= {model_limit} (or 0 for the model's own)")
+        return override
+    if model_limit is None:
+        raise ConfigError("the model declares no context length (no max_position_embeddings, no tokenizer "
+                          "model_max_length): pass --max-model-len")
+    return model_limit
+
+
+def generation_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
+    """Sampling defaults from generation_config.json. Like vLLM, `do_sample` is ignored: a model
+    whose config says do_sample=false still samples unless the request sets temperature 0."""
+    return {key: generation_config[key] for key in GENERATION_DEFAULT_KEYS
+            if isinstance(generation_config.get(key), (int, float)) and not isinstance(generation_config.get(key), bool)}
+
+
+def detect_parsers(vocab: dict[str, int], reasoning: str, tool: str) -> tuple[str, str]:
+    """Resolve "auto"/"none"/explicit parser settings to the names put in DerenderContext."""
+    if reasoning == AUTO:
+        reasoning = "qwen3" if THINK_START in vocab and THINK_END in vocab else ""
+    elif reasoning == NONE:
+        reasoning = ""
+    if tool == AUTO:
+        tool = "hermes" if TOOL_CALL_START in vocab else ""
+    elif tool == NONE:
+        tool = ""
+    return reasoning, tool
+
+
+def load_render_model(config: RenderConfig) -> RenderModel:
+    """Resolve and load the tokenizer and settings (blocking, seconds)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model(config.model)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    model_config = _read_json(path / "config.json")
+    limit = resolve_context_length(model_context_length(model_config, tokenizer), config.max_model_len)
+    defaults = generation_defaults(_read_json(path / "generation_config.json"))
+    reasoning, tool = detect_parsers(tokenizer.get_vocab(), config.reasoning_parser, config.tool_parser)
+    model = RenderModel(model_id=config.model, path=path, tokenizer=tokenizer, max_context_length=limit,
+                        generation_defaults=defaults, reasoning_parser=reasoning, tool_parser=tool)
+    log.info("loaded %s from %s: vocab %d, context %d, reasoning parser %r, tool parser %r, "
+             "generation defaults %s", config.model, path, model.vocab_size, limit, reasoning, tool, defaults)
+    return model

@@ -1,0 +1,143 @@
+"""Resolve a client's SamplingOptions into the engine's SamplingParams.
+
+Every value is: the request's, else the model's generation_config.json default, else tito's
+default, and render always writes the resolved value so the engine never guesses. max_tokens
+absent means the context remainder (or the generation config's max_new_tokens when smaller).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from tito.errors import InvalidArgument, Violations
+from tito.v1 import render_pb2, sampling_pb2
+
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+MAX_N = 128
+
+#: tito's own defaults (used when neither the request nor the generation config sets a value).
+TITO_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "n": 1,
+}
+
+
+@dataclass(frozen=True)
+class SamplingLimits:
+    """What resolution needs to know about the model and the prompt."""
+
+    prompt_tokens: int
+    max_context_length: int
+    vocab_size: int
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    #: The request field that holds the prompt, named when the prompt itself is too long.
+    prompt_field: str = "messages"
+
+
+def _pick(options: render_pb2.SamplingOptions, name: str, defaults: dict[str, Any]) -> Any:
+    if options.HasField(name):
+        return getattr(options, name)
+    return defaults.get(name, TITO_DEFAULTS.get(name))
+
+
+def _check_float(violations: Violations, name: str, value: float, ok: bool, expectation: str) -> None:
+    if not math.isfinite(value) or not ok:
+        violations.add(f"sampling.{name}", f"{name}={value} is out of range: must be {expectation}")
+
+
+def check_context(limits: SamplingLimits) -> int:
+    """Context tokens left for generation; the prompt must leave at least one."""
+    remainder = limits.max_context_length - limits.prompt_tokens
+    if remainder < 1:
+        raise InvalidArgument(
+            f"prompt is {limits.prompt_tokens} tokens, context limit {limits.max_context_length}: "
+            f"shorten the prompt so at least one token can be generated",
+            reason="PROMPT_TOO_LONG", field=limits.prompt_field)
+    return remainder
+
+
+def resolve_sampling(options: render_pb2.SamplingOptions,
+                     limits: SamplingLimits) -> sampling_pb2.SamplingParams:
+    """Validate `options` (every problem named as sampling.<field>) and resolve them."""
+    remainder = check_context(limits)
+    defaults = limits.generation_defaults
+    violations = Violations()
+
+    temperature = float(_pick(options, "temperature", defaults))
+    _check_float(violations, "temperature", temperature, temperature >= 0, ">= 0 (0 = greedy)")
+    top_p = float(_pick(options, "top_p", defaults))
+    _check_float(violations, "top_p", top_p, 0 < top_p <= 1, "in (0, 1]")
+    min_p = float(_pick(options, "min_p", defaults))
+    _check_float(violations, "min_p", min_p, 0 <= min_p <= 1, "in [0, 1]")
+    repetition_penalty = float(_pick(options, "repetition_penalty", defaults))
+    _check_float(violations, "repetition_penalty", repetition_penalty, repetition_penalty > 0,
+                 "> 0 (1 disables it)")
+    presence_penalty = float(_pick(options, "presence_penalty", {}))
+    _check_float(violations, "presence_penalty", presence_penalty, -2 <= presence_penalty <= 2, "in [-2, 2]")
+    frequency_penalty = float(_pick(options, "frequency_penalty", {}))
+    _check_float(violations, "frequency_penalty", frequency_penalty, -2 <= frequency_penalty <= 2, "in [-2, 2]")
+    top_k = int(_pick(options, "top_k", defaults))
+    if top_k < -1:
+        violations.add("sampling.top_k", f"top_k={top_k} is out of range: use 0 or -1 (disabled) or >= 1")
+    top_k = max(top_k, 0)  # -1 and 0 both mean "disabled"; emit the one documented default
+
+    if options.HasField("max_tokens"):
+        max_tokens = options.max_tokens
+        if max_tokens < 1:
+            violations.add("sampling.max_tokens", "max_tokens must be >= 1")
+        elif max_tokens > remainder:
+            violations.add("sampling.max_tokens",
+                           f"max_tokens={max_tokens} exceeds the context remainder: the prompt is "
+                           f"{limits.prompt_tokens} tokens, context limit {limits.max_context_length}, "
+                           f"so at most {remainder}")
+    else:
+        generation_max = defaults.get("max_new_tokens")
+        max_tokens = min(remainder, int(generation_max)) if generation_max and generation_max > 0 else remainder
+    min_tokens = options.min_tokens if options.HasField("min_tokens") else 0
+    if min_tokens > max_tokens:
+        violations.add("sampling.min_tokens", f"min_tokens={min_tokens} exceeds max_tokens={max_tokens}")
+
+    n = options.n if options.HasField("n") else int(TITO_DEFAULTS["n"])
+    if not 1 <= n <= MAX_N:
+        violations.add("sampling.n", f"n={n} must be between 1 and {MAX_N}")
+    logprobs = options.logprobs if options.HasField("logprobs") else False
+    top_logprobs = options.top_logprobs if options.HasField("top_logprobs") else 0
+    if top_logprobs > MAX_TOP_LOGPROBS:
+        violations.add("sampling.top_logprobs", f"top_logprobs={top_logprobs} must be <= {MAX_TOP_LOGPROBS}")
+    elif top_logprobs and not logprobs:
+        violations.add("sampling.top_logprobs", "top_logprobs needs logprobs=true")
+
+    if len(options.stop) > MAX_STOP_STRINGS:
+        violations.add("sampling.stop", f"{len(options.stop)} stop strings: at most {MAX_STOP_STRINGS}")
+    for i, stop in enumerate(options.stop):
+        if not stop:
+            violations.add(f"sampling.stop[{i}]", "stop string is empty")
+    for i, token_id in enumerate(options.stop_token_ids):
+        if token_id >= limits.vocab_size:
+            violations.add(f"sampling.stop_token_ids[{i}]",
+                           f"token id {token_id} is outside the vocabulary [0, {limits.vocab_size})")
+    violations.raise_if_any(reason="INVALID_SAMPLING")
+
+    params = sampling_pb2.SamplingParams(
+        max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty, stop_token_ids=list(options.stop_token_ids),
+        ignore_eos=options.ignore_eos if options.HasField("ignore_eos") else False, n=n,
+        logprobs=logprobs, top_logprobs=top_logprobs, text_options=text_options(options))
+    if options.HasField("seed"):
+        params.seed = options.seed
+    return params
+
+
+def text_options(options: render_pb2.SamplingOptions) -> sampling_pb2.OutputTextOptions:
+    """The string-level options derender applies, with their defaults made explicit."""
+    return sampling_pb2.OutputTextOptions(
+        stop=list(options.stop),
+        include_stop_str_in_output=options.include_stop_str_in_output
+        if options.HasField("include_stop_str_in_output") else False,
+        skip_special_tokens=options.skip_special_tokens if options.HasField("skip_special_tokens") else True,
+        spaces_between_special_tokens=options.spaces_between_special_tokens
+        if options.HasField("spaces_between_special_tokens") else True)

@@ -1,0 +1,131 @@
+"""End to end: the real `tito serve` entry points as three processes, a chat through them."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tito.pipeline import ChatPipeline, Endpoints, wait_until_serving
+from tito.v1 import chat_pb2, derender_pb2, engine_pb2, engine_pb2_grpc, render_pb2
+
+pytestmark = pytest.mark.e2e
+
+SERVICES = ("render", "engine", "derender")
+
+
+@pytest.fixture(scope="module")
+def services(tiny_text_model, tmp_path_factory):
+    """Start the three services as separate processes on Unix sockets; stop them with SIGTERM."""
+    sockets = tmp_path_factory.mktemp("sockets")
+    addresses = {name: f"unix:{sockets / (name + '.sock')}" for name in SERVICES}
+    processes = {
+        name: subprocess.Popen([sys.executable, "-m", "tito.cli", "serve", name, "--address", addresses[name],
+                                "--model", str(tiny_text_model), "--log-level", "warning"])
+        for name in SERVICES
+    }
+    try:
+        for name in SERVICES:
+            wait_until_serving(addresses[name], timeout=180)
+        yield addresses, processes
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in processes.values():
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+CHATS = [
+    [chat_pb2.ChatMessage(role="user", content="Hello! Tell me about the sea.")],
+    [chat_pb2.ChatMessage(role="system", content="You are terse."),
+     chat_pb2.ChatMessage(role="user", content="List three colours, please.")],
+]
+
+
+@pytest.mark.parametrize("messages", CHATS)
+def test_greedy_tokens_match_hf_generate_and_text_matches_decode(services, tiny_text_model, messages):
+    addresses, _ = services
+    endpoints = Endpoints(**addresses)
+    with ChatPipeline(endpoints, timeout=120) as pipeline:
+        rendered = pipeline.render.RenderChat(render_pb2.RenderChatRequest(
+            messages=messages, sampling=render_pb2.SamplingOptions(max_tokens=24, temperature=0.0)), timeout=60)
+        responses = list(pipeline.engine.Generate(rendered.generate_request, timeout=120))
+        chunks = [r.chunk for r in pipeline.derender.Derender(
+            iter([derender_pb2.DerenderRequest(context=rendered.derender_context)]
+                 + [derender_pb2.DerenderRequest(generate_response=r) for r in responses]), timeout=60)]
+
+    engine_tokens = [t for r in responses for t in r.token_ids]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_text_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_text_model, dtype=torch.float32).eval()
+    prompt = torch.tensor([list(rendered.generate_request.token_ids)])
+    with torch.no_grad():
+        hf = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False)
+    hf_tokens = hf[0, prompt.shape[1]:].tolist()
+    assert engine_tokens == hf_tokens
+    assert len(set(engine_tokens)) > 1, "a tiny model stuck on one token would make this test meaningless"
+
+    content = "".join(c.content for c in chunks)
+    assert content == tokenizer.decode(engine_tokens, skip_special_tokens=True)
+    assert chunks[0].role == "assistant"
+    assert chunks[-1].finish_reason in (engine_pb2.FINISH_REASON_STOP, engine_pb2.FINISH_REASON_LENGTH)
+    assert chunks[-1].usage.completion_tokens == len(engine_tokens)
+    assert chunks[-1].usage.prompt_tokens == len(rendered.generate_request.token_ids)
+
+
+def test_pipeline_streams_chunks(services):
+    addresses, _ = services
+    with ChatPipeline(Endpoints(**addresses), timeout=120) as pipeline:
+        chunks = list(pipeline.stream_chat(render_pb2.RenderChatRequest(
+            messages=CHATS[0], sampling=render_pb2.SamplingOptions(max_tokens=16, temperature=0.0))))
+    assert chunks[-1].finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED
+    assert "".join(c.content for c in chunks)
+
+
+def test_engine_rejects_out_of_vocab_then_serves(services):
+    addresses, _ = services
+    with grpc.insecure_channel(addresses["engine"]) as channel:
+        engine = engine_pb2_grpc.EngineServiceStub(channel)
+        vocab = engine.GetModelInfo(engine_pb2.EngineServiceGetModelInfoRequest(), timeout=30).vocab_size
+        bad = engine_pb2.GenerateRequest(token_ids=[1, vocab], sampling_params={"max_tokens": 2, "temperature": 0})
+        with pytest.raises(grpc.RpcError) as info:
+            list(engine.Generate(bad, timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        good = engine_pb2.GenerateRequest(token_ids=[1, 2], sampling_params={"max_tokens": 2, "temperature": 0})
+        assert sum(len(r.token_ids) for r in engine.Generate(good, timeout=30)) >= 1
+
+
+def test_tito_chat_command_prints_a_streamed_answer(services):
+    addresses, _ = services
+    result = subprocess.run(
+        [sys.executable, "-m", "tito.cli", "chat", "Hello there", "--max-tokens", "12",
+         "--render", addresses["render"], "--engine", addresses["engine"], "--derender", addresses["derender"]],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "finish_reason=FINISH_REASON_" in result.stdout
+    answer = result.stdout.split("\n[finish_reason=")[0]
+    assert answer.strip(), result.stdout
+
+
+def test_sigterm_shuts_down_gracefully(tiny_text_model, tmp_path):
+    address = f"unix:{tmp_path / 'derender.sock'}"
+    process = subprocess.Popen([sys.executable, "-m", "tito.cli", "serve", "derender", "--address", address,
+                                "--model", str(tiny_text_model), "--log-level", "info"],
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_serving(address, timeout=120)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+        assert process.returncode == 0, stderr
+        assert "shutting down" in stderr
+    finally:
+        if process.poll() is None:
+            process.kill()
