@@ -1,0 +1,38 @@
+import numpy as np
+
+from tito import signing, tensors
+from tito.v1 import multimodal_pb2
+
+KEY = b"k" * 32
+
+
+def _item() -> multimodal_pb2.MultiModalItem:
+    item = multimodal_pb2.MultiModalItem(modality=multimodal_pb2.MODALITY_IMAGE, mm_hash="ab" * 32,
+                                         placeholder={"offset": 3, "length": 4, "is_embed": [True, False, True, True]})
+    item.kwargs["pixel_values"].CopyFrom(tensors.from_numpy(np.arange(12, dtype=np.float32).reshape(3, 4)))
+    item.metadata["image_grid_thw"].CopyFrom(tensors.from_numpy(np.array([1, 2, 2], dtype=np.int64)))
+    return item
+
+
+def test_signed_item_verifies_and_any_change_breaks_it():
+    item = _item()
+    signing.sign_item(item, KEY, "k1")
+    assert signing.verify_item(item, {"k1": KEY})
+    assert not signing.verify_item(item, {"k1": b"x" * 32})
+    assert not signing.verify_item(item, {"other": KEY})
+    for mutate in (
+        lambda i: setattr(i, "mm_hash", "cd" * 32),
+        lambda i: setattr(i.placeholder, "offset", 4),
+        lambda i: i.placeholder.is_embed.__setitem__(1, True),
+        lambda i: setattr(i.kwargs["pixel_values"], "data", b"\x00" * 48),
+        lambda i: i.metadata["image_grid_thw"].shape.__setitem__(0, 1),
+        lambda i: setattr(i.ec_descriptor, "key", "forged"),
+    ):
+        forged = multimodal_pb2.MultiModalItem()
+        forged.CopyFrom(item)
+        mutate(forged)
+        assert not signing.verify_item(forged, {"k1": KEY})
+
+
+def test_unsigned_item_does_not_verify():
+    assert not signing.verify_item(_item(), {"": KEY})

@@ -1,0 +1,82 @@
+"""HMAC binding of media items to their content, shared by render (signs) and engine (verifies).
+
+An engine must never trust a client-supplied hash or cache reference on its own: a forged
+`mm_hash` could make it reuse another tenant's encoder output. Render, configured with a key it
+shares with the engine, signs each item; the engine, configured with the same key and
+`--require-signed-features`, rejects items whose tag does not verify.
+
+The signed bytes are defined here explicitly (not as protobuf serialization, which is not
+canonical across implementations): a domain tag, then every field that decides what the engine
+computes — modality, mm_hash, placeholder (offset, length, is_embed), each kwargs and metadata
+tensor by sorted name (dtype, shape, SHA-256 of the raw bytes), and the EC descriptor. Lengths
+prefix every variable-size part, so no two different items share signed bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+
+from tito.v1 import multimodal_pb2
+
+_DOMAIN = b"tito.v1.MultiModalItem/hmac-sha256\x00"
+
+
+def _blob(value: bytes) -> bytes:
+    return struct.pack("<Q", len(value)) + value
+
+
+def _text(value: str) -> bytes:
+    return _blob(value.encode("utf-8"))
+
+
+def _tensors(tensors) -> bytes:
+    out = [struct.pack("<Q", len(tensors))]
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        out.append(_text(name))
+        out.append(struct.pack("<I", tensor.dtype))
+        out.append(struct.pack("<Q", len(tensor.shape)) + struct.pack(f"<{len(tensor.shape)}q", *tensor.shape))
+        out.append(hashlib.sha256(tensor.data).digest())
+    return b"".join(out)
+
+
+def signed_bytes(item: multimodal_pb2.MultiModalItem) -> bytes:
+    """The canonical bytes an item's tag covers (everything but auth_tag and auth_key_id)."""
+    placeholder = item.placeholder
+    parts = [
+        _DOMAIN,
+        struct.pack("<I", item.modality),
+        _text(item.mm_hash),
+        struct.pack("<II", placeholder.offset, placeholder.length),
+        _blob(bytes(bytearray(1 if b else 0 for b in placeholder.is_embed))),
+        _tensors(item.kwargs),
+        _tensors(item.metadata),
+    ]
+    if item.HasField("ec_descriptor"):
+        ec = item.ec_descriptor
+        parts += [b"\x01", _text(ec.store_id), _text(ec.uri), _text(ec.key), struct.pack("<I", ec.dtype),
+                  struct.pack("<Q", len(ec.shape)) + struct.pack(f"<{len(ec.shape)}q", *ec.shape),
+                  struct.pack("<Q", ec.byte_size), _text(ec.checksum), _text(ec.model_fingerprint)]
+    else:
+        parts.append(b"\x00")
+    return b"".join(parts)
+
+
+def compute_tag(item: multimodal_pb2.MultiModalItem, key: bytes) -> bytes:
+    return hmac.new(key, signed_bytes(item), hashlib.sha256).digest()
+
+
+def sign_item(item: multimodal_pb2.MultiModalItem, key: bytes, key_id: str = "") -> None:
+    """Set the item's auth_tag (and auth_key_id) in place."""
+    item.auth_key_id = key_id
+    item.auth_tag = compute_tag(item, key)
+
+
+def verify_item(item: multimodal_pb2.MultiModalItem, keys: dict[str, bytes]) -> bool:
+    """True when the item's tag was made by one of `keys` (by auth_key_id) over its current content."""
+    key = keys.get(item.auth_key_id)
+    if key is None or len(item.auth_tag) != hashlib.sha256().digest_size:
+        return False
+    return hmac.compare_digest(item.auth_tag, compute_tag(item, key))
