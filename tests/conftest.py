@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tito.tiny_models import TEXT_MODEL, VL_MODEL, ensure_model
+from tito.tiny_models import INTERLEAVED_VL_MODEL, TEXT_MODEL, VL_MODEL, ensure_model
 
 
 @pytest.fixture(scope="session")
@@ -31,6 +31,12 @@ def tiny_text_model(model_cache) -> Path:
 @pytest.fixture(scope="session")
 def tiny_vl_model(model_cache) -> Path:
     return ensure_model(VL_MODEL, model_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_interleaved_vl_model(model_cache) -> Path:
+    """A tiny Gemma3: image spans interleave boundary tokens with soft tokens (is_embed masks)."""
+    return ensure_model(INTERLEAVED_VL_MODEL, model_cache)
 
 
 class AioServer:

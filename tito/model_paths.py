@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from tito.config import ConfigError
-from tito.tiny_models import TEXT_MODEL, VL_MODEL, ensure_model
+from tito.tiny_models import MODELS, TEXT_MODEL, ensure_model
 
 DEFAULT_MODEL = TEXT_MODEL
-TINY_MODELS = (TEXT_MODEL, VL_MODEL)
+TINY_MODELS = tuple(MODELS)
 
 
 def resolve_model(spec: str, cache_dir: Path | None = None) -> Path:

@@ -1,13 +1,13 @@
 """Deterministic, offline builder for tiny Hugging Face model directories.
 
-The models built here are random-weight, Qwen-shaped toys used by the tests and
+The models built here are random-weight toys (Qwen2, Qwen2-VL, Gemma3) used by the tests and
 as the default model of ``tito serve``.  Nothing is downloaded: the tokenizer is
 trained from a corpus embedded in this module and the weights come from
 private generators seeded per parameter name (normal(0, 0.2) for matrices, so
 greedy output is varied), so every build writes byte-identical files.  Only
 ``tokenizers``, ``torch`` and ``transformers`` are needed, imported lazily.
 
-Two models are available:
+Three models are available:
 
 ``tiny-qwen2`` (:data:`TEXT_MODEL`, :func:`build_text_model`)
     ``Qwen2ForCausalLM``: hidden size 64, 2 layers, 4 attention heads / 2 KV
@@ -23,7 +23,56 @@ Two models are available:
     ``56*56 <= pixels <= 28*28*64`` so images stay tiny (at most 64 merged
     image tokens).
 
-Both directories share one tokenizer (:func:`build_tokenizer`): a byte-level
+``tiny-gemma3`` (:data:`INTERLEAVED_VL_MODEL`, :func:`build_interleaved_vl_model`)
+    ``Gemma3ForConditionalGeneration``, the *interleaved-span* VL model: an
+    image's placeholder span mixes boundary tokens with the positions that take
+    encoder output, so render must send an ``is_embed`` mask.  Text part:
+    hidden 64, 2 layers (one ``sliding_attention`` with window 512, one
+    ``full_attention``), 4 heads / 2 KV heads, head_dim 16, intermediate 128,
+    untied embeddings (a tied random head just echoes its input token).  Vision
+    tower: SigLIP, 1 layer, hidden 32, 2 heads, 64 x 64 px images in 8 x 8
+    patches (an 8 x 8 grid), average-pooled 2 x 2 into
+    ``mm_tokens_per_image = 16`` rows, projected to 64.  Image processor:
+    ``Gemma3ImageProcessor`` (``AutoImageProcessor`` gives the PIL backend
+    ``Gemma3ImageProcessorPil``: no torchvision needed), resize to 64 x 64,
+    mean = std = 0.5, pan-and-scan off; output ``pixel_values`` of shape
+    ``[num_images, 3, 64, 64]`` and ``num_crops`` (all 0).  ``AutoProcessor``
+    also works here (``Gemma3Processor`` has no video processor).
+
+    Its tokenizer (:func:`build_interleaved_vl_tokenizer`) is the shared one
+    below plus three special tokens: ``<start_of_image>`` 1013,
+    ``<end_of_image>`` 1014, ``<image_soft_token>`` 1015 (vocab 1016).  Its chat
+    template (:data:`INTERLEAVED_VL_CHAT_TEMPLATE`) is the shared Qwen3-style
+    one (same roles, tools, thinking, stop tokens) except that an image part
+    renders as a single ``<start_of_image>`` (Gemma3's own placeholder) and a
+    video part is an error.
+
+    **How the prompt span is built** (what ``Gemma3Processor`` does, and what
+    :func:`expand_image_placeholders` reproduces): in the *text* rendered by the
+    chat template, each ``<start_of_image>`` (the k-th one is image k) is
+    replaced by::
+
+        "\\n\\n" + "<start_of_image>" + "<image_soft_token>" * 16 + "<end_of_image>" + "\\n\\n"
+
+    and the whole string is tokenized at once.  The three image tokens are
+    special added tokens, so they always become single ids whatever surrounds
+    them; the two ``"\\n\\n"`` are ordinary text whose ids depend on the
+    neighbouring text (after ``"Look: "`` the pre-tokenizer makes ``" \\n\\n"`` one
+    piece), so they are *not* part of the span.  The placeholder span of one image is therefore
+    ``[1013] + [1015] * 16 + [1014]`` (offset = position of its
+    ``<start_of_image>``, length 18) with ``is_embed`` =
+    ``[False] + [True] * 16 + [False]``: exactly the ``<image_soft_token>``
+    positions take the image's 16 encoder output rows, in order.
+    :func:`interleaved_image_span` returns that span (tokens, ids, mask) for
+    one image of the processor output, :func:`find_image_spans` locates the
+    spans in tokenized ids.  Gemma3's forward also takes ``token_type_ids`` (1
+    exactly at the ``is_embed`` positions, 0 elsewhere): with it, the soft
+    tokens of one image attend to each other bidirectionally; without it
+    attention is plainly causal and the output differs (also in
+    ``generate()``, silently).  Pan-and-scan (off here) would add crops, each
+    a further span with text between them; not supported by these helpers.
+
+The three directories share one tokenizer (:func:`build_tokenizer`): a byte-level
 BPE with the Qwen2 pre-tokenizer regex, NFC normalisation and a ~1000 token
 vocabulary, followed by these added tokens (ids are fixed by the build)::
 
@@ -41,7 +90,8 @@ vocabulary, followed by these added tokens (ids are fixed by the build)::
     <think>          1011  not special
     </think>         1012  not special
 
-for a total of 1013 tokens (``len(tokenizer)`` equals the models' vocab size).
+for a total of 1013 tokens (``len(tokenizer)`` equals the models' vocab size;
+``tiny-gemma3`` appends its three image tokens, see above).
 
 Notes on transformers 5.x (checked against 5.24):
 
@@ -104,12 +154,15 @@ import sys
 import tempfile
 import threading
 import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "TEXT_MODEL",
     "VL_MODEL",
+    "INTERLEAVED_VL_MODEL",
     "MODELS",
     "VERSION",
     "SPECIAL_TOKENS",
@@ -118,13 +171,22 @@ __all__ = [
     "build_tokenizer",
     "build_text_model",
     "build_vl_model",
+    "build_interleaved_vl_model",
+    "build_interleaved_vl_tokenizer",
+    "INTERLEAVED_VL_CHAT_TEMPLATE",
+    "INTERLEAVED_VL_SPECIAL_TOKENS",
+    "ImageSpan",
+    "interleaved_image_span",
+    "expand_image_placeholders",
+    "find_image_spans",
     "ensure_model",
     "main",
 ]
 
 TEXT_MODEL = "tiny-qwen2"
 VL_MODEL = "tiny-qwen2-vl"
-MODELS = (TEXT_MODEL, VL_MODEL)
+INTERLEAVED_VL_MODEL = "tiny-gemma3"
+MODELS = (TEXT_MODEL, VL_MODEL, INTERLEAVED_VL_MODEL)
 
 #: Bump whenever the produced bytes change, so cached copies are rebuilt.
 VERSION = "v1"
@@ -404,7 +466,12 @@ def _corpus_lines() -> list[str]:
 # --------------------------------------------------------------------------- tokenizer
 
 
-def _train_backend_tokenizer():
+def _train_backend_tokenizer(extra_special_tokens: tuple[str, ...] = ()):
+    """Train the shared BPE and add the tokens of :func:`_added_token_ids`.
+
+    ``extra_special_tokens`` are appended after them (ids from 1013 on), for a
+    model variant that needs more special tokens; the first 1013 ids never change.
+    """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
     from tokenizers.models import BPE
 
@@ -453,6 +520,16 @@ def _train_backend_tokenizer():
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS + NON_SPECIAL_ADDED_TOKENS}
     if ids != _added_token_ids():
         raise RuntimeError(f"unexpected added token ids: {ids}")
+    if extra_special_tokens:
+        tokenizer.add_special_tokens(
+            [
+                AddedToken(t, special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
+                for t in extra_special_tokens
+            ]
+        )
+        extra_ids = [tokenizer.token_to_id(token) for token in extra_special_tokens]
+        if extra_ids != list(range(_vocab_size(), _vocab_size() + len(extra_special_tokens))):
+            raise RuntimeError(f"unexpected extra special token ids: {extra_ids}")
     return tokenizer
 
 
@@ -559,6 +636,10 @@ def _save_model(model, out_dir: Path) -> None:
     os.chmod(out_dir / "model.safetensors", 0o644)
 
 
+# Module kinds (class names) that _deterministic_init treats specially; none occurs in the Qwen models.
+_ZERO_CENTRED_NORMS = frozenset({"Gemma3RMSNorm"})
+_RAW_MATRIX_MODULES = frozenset({"Gemma3MultiModalProjector"})
+
 # Building sets torch's global default dtype for a moment, so builds in one
 # process are serialised (e.g. ensure_model called from several threads).
 _BUILD_LOCK = threading.RLock()
@@ -589,9 +670,20 @@ def _deterministic_init(model) -> None:
                         full_name = f"{module_name}.{param_name}"
                         generator = torch.Generator().manual_seed(SEED + zlib.crc32(full_name.encode()))
                         param.normal_(0.0, INITIALIZER_RANGE, generator=generator)
+            elif kind in _ZERO_CENTRED_NORMS:
+                # These norms scale by (1 + weight): zero is their identity.
+                for param in params.values():
+                    param.zero_()
             elif "Norm" in kind:
                 for param_name, param in params.items():
                     param.fill_(0.0 if param_name == "bias" else 1.0)
+            elif kind in _RAW_MATRIX_MODULES:
+                # Plain nn.Parameter matrices (not inside a Linear); transformers zero-inits some of
+                # them (Gemma3's image projection), which would make images invisible to the model.
+                for param_name, param in params.items():
+                    full_name = f"{module_name}.{param_name}"
+                    generator = torch.Generator().manual_seed(SEED + zlib.crc32(full_name.encode()))
+                    param.normal_(0.0, INITIALIZER_RANGE, generator=generator)
             else:
                 raise RuntimeError(f"no deterministic init for {module_name} ({kind})")
 
@@ -693,7 +785,261 @@ def build_vl_model(out_dir: Path) -> Path:
     return out_dir
 
 
-_BUILDERS = {TEXT_MODEL: build_text_model, VL_MODEL: build_vl_model}
+# --------------------------------------------------------------------------- interleaved-span VL model (Gemma3)
+
+IMAGE_BEGIN_TOKEN = "<start_of_image>"
+IMAGE_END_TOKEN = "<end_of_image>"
+#: The position that takes one encoder output row.
+IMAGE_SOFT_TOKEN = "<image_soft_token>"
+#: Gemma3's image tokens, appended to the shared tokenizer for ``tiny-gemma3`` only (ids 1013..1015).
+INTERLEAVED_VL_SPECIAL_TOKENS = (IMAGE_BEGIN_TOKEN, IMAGE_END_TOKEN, IMAGE_SOFT_TOKEN)
+#: Pixels per side of the (square) image the vision tower sees.
+INTERLEAVED_IMAGE_SIZE = 64
+INTERLEAVED_PATCH_SIZE = 8
+#: Encoder output rows per image = ``<image_soft_token>`` positions per span (a 4 x 4 pooled grid).
+INTERLEAVED_TOKENS_PER_IMAGE = 16
+#: Text Gemma3Processor puts on each side of an image span (ordinary text, tokenized with its context).
+INTERLEAVED_SPAN_SEPARATOR = "\n\n"
+
+
+def _interleaved_token_ids() -> dict[str, int]:
+    ids = _added_token_ids()
+    ids.update({token: _vocab_size() + index for index, token in enumerate(INTERLEAVED_VL_SPECIAL_TOKENS)})
+    return ids
+
+
+def _interleaved_chat_template() -> str:
+    # The Qwen3-style conversation format of the other models (so the same stop tokens, reasoning
+    # and tool-call parsing apply), with Gemma3's image markup: an image part renders as one
+    # <start_of_image>, which the processor then expands.  Gemma3 has no video input.
+    image_markup = "{{- '" + _VISION_IMAGE + "' -}}"
+    video_markup = "{{- '" + _VISION_VIDEO + "' -}}"
+    if CHAT_TEMPLATE.count(image_markup) != 1 or CHAT_TEMPLATE.count(video_markup) != 1:
+        raise RuntimeError("CHAT_TEMPLATE changed: cannot derive the interleaved VL template")
+    return CHAT_TEMPLATE.replace(image_markup, "{{- '" + IMAGE_BEGIN_TOKEN + "' -}}").replace(
+        video_markup, "{{- raise_exception('This model does not accept video input') -}}"
+    )
+
+
+#: Chat template of ``tiny-gemma3``: :data:`CHAT_TEMPLATE` with image parts as ``<start_of_image>``.
+INTERLEAVED_VL_CHAT_TEMPLATE = _interleaved_chat_template()
+
+
+def build_interleaved_vl_tokenizer(out_dir: Path) -> Path:
+    """Write the ``tiny-gemma3`` tokenizer: the shared BPE plus Gemma3's three image tokens.
+
+    Writes ``tokenizer.json``, ``tokenizer_config.json`` (with Gemma3's named
+    ``boi_token`` / ``eoi_token`` / ``image_token`` so ``Gemma3Processor``
+    finds them) and ``chat_template.jinja``; returns ``out_dir``.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_backend_tokenizer(extra_special_tokens=INTERLEAVED_VL_SPECIAL_TOKENS)
+    _write_text(out_dir / "tokenizer.json", tokenizer.to_str(pretty=True) + "\n")
+    config = _tokenizer_config()
+    ids = _interleaved_token_ids()
+    for token in INTERLEAVED_VL_SPECIAL_TOKENS:
+        config["added_tokens_decoder"][str(ids[token])] = {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+    config["additional_special_tokens"] = config["additional_special_tokens"] + list(INTERLEAVED_VL_SPECIAL_TOKENS)
+    config.update(boi_token=IMAGE_BEGIN_TOKEN, eoi_token=IMAGE_END_TOKEN, image_token=IMAGE_SOFT_TOKEN)
+    config["processor_class"] = "Gemma3Processor"
+    _write_json(out_dir / "tokenizer_config.json", config)
+    _write_text(out_dir / "chat_template.jinja", INTERLEAVED_VL_CHAT_TEMPLATE)
+    return out_dir
+
+
+def _interleaved_image_processor_config() -> dict[str, Any]:
+    return {
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_pan_and_scan": False,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_processor_type": "Gemma3ImageProcessor",
+        "image_std": [0.5, 0.5, 0.5],
+        "processor_class": "Gemma3Processor",
+        "resample": 2,
+        "rescale_factor": 0.00392156862745098,
+        "size": {"height": INTERLEAVED_IMAGE_SIZE, "width": INTERLEAVED_IMAGE_SIZE},
+    }
+
+
+def build_interleaved_vl_model(out_dir: Path) -> Path:
+    """Write the tokenizer, a tiny random ``Gemma3ForConditionalGeneration`` and its processor configs."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    out_dir = Path(out_dir)
+    build_interleaved_vl_tokenizer(out_dir)
+    ids = _interleaved_token_ids()
+    text_config = {
+        "vocab_size": len(ids) + BPE_VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 2048,
+        # Gemma3 alternates local (sliding window) and global layers; keep one of each.
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 512,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "initializer_range": INITIALIZER_RANGE,
+        "rms_norm_eps": 1e-6,
+        "use_cache": True,
+        "attention_dropout": 0.0,
+        "bos_token_id": ids[PAD_TOKEN],
+        "eos_token_id": ids[EOS_TOKEN],
+        "pad_token_id": ids[PAD_TOKEN],
+        "tie_word_embeddings": False,
+    }
+    vision_config = {
+        "model_type": "siglip_vision_model",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_channels": 3,
+        "image_size": INTERLEAVED_IMAGE_SIZE,
+        "patch_size": INTERLEAVED_PATCH_SIZE,
+        "hidden_act": "gelu_pytorch_tanh",
+        "layer_norm_eps": 1e-6,
+        "vision_use_head": False,
+    }
+    config = Gemma3Config(
+        text_config=text_config,
+        vision_config=vision_config,
+        mm_tokens_per_image=INTERLEAVED_TOKENS_PER_IMAGE,
+        boi_token_index=ids[IMAGE_BEGIN_TOKEN],
+        eoi_token_index=ids[IMAGE_END_TOKEN],
+        image_token_index=ids[IMAGE_SOFT_TOKEN],
+        initializer_range=INITIALIZER_RANGE,
+        # Real Gemma3 ties them; with random weights a tied head mostly predicts the input token
+        # back (greedy output is one token forever), so this toy unties them like the Qwen ones.
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    model = _create_model(Gemma3ForConditionalGeneration, config)
+    _save_model(model, out_dir)
+    _write_json(out_dir / "preprocessor_config.json", _interleaved_image_processor_config())
+    _write_json(
+        out_dir / "processor_config.json",
+        {"image_seq_length": INTERLEAVED_TOKENS_PER_IMAGE, "processor_class": "Gemma3Processor"},
+    )
+    return out_dir
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """The placeholder span of one image: its tokens and which positions take encoder output."""
+
+    tokens: tuple[str, ...]
+    token_ids: tuple[int, ...]
+    #: ``True`` where the position is replaced by an encoder output row (the soft tokens).
+    is_embed: tuple[bool, ...]
+
+    @property
+    def num_embeds(self) -> int:
+        return sum(self.is_embed)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+def interleaved_image_span(
+    image_inputs: Mapping[str, Any] | None = None,
+    image_index: int = 0,
+    *,
+    tokens_per_image: int = INTERLEAVED_TOKENS_PER_IMAGE,
+    token_ids: Mapping[str, int] | None = None,
+) -> ImageSpan:
+    """The span of image ``image_index`` given the image processor's output for the request.
+
+    The span is ``<start_of_image>``, ``tokens_per_image`` x ``<image_soft_token>``,
+    ``<end_of_image>``; ``is_embed`` is true exactly at the soft tokens.  ``token_ids``
+    maps those three strings to ids (default: the ``tiny-gemma3`` ids; pass a real
+    tokenizer's for a real Gemma3, whose ``tokens_per_image`` is
+    ``config.mm_tokens_per_image``).  ``image_inputs`` (``pixel_values`` plus
+    ``num_crops``) is only checked: pan-and-scan crops, which would add more spans
+    with text between them, are not supported (``ValueError``).
+    """
+    if tokens_per_image <= 0:
+        raise ValueError(f"tokens_per_image must be positive, got {tokens_per_image}")
+    if image_inputs is not None:
+        num_crops = image_inputs.get("num_crops")
+        if num_crops is not None:
+            crops = _as_list(num_crops)
+            if not 0 <= image_index < len(crops):
+                raise ValueError(f"image_index {image_index} out of range for {len(crops)} processed images")
+            if int(crops[image_index]) != 0:
+                raise ValueError("pan-and-scan crops are not supported: process images with do_pan_and_scan=False")
+    ids = dict(_interleaved_token_ids() if token_ids is None else token_ids)
+    tokens = (IMAGE_BEGIN_TOKEN,) + (IMAGE_SOFT_TOKEN,) * tokens_per_image + (IMAGE_END_TOKEN,)
+    return ImageSpan(
+        tokens=tokens,
+        token_ids=tuple(ids[token] for token in tokens),
+        is_embed=tuple(token == IMAGE_SOFT_TOKEN for token in tokens),
+    )
+
+
+def _as_list(value: Any) -> list:
+    return value.tolist() if hasattr(value, "tolist") else list(value)
+
+
+def expand_image_placeholders(text: str, tokens_per_image: int = INTERLEAVED_TOKENS_PER_IMAGE) -> str:
+    """Expand every ``<start_of_image>`` in a rendered prompt the way ``Gemma3Processor`` does.
+
+    Each one becomes ``"\\n\\n" + span + "\\n\\n"`` where span is the text of
+    :func:`interleaved_image_span`; tokenizing the result gives the processor's ids.
+    """
+    span = "".join(interleaved_image_span(tokens_per_image=tokens_per_image).tokens)
+    return text.replace(IMAGE_BEGIN_TOKEN, INTERLEAVED_SPAN_SEPARATOR + span + INTERLEAVED_SPAN_SEPARATOR)
+
+
+def find_image_spans(
+    token_ids: Sequence[int], token_ids_map: Mapping[str, int] | None = None
+) -> list[tuple[int, int]]:
+    """``(offset, length)`` of each ``<start_of_image> ... <end_of_image>`` span in ``token_ids``.
+
+    Raises ``ValueError`` for an unterminated span, a nested begin, or a soft token
+    outside a span.
+    """
+    ids = dict(_interleaved_token_ids() if token_ids_map is None else token_ids_map)
+    begin, end, soft = ids[IMAGE_BEGIN_TOKEN], ids[IMAGE_END_TOKEN], ids[IMAGE_SOFT_TOKEN]
+    spans: list[tuple[int, int]] = []
+    start: int | None = None
+    for position, token_id in enumerate(token_ids):
+        if token_id == begin:
+            if start is not None:
+                raise ValueError(f"image span opened at {start} is not closed before position {position}")
+            start = position
+        elif token_id == end:
+            if start is None:
+                raise ValueError(f"{IMAGE_END_TOKEN} at position {position} closes no span")
+            spans.append((start, position - start + 1))
+            start = None
+        elif token_id == soft and start is None:
+            raise ValueError(f"{IMAGE_SOFT_TOKEN} at position {position} is outside an image span")
+    if start is not None:
+        raise ValueError(f"image span opened at {start} is not closed")
+    return spans
+
+
+_BUILDERS = {TEXT_MODEL: build_text_model, VL_MODEL: build_vl_model, INTERLEAVED_VL_MODEL: build_interleaved_vl_model}
 
 
 # --------------------------------------------------------------------------- cache

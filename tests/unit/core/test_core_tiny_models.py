@@ -1,4 +1,4 @@
-"""Tests for tito.tiny_models: deterministic offline tiny Qwen2 / Qwen2-VL builds."""
+"""Tests for tito.tiny_models: deterministic offline tiny Qwen2 / Qwen2-VL / Gemma3 builds."""
 
 from __future__ import annotations
 
@@ -15,7 +15,19 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from tito import tiny_models  # noqa: E402
-from tito.tiny_models import TEXT_MODEL, VL_MODEL, build_text_model, build_tokenizer, build_vl_model, ensure_model  # noqa: E402
+from tito.tiny_models import (  # noqa: E402
+    INTERLEAVED_VL_MODEL,
+    TEXT_MODEL,
+    VL_MODEL,
+    build_interleaved_vl_model,
+    build_text_model,
+    build_tokenizer,
+    build_vl_model,
+    ensure_model,
+    expand_image_placeholders,
+    find_image_spans,
+    interleaved_image_span,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -458,4 +470,203 @@ def test_ensure_model_rejects_unknown_name(tmp_path):
 
 
 def test_ensure_model_vl_registered():
-    assert tiny_models.MODELS == (TEXT_MODEL, VL_MODEL) == ("tiny-qwen2", "tiny-qwen2-vl")
+    assert tiny_models.MODELS == (TEXT_MODEL, VL_MODEL, INTERLEAVED_VL_MODEL)
+    assert tiny_models.MODELS == ("tiny-qwen2", "tiny-qwen2-vl", "tiny-gemma3")
+
+
+def test_ensure_model_builds_interleaved_vl(tmp_path, gemma_dir):
+    path = ensure_model(INTERLEAVED_VL_MODEL, cache_dir=tmp_path)
+    assert path == tmp_path / f"{INTERLEAVED_VL_MODEL}-{tiny_models.VERSION}"
+    assert _dir_bytes(path) == _dir_bytes(gemma_dir)
+
+
+# --------------------------------------------------------------------------- interleaved-span VL model (Gemma3)
+
+GEMMA3_IDS = {"<start_of_image>": 1013, "<end_of_image>": 1014, "<image_soft_token>": 1015}
+TOKENS_PER_IMAGE = 16
+
+
+@pytest.fixture(scope="session")
+def gemma_dir(build_root) -> Path:
+    return build_interleaved_vl_model(build_root / "gemma3")
+
+
+@pytest.fixture(scope="session")
+def gemma_tokenizer(gemma_dir):
+    return transformers.AutoTokenizer.from_pretrained(gemma_dir)
+
+
+@pytest.fixture(scope="session")
+def gemma_model(gemma_dir):
+    return transformers.AutoModelForImageTextToText.from_pretrained(gemma_dir).eval()
+
+
+def _image_messages(*parts):
+    return [{"role": "user", "content": list(parts)}]
+
+
+def _gemma_inputs(tokenizer, image_processor, images, text_before="Look: ", text_after=" What is it?"):
+    parts = [{"type": "text", "text": text_before}]
+    parts += [{"type": "image"} for _ in images]
+    parts.append({"type": "text", "text": text_after})
+    prompt = _render(tokenizer, _image_messages(*parts), add_generation_prompt=True)
+    expanded = expand_image_placeholders(prompt)
+    enc = tokenizer(expanded, return_tensors="pt")
+    image_inputs = image_processor(images=images, return_tensors="pt")
+    return prompt, enc, image_inputs
+
+
+def test_interleaved_rebuild_is_byte_identical(build_root, gemma_dir, text_dir):
+    again = build_interleaved_vl_model(build_root / "gemma3-again")
+    assert _dir_bytes(again) == _dir_bytes(gemma_dir)
+    assert set(_dir_bytes(gemma_dir)) == set(_dir_bytes(text_dir)) | {
+        "preprocessor_config.json",
+        "processor_config.json",
+    }
+    for name in ("preprocessor_config.json", "processor_config.json", "config.json", "tokenizer_config.json"):
+        text = (gemma_dir / name).read_text(encoding="utf-8")
+        assert text == json.dumps(json.loads(text), indent=2, sort_keys=True, ensure_ascii=False) + "\n", name
+
+
+def test_interleaved_tokenizer_extends_the_shared_one(gemma_tokenizer, tokenizer):
+    assert len(gemma_tokenizer) == len(tokenizer) + 3 == 1016
+    for token, token_id in {**EXPECTED_IDS, **GEMMA3_IDS}.items():
+        assert gemma_tokenizer.convert_tokens_to_ids(token) == token_id
+        assert gemma_tokenizer.encode(f"x{token}y", add_special_tokens=False)[1] == token_id
+    # Gemma3Processor reads these named tokens from the tokenizer.
+    assert (gemma_tokenizer.boi_token, gemma_tokenizer.boi_token_id) == ("<start_of_image>", 1013)
+    assert (gemma_tokenizer.eoi_token, gemma_tokenizer.image_token_id) == ("<end_of_image>", 1015)
+    assert set(GEMMA3_IDS) <= set(gemma_tokenizer.all_special_tokens)
+    text = "The café serves 日本語 😀 <think>x</think>\n\n"
+    assert gemma_tokenizer.encode(text) == tokenizer.encode(text)
+    span_text = expand_image_placeholders("<start_of_image>")
+    assert gemma_tokenizer.decode(gemma_tokenizer.encode(span_text), skip_special_tokens=True) == "\n\n\n\n"
+
+
+def test_interleaved_chat_template(gemma_tokenizer, tokenizer, gemma_dir):
+    assert (gemma_dir / "chat_template.jinja").read_text(encoding="utf-8") == tiny_models.INTERLEAVED_VL_CHAT_TEMPLATE
+    messages = _image_messages(
+        {"type": "text", "text": "Compare "}, {"type": "image"}, {"type": "text", "text": " and "},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+    )
+    assert _render(gemma_tokenizer, messages, add_generation_prompt=True) == (
+        "<|im_start|>user\nCompare <start_of_image> and <start_of_image><|im_end|>\n<|im_start|>assistant\n"
+    )
+    # Text-only conversations (with tools) render exactly as with the shared template.
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert _render(gemma_tokenizer, chat, tools=TOOLS, add_generation_prompt=True) == _render(
+        tokenizer, chat, tools=TOOLS, add_generation_prompt=True
+    )
+    from jinja2.exceptions import TemplateError
+
+    with pytest.raises(TemplateError, match="video"):
+        _render(gemma_tokenizer, _image_messages({"type": "video"}))
+
+
+def test_interleaved_image_processor_loads_pil_backend(gemma_dir):
+    processor = transformers.AutoImageProcessor.from_pretrained(gemma_dir)
+    assert type(processor).__name__ == "Gemma3ImageProcessorPil"
+    out = processor(images=[_image(), _image().resize((20, 90))], return_tensors="pt")
+    assert out["pixel_values"].shape == (2, 3, 64, 64)
+    assert out["num_crops"].tolist() == [0, 0]
+    assert out["pixel_values"].dtype == torch.float32
+    assert -1.0 <= float(out["pixel_values"].min()) and float(out["pixel_values"].max()) <= 1.0
+
+
+def test_interleaved_image_span_layout():
+    span = interleaved_image_span()
+    assert span.tokens == ("<start_of_image>",) + ("<image_soft_token>",) * 16 + ("<end_of_image>",)
+    assert span.token_ids == (1013,) + (1015,) * 16 + (1014,)
+    assert span.is_embed == (False,) + (True,) * 16 + (False,)
+    assert (len(span), span.num_embeds) == (18, 16)
+    # Other ids / sizes, e.g. a real Gemma3 (256 soft tokens, its own ids).
+    real = interleaved_image_span(
+        tokens_per_image=256,
+        token_ids={"<start_of_image>": 255999, "<end_of_image>": 256000, "<image_soft_token>": 262144},
+    )
+    assert real.token_ids[0] == 255999 and real.token_ids[-1] == 256000 and real.num_embeds == 256
+    with pytest.raises(ValueError, match="pan-and-scan"):
+        interleaved_image_span({"num_crops": [0, 2]}, image_index=1)
+    with pytest.raises(ValueError, match="out of range"):
+        interleaved_image_span({"num_crops": [0]}, image_index=1)
+    assert interleaved_image_span({"num_crops": torch.tensor([0, 0])}, image_index=1) == span
+
+
+def test_find_image_spans_and_its_errors():
+    span = list(interleaved_image_span().token_ids)
+    ids = [5, 6] + span + [7] + span + [8]
+    assert find_image_spans(ids) == [(2, 18), (21, 18)]
+    assert find_image_spans([1, 2, 3]) == []
+    with pytest.raises(ValueError, match="not closed"):
+        find_image_spans([1013, 1015])
+    with pytest.raises(ValueError, match="not closed before"):
+        find_image_spans([1013, 1013, 1014])
+    with pytest.raises(ValueError, match="closes no span"):
+        find_image_spans([1014])
+    with pytest.raises(ValueError, match="outside"):
+        find_image_spans([1015])
+
+
+def test_interleaved_expansion_matches_gemma3_processor(gemma_dir, gemma_tokenizer):
+    # The real HF processor loads here (Gemma3 has no torchvision-only video processor): the
+    # module's pure expansion must give exactly its ids, and is_embed must be its token_type_ids.
+    hf_processor = transformers.AutoProcessor.from_pretrained(gemma_dir)
+    assert type(hf_processor).__name__ == "Gemma3Processor"
+    image_processor = transformers.AutoImageProcessor.from_pretrained(gemma_dir)
+    images = [_image(), _image().rotate(90)]
+    for before, after in [("Look: ", " What is it?"), ("", ""), ("a\n", "\n\nb")]:
+        prompt, enc, image_inputs = _gemma_inputs(gemma_tokenizer, image_processor, images, before, after)
+        reference = hf_processor(text=[prompt], images=[images], return_tensors="pt")
+        ids = enc["input_ids"][0].tolist()
+        assert ids == reference["input_ids"][0].tolist()
+        assert torch.equal(image_inputs["pixel_values"], reference["pixel_values"])
+
+        spans = find_image_spans(ids)
+        assert len(spans) == len(images)
+        is_embed = [0] * len(ids)
+        for index, (offset, length) in enumerate(spans):
+            span = interleaved_image_span(image_inputs, index)
+            assert length == len(span)
+            assert tuple(ids[offset : offset + length]) == span.token_ids
+            for position, embed in enumerate(span.is_embed):
+                is_embed[offset + position] = int(embed)
+        assert is_embed == reference["token_type_ids"][0].tolist()
+
+
+def test_interleaved_forward_image_tokens_equal_encoder_rows(gemma_model, gemma_dir, gemma_tokenizer):
+    cfg = gemma_model.config
+    assert type(gemma_model).__name__ == "Gemma3ForConditionalGeneration"
+    assert (cfg.boi_token_id, cfg.eoi_token_id, cfg.image_token_id) == (1013, 1014, 1015)
+    assert cfg.text_config.vocab_size == len(gemma_tokenizer)
+    assert cfg.mm_tokens_per_image == TOKENS_PER_IMAGE
+    image_processor = transformers.AutoImageProcessor.from_pretrained(gemma_dir)
+
+    _, enc, image_inputs = _gemma_inputs(gemma_tokenizer, image_processor, [_image()])
+    input_ids = enc["input_ids"]
+    (offset, length), = find_image_spans(input_ids[0].tolist())
+    span = interleaved_image_span(image_inputs, 0)
+    is_embed = torch.zeros_like(input_ids)
+    is_embed[0, offset : offset + length] = torch.tensor(span.is_embed)
+    with torch.no_grad():
+        rows = gemma_model.model.get_image_features(image_inputs["pixel_values"]).pooler_output
+        assert rows.shape == (1, span.num_embeds, cfg.text_config.hidden_size)
+        assert int((input_ids == cfg.image_token_id).sum()) == span.num_embeds == TOKENS_PER_IMAGE
+        logits = gemma_model(**enc, pixel_values=image_inputs["pixel_values"], token_type_ids=is_embed).logits
+        assert logits.shape == (1, input_ids.shape[1], len(gemma_tokenizer))
+        assert torch.isfinite(logits).all()
+        # The image reaches the output: another image changes the next-token logits.
+        other = image_processor(images=[_image().rotate(90)], return_tensors="pt")["pixel_values"]
+        other_logits = gemma_model(**enc, pixel_values=other, token_type_ids=is_embed).logits
+        assert not torch.allclose(logits[0, -1], other_logits[0, -1])
+        # token_type_ids (bidirectional attention inside an image) matters: an engine must send it.
+        causal_logits = gemma_model(**enc, pixel_values=image_inputs["pixel_values"]).logits
+        assert not torch.allclose(logits[0, -1], causal_logits[0, -1])
+        # A count mismatch between soft tokens and encoder rows is refused.
+        with pytest.raises(ValueError, match="do not match"):
+            gemma_model(input_ids=input_ids[:, : offset + 5], pixel_values=image_inputs["pixel_values"])
+        out = gemma_model.generate(
+            **enc, pixel_values=image_inputs["pixel_values"], token_type_ids=is_embed,
+            max_new_tokens=20, min_new_tokens=20, do_sample=False,
+        )
+    new = out[0, input_ids.shape[1] :].tolist()
+    assert len(set(new)) > 5, new
