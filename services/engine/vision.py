@@ -1,0 +1,253 @@
+"""Vision building blocks for the runner: encode media, place encoder rows, M-RoPE positions.
+
+Verified against transformers 5.24 (see tests/unit/engine/test_engine_vision.py):
+
+* `encode_images` / `encode_items` call the model's own `get_image_features` /
+  `get_video_features` (one call per modality over all items, as HF's forward does: the Qwen2-VL
+  vision tower attends within each image through `cu_seqlens`, so batching items does not mix
+  them) and split the output into one [rows, hidden] tensor per item.
+* `build_prefill_embeddings` embeds the token ids and overwrites exactly the validated embed
+  positions with encoder rows (is_embed aware). HF scatters into every position holding the
+  placeholder token id instead; admission (`features.py`) guarantees the two sets are equal.
+* `mrope_positions` reproduces `Qwen2VLModel.get_rope_index` for one sequence from the validated
+  items (their grid and embed run) instead of `mm_token_type_ids`; decode step k (0-based, token
+  at index L + k) uses position L + k + rope_delta on all three axes. (One deliberate
+  difference: HF finds vision runs by grouping equal `mm_token_type_ids`, so two items with no
+  text token between them would merge into one run there; here each item is its own run. Qwen
+  prompts always separate items with <|vision_end|><|vision_start|>.)
+* `prefill_media` packs the same information sparsely (rows + their positions + M-RoPE
+  positions + rope_delta) in the shape the batched runner's `forward.MultiModalPrefill` takes.
+* `reference_greedy_decode` is a deliberately plain prefill + decode loop built from the above;
+  it equals `model.generate` greedily and is the reference a batched runner can be checked against.
+
+Supported families: Qwen2-VL (`model_type == "qwen2_vl"`: images and videos, M-RoPE) and Gemma3
+(`"gemma3"`: interleaved spans, fixed rows per image, bidirectional attention inside each image's
+run of soft tokens; `embed_token_type_ids` gives the mask input HF's Gemma3 expects).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+
+class EmbedItem(Protocol):
+    """What these helpers read from a validated item (features.ValidatedItem satisfies it)."""
+
+    modality: str
+    embed_positions: tuple[int, ...]
+    grid_thw: tuple[int, int, int] | None
+    encoder_inputs: Any
+
+
+def model_family(model_or_config: Any) -> str:
+    config = getattr(model_or_config, "config", model_or_config)
+    family = getattr(config, "model_type", "")
+    if family not in ("qwen2_vl", "gemma3"):
+        raise ValueError(f"no vision support for model_type {family!r} (supported: qwen2_vl, gemma3)")
+    return family
+
+
+def uses_mrope(model_or_config: Any) -> bool:
+    return model_family(model_or_config) == "qwen2_vl"
+
+
+# ---------------------------------------------------------------------------- encoding
+
+
+def _device_dtype(model) -> tuple[torch.device, torch.dtype]:
+    weight = model.get_input_embeddings().weight
+    return weight.device, weight.dtype
+
+
+@torch.inference_mode()
+def encode_images(model, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Run the vision tower on a batch of images; one [rows, hidden] tensor per image.
+
+    Qwen2-VL: `pixel_values` is the processor's [sum of patches, C*T*P*P], `grid_thw` [n, 3].
+    Gemma3: `pixel_values` is [n, C, S, S] and `grid_thw` is unused.
+    """
+    device, _ = _device_dtype(model)
+    if model_family(model) == "qwen2_vl":
+        grid_thw = torch.as_tensor(grid_thw, dtype=torch.long).reshape(-1, 3).to(device)
+        output = model.get_image_features(pixel_values=pixel_values.to(device), image_grid_thw=grid_thw,
+                                          return_dict=True)
+        return list(output.pooler_output)
+    output = model.get_image_features(pixel_values=pixel_values.to(device, model.dtype), return_dict=True)
+    return list(output.pooler_output.unbind(0))
+
+
+@torch.inference_mode()
+def encode_videos(model, pixel_values_videos: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+    """Qwen2-VL videos: like `encode_images` through `get_video_features`."""
+    device, _ = _device_dtype(model)
+    grid_thw = torch.as_tensor(grid_thw, dtype=torch.long).reshape(-1, 3).to(device)
+    output = model.get_video_features(pixel_values_videos=pixel_values_videos.to(device), video_grid_thw=grid_thw,
+                                      return_dict=True)
+    return list(output.pooler_output)
+
+
+def encode_items(model, items: Sequence[EmbedItem]) -> list[torch.Tensor]:
+    """Encoder rows for each item (in the given order), one encoder call per modality."""
+    family = model_family(model)
+    rows: list[torch.Tensor | None] = [None] * len(items)
+    for modality in dict.fromkeys(item.modality for item in items):
+        indices = [k for k, item in enumerate(items) if item.modality == modality]
+        group = [items[k] for k in indices]
+        if family == "qwen2_vl":
+            pixel_key = "pixel_values" if modality == "image" else "pixel_values_videos"
+            pixels = torch.cat([item.encoder_inputs[pixel_key] for item in group])
+            grids = torch.tensor([item.grid_thw for item in group], dtype=torch.long)
+            outputs = (encode_images if modality == "image" else encode_videos)(model, pixels, grids)
+        else:
+            # [1, C, S, S] or [C, S, S] per item (admission allows both) -> [n, C, S, S]
+            images = [item.encoder_inputs["pixel_values"] for item in group]
+            pixels = torch.cat([image.reshape(1, *image.shape[-3:]) for image in images])
+            outputs = encode_images(model, pixels)
+        for k, output in zip(indices, outputs):
+            rows[k] = output
+    return rows  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------- prompt inputs
+
+
+@torch.inference_mode()
+def build_prefill_embeddings(model, token_ids: Sequence[int],
+                             items_with_rows: Sequence[tuple[EmbedItem, torch.Tensor]]) -> torch.Tensor:
+    """inputs_embeds [L, hidden]: token embeddings with each item's rows at its embed positions."""
+    device, dtype = _device_dtype(model)
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)
+    positions = [torch.tensor(item.embed_positions, dtype=torch.long, device=device) for item, _ in items_with_rows]
+    for (item, rows), where in zip(items_with_rows, positions):
+        if rows.ndim != 2 or rows.shape[0] != len(where):
+            raise ValueError(f"{item.modality} item has {len(where)} embed positions but rows of shape "
+                             f"{tuple(rows.shape)}")
+        ids[where] = 0  # the placeholder id may lie outside the table (HF does the same); it is overwritten
+    embeds = model.get_input_embeddings()(ids)
+    for (_, rows), where in zip(items_with_rows, positions):
+        embeds[where] = rows.to(device=device, dtype=embeds.dtype)
+    return embeds
+
+
+def mm_token_type_ids(length: int, items: Sequence[EmbedItem]) -> torch.Tensor:
+    """HF's `mm_token_type_ids` for one sequence: 1 at image, 2 at video embed positions, else 0."""
+    types = torch.zeros(length, dtype=torch.long)
+    for item in items:
+        types[list(item.embed_positions)] = 1 if item.modality == "image" else 2
+    return types
+
+
+def embed_token_type_ids(length: int, items: Sequence[EmbedItem]) -> torch.Tensor:
+    """Gemma3's `token_type_ids`: 1 at every embed position (those attend bidirectionally per image)."""
+    types = torch.zeros(length, dtype=torch.long)
+    for item in items:
+        types[list(item.embed_positions)] = 1
+    return types
+
+
+def mrope_positions(token_ids: Sequence[int], items: Sequence[EmbedItem], config: Any) -> tuple[torch.Tensor, int]:
+    """Qwen2-VL M-RoPE position ids [3, L] and rope_delta for one prompt (== HF get_rope_index).
+
+    Text tokens advance all three axes together; an item's embed run of t*h'*w' tokens (h' = h /
+    merge, w' = w / merge) gets (start + t_index, start + row, start + column) and the next text
+    resumes at start + max(h', w'). Decode token k (at index L + k) sits at L + k + rope_delta.
+    """
+    config = getattr(config, "config", config)
+    merge = config.vision_config.spatial_merge_size
+    length = len(token_ids)
+    positions = torch.empty(3, length, dtype=torch.long)
+    current = 0  # next position value
+    cursor = 0  # next token index to place
+    for item in sorted(items, key=lambda item: item.embed_positions[0]):
+        start = item.embed_positions[0]
+        positions[:, cursor:start] = torch.arange(current, current + start - cursor)
+        current += start - cursor
+        t, h, w = item.grid_thw
+        grid_h, grid_w = h // merge, w // merge
+        count = t * grid_h * grid_w
+        if len(item.embed_positions) != count or item.embed_positions[-1] != start + count - 1:
+            raise ValueError(f"{item.modality} item's embed positions are not one run of {count} tokens")
+        positions[0, start:start + count] = torch.arange(t).repeat_interleave(grid_h * grid_w) + current
+        positions[1, start:start + count] = torch.arange(grid_h).repeat_interleave(grid_w).repeat(t) + current
+        positions[2, start:start + count] = torch.arange(grid_w).repeat(t * grid_h) + current
+        current += max(grid_h, grid_w)
+        cursor = start + count
+    positions[:, cursor:] = torch.arange(current, current + length - cursor)
+    rope_delta = int(positions.max()) + 1 - length if length else 0
+    return positions, rope_delta
+
+
+def mrope_decode_positions(start_index: int, count: int, rope_delta: int) -> torch.Tensor:
+    """Position ids [3, count] for the tokens at indices start_index .. start_index + count - 1."""
+    return (torch.arange(start_index, start_index + count) + rope_delta).expand(3, count)
+
+
+def prefill_media(token_ids: Sequence[int], items_with_rows: Sequence[tuple[EmbedItem, torch.Tensor]],
+                  config: Any) -> dict[str, Any]:
+    """The sparse form of a multimodal prefill, keyed like `forward.MultiModalPrefill`'s fields.
+
+    `embeds` [N, hidden] (every item's rows, in prompt order), `embed_positions` [N] (ascending
+    absolute prompt indices), and for M-RoPE models `mrope_positions` [3, L] and `rope_delta`
+    (else None and 0). `MultiModalPrefill(**prefill_media(...))` builds the runner's object.
+    """
+    ordered = sorted(items_with_rows, key=lambda pair: pair[0].embed_positions[0])
+    for item, rows in ordered:
+        if rows.ndim != 2 or rows.shape[0] != len(item.embed_positions):
+            raise ValueError(f"{item.modality} item has {len(item.embed_positions)} embed positions but rows of "
+                             f"shape {tuple(rows.shape)}")
+    result: dict[str, Any] = {
+        "embeds": torch.cat([rows for _, rows in ordered]) if ordered else None,
+        "embed_positions": torch.tensor([p for item, _ in ordered for p in item.embed_positions], dtype=torch.long)
+        if ordered else None,
+        "mrope_positions": None,
+        "rope_delta": 0,
+    }
+    if uses_mrope(config):
+        result["mrope_positions"], result["rope_delta"] = mrope_positions(token_ids, [i for i, _ in ordered], config)
+    return result
+
+
+# ---------------------------------------------------------------------------- reference loop
+
+
+@torch.inference_mode()
+def reference_greedy_decode(model, token_ids: Sequence[int],
+                            items_with_rows: Sequence[tuple[EmbedItem, torch.Tensor]],
+                            max_new_tokens: int, eos_token_ids: Sequence[int] = ()) -> list[int]:
+    """Greedy generation for one request, one token per forward: a correctness reference, not a server.
+
+    Prefill: `build_prefill_embeddings` + (Qwen2-VL) `mrope_positions`, or (Gemma3)
+    `embed_token_type_ids`; decode: plain token ids with `mrope_decode_positions`.
+    """
+    from transformers import DynamicCache
+
+    device, _ = _device_dtype(model)
+    family = model_family(model)
+    items = [item for item, _ in items_with_rows]
+    embeds = build_prefill_embeddings(model, token_ids, items_with_rows)[None]
+    cache = DynamicCache(config=model.config)
+    length = len(token_ids)
+    rope_delta = 0
+    if family == "qwen2_vl":
+        positions, rope_delta = mrope_positions(token_ids, items, model.config)
+        output = model(inputs_embeds=embeds, position_ids=positions[:, None, :].to(device), cache=cache,
+                       use_cache=True)
+    else:
+        output = model(inputs_embeds=embeds, token_type_ids=embed_token_type_ids(length, items)[None].to(device),
+                       cache=cache, use_cache=True)
+    generated: list[int] = []
+    for step in range(max_new_tokens):
+        token = int(output.logits[0, -1].argmax())
+        generated.append(token)
+        if token in eos_token_ids or step == max_new_tokens - 1:
+            break
+        input_ids = torch.tensor([[token]], device=device)
+        if family == "qwen2_vl":
+            position_ids = mrope_decode_positions(length + step, 1, rope_delta)[:, None, :].to(device)
+            output = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True)
+        else:
+            output = model(input_ids=input_ids, cache=cache, use_cache=True)
+    return generated
