@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from tito_derender.domain import Chunk, FinishReason, OutputDelta, Usage
+from tito_derender.domain import Chunk, FinishReason, OutputDelta, TokenLogprobText, Usage
 
 ASSISTANT = "assistant"
 
@@ -25,17 +25,19 @@ class ChunkBuilder:
         self._role_sent = True
         return ASSISTANT
 
-    def delta(self, delta: OutputDelta) -> Chunk | None:
-        """A content chunk, or None when the delta is empty (nothing worth a message)."""
+    def delta(self, delta: OutputDelta, logprobs: tuple[TokenLogprobText, ...] = ()) -> Chunk | None:
+        """A content chunk, or None when the delta is empty (nothing worth a message; logprobs of
+        tokens whose text is still held back wait for the chunk that carries it)."""
         if delta.is_empty():
             return None
         return Chunk(index=self.index, role=self._role(), content=delta.content,
-                     reasoning_content=delta.reasoning_content, tool_calls=tuple(delta.tool_calls))
+                     reasoning_content=delta.reasoning_content, tool_calls=tuple(delta.tool_calls),
+                     logprobs=logprobs)
 
     def final(self, delta: OutputDelta, finish_reason: FinishReason, matched_stop: str, usage: Usage,
-              cancel_generation: bool = False) -> Chunk:
+              cancel_generation: bool = False, logprobs: tuple[TokenLogprobText, ...] = ()) -> Chunk:
         """The last chunk of the choice: always sent, with whatever text was still pending."""
         return Chunk(index=self.index, role=self._role(), content=delta.content,
                      reasoning_content=delta.reasoning_content, tool_calls=tuple(delta.tool_calls),
                      finish_reason=finish_reason, matched_stop=matched_stop, usage=usage,
-                     cancel_generation=cancel_generation)
+                     cancel_generation=cancel_generation, logprobs=logprobs)

@@ -6,7 +6,8 @@ from tito.errors import InvalidArgument
 from tito.v1 import chat_pb2, derender_pb2, engine_pb2
 from tito_derender.detokenizer import TextOptions
 from tito_derender.domain import (
-    Chunk, EngineOutput, EngineUsage, FinishReason, RequestContext, Usage)
+    Chunk, EngineOutput, EngineUsage, FinishReason, PositionLogprobs, RequestContext, TokenLogprob,
+    TokenLogprobText, ToolChoiceMode, Usage)
 from tito_derender.full import CompletedChoice
 
 _FINISH_FROM_PROTO = {
@@ -24,14 +25,36 @@ _FINISH_TO_PROTO = {
 
 
 def text_options(options) -> TextOptions:
-    """OutputTextOptions / DetokenizeRequest flags with the contract's defaults (true when absent)."""
+    """OutputTextOptions / DetokenizeRequest flags with the contract's defaults when absent:
+    skip_special_tokens true, spaces_between_special_tokens false (text = the tokenizer's decode)."""
     return TextOptions(
         skip_special_tokens=options.skip_special_tokens if options.HasField("skip_special_tokens") else True,
         spaces_between_special_tokens=(options.spaces_between_special_tokens
-                                       if options.HasField("spaces_between_special_tokens") else True))
+                                       if options.HasField("spaces_between_special_tokens") else False))
+
+
+def tool_choice_from_proto(choice: chat_pb2.ToolChoice, has_tools: bool) -> tuple[ToolChoiceMode, str]:
+    """The contract's ToolChoice with UNSPECIFIED resolved (auto with tools, none without)."""
+    kind = choice.WhichOneof("choice")
+    if kind == "function_name":
+        if not choice.function_name:
+            raise InvalidArgument("tool_choice.function_name is empty: name one of the tools",
+                                  reason="INVALID_TOOL_CHOICE", field="context.tool_choice.function_name")
+        return ToolChoiceMode.NAMED, choice.function_name
+    mode = choice.mode if kind == "mode" else chat_pb2.TOOL_CHOICE_MODE_UNSPECIFIED
+    if mode == chat_pb2.TOOL_CHOICE_MODE_UNSPECIFIED:
+        return (ToolChoiceMode.AUTO if has_tools else ToolChoiceMode.NONE), ""
+    modes = {chat_pb2.TOOL_CHOICE_MODE_AUTO: ToolChoiceMode.AUTO, chat_pb2.TOOL_CHOICE_MODE_NONE: ToolChoiceMode.NONE,
+             chat_pb2.TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode.REQUIRED}
+    if mode not in modes:
+        raise InvalidArgument(f"unknown tool_choice mode {mode}", reason="INVALID_TOOL_CHOICE",
+                              field="context.tool_choice.mode")
+    return modes[mode], ""
 
 
 def context_from_proto(context: derender_pb2.DerenderContext) -> RequestContext:
+    tool_names = tuple(tool.function.name for tool in context.tools)
+    tool_choice, tool_choice_function = tool_choice_from_proto(context.tool_choice, bool(tool_names))
     return RequestContext(
         request_id=context.request_id,
         prompt_tail_token_ids=tuple(context.prompt_tail_token_ids),
@@ -41,6 +64,9 @@ def context_from_proto(context: derender_pb2.DerenderContext) -> RequestContext:
         include_stop_str_in_output=context.text_options.include_stop_str_in_output,
         reasoning_parser=context.reasoning_parser,
         tool_parser=context.tool_parser,
+        tool_names=tool_names,
+        tool_choice=tool_choice,
+        tool_choice_function=tool_choice_function,
         thinking_enabled=context.thinking_enabled,
         prompt_opens_reasoning=context.prompt_opens_reasoning,
         n=context.n,
@@ -77,6 +103,9 @@ def output_from_proto(response: engine_pb2.GenerateResponse, field: str = "gener
         matched_stop_token_id=(response.matched_stop_token_id
                                if response.HasField("matched_stop_token_id") else None),
         usage=usage,
+        logprobs=tuple(PositionLogprobs(
+            sampled=TokenLogprob(p.sampled.token_id, p.sampled.logprob, p.sampled.rank),
+            top=tuple(TokenLogprob(t.token_id, t.logprob, t.rank) for t in p.top)) for p in response.logprobs),
     )
 
 
@@ -85,21 +114,38 @@ def usage_to_proto(usage: Usage) -> engine_pb2.Usage:
                             cached_tokens=usage.cached_tokens)
 
 
+def logprob_to_proto(entry: TokenLogprobText) -> derender_pb2.TokenLogprobText:
+    return derender_pb2.TokenLogprobText(
+        token=entry.token, token_id=entry.token_id, logprob=entry.logprob, bytes=entry.bytes,
+        top_logprobs=[derender_pb2.TopLogprob(token=top.token, token_id=top.token_id, logprob=top.logprob,
+                                              bytes=top.bytes) for top in entry.top_logprobs])
+
+
 def chunk_to_proto(chunk: Chunk) -> derender_pb2.DerenderResponse:
     message = derender_pb2.ChatChunk(
         index=chunk.index, role=chunk.role, content=chunk.content,
         reasoning_content=chunk.reasoning_content,
+        tool_calls=[derender_pb2.ToolCallDelta(index=d.index, id=d.id, type=d.type, name=d.name,
+                                               arguments=d.arguments) for d in chunk.tool_calls],
         finish_reason=_FINISH_TO_PROTO[chunk.finish_reason], matched_stop=chunk.matched_stop,
-        cancel_generation=chunk.cancel_generation)
+        cancel_generation=chunk.cancel_generation,
+        logprobs=[logprob_to_proto(entry) for entry in chunk.logprobs])
     if chunk.usage is not None:
         message.usage.CopyFrom(usage_to_proto(chunk.usage))
     return derender_pb2.DerenderResponse(chunk=message)
 
 
 def choice_to_proto(choice: CompletedChoice) -> derender_pb2.ChatChoice:
-    message = chat_pb2.ChatMessage(role="assistant", content=choice.content)
+    message = chat_pb2.ChatMessage(role="assistant")
+    if choice.content or not choice.tool_calls:  # OpenAI: content null when the answer is only calls
+        message.content = choice.content
     if choice.reasoning_content:
         message.reasoning_content = choice.reasoning_content
+    message.tool_calls.extend(
+        chat_pb2.ToolCall(id=call.id, type="function",
+                          function=chat_pb2.FunctionCall(name=call.name, arguments=call.arguments))
+        for call in choice.tool_calls)
     return derender_pb2.ChatChoice(index=choice.index, message=message,
                                    finish_reason=_FINISH_TO_PROTO[choice.finish_reason],
-                                   matched_stop=choice.matched_stop)
+                                   matched_stop=choice.matched_stop,
+                                   logprobs=[logprob_to_proto(entry) for entry in choice.logprobs])

@@ -13,10 +13,16 @@ output is. Decoding a few previous ids along with the new one is what gets merge
 spaces right (e.g. SentencePiece's "▁" handling), and why the window is seeded with the prompt's
 last tokens.
 
+SentencePiece byte fallback: characters spelled as byte tokens ("<0xE6><0x97><0xA5>") are sent as
+soon as they are complete. One difference from a whole decode remains, by design: the
+ByteFallback decoder turns an entire run of byte tokens into U+FFFD when any byte of the run is
+invalid, which no stream can do without holding back every run in full (a paragraph of CJK is
+one run); a stream keeps the valid characters it already sent.
+
 Special tokens: with skip_special_tokens they never enter the window (that is exactly what
-decode(skip_special_tokens=True) does), so a run of them costs nothing. When they are kept and
-spaces_between_special_tokens is on, adjacent special tokens are separated by one space, as the
-OutputTextOptions contract says.
+decode(skip_special_tokens=True) does), so a run of them costs nothing. When they are kept, the
+text is the tokenizer's own decode by default; with spaces_between_special_tokens explicitly on,
+adjacent kept special tokens are separated by one space, as the OutputTextOptions contract says.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ class TextOptions:
     """The detokenization part of OutputTextOptions, with the contract's defaults applied."""
 
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    spaces_between_special_tokens: bool = False
 
 
 class IncrementalDetokenizer:

@@ -20,6 +20,15 @@ class FinishReason(str, enum.Enum):
     TOOL_CALLS = "tool_calls"
 
 
+class ToolChoiceMode(str, enum.Enum):
+    """How the model may use tools (the contract's ToolChoice, UNSPECIFIED already resolved)."""
+
+    AUTO = "auto"
+    NONE = "none"
+    REQUIRED = "required"
+    NAMED = "named"  # one function, named in RequestContext.tool_choice_function
+
+
 @dataclass(frozen=True)
 class RequestContext:
     """Everything derender knows about one request (from DerenderContext)."""
@@ -32,6 +41,10 @@ class RequestContext:
     include_stop_str_in_output: bool = False
     reasoning_parser: str = ""
     tool_parser: str = ""
+    #: Names of the functions offered to the model.
+    tool_names: tuple[str, ...] = ()
+    tool_choice: ToolChoiceMode = ToolChoiceMode.NONE
+    tool_choice_function: str = ""
     thinking_enabled: bool = False
     prompt_opens_reasoning: bool = False
     n: int = 1
@@ -46,6 +59,23 @@ class EngineUsage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One token with its log-probability, as the engine reports it (ids only)."""
+
+    token_id: int
+    logprob: float
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """The engine's logprobs at one generated position: the sampled token and the top ones."""
+
+    sampled: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class EngineOutput:
     """One GenerateResponse: the new tokens of one choice since its previous message."""
 
@@ -54,6 +84,40 @@ class EngineOutput:
     finish_reason: FinishReason | None = None
     matched_stop_token_id: int | None = None
     usage: EngineUsage | None = None
+    #: Empty, or one entry per token id.
+    logprobs: tuple[PositionLogprobs, ...] = ()
+
+
+@dataclass(frozen=True)
+class TopLogprobText:
+    token: str
+    token_id: int
+    logprob: float
+    bytes: bytes
+
+
+@dataclass(frozen=True)
+class TokenLogprobText:
+    """A position's logprobs with text: `token` is the token decoded on its own, `bytes` its
+    raw bytes (a partial UTF-8 character for byte tokens)."""
+
+    token: str
+    token_id: int
+    logprob: float
+    bytes: bytes
+    top_logprobs: tuple[TopLogprobText, ...] = ()
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A streamed piece of one tool call (the OpenAI shape): the first delta of a call has the
+    id, type and name; later ones only the index and an argument fragment."""
+
+    index: int
+    id: str = ""
+    type: str = ""
+    name: str = ""
+    arguments: str = ""
 
 
 @dataclass(frozen=True)
@@ -70,7 +134,7 @@ class OutputDelta:
 
     content: str = ""
     reasoning_content: str = ""
-    tool_calls: list = field(default_factory=list)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not (self.content or self.reasoning_content or self.tool_calls)
@@ -89,3 +153,4 @@ class Chunk:
     matched_stop: str = ""
     usage: Usage | None = None
     cancel_generation: bool = False
+    logprobs: tuple[TokenLogprobText, ...] = ()

@@ -1,5 +1,10 @@
 """DerenderFull: a whole engine output to one chat completion, by running the same stream state
-machine and concatenating each choice's chunks (so streaming and non-streaming never disagree)."""
+machine and concatenating each choice's chunks (so streaming and non-streaming never disagree).
+
+The one difference: tool calls are parsed in non-streaming mode, so a call appears only once its
+markup is complete and valid; anything malformed stays content (a stream, which must send a
+call's name before its end is known, closes a broken call's arguments instead).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tito.errors import InvalidArgument
-from tito_derender.domain import EngineOutput, FinishReason, RequestContext, Usage
+from tito_derender.domain import EngineOutput, FinishReason, RequestContext, TokenLogprobText, ToolCallDelta, Usage
 from tito_derender.stream import DerenderStream
 from tito_derender.tokenizer import TextTokenizer
+
+
+@dataclass
+class CompletedToolCall:
+    id: str
+    name: str
+    arguments: str = ""
 
 
 @dataclass
@@ -17,14 +29,20 @@ class CompletedChoice:
     index: int
     content: str = ""
     reasoning_content: str = ""
-    tool_calls: list = field(default_factory=list)
+    tool_calls: list[CompletedToolCall] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     matched_stop: str = ""
+    logprobs: list[TokenLogprobText] = field(default_factory=list)
+
+    def add_tool_delta(self, delta: ToolCallDelta) -> None:
+        if delta.name:
+            self.tool_calls.append(CompletedToolCall(id=delta.id, name=delta.name))
+        self.tool_calls[delta.index].arguments += delta.arguments
 
 
 def derender_full(tokenizer: TextTokenizer, context: RequestContext,
                   outputs: Iterable[EngineOutput]) -> tuple[list[CompletedChoice], Usage]:
-    stream = DerenderStream(tokenizer, context)
+    stream = DerenderStream(tokenizer, context, streaming=False)
     choices = {index: CompletedChoice(index) for index in range(stream.n)}
     for position, output in enumerate(outputs):
         try:
@@ -38,7 +56,9 @@ def derender_full(tokenizer: TextTokenizer, context: RequestContext,
             choice = choices[chunk.index]
             choice.content += chunk.content
             choice.reasoning_content += chunk.reasoning_content
-            choice.tool_calls.extend(chunk.tool_calls)
+            for delta in chunk.tool_calls:
+                choice.add_tool_delta(delta)
+            choice.logprobs.extend(chunk.logprobs)
             if chunk.finish_reason is not None:
                 choice.finish_reason = chunk.finish_reason
                 choice.matched_stop = chunk.matched_stop

@@ -1,71 +1,68 @@
 """Per-request derender state: one `DerenderStream` per Derender call, one `ChoicePipeline` per
-choice index (n > 1 choices arrive multiplexed by `GenerateResponse.index`).
+choice index (n > 1 choices arrive multiplexed by `GenerateResponse.index`, each with its own
+state).
 
-Each choice runs its text through stages:
+Each choice runs its text through:
 
-    detokenize -> [stop strings] -> [reasoning parser] -> [tool-call parser] -> chunk
+    detokenize -> stop strings -> [reasoning parser] -> [tool-call parser] -> chunk
 
-Phase 1 has the detokenizer and the chunk builder; the middle stages plug into
-`ChoicePipeline.stages` (objects with `process(delta, final=...) -> OutputDelta`) without
-changing the state machine. All work per engine message is proportional to its new tokens.
+Stop strings see the whole output text (reasoning included, as in vLLM) and can end the choice
+before the engine does: the final chunk then says finish_reason stop and matched_stop the string,
+and later engine messages for that choice are ignored. cancel_generation is set on the final
+chunk that leaves no choice unfinished while the engine still generates a stopped one (the stop
+chunk itself when n = 1), because cancelling the engine stream ends all of its choices. The parsers
+are `Stage`s (`process(delta, final=...) -> OutputDelta`). All work per engine message is
+proportional to its new tokens (plus bounded look-behind for markers and stop strings).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Protocol
 
 from tito.errors import FailedPrecondition, InvalidArgument
 from tito_derender.chunks import ChunkBuilder
 from tito_derender.detokenizer import IncrementalDetokenizer
-from tito_derender.domain import Chunk, EngineOutput, FinishReason, OutputDelta, RequestContext, Usage
+from tito_derender.domain import (
+    Chunk, EngineOutput, FinishReason, OutputDelta, PositionLogprobs, RequestContext, TokenLogprobText,
+    TopLogprobText, Usage)
+from tito_derender.parsers import reasoning_parser_for, tool_stage_for, validate_parser_names
+from tito_derender.stops import StopMatch, StopStringMatcher
 from tito_derender.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 
 
 class Stage(Protocol):
-    """A text stage between the detokenizer and the chunk builder (stop strings, parsers).
+    """A text stage between the stop strings and the chunk builder (the parsers).
 
     `process` gets the newly final text of a choice and returns what to pass on; with
-    `final=True` (the choice's last message) it must release anything it held back.
+    `final=True` (the choice's last text) it must release anything it held back.
     """
 
     def process(self, delta: OutputDelta, *, final: bool) -> OutputDelta: ...
 
 
-_warned_unapplied: set[str] = set()
-
-
-def stages_for(context: RequestContext) -> list[Stage]:
-    """The text stages a choice of this request runs, in order (stop strings, reasoning parser,
-    tool-call parser). None exist yet: requests that ask for them get plain content, and the
-    operator a one-time warning."""
-    asked = [name for name, wanted in (("stop strings", bool(context.stop)),
-                                       (f"reasoning parser {context.reasoning_parser!r}", bool(context.reasoning_parser)),
-                                       (f"tool parser {context.tool_parser!r}", bool(context.tool_parser)),
-                                       ("logprobs text", context.logprobs)) if wanted]
-    for name in asked:
-        if name not in _warned_unapplied:
-            _warned_unapplied.add(name)
-            log.warning("%s requested but not applied by this derender version: output is plain content", name)
-    return []
-
-
 class ChoicePipeline:
-    """The state of one choice: detokenizer, stages, chunk state, token count."""
+    """The state of one choice: detokenizer, stop strings, parser stages, chunk state, counts."""
 
     def __init__(self, index: int, tokenizer: TextTokenizer, context: RequestContext,
-                 stages: Sequence[Stage] = ()) -> None:
+                 streaming: bool = True) -> None:
         self.index = index
         self._tokenizer = tokenizer
         self._context = context
         self._detokenizer = IncrementalDetokenizer(tokenizer, context.text, context.prompt_tail_token_ids)
-        self.stages: list[Stage] = list(stages)
+        self._stops = (StopStringMatcher(context.stop, context.include_stop_str_in_output)
+                       if context.stop else None)
+        self._tools = tool_stage_for(context, streaming)
+        reasoning = reasoning_parser_for(context)
+        self.stages: list[Stage] = [stage for stage in (reasoning, self._tools) if stage is not None]
         self._chunks = ChunkBuilder(index)
+        self._logprobs: list[TokenLogprobText] = []  # waiting for the next chunk
         self.completion_tokens = 0
         self.finished = False
+        #: Ended by a stop string: derender asked the caller to cancel; later messages are ignored.
+        self.stopped_by_string = False
         self.finish_reason: FinishReason | None = None
         self.matched_stop = ""
 
@@ -75,9 +72,21 @@ class ChoicePipeline:
             delta = stage.process(delta, final=final)
         return delta
 
+    def _logprob_text(self, position: PositionLogprobs) -> TokenLogprobText:
+        tokenizer = self._tokenizer
+        sampled = position.sampled
+        return TokenLogprobText(
+            token=tokenizer.token_text(sampled.token_id), token_id=sampled.token_id, logprob=sampled.logprob,
+            bytes=tokenizer.token_bytes(sampled.token_id),
+            top_logprobs=tuple(TopLogprobText(token=tokenizer.token_text(top.token_id), token_id=top.token_id,
+                                              logprob=top.logprob, bytes=tokenizer.token_bytes(top.token_id))
+                               for top in position.top))
+
     def feed(self, output: EngineOutput) -> tuple[OutputDelta, bool]:
-        """Detokenize and run the stages; returns the delta and whether this ended the choice."""
+        """Detokenize, match stop strings, run the stages; returns the delta and whether the
+        choice ended (by the engine or by a stop string)."""
         self.completion_tokens += len(output.token_ids)
+        self._logprobs.extend(self._logprob_text(position) for position in output.logprobs)
         text_ids = output.token_ids
         stopped_by_token = output.matched_stop_token_id is not None
         if (stopped_by_token and text_ids and text_ids[-1] == output.matched_stop_token_id
@@ -85,28 +94,51 @@ class ChoicePipeline:
             # The stop token is reported as matched_stop, not repeated in the content.
             text_ids = text_ids[:-1]
         text = self._detokenizer.add(text_ids)
-        final = output.finish_reason is not None
-        if final:
+        engine_final = output.finish_reason is not None
+        if engine_final:
             text += self._detokenizer.flush()
+        match = None
+        if self._stops is not None:
+            result = self._stops.feed(text)
+            if isinstance(result, StopMatch):
+                match, text = result, result.text
+            else:
+                text = result + (self._stops.flush() if engine_final else "")
+        final = engine_final or match is not None
+        delta = self._run_stages(text, final)
+        if final:
             self.finished = True
-            self.finish_reason = output.finish_reason
-            if stopped_by_token:
-                self.matched_stop = self._tokenizer.token_text(output.matched_stop_token_id)
-        return self._run_stages(text, final), final
+            if match is not None:
+                self.finish_reason, self.matched_stop = FinishReason.STOP, match.stop
+                self.stopped_by_string = not engine_final
+            else:
+                self.finish_reason = output.finish_reason
+                if stopped_by_token:
+                    self.matched_stop = self._tokenizer.token_text(output.matched_stop_token_id)
+            if self.finish_reason == FinishReason.STOP and self._tools is not None and self._tools.calls_made:
+                self.finish_reason = FinishReason.TOOL_CALLS
+        return delta, final
 
     def content_chunk(self, delta: OutputDelta) -> Chunk | None:
-        return self._chunks.delta(delta)
+        chunk = self._chunks.delta(delta, tuple(self._logprobs))
+        if chunk is not None:
+            self._logprobs.clear()
+        return chunk
 
-    def final_chunk(self, delta: OutputDelta, usage: Usage) -> Chunk:
-        return self._chunks.final(delta, self.finish_reason, self.matched_stop, usage)
+    def final_chunk(self, delta: OutputDelta, usage: Usage, cancel_generation: bool) -> Chunk:
+        logprobs, self._logprobs = tuple(self._logprobs), []
+        return self._chunks.final(delta, self.finish_reason, self.matched_stop, usage,
+                                  cancel_generation=cancel_generation, logprobs=logprobs)
 
 
 class DerenderStream:
     """One request's derender state machine. Build it from the context, then `feed` each engine
     output; it returns the chunks to send. Raises InvalidArgument naming the offending field."""
 
-    def __init__(self, tokenizer: TextTokenizer, context: RequestContext) -> None:
+    def __init__(self, tokenizer: TextTokenizer, context: RequestContext, streaming: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._streaming = streaming
+        validate_parser_names(context)
         for position, token_id in enumerate(context.prompt_tail_token_ids):
             if token_id >= tokenizer.vocab_size:
                 raise InvalidArgument(
@@ -123,7 +155,7 @@ class DerenderStream:
         pipeline = self._choices.get(index)
         if pipeline is None:
             pipeline = self._choices[index] = ChoicePipeline(index, self._tokenizer, self.context,
-                                                             stages_for(self.context))
+                                                             self._streaming)
         return pipeline
 
     @property
@@ -141,11 +173,23 @@ class DerenderStream:
                 f"choice index {output.index} is out of range: the context expects n={self.n} choices "
                 f"(indices 0..{self.n - 1})", reason="CHOICE_INDEX_OUT_OF_RANGE", field="generate_response.index")
         existing = self._choices.get(output.index)
-        if existing is not None and existing.finished:
+        if existing is not None and existing.finished and not existing.stopped_by_string:
             raise FailedPrecondition(
                 f"choice {output.index} already finished; an engine response after the final one is a "
                 f"caller bug", reason="CHOICE_ALREADY_FINISHED", field="generate_response.index")
         vocab = self._tokenizer.vocab_size
+        if output.logprobs and len(output.logprobs) != len(output.token_ids):
+            raise InvalidArgument(
+                f"logprobs has {len(output.logprobs)} entries for {len(output.token_ids)} token ids: send one "
+                f"per token id, or none", reason="LOGPROBS_MISMATCH", field="generate_response.logprobs")
+        for position, entry in enumerate(output.logprobs):
+            for name, token_id in (("sampled", entry.sampled.token_id),
+                                   *((f"top[{k}]", top.token_id) for k, top in enumerate(entry.top))):
+                if token_id >= vocab:
+                    raise InvalidArgument(
+                        f"logprob token id {token_id} is outside the vocabulary [0, {vocab})",
+                        reason="TOKEN_ID_OUT_OF_RANGE",
+                        field=f"generate_response.logprobs[{position}].{name}.token_id")
         for position, token_id in enumerate(output.token_ids):
             if token_id >= vocab:
                 raise InvalidArgument(
@@ -160,12 +204,14 @@ class DerenderStream:
         """Take one engine output; return the chunks it makes final (zero or more)."""
         self._validate(output)
         pipeline = self.choice(output.index)
+        if pipeline.stopped_by_string:
+            return []  # the engine had not seen the cancel yet: its later messages are ignored
         delta, final = pipeline.feed(output)
         if not final:
             chunk = pipeline.content_chunk(delta)
             return [chunk] if chunk is not None else []
         completion = pipeline.completion_tokens
-        if output.usage is not None:
+        if output.usage is not None and not pipeline.stopped_by_string:
             # The engine's count is authoritative (it may include tokens it did not stream).
             completion = output.usage.completion_tokens
             if output.usage.prompt_tokens:
@@ -177,9 +223,16 @@ class DerenderStream:
         # of the request carries the request's totals (Usage.completion_tokens: "all choices").
         usage = Usage(prompt_tokens=self._prompt_tokens, completion_tokens=self._completion_tokens_finished,
                       cached_tokens=self._cached_tokens)
-        log.debug("choice %d finished: %s after %d tokens", output.index, pipeline.finish_reason.value,
-                  completion)
-        return [pipeline.final_chunk(delta, usage)]
+        log.debug("choice %d finished: %s after %d tokens%s", output.index, pipeline.finish_reason.value,
+                  completion, " (stop string: caller asked to cancel)" if pipeline.stopped_by_string else "")
+        return [pipeline.final_chunk(delta, usage, self._engine_work_is_unwanted())]
+
+    def _engine_work_is_unwanted(self) -> bool:
+        """Whether this final chunk should ask the caller to cancel the engine stream: every
+        choice is finished here, yet the engine is still generating one that a stop string ended.
+        With n = 1 that is the stop string's chunk itself; with n > 1 the flag waits for the
+        other choices, since cancelling the engine stream would cut them off too."""
+        return self.finished and any(c.stopped_by_string for c in self._choices.values())
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=self._prompt_tokens, completion_tokens=self._completion_tokens_finished,

@@ -8,8 +8,26 @@ to drop is decided by the detokenizer, which filters them out before they reach 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+from functools import lru_cache
 from pathlib import Path
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    """The inverse of GPT-2's byte-to-unicode table (byte-level BPE token strings -> bytes)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    codes, extra = list(printable), 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(code): byte for byte, code in zip(printable, codes)}
 
 
 class TextTokenizer:
@@ -24,7 +42,18 @@ class TextTokenizer:
             if getattr(added, "special", False):
                 special.add(int(token_id))
         self.special_ids: frozenset[int] = frozenset(special)
+        #: Added tokens (special or not) are stored as their text, not as byte-level pieces.
+        self._added_ids = frozenset(int(i) for i in (getattr(hf_tokenizer, "added_tokens_decoder", {}) or {}))
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        self._byte_level = backend is not None and "ByteLevel" in repr(backend.decoder)
+        #: SentencePiece byte-fallback tokens ("<0xE6>"), when the decoder turns them into bytes.
+        self.byte_fallback_ids: frozenset[int] = frozenset()
+        if backend is not None and "ByteFallback" in repr(backend.decoder):
+            self.byte_fallback_ids = frozenset(
+                token_id for token, token_id in backend.get_vocab(with_added_tokens=False).items()
+                if _BYTE_FALLBACK.fullmatch(token))
+        self._token_text: dict[int, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
         if backend is not None:
             self._decode = lambda ids: backend.decode(list(ids), skip_special_tokens=False)
         else:  # a slow (pure Python) tokenizer: same contract, slower
@@ -42,8 +71,33 @@ class TextTokenizer:
         return self._decode(token_ids)
 
     def token_text(self, token_id: int) -> str:
-        """The text of one token on its own, e.g. "<|im_end|>" for a stop token."""
-        return self._decode([token_id])
+        """The text of one token on its own, e.g. "<|im_end|>" for a stop token (cached)."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self._decode([token_id])
+        return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token: for byte-level BPE and SentencePiece byte-fallback tokens
+        these may be part of a UTF-8 character (where token_text shows U+FFFD). Cached."""
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            raw = self._token_bytes[token_id] = self._compute_token_bytes(token_id)
+        return raw
+
+    def _compute_token_bytes(self, token_id: int) -> bytes:
+        if token_id not in self._added_ids and not self.is_special(token_id):
+            piece = self.hf.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str):
+                table = _unicode_to_byte()
+                if self._byte_level and all(ch in table for ch in piece):
+                    return bytes(table[ch] for ch in piece)
+                fallback = _BYTE_FALLBACK.fullmatch(piece)
+                if fallback:
+                    return bytes([int(fallback.group(1), 16)])
+                if "▁" in piece:  # SentencePiece: the word-boundary mark is a space
+                    return piece.replace("▁", " ").encode("utf-8")
+        return self.token_text(token_id).encode("utf-8")
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_ids

@@ -1,0 +1,64 @@
+"""Output parsers and their registry by the names a DerenderContext uses.
+
+Render names the parsers (from the model) in the DerenderContext; derender builds one instance
+per choice. An unknown name is the caller's mistake (INVALID_ARGUMENT naming the field and the
+known names), checked before any engine output is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tito.errors import InvalidArgument
+from tito_derender.domain import RequestContext, ToolChoiceMode
+from tito_derender.parsers.reasoning import ThinkReasoningParser
+from tito_derender.parsers.tool_stage import ToolStage
+from tito_derender.parsers.tools.base import ToolParser
+from tito_derender.parsers.tools.hermes import HermesToolParser
+from tito_derender.parsers.tools.llama3_json import Llama3JsonToolParser
+from tito_derender.parsers.tools.mistral import MistralToolParser
+from tito_derender.parsers.tools.pythonic import PythonicToolParser
+
+#: name -> factory(prompt_opens_reasoning) for the reasoning parsers.
+REASONING_PARSERS: dict[str, Callable[[bool], ThinkReasoningParser]] = {
+    "qwen3": lambda prompt_opens: ThinkReasoningParser(start_in_reasoning=prompt_opens),
+    "deepseek_r1": lambda prompt_opens: ThinkReasoningParser(start_in_reasoning=True),
+}
+
+#: name -> ToolParser class.
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
+}
+
+
+def validate_parser_names(context: RequestContext) -> None:
+    for field, name, known in (("context.reasoning_parser", context.reasoning_parser, REASONING_PARSERS),
+                               ("context.tool_parser", context.tool_parser, TOOL_PARSERS)):
+        if name and name not in known:
+            raise InvalidArgument(
+                f"unknown {field.split('.')[1].replace('_', ' ')} {name!r}: known ones are "
+                f"{', '.join(sorted(known))} (or empty for none)", reason="UNKNOWN_PARSER", field=field)
+
+
+def reasoning_parser_for(context: RequestContext) -> ThinkReasoningParser | None:
+    """None when the request has no reasoning parser or thinking is off (then all is content)."""
+    if not context.reasoning_parser or not context.thinking_enabled:
+        return None
+    return REASONING_PARSERS[context.reasoning_parser](context.prompt_opens_reasoning)
+
+
+def tool_stage_for(context: RequestContext, streaming: bool = True) -> ToolStage | None:
+    """None when tool calls are not parsed: no parser, no tools, or tool_choice none (markup then
+    stays content). "required" parses like "auto" (derender cannot make the model call; the
+    engine's constraints must); a named function parses only calls to that function."""
+    if not context.tool_parser or not context.tool_names or context.tool_choice == ToolChoiceMode.NONE:
+        return None
+    if context.tool_choice == ToolChoiceMode.NAMED:
+        named = context.tool_choice_function
+        accept = lambda name: name == named  # noqa: E731
+    else:
+        accept = lambda name: True  # noqa: E731
+    return ToolStage(TOOL_PARSERS[context.tool_parser](streaming=streaming, accept_name=accept))
