@@ -7,7 +7,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _declared() -> set[str]:
+def _declared() -> tuple[set[str], dict[str, str]]:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     return set(config["packages"]), config["package-dir"]
 
