@@ -25,6 +25,19 @@ class EngineConfig(ServerConfig):
     max_model_len: int | None = None
     # Largest `n` (choices per request) accepted.
     max_choices_per_request: int = 16
+    # Paged KV cache: tokens per block, and its size as blocks, bytes, or (CUDA) a fraction of the
+    # memory free after loading the weights. Default: 64 MiB on CPU, 0.5 of free memory on CUDA.
+    block_size: int = 16
+    kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    kv_memory_fraction: float | None = None
+    # Prompt tokens computed per scheduler step, shared by all prefilling requests (chunked prefill).
+    max_prefill_tokens_per_step: int = 2048
+    # torch intra-op threads on CPU; None: one less than the machine's cores (at least 1).
+    cpu_threads: int | None = None
+    # Run the model and scheduler in a child process (True) or on a thread of the server process.
+    # The child keeps the forward's many small torch calls from contending for the GIL with gRPC.
+    engine_process: bool = True
 
     def validate(self) -> None:
         super().validate()
@@ -41,6 +54,24 @@ class EngineConfig(ServerConfig):
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len={self.max_model_len} must be >= 2 (or unset to use the "
                               f"model's max_position_embeddings)")
+        if not 1 <= self.block_size <= 1024:
+            raise ConfigError(f"block_size={self.block_size} must be between 1 and 1024 tokens (default 16)")
+        sizes = [name for name in ("kv_blocks", "kv_cache_bytes", "kv_memory_fraction")
+                 if getattr(self, name) is not None]
+        if len(sizes) > 1:
+            raise ConfigError(f"give at most one of kv_blocks, kv_cache_bytes, kv_memory_fraction (got "
+                              f"{', '.join(sizes)})")
+        if self.kv_blocks is not None and self.kv_blocks < 1:
+            raise ConfigError(f"kv_blocks={self.kv_blocks} must be >= 1")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ConfigError(f"kv_cache_bytes={self.kv_cache_bytes} must be >= 1 (e.g. 67108864 for 64 MiB)")
+        if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 1:
+            raise ConfigError(f"kv_memory_fraction={self.kv_memory_fraction} must be in (0, 1]")
+        if self.max_prefill_tokens_per_step < 1:
+            raise ConfigError(f"max_prefill_tokens_per_step={self.max_prefill_tokens_per_step} must be >= 1 "
+                              f"(default 2048)")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"cpu_threads={self.cpu_threads} must be >= 1 (or unset for cores - 1)")
         if not 1 <= self.max_choices_per_request <= self.max_running_requests:
             raise ConfigError(f"max_choices_per_request={self.max_choices_per_request} must be between 1 "
                               f"and max_running_requests ({self.max_running_requests})")

@@ -1,26 +1,32 @@
-"""The engine: a dedicated thread that owns the model and runs scheduler steps.
+"""The engine as the servicer sees it: validation, the live-request registry, load, streams.
 
-Callers (the async servicer) submit requests from any thread; commands reach the engine thread
-through a thread-safe queue, and outputs go back through each request's `deliver` callback (the
-async facade turns that into `loop.call_soon_threadsafe`). The gRPC event loop never runs a
-forward pass.
+The model and the scheduler live in an engine core (engine_core.py), hosted on a thread
+(`Engine(runner)`) or in a child process (`Engine.in_process(spec)`, what the server uses) — the
+same loop either way. Callers submit from any thread; outputs come back one batch per step and go
+to each request's `deliver` callback. For streams of the async facade the batch is handed to
+their event loop in one `call_soon_threadsafe` (at most one hand-over in flight per loop; what
+arrives meanwhile goes with the next), and each stream merges what piled up for a choice into one
+output. The gRPC event loop never runs a forward pass.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import queue
 import threading
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from tito.errors import InvalidArgument, ResourceExhausted, Unavailable
 
-from .model_runner import ModelRunner
-from .request import ChoiceOutput, GenerateInput, Request
-from .scheduler import Scheduler
+from .engine_core import Batch, CoreProcessSpec, ProcessCore, ThreadCore
+from .kv_cache import blocks_for_tokens
+from .request import ChoiceOutput, FinishReason, GenerateInput, Request, Usage
+from .scheduler import DEFAULT_MAX_PREFILL_TOKENS
 from .validation import ModelLimits, validate_generate
 
 log = logging.getLogger(__name__)
@@ -33,60 +39,99 @@ class LoadSnapshot:
     running_requests: int
     waiting_requests: int
     finished_requests: int
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_block_size: int = 0
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, *, max_running_requests: int = 64,
-                 max_waiting_requests: int = 1024, max_choices_per_request: int = 16):
-        self.runner = runner
-        self.info = runner.info
+    def __init__(self, runner: Any = None, *, max_running_requests: int = 64,
+                 max_waiting_requests: int = 1024, max_choices_per_request: int = 16,
+                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, core: Any = None):
+        """`runner` hosts the core on a thread of this process; `core` passes a ready host instead."""
+        self._core = core if core is not None else ThreadCore(runner, max_running_requests, max_prefill_tokens)
+        self.info = self._core.info
         self.max_running_requests = max_running_requests
         self.max_waiting_requests = max_waiting_requests
-        self.limits = ModelLimits(vocab_size=runner.info.vocab_size,
-                                  max_context_length=runner.info.max_context_length,
+        self.limits = ModelLimits(vocab_size=self.info.vocab_size,
+                                  max_context_length=self.info.max_context_length,
                                   max_choices=min(max_choices_per_request, max_running_requests),
-                                  modalities=frozenset(runner.info.modalities))
-        self._scheduler = Scheduler(runner, max_running_requests)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+                                  modalities=frozenset(self.info.modalities))
+        self._kv_blocks_total = self._core.kv_blocks_total
+        self._block_size = self._core.block_size
         self._lock = threading.Lock()
         self._live: dict[str, Request] = {}  # request id -> request, until its last output
-        self._pending = 0  # submitted, not yet counted in a published load snapshot
-        self._seen_unpublished = 0  # engine thread only: taken from the inbox since the last publish
-        self._load = LoadSnapshot(0, 0, 0)
+        self._by_key: dict[int, Request] = {}
+        self._keys = itertools.count(1)
+        self._submitted = 0  # "add" commands sent; the core reports how many it has taken
+        self._load = LoadSnapshot(0, 0, 0, self._kv_blocks_total, 0, self._block_size)
+        self._adds_seen = 0
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="tito-engine", daemon=True)
+        self._core_lost = False
+        self._channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> _LoopChannel
+
+    @classmethod
+    def in_process(cls, spec: CoreProcessSpec, *, max_waiting_requests: int = 1024,
+                   max_choices_per_request: int = 16) -> "Engine":
+        """An engine whose core runs in a child process (loads the model there)."""
+        core = ProcessCore(spec)
+        return cls(core=core, max_running_requests=spec.max_running_sequences,
+                   max_waiting_requests=max_waiting_requests, max_choices_per_request=max_choices_per_request,
+                   max_prefill_tokens=spec.max_prefill_tokens)
 
     # ---------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        self._thread.start()
+        if isinstance(self._core, ProcessCore):
+            self._core.start(self._on_batch, self._on_core_lost)
+        else:
+            self._core.start(self._on_batch)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Abort everything still live and join the engine thread."""
+        """Abort everything still live and stop the core."""
         with self._lock:
             self._stopping = True
-        self._inbox.put(("stop", None))
-        self._thread.join(timeout)
+        self._core.stop(timeout)
 
     # ---------------------------------------------------------------- called from any thread
 
-    def submit(self, generate: GenerateInput, deliver: Deliver) -> Request:
+    def _check_fits_kv_cache(self, prompt_len: int, max_tokens: int, n: int) -> None:
+        """Refuse what could never run even with the whole KV cache to itself (else it would thrash)."""
+        need = n * blocks_for_tokens(prompt_len + max_tokens, self._block_size)
+        if need > self._kv_blocks_total:
+            raise ResourceExhausted(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) x n ({n}) needs {need} KV blocks of "
+                f"{self._block_size} tokens but the engine has {self._kv_blocks_total} in all; send a smaller "
+                f"max_tokens or n, or start the engine with more --kv-blocks / --kv-cache-bytes",
+                reason="KV_CACHE_TOO_SMALL", field="sampling_params.max_tokens")
+
+    def submit(self, generate: GenerateInput, deliver: Deliver, loop: asyncio.AbstractEventLoop | None = None
+               ) -> Request:
         """Validate and enqueue a request; raise a TitoError for a caller mistake or a full queue."""
         options = validate_generate(generate, self.limits)
+        self._check_fits_kv_cache(len(generate.token_ids), options.max_tokens, options.n)
         request_id = generate.request_id or f"gen-{uuid.uuid4().hex}"
-        request = Request(request_id, list(generate.token_ids), options, deliver)
+        request = Request(request_id, list(generate.token_ids), options, deliver, mm=generate.mm_prefill)
+        request.loop = loop
         with self._lock:
+            if self._core_lost:
+                raise Unavailable("the engine's model process exited; this replica must be restarted",
+                                  reason="ENGINE_CORE_LOST")
             if self._stopping:
                 raise Unavailable("the engine is shutting down; retry on another replica", reason="SHUTTING_DOWN")
             if request_id in self._live:
                 raise InvalidArgument(f"request_id {request_id!r} is already live; ids must be unique among "
                                       f"running requests", reason="DUPLICATE_REQUEST_ID", field="request_id")
-            if self._pending + self._load.waiting_requests >= self.max_waiting_requests:
+            if self._waiting_locked() >= self.max_waiting_requests:
                 raise ResourceExhausted(f"the engine's waiting queue is full ({self.max_waiting_requests} "
                                         f"requests); retry later", reason="QUEUE_FULL")
+            request.key = next(self._keys)
             self._live[request_id] = request
-            self._pending += 1
-        self._inbox.put(("add", request))
+            self._by_key[request.key] = request
+            self._submitted += 1
+        # Sent outside the lock (a full pipe must not block the thread that delivers outputs);
+        # the core honours an abort that overtakes its add.
+        self._core.send(("add", request.key, request_id, request.prompt_ids, options, request.mm))
         return request
 
     def abort(self, request_ids: list[str]) -> list[str]:
@@ -96,131 +141,169 @@ class Engine:
             for request_id in request_ids:
                 request = self._live.get(request_id)
                 if request is not None:
-                    found.append(request_id)
-                    self._inbox.put(("abort", request))
-        return found
+                    found.append(request)
+        for request in found:
+            self._core.send(("abort", request.key))
+        return [request.request_id for request in found]
 
     def cancel(self, request: Request) -> None:
         """Drop one request (its caller went away); frees its slot at the next step."""
-        self._inbox.put(("abort", request))
+        with self._lock:
+            live = self._by_key.get(request.key) is request
+        if live:
+            self._core.send(("abort", request.key))
+
+    def _waiting_locked(self) -> int:
+        return self._load.waiting_requests + (self._submitted - self._adds_seen)
+
+    @property
+    def healthy(self) -> bool:
+        """False once the core process has died (the server should be restarted)."""
+        return not self._core_lost
 
     def load(self) -> LoadSnapshot:
         with self._lock:
             snapshot = self._load
-            return LoadSnapshot(snapshot.running_requests, snapshot.waiting_requests + self._pending,
-                                snapshot.finished_requests)
+            return LoadSnapshot(snapshot.running_requests, self._waiting_locked(), snapshot.finished_requests,
+                                snapshot.kv_blocks_total, snapshot.kv_blocks_used, snapshot.kv_block_size)
 
     # ---------------------------------------------------------------- async facade
 
     async def generate(self, generate: GenerateInput) -> AsyncIterator[ChoiceOutput]:
-        """Submit and yield outputs as produced; closing/cancelling the iterator aborts the request."""
+        """Submit and yield outputs as produced; closing/cancelling the iterator aborts the request.
+
+        Outputs that arrived together are merged per choice, so a consumer that falls behind
+        catches up in fewer, larger messages.
+        """
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
-
-        def deliver(item: ChoiceOutput | BaseException) -> None:
-            try:
-                loop.call_soon_threadsafe(outputs.put_nowait, item)
-            except RuntimeError:
-                pass  # the caller's loop is closed: nobody is listening any more
-
-        request = self.submit(generate, deliver)
+        request = self.submit(generate, outputs.put_nowait, loop)
         remaining = request.options.n
         try:
             while remaining:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    remaining = 0
-                    raise item
-                if item.finished:
-                    remaining -= 1
-                yield item
+                pending = [await outputs.get()]
+                while not outputs.empty():
+                    pending.append(outputs.get_nowait())
+                for item in _merge_per_choice(pending):
+                    if isinstance(item, BaseException):
+                        remaining = 0
+                        raise item
+                    if item.finished:
+                        remaining -= 1
+                    yield item
         finally:
             if remaining:
                 self.cancel(request)
 
-    # ---------------------------------------------------------------- the engine thread
+    # ---------------------------------------------------------------- from the core
 
-    def _run(self) -> None:
-        while True:
-            try:
-                if self._run_until_stopped():
-                    return
-            except Exception as exc:  # noqa: BLE001 - keep serving; fail only what was in flight
-                log.exception("engine step failed; failing the requests in flight")
-                self._fail_all(exc)
-
-    def _run_until_stopped(self) -> bool:
-        scheduler = self._scheduler
-        while True:
-            # Block when idle; otherwise take whatever arrived and run a step.
-            commands = [self._inbox.get()] if not scheduler.has_work() else []
-            while True:
-                try:
-                    commands.append(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
-            outputs = []
-            for kind, request in commands:
-                if kind == "stop":
-                    self._publish_load()
-                    self._dispatch(outputs)
-                    self._abort_all()
-                    return True
-                if kind == "add":
-                    self._seen_unpublished += 1
-                    if not request.failed:
-                        scheduler.add(request)
-                elif kind == "abort":
-                    outputs.extend((request, output) for output in scheduler.abort(request))
-            if scheduler.has_work():
-                outputs.extend(scheduler.step())
+    def _on_batch(self, batch: Batch) -> None:
+        """One step's outputs (core thread or receiver thread): update the load, then deliver."""
+        outputs, core_load = batch
+        deliveries = []
+        with self._lock:
             # Publish the load before delivering, so a caller who saw its stream end never reads
             # a load that still counts it.
-            self._publish_load()
-            self._dispatch(outputs)
+            self._load = LoadSnapshot(core_load.running_requests, core_load.waiting_requests,
+                                      core_load.finished_requests, self._kv_blocks_total, core_load.kv_blocks_used,
+                                      self._block_size)
+            self._adds_seen = core_load.adds_seen
+            ended = []
+            for key, output, finished in outputs:
+                request = self._by_key.get(key)
+                if request is None:
+                    continue
+                if finished:
+                    ended.append(request)  # after the loop: its other choices may follow in this batch
+                deliveries.append((request, output))
+            for request in ended:
+                self._by_key.pop(request.key, None)
+                if self._live.get(request.request_id) is request:
+                    del self._live[request.request_id]
+        self._dispatch(deliveries)
 
-    def _dispatch(self, outputs) -> None:
-        for request, output in outputs:
-            if request.finished or isinstance(output, BaseException):
-                with self._lock:
-                    if self._live.get(request.request_id) is request:
-                        del self._live[request.request_id]
+    def _on_core_lost(self) -> None:
+        """The core process died: end every live stream with an error instead of hanging."""
+        with self._lock:
+            stopping = self._stopping
+            self._core_lost = not stopping
+            lost = list(self._by_key.values())
+            self._by_key.clear()
+            self._live.clear()
+        if not stopping:
+            log.error("the engine core process exited; failing %d live requests", len(lost))
+        error = Unavailable("the engine's model process exited; this replica must be restarted",
+                            reason="ENGINE_CORE_LOST")
+        self._dispatch([(request, error) for request in lost])
+
+    def _dispatch(self, deliveries) -> None:
+        by_loop: dict = {}
+        for request, output in deliveries:
+            if request.loop is not None:
+                by_loop.setdefault(request.loop, []).append((request.deliver, output))
+                continue
             try:
                 request.deliver(output)
             except Exception:  # noqa: BLE001 - a broken consumer must not stop the engine
                 log.exception("delivering an output failed", extra={"request_id": request.request_id})
+        for loop, items in by_loop.items():
+            channel = self._channels.get(loop)
+            if channel is None:
+                channel = self._channels[loop] = _LoopChannel(loop)
+            channel.send(items)
 
-    def _publish_load(self) -> None:
-        """Swap in a new load snapshot; requests the scheduler took since move out of pending."""
-        scheduler = self._scheduler
-        snapshot = LoadSnapshot(scheduler.num_running_sequences(), len(scheduler.waiting),
-                                scheduler.finished_requests)
-        with self._lock:
-            self._pending -= self._seen_unpublished
-            self._seen_unpublished = 0
-            self._load = snapshot
 
-    def _fail_all(self, error: BaseException) -> None:
-        """After an unexpected engine error: end every live request with it and free its state."""
-        with self._lock:
-            live = list(self._live.values())
-        for request in live:
-            request.failed = True  # a later "add" from the inbox is then skipped
-            self._scheduler.abort(request)  # frees caches; the caller sees the error, not an ABORT
-            self._dispatch([(request, error)])
-        self._publish_load()
+class _LoopChannel:
+    """Deliveries to one event loop, with at most one hand-over in flight.
 
-    def _abort_all(self) -> None:
-        scheduler = self._scheduler
-        for request in list(scheduler.running) + list(scheduler.waiting):
-            self._dispatch([(request, output) for output in scheduler.abort(request)])
-        while True:
-            try:
-                kind, request = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "add":
-                self._seen_unpublished += 1
-                scheduler.add(request)
-                self._dispatch([(request, output) for output in scheduler.abort(request)])
-        self._publish_load()
+    While the loop is still busy with the previous hand-over, new outputs wait here and go
+    together next time; the stream then merges them into one message per choice. So a busy loop
+    sees fewer, larger messages instead of falling further behind.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: list = []
+        self.in_flight = False
+
+    def send(self, deliveries: list) -> None:  # engine side
+        with self.lock:
+            self.pending.extend(deliveries)
+            if self.in_flight:
+                return
+            batch, self.pending = self.pending, []
+            self.in_flight = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver, batch)
+        except RuntimeError:  # that loop is closed: nobody is listening any more
+            with self.lock:
+                self.pending, self.in_flight = [], False
+
+    def _deliver(self, batch: list) -> None:  # the event loop
+        for deliver, output in batch:
+            deliver(output)
+        # Runs after the streams woken above took their turn.
+        self.loop.call_soon(self._done)
+
+    def _done(self) -> None:  # the event loop
+        with self.lock:
+            if not self.pending:
+                self.in_flight = False
+                return
+            batch, self.pending = self.pending, []
+        self._deliver(batch)
+
+
+def _merge_per_choice(items: list) -> list:
+    """One output per choice from a run of outputs (order of first appearance; stops at an error)."""
+    merged: dict[int, ChoiceOutput] = {}
+    for item in items:
+        if isinstance(item, BaseException):
+            return [*merged.values(), item]
+        previous = merged.get(item.index)
+        merged[item.index] = item if previous is None else previous.merged_with(item)
+    return list(merged.values())
+
+
+__all__ = ["Engine", "LoadSnapshot", "FinishReason", "Usage"]

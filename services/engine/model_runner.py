@@ -1,16 +1,13 @@
-"""Owns the model: loading, identity (fingerprint, limits, EOS ids) and forward passes.
-
-This phase runs one forward per sequence with an HF DynamicCache per sequence: `prefill` once per
-request, then one-token `decode` steps. The scheduler only calls `prefill`/`decode`/`fork`, so a
-batched forward over a paged KV cache can replace this class without touching anything above it.
+"""Owns the model: loading, identity (fingerprint, limits, EOS ids), the paged KV cache and the
+batched forward (forward.BatchedDecoder) the scheduler calls once per step.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,9 +16,14 @@ import torch
 
 from tito.config import ConfigError
 
+from .forward import BatchedDecoder, RowInput
+from .kv_cache import KVLayout, PagedKVCache
+
 log = logging.getLogger(__name__)
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+DEFAULT_CPU_KV_CACHE_BYTES = 64 * 2**20
+DEFAULT_CUDA_KV_MEMORY_FRACTION = 0.5  # of the memory free after loading the weights
 
 
 @dataclass(frozen=True)
@@ -87,21 +89,55 @@ def eos_token_ids(model_dir: Path, config: Any) -> tuple[int, ...]:
     return tuple(ids)
 
 
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """How big the paged KV cache is: explicit blocks, a byte budget, or a memory fraction (CUDA)."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    cache_bytes: int | None = None
+    memory_fraction: float | None = None
+
+
+def default_cpu_threads() -> int:
+    """One core less than the machine has: the gRPC threads need one, and intra-op threads that
+    wait for a busy core spin (measured on 2 cores with the tiny model: a step took ~10x longer
+    with 2 torch threads than with 1 while the event loop was busy)."""
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
+def set_cpu_threads(threads: int | None) -> None:
+    threads = threads or default_cpu_threads()
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+        log.info("torch intra-op threads: %d", threads)
+
+
+def _load_model(model_dir: Path, dtype: torch.dtype) -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(model_dir)
+    # Vision-language models (Qwen2-VL) load as image-text-to-text; the engine drives their text model.
+    loader = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    return loader.from_pretrained(model_dir, dtype=dtype)
+
+
 class ModelRunner:
-    """Loads a causal LM and runs prefill/decode forwards on it."""
+    """Loads a causal LM, sizes its paged KV cache and runs one batched forward per step."""
 
     def __init__(self, model_dir: Path, *, model_id: str, device: str = "auto",
-                 max_model_len: int | None = None):
-        from transformers import AutoModelForCausalLM
-
+                 max_model_len: int | None = None, kv_cache: KVCacheSpec | None = None,
+                 cpu_threads: int | None = None):
         self.device = choose_device(device)
         self.dtype = choose_dtype(self.device)
+        if self.device.type == "cpu":
+            set_cpu_threads(cpu_threads)
         from transformers.utils import logging as hf_logging
 
         bar_was_enabled = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # a progress bar per load is noise in server logs
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
+            self.model = _load_model(model_dir, self.dtype).to(self.device).eval()
         finally:
             if bar_was_enabled:
                 hf_logging.enable_progress_bar()
@@ -112,6 +148,7 @@ class ModelRunner:
         if max_model_len is not None and max_model_len > model_max:
             log.warning("max_model_len=%d exceeds the model's max_position_embeddings=%d; quality may "
                         "degrade past it", max_model_len, model_max)
+        modalities = ("image",) if getattr(config, "vision_config", None) is not None else ()
         self.info = ModelInfo(
             model_id=model_id,
             vocab_size=vocab_size,
@@ -120,31 +157,36 @@ class ModelRunner:
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
             fingerprint=model_fingerprint(model_dir),
+            modalities=modalities,
         )
-        log.info("loaded %s on %s (%s): vocab %d, context %d, eos %s, fingerprint %s", model_id,
-                 self.info.device, self.info.dtype, vocab_size, self.info.max_context_length,
-                 list(self.info.eos_token_ids), self.info.fingerprint)
+        self.cache = self._make_cache(text_config, kv_cache or KVCacheSpec())
+        self.decoder = BatchedDecoder(self.model, self.cache, max_positions=self.info.max_context_length)
+        log.info("loaded %s on %s (%s): vocab %d, context %d, eos %s, fingerprint %s; KV cache %d blocks x %d "
+                 "tokens (%.1f MiB)", model_id, self.info.device, self.info.dtype, vocab_size,
+                 self.info.max_context_length, list(self.info.eos_token_ids), self.info.fingerprint,
+                 self.cache.num_blocks, self.cache.block_size,
+                 self.cache.capacity_tokens * self.cache.layout.bytes_per_token / 2**20)
 
-    def new_cache(self) -> Any:
-        from transformers import DynamicCache
+    def _make_cache(self, text_config: Any, spec: KVCacheSpec) -> PagedKVCache:
+        heads = text_config.num_attention_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+        layout = KVLayout(num_layers=text_config.num_hidden_layers, kv_heads=text_config.num_key_value_heads,
+                          head_dim=head_dim, dtype=self.dtype)
+        if spec.num_blocks is not None:
+            num_blocks = spec.num_blocks
+        else:
+            budget = spec.cache_bytes
+            if budget is None and self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * (spec.memory_fraction or DEFAULT_CUDA_KV_MEMORY_FRACTION))
+            if budget is None:
+                budget = DEFAULT_CPU_KV_CACHE_BYTES
+            num_blocks = layout.blocks_for_bytes(budget, spec.block_size)
+        if num_blocks < 1:
+            raise ConfigError(f"the KV cache budget holds no block of {spec.block_size} tokens "
+                              f"({layout.bytes_per_token} bytes per token); raise --kv-cache-bytes or --kv-blocks")
+        return PagedKVCache(layout, num_blocks, spec.block_size, self.device)
 
-        return DynamicCache(config=self.model.config)
-
-    @torch.inference_mode()
-    def prefill(self, token_ids: list[int]) -> tuple[torch.Tensor, Any]:
-        """Run the whole prompt once; return the last position's logits [vocab] and the cache."""
-        cache = self.new_cache()
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        output = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
-        return output.logits[0, -1], cache
-
-    @torch.inference_mode()
-    def decode(self, token_id: int, cache: Any) -> torch.Tensor:
-        """Append one token to `cache` and return the next position's logits [vocab]."""
-        input_ids = torch.tensor([[token_id]], dtype=torch.long, device=self.device)
-        output = self.model(input_ids=input_ids, cache=cache, use_cache=True)
-        return output.logits[0, -1]
-
-    def fork(self, cache: Any) -> Any:
-        """An independent copy of a prompt's cache, for another choice of the same request."""
-        return copy.deepcopy(cache)
+    def execute(self, rows: list[RowInput]) -> torch.Tensor:
+        """One batched forward over the step's rows; logits [rows needing logits, vocab] (float32)."""
+        return self.decoder.forward(rows)

@@ -6,6 +6,7 @@ Nothing here imports grpc: the servicer converts protos to these and back.
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -52,10 +53,28 @@ class SamplingOptions:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per position (validation: needs logprobs)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
+
+    @functools.cached_property
+    def plain_greedy(self) -> bool:
+        """Argmax of the raw logits is the whole story (the sampler's fast path)."""
+        return self.greedy and not self.has_penalties and not self.wants_logprobs and self.min_tokens == 0
 
 
 @dataclass
@@ -67,6 +86,8 @@ class GenerateInput:
     sampling: RawSamplingParams
     # Modality names of the request's media items, in order (e.g. ["image"]).
     mm_modalities: list[str] = field(default_factory=list)
+    # forward.MultiModalPrefill (encoder rows + M-RoPE positions) once media are supported.
+    mm_prefill: Any = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +98,19 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float  # natural log, under the raw model distribution (before penalties/temperature/filters)
+    rank: int  # 1-based among all tokens at the position
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    sampled: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass  # not frozen: one is built per token, and frozen dataclasses build ~3x slower
 class ChoiceOutput:
     """New tokens of one choice since its previous output; the last one carries the finish."""
 
@@ -85,6 +119,12 @@ class ChoiceOutput:
     finish_reason: FinishReason | None = None
     matched_stop_token_id: int | None = None
     usage: Usage | None = None
+    logprobs: tuple[PositionLogprobs, ...] = ()  # one per token id when requested
+
+    def merged_with(self, later: "ChoiceOutput") -> "ChoiceOutput":
+        """This output followed by `later` of the same choice, as one message."""
+        return ChoiceOutput(self.index, self.token_ids + later.token_ids, later.finish_reason,
+                            later.matched_stop_token_id, later.usage, self.logprobs + later.logprobs)
 
     @property
     def finished(self) -> bool:
@@ -92,13 +132,16 @@ class ChoiceOutput:
 
 
 class Sequence:
-    """One choice of a request: its generated tokens, KV cache and random generator."""
+    """One choice of a request: its generated tokens, its KV blocks and its random generator."""
 
-    def __init__(self, index: int, generator: Any):
+    def __init__(self, index: int, generator: Any = None):
         self.index = index
         self.output_ids: list[int] = []
-        self.cache: Any = None  # owned by the model runner (an HF DynamicCache in this phase)
-        self.generator = generator
+        self.block_table: list[int] = []  # KV block ids, owned (or shared after a fork)
+        self.num_computed = 0  # tokens of prompt + output whose K/V are in the cache
+        self.awaiting_fork = False  # a choice n > 1 that starts from choice 0's prefilled prompt
+        self.generator = generator  # torch.Generator for seeded requests, else None
+        self.prompt_mask: Any = None  # lazily built by the sampler for repetition_penalty
         self.finish_reason: FinishReason | None = None
         self.matched_stop_token_id: int | None = None
 
@@ -106,20 +149,26 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def free(self) -> None:
-        self.cache = None
-
 
 class Request:
     """A validated request living in the engine; `deliver` receives its ChoiceOutputs."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], options: SamplingOptions,
-                 deliver: Callable[[ChoiceOutput | BaseException], None]):
+                 deliver: Callable[[ChoiceOutput | BaseException], None], mm: Any = None):
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.options = options
         self.deliver = deliver
+        # When set (an asyncio loop), the engine batches this request's deliveries with others of
+        # the same loop into one call_soon_threadsafe per step.
+        self.loop: Any = None
+        self.mm = mm  # forward.MultiModalPrefill for multimodal prompts
         self.sequences: list[Sequence] = []
+        self.fork_blocks: list[int] = []  # blocks reserved for the choices' copies of the partial block
+        self.admit_order = -1
+        self.key = -1  # the engine's id of this submission (request ids may be reused later)
+        self.is_running = False  # in the scheduler's running set
+        self.preemptions = 0
         self.arrival_time = time.monotonic()
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -1,17 +1,23 @@
-"""Turns one position's logits into a token: greedy, or seeded temperature/top-k/top-p/min-p.
+"""Turns one step's logits into tokens for every row at once, each row with its own options.
 
-Each choice samples with its own `torch.Generator`, so a seed gives the same tokens whatever
-else shares the batch.
+One call per step: penalties, min_tokens bans, temperature, top-k, top-p and min-p are applied
+as batched tensor ops; greedy rows take the argmax; sampled rows draw by the exponential race
+(argmax of probs / Exp(1) noise, which samples the categorical exactly). Rows of seeded requests
+draw their noise from their own `torch.Generator`, so a seed gives the same tokens whatever
+else shares the batch; unseeded rows share one draw from the global generator.
+
+Logprobs are those of the raw model distribution (log_softmax of the logits before penalties,
+bans, temperature and filters), with the sampled token's 1-based rank.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
-from .request import SamplingOptions
+from .request import PositionLogprobs, SamplingOptions, Sequence, TokenLogprob
 
 _SEED_MASK = 2**64 - 1
 
@@ -24,28 +30,114 @@ def make_generator(seed: int | None, choice_index: int, device: torch.device | s
     return generator
 
 
-def sample(logits: torch.Tensor, options: SamplingOptions, generator: torch.Generator | None,
-           banned_token_ids: Iterable[int] = ()) -> int:
-    """Pick the next token from `logits` (shape [vocab])."""
-    logits = logits.float()
-    banned = list(banned_token_ids)
-    if banned:
-        logits = logits.clone()
-        logits[banned] = float("-inf")
-    if options.greedy:
-        return int(torch.argmax(logits))
-    logits = logits / options.temperature
-    if options.top_k > 0 and options.top_k < logits.numel():
-        kth_largest = torch.topk(logits, options.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-    if options.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the mass strictly before it already reaches top_p (the top one stays).
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop_sorted = mass_before >= options.top_p
-        logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
+@dataclass
+class SampleRow:
+    """One row of the step's logits and whose choice it decides."""
+
+    options: SamplingOptions
+    seq: Sequence
+    prompt_ids: list[int]
+    banned: frozenset[int] = frozenset()  # EOS/stop ids while min_tokens is not reached
+
+
+def sample_batch(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[PositionLogprobs | None] | None]:
+    """Pick one token per row of `logits` [R, vocab]; return the ids and (if any row asked) logprobs."""
+    if all(row.options.plain_greedy and not row.banned for row in rows):
+        return logits.max(dim=-1).indices.tolist(), None  # max: faster than argmax on CPU
+    processed = logits
+    penalised = [i for i, row in enumerate(rows) if row.options.has_penalties]
+    banned = [i for i, row in enumerate(rows) if row.banned]
+    if penalised or banned:
+        processed = logits.clone()
+        for i in penalised:
+            _apply_penalties(processed[i], rows[i])
+        for i in banned:
+            processed[i, list(rows[i].banned)] = float("-inf")
+    tokens = processed.argmax(dim=-1)
+    sampled_rows = [i for i, row in enumerate(rows) if not row.options.greedy]
+    if sampled_rows:
+        tokens[sampled_rows] = _draw(processed[sampled_rows], [rows[i] for i in sampled_rows])
+    token_list = tokens.tolist()
+    logprob_rows = [i for i, row in enumerate(rows) if row.options.wants_logprobs]
+    if not logprob_rows:
+        return token_list, None
+    return token_list, _logprobs(logits, rows, token_list, logprob_rows)
+
+
+def _apply_penalties(row_logits: torch.Tensor, row: SampleRow) -> None:
+    """In place on one row: repetition (HF: prompt + output), presence/frequency (OpenAI: output)."""
+    options, seq = row.options, row.seq
+    vocab = row_logits.shape[0]
+    device = row_logits.device
+    output = torch.tensor(seq.output_ids, dtype=torch.long, device=device)
+    counts = torch.bincount(output, minlength=vocab)[:vocab] if seq.output_ids else torch.zeros(
+        vocab, dtype=torch.long, device=device)
+    if options.repetition_penalty != 1.0:
+        if seq.prompt_mask is None:
+            mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+            mask[torch.tensor(row.prompt_ids, dtype=torch.long, device=device)] = True
+            seq.prompt_mask = mask
+        seen = seq.prompt_mask | (counts > 0)
+        penalty = options.repetition_penalty
+        adjusted = torch.where(row_logits > 0, row_logits / penalty, row_logits * penalty)
+        row_logits.copy_(torch.where(seen, adjusted, row_logits))
+    if options.frequency_penalty or options.presence_penalty:
+        counts_f = counts.to(row_logits.dtype)
+        row_logits -= options.frequency_penalty * counts_f + options.presence_penalty * (counts_f > 0).to(
+            row_logits.dtype)
+
+
+def _draw(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Sample one token per row of `logits` [S, vocab] under each row's temperature and filters."""
+    device = logits.device
+    count, vocab = logits.shape
+    temperatures = torch.tensor([row.options.temperature for row in rows], dtype=logits.dtype, device=device)
+    logits = logits / temperatures[:, None]
+    top_ks = [row.options.top_k if 0 < row.options.top_k < vocab else vocab for row in rows]
+    top_ps = [row.options.top_p for row in rows]
+    if any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=device)[None, :]
+        drop = ranks >= torch.tensor(top_ks, device=device)[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        if any(p < 1.0 for p in top_ps):
+            probs = torch.softmax(sorted_logits, dim=-1)
+            # Drop a token when the mass strictly before it already reaches top_p (the top one stays).
+            mass_before = torch.cumsum(probs, dim=-1) - probs
+            drop = drop | (mass_before >= torch.tensor(top_ps, dtype=probs.dtype, device=device)[:, None])
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if options.min_p > 0:
-        probs = probs.masked_fill(probs < options.min_p * probs.max(), 0.0)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    min_ps = [row.options.min_p for row in rows]
+    if any(min_ps):
+        floor = torch.tensor(min_ps, dtype=probs.dtype, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    noise = torch.empty_like(probs)
+    seeded = [i for i, row in enumerate(rows) if row.seq.generator is not None]
+    if len(seeded) < count:
+        noise.exponential_()
+    for i in seeded:
+        noise[i] = torch.empty(vocab, dtype=probs.dtype, device=device).exponential_(generator=rows[i].seq.generator)
+    return (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+
+
+def _logprobs(logits: torch.Tensor, rows: list[SampleRow], tokens: list[int],
+              wanted: list[int]) -> list[PositionLogprobs | None]:
+    device = logits.device
+    logprobs = torch.log_softmax(logits[wanted].float(), dim=-1)
+    chosen = torch.tensor([tokens[i] for i in wanted], dtype=torch.long, device=device)
+    chosen_lp = logprobs.gather(1, chosen[:, None])
+    ranks = ((logprobs > chosen_lp).sum(dim=-1) + 1).tolist()
+    chosen_values = chosen_lp[:, 0].tolist()
+    most = max(rows[i].options.top_logprobs for i in wanted)
+    top_values = top_ids = None
+    if most:
+        top = torch.topk(logprobs, most, dim=-1)
+        top_values, top_ids = top.values.tolist(), top.indices.tolist()
+    result: list[PositionLogprobs | None] = [None] * len(rows)
+    for j, i in enumerate(wanted):
+        k = rows[i].options.top_logprobs
+        alternatives = ()
+        if k:
+            alternatives = tuple(TokenLogprob(top_ids[j][r], top_values[j][r], r + 1) for r in range(k))
+        result[i] = PositionLogprobs(TokenLogprob(tokens[i], chosen_values[j], ranks[j]), alternatives)
+    return result

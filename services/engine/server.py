@@ -13,7 +13,8 @@ from tito.v1 import engine_pb2_grpc
 
 from .config import EngineConfig
 from .engine import Engine
-from .model_runner import ModelRunner
+from .engine_core import CoreProcessSpec
+from .model_runner import KVCacheSpec, ModelRunner
 from .servicer import EngineServicer
 
 SERVICE_NAME = "tito.v1.EngineService"
@@ -33,6 +34,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "max_position_embeddings")
     parser.add_argument("--max-choices-per-request", type=int, default=16,
                         help="largest n (choices per request) accepted (default 16)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
+    kv_size = parser.add_mutually_exclusive_group()
+    kv_size.add_argument("--kv-blocks", type=int, default=None, help="KV cache size in blocks")
+    kv_size.add_argument("--kv-cache-bytes", type=int, default=None,
+                         help="KV cache size in bytes (default on CPU: 64 MiB)")
+    kv_size.add_argument("--kv-memory-fraction", type=float, default=None,
+                         help="CUDA: fraction of the memory free after loading the model given to the KV cache "
+                              "(default 0.5)")
+    parser.add_argument("--max-prefill-tokens-per-step", type=int, default=2048,
+                        help="prompt tokens computed per step across requests; longer prompts are prefilled in "
+                             "chunks beside the running decodes (default 2048)")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the model and scheduler in a child process, away from the gRPC threads "
+                             "(default: on; --no-engine-process keeps them on a thread of this process)")
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="torch intra-op threads when running on CPU (default: cores - 1, at least 1)")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -47,6 +64,13 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_waiting_requests=args.max_waiting_requests,
         max_model_len=args.max_model_len,
         max_choices_per_request=args.max_choices_per_request,
+        block_size=args.block_size,
+        kv_blocks=args.kv_blocks,
+        kv_cache_bytes=args.kv_cache_bytes,
+        kv_memory_fraction=args.kv_memory_fraction,
+        max_prefill_tokens_per_step=args.max_prefill_tokens_per_step,
+        cpu_threads=args.cpu_threads,
+        engine_process=args.engine_process,
     )
     config.validate()
     return config
@@ -54,11 +78,21 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def _build_engine(config: EngineConfig) -> Engine:
     model_dir = resolve_model(config.model)
+    kv_cache = KVCacheSpec(block_size=config.block_size, num_blocks=config.kv_blocks,
+                           cache_bytes=config.kv_cache_bytes, memory_fraction=config.kv_memory_fraction)
+    if config.engine_process:
+        spec = CoreProcessSpec(model_dir=str(model_dir), model_id=config.model, device=config.device,
+                               max_model_len=config.max_model_len, kv_cache=kv_cache, cpu_threads=config.cpu_threads,
+                               max_running_sequences=config.max_running_requests,
+                               max_prefill_tokens=config.max_prefill_tokens_per_step, log_level=config.log_level)
+        return Engine.in_process(spec, max_waiting_requests=config.max_waiting_requests,
+                                 max_choices_per_request=config.max_choices_per_request)
     runner = ModelRunner(model_dir, model_id=config.model, device=config.device,
-                         max_model_len=config.max_model_len)
+                         max_model_len=config.max_model_len, kv_cache=kv_cache, cpu_threads=config.cpu_threads)
     return Engine(runner, max_running_requests=config.max_running_requests,
                   max_waiting_requests=config.max_waiting_requests,
-                  max_choices_per_request=config.max_choices_per_request)
+                  max_choices_per_request=config.max_choices_per_request,
+                  max_prefill_tokens=config.max_prefill_tokens_per_step)
 
 
 async def create_server(config: EngineConfig) -> RunningServer:

@@ -7,7 +7,7 @@ from tito.logs import bind_request_id
 from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2, sampling_pb2
 
 from .engine import Engine
-from .request import ChoiceOutput, FinishReason, GenerateInput, RawSamplingParams
+from .request import ChoiceOutput, FinishReason, GenerateInput, RawSamplingParams, TokenLogprob
 
 _FINISH_REASONS = {
     FinishReason.STOP: engine_pb2.FINISH_REASON_STOP,
@@ -53,8 +53,15 @@ def generate_input_from_proto(request: engine_pb2.GenerateRequest) -> GenerateIn
     )
 
 
+def _token_logprob(entry: TokenLogprob) -> engine_pb2.TokenLogprob:
+    return engine_pb2.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank)
+
+
 def output_to_proto(output: ChoiceOutput) -> engine_pb2.GenerateResponse:
     response = engine_pb2.GenerateResponse(index=output.index, token_ids=output.token_ids)
+    for position in output.logprobs:
+        response.logprobs.append(engine_pb2.PositionLogprobs(
+            sampled=_token_logprob(position.sampled), top=[_token_logprob(entry) for entry in position.top]))
     if output.finish_reason is not None:
         response.finish_reason = _FINISH_REASONS[output.finish_reason]
         if output.matched_stop_token_id is not None:
@@ -115,4 +122,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             running_requests=load.running_requests,
             waiting_requests=load.waiting_requests,
             finished_requests=load.finished_requests,
+            kv_blocks_total=load.kv_blocks_total,
+            kv_blocks_used=load.kv_blocks_used,
+            kv_block_size=load.kv_block_size,
         )

@@ -83,6 +83,8 @@ def resolve_sampling(raw: RawSamplingParams, prompt_len: int, limits: ModelLimit
         violations.add(field("n"), f"must be between 1 and {limits.max_choices}, got {n}")
     if raw.top_logprobs > MAX_TOP_LOGPROBS:
         violations.add(field("top_logprobs"), f"must be at most {MAX_TOP_LOGPROBS}, got {raw.top_logprobs}")
+    elif raw.top_logprobs and not raw.logprobs:
+        violations.add(field("top_logprobs"), "needs logprobs=true")
     repetition_penalty = 1.0 if raw.repetition_penalty is None else raw.repetition_penalty
     if not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
         violations.add(field("repetition_penalty"), f"must be > 0 (1 disables it), got {repetition_penalty}")
@@ -107,9 +109,6 @@ def resolve_sampling(raw: RawSamplingParams, prompt_len: int, limits: ModelLimit
         violations.add(field("min_tokens"), f"must not exceed max_tokens ({max_tokens}), got {raw.min_tokens}")
     violations.raise_if_any(reason="INVALID_SAMPLING_PARAMS")
 
-    # Valid but not implemented yet: refuse rather than silently ignore them.
-    _refuse_unimplemented(raw, repetition_penalty)
-
     return SamplingOptions(
         max_tokens=max_tokens,
         min_tokens=raw.min_tokens,
@@ -121,19 +120,9 @@ def resolve_sampling(raw: RawSamplingParams, prompt_len: int, limits: ModelLimit
         stop_token_ids=frozenset(raw.stop_token_ids),
         ignore_eos=raw.ignore_eos,
         n=n,
+        presence_penalty=float(raw.presence_penalty),
+        frequency_penalty=float(raw.frequency_penalty),
+        repetition_penalty=float(repetition_penalty),
+        logprobs=raw.logprobs,
+        top_logprobs=raw.top_logprobs,
     )
-
-
-def _refuse_unimplemented(raw: RawSamplingParams, repetition_penalty: float) -> None:
-    unsupported = []
-    if raw.presence_penalty != 0:
-        unsupported.append("presence_penalty")
-    if raw.frequency_penalty != 0:
-        unsupported.append("frequency_penalty")
-    if repetition_penalty != 1.0:
-        unsupported.append("repetition_penalty")
-    if raw.logprobs or raw.top_logprobs:
-        unsupported.append("logprobs" if raw.logprobs else "top_logprobs")
-    if unsupported:
-        raise Unimplemented(f"sampling_params.{unsupported[0]} is not implemented yet by this engine",
-                            reason="NOT_IMPLEMENTED", field=f"sampling_params.{unsupported[0]}")

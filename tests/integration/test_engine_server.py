@@ -37,6 +37,9 @@ def hf_greedy(model, prompt, max_new_tokens):
 def engine(aio_server, tiny_text_model):
     def start(**overrides):
         overrides.setdefault("max_model_len", CONTEXT)
+        # The core on a thread keeps these servers quick to start; the deployed child-process core
+        # is exercised by test_engine_batching.py and the dead-process test below.
+        overrides.setdefault("engine_process", False)
         config = EngineConfig(model=str(tiny_text_model), device="cpu", **overrides)
         server = aio_server(lambda: create_server(config))
         channel = server.channel()
@@ -158,7 +161,7 @@ BAD_REQUESTS = [
      "sampling_params.repetition_penalty"),
     (engine_pb2.GenerateRequest(token_ids=[1, 2], mm_features=_image_item()), grpc.StatusCode.INVALID_ARGUMENT,
      "mm_features.items[0].modality"),
-    (request([1, 2], logprobs=True), grpc.StatusCode.UNIMPLEMENTED, "sampling_params.logprobs"),
+    (request([1, 2], top_logprobs=2), grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.top_logprobs"),
 ]
 
 
@@ -222,3 +225,22 @@ def test_dropping_a_stream_frees_its_slot(engine):
                     timeout=2.0)
     load = stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT)
     assert load.waiting_requests == 0 and load.finished_requests == 1
+
+
+def test_a_dead_model_process_fails_streams_and_refuses_new_work(engine):
+    import multiprocessing
+
+    before = {child.pid for child in multiprocessing.active_children()}
+    stub, _ = engine(max_model_len=None, engine_process=True)
+    cores = [child for child in multiprocessing.active_children()
+             if child.name == "tito-engine-core" and child.pid not in before]
+    assert len(cores) == 1
+    call = stub.Generate(request(PROMPTS[0], max_tokens=LONG, ignore_eos=True), timeout=TIMEOUT)
+    next(call)
+    cores[0].kill()
+    with pytest.raises(grpc.RpcError) as exc:
+        list(call)
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(grpc.RpcError) as exc:
+        list(stub.Generate(request(PROMPTS[0], max_tokens=2), timeout=TIMEOUT))
+    assert error_details(exc.value)["reason"] == "ENGINE_CORE_LOST"

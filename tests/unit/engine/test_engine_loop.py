@@ -68,17 +68,17 @@ def test_closing_the_stream_aborts_and_ids_can_be_reused(engine):
     assert len(tokens) == 6 and finish is FinishReason.LENGTH
 
 
-def test_a_failing_forward_fails_only_its_request(engine, runner, monkeypatch):
-    real_decode = runner.decode
+def test_a_failing_forward_fails_its_batch_and_the_engine_carries_on(engine, runner, monkeypatch):
+    real_execute = runner.execute
     calls = {"n": 0}
 
-    def flaky_decode(token_id, cache):
+    def flaky_execute(rows):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("simulated device error")
-        return real_decode(token_id, cache)
+        return real_execute(rows)
 
-    monkeypatch.setattr(runner, "decode", flaky_decode)
+    monkeypatch.setattr(runner, "execute", flaky_execute)
 
     async def main():
         with pytest.raises(RuntimeError, match="simulated"):
@@ -87,7 +87,8 @@ def test_a_failing_forward_fails_only_its_request(engine, runner, monkeypatch):
 
     tokens, finish = asyncio.run(main())
     assert len(tokens) == 6 and finish is FinishReason.LENGTH
-    assert engine.load().running_requests == 0
+    load = engine.load()
+    assert load.running_requests == 0 and load.kv_blocks_used == 0
 
 
 @pytest.mark.parametrize("overrides", [{"device": "tpu"}, {"max_running_requests": 0},
@@ -100,7 +101,7 @@ def test_config_rejects_bad_values(overrides):
 
 
 def test_an_unexpected_engine_error_fails_live_requests_and_the_engine_recovers(engine, monkeypatch):
-    scheduler = engine._scheduler
+    scheduler = engine._core.core.scheduler
     real_step = scheduler.step
     calls = {"n": 0}
 
@@ -121,3 +122,35 @@ def test_an_unexpected_engine_error_fails_live_requests_and_the_engine_recovers(
     assert len(tokens) == 6 and finish is FinishReason.LENGTH
     load = engine.load()
     assert load.running_requests == 0 and load.waiting_requests == 0
+
+
+def test_outputs_that_piled_up_are_merged_per_choice():
+    from tito_engine.engine import _merge_per_choice
+    from tito_engine.request import ChoiceOutput, Usage
+
+    items = [ChoiceOutput(0, (1,)), ChoiceOutput(1, (7,)), ChoiceOutput(0, (2,)),
+             ChoiceOutput(0, (3,), FinishReason.LENGTH, usage=Usage(2, 3))]
+    merged = _merge_per_choice(items)
+    assert [(m.index, m.token_ids, m.finish_reason) for m in merged] == [(0, (1, 2, 3), FinishReason.LENGTH),
+                                                                        (1, (7,), None)]
+    error = RuntimeError("boom")
+    assert _merge_per_choice([ChoiceOutput(0, (1,)), error, ChoiceOutput(0, (2,))])[-1] is error
+
+
+def test_core_honours_an_abort_that_overtakes_its_add(runner):
+    from tito_engine.engine_core import EngineCore
+    from tito_engine.request import SamplingOptions
+
+    core = EngineCore(runner, max_running_sequences=4, max_prefill_tokens=64)
+    outputs = []
+    core._apply(("abort", 9), outputs)
+    assert outputs == []
+    core._apply(("add", 9, "late", [5, 6], SamplingOptions(max_tokens=4, temperature=0.0), None), outputs)
+    assert [(key, out.finish_reason, finished) for key, out, finished in outputs] == [(9, FinishReason.ABORT, True)]
+    assert not core.scheduler.has_work() and core.requests == {}
+
+
+def test_load_reports_kv_blocks(engine, runner):
+    load = engine.load()
+    assert load.kv_blocks_total == runner.cache.num_blocks and load.kv_block_size == runner.cache.block_size
+    assert load.kv_blocks_used == 0

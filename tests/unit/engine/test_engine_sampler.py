@@ -1,41 +1,108 @@
+"""The batched sampler: per-row options inside one call, seeded rows independent of the batch."""
+
+import math
+
+import pytest
 import torch
 
-from tito_engine.request import SamplingOptions
-from tito_engine.sampler import make_generator, sample
+from tito_engine.request import SamplingOptions, Sequence
+from tito_engine.sampler import SampleRow, make_generator, sample_batch
+
+VOCAB = 200
 
 
-def logits():
-    return torch.randn(200, generator=torch.Generator().manual_seed(0))
+def logits(rows=1, seed=0):
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed))
 
 
-def draw(options, seed, steps=20, index=0):
-    generator = make_generator(seed, index, "cpu")
-    return [sample(logits(), options, generator) for _ in range(steps)]
+def row(options, seed=None, index=0, output_ids=(), prompt_ids=(1, 2), banned=frozenset()):
+    seq = Sequence(index, make_generator(seed, index, "cpu") if seed is not None else None)
+    seq.output_ids = list(output_ids)
+    return SampleRow(options, seq, list(prompt_ids), banned)
 
 
-def test_greedy_is_argmax_and_respects_bans():
-    values = logits()
+def draw(options, seed, steps=20, index=0, neighbours=0):
+    target = row(options, seed, index)
+    tokens = []
+    for step in range(steps):
+        rows = [row(SamplingOptions(max_tokens=1, temperature=1.0)) for _ in range(neighbours)] + [target]
+        values = logits(1, seed=step).expand(len(rows), -1).contiguous()
+        tokens.append(sample_batch(values, rows)[0][-1])
+    return tokens
+
+
+def test_greedy_is_argmax_and_bans_apply():
+    values = logits(2)
     options = SamplingOptions(max_tokens=1, temperature=0.0)
-    best = int(values.argmax())
-    assert sample(values, options, None) == best
-    assert sample(values, options, None, banned_token_ids=[best]) != best
+    best = values.argmax(-1).tolist()
+    assert sample_batch(values, [row(options), row(options)])[0] == best
+    tokens, _ = sample_batch(values, [row(options, banned=frozenset({best[0]})), row(options)])
+    assert tokens[0] != best[0] and tokens[1] == best[1]
 
 
-def test_same_seed_same_tokens_and_choices_differ():
+def test_same_seed_same_tokens_whatever_shares_the_batch():
     options = SamplingOptions(max_tokens=1, temperature=1.0)
-    assert draw(options, 42) == draw(options, 42)
-    assert draw(options, 42) != draw(options, 43)
-    assert draw(options, 42, index=0) != draw(options, 42, index=1)
+    alone = draw(options, 42)
+    assert draw(options, 42, neighbours=5) == alone
+    assert draw(options, 43) != alone
+    assert draw(options, 42, index=1) != alone
 
 
-def test_top_k_and_top_p_restrict_the_support():
-    values = logits()
-    top3 = set(torch.topk(values, 3).indices.tolist())
-    generator = make_generator(1, 0, "cpu")
-    options = SamplingOptions(max_tokens=1, temperature=5.0, top_k=3)
-    assert {sample(values, options, generator) for _ in range(50)} <= top3
-    # A tiny top_p keeps only the most likely token.
-    options = SamplingOptions(max_tokens=1, temperature=1.0, top_p=1e-6)
-    assert {sample(values, options, generator) for _ in range(20)} == {int(values.argmax())}
-    options = SamplingOptions(max_tokens=1, temperature=1.0, min_p=1.0)
-    assert {sample(values, options, generator) for _ in range(20)} == {int(values.argmax())}
+def test_sampling_follows_the_distribution():
+    values = torch.tensor([[0.0, math.log(3.0)] + [-1e9] * (VOCAB - 2)])
+    options = SamplingOptions(max_tokens=1, temperature=1.0)
+    rows = [row(options, seed=7)]
+    ones = sum(sample_batch(values, rows)[0][0] for _ in range(2000))
+    assert 0.70 < ones / 2000 < 0.80  # p(token 1) = 0.75
+
+
+def test_top_k_top_p_min_p_restrict_the_support_per_row():
+    values = logits(4)
+    top3 = [set(torch.topk(values[i], 3).indices.tolist()) for i in range(4)]
+    rows = [row(SamplingOptions(max_tokens=1, temperature=5.0, top_k=3), seed=1),
+            row(SamplingOptions(max_tokens=1, temperature=1.0, top_p=1e-6), seed=2),
+            row(SamplingOptions(max_tokens=1, temperature=1.0, min_p=1.0), seed=3),
+            row(SamplingOptions(max_tokens=1, temperature=50.0), seed=4)]
+    seen = [set() for _ in rows]
+    for _ in range(60):
+        for i, token in enumerate(sample_batch(values, rows)[0]):
+            seen[i].add(token)
+    best = values.argmax(-1).tolist()
+    assert seen[0] <= top3[0] and len(seen[0]) > 1
+    assert seen[1] == {best[1]} and seen[2] == {best[2]}
+    assert len(seen[3]) > 10  # the unfiltered hot row really samples
+
+
+def test_penalties():
+    values = torch.zeros(1, VOCAB)
+    values[0, 5], values[0, 6], values[0, 7] = 3.0, 2.9, -1.0
+    greedy = dict(max_tokens=1, temperature=0.0)
+    # Frequency: token 5 seen twice drops below 6.
+    assert sample_batch(values, [row(SamplingOptions(**greedy, frequency_penalty=0.1), output_ids=[5, 5])])[0] == [6]
+    assert sample_batch(values, [row(SamplingOptions(**greedy, presence_penalty=0.2), output_ids=[5])])[0] == [6]
+    # Repetition (HF): 5 is in the prompt, 3.0 / 1.1 < 2.9.
+    assert sample_batch(values, [row(SamplingOptions(**greedy, repetition_penalty=1.1), prompt_ids=[5])])[0] == [6]
+    # A negative logit gets multiplied: the seen token 7 stays last.
+    penalised = values.clone()
+    penalised[0, :5] = -5.0
+    penalised[0, 8:] = -5.0
+    penalised[0, 5] = penalised[0, 6] = -5.0
+    assert sample_batch(penalised, [row(SamplingOptions(**greedy, repetition_penalty=2.0), prompt_ids=[7])])[0] == [7]
+
+
+def test_logprobs_are_raw_log_softmax_with_ranks_and_alternatives():
+    values = logits(2)
+    options = SamplingOptions(max_tokens=1, temperature=0.0, logprobs=True, top_logprobs=3)
+    plain = SamplingOptions(max_tokens=1, temperature=0.0)
+    tokens, logprobs = sample_batch(values, [row(options), row(plain)])
+    expected = torch.log_softmax(values[0], -1)
+    entry = logprobs[0]
+    assert entry.sampled.token_id == tokens[0] and entry.sampled.rank == 1
+    assert entry.sampled.logprob == pytest.approx(float(expected[tokens[0]]), abs=1e-5)
+    assert [alt.rank for alt in entry.top] == [1, 2, 3]
+    assert [alt.token_id for alt in entry.top] == torch.topk(expected, 3).indices.tolist()
+    assert logprobs[1] is None
+    # A banned best token: the sampled one ranks 2 under the raw distribution.
+    banned = row(SamplingOptions(max_tokens=1, temperature=0.0, logprobs=True), banned=frozenset({tokens[0]}))
+    _, logprobs = sample_batch(values[:1], [banned])
+    assert logprobs[0].sampled.rank == 2 and logprobs[0].top == ()

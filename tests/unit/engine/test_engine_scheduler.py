@@ -1,35 +1,61 @@
-"""The scheduler with the tiny text model: greedy output equals HF generate, interleaving is safe."""
+"""The continuous-batching scheduler with the tiny text model and the paged KV cache.
+
+Greedy output equals HF generate alone and inside a batch of 16 requests of different lengths
+joining at different steps; chunked prefill, preemption under a tiny cache, n > 1 forks, aborts
+and seeds are checked against the same reference.
+"""
 
 import collections
+import random
 
 import pytest
 import torch
 
-from tito_engine.model_runner import ModelRunner
+from tito_engine.model_runner import KVCacheSpec, ModelRunner
 from tito_engine.request import FinishReason, Request, SamplingOptions
 from tito_engine.scheduler import Scheduler
 
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300, 400, 500, 17], [42]]
 
 
+def _runner(model, **spec):
+    return ModelRunner(model, model_id="tiny-qwen2", device="cpu", kv_cache=KVCacheSpec(**spec))
+
+
 @pytest.fixture(scope="module")
 def runner(tiny_text_model):
-    return ModelRunner(tiny_text_model, model_id="tiny-qwen2", device="cpu")
+    return _runner(tiny_text_model, num_blocks=256, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def tiny_cache_runner(tiny_text_model):
+    # 12 blocks of 4 tokens: 48 token slots for the whole engine.
+    return _runner(tiny_text_model, num_blocks=12, block_size=4)
+
+
+_HF_CACHE: dict = {}
 
 
 def hf_greedy(runner, prompt, max_new_tokens):
-    with torch.inference_mode():
-        output = runner.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens)
-    return output[0, len(prompt):].tolist()
+    key = (tuple(prompt), max_new_tokens)
+    if key not in _HF_CACHE:
+        with torch.inference_mode():
+            output = runner.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens)
+        _HF_CACHE[key] = output[0, len(prompt):].tolist()
+    return _HF_CACHE[key]
 
 
-def run(scheduler, requests, max_steps=1000):
+def run(scheduler, requests, max_steps=5000, joins=None):
+    """Step until idle; `joins` maps a step number to requests added before that step."""
     outputs = collections.defaultdict(dict)
     finals = {}
     for request in requests:
         scheduler.add(request)
-    for _ in range(max_steps):
-        if not scheduler.has_work():
+    joins = dict(joins or {})
+    for step in range(max_steps):
+        for request in joins.pop(step, []):
+            scheduler.add(request)
+        if not scheduler.has_work() and not joins:
             break
         for request, output in scheduler.step():
             assert not isinstance(output, BaseException), output
@@ -45,35 +71,44 @@ def make(prompt, **options):
     return Request("r", prompt, SamplingOptions(**options), lambda _: None)
 
 
+def assert_idle(scheduler):
+    assert not scheduler.has_work() and scheduler.num_running_sequences() == 0
+    assert scheduler.kv_blocks_used() == 0
+
+
 def test_model_info(runner):
     info = runner.info
     assert info.vocab_size == 1013 and info.max_context_length == 2048
     assert info.eos_token_ids == (1002, 1000)
     assert info.dtype == "float32" and info.device == "cpu" and len(info.fingerprint) == 16
+    assert runner.cache.num_blocks == 256 and runner.cache.block_size == 16
 
 
-def test_greedy_equals_hf_generate_with_requests_interleaved(runner):
+def test_greedy_equals_hf_generate_alone(runner):
     scheduler = Scheduler(runner, max_running_sequences=8)
-    requests = [make(prompt) for prompt in PROMPTS]
-    outputs, finals = run(scheduler, requests)
-    for prompt, request in zip(PROMPTS, requests):
+    for prompt in PROMPTS:
+        request = make(prompt)
+        outputs, finals = run(scheduler, [request])
         expected = hf_greedy(runner, prompt, 12)
         assert outputs[id(request)][0] == expected
         final = finals[(id(request), 0)]
-        assert final.usage.prompt_tokens == len(prompt)
-        assert final.usage.completion_tokens == len(expected)
-    assert not scheduler.running and scheduler.finished_requests == 3
+        assert final.usage.prompt_tokens == len(prompt) and final.usage.completion_tokens == len(expected)
+    assert_idle(scheduler)
+    assert scheduler.finished_requests == 3
 
 
-def test_a_request_joining_mid_stream_does_not_disturb_others(runner):
-    scheduler = Scheduler(runner, max_running_sequences=8)
-    first = make(PROMPTS[0], max_tokens=10)
-    scheduler.add(first)
-    early = [tok for _ in range(3) for _, out in scheduler.step() for tok in out.token_ids]
-    second = make(PROMPTS[1], max_tokens=10)
-    outputs, _ = run(scheduler, [second])
-    assert early + outputs[id(first)][0] == hf_greedy(runner, PROMPTS[0], 10)
-    assert outputs[id(second)][0] == hf_greedy(runner, PROMPTS[1], 10)
+def test_greedy_equals_hf_in_a_batch_of_16_joining_at_different_steps(runner):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000) for _ in range(rng.randrange(1, 60))] for _ in range(16)]
+    # A small prefill budget so long prompts are chunked beside running decodes.
+    scheduler = Scheduler(runner, max_running_sequences=16, max_prefill_tokens=24)
+    requests = [make(prompt, max_tokens=20 + i, ignore_eos=True) for i, prompt in enumerate(prompts)]
+    joins = {3 * i: [request] for i, request in enumerate(requests)}
+    outputs, finals = run(scheduler, [], joins=joins)
+    for i, (prompt, request) in enumerate(zip(prompts, requests)):
+        assert outputs[id(request)][0] == hf_greedy(runner, prompt, 20 + i), i
+        assert finals[(id(request), 0)].finish_reason is FinishReason.LENGTH
+    assert_idle(scheduler)
 
 
 def test_max_running_limits_admission(runner):
@@ -83,8 +118,9 @@ def test_max_running_limits_admission(runner):
     scheduler.add(b)
     scheduler.step()
     assert scheduler.running == [a] and list(scheduler.waiting) == [b]
-    outputs, _ = run(scheduler, [])
+    run(scheduler, [])
     assert scheduler.finished_requests == 2
+    assert_idle(scheduler)
 
 
 def test_stop_tokens_min_tokens_and_ignore_eos(runner):
@@ -105,14 +141,17 @@ def test_stop_tokens_min_tokens_and_ignore_eos(runner):
     outputs, finals = run(scheduler, [banned])
     assert outputs[id(banned)][0][0] != greedy[0]
     assert len(outputs[id(banned)][0]) >= 3
+    assert_idle(scheduler)
 
 
 def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(runner):
     def sampled(with_neighbours):
         scheduler = Scheduler(runner, max_running_sequences=16)
         target = make(PROMPTS[1], temperature=1.0, seed=7, n=2, max_tokens=10, ignore_eos=True)
-        others = [make(PROMPTS[0], temperature=1.0, max_tokens=8)] if with_neighbours else []
+        others = [make(PROMPTS[0], temperature=1.0, max_tokens=8), make(PROMPTS[2], max_tokens=5)] \
+            if with_neighbours else []
         outputs, _ = run(scheduler, others + [target])
+        assert_idle(scheduler)
         return outputs[id(target)]
 
     alone, shared = sampled(False), sampled(True)
@@ -120,13 +159,97 @@ def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(runner):
     assert alone[0] != alone[1]  # choices of one request differ
 
 
-def test_abort_frees_a_running_request(runner):
-    scheduler = Scheduler(runner, max_running_sequences=8)
-    request = make(PROMPTS[0], max_tokens=50)
+def test_n_choices_fork_from_one_prefill_and_share_prompt_blocks(runner):
+    scheduler = Scheduler(runner, max_running_sequences=16)
+    prompt = list(range(10, 31))  # 21 tokens: one full block of 16 shared, the partial one copied
+    request = make(prompt, n=3, max_tokens=6, ignore_eos=True)
     scheduler.add(request)
+    scheduler.step()  # prefill + fork + first token of every choice
+    tables = [seq.block_table for seq in request.sequences]
+    assert tables[0][0] == tables[1][0] == tables[2][0]  # the full block is shared
+    assert len({table[1] for table in tables}) == 3  # the partial block is per choice
+    assert scheduler.kv_blocks_used() == 4
+    outputs, finals = run(scheduler, [])
+    expected = hf_greedy(runner, prompt, 6)
+    assert [outputs[id(request)][i] for i in range(3)] == [expected[1:]] * 3  # step 1 output was consumed
+    assert all(finals[(id(request), i)].usage.completion_tokens == 6 for i in range(3))
+    assert_idle(scheduler)
+
+
+def test_abort_frees_blocks_of_running_and_waiting_requests(runner):
+    scheduler = Scheduler(runner, max_running_sequences=1)
+    running, waiting = make(PROMPTS[0], max_tokens=50), make(PROMPTS[1], max_tokens=50)
+    scheduler.add(running)
+    scheduler.add(waiting)
     scheduler.step()
-    aborted = scheduler.abort(request)
+    assert scheduler.kv_blocks_used() == 1
+    aborted = scheduler.abort(running)
     assert [out.finish_reason for out in aborted] == [FinishReason.ABORT]
     assert aborted[0].usage.completion_tokens == 1
-    assert not scheduler.has_work() and request.sequences[0].cache is None
-    assert scheduler.abort(request) == []
+    assert scheduler.kv_blocks_used() == 0
+    assert [out.finish_reason for out in scheduler.abort(waiting)] == [FinishReason.ABORT]
+    assert scheduler.abort(running) == []
+    assert_idle(scheduler)
+
+
+def test_preemption_under_a_tiny_cache_keeps_greedy_output_exact(tiny_cache_runner):
+    # 4 requests of 6 + 14 tokens need 5 blocks each at the end: 20 > 12, so some are preempted
+    # and later recompute prompt + generated tokens; the output must not change.
+    runner = tiny_cache_runner
+    prompts = [[7 + i, 8, 9, 10, 11, 12] for i in range(4)]
+    scheduler = Scheduler(runner, max_running_sequences=8)
+    requests = [make(prompt, max_tokens=14, ignore_eos=True) for prompt in prompts]
+    outputs, finals = run(scheduler, requests)
+    for prompt, request in zip(prompts, requests):
+        assert outputs[id(request)][0] == hf_greedy(runner, prompt, 14)
+    assert scheduler.preemptions > 0
+    assert sum(request.preemptions for request in requests) == scheduler.preemptions
+    assert_idle(scheduler)
+
+
+def test_preemption_of_a_forked_request_keeps_seeded_output(tiny_cache_runner):
+    runner = tiny_cache_runner
+    scheduler = Scheduler(runner, max_running_sequences=8)
+    seeded = make([3, 4, 5, 6, 7], n=2, temperature=1.0, seed=5, max_tokens=14, ignore_eos=True)
+    greedy = make([9, 9, 8, 7, 6, 5], max_tokens=24, ignore_eos=True)
+    outputs, _ = run(scheduler, [greedy, seeded])
+    assert seeded.preemptions > 0
+    assert outputs[id(greedy)][0] == hf_greedy(runner, [9, 9, 8, 7, 6, 5], 24)
+    alone = Scheduler(runner, max_running_sequences=8)
+    again = make([3, 4, 5, 6, 7], n=2, temperature=1.0, seed=5, max_tokens=14, ignore_eos=True)
+    reference, _ = run(alone, [again])
+    assert outputs[id(seeded)] == reference[id(again)]
+    assert_idle(scheduler)
+
+
+def test_penalties_and_logprobs_through_the_step(runner):
+    scheduler = Scheduler(runner, max_running_sequences=8)
+    plain = make(PROMPTS[1], max_tokens=8, ignore_eos=True, logprobs=True, top_logprobs=2)
+    penalised = make(PROMPTS[1], max_tokens=8, ignore_eos=True, repetition_penalty=5.0, frequency_penalty=2.0)
+    tokens = collections.defaultdict(list)
+    logprobs = []
+    scheduler.add(plain)
+    scheduler.add(penalised)
+    while scheduler.has_work():
+        for request, output in scheduler.step():
+            tokens[id(request)].extend(output.token_ids)
+            if request is plain:
+                logprobs.extend(output.logprobs)
+    assert tokens[id(plain)] == hf_greedy(runner, PROMPTS[1], 8)
+    assert len(logprobs) == 8 and all(entry.sampled.rank == 1 for entry in logprobs)
+    assert all(entry.top[0].token_id == entry.sampled.token_id for entry in logprobs)
+    assert all(entry.top[0].logprob >= entry.top[1].logprob for entry in logprobs)
+    # A strong penalty forbids repeating: every generated token is new and none is from the prompt.
+    generated = tokens[id(penalised)]
+    assert len(set(generated)) == len(generated) and not set(generated) & set(PROMPTS[1])
+    assert_idle(scheduler)
+
+
+def test_a_request_that_exactly_fits_the_whole_cache_runs(tiny_cache_runner):
+    # 12 blocks of 4 tokens; 45 prompt + 3 new = 48 tokens = every block (no spare left to ask for).
+    scheduler = Scheduler(tiny_cache_runner, max_running_sequences=8)
+    prompt = [(7 * i) % 1000 for i in range(45)]
+    request = make(prompt, max_tokens=3, ignore_eos=True)
+    outputs, _ = run(scheduler, [request], max_steps=50)
+    assert outputs[id(request)][0] == hf_greedy(tiny_cache_runner, prompt, 3)
+    assert_idle(scheduler)

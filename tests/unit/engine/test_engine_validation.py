@@ -1,6 +1,6 @@
 import pytest
 
-from tito.errors import InvalidArgument, Unimplemented
+from tito.errors import InvalidArgument
 from tito_engine.request import GenerateInput, RawSamplingParams
 from tito_engine.validation import ModelLimits, validate_generate
 
@@ -67,7 +67,17 @@ def test_media_on_text_model_names_the_item():
     assert field_of(exc) == "mm_features.items[0].modality"
 
 
-@pytest.mark.parametrize("sampling", [{"logprobs": True}, {"frequency_penalty": 0.5}, {"repetition_penalty": 1.1}])
-def test_valid_but_unimplemented_options_are_refused_not_ignored(sampling):
-    with pytest.raises(Unimplemented):
-        check(**sampling)
+def test_penalties_and_logprobs_are_resolved():
+    options = check(logprobs=True, top_logprobs=5, frequency_penalty=0.5, presence_penalty=-1.0,
+                    repetition_penalty=1.1)
+    assert options.logprobs and options.top_logprobs == 5 and options.wants_logprobs
+    assert (options.frequency_penalty, options.presence_penalty, options.repetition_penalty) == (0.5, -1.0,
+                                                                                                  pytest.approx(1.1))
+    assert options.has_penalties and not options.plain_greedy
+    assert check(temperature=0.0).plain_greedy and not check(temperature=0.0, min_tokens=1).plain_greedy
+
+
+def test_top_logprobs_needs_logprobs():
+    with pytest.raises(InvalidArgument) as exc:
+        check(top_logprobs=2)
+    assert field_of(exc) == "sampling_params.top_logprobs"

@@ -1,0 +1,103 @@
+"""The paged KV cache: fixed-size blocks of K/V storage, a free pool and reference counts.
+
+Storage per layer is `[num_blocks, block_size, kv_heads, head_dim]`. A token's slot in the flat
+view `[num_blocks * block_size, kv_heads, head_dim]` is `block_id * block_size + offset`, so a
+step's writes are one `index_copy_` per layer, and its reads gather whole blocks (one
+`index_select` of block ids per layer: 16x fewer, 16x larger copies than per token). Sequences own lists of block ids (their block tables); a block shared by
+the choices of one request (the prompt's full blocks after a fork) carries a reference count and
+returns to the pool when the last owner lets go.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of one token's K/V in one layer and how many layers there are."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * itemsize  # K and V
+
+    def blocks_for_bytes(self, budget_bytes: int, block_size: int) -> int:
+        return budget_bytes // (self.bytes_per_token * block_size)
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    return math.ceil(num_tokens / block_size)
+
+
+class BlockAllocator:
+    """A pool of block ids with reference counts. Engine thread only (no locks)."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        # Pop from the end: recently freed blocks are reused first (warm in cache).
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._refs = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise MemoryError(f"asked for {count} KV blocks, {len(self._free)} free")  # callers check first
+        blocks = [self._free.pop() for _ in range(count)]
+        for block in blocks:
+            self._refs[block] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self._refs[block] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free.append(block)
+            elif self._refs[block] < 0:  # a double free would hand one block to two sequences
+                raise AssertionError(f"KV block {block} released more often than taken")
+
+
+class PagedKVCache:
+    """K and V storage for every layer plus the block pool that hands it out."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, device: torch.device):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device = device
+        shape = (num_blocks, block_size, layout.kv_heads, layout.head_dim)
+        # Zeros, not empty: attention reads padded slots under a mask, and 0 * NaN garbage is NaN.
+        self.keys = [torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
+        self.values = [torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
+        self.allocator = BlockAllocator(num_blocks)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def copy_block(self, source: int, target: int) -> None:
+        """Copy one block's K/V in every layer (copy-on-write of a partial block at fork)."""
+        for keys, values in zip(self.keys, self.values):
+            keys[target] = keys[source]
+            values[target] = values[source]
