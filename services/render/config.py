@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from tito.config import ConfigError, ServerConfig
 
@@ -12,6 +14,18 @@ REASONING_PARSERS = ("qwen3", "deepseek_r1")
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 AUTO = "auto"
 NONE = "none"
+
+MIB = 1024 * 1024
+#: Shortest HMAC key accepted (bytes): shorter keys are guessable.
+MIN_HMAC_KEY_BYTES = 16
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (affinity-aware: a container's cpuset, `taskset`)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 @dataclass
@@ -27,8 +41,40 @@ class RenderConfig(ServerConfig):
     reasoning_parser: str = AUTO
     #: Tool-call parser named in DerenderContext: "auto", "none", or one of TOOL_PARSERS.
     tool_parser: str = AUTO
-    #: Rendering processes. Only 1 (a thread beside the event loop) exists in this version.
+    #: Rendering processes behind the one address (SO_REUSEPORT); 0 = one per available CPU.
     workers: int = 1
+
+    # ---- media sources
+    #: Directory local image files may be read from (file:// URLs and bare paths); "" = none.
+    media_dir: str = ""
+    #: Fetch http(s) image URLs (off by default: a render server that fetches URLs can be made to
+    #: reach internal hosts).
+    allow_remote_media: bool = False
+    #: Timeout of one remote fetch, seconds.
+    media_fetch_timeout: float = 10.0
+
+    # ---- request limits
+    #: Largest encoded image (bytes), whatever its source.
+    max_image_bytes: int = 20 * MIB
+    #: Largest decoded image (width x height): decompression-bomb guard, checked from the header
+    #: before any pixel is decoded. Also caps the min/max_pixels a request may ask for.
+    max_image_pixels: int = 64_000_000
+    #: Most images (and video frames) in one request.
+    max_images_per_request: int = 32
+    #: Most prompt tokens (media placeholders included); 0 = the context limit only.
+    max_prompt_tokens: int = 0
+    #: MiB of processed images each worker keeps for reuse (a chat resends its images every
+    #: turn); 0 = no cache.
+    media_cache_mb: int = 256
+
+    # ---- feature signing
+    #: File holding the HMAC key shared with the engine; "" = items are not signed.
+    hmac_key_file: str = ""
+    #: Identifier of that key, put in each item's auth_key_id (key rotation).
+    hmac_key_id: str = ""
+
+    def resolved_workers(self) -> int:
+        return self.workers if self.workers > 0 else available_cpus()
 
     def validate(self) -> None:
         super().validate()
@@ -43,7 +89,46 @@ class RenderConfig(ServerConfig):
         if self.tool_parser not in (AUTO, NONE, *TOOL_PARSERS):
             raise ConfigError(f"tool_parser={self.tool_parser!r} must be one of "
                               f"{', '.join((AUTO, NONE, *TOOL_PARSERS))}")
-        if self.workers != 1:
-            raise ConfigError(f"workers={self.workers}: only 1 render worker is supported in this version "
-                              f"(rendering runs on one thread beside the event loop); multi-process "
-                              f"rendering is not available yet")
+        self._validate_workers()
+        if self.media_dir and not Path(self.media_dir).is_dir():
+            raise ConfigError(f"media_dir={self.media_dir!r} is not a directory: pass --media-dir with an "
+                              f"existing directory, or leave it empty to refuse local files")
+        if self.media_fetch_timeout <= 0:
+            raise ConfigError(f"media_fetch_timeout={self.media_fetch_timeout} must be > 0 seconds")
+        for name in ("max_image_bytes", "max_image_pixels", "max_images_per_request"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.media_cache_mb < 0:
+            raise ConfigError(f"media_cache_mb={self.media_cache_mb} must be >= 0 (0 = no cache)")
+        if self.max_prompt_tokens < 0:
+            raise ConfigError(f"max_prompt_tokens={self.max_prompt_tokens} must be >= 0 (0 = the context limit)")
+        if self.hmac_key_id and not self.hmac_key_file:
+            raise ConfigError("hmac_key_id is set but hmac_key_file is not: pass --hmac-key-file too")
+        if self.hmac_key_file:
+            self.read_hmac_key()
+
+    def _validate_workers(self) -> None:
+        if self.workers < 0:
+            raise ConfigError(f"workers={self.workers} must be >= 0 (0 = one per available CPU)")
+        if self.resolved_workers() == 1:
+            return
+        if self.address.startswith("unix:"):
+            raise ConfigError(f"workers={self.workers} needs a TCP address: several processes cannot share one "
+                              f"Unix socket; use --workers 1 with {self.address}, or a host:port")
+        if self.address.rsplit(":", 1)[1] == "0":
+            raise ConfigError(f"workers={self.workers} needs a fixed port: with port 0 every worker process "
+                              f"would pick a different one; choose a port, e.g. 127.0.0.1:50051")
+
+    def read_hmac_key(self) -> bytes | None:
+        """The signing key: the file's bytes without surrounding whitespace (so `openssl rand -hex 32 >
+        key` works), at least MIN_HMAC_KEY_BYTES long. None when signing is off."""
+        if not self.hmac_key_file:
+            return None
+        try:
+            key = Path(self.hmac_key_file).read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(f"hmac_key_file={self.hmac_key_file!r} cannot be read: {exc.strerror}") from exc
+        if len(key) < MIN_HMAC_KEY_BYTES:
+            raise ConfigError(f"hmac_key_file={self.hmac_key_file!r} holds {len(key)} bytes: use a key of at "
+                              f"least {MIN_HMAC_KEY_BYTES} bytes (e.g. `openssl rand -hex 32 > FILE`)")
+        return key

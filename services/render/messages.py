@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf import json_format, struct_pb2
@@ -57,12 +58,43 @@ def _content(message: chat_pb2.ChatMessage, path: str, violations: Violations) -
         kind = part.WhichOneof("part")
         if kind == "text":
             parts.append({"type": "text", "text": part.text})
-        elif kind in ("image", "video"):
-            raise Unimplemented(f"{kind} content is not implemented yet (text-only rendering)",
-                                reason="NOT_IMPLEMENTED", field=f"{path}.content_parts[{j}].{kind}")
+        elif kind == "image":
+            # The template only needs to know an image is here; the media pipeline loads it
+            # (collect_images) and expands the marker the template renders for it.
+            parts.append({"type": "image"})
+        elif kind == "video":
+            raise Unimplemented("video content is not implemented yet: the stock video processors need "
+                                "torchvision; send the frames as images", reason="NOT_IMPLEMENTED",
+                                field=f"{path}.content_parts[{j}].video")
         else:
             violations.add(f"{path}.content_parts[{j}]", "empty content part: set text, image or video")
     return parts
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """One image part of the chat, in prompt order, with its path in the request."""
+
+    field: str
+    source: chat_pb2.ImageSource
+
+
+def collect_images(messages: list[chat_pb2.ChatMessage], max_images: int) -> list[ImageRef]:
+    """The chat's image parts in order; more than `max_images` is refused (naming the first one
+    over the limit) before any image is fetched or decoded."""
+    refs: list[ImageRef] = []
+    for i, message in enumerate(messages):
+        for j, part in enumerate(message.content_parts):
+            if part.WhichOneof("part") != "image":
+                continue
+            field = f"messages[{i}].content_parts[{j}].image"
+            if len(refs) >= max_images:
+                raise InvalidArgument(f"too many images: at most max_images_per_request={max_images} "
+                                      f"(--max-images-per-request) per request", reason="TOO_MANY_IMAGES",
+                                      field=field, metadata={"limit": "max_images_per_request",
+                                                             "max": str(max_images)})
+            refs.append(ImageRef(field, part.image))
+    return refs
 
 
 def _tool_call(call: chat_pb2.ToolCall, path: str, violations: Violations) -> dict[str, Any]:

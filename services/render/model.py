@@ -13,6 +13,7 @@ from tito.config import ConfigError
 from tito.model_paths import resolve_model
 
 from tito_render.config import AUTO, NONE, RenderConfig
+from tito_render.media.processors import load_media_adapter
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,8 @@ class RenderModel:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     reasoning_parser: str = ""
     tool_parser: str = ""
+    #: Media adapter (image processor + placeholder rules); None for a text-only model.
+    media: Any = None
 
     @property
     def vocab_size(self) -> int:
@@ -111,8 +114,9 @@ def load_render_model(config: RenderConfig) -> RenderModel:
     limit = resolve_context_length(model_context_length(model_config, tokenizer), config.max_model_len)
     defaults = generation_defaults(_read_json(path / "generation_config.json"))
     reasoning, tool = detect_parsers(tokenizer.get_vocab(), config.reasoning_parser, config.tool_parser)
+    media = load_media_adapter(path, tokenizer)
     model = RenderModel(model_id=config.model, path=path, tokenizer=tokenizer, max_context_length=limit,
-                        generation_defaults=defaults, reasoning_parser=reasoning, tool_parser=tool)
+                        generation_defaults=defaults, reasoning_parser=reasoning, tool_parser=tool, media=media)
     log.info("loaded %s from %s: vocab %d, context %d, reasoning parser %r, tool parser %r, "
              "generation defaults %s", config.model, path, model.vocab_size, limit, reasoning, tool, defaults)
     return model

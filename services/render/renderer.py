@@ -7,14 +7,24 @@ DerenderContext. Uses protobuf messages (the contract) but no grpc.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
+from dataclasses import dataclass, field
 
-from tito.errors import FieldViolation, InvalidArgument
-from tito.v1 import chat_pb2, derender_pb2, engine_pb2, render_pb2
+from tito.config import DEFAULT_MAX_MESSAGE_BYTES
+from tito.errors import FieldViolation, InvalidArgument, ResourceExhausted
+from tito.v1 import chat_pb2, derender_pb2, engine_pb2, multimodal_pb2, render_pb2
 
 from tito_render.chat_template import (ChatRenderOptions, encode_prompt_text, ends_inside_reasoning,
                                        render_chat_text)
-from tito_render.messages import messages_to_dicts, resolve_tool_choice, struct_to_dict, tools_to_dicts
+from tito_render.media.cache import CachedImage, ProcessedImageCache
+from tito_render.media.features import TENSORS, Signer, build_item, resolve_payload
+from tito_render.media.hashing import image_hash
+from tito_render.media.loader import MediaPolicy, decode_image, read_source
+from tito_render.media.placeholders import check_marker_count, expand_markers, locate_spans
+from tito_render.media.processors import MediaAdapter, ProcessedImage
+from tito_render.messages import (ImageRef, collect_images, messages_to_dicts, resolve_tool_choice,
+                                  struct_to_dict, tools_to_dicts)
 from tito_render.model import THINK_END, THINK_START, RenderModel
 from tito_render.sampling import SamplingLimits, resolve_sampling
 
@@ -28,11 +38,43 @@ def new_request_id(given: str) -> str:
     return given or uuid.uuid4().hex
 
 
+@dataclass(frozen=True)
+class RenderLimits:
+    """Per-request limits (each error names its limit and flag)."""
+
+    media: MediaPolicy = field(default_factory=MediaPolicy)
+    max_images_per_request: int = 32
+    #: 0 = the context limit only.
+    max_prompt_tokens: int = 0
+    #: Largest response render may send (the server's max_message_bytes).
+    max_response_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    #: Bytes of processed images kept for reuse (0 = no cache).
+    media_cache_bytes: int = 0
+
+    @classmethod
+    def from_config(cls, config) -> "RenderLimits":
+        return cls(media=MediaPolicy.from_config(config), max_images_per_request=config.max_images_per_request,
+                   max_prompt_tokens=config.max_prompt_tokens, max_response_bytes=config.max_message_bytes,
+                   media_cache_bytes=config.media_cache_mb * 1024 * 1024)
+
+
+@dataclass
+class PromptMedia:
+    """The images of one chat, processed, with their hashes (in prompt order)."""
+
+    refs: list[ImageRef]
+    processed: list[ProcessedImage]
+    hashes: list[str]
+
+
 class Renderer:
     """Stateless request rendering over one loaded model."""
 
-    def __init__(self, model: RenderModel) -> None:
+    def __init__(self, model: RenderModel, limits: RenderLimits | None = None, signer: Signer | None = None) -> None:
         self.model = model
+        self.limits = limits or RenderLimits()
+        self.signer = signer
+        self.image_cache = ProcessedImageCache(self.limits.media_cache_bytes)
 
     # ------------------------------------------------------------------ chat
     def chat_options(self, request: render_pb2.RenderChatRequest) -> ChatRenderOptions:
@@ -49,7 +91,18 @@ class Renderer:
             template_kwargs=kwargs, add_generation_prompt=add_generation_prompt,
             continue_final_message=request.continue_final_message)
 
-    def render_chat(self, request: render_pb2.RenderChatRequest) -> render_pb2.RenderChatResponse:
+    def render_chat(self, request: render_pb2.RenderChatRequest,
+                    request_id: str = "") -> render_pb2.RenderChatResponse:
+        """`request_id` (when given) overrides the request's own (the servicer assigns one up front)."""
+        images = collect_images(list(request.messages), self.limits.max_images_per_request)
+        media = self.model.media
+        if images and media is None:
+            raise InvalidArgument(f"model {self.model.model_id} takes no image input", reason="UNSUPPORTED_MODALITY",
+                                  field=images[0].field)
+        if request.mm_payload not in multimodal_pb2.MmPayload.values():
+            raise InvalidArgument(f"unknown mm_payload {request.mm_payload}", reason="INVALID_MM_PAYLOAD",
+                                  field="mm_payload")
+        payload = resolve_payload(request.mm_payload)
         messages = messages_to_dicts(list(request.messages))
         if request.continue_final_message and "content" not in messages[-1]:
             raise InvalidArgument("continue_final_message needs a final message with content to continue",
@@ -58,12 +111,30 @@ class Renderer:
         tool_choice = resolve_tool_choice(request.tool_choice, list(request.tools))
         options = self.chat_options(request)
         text = render_chat_text(self.model.tokenizer, messages, tools, options)
-        token_ids = encode_prompt_text(self.model.tokenizer, text, add_special_tokens=False)
+        prompt_media: PromptMedia | None = None
+        prompt = text
+        if media is not None:
+            check_marker_count(text, media.image_marker, len(images),
+                               "chat_template" if options.chat_template is not None else "messages")
+            if images:
+                prompt_media = self._process_images(media, images, request.media_options, payload)
+                prompt = expand_markers(text, media.image_marker, prompt_media.processed)
+        token_ids = encode_prompt_text(self.model.tokenizer, prompt, add_special_tokens=False)
         if not token_ids:
             raise InvalidArgument("the chat template rendered an empty prompt", reason="EMPTY_PROMPT",
                                   field="messages")
-        generate_request, context = self._finish(request.request_id, token_ids, request.sampling,
+        items: list[multimodal_pb2.MultiModalItem] = []
+        if media is not None:
+            processed = prompt_media.processed if prompt_media else []
+            offsets = locate_spans(token_ids, processed, media.reserved_token_ids)
+            if prompt_media:
+                items = [build_item(p, h, offset, payload, self.signer)
+                         for p, h, offset in zip(processed, prompt_media.hashes, offsets)]
+        self.check_prompt_tokens(len(token_ids), "messages")
+        generate_request, context = self._finish(request_id or request.request_id, token_ids, request.sampling,
                                                  request.cache_salt, "messages")
+        if items:
+            generate_request.mm_features.items.extend(items)
         context.tools.extend(request.tools)
         context.tool_choice.CopyFrom(tool_choice)
         enable_thinking = (options.template_kwargs or {}).get("enable_thinking")
@@ -71,13 +142,60 @@ class Renderer:
                                     else bool(self.model.reasoning_parser))
         context.prompt_opens_reasoning = bool(self.model.reasoning_parser) and ends_inside_reasoning(
             text, THINK_START, THINK_END)
-        log.info("rendered chat: %d messages, %d tools, %d prompt tokens, max_tokens %d",
-                 len(messages), len(request.tools), len(token_ids), generate_request.sampling_params.max_tokens)
-        return render_pb2.RenderChatResponse(generate_request=generate_request, derender_context=context,
-                                             prompt_text=text if request.return_prompt_text else "")
+        response = render_pb2.RenderChatResponse(generate_request=generate_request, derender_context=context,
+                                                 prompt_text=text if request.return_prompt_text else "")
+        self.check_response_size(response)
+        log.info("rendered chat: %d messages, %d tools, %d images (%s), %d prompt tokens, max_tokens %d",
+                 len(messages), len(request.tools), len(images), multimodal_pb2.MmPayload.Name(payload),
+                 len(token_ids), generate_request.sampling_params.max_tokens)
+        return response
+
+    def _process_images(self, media: MediaAdapter, refs: list[ImageRef], media_options: render_pb2.MediaOptions,
+                        payload: int) -> PromptMedia:
+        """Validate media_options, then load, hash and process each image (fail fast, field-named)."""
+        started = time.perf_counter()
+        kwargs = media.call_kwargs(media_options, self.limits.media.max_image_pixels)
+        hash_options = media.effective_options(kwargs)
+        processed, hashes = [], []
+        with_tensors = payload == TENSORS
+        for ref in refs:
+            encoded, encoded_field = read_source(ref.source, ref.field, self.limits.media)
+            key = self.image_cache.key(encoded, media.family, hash_options)
+            cached = self.image_cache.get(key, need_tensors=with_tensors)
+            if cached is None:
+                image = decode_image(encoded, encoded_field, self.limits.media)
+                try:
+                    result = media.process(image, kwargs, with_tensors=with_tensors)
+                except (ValueError, TypeError) as exc:
+                    raise InvalidArgument(f"the image processor rejected this image: {exc}",
+                                          reason="IMAGE_PROCESSING_FAILED", field=ref.field) from exc
+                cached = CachedImage(image_hash(image, media.family, hash_options), result)
+                self.image_cache.put(key, cached)
+            hashes.append(cached.mm_hash)
+            processed.append(cached.processed)
+        log.debug("processed %d images in %.1f ms", len(refs), (time.perf_counter() - started) * 1e3)
+        return PromptMedia(refs, processed, hashes)
+
+    def check_prompt_tokens(self, count: int, field: str) -> None:
+        limit = self.limits.max_prompt_tokens
+        if limit and count > limit:
+            raise InvalidArgument(f"prompt is {count} tokens, over the limit max_prompt_tokens={limit} "
+                                  f"(--max-prompt-tokens)", reason="PROMPT_TOO_LONG", field=field,
+                                  metadata={"limit": "max_prompt_tokens", "max": str(limit)})
+
+    def check_response_size(self, response) -> None:
+        size = response.ByteSize()
+        limit = self.limits.max_response_bytes
+        if size > limit:
+            raise ResourceExhausted(
+                f"the response would be {size} bytes, over the limit max_message_bytes={limit} "
+                f"(--max-message-bytes): ask for mm_payload METADATA or NONE, fewer or smaller images "
+                f"(media_options.max_pixels), or raise the limit", reason="RESPONSE_TOO_LARGE", field="mm_payload",
+                metadata={"limit": "max_message_bytes", "max": str(limit), "size": str(size)})
 
     # ------------------------------------------------------------ completion
-    def render_completion(self, request: render_pb2.RenderCompletionRequest) -> render_pb2.RenderCompletionResponse:
+    def render_completion(self, request: render_pb2.RenderCompletionRequest,
+                          request_id: str = "") -> render_pb2.RenderCompletionResponse:
         has_text, has_ids = request.HasField("prompt"), len(request.prompt_token_ids) > 0
         if has_text == has_ids:
             raise InvalidArgument("set exactly one of prompt and prompt_token_ids", reason="INVALID_PROMPT",
@@ -94,7 +212,12 @@ class Renderer:
             token_ids = list(request.prompt_token_ids)
             self.check_token_ids(token_ids, "prompt_token_ids")
             field = "prompt_token_ids"
-        generate_request, context = self._finish(request.request_id, token_ids, request.sampling,
+        self.check_prompt_tokens(len(token_ids), field)
+        if self.model.media is not None:
+            # A raw prompt carries no media items: placeholder tokens in it would point the engine
+            # at encoder output that does not exist.
+            locate_spans(token_ids, [], self.model.media.reserved_token_ids, field)
+        generate_request, context = self._finish(request_id or request.request_id, token_ids, request.sampling,
                                                  request.cache_salt, field)
         context.tool_choice.mode = chat_pb2.TOOL_CHOICE_MODE_NONE  # a raw prompt offers no tools
         return render_pb2.RenderCompletionResponse(generate_request=generate_request, derender_context=context)
@@ -135,5 +258,6 @@ class Renderer:
         return render_pb2.RenderServiceGetModelInfoResponse(
             model_id=self.model.model_id, vocab_size=self.model.vocab_size,
             max_context_length=self.model.max_context_length, reasoning_parser=self.model.reasoning_parser,
-            tool_parser=self.model.tool_parser, has_chat_template=self.model.has_chat_template)
+            tool_parser=self.model.tool_parser, has_chat_template=self.model.has_chat_template,
+            modalities=[multimodal_pb2.MODALITY_IMAGE] if self.model.media is not None else [])
 

@@ -139,5 +139,6 @@ def text_options(options: render_pb2.SamplingOptions) -> sampling_pb2.OutputText
         include_stop_str_in_output=options.include_stop_str_in_output
         if options.HasField("include_stop_str_in_output") else False,
         skip_special_tokens=options.skip_special_tokens if options.HasField("skip_special_tokens") else True,
+        # Default false: the text then equals the tokenizer's own decode (see the contract).
         spaces_between_special_tokens=options.spaces_between_special_tokens
-        if options.HasField("spaces_between_special_tokens") else True)
+        if options.HasField("spaces_between_special_tokens") else False)

@@ -4,19 +4,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
+from tito.config import ConfigError
 from tito.errors import Unavailable
 from tito.logs import setup_logging
+from tito.model_paths import resolve_model
 from tito.serving import RunningServer, run_until_signal, start_server
 from tito.v1 import render_pb2
 
 from tito_render.config import AUTO, NONE, REASONING_PARSERS, TOOL_PARSERS, RenderConfig
+from tito_render.media.features import Signer
 from tito_render.model import load_render_model
-from tito_render.renderer import Renderer
+from tito_render.renderer import Renderer, RenderLimits
 from tito_render.servicer import RenderServicer, add_to_server
+from tito_render.workers import WorkerPool
 
 SERVICE_NAME = render_pb2.DESCRIPTOR.services_by_name["RenderService"].full_name
+#: Rendering threads per process: CPU work shares one core (the GIL), but a remote image fetch
+#: or a large image does not hold up the other calls of the process.
+RENDER_THREADS = 4
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +40,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-parser", default=AUTO, choices=(AUTO, NONE, *TOOL_PARSERS),
                         help="tool-call parser named in DerenderContext (auto: hermes when the tokenizer has "
                              "<tool_call>)")
-    parser.add_argument("--workers", type=int, default=1, help="render workers (only 1 in this version)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="render processes sharing the address with SO_REUSEPORT (needs a fixed TCP port); "
+                             "0 = one per available CPU (default %(default)s)")
+    media = parser.add_argument_group("media")
+    media.add_argument("--media-dir", default="",
+                       help="directory image files may be read from (file:// URLs, bare paths); default: none")
+    media.add_argument("--allow-remote-media", action="store_true", help="fetch http(s) image URLs")
+    media.add_argument("--media-cache-mb", type=int, default=RenderConfig.media_cache_mb,
+                       help="MiB of processed images each worker keeps for reuse, 0 = none (default %(default)s)")
+    media.add_argument("--media-fetch-timeout", type=float, default=RenderConfig.media_fetch_timeout,
+                       help="seconds for one remote image fetch (default %(default)s)")
+    limits = parser.add_argument_group("request limits")
+    limits.add_argument("--max-image-bytes", type=int, default=RenderConfig.max_image_bytes,
+                        help="largest encoded image, bytes (default %(default)s)")
+    limits.add_argument("--max-image-pixels", type=int, default=RenderConfig.max_image_pixels,
+                        help="largest decoded image, width x height (decompression-bomb guard; default %(default)s)")
+    limits.add_argument("--max-images-per-request", type=int, default=RenderConfig.max_images_per_request,
+                        help="most images in one request (default %(default)s)")
+    limits.add_argument("--max-prompt-tokens", type=int, default=0,
+                        help="most prompt tokens, media placeholders included (default 0: the context limit)")
+    signing = parser.add_argument_group("feature signing")
+    signing.add_argument("--hmac-key-file", default="",
+                         help="file with the key shared with the engine; each media item gets an HMAC tag")
+    signing.add_argument("--hmac-key-id", default="", help="key identifier put in each item (key rotation)")
 
 
 def config_from_args(args: argparse.Namespace) -> RenderConfig:
@@ -37,15 +71,26 @@ def config_from_args(args: argparse.Namespace) -> RenderConfig:
         address=args.address, model=args.model, log_level=args.log_level,
         max_message_bytes=args.max_message_bytes, grace_seconds=args.grace_seconds,
         max_model_len=args.max_model_len, reasoning_parser=args.reasoning_parser,
-        tool_parser=args.tool_parser, workers=args.workers)
+        tool_parser=args.tool_parser, workers=args.workers, media_dir=args.media_dir,
+        allow_remote_media=args.allow_remote_media, media_fetch_timeout=args.media_fetch_timeout,
+        media_cache_mb=args.media_cache_mb,
+        max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
+        max_images_per_request=args.max_images_per_request, max_prompt_tokens=args.max_prompt_tokens,
+        hmac_key_file=args.hmac_key_file, hmac_key_id=args.hmac_key_id)
     config.validate()
     return config
 
 
 async def create_server(config: RenderConfig) -> RunningServer:
-    """Start NOT_SERVING, load the tokenizer off the loop, register, then go SERVING."""
+    """One render process: start NOT_SERVING, load the tokenizer and image processor off the loop,
+    register, then go SERVING. (Several processes: `serve` with config.workers != 1.)"""
     config.validate()
-    executor = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="render")
+    if config.resolved_workers() != 1:
+        raise ConfigError(f"create_server runs one process (workers={config.workers}): use serve() to start "
+                          f"worker processes")
+    key = config.read_hmac_key()
+    signer = Signer(key, config.hmac_key_id) if key else None
+    executor = ThreadPoolExecutor(max_workers=RENDER_THREADS, thread_name_prefix="render")
     servicer_slot: list[RenderServicer] = []
 
     def register(server) -> None:
@@ -61,7 +106,9 @@ async def create_server(config: RenderConfig) -> RunningServer:
     except BaseException:
         await running.stop(0)
         raise
-    servicer_slot[0].attach(RenderServicer(Renderer(model), executor))
+    servicer_slot[0].attach(RenderServicer(Renderer(model, RenderLimits.from_config(config), signer), executor))
+    if signer:
+        log.info("media items are signed (HMAC-SHA256, key id %r)", config.hmac_key_id)
     await running.set_serving()
     return running
 
@@ -94,8 +141,21 @@ class _LazyServicer(RenderServicer):
 
 
 async def serve(config: RenderConfig) -> None:
-    running = await create_server(config)
-    await run_until_signal(running)
+    """Serve until SIGTERM/SIGINT: in this process (workers=1) or as a supervisor of worker processes."""
+    workers = config.resolved_workers()
+    if workers == 1:
+        running = await create_server(config)
+        await run_until_signal(running)
+        return
+    try:
+        # Fail fast on a bad --model, and build a tiny model once rather than in every worker.
+        resolve_model(config.model)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        sys.exit(2)
+    code = await WorkerPool(config, workers).run()
+    if code:
+        sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
@@ -14,12 +15,32 @@ from tito.v1 import render_pb2_grpc
 from tito_render.renderer import Renderer, new_request_id
 
 
+#: Trailing metadata key naming the process that served a call (several workers share one port).
+WORKER_PID_KEY = "x-tito-worker-pid"
+
+
+#: Requests up to this size (serialized bytes) without media or a chat_template override render on
+#: the event loop itself: a small text chat with the model's own template takes well under a
+#: millisecond, about what the hop to a thread and back costs. Larger ones, client templates (whose
+#: run time the client decides) and everything with images go to the render threads, so the loop
+#: (health checks, other calls) never waits long.
+INLINE_MAX_REQUEST_BYTES = 16 * 1024
+
+
+def has_media(request: Any) -> bool:
+    return any(len(message.content_parts) and any(part.WhichOneof("part") != "text"
+                                                  for part in message.content_parts)
+               for message in request.messages)
+
+
 class RenderServicer(render_pb2_grpc.RenderServiceServicer):
     def __init__(self, renderer: Renderer, executor: Executor) -> None:
         self._renderer = renderer
         self._executor = executor
 
-    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _run(self, fn: Callable[..., Any], *args: Any, inline: bool = False) -> Any:
+        if inline:
+            return fn(*args)
         # Copy the request-id binding into the worker thread so its log lines carry it too.
         request_id = request_id_var.get()
 
@@ -29,24 +50,33 @@ class RenderServicer(render_pb2_grpc.RenderServiceServicer):
 
         return await asyncio.get_running_loop().run_in_executor(self._executor, call)
 
-    def _with_request_id(self, request: Any) -> Any:
-        """Give the request its final id up front, so every log line of this call carries it."""
-        if not request.request_id:
-            request = type(request).FromString(request.SerializeToString())
-            request.request_id = new_request_id("")
-        bind_request_id(request.request_id)
-        return request
+    @staticmethod
+    def _mark_worker(context: Any) -> None:
+        context.set_trailing_metadata(((WORKER_PID_KEY, str(os.getpid())),))
+
+    @staticmethod
+    def _request_id(request: Any) -> str:
+        """The request's final id, chosen up front so every log line of this call carries it."""
+        request_id = new_request_id(request.request_id)
+        bind_request_id(request_id)
+        return request_id
 
     async def RenderChat(self, request, context):
-        request = self._with_request_id(request)
-        return await self._run(self._renderer.render_chat, request)
+        self._mark_worker(context)
+        request_id = self._request_id(request)
+        inline = (request.ByteSize() <= INLINE_MAX_REQUEST_BYTES and not request.HasField("chat_template")
+                  and not has_media(request))
+        return await self._run(self._renderer.render_chat, request, request_id, inline=inline)
 
     async def RenderCompletion(self, request, context):
-        request = self._with_request_id(request)
-        return await self._run(self._renderer.render_completion, request)
+        self._mark_worker(context)
+        request_id = self._request_id(request)
+        return await self._run(self._renderer.render_completion, request, request_id,
+                               inline=request.ByteSize() <= INLINE_MAX_REQUEST_BYTES)
 
     async def Tokenize(self, request, context):
-        return await self._run(self._renderer.tokenize, request)
+        return await self._run(self._renderer.tokenize, request,
+                               inline=request.ByteSize() <= INLINE_MAX_REQUEST_BYTES)
 
     async def GetModelInfo(self, request, context):
         return self._renderer.model_info()

@@ -95,12 +95,20 @@ def test_prompt_longer_than_context(renderer):
     assert err.value.field == "messages" and "context limit 2048" in err.value.message
 
 
-def test_image_part_is_unimplemented(renderer):
+def test_image_part_on_text_model_is_unsupported_modality(renderer):
     part = chat_pb2.ContentPart(image=chat_pb2.ImageSource(url="file:///x.png"))
+    with pytest.raises(InvalidArgument) as err:
+        renderer.render_chat(render_pb2.RenderChatRequest(messages=[chat_pb2.ChatMessage(
+            role="user", content_parts=[chat_pb2.ContentPart(text="see"), part])]))
+    assert err.value.field == "messages[0].content_parts[1].image" and err.value.reason == "UNSUPPORTED_MODALITY"
+
+
+def test_video_part_is_unimplemented(renderer):
+    part = chat_pb2.ContentPart(video=chat_pb2.VideoFrames(frames=[chat_pb2.ImageSource(data=b"x")]))
     with pytest.raises(Unimplemented) as err:
         renderer.render_chat(render_pb2.RenderChatRequest(messages=[chat_pb2.ChatMessage(
             role="user", content_parts=[chat_pb2.ContentPart(text="see"), part])]))
-    assert err.value.field == "messages[0].content_parts[1].image" and err.value.reason == "NOT_IMPLEMENTED"
+    assert err.value.field == "messages[0].content_parts[1].video" and err.value.reason == "NOT_IMPLEMENTED"
 
 
 def test_tool_choice_none_keeps_tools_in_prompt(renderer):
@@ -125,9 +133,23 @@ def test_completion_errors(renderer, fields, field):
         assert [v.field for v in err.value.violations] == ["prompt", "prompt_token_ids"]
 
 
-def test_config_rules():
-    with pytest.raises(ConfigError, match="only 1 render worker"):
-        RenderConfig(workers=2).validate()
+def test_config_rules(tmp_path):
+    with pytest.raises(ConfigError, match="fixed port"):
+        RenderConfig(workers=2, address="127.0.0.1:0").validate()
+    with pytest.raises(ConfigError, match="Unix socket"):
+        RenderConfig(workers=2, address="unix:/tmp/x.sock").validate()
+    RenderConfig(workers=2, address="127.0.0.1:50999").validate()
+    assert RenderConfig(workers=0).resolved_workers() >= 1
+    with pytest.raises(ConfigError, match="workers=-1"):
+        RenderConfig(workers=-1).validate()
+    with pytest.raises(ConfigError, match="media_dir"):
+        RenderConfig(media_dir=str(tmp_path / "missing")).validate()
+    short_key = tmp_path / "key"
+    short_key.write_bytes(b"short\n")
+    with pytest.raises(ConfigError, match="at least 16 bytes"):
+        RenderConfig(hmac_key_file=str(short_key)).validate()
+    with pytest.raises(ConfigError, match="hmac_key_file"):
+        RenderConfig(hmac_key_id="k1").validate()
     with pytest.raises(ConfigError, match="reasoning_parser"):
         RenderConfig(reasoning_parser="magic").validate()
     with pytest.raises(ConfigError, match="exceeds"):
@@ -135,6 +157,15 @@ def test_config_rules():
     assert resolve_context_length(2048, 512) == 512
     with pytest.raises(ConfigError, match="--max-model-len"):
         resolve_context_length(None, 0)
+
+
+def test_create_server_is_single_process():
+    import asyncio
+
+    from tito_render.server import create_server
+
+    with pytest.raises(ConfigError, match="serve"):
+        asyncio.run(create_server(RenderConfig(workers=2, address="127.0.0.1:50998")))
 
 
 def test_parser_detection():

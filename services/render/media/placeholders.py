@@ -1,0 +1,72 @@
+"""Expand the chat template's image markers into placeholder spans and find the spans in the ids.
+
+Render does what the Hugging Face processor does (replace each marker in the prompt text with the
+item's span text, then tokenize the whole text), so ids equal the processor path even where the
+span's surroundings are ordinary text that BPE merges with its neighbours (Gemma3's "\\n\\n").
+Then it finds each item's span in the ids, in order, and refuses prompts where placeholder tokens
+appear outside the spans render made (typed into the text by a client): such tokens would make an
+engine read encoder output for positions no item covers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tito.errors import InvalidArgument
+
+from tito_render.media.processors import ProcessedImage
+
+
+def check_marker_count(text: str, marker: str, images: int, template_field: str) -> None:
+    found = text.count(marker)
+    if found == images:
+        return
+    if found > images:
+        raise InvalidArgument(
+            f"the prompt holds {found} image placeholders {marker!r} for {images} image part(s): do not type "
+            f"{marker!r} in message text; send images as image content parts",
+            reason="PLACEHOLDER_IN_TEXT", field="messages")
+    raise InvalidArgument(
+        f"the chat template rendered {found} image placeholder(s) {marker!r} for {images} image part(s): "
+        f"it must render every image part", reason="TEMPLATE_DROPS_IMAGES", field=template_field)
+
+
+def expand_markers(text: str, marker: str, processed: Sequence[ProcessedImage]) -> str:
+    """Replace the i-th `marker` in `text` with processed[i].span_text."""
+    pieces = text.split(marker)
+    if len(pieces) != len(processed) + 1:
+        raise ValueError(f"{len(pieces) - 1} markers for {len(processed)} images")  # checked before: a bug
+    out = [pieces[0]]
+    for item, piece in zip(processed, pieces[1:]):
+        out.append(item.span_text)
+        out.append(piece)
+    return "".join(out)
+
+
+def locate_spans(token_ids: list[int], processed: Sequence[ProcessedImage],
+                 reserved_token_ids: frozenset[int], field: str = "messages") -> list[int]:
+    """Offset of each item's span in `token_ids` (in order). Placeholder tokens outside the spans
+    are a caller error (naming `field`, the request field holding the prompt)."""
+    offsets: list[int] = []
+    cursor = 0
+    for index, item in enumerate(processed):
+        span = list(item.span_token_ids)
+        try:
+            offset = token_ids.index(span[0], cursor)
+        except ValueError:
+            offset = -1
+        if offset < 0 or token_ids[offset:offset + len(span)] != span:
+            raise InvalidArgument(f"image {index}'s placeholder span is not intact in the tokenized prompt: "
+                                  f"do not type image placeholder tokens in message text",
+                                  reason="PLACEHOLDER_IN_TEXT", field="messages")
+        offsets.append(offset)
+        cursor = offset + len(span)
+    if reserved_token_ids:
+        inside = sum(1 for item in processed for t in item.span_token_ids if t in reserved_token_ids)
+        total = sum(1 for t in token_ids if t in reserved_token_ids)
+        if total != inside:
+            raise InvalidArgument(
+                f"the prompt holds {total - inside} image/video placeholder token(s) outside any image: do not "
+                f"type placeholder tokens in the prompt; send media as content parts",
+                reason="PLACEHOLDER_IN_TEXT", field=field)
+    return offsets
