@@ -77,9 +77,8 @@ class AioServer:
         self.stop()
 
 
-@pytest.fixture
-def aio_server():
-    """Factory fixture: `aio_server(lambda: create_server(config))` -> started AioServer."""
+def _server_starter():
+    """A `start(factory) -> AioServer` function and the list of servers it started."""
     started: list[AioServer] = []
 
     def start(factory):
@@ -87,21 +86,25 @@ def aio_server():
         started.append(server)
         return server
 
-    yield start
+    return start, started
+
+
+def _stop_all(started: list[AioServer]) -> None:
     for server in reversed(started):
         server.stop()
+
+
+@pytest.fixture
+def aio_server():
+    """Factory fixture: `aio_server(lambda: create_server(config))` -> started AioServer."""
+    start, started = _server_starter()
+    yield start
+    _stop_all(started)
 
 
 @pytest.fixture(scope="module")
 def module_aio_server():
     """Like `aio_server`, but the servers live for the whole test module (load a model once)."""
-    started: list[AioServer] = []
-
-    def start(factory):
-        server = AioServer(factory).start()
-        started.append(server)
-        return server
-
+    start, started = _server_starter()
     yield start
-    for server in reversed(started):
-        server.stop()
+    _stop_all(started)

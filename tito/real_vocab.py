@@ -32,13 +32,10 @@ deterministic.  The package is imported lazily; without it the functions raise
 from __future__ import annotations
 
 import base64
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from tito.tiny_models import CHAT_TEMPLATE, _default_cache_root, _write_json, _write_text
+from tito.tiny_models import CHAT_TEMPLATE, _write_json, _write_text, build_cached
 
 __all__ = [
     "REAL_VOCAB_TOKENIZER",
@@ -263,28 +260,7 @@ def _is_complete(directory: Path) -> bool:
 def ensure_real_vocab_tokenizer(cache_dir: Path | None = None) -> Path:
     """Return a directory holding the real-vocabulary tokenizer, building it on first use.
 
-    Cached in ``<cache_dir>/qwen-real-vocab-<VERSION>`` (``cache_dir`` defaults to
-    ``$TITO_CACHE_DIR``, else ``~/.cache/tito/models``), built in a temporary
-    directory and moved into place atomically, like ``tiny_models.ensure_model``.
+    Cached in ``<cache_dir>/qwen-real-vocab-<VERSION>`` the same way as the tiny models
+    (``tiny_models.build_cached``: ``$TITO_CACHE_DIR`` or ``~/.cache/tito/models``, atomic).
     """
-    root = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_root()
-    target = root / f"{REAL_VOCAB_TOKENIZER}-{VERSION}"
-    if _is_complete(target):
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
-    try:
-        build_real_vocab_tokenizer(tmp)
-        os.chmod(tmp, 0o755)
-        if target.exists() and not _is_complete(target):
-            shutil.rmtree(target, ignore_errors=True)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            # Another process moved its finished build into place first.
-            if not _is_complete(target):
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_cached(f"{REAL_VOCAB_TOKENIZER}-{VERSION}", build_real_vocab_tokenizer, _is_complete, cache_dir)

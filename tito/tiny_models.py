@@ -154,7 +154,7 @@ import sys
 import tempfile
 import threading
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -1052,26 +1052,22 @@ def _default_cache_root() -> Path:
     return Path.home() / ".cache" / "tito" / "models"
 
 
-def _is_complete(model_dir: Path) -> bool:
+def _is_complete_model(model_dir: Path) -> bool:
     return (model_dir / "config.json").is_file() and (model_dir / "model.safetensors").is_file()
 
 
-def ensure_model(name: str, cache_dir: Path | None = None) -> Path:
-    """Return a directory holding the tiny model ``name``, building it on first use.
+def build_cached(target_name: str, builder: Callable[[Path], Path], is_complete: Callable[[Path], bool],
+                 cache_dir: Path | None = None) -> Path:
+    """Build into ``<cache_dir>/<target_name>`` once, atomically; return that directory.
 
-    The model lives in ``<cache_dir>/<name>-<VERSION>``; ``cache_dir`` defaults to
-    ``$TITO_CACHE_DIR`` if set, else ``~/.cache/tito/models``.  The build goes
-    into a temporary directory next to the target that is then moved into place
-    with ``os.replace``, so concurrent callers never see a half-written model;
-    if another process wins the race its copy is used.
+    ``cache_dir`` defaults to ``$TITO_CACHE_DIR`` if set, else ``~/.cache/tito/models``. The build
+    goes into a temporary directory next to the target that is then moved into place with
+    ``os.replace``, so concurrent callers never see a half-written directory; if another process
+    wins the race its copy is used.
     """
-    try:
-        builder = _BUILDERS[name]
-    except KeyError:
-        raise ValueError(f"unknown tiny model {name!r}; expected one of {list(_BUILDERS)}") from None
     root = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_root()
-    target = root / f"{name}-{VERSION}"
-    if _is_complete(target):
+    target = root / target_name
+    if is_complete(target):
         return target
 
     root.mkdir(parents=True, exist_ok=True)
@@ -1079,19 +1075,29 @@ def ensure_model(name: str, cache_dir: Path | None = None) -> Path:
     try:
         builder(tmp)
         os.chmod(tmp, 0o755)
-        if target.exists() and not _is_complete(target):
+        if target.exists() and not is_complete(target):
             # A leftover that is not a finished build (not ours: builds only appear via os.replace).
             shutil.rmtree(target, ignore_errors=True)
         try:
             os.replace(tmp, target)
         except OSError:
             # Another process moved its finished build into place first.
-            if not _is_complete(target):
+            if not is_complete(target):
                 raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def ensure_model(name: str, cache_dir: Path | None = None) -> Path:
+    """Return a directory holding the tiny model ``name`` (``<cache_dir>/<name>-<VERSION>``),
+    building it on first use (see ``build_cached``)."""
+    try:
+        builder = _BUILDERS[name]
+    except KeyError:
+        raise ValueError(f"unknown tiny model {name!r}; expected one of {list(_BUILDERS)}") from None
+    return build_cached(f"{name}-{VERSION}", builder, _is_complete_model, cache_dir)
 
 
 # --------------------------------------------------------------------------- CLI
