@@ -61,6 +61,8 @@ class RenderConfig(ServerConfig):
     max_image_pixels: int = 64_000_000
     #: Most images (and video frames) in one request.
     max_images_per_request: int = 32
+    #: Most frames in one video part (each frame also counts toward max_images_per_request).
+    max_video_frames: int = 64
     #: Most prompt tokens (media placeholders included); 0 = the context limit only.
     max_prompt_tokens: int = 0
     #: MiB of processed images each worker keeps for reuse (a chat resends its images every
@@ -95,7 +97,7 @@ class RenderConfig(ServerConfig):
                               f"existing directory, or leave it empty to refuse local files")
         if self.media_fetch_timeout <= 0:
             raise ConfigError(f"media_fetch_timeout={self.media_fetch_timeout} must be > 0 seconds")
-        for name in ("max_image_bytes", "max_image_pixels", "max_images_per_request"):
+        for name in ("max_image_bytes", "max_image_pixels", "max_images_per_request", "max_video_frames"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.media_cache_mb < 0:

@@ -17,7 +17,7 @@ from typing import Any
 
 from google.protobuf import json_format, struct_pb2
 
-from tito.errors import InvalidArgument, Unimplemented, Violations
+from tito.errors import InvalidArgument, Violations
 from tito.v1 import chat_pb2
 
 ALLOWED_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -60,12 +60,13 @@ def _content(message: chat_pb2.ChatMessage, path: str, violations: Violations) -
             parts.append({"type": "text", "text": part.text})
         elif kind == "image":
             # The template only needs to know an image is here; the media pipeline loads it
-            # (collect_images) and expands the marker the template renders for it.
+            # (collect_media) and expands the marker the template renders for it.
             parts.append({"type": "image"})
         elif kind == "video":
-            raise Unimplemented("video content is not implemented yet: the stock video processors need "
-                                "torchvision; send the frames as images", reason="NOT_IMPLEMENTED",
-                                field=f"{path}.content_parts[{j}].video")
+            # Like images: the template marks the video, the media pipeline processes its frames.
+            if not part.video.frames:
+                violations.add(f"{path}.content_parts[{j}].video.frames", "a video needs at least one frame")
+            parts.append({"type": "video"})
         else:
             violations.add(f"{path}.content_parts[{j}]", "empty content part: set text, image or video")
     return parts
@@ -79,21 +80,56 @@ class ImageRef:
     source: chat_pb2.ImageSource
 
 
-def collect_images(messages: list[chat_pb2.ChatMessage], max_images: int) -> list[ImageRef]:
-    """The chat's image parts in order; more than `max_images` is refused (naming the first one
-    over the limit) before any image is fetched or decoded."""
-    refs: list[ImageRef] = []
+@dataclass(frozen=True)
+class VideoRef:
+    """One video part (its frames, in order) with its path in the request."""
+
+    field: str
+    frames: tuple[chat_pb2.ImageSource, ...]
+    fps: float
+
+    def frame_field(self, index: int) -> str:
+        return f"{self.field}.frames[{index}]"
+
+
+def _too_many_images(field: str, max_images: int) -> InvalidArgument:
+    return InvalidArgument(f"too many images: at most max_images_per_request={max_images} "
+                           f"(--max-images-per-request) per request, video frames included",
+                           reason="TOO_MANY_IMAGES", field=field,
+                           metadata={"limit": "max_images_per_request", "max": str(max_images)})
+
+
+def collect_media(messages: list[chat_pb2.ChatMessage], max_images: int,
+                  max_video_frames: int) -> list[ImageRef | VideoRef]:
+    """The chat's image and video parts in order. Every image and every video frame counts toward
+    `max_images`; a video holds at most `max_video_frames` frames. Over a limit is refused (naming
+    the first image/frame over it) before anything is fetched or decoded."""
+    refs: list[ImageRef | VideoRef] = []
+    count = 0
     for i, message in enumerate(messages):
         for j, part in enumerate(message.content_parts):
-            if part.WhichOneof("part") != "image":
-                continue
-            field = f"messages[{i}].content_parts[{j}].image"
-            if len(refs) >= max_images:
-                raise InvalidArgument(f"too many images: at most max_images_per_request={max_images} "
-                                      f"(--max-images-per-request) per request", reason="TOO_MANY_IMAGES",
-                                      field=field, metadata={"limit": "max_images_per_request",
-                                                             "max": str(max_images)})
-            refs.append(ImageRef(field, part.image))
+            kind = part.WhichOneof("part")
+            field = f"messages[{i}].content_parts[{j}].{kind}"
+            if kind == "image":
+                if count >= max_images:
+                    raise _too_many_images(field, max_images)
+                count += 1
+                refs.append(ImageRef(field, part.image))
+            elif kind == "video":
+                ref = VideoRef(field, tuple(part.video.frames), float(part.video.fps))
+                if len(ref.frames) > max_video_frames:
+                    raise InvalidArgument(
+                        f"video has {len(ref.frames)} frames, over the limit max_video_frames={max_video_frames} "
+                        f"(--max-video-frames): sample fewer frames", reason="TOO_MANY_VIDEO_FRAMES",
+                        field=ref.frame_field(max_video_frames),
+                        metadata={"limit": "max_video_frames", "max": str(max_video_frames)})
+                if count + len(ref.frames) > max_images:
+                    raise _too_many_images(ref.frame_field(max_images - count), max_images)
+                if not math.isfinite(ref.fps) or ref.fps < 0:
+                    raise InvalidArgument(f"fps={ref.fps} must be a finite number >= 0 (0 = unknown)",
+                                          reason="INVALID_VIDEO", field=f"{field}.fps")
+                count += len(ref.frames)
+                refs.append(ref)
     return refs
 
 

@@ -6,6 +6,7 @@ DerenderContext. Uses protobuf messages (the contract) but no grpc.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import uuid
@@ -19,11 +20,13 @@ from tito_render.chat_template import (ChatRenderOptions, encode_prompt_text, en
                                        render_chat_text)
 from tito_render.media.cache import CachedImage, ProcessedImageCache
 from tito_render.media.features import TENSORS, Signer, build_item, resolve_payload
-from tito_render.media.hashing import image_hash
+from tito_render.media import video as video_math
+from tito_render.media.hashing import VideoHasher, image_hash
 from tito_render.media.loader import MediaPolicy, decode_image, read_source
-from tito_render.media.placeholders import check_marker_count, expand_markers, locate_spans
+from tito_render.media.placeholders import check_marker_count, expand_media_markers, locate_spans
 from tito_render.media.processors import MediaAdapter, ProcessedImage
-from tito_render.messages import (ImageRef, collect_images, messages_to_dicts, resolve_tool_choice,
+from tito_render.media.video import VideoSettings
+from tito_render.messages import (ImageRef, VideoRef, collect_media, messages_to_dicts, resolve_tool_choice,
                                   struct_to_dict, tools_to_dicts)
 from tito_render.model import THINK_END, THINK_START, RenderModel
 from tito_render.sampling import SamplingLimits, resolve_sampling
@@ -44,6 +47,8 @@ class RenderLimits:
 
     media: MediaPolicy = field(default_factory=MediaPolicy)
     max_images_per_request: int = 32
+    #: Most frames in one video (each frame also counts toward max_images_per_request).
+    max_video_frames: int = 64
     #: 0 = the context limit only.
     max_prompt_tokens: int = 0
     #: Largest response render may send (the server's max_message_bytes).
@@ -54,15 +59,16 @@ class RenderLimits:
     @classmethod
     def from_config(cls, config) -> "RenderLimits":
         return cls(media=MediaPolicy.from_config(config), max_images_per_request=config.max_images_per_request,
+                   max_video_frames=config.max_video_frames,
                    max_prompt_tokens=config.max_prompt_tokens, max_response_bytes=config.max_message_bytes,
                    media_cache_bytes=config.media_cache_mb * 1024 * 1024)
 
 
 @dataclass
 class PromptMedia:
-    """The images of one chat, processed, with their hashes (in prompt order)."""
+    """The images (or videos) of one chat, processed, with their hashes (in prompt order)."""
 
-    refs: list[ImageRef]
+    refs: list
     processed: list[ProcessedImage]
     hashes: list[str]
 
@@ -94,11 +100,17 @@ class Renderer:
     def render_chat(self, request: render_pb2.RenderChatRequest,
                     request_id: str = "") -> render_pb2.RenderChatResponse:
         """`request_id` (when given) overrides the request's own (the servicer assigns one up front)."""
-        images = collect_images(list(request.messages), self.limits.max_images_per_request)
+        refs = collect_media(list(request.messages), self.limits.max_images_per_request,
+                             self.limits.max_video_frames)
+        images = [ref for ref in refs if isinstance(ref, ImageRef)]
+        videos = [ref for ref in refs if isinstance(ref, VideoRef)]
         media = self.model.media
-        if images and media is None:
-            raise InvalidArgument(f"model {self.model.model_id} takes no image input", reason="UNSUPPORTED_MODALITY",
-                                  field=images[0].field)
+        if refs and media is None:
+            raise InvalidArgument(f"model {self.model.model_id} takes no image or video input",
+                                  reason="UNSUPPORTED_MODALITY", field=refs[0].field)
+        if videos and media.video is None:
+            raise InvalidArgument(f"model {self.model.model_id} ({media.family}) takes no video input; send "
+                                  f"frames as image parts", reason="UNSUPPORTED_MODALITY", field=videos[0].field)
         if request.mm_payload not in multimodal_pb2.MmPayload.values():
             raise InvalidArgument(f"unknown mm_payload {request.mm_payload}", reason="INVALID_MM_PAYLOAD",
                                   field="mm_payload")
@@ -111,25 +123,30 @@ class Renderer:
         tool_choice = resolve_tool_choice(request.tool_choice, list(request.tools))
         options = self.chat_options(request)
         text = render_chat_text(self.model.tokenizer, messages, tools, options)
-        prompt_media: PromptMedia | None = None
+        processed: list[ProcessedImage] = []
+        hashes: list[str] = []
         prompt = text
         if media is not None:
-            check_marker_count(text, media.image_marker, len(images),
-                               "chat_template" if options.chat_template is not None else "messages")
-            if images:
-                prompt_media = self._process_images(media, images, request.media_options, payload)
-                prompt = expand_markers(text, media.image_marker, prompt_media.processed)
+            template_field = "chat_template" if options.chat_template is not None else "messages"
+            check_marker_count(text, media.image_marker, len(images), template_field)
+            if media.video_marker:
+                check_marker_count(text, media.video_marker, len(videos), template_field, kind="video")
+            if refs:
+                image_media = self._process_images(media, images, request.media_options, payload)
+                video_media = self._process_videos(media, videos, request.media_options, payload)
+                by_marker = {media.image_marker: image_media, media.video_marker: video_media}
+                prompt, order = expand_media_markers(
+                    text, {marker: found.processed for marker, found in by_marker.items() if marker})
+                processed = [by_marker[marker].processed[i] for marker, i in order]
+                hashes = [by_marker[marker].hashes[i] for marker, i in order]
         token_ids = encode_prompt_text(self.model.tokenizer, prompt, add_special_tokens=False)
         if not token_ids:
             raise InvalidArgument("the chat template rendered an empty prompt", reason="EMPTY_PROMPT",
                                   field="messages")
         items: list[multimodal_pb2.MultiModalItem] = []
         if media is not None:
-            processed = prompt_media.processed if prompt_media else []
             offsets = locate_spans(token_ids, processed, media.reserved_token_ids)
-            if prompt_media:
-                items = [build_item(p, h, offset, payload, self.signer)
-                         for p, h, offset in zip(processed, prompt_media.hashes, offsets)]
+            items = [build_item(p, h, offset, payload, self.signer) for p, h, offset in zip(processed, hashes, offsets)]
         self.check_prompt_tokens(len(token_ids), "messages")
         generate_request, context = self._finish(request_id or request.request_id, token_ids, request.sampling,
                                                  request.cache_salt, "messages")
@@ -145,8 +162,8 @@ class Renderer:
         response = render_pb2.RenderChatResponse(generate_request=generate_request, derender_context=context,
                                                  prompt_text=text if request.return_prompt_text else "")
         self.check_response_size(response)
-        log.info("rendered chat: %d messages, %d tools, %d images (%s), %d prompt tokens, max_tokens %d",
-                 len(messages), len(request.tools), len(images), multimodal_pb2.MmPayload.Name(payload),
+        log.info("rendered chat: %d messages, %d tools, %d images, %d videos (%s), %d prompt tokens, max_tokens %d",
+                 len(messages), len(request.tools), len(images), len(videos), multimodal_pb2.MmPayload.Name(payload),
                  len(token_ids), generate_request.sampling_params.max_tokens)
         return response
 
@@ -175,6 +192,56 @@ class Renderer:
             processed.append(cached.processed)
         log.debug("processed %d images in %.1f ms", len(refs), (time.perf_counter() - started) * 1e3)
         return PromptMedia(refs, processed, hashes)
+
+    def _process_videos(self, media: MediaAdapter, refs: list[VideoRef], media_options: render_pb2.MediaOptions,
+                        payload: int) -> PromptMedia:
+        """Load every frame (the image loader and limits), then hash and process each video."""
+        if not refs:
+            return PromptMedia([], [], [])
+        started = time.perf_counter()
+        media.call_kwargs(media_options, self.limits.media.max_image_pixels)  # validates media_options
+        settings = media.video_settings(media_options)
+        hash_options = settings.hash_options()
+        processed, hashes = [], []
+        with_tensors = payload == TENSORS
+        for ref in refs:
+            encoded = [read_source(frame, ref.frame_field(k), self.limits.media) for k, frame in enumerate(ref.frames)]
+            key = self.image_cache.key(_frames_key(encoded), media.family,
+                                       {"video": hash_options, "fps": ref.fps})
+            cached = self.image_cache.get(key, need_tensors=with_tensors)
+            if cached is None:
+                cached = CachedImage(*self._decode_video(media, ref, encoded, settings, hash_options, with_tensors))
+                self.image_cache.put(key, cached)
+            hashes.append(cached.mm_hash)
+            processed.append(cached.processed)
+        log.debug("processed %d videos in %.1f ms", len(refs), (time.perf_counter() - started) * 1e3)
+        return PromptMedia(refs, processed, hashes)
+
+    def _decode_video(self, media: MediaAdapter, ref: VideoRef, encoded: list[tuple[bytes, str]],
+                      settings: VideoSettings, hash_options: dict, with_tensors: bool) -> tuple[str, ProcessedImage]:
+        """Decode, hash and (with tensors) resize one frame at a time, so that at most one full-size
+        frame is held; then the video's tensors from the resized frames."""
+        hasher: VideoHasher | None = None
+        resized: list | None = [] if with_tensors else None
+        for k, (data, data_field) in enumerate(encoded):
+            frame = decode_image(data, data_field, self.limits.media)
+            if hasher is None:
+                try:
+                    video_math.resized_size(frame.height, frame.width, len(encoded), settings)
+                except ValueError as exc:
+                    raise InvalidArgument(f"the video processor rejected this video: {exc}",
+                                          reason="VIDEO_PROCESSING_FAILED", field=ref.field) from exc
+                hasher = VideoHasher(len(encoded), frame.size, ref.fps, media.family, hash_options)
+            elif frame.size != hasher.size:
+                raise InvalidArgument(
+                    f"frame {k} is {frame.width}x{frame.height} but frame 0 is {hasher.size[0]}x{hasher.size[1]}: "
+                    f"all frames of a video must have one size", reason="VIDEO_FRAME_SIZE_MISMATCH",
+                    field=ref.frame_field(k))
+            hasher.update(frame)
+            if resized is not None:
+                resized.append(video_math.resize_frame(frame, len(encoded), settings))
+        assert hasher is not None  # a video has at least one frame (messages_to_dicts checks)
+        return hasher.hexdigest(), media.process_video(len(encoded), hasher.size, resized, settings)
 
     def check_prompt_tokens(self, count: int, field: str) -> None:
         limit = self.limits.max_prompt_tokens
@@ -259,5 +326,20 @@ class Renderer:
             model_id=self.model.model_id, vocab_size=self.model.vocab_size,
             max_context_length=self.model.max_context_length, reasoning_parser=self.model.reasoning_parser,
             tool_parser=self.model.tool_parser, has_chat_template=self.model.has_chat_template,
-            modalities=[multimodal_pb2.MODALITY_IMAGE] if self.model.media is not None else [])
+            modalities=self.modalities())
+
+    def modalities(self) -> list[int]:
+        media = self.model.media
+        if media is None:
+            return []
+        return [multimodal_pb2.MODALITY_IMAGE] + ([multimodal_pb2.MODALITY_VIDEO] if media.video is not None else [])
+
+
+def _frames_key(encoded: list[tuple[bytes, str]]) -> bytes:
+    """A digest of the frames' encoded bytes, length-prefixed, as one cache-key input (order matters)."""
+    digest = hashlib.sha256(b"tito.render.video-frames.v1\x00")
+    for data, _ in encoded:
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return digest.digest()
 

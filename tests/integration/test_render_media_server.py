@@ -130,6 +130,40 @@ BAD = {
 }
 
 
+def video_chat(frames: list[chat_pb2.ImageSource], **fields) -> render_pb2.RenderChatRequest:
+    return render_pb2.RenderChatRequest(messages=[chat_pb2.ChatMessage(role="user", content_parts=[
+        chat_pb2.ContentPart(video=chat_pb2.VideoFrames(frames=frames, fps=2)),
+        chat_pb2.ContentPart(text="What happens?")])], **fields)
+
+
+BAD["video_too_many_frames"] = (video_chat([chat_pb2.ImageSource(url="cat.png")] * 65),
+                                "messages[0].content_parts[0].video.frames[64]")  # --max-video-frames 64
+BAD["video_frames_over_images_per_request"] = (video_chat([chat_pb2.ImageSource(url="cat.png")] * 40),
+                                               "messages[0].content_parts[0].video.frames[32]")
+BAD["video_frame_outside_media_dir"] = (
+    video_chat([chat_pb2.ImageSource(url="cat.png"), chat_pb2.ImageSource(url="../secret.png")]),
+    "messages[0].content_parts[0].video.frames[1].url")
+BAD["video_frame_corrupt"] = (video_chat([chat_pb2.ImageSource(url="cat.png"), chat_pb2.ImageSource(data=b"x")]),
+                              "messages[0].content_parts[0].video.frames[1].data")
+
+
+def test_video_through_the_server_is_signed_in_every_payload_mode(stub):
+    frames = [chat_pb2.ImageSource(url="cat.png"), chat_pb2.ImageSource(data=png(picture(64, 64, seed=1))),
+              chat_pb2.ImageSource(data=png(picture(64, 64, seed=2)))]
+    responses = {mode: stub.RenderChat(video_chat(frames, mm_payload=mode), timeout=TIMEOUT)
+                 for mode in (multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD_METADATA,
+                              multimodal_pb2.MM_PAYLOAD_NONE)}
+    ids = [list(r.generate_request.token_ids) for r in responses.values()]
+    assert ids[0] == ids[1] == ids[2]
+    for mode, response in responses.items():
+        (item,) = response.generate_request.mm_features.items
+        assert item.modality == multimodal_pb2.MODALITY_VIDEO and signing.verify_item(item, {"k1": KEY})
+        assert item.placeholder.length == 2 * 4 * 4 // 4  # 3 frames -> grid_t 2, 64x64 -> 56x56: 4x4 patches
+        if mode == multimodal_pb2.MM_PAYLOAD_TENSORS:
+            assert list(item.kwargs["pixel_values_videos"].shape) == [32, 3 * 2 * 14 * 14]
+        assert bool(item.kwargs) == (mode == multimodal_pb2.MM_PAYLOAD_TENSORS)
+
+
 @pytest.mark.parametrize("name", sorted(BAD))
 def test_bad_request_names_the_field_and_server_keeps_serving(stub, name):
     request, field = BAD[name]
@@ -142,9 +176,9 @@ def test_bad_request_names_the_field_and_server_keeps_serving(stub, name):
     good_image_chat(stub)
 
 
-def test_model_info_reports_image_modality(stub):
+def test_model_info_reports_image_and_video_modalities(stub):
     info = stub.GetModelInfo(render_pb2.RenderServiceGetModelInfoRequest(), timeout=TIMEOUT)
-    assert list(info.modalities) == [multimodal_pb2.MODALITY_IMAGE]
+    assert list(info.modalities) == [multimodal_pb2.MODALITY_IMAGE, multimodal_pb2.MODALITY_VIDEO]
 
 
 def test_response_over_max_message_bytes_is_resource_exhausted(aio_server, tiny_vl_model):

@@ -112,14 +112,14 @@ def test_bad_chat_is_invalid_argument_then_server_still_works(stub, tokenizer, n
     good_chat(stub, tokenizer)
 
 
-def test_video_part_is_unimplemented(stub, tokenizer):
+def test_video_part_on_text_model_is_unsupported_modality(stub, tokenizer):
     part = chat_pb2.ContentPart(video=chat_pb2.VideoFrames(frames=[chat_pb2.ImageSource(data=b"\x89PNG")]))
     with pytest.raises(grpc.RpcError) as err:
         stub.RenderChat(render_pb2.RenderChatRequest(messages=[chat_pb2.ChatMessage(
             role="user", content_parts=[part])]), timeout=TIMEOUT)
     details = error_details(err.value)
-    assert details["code"] == grpc.StatusCode.UNIMPLEMENTED
-    assert details["reason"] == "NOT_IMPLEMENTED"
+    assert details["code"] == grpc.StatusCode.INVALID_ARGUMENT
+    assert details["reason"] == "UNSUPPORTED_MODALITY"
     assert details["fields"] == ["messages[0].content_parts[0].video"]
     good_chat(stub, tokenizer)
 

@@ -38,8 +38,8 @@ class Signer:
 
 
 def build_item(processed: ProcessedImage, mm_hash: str, offset: int, payload: int,
-               signer: Signer | None = None,
-               modality: int = multimodal_pb2.MODALITY_IMAGE) -> multimodal_pb2.MultiModalItem:
+               signer: Signer | None = None, modality: int | None = None) -> multimodal_pb2.MultiModalItem:
+    modality = processed.modality if modality is None else modality
     item = multimodal_pb2.MultiModalItem(modality=modality, mm_hash=mm_hash)
     item.placeholder.offset = offset
     item.placeholder.length = len(processed.span_token_ids)

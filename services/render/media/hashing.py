@@ -12,11 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 from PIL import Image
 
 _DOMAIN = b"tito.mm_hash.image.v1\x00"
+_VIDEO_DOMAIN = b"tito.mm_hash.video.v1\x00"
 
 
 def canonical_json(value: Any) -> bytes:
@@ -33,3 +35,42 @@ def image_hash(image: Image.Image, family: str, options: dict[str, Any]) -> str:
     digest.update(header)
     digest.update(image.tobytes())
     return digest.hexdigest()
+
+
+class VideoHasher:
+    """SHA-256 of a video given as RGB frames (all one size), in order, plus its frame count, fps
+    and the settings that shape its tensors; fed one frame at a time (render does not keep the
+    full-size frames). Another frame order hashes differently."""
+
+    def __init__(self, num_frames: int, size: tuple[int, int], fps: float, family: str,
+                 options: dict[str, Any]) -> None:
+        self.size = tuple(size)
+        self._left = num_frames
+        header = canonical_json({"family": family, "mode": "RGB", "frames": num_frames, "size": list(size),
+                                 "fps": float(fps), "options": options})
+        self._digest = hashlib.sha256(_VIDEO_DOMAIN)
+        self._digest.update(struct.pack("<Q", len(header)))
+        self._digest.update(header)
+
+    def update(self, frame: Image.Image) -> None:
+        if frame.mode != "RGB" or frame.size != self.size or self._left <= 0:
+            raise ValueError(f"unexpected frame ({frame.mode} {frame.size}, {self._left} frames left)")
+        data = frame.tobytes()
+        self._digest.update(struct.pack("<Q", len(data)))
+        self._digest.update(data)
+        self._left -= 1
+
+    def hexdigest(self) -> str:
+        if self._left:
+            raise ValueError(f"{self._left} frames were not hashed")
+        return self._digest.hexdigest()
+
+
+def video_hash(frames: Sequence[Image.Image], fps: float, family: str, options: dict[str, Any]) -> str:
+    """VideoHasher over all `frames` at once."""
+    if not frames:
+        raise ValueError("video_hash needs at least one frame")
+    hasher = VideoHasher(len(frames), frames[0].size, fps, family, options)
+    for frame in frames:
+        hasher.update(frame)
+    return hasher.hexdigest()

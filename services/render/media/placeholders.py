@@ -1,4 +1,4 @@
-"""Expand the chat template's image markers into placeholder spans and find the spans in the ids.
+"""Expand the chat template's image and video markers into placeholder spans and find the spans in the ids.
 
 Render does what the Hugging Face processor does (replace each marker in the prompt text with the
 item's span text, then tokenize the whole text), so ids equal the processor path even where the
@@ -10,37 +10,51 @@ engine read encoder output for positions no item covers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 
 from tito.errors import InvalidArgument
 
 from tito_render.media.processors import ProcessedImage
 
 
-def check_marker_count(text: str, marker: str, images: int, template_field: str) -> None:
+def check_marker_count(text: str, marker: str, images: int, template_field: str, kind: str = "image") -> None:
     found = text.count(marker)
     if found == images:
         return
     if found > images:
         raise InvalidArgument(
-            f"the prompt holds {found} image placeholders {marker!r} for {images} image part(s): do not type "
-            f"{marker!r} in message text; send images as image content parts",
+            f"the prompt holds {found} {kind} placeholders {marker!r} for {images} {kind} part(s): do not type "
+            f"{marker!r} in message text; send {kind}s as {kind} content parts",
             reason="PLACEHOLDER_IN_TEXT", field="messages")
     raise InvalidArgument(
-        f"the chat template rendered {found} image placeholder(s) {marker!r} for {images} image part(s): "
-        f"it must render every image part", reason="TEMPLATE_DROPS_IMAGES", field=template_field)
+        f"the chat template rendered {found} {kind} placeholder(s) {marker!r} for {images} {kind} part(s): "
+        f"it must render every {kind} part", reason="TEMPLATE_DROPS_IMAGES", field=template_field)
 
 
-def expand_markers(text: str, marker: str, processed: Sequence[ProcessedImage]) -> str:
-    """Replace the i-th `marker` in `text` with processed[i].span_text."""
-    pieces = text.split(marker)
-    if len(pieces) != len(processed) + 1:
-        raise ValueError(f"{len(pieces) - 1} markers for {len(processed)} images")  # checked before: a bug
-    out = [pieces[0]]
-    for item, piece in zip(processed, pieces[1:]):
-        out.append(item.span_text)
-        out.append(piece)
-    return "".join(out)
+def expand_media_markers(text: str, processed: Mapping[str, Sequence[ProcessedImage]]
+                         ) -> tuple[str, list[tuple[str, int]]]:
+    """Replace the i-th occurrence of each marker (image, video: distinct strings) with
+    processed[marker][i].span_text. Returns the text and the items in prompt order as
+    (marker, index) pairs (the order their spans appear in the ids)."""
+    markers = [m for m in processed if m]
+    pattern = re.compile("|".join(re.escape(m) for m in sorted(markers, key=len, reverse=True)))
+    order: list[tuple[str, int]] = []
+    used = dict.fromkeys(markers, 0)
+
+    def replace(match: re.Match) -> str:
+        marker = match.group(0)
+        index = used[marker]
+        if index >= len(processed[marker]):
+            raise ValueError(f"more {marker!r} markers than items")  # counts are checked before: a bug
+        used[marker] = index + 1
+        order.append((marker, index))
+        return processed[marker][index].span_text
+
+    expanded = pattern.sub(replace, text) if markers else text
+    if any(used[m] != len(processed[m]) for m in markers):
+        raise ValueError("fewer markers than items")  # counts are checked before: a bug
+    return expanded, order
 
 
 def locate_spans(token_ids: list[int], processed: Sequence[ProcessedImage],
@@ -56,7 +70,7 @@ def locate_spans(token_ids: list[int], processed: Sequence[ProcessedImage],
         except ValueError:
             offset = -1
         if offset < 0 or token_ids[offset:offset + len(span)] != span:
-            raise InvalidArgument(f"image {index}'s placeholder span is not intact in the tokenized prompt: "
+            raise InvalidArgument(f"media item {index}'s placeholder span is not intact in the tokenized prompt: "
                                   f"do not type image placeholder tokens in message text",
                                   reason="PLACEHOLDER_IN_TEXT", field="messages")
         offsets.append(offset)

@@ -26,7 +26,10 @@ import numpy as np
 from PIL import Image
 
 from tito.errors import InvalidArgument, Violations
-from tito.v1 import render_pb2
+from tito.v1 import multimodal_pb2, render_pb2
+
+from tito_render.media import video as video_math
+from tito_render.media.video import VideoSettings
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,8 @@ class ProcessedImage:
     kwargs: dict[str, np.ndarray] = field(default_factory=dict)
     #: Small per-item tensors the engine needs even without kwargs.
     metadata: dict[str, np.ndarray] = field(default_factory=dict)
+    #: MultiModalItem.modality (MODALITY_IMAGE or MODALITY_VIDEO).
+    modality: int = multimodal_pb2.MODALITY_IMAGE
 
 
 def _int_in(low: int, high: int | None = None) -> Callable[[Any], str | None]:
@@ -76,6 +81,10 @@ class MediaAdapter:
         self.model_config = model_config
         self.processor_config = processor_config
         self.image_marker = ""
+        #: Text the template renders for one video part ("" = the family takes no video).
+        self.video_marker = ""
+        #: The video processor's settings (None = the family takes no video).
+        self.video: VideoSettings | None = None
         self.reserved_token_ids: frozenset[int] = frozenset()
         self._default_options: dict[str, Any] | None = None
 
@@ -132,7 +141,29 @@ class MediaAdapter:
         options = {**self._default_options, **kwargs}
         return json.loads(json.dumps(options, default=str))  # plain JSON types: tuples -> lists, enums -> str
 
+    def video_settings(self, options: render_pb2.MediaOptions) -> VideoSettings:
+        """The video settings for this request: media_options (checked by `call_kwargs`, which runs
+        first) override min/max_pixels and resample as they do for images."""
+        if self.video is None:
+            raise ValueError(f"the {self.family} adapter takes no video")  # checked by the caller: a bug
+        from tito_render.messages import struct_to_dict
+
+        requested = struct_to_dict(options.processor_kwargs) if options.HasField("processor_kwargs") else {}
+        settings = self.video.with_overrides(
+            options.min_pixels if options.HasField("min_pixels") else None,
+            options.max_pixels if options.HasField("max_pixels") else None,
+            requested.get("resample"))
+        if settings.min_pixels > settings.max_pixels:
+            raise InvalidArgument(f"min_pixels={settings.min_pixels} exceeds max_pixels={settings.max_pixels} "
+                                  f"(the video processor's bounds with media_options applied)",
+                                  reason="INVALID_MEDIA_OPTIONS", field="media_options.min_pixels")
+        return settings
+
     # ------------------------------------------------------------- processing
+    def process_video(self, num_frames: int, frame_size: tuple[int, int], resized_frames: list[Image.Image] | None,
+                      settings: VideoSettings) -> ProcessedImage:
+        raise NotImplementedError
+
     def process(self, image: Image.Image, kwargs: dict[str, Any], with_tensors: bool) -> ProcessedImage:
         raise NotImplementedError
 
@@ -159,13 +190,17 @@ class Qwen2VLAdapter(MediaAdapter):
                              else "<|image_pad|>")
         self.image_token_id = self.token_id(self.image_marker)
         reserved = {self.image_token_id}
+        self.video_token_id: int | None = None
         if isinstance(video_id, int):
-            reserved.add(video_id)
+            self.video_token_id = video_id
         else:
             try:
-                reserved.add(self.token_id("<|video_pad|>"))
+                self.video_token_id = self.token_id("<|video_pad|>")
             except ValueError:
                 pass
+        if self.video_token_id is not None:
+            reserved.add(self.video_token_id)
+            self.video_marker = self.tokenizer.convert_ids_to_tokens(self.video_token_id)
         self.reserved_token_ids = frozenset(reserved)
         processor = self.image_processor
         self.patch_size = int(processor.patch_size)
@@ -205,6 +240,25 @@ class Qwen2VLAdapter(MediaAdapter):
         count = int(grid.prod()) // (self.merge_size ** 2)
         return ProcessedImage(span_text=self.image_marker * count, span_token_ids=(self.image_token_id,) * count,
                               is_embed=None, kwargs=tensors, metadata={"image_grid_thw": grid})
+
+
+    def process_video(self, num_frames: int, frame_size: tuple[int, int], resized_frames: list[Image.Image] | None,
+                      settings: VideoSettings) -> ProcessedImage:
+        """`<|video_pad|>` x grid_thw.prod() // merge_size**2; kwargs pixel_values_videos (from
+        `resized_frames`, when given), metadata video_grid_thw [1, 3] (media/video.py:
+        Qwen2VLVideoProcessor's math without torchvision). `frame_size` is (width, height)."""
+        width, height = frame_size
+        grid = video_math.video_grid_thw(num_frames, height, width, settings)
+        tensors: dict[str, np.ndarray] = {}
+        if resized_frames is not None:
+            out = video_math.process_resized_video(resized_frames, settings)
+            if out["video_grid_thw"].tolist() != grid.tolist():
+                raise RuntimeError(f"video grid {out['video_grid_thw'].tolist()} != {grid.tolist()}")  # a bug
+            tensors["pixel_values_videos"] = out["pixel_values_videos"]
+        count = int(grid.prod()) // (settings.merge_size ** 2)
+        return ProcessedImage(span_text=self.video_marker * count, span_token_ids=(self.video_token_id,) * count,
+                              is_embed=None, kwargs=tensors, metadata={"video_grid_thw": grid},
+                              modality=multimodal_pb2.MODALITY_VIDEO)
 
 
 class Gemma3Adapter(MediaAdapter):
@@ -274,6 +328,12 @@ def load_media_adapter(model_dir: Path, tokenizer: Any) -> MediaAdapter | None:
     image_processor = AutoImageProcessor.from_pretrained(str(model_dir))
     adapter = adapter_class(image_processor, tokenizer, _read_json(model_dir / "config.json"),
                             _read_json(model_dir / "processor_config.json"))
+    if isinstance(adapter, Qwen2VLAdapter) and adapter.video_marker:
+        if adapter.model_config.get("model_type") == "qwen2_vl":
+            adapter.video = video_math.load_video_settings(model_dir)
+        else:  # Qwen2.5-VL's M-RoPE also needs second_per_grid_ts, which render does not produce
+            log.warning("video inputs are supported for model_type qwen2_vl only (this model: %s): videos will "
+                        "be refused", adapter.model_config.get("model_type"))
     log.info("media: %s adapter over %s (image marker %r)", adapter.family, type(image_processor).__name__,
              adapter.image_marker)
     return adapter

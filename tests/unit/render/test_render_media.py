@@ -257,8 +257,8 @@ def test_signed_items_verify_and_tampering_breaks_them(tiny_vl_model):
         assert not signing.verify_item(forged, {"key-1": key})
 
 
-def test_model_info_lists_image_modality(qwen):
-    assert list(qwen.model_info().modalities) == [multimodal_pb2.MODALITY_IMAGE]
+def test_model_info_lists_image_and_video_modalities(qwen):
+    assert list(qwen.model_info().modalities) == [multimodal_pb2.MODALITY_IMAGE, multimodal_pb2.MODALITY_VIDEO]
 
 
 # --------------------------------------------------------------------------- Gemma3 (interleaved span)

@@ -6,7 +6,7 @@ import pytest
 from google.protobuf import struct_pb2
 
 from tito.config import ConfigError
-from tito.errors import InvalidArgument, Unimplemented
+from tito.errors import InvalidArgument
 from tito.v1 import chat_pb2, render_pb2
 from tito_render.config import RenderConfig
 from tito_render.model import detect_parsers, load_render_model, resolve_context_length
@@ -103,12 +103,12 @@ def test_image_part_on_text_model_is_unsupported_modality(renderer):
     assert err.value.field == "messages[0].content_parts[1].image" and err.value.reason == "UNSUPPORTED_MODALITY"
 
 
-def test_video_part_is_unimplemented(renderer):
+def test_video_part_on_text_model_is_unsupported_modality(renderer):
     part = chat_pb2.ContentPart(video=chat_pb2.VideoFrames(frames=[chat_pb2.ImageSource(data=b"x")]))
-    with pytest.raises(Unimplemented) as err:
+    with pytest.raises(InvalidArgument) as err:
         renderer.render_chat(render_pb2.RenderChatRequest(messages=[chat_pb2.ChatMessage(
             role="user", content_parts=[chat_pb2.ContentPart(text="see"), part])]))
-    assert err.value.field == "messages[0].content_parts[1].video" and err.value.reason == "NOT_IMPLEMENTED"
+    assert err.value.field == "messages[0].content_parts[1].video" and err.value.reason == "UNSUPPORTED_MODALITY"
 
 
 def test_tool_choice_none_keeps_tools_in_prompt(renderer):
