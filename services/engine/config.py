@@ -38,6 +38,8 @@ class EngineConfig(ServerConfig):
     # Run the model and scheduler in a child process (True) or on a thread of the server process.
     # The child keeps the forward's many small torch calls from contending for the GIL with gRPC.
     engine_process: bool = True
+    # Reuse the K/V of full prompt blocks across requests with the same prefix (and cache_salt).
+    prefix_caching: bool = True
 
     def validate(self) -> None:
         super().validate()

@@ -42,14 +42,16 @@ class LoadSnapshot:
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     kv_block_size: int = 0
+    prefix_cache_hit_tokens: int = 0
 
 
 class Engine:
     def __init__(self, runner: Any = None, *, max_running_requests: int = 64,
                  max_waiting_requests: int = 1024, max_choices_per_request: int = 16,
-                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, core: Any = None):
+                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, prefix_caching: bool = True, core: Any = None):
         """`runner` hosts the core on a thread of this process; `core` passes a ready host instead."""
-        self._core = core if core is not None else ThreadCore(runner, max_running_requests, max_prefill_tokens)
+        self._core = core if core is not None else ThreadCore(runner, max_running_requests, max_prefill_tokens,
+                                                              prefix_caching)
         self.info = self._core.info
         self.max_running_requests = max_running_requests
         self.max_waiting_requests = max_waiting_requests
@@ -68,6 +70,7 @@ class Engine:
         self._adds_seen = 0
         self._stopping = False
         self._core_lost = False
+        self.on_core_lost: Callable[[], None] | None = None  # e.g. the server turns health NOT_SERVING
         self._channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> _LoopChannel
 
     @classmethod
@@ -131,7 +134,8 @@ class Engine:
             self._submitted += 1
         # Sent outside the lock (a full pipe must not block the thread that delivers outputs);
         # the core honours an abort that overtakes its add.
-        self._core.send(("add", request.key, request_id, request.prompt_ids, options, request.mm))
+        self._core.send(("add", request.key, request_id, request.prompt_ids, options, request.mm,
+                         request.arrival_time, generate.cache_salt))
         return request
 
     def abort(self, request_ids: list[str]) -> list[str]:
@@ -165,7 +169,8 @@ class Engine:
         with self._lock:
             snapshot = self._load
             return LoadSnapshot(snapshot.running_requests, self._waiting_locked(), snapshot.finished_requests,
-                                snapshot.kv_blocks_total, snapshot.kv_blocks_used, snapshot.kv_block_size)
+                                snapshot.kv_blocks_total, snapshot.kv_blocks_used, snapshot.kv_block_size,
+                                snapshot.prefix_cache_hit_tokens)
 
     # ---------------------------------------------------------------- async facade
 
@@ -206,7 +211,7 @@ class Engine:
             # a load that still counts it.
             self._load = LoadSnapshot(core_load.running_requests, core_load.waiting_requests,
                                       core_load.finished_requests, self._kv_blocks_total, core_load.kv_blocks_used,
-                                      self._block_size)
+                                      self._block_size, core_load.prefix_cache_hit_tokens)
             self._adds_seen = core_load.adds_seen
             ended = []
             for key, output, finished in outputs:
@@ -232,6 +237,8 @@ class Engine:
             self._live.clear()
         if not stopping:
             log.error("the engine core process exited; failing %d live requests", len(lost))
+            if self.on_core_lost is not None:
+                self.on_core_lost()
         error = Unavailable("the engine's model process exited; this replica must be restarted",
                             reason="ENGINE_CORE_LOST")
         self._dispatch([(request, error) for request in lost])
@@ -262,21 +269,31 @@ class _LoopChannel:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
+        # A weak reference: the engine keys channels weakly by loop, and a strong one here would
+        # keep every loop that ever streamed (and its channel) alive.
+        self._loop = weakref.ref(loop)
         self.lock = threading.Lock()
         self.pending: list = []
         self.in_flight = False
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._loop()
+
     def send(self, deliveries: list) -> None:  # engine side
+        loop = self._loop()
         with self.lock:
+            if loop is None or loop.is_closed():  # nobody is listening any more
+                self.pending, self.in_flight = [], False
+                return
             self.pending.extend(deliveries)
             if self.in_flight:
                 return
             batch, self.pending = self.pending, []
             self.in_flight = True
         try:
-            self.loop.call_soon_threadsafe(self._deliver, batch)
-        except RuntimeError:  # that loop is closed: nobody is listening any more
+            loop.call_soon_threadsafe(self._deliver, batch)
+        except RuntimeError:  # closed in the meantime
             with self.lock:
                 self.pending, self.in_flight = [], False
 
@@ -284,7 +301,7 @@ class _LoopChannel:
         for deliver, output in batch:
             deliver(output)
         # Runs after the streams woken above took their turn.
-        self.loop.call_soon(self._done)
+        asyncio.get_running_loop().call_soon(self._done)
 
     def _done(self) -> None:  # the event loop
         with self.lock:

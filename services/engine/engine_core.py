@@ -6,7 +6,10 @@ back and forth with the gRPC event loop when both share a process; measured on 2
 model, that contention halved throughput. In its own process the core keeps a core to itself and
 talks to the server through one pipe: commands in, one batch of outputs per step out.
 
-Commands: ("add", key, request_id, prompt_ids, options, mm) | ("abort", key) | ("stop",).
+Commands: ("add", key, request_id, prompt_ids, options, mm, arrival_time, cache_salt) | ("abort", key)
+| ("stop",).
+(arrival_time is time.monotonic() at submission: one clock for both processes on Linux, so queue
+time and TTFT in the finish log include the trip to the core.)
 Out: (outputs, load) where outputs is [(key, ChoiceOutput | EngineStepError, request_finished)].
 Keys are integers the server assigns per submission, so a late abort never hits a reused request id.
 """
@@ -37,6 +40,7 @@ class CoreLoad:
     finished_requests: int
     kv_blocks_used: int
     adds_seen: int  # "add" commands taken so far: the server counts the rest as waiting
+    prefix_cache_hit_tokens: int = 0
 
 
 Batch = tuple[list[tuple[int, Any, bool]], CoreLoad]
@@ -45,9 +49,10 @@ Batch = tuple[list[tuple[int, Any, bool]], CoreLoad]
 class EngineCore:
     """Applies commands and runs scheduler steps; `emit` receives each step's batch."""
 
-    def __init__(self, runner: Any, max_running_sequences: int, max_prefill_tokens: int):
+    def __init__(self, runner: Any, max_running_sequences: int, max_prefill_tokens: int,
+                 prefix_caching: bool = True):
         self.runner = runner
-        self.scheduler = Scheduler(runner, max_running_sequences, max_prefill_tokens)
+        self.scheduler = Scheduler(runner, max_running_sequences, max_prefill_tokens, prefix_caching)
         self.requests: dict[int, Request] = {}
         self.adds_seen = 0
         self.early_aborts: dict[int, None] = {}  # aborts that overtook their add (insertion-ordered)
@@ -55,7 +60,7 @@ class EngineCore:
     def load(self) -> CoreLoad:
         scheduler = self.scheduler
         return CoreLoad(scheduler.num_running_sequences(), len(scheduler.waiting), scheduler.finished_requests,
-                        scheduler.kv_blocks_used(), self.adds_seen)
+                        scheduler.kv_blocks_used(), self.adds_seen, scheduler.prefix_cache_hit_tokens)
 
     def run(self, receive: Callable[[], Any], receive_ready: Callable[[], list], emit: Callable[[Batch], None]) -> None:
         """Serve until a ("stop",) command; `receive` blocks, `receive_ready` drains without blocking."""
@@ -89,9 +94,11 @@ class EngineCore:
     def _apply(self, command: tuple, outputs: list) -> None:
         kind = command[0]
         if kind == "add":
-            _, key, request_id, prompt_ids, options, mm = command
+            _, key, request_id, prompt_ids, options, mm, arrival_time, cache_salt = command
             self.adds_seen += 1
             request = Request(request_id, prompt_ids, options, None, mm=mm)
+            request.arrival_time = arrival_time
+            request.cache_salt = cache_salt
             request.key = key
             self.requests[key] = request
             self.scheduler.add(request)
@@ -147,8 +154,9 @@ def _portable(error: BaseException) -> EngineStepError:
 class ThreadCore:
     """Hosts an EngineCore on a thread of this process (tests, or when a child process is unwanted)."""
 
-    def __init__(self, runner: Any, max_running_sequences: int, max_prefill_tokens: int):
-        self.core = EngineCore(runner, max_running_sequences, max_prefill_tokens)
+    def __init__(self, runner: Any, max_running_sequences: int, max_prefill_tokens: int,
+                 prefix_caching: bool = True):
+        self.core = EngineCore(runner, max_running_sequences, max_prefill_tokens, prefix_caching)
         self.info = runner.info
         self.kv_blocks_total = runner.cache.num_blocks
         self.block_size = runner.cache.block_size
@@ -190,6 +198,7 @@ class CoreProcessSpec:
     max_running_sequences: int
     max_prefill_tokens: int
     log_level: str = "info"
+    prefix_caching: bool = True
 
 
 def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
@@ -207,7 +216,7 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", runner.info, runner.cache.num_blocks, runner.cache.block_size))
-    core = EngineCore(runner, spec.max_running_sequences, spec.max_prefill_tokens)
+    core = EngineCore(runner, spec.max_running_sequences, spec.max_prefill_tokens, spec.prefix_caching)
 
     def receive() -> Any:
         try:

@@ -160,6 +160,12 @@ class BatchedDecoder:
             self.mrope_dim_source = torch.cat((sections, sections)).to(self.device)
         self._arange = torch.arange(max_positions + 1, device=self.device)
 
+    def _range(self, count: int) -> torch.Tensor:
+        """arange(count) on the device, from the cached one when it is long enough."""
+        if count <= self._arange.shape[0]:
+            return self._arange[:count]
+        return torch.arange(count, device=self.device)
+
     # ------------------------------------------------------------------ rotary
 
     def _rotary(self, positions: torch.Tensor, mrope: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,15 +213,21 @@ class BatchedDecoder:
             positions = torch.tensor([row.start for row in rows], dtype=torch.long, device=device)
             slot_mapping = torch.tensor(decode_slots, dtype=torch.long, device=device)
         else:
-            position_parts, slot_parts = [], []
+            # Vectorised over the packed tokens: each token's row, its position, its slot.
+            counts = [len(row.token_ids) for row in rows]
+            widest = max(-(-(row.start + count) // block_size) for row, count in zip(rows, counts))
+            tables = []
             for row in rows:
-                count = len(row.token_ids)
-                pos = self._arange[row.start:row.start + count]
-                table = torch.tensor(row.block_table, dtype=torch.long, device=device)
-                position_parts.append(pos)
-                slot_parts.append(table[pos // block_size] * block_size + pos % block_size)
-            positions = torch.cat(position_parts)
-            slot_mapping = torch.cat(slot_parts)
+                table = row.block_table[:widest]
+                tables.append(table + [0] * (widest - len(table)))
+            table_tensor = torch.tensor(tables, dtype=torch.long, device=device)
+            row_of = torch.repeat_interleave(self._range(len(rows)),
+                                             torch.tensor(counts, dtype=torch.long, device=device))
+            shift = torch.tensor([row.start - offset for row, offset in zip(rows, offsets)], dtype=torch.long,
+                                 device=device)
+            # A step may pack more tokens than one sequence's context (many prompts at once).
+            positions = self._range(num_tokens) + shift[row_of]
+            slot_mapping = table_tensor[row_of, positions // block_size] * block_size + positions % block_size
 
         hidden = F.embedding(input_ids, self.embed)
         mrope = None
@@ -236,8 +248,8 @@ class BatchedDecoder:
             kv_len = row.start + count
             num_blocks = -(-kv_len // block_size)
             blocks = torch.tensor(row.block_table[:num_blocks], dtype=torch.long, device=device)
-            pos = self._arange[:num_blocks * block_size]
-            query_pos = self._arange[row.start:kv_len]
+            pos = self._range(num_blocks * block_size)
+            query_pos = pos[row.start:kv_len]
             mask = torch.zeros((1, 1, count, num_blocks * block_size), dtype=self.dtype, device=device)
             mask.masked_fill_(pos[None, None, None, :] > query_pos[None, None, :, None], float("-inf"))
             prefill_specs.append((offsets[i], count, blocks, mask))  # causal from the chunk's offset
@@ -320,7 +332,7 @@ class BatchedDecoder:
                     padded.extend([0] * (max_blocks - len(table)))
             blocks = torch.tensor(padded, dtype=torch.long, device=device)
             length_tensor = torch.tensor([lengths[j] for j in members], dtype=torch.long, device=device)
-            pos = self._arange[:max_blocks * block_size]
+            pos = self._range(max_blocks * block_size)
             # An additive float mask: SDPA on CPU converts a bool one on every call.
             mask = torch.zeros((len(members), 1, 1, max_blocks * block_size), dtype=self.dtype, device=device)
             mask.masked_fill_(pos[None, None, None, :] >= length_tensor[:, None, None, None], float("-inf"))
@@ -367,7 +379,7 @@ class BatchedDecoder:
                     target = positions_mm[chosen] - row.start + offset
                     hidden = hidden.index_copy(0, target, mm.embeds.to(self.device, hidden.dtype)[chosen])
             if need_mrope:
-                pos = self._arange[row.start:end]
+                pos = self._range(end)[row.start:]
                 if mm is None:
                     mrope_parts.append(pos[None, :].expand(3, -1))
                     continue

@@ -88,6 +88,8 @@ class GenerateInput:
     mm_modalities: list[str] = field(default_factory=list)
     # forward.MultiModalPrefill (encoder rows + M-RoPE positions) once media are supported.
     mm_prefill: Any = None
+    # Mixed into prefix-cache keys: requests only share cached prompt blocks with the same salt.
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,9 @@ class Request:
         self.fork_blocks: list[int] = []  # blocks reserved for the choices' copies of the partial block
         self.admit_order = -1
         self.key = -1  # the engine's id of this submission (request ids may be reused later)
+        self.cache_salt = ""
+        self.block_hashes: list[bytes] | None = None  # prefix-cache digests of the prompt's full blocks
+        self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache (first admission)
         self.is_running = False  # in the scheduler's running set
         self.preemptions = 0
         self.arrival_time = time.monotonic()
@@ -183,4 +188,5 @@ class Request:
         return [seq for seq in self.sequences if not seq.finished]
 
     def usage_for(self, seq: Sequence) -> Usage:
-        return Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(seq.output_ids))
+        return Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(seq.output_ids),
+                     cached_tokens=self.cached_tokens)

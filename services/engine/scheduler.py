@@ -14,6 +14,11 @@ Runs only on the engine thread (no locks here).
   never fit the whole cache are refused before they get here (Engine.submit).
 - n > 1: choice 0 prefills the prompt; when it completes, the other choices fork from it, sharing
   the prompt's full blocks (reference counts) and copying the last partial block.
+- Prefix caching (text prompts): full prompt blocks are registered under chained sha256 digests
+  of their tokens (and the request's cache_salt) once computed; an admitted sequence takes the
+  longest cached prefix of its prompt (at most all but its last token, which must run to give
+  logits) and starts computing after it. Unreferenced cached blocks count as free and are
+  evicted least recently used first.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import time
 from collections import deque
 
 from .forward import RowInput
-from .kv_cache import blocks_for_tokens
+from .kv_cache import blocks_for_tokens, prefix_block_hashes
 from .model_runner import ModelRunner
 from .request import ChoiceOutput, FinishReason, Request, Sequence
 from .sampler import SampleRow, make_generator, sample_batch
@@ -37,7 +42,7 @@ StepOutputs = list[tuple[Request, ChoiceOutput | BaseException]]
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, max_running_sequences: int,
-                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS):
+                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, prefix_caching: bool = True):
         self.runner = runner
         self.cache = runner.cache
         self.allocator = runner.cache.allocator
@@ -49,6 +54,8 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.finished_requests = 0
         self.preemptions = 0
+        self.prefix_caching = prefix_caching
+        self.prefix_cache_hit_tokens = 0
         self._admit_counter = 0
         self._running_sequences = 0  # unfinished choices of running requests
 
@@ -201,12 +208,17 @@ class Scheduler:
             open_seqs = request.unfinished()
             if self._running_sequences + len(open_seqs) > self.max_running_sequences:
                 break
-            # Blocks for every token to recompute, the fork copies, and one spare per choice so it
+            # Blocks for every token to recompute (less cached prefix blocks, though taking an
+            # evictable one uses up a free one), the fork copies, and one spare per choice so it
             # can make progress (an idle engine skips the spare: Engine.submit guaranteed the
             # request fits the cache on its own).
             prefilling = [seq for seq in open_seqs if not seq.awaiting_fork]
-            need = sum(blocks_for_tokens(len(request.prompt_ids) + len(seq.output_ids), block_size)
-                       for seq in prefilling) + self._fork_block_need(request)
+            hashes = self._prefix_hashes(request)
+            need = self._fork_block_need(request)
+            for seq in prefilling:
+                total = len(request.prompt_ids) + len(seq.output_ids)
+                hits, evictable = self.allocator.peek_prefix(hashes[:(total - 1) // block_size])
+                need += blocks_for_tokens(total, block_size) - hits + evictable
             if self.running:
                 need += len(open_seqs)
             if need > self.allocator.num_free:
@@ -219,18 +231,41 @@ class Scheduler:
             self.running.append(request)
             request.is_running = True
             self._running_sequences += len(open_seqs)
-            for seq in prefilling:
+            # Take every cached prefix before allocating: an allocation may evict cached blocks.
+            cached_prefixes = [self.allocator.take_prefix(
+                hashes[:(len(request.prompt_ids) + len(seq.output_ids) - 1) // block_size]) for seq in prefilling]
+            for seq, cached in zip(prefilling, cached_prefixes):
                 total = len(request.prompt_ids) + len(seq.output_ids)
-                seq.block_table = self.allocator.allocate(blocks_for_tokens(total, block_size))
-                count = min(total, budget)
+                seq.block_table = cached + self.allocator.allocate(blocks_for_tokens(total, block_size) - len(cached))
+                start = seq.num_computed = len(cached) * block_size
+                if fresh:
+                    request.cached_tokens = max(request.cached_tokens, start)
+                self.prefix_cache_hit_tokens += start
+                count = min(total - start, budget)
                 if count <= 0:
                     continue
                 budget -= count
-                if count == total and seq.index == 0 and self._fork_block_need(request):
+                end = start + count
+                if end == total and seq.index == 0 and self._fork_block_need(request):
                     request.fork_blocks = self.allocator.allocate(self._fork_block_need(request))
-                rows.append(RowInput(_tokens(request, seq, 0, count), 0, seq.block_table, count == total,
+                rows.append(RowInput(_tokens(request, seq, start, end), start, seq.block_table, end == total,
                                      request.mm))
                 owners.append((request, seq))
+
+    def _prefix_hashes(self, request: Request) -> list[bytes]:
+        """The prompt's full-block digests (empty when prefix caching is off or media are involved)."""
+        if request.block_hashes is None:
+            cacheable = self.prefix_caching and request.mm is None
+            request.block_hashes = prefix_block_hashes(request.prompt_ids, self.block_size,
+                                                       request.cache_salt) if cacheable else []
+        return request.block_hashes
+
+    def _register_prefix_blocks(self, request: Request, seq: Sequence, before: int) -> None:
+        """Publish the prompt blocks this step completed (computed tokens went from `before` on)."""
+        hashes = request.block_hashes
+        block_size = self.block_size
+        for index in range(before // block_size, min(seq.num_computed // block_size, len(hashes))):
+            self.allocator.register(seq.block_table[index], hashes[index])
 
     def _create_sequences(self, request: Request) -> None:
         options = request.options
@@ -249,7 +284,10 @@ class Scheduler:
         targets: list[tuple[Request, Sequence]] = []
         logit_index = 0
         for row, (request, seq) in zip(rows, owners):
+            before = seq.num_computed
             seq.num_computed += len(row.token_ids)
+            if request.block_hashes and before < len(request.block_hashes) * self.block_size:
+                self._register_prefix_blocks(request, seq, before)
             if not row.needs_logits:
                 continue
             targets.append((request, seq))

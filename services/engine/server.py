@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import logging
 
+from grpc_health.v1 import health_pb2
+
 from tito.logs import setup_logging
 from tito.model_paths import DEFAULT_MODEL, resolve_model
 from tito.serving import RunningServer, run_until_signal, start_server
@@ -48,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="run the model and scheduler in a child process, away from the gRPC threads "
                              "(default: on; --no-engine-process keeps them on a thread of this process)")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV of prompt blocks shared with earlier requests (same tokens from the "
+                             "start and same cache_salt); default: on")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="torch intra-op threads when running on CPU (default: cores - 1, at least 1)")
 
@@ -71,6 +76,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_prefill_tokens_per_step=args.max_prefill_tokens_per_step,
         cpu_threads=args.cpu_threads,
         engine_process=args.engine_process,
+        prefix_caching=args.prefix_caching,
     )
     config.validate()
     return config
@@ -84,7 +90,8 @@ def _build_engine(config: EngineConfig) -> Engine:
         spec = CoreProcessSpec(model_dir=str(model_dir), model_id=config.model, device=config.device,
                                max_model_len=config.max_model_len, kv_cache=kv_cache, cpu_threads=config.cpu_threads,
                                max_running_sequences=config.max_running_requests,
-                               max_prefill_tokens=config.max_prefill_tokens_per_step, log_level=config.log_level)
+                               max_prefill_tokens=config.max_prefill_tokens_per_step, log_level=config.log_level,
+                               prefix_caching=config.prefix_caching)
         return Engine.in_process(spec, max_waiting_requests=config.max_waiting_requests,
                                  max_choices_per_request=config.max_choices_per_request)
     runner = ModelRunner(model_dir, model_id=config.model, device=config.device,
@@ -92,7 +99,7 @@ def _build_engine(config: EngineConfig) -> Engine:
     return Engine(runner, max_running_requests=config.max_running_requests,
                   max_waiting_requests=config.max_waiting_requests,
                   max_choices_per_request=config.max_choices_per_request,
-                  max_prefill_tokens=config.max_prefill_tokens_per_step)
+                  max_prefill_tokens=config.max_prefill_tokens_per_step, prefix_caching=config.prefix_caching)
 
 
 async def create_server(config: EngineConfig) -> RunningServer:
@@ -107,6 +114,14 @@ async def create_server(config: EngineConfig) -> RunningServer:
     except BaseException:
         await running.stop(0)
         raise
+    loop = asyncio.get_running_loop()
+
+    async def not_serving() -> None:
+        for name in ("", SERVICE_NAME):
+            await running.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    # A dead model process cannot come back: tell load balancers to stop sending work here.
+    engine.on_core_lost = lambda: asyncio.run_coroutine_threadsafe(not_serving(), loop)
     engine.start()
     running.add_cleanup(lambda: asyncio.to_thread(engine.stop))
     servicer.attach(engine)

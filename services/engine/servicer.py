@@ -50,6 +50,7 @@ def generate_input_from_proto(request: engine_pb2.GenerateRequest) -> GenerateIn
         token_ids=list(request.token_ids),
         sampling=sampling_from_proto(request.sampling_params),
         mm_modalities=[_modality_name(item.modality) for item in request.mm_features.items],
+        cache_salt=request.cache_salt,
     )
 
 
@@ -125,4 +126,5 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             kv_blocks_total=load.kv_blocks_total,
             kv_blocks_used=load.kv_blocks_used,
             kv_block_size=load.kv_block_size,
+            prefix_cache_hit_tokens=load.prefix_cache_hit_tokens,
         )

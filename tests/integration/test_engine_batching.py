@@ -170,3 +170,25 @@ def test_a_request_that_can_never_fit_the_kv_cache_is_refused(server):
     assert "--kv-blocks" in error.details()
     details = error_details(error)
     assert details["reason"] == "KV_CACHE_TOO_SMALL" and details["fields"] == ["sampling_params.max_tokens"]
+
+
+def test_prefix_cache_hits_are_reported_and_salted(server, hf_model):
+    prompt = [(17 * i) % 991 for i in range(37)]  # 2 full blocks of 16 before the last token
+    with torch.inference_mode():
+        expected = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8,
+                                     min_new_tokens=8)[0, len(prompt):].tolist()
+
+    async def main(stub):
+        before = (await stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT)).prefix_cache_hit_tokens
+        first = await read_all(stub, greedy_request(prompt, max_tokens=8))
+        second = await read_all(stub, greedy_request(prompt, max_tokens=8))
+        salted_request = greedy_request(prompt, max_tokens=8)
+        salted_request.cache_salt = "tenant-b"
+        salted = await read_all(stub, salted_request)
+        after = (await stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT)).prefix_cache_hit_tokens
+        return first, second, salted, after - before
+
+    first, second, salted, hits = run(server, main)
+    assert first[0] == second[0] == salted[0] == expected
+    assert (first[1].usage.cached_tokens, second[1].usage.cached_tokens, salted[1].usage.cached_tokens) == (0, 32, 0)
+    assert hits == 32

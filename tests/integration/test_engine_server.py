@@ -231,7 +231,7 @@ def test_a_dead_model_process_fails_streams_and_refuses_new_work(engine):
     import multiprocessing
 
     before = {child.pid for child in multiprocessing.active_children()}
-    stub, _ = engine(max_model_len=None, engine_process=True)
+    stub, channel = engine(max_model_len=None, engine_process=True)
     cores = [child for child in multiprocessing.active_children()
              if child.name == "tito-engine-core" and child.pid not in before]
     assert len(cores) == 1
@@ -244,3 +244,6 @@ def test_a_dead_model_process_fails_streams_and_refuses_new_work(engine):
     with pytest.raises(grpc.RpcError) as exc:
         list(stub.Generate(request(PROMPTS[0], max_tokens=2), timeout=TIMEOUT))
     assert error_details(exc.value)["reason"] == "ENGINE_CORE_LOST"
+    health = health_pb2_grpc.HealthStub(channel)
+    assert wait_for(lambda: health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=TIMEOUT).status
+                    == health_pb2.HealthCheckResponse.NOT_SERVING)

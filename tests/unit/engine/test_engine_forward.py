@@ -97,3 +97,24 @@ def test_embedding_overrides_and_mrope_positions_equal_hf(vl_runner):
     mask[2:4] = True
     from_dense = MultiModalPrefill.from_dense(dense, mask, mrope_positions=mrope, rope_delta=-1)
     assert from_dense.embed_positions.tolist() == [2, 3] and torch.equal(from_dense.embeds, rows)
+
+
+def test_a_step_may_pack_more_tokens_than_one_context(tiny_text_model):
+    # Context 24 with blocks of 5 (not a divisor): 3 prompts of 20 tokens in one step = 60 tokens.
+    runner = ModelRunner(tiny_text_model, model_id="tiny-qwen2", device="cpu", max_model_len=24,
+                         kv_cache=KVCacheSpec(num_blocks=32, block_size=5))
+    prompts = [[(7 * i + j) % 1000 for j in range(20)] for i in range(3)]
+    tables = [runner.cache.allocator.allocate(5) for _ in prompts]
+    logits = runner.execute([RowInput(prompt, 0, table, True) for prompt, table in zip(prompts, tables)])
+    with torch.inference_mode():
+        expected = runner.model(torch.tensor(prompts)).logits[:, -1]
+    assert torch.allclose(logits, expected, atol=1e-4)
+    # Then decode to the end of the context (24 tokens: the last block is partly past it).
+    tokens = [prompt + [int(logits[i].argmax())] for i, prompt in enumerate(prompts)]
+    for _ in range(3):
+        logits = runner.execute([RowInput([seq[-1]], len(seq) - 1, table, True) for seq, table in zip(tokens, tables)])
+        for i, seq in enumerate(tokens):
+            seq.append(int(logits[i].argmax()))
+    with torch.inference_mode():
+        reference = runner.model.generate(torch.tensor(prompts), do_sample=False, max_new_tokens=4, min_new_tokens=4)
+    assert [seq[20:] for seq in tokens] == reference[:, 20:].tolist()

@@ -145,7 +145,8 @@ def test_core_honours_an_abort_that_overtakes_its_add(runner):
     outputs = []
     core._apply(("abort", 9), outputs)
     assert outputs == []
-    core._apply(("add", 9, "late", [5, 6], SamplingOptions(max_tokens=4, temperature=0.0), None), outputs)
+    core._apply(("add", 9, "late", [5, 6], SamplingOptions(max_tokens=4, temperature=0.0), None, 0.0, ""),
+                outputs)
     assert [(key, out.finish_reason, finished) for key, out, finished in outputs] == [(9, FinishReason.ABORT, True)]
     assert not core.scheduler.has_work() and core.requests == {}
 
@@ -154,3 +155,20 @@ def test_load_reports_kv_blocks(engine, runner):
     load = engine.load()
     assert load.kv_blocks_total == runner.cache.num_blocks and load.kv_block_size == runner.cache.block_size
     assert load.kv_blocks_used == 0
+
+
+def test_loop_channel_hands_over_once_in_flight_and_drops_for_closed_loops():
+    from tito_engine.engine import _LoopChannel
+
+    loop = asyncio.new_event_loop()
+    got = []
+    channel = _LoopChannel(loop)
+    channel.send([(got.append, 1)])
+    channel.send([(got.append, 2)])  # the first hand-over has not run: these wait and go together
+    channel.send([(got.append, 3)])
+    assert channel.in_flight and len(channel.pending) == 2
+    loop.run_until_complete(asyncio.sleep(0.01))
+    assert got == [1, 2, 3] and not channel.in_flight
+    loop.close()
+    channel.send([(got.append, 4)])
+    assert got == [1, 2, 3] and channel.pending == [] and not channel.in_flight

@@ -253,3 +253,62 @@ def test_a_request_that_exactly_fits_the_whole_cache_runs(tiny_cache_runner):
     outputs, _ = run(scheduler, [request], max_steps=50)
     assert outputs[id(request)][0] == hf_greedy(tiny_cache_runner, prompt, 3)
     assert_idle(scheduler)
+
+
+def test_prefix_cache_reuses_prompt_blocks_and_keeps_output_exact(runner):
+    scheduler = Scheduler(runner, max_running_sequences=8)
+    system = [(11 * i) % 997 for i in range(40)]  # a shared "system prompt": 2 full blocks of 16
+    first = make(system + [1, 2, 3], max_tokens=6, ignore_eos=True)
+    outputs, finals = run(scheduler, [first])
+    assert finals[(id(first), 0)].usage.cached_tokens == 0
+    assert scheduler.prefix_cache_hit_tokens == 0
+    assert_idle(scheduler)  # cached blocks are unreferenced: they count as free
+
+    again = make(system + [1, 2, 3], max_tokens=6, ignore_eos=True)
+    other_tail = make(system + [9, 9], max_tokens=6, ignore_eos=True)
+    salted = make(system + [1, 2, 3], max_tokens=6, ignore_eos=True)
+    salted.cache_salt = "tenant-b"
+    outputs, finals = run(scheduler, [again, other_tail, salted])
+    assert finals[(id(again), 0)].usage.cached_tokens == 32
+    assert finals[(id(other_tail), 0)].usage.cached_tokens == 32
+    assert finals[(id(salted), 0)].usage.cached_tokens == 0  # another tenant's salt never hits
+    for request in (again, salted):
+        assert outputs[id(request)][0] == hf_greedy(runner, system + [1, 2, 3], 6)
+    assert outputs[id(other_tail)][0] == hf_greedy(runner, system + [9, 9], 6)
+    assert scheduler.prefix_cache_hit_tokens == 64
+    assert_idle(scheduler)
+
+
+def test_prefix_cache_never_covers_the_last_prompt_token(runner):
+    scheduler = Scheduler(runner, max_running_sequences=8)
+    prompt = [(5 * i) % 991 for i in range(32)]  # exactly 2 blocks
+    run(scheduler, [make(prompt, max_tokens=2)])
+    again = make(prompt, max_tokens=4, ignore_eos=True)
+    outputs, finals = run(scheduler, [again])
+    assert finals[(id(again), 0)].usage.cached_tokens == 16  # the block holding the last token reruns
+    assert outputs[id(again)][0] == hf_greedy(runner, prompt, 4)
+
+
+def test_prefix_cache_under_eviction_pressure(tiny_cache_runner):
+    # 12 blocks of 4: many distinct prompts evict each other's cached blocks; repeats still exact.
+    scheduler = Scheduler(tiny_cache_runner, max_running_sequences=8)
+    prompts = [[(13 * i + j) % 997 for j in range(10)] for i in range(6)]
+    for round_ in range(2):
+        requests = [make(prompt, max_tokens=5, ignore_eos=True) for prompt in prompts]
+        outputs, _ = run(scheduler, requests)
+        for prompt, request in zip(prompts, requests):
+            assert outputs[id(request)][0] == hf_greedy(tiny_cache_runner, prompt, 5), round_
+        assert_idle(scheduler)
+    assert scheduler.cache.allocator.num_cached <= 12
+
+
+def test_each_finished_request_logs_one_line_with_its_timings(runner, caplog):
+    scheduler = Scheduler(runner, max_running_sequences=8)
+    request = make(PROMPTS[1], max_tokens=5, ignore_eos=True)
+    with caplog.at_level("INFO", logger="tito_engine.scheduler"):
+        run(scheduler, [request])
+    lines = [record for record in caplog.records if record.getMessage().startswith("finished:")]
+    assert len(lines) == 1 and lines[0].request_id == "r"
+    message = lines[0].getMessage()
+    for field in ("prompt_tokens=6", "completion_tokens=5", "queue=", "ttft=", "tpot=", "finish=length"):
+        assert field in message, message
