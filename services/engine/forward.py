@@ -1,15 +1,23 @@
-"""One batched forward per scheduler step for Qwen2-family decoders over the paged KV cache.
+"""One batched forward per scheduler step over the paged KV cache, for every supported family.
 
 The step's tokens are packed into one `[T, hidden]` matrix (decode rows contribute one token,
 prefill chunks several), so every linear layer runs once per step whatever the mix. Attention
 reads each row's K/V through its block table: all one-token rows share one padded
-`scaled_dot_product_attention` call, each prefill chunk gets its own (few per step).
+`scaled_dot_product_attention` call (or two, see `_decode_groups`), each prefill chunk gets its own.
 
-It reuses the loaded Hugging Face module's weights (embed_tokens, the decoder layers' norms,
-projections and MLPs, the final norm, lm_head) and follows HF's op order (RMSNorm in float32,
-rotary as HF computes it) so greedy tokens equal `generate`'s. The rotary table is precomputed
-from the model's own `inv_freq`; Qwen2-VL's multimodal rotary (mrope_section) takes explicit
-3-D position ids per prefill token, and its decode positions are `cache_len + rope_delta`.
+The per-architecture layer math lives in `families.py` (Qwen2, Qwen2-VL, Gemma3); this module is
+the shared plumbing: packing, positions and slots, rotary tables (one per rope kind: Gemma3's
+sliding layers use the local base frequency), K/V writes, masks and attention calls. Masks come
+in two kinds, built once per step: full causal, and sliding window (a query at p attends to keys
+in (p - window, p]; blocks outside the window stay allocated, the mask hides them).
+
+Multimodal prefill (`MultiModalPrefill`): encoder rows replace placeholder embeddings; Qwen2-VL
+takes explicit 3-D rotary positions (decode positions `cache_len + rope_delta`); Gemma3 attends
+bidirectionally inside each image's run of soft tokens (`bidirectional_spans`). A span's
+bidirectional attention is exact only when one prefill chunk holds the whole span: a scheduler
+must cut chunks with `chunk_boundaries_ok` / `fit_chunk_end`. If a chunk does split a span, a
+query attends to later positions of its span only within its own chunk (the later ones do not
+exist yet), which differs from HF's full-prompt forward.
 """
 
 from __future__ import annotations
@@ -21,7 +29,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .families import SLIDING, default_bidirectional_spans, family_for, spans_of_runs, text_model_of
 from .kv_cache import PagedKVCache
+
+__all__ = ["BatchedDecoder", "MultiModalPrefill", "RowInput", "chunk_boundaries_ok", "fit_chunk_end",
+           "text_model_of"]
 
 log = logging.getLogger(__name__)
 
@@ -34,18 +46,60 @@ class MultiModalPrefill:
     `embeds[i]` (encoder output rows, in prompt order). `mrope_positions` ([3, prompt_len]) are
     the 3-D rotary positions of the prompt (HF's get_rope_index); any position past the prompt
     (generated tokens) uses `position + rope_delta` in all three sections.
+
+    `bidirectional_spans`: half-open (start, end) prompt ranges whose tokens attend to each other
+    in both directions at prefill (Gemma3 image soft tokens). None means "the model's default",
+    which the decoder fills in on first use (Gemma3: each run of consecutive embed positions,
+    exactly HF's token_type_ids blocks; Qwen2-VL: none); `for_model` or
+    `BatchedDecoder.prepare_prefill` resolve it up front so a scheduler can see it.
     """
 
     embeds: torch.Tensor | None = None  # [N, hidden]
     embed_positions: torch.Tensor | None = None  # [N] long, ascending
     mrope_positions: torch.Tensor | None = None  # [3, prompt_len] long
     rope_delta: int = 0
+    bidirectional_spans: list[tuple[int, int]] | None = None
 
     @classmethod
     def from_dense(cls, dense: torch.Tensor, mask: torch.Tensor, **kwargs) -> "MultiModalPrefill":
         """From a dense `[prompt_len, hidden]` tensor and a bool mask of the positions it overrides."""
         positions = torch.nonzero(mask, as_tuple=False).flatten()
         return cls(embeds=dense[positions], embed_positions=positions, **kwargs)
+
+    @classmethod
+    def for_model(cls, config: Any, **fields: Any) -> "MultiModalPrefill":
+        """Like the constructor (e.g. `**vision.prefill_media(...)`), with `bidirectional_spans`
+        resolved from the model config (Gemma3: runs of embed positions; others: none)."""
+        prefill = cls(**fields)
+        if prefill.bidirectional_spans is None:
+            prefill.bidirectional_spans = default_bidirectional_spans(config, prefill.embed_positions)
+        return prefill
+
+
+def _known_spans(prefill: MultiModalPrefill | None) -> list[tuple[int, int]]:
+    """The spans a scheduler must not split. Unresolved (None): every run of embed positions,
+    which is never wrong (for models without bidirectional spans it only constrains chunking)."""
+    if prefill is None:
+        return []
+    if prefill.bidirectional_spans is not None:
+        return list(prefill.bidirectional_spans)
+    return spans_of_runs(prefill.embed_positions)
+
+
+def chunk_boundaries_ok(prefill: MultiModalPrefill | None, start: int, end: int) -> bool:
+    """Whether the prefill chunk [start, end) splits no bidirectional span (needed for exactness)."""
+    return not any(s < cut < e for s, e in _known_spans(prefill) for cut in (start, end))
+
+
+def fit_chunk_end(prefill: MultiModalPrefill | None, start: int, end: int) -> int:
+    """The chunk end a scheduler should use instead of `end` (the budget's end) for a chunk at
+    `start`: `end` itself when it cuts no span, else the start of the span it would cut; when that
+    span begins at (or before) `start`, the span's end: the whole span in one chunk, over budget
+    (the caller either accepts the overshoot or defers the row to a later step)."""
+    for s, e in _known_spans(prefill):
+        if s < end < e:
+            return s if s > start else e
+    return end
 
 
 @dataclass
@@ -64,94 +118,32 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _fuse(linears: list[Any], name: str) -> torch.Tensor | None:
-    """Concatenate the linears' `name` tensors into one and make each module's a view of it.
-
-    One matmul instead of several per layer (bitwise the same result here), and no extra memory:
-    the HF modules keep working on views of the fused storage.
-    """
-    parts = [getattr(linear, name) for linear in linears]
-    if any(part is None for part in parts):
-        if any(part is not None for part in parts):
-            raise ValueError(f"cannot fuse linears where only some have a {name}")
-        return None
-    fused = torch.cat([part.detach() for part in parts])
-    offset = 0
-    for linear, part in zip(linears, parts):
-        size = part.shape[0]
-        getattr(linear, name).data = fused[offset:offset + size]
-        offset += size
-    return fused
-
-
-class _DecoderWeights:
-    """The HF modules' tensors, looked up once (attribute walks per step add up); q/k/v and
-    gate/up fused into one projection each."""
-
-    def __init__(self, layer: Any):
-        attn, mlp = layer.self_attn, layer.mlp
-        self.ln1_w, self.ln1_eps = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
-        self.ln2_w, self.ln2_eps = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
-        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
-        self.qkv_w, self.qkv_b = _fuse(projections, "weight"), _fuse(projections, "bias")
-        self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
-        self.gate_up_w = _fuse([mlp.gate_proj, mlp.up_proj], "weight")
-        self.intermediate = mlp.gate_proj.weight.shape[0]
-        self.down_w = mlp.down_proj.weight
-        # The activation as a plain function when it is SiLU (a module call per layer costs more).
-        silu = isinstance(mlp.act_fn, torch.nn.SiLU) or type(mlp.act_fn).__name__ == "SiLUActivation"
-        self.act = F.silu if silu else mlp.act_fn
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Exactly HF's Qwen2RMSNorm: statistics in float32, weight applied in the input dtype.
-    dtype = x.dtype
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
-
-
-def text_model_of(model: Any) -> Any:
-    """The decoder stack of a causal LM: Qwen2 `model.model`, Qwen2-VL `model.model.language_model`."""
-    inner = model.model
-    return getattr(inner, "language_model", inner)
-
-
 class BatchedDecoder:
-    """The batched forward over a paged cache for one loaded Qwen2-family model."""
+    """The batched forward over a paged cache for one loaded model (any family in families.py)."""
 
     def __init__(self, model: Any, cache: PagedKVCache, max_positions: int):
-        text = text_model_of(model)
-        config = text.config
+        self.family = family = family_for(model)
         self.cache = cache
         self.device = cache.device
         self.dtype = model.dtype
-        self.embed = text.embed_tokens.weight
-        self.layers = [_DecoderWeights(layer) for layer in text.layers]
-        self.norm_w, self.norm_eps = text.norm.weight, text.norm.variance_epsilon
-        self.lm_head_w = model.lm_head.weight
-        self.lm_head_b = getattr(model.lm_head, "bias", None)
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.scaling = self.head_dim ** -0.5
+        self.layers = family.layers
+        self.num_heads = family.num_heads
+        self.num_kv_heads = family.num_kv_heads
+        self.head_dim = family.head_dim
+        self.scaling = family.scaling
         self.block_size = cache.block_size
-        self.sliding_window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", False) else None
-        if self.sliding_window:
-            log.warning("this model uses sliding-window attention; the engine attends over the full context")
-        rotary = text.rotary_emb
-        if getattr(rotary, "rope_type", "default") == "dynamic":
-            log.warning("dynamic rotary scaling is not supported; using the base frequencies")
-        # cos/sin for every position, computed as HF does (float32 freqs, then cast to the model dtype).
-        inv_freq = rotary.inv_freq.to(device=self.device, dtype=torch.float32)
+        self.sliding_window = family.sliding_window
+        self._has_sliding = any(layer.kind == SLIDING for layer in self.layers)
+        # cos/sin for every position and rope kind, computed as HF does (float32 freqs, then cast).
         positions = torch.arange(max_positions + 1, device=self.device, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]
-        scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        self.cos_half = (freqs.cos() * scaling)  # [P, hd/2] float32
-        self.sin_half = (freqs.sin() * scaling)
-        self.cos_table = torch.cat((self.cos_half, self.cos_half), dim=-1).to(self.dtype)
-        self.sin_table = torch.cat((self.sin_half, self.sin_half), dim=-1).to(self.dtype)
-        self.mrope_section = getattr(rotary, "mrope_section", None)
+        self.rope_tables: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for inv_freq, attention_scaling in family.ropes:
+            freqs = positions[:, None] * inv_freq.to(device=self.device, dtype=torch.float32)[None, :]
+            cos_half, sin_half = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
+            self.rope_tables.append((torch.cat((cos_half, cos_half), dim=-1).to(self.dtype),
+                                     torch.cat((sin_half, sin_half), dim=-1).to(self.dtype)))
+        self.cos_table, self.sin_table = self.rope_tables[0]
+        self.mrope_section = family.mrope_section
         if self.mrope_section is not None:
             # Which of the (t, h, w) position rows feeds each rotary dim (both halves), as HF's
             # recomposition_frequencies picks them.
@@ -166,17 +158,25 @@ class BatchedDecoder:
             return self._arange[:count]
         return torch.arange(count, device=self.device)
 
+    def prepare_prefill(self, prefill: MultiModalPrefill) -> MultiModalPrefill:
+        """Resolve `bidirectional_spans` to this model's default when unset; returns `prefill`."""
+        if prefill.bidirectional_spans is None:
+            prefill.bidirectional_spans = self.family.default_bidirectional_spans(prefill.embed_positions)
+        return prefill
+
     # ------------------------------------------------------------------ rotary
 
-    def _rotary(self, positions: torch.Tensor, mrope: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [T, head_dim] for 1-D positions [T], or for 3-D positions [3, T] when given."""
+    def _rotary(self, table: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
+                mrope: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, 1, head_dim] for 1-D positions [T], or for 3-D positions [3, T] when given."""
+        cos_table, sin_table = table
         if mrope is None:
-            return self.cos_table[positions], self.sin_table[positions]
+            return cos_table[positions][:, None, :], sin_table[positions][:, None, :]
         # [3, T, hd] then, per dim, the row its mrope section reads.
         index = self.mrope_dim_source[None, None, :].expand(1, mrope.shape[1], -1)
-        cos = self.cos_table[mrope].gather(0, index).squeeze(0)
-        sin = self.sin_table[mrope].gather(0, index).squeeze(0)
-        return cos, sin
+        cos = cos_table[mrope].gather(0, index).squeeze(0)
+        sin = sin_table[mrope].gather(0, index).squeeze(0)
+        return cos[:, None, :], sin[:, None, :]
 
     # ------------------------------------------------------------------ the step
 
@@ -191,10 +191,12 @@ class BatchedDecoder:
         logit_index: list[int] = []
         decode_slots: list[int] = []
         any_mm = False
+        longest = 0  # the longest context in this step (does the sliding window cut anything?)
         for index, row in enumerate(rows):
             offset = len(flat_ids)
             offsets.append(offset)
             flat_ids.extend(row.token_ids)
+            longest = max(longest, row.start + len(row.token_ids))
             if len(row.token_ids) == 1:
                 decode_rows.append(index)
                 start = row.start
@@ -207,6 +209,7 @@ class BatchedDecoder:
                 any_mm = True
         num_tokens = len(flat_ids)
         input_ids = torch.tensor(flat_ids, dtype=torch.long, device=device)
+        window = self.sliding_window if self.sliding_window is not None and longest > self.sliding_window else None
 
         # Positions and cache slots of every packed token.
         if not prefill_rows:
@@ -229,81 +232,112 @@ class BatchedDecoder:
             positions = self._range(num_tokens) + shift[row_of]
             slot_mapping = table_tensor[row_of, positions // block_size] * block_size + positions % block_size
 
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = self.family.embed(input_ids)
         mrope = None
         if any_mm:
             hidden, mrope = self._apply_multimodal(rows, offsets, hidden, positions)
-        cos, sin = self._rotary(positions, mrope)
-        cos, sin = cos[:, None, :], sin[:, None, :]
+        ropes = [self._rotary(table, positions, mrope) for table in self.rope_tables]
 
-        decode_groups = self._decode_groups(rows, decode_rows, offsets, whole_batch=not prefill_rows)
-        prefill_specs = []
-        for i in prefill_rows:
-            row = rows[i]
-            count = len(row.token_ids)
-            if row.start == 0:
-                # A prompt's first chunk attends only to itself: this step's K/V, plain causal.
-                prefill_specs.append((offsets[i], count, None, None))
-                continue
-            kv_len = row.start + count
-            num_blocks = -(-kv_len // block_size)
-            blocks = torch.tensor(row.block_table[:num_blocks], dtype=torch.long, device=device)
-            pos = self._range(num_blocks * block_size)
-            query_pos = pos[row.start:kv_len]
-            mask = torch.zeros((1, 1, count, num_blocks * block_size), dtype=self.dtype, device=device)
-            mask.masked_fill_(pos[None, None, None, :] > query_pos[None, None, :, None], float("-inf"))
-            prefill_specs.append((offsets[i], count, blocks, mask))  # causal from the chunk's offset
+        decode_groups = self._decode_groups(rows, decode_rows, offsets, whole_batch=not prefill_rows, window=window)
+        prefill_specs = [self._prefill_spec(rows[i], offsets[i], window) for i in prefill_rows]
 
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        for layer, weights in enumerate(self.layers):
+        one_group = len(decode_groups) == 1 and decode_groups[0][0] is None  # every row decodes, one group
+        for layer_index, layer in enumerate(self.layers):
+            kind = layer.kind
             residual = hidden
-            x = _rms_norm(hidden, weights.ln1_w, weights.ln1_eps)
-            qkv = F.linear(x, weights.qkv_w, weights.qkv_b).view(num_tokens, heads + 2 * kv_heads, head_dim)
-            qk = qkv[:, :heads + kv_heads]
+            qk, v = layer.project(hidden)
+            cos, sin = ropes[layer.rope]
             qk = qk * cos + _rotate_half(qk) * sin  # rotary on q and k together
             q, k = qk[:, :heads], qk[:, heads:]
-            v = qkv[:, heads + kv_heads:]
-            key_cache, value_cache = self.cache.keys[layer], self.cache.values[layer]
+            key_cache, value_cache = self.cache.keys[layer_index], self.cache.values[layer_index]
             key_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
             value_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
-            if len(decode_groups) == 1 and decode_groups[0][0] is None:  # every row decodes, one group
-                _, blocks, count, mask = decode_groups[0]
-                attn = self._attend_decode(q, key_cache, value_cache, blocks, count, mask)
+            if one_group:
+                _, blocks, count, masks = decode_groups[0]
+                attn = self._attend_decode(q, key_cache, value_cache, blocks, count, masks[kind])
             else:
                 attn = torch.empty((num_tokens, heads * head_dim), dtype=q.dtype, device=device)
-                for index, blocks, count, mask in decode_groups:
-                    out = self._attend_decode(q.index_select(0, index), key_cache, value_cache, blocks, count, mask)
+                for index, blocks, count, masks in decode_groups:
+                    out = self._attend_decode(q.index_select(0, index), key_cache, value_cache, blocks, count,
+                                              masks[kind])
                     attn.index_copy_(0, index, out)
-                for offset, count, blocks, mask in prefill_specs:
+                for offset, count, blocks, masks in prefill_specs:
                     q_rows = q[offset:offset + count].transpose(0, 1)[None]  # [1, heads, count, hd]
-                    if blocks is None:
+                    mask = masks[kind]
+                    if blocks is None:  # a prompt's first chunk: this step's K/V only
                         out = F.scaled_dot_product_attention(
                             q_rows, k[offset:offset + count].transpose(0, 1)[None],
-                            v[offset:offset + count].transpose(0, 1)[None], is_causal=True, scale=self.scaling,
+                            v[offset:offset + count].transpose(0, 1)[None], attn_mask=mask,
+                            is_causal=mask is None, scale=self.scaling,
                             enable_gqa=kv_heads != heads).transpose(1, 2)
                     else:
                         out = self._attend(q_rows, key_cache, value_cache, blocks, 1, mask)
                     attn[offset:offset + count] = out[0].reshape(count, heads * head_dim)
 
-            hidden = residual + F.linear(attn, weights.o_w, weights.o_b)
-            residual = hidden
-            x = _rms_norm(hidden, weights.ln2_w, weights.ln2_eps)
-            gate_up = F.linear(x, weights.gate_up_w)
-            inter = weights.intermediate
-            x = F.linear(weights.act(gate_up[:, :inter]) * gate_up[:, inter:], weights.down_w)
-            hidden = residual + x
+            hidden = layer.finish(residual, attn)
 
         if len(logit_index) != num_tokens:
             hidden = hidden.index_select(0, torch.tensor(logit_index, dtype=torch.long, device=device))
-        hidden = _rms_norm(hidden, self.norm_w, self.norm_eps)
-        return F.linear(hidden, self.lm_head_w, self.lm_head_b).float()
+        return self.family.logits(hidden).float()
+
+    # ------------------------------------------------------------------ masks
+
+    def _row_spans(self, row: RowInput, end: int) -> list[tuple[int, int]]:
+        """The row's bidirectional spans clipped to the part of this chunk where they matter:
+        at least two positions inside [row.start, end) (a query and a later key)."""
+        if row.mm is None:
+            return []
+        spans = self.prepare_prefill(row.mm).bidirectional_spans
+        clipped = []
+        for s, e in spans or ():
+            s, e = max(s, row.start), min(e, end)
+            if e - s >= 2:
+                clipped.append((s, e))
+        return clipped
+
+    def _prefill_spec(self, row: RowInput, offset: int, window: int | None):
+        """(offset, count, block ids or None for "this chunk's own K/V", masks by kind); a mask of
+        None means plain causal over the chunk's own K/V (SDPA's is_causal)."""
+        device, block_size = self.device, self.block_size
+        count = len(row.token_ids)
+        end = row.start + count
+        spans = self._row_spans(row, end)
+        slides = window is not None and end > window and self._has_sliding
+        if row.start == 0 and not spans and not slides:
+            return offset, count, None, (None, None)
+        blocks = None
+        if row.start == 0:
+            key_pos = self._range(count)  # the chunk's own K/V: key index == position
+        else:
+            num_blocks = -(-end // block_size)
+            blocks = torch.tensor(row.block_table[:num_blocks], dtype=torch.long, device=device)
+            key_pos = self._range(num_blocks * block_size)
+        query_pos = self._range(end)[row.start:]
+        allowed = key_pos[None, :] <= query_pos[:, None]
+        for s, e in spans:  # both in [row.start, end): bidirectional within the span
+            allowed[s - row.start:e - row.start, s:e] = True
+        full = self._additive(allowed)
+        sliding = full
+        if slides:
+            sliding = self._additive(allowed & (key_pos[None, :] > query_pos[:, None] - window))
+        if row.start == 0 and not spans:
+            full = None  # causal on its own K/V
+        return offset, count, blocks, (full, sliding)
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """[Q, K] bool -> [1, 1, Q, K] additive float mask (SDPA on CPU converts a bool one per call)."""
+        mask = torch.zeros((1, 1, *allowed.shape), dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~allowed[None, None], float("-inf"))
 
     def _decode_groups(self, rows: list[RowInput], decode_rows: list[int], offsets: list[int],
-                       whole_batch: bool) -> list[tuple[torch.Tensor | None, torch.Tensor, int, torch.Tensor]]:
+                       whole_batch: bool, window: int | None = None
+                       ) -> list[tuple[torch.Tensor | None, torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]]]:
         """The one-token rows as one or two attention groups: (token index or None, block ids,
-        rows, mask over the gathered slots). Rows are padded to their group's longest context, so
-        when lengths differ a lot, short and long rows attend separately (less gathered padding)."""
+        rows, masks by kind over the gathered slots). Rows are padded to their group's longest
+        context, so when lengths differ a lot, short and long rows attend separately (less
+        gathered padding)."""
         if not decode_rows:
             return []
         block_size, device = self.block_size, self.device
@@ -321,6 +355,7 @@ class BatchedDecoder:
                     best, split = cost, cut
             if split and best < 0.75 * whole:  # worth a second attention call
                 groups = [order[:split], order[split:]]
+        slides = window is not None and self._has_sliding
         result = []
         for members in groups:
             max_blocks = -(-max(lengths[j] for j in members) // block_size)
@@ -336,11 +371,17 @@ class BatchedDecoder:
             # An additive float mask: SDPA on CPU converts a bool one on every call.
             mask = torch.zeros((len(members), 1, 1, max_blocks * block_size), dtype=self.dtype, device=device)
             mask.masked_fill_(pos[None, None, None, :] >= length_tensor[:, None, None, None], float("-inf"))
+            masks = (mask, mask)
+            if slides:  # the query sits at length - 1: keys at or before length - 1 - window fall out
+                outside = pos[None, None, None, :] <= (length_tensor - 1 - window)[:, None, None, None]
+                masks = (mask, mask.masked_fill(outside, float("-inf")))
             index = None
             if not (whole_batch and len(groups) == 1):
                 index = torch.tensor([offsets[decode_rows[j]] for j in members], dtype=torch.long, device=device)
-            result.append((index, blocks, len(members), mask))
+            result.append((index, blocks, len(members), masks))
         return result
+
+    # ------------------------------------------------------------------ attention
 
     def _attend_decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        blocks: torch.Tensor, batch: int, mask: torch.Tensor) -> torch.Tensor:
@@ -361,6 +402,8 @@ class BatchedDecoder:
         values = value_cache.index_select(0, blocks).view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
                                               enable_gqa=self.num_kv_heads != self.num_heads).transpose(1, 2)
+
+    # ------------------------------------------------------------------ multimodal
 
     def _apply_multimodal(self, rows: list[RowInput], offsets: list[int], hidden: torch.Tensor,
                           positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -118,3 +118,30 @@ def test_a_step_may_pack_more_tokens_than_one_context(tiny_text_model):
     with torch.inference_mode():
         reference = runner.model.generate(torch.tensor(prompts), do_sample=False, max_new_tokens=4, min_new_tokens=4)
     assert [seq[20:] for seq in tokens] == reference[:, 20:].tolist()
+
+
+def test_qwen2_sliding_window_layers_equal_hf(tiny_text_model):
+    # Qwen2 with use_sliding_window: layers from max_window_layers on slide (window 6 here), the
+    # same masks the Gemma3 family uses; prefill in chunks longer than the window, then decode.
+    from transformers import AutoConfig, Qwen2ForCausalLM
+
+    from tito_engine.forward import BatchedDecoder
+    from tito_engine.kv_cache import KVLayout, PagedKVCache
+
+    config = AutoConfig.from_pretrained(tiny_text_model)
+    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 6, 1
+    config.layer_types = ["full_attention", "sliding_attention"]  # what max_window_layers=1 gives
+    model = Qwen2ForCausalLM.from_pretrained(tiny_text_model, config=config).eval()
+    layout = KVLayout(num_layers=2, kv_heads=2, head_dim=16, dtype=torch.float32)
+    decoder = BatchedDecoder(model, PagedKVCache(layout, 16, 4, torch.device("cpu")), max_positions=64)
+    prompt = [(13 * j + 5) % 1000 for j in range(15)]
+    blocks = decoder.cache.allocator.allocate(8)
+    decoder.forward([RowInput(prompt[:9], 0, blocks, False)])
+    tokens = list(prompt)
+    logits = decoder.forward([RowInput(prompt[9:], 9, blocks, True)])
+    for _ in range(6):
+        with torch.inference_mode():
+            expected = model(torch.tensor([tokens])).logits[0, -1]
+        assert torch.allclose(logits[0], expected, atol=1e-5)
+        tokens.append(int(logits[0].argmax()))
+        logits = decoder.forward([RowInput([tokens[-1]], len(tokens) - 1, blocks, True)])
