@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from tito.config import ConfigError, ServerConfig
 from tito.model_paths import DEFAULT_MODEL
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+MIN_HMAC_KEY_BYTES = 16  # the same rule as render's --hmac-key-file
 
 
 @dataclass
@@ -40,6 +42,34 @@ class EngineConfig(ServerConfig):
     engine_process: bool = True
     # Reuse the K/V of full prompt blocks across requests with the same prefix (and cache_salt).
     prefix_caching: bool = True
+    # ---- media items (features.py admission)
+    # File holding the HMAC key shared with render ("" = tags are not checked); its id as render
+    # puts it in each item's auth_key_id.
+    hmac_key_file: str = ""
+    hmac_key_id: str = ""
+    # Refuse media items without a tag that verifies (needs hmac_key_file).
+    require_signed_features: bool = False
+    # Tensor bytes per item / per request, and items per request.
+    max_mm_item_bytes: int = 64 << 20
+    max_mm_request_bytes: int = 256 << 20
+    max_mm_items: int = 64
+    # Encoder outputs kept by content for reuse (and for Encode descriptors); 0 = no cache.
+    encoder_cache_bytes: int = 256 << 20
+
+    def read_hmac_key(self) -> bytes | None:
+        """The verifying key: the file's bytes without surrounding whitespace, at least
+        MIN_HMAC_KEY_BYTES long (as render reads its key). None when no key file is given."""
+        if not self.hmac_key_file:
+            return None
+        try:
+            key = Path(self.hmac_key_file).read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(f"hmac_key_file={self.hmac_key_file!r} cannot be read: {exc.strerror}") from exc
+        if len(key) < MIN_HMAC_KEY_BYTES:
+            raise ConfigError(f"hmac_key_file={self.hmac_key_file!r} holds {len(key)} bytes: use a key of at "
+                              f"least {MIN_HMAC_KEY_BYTES} bytes (e.g. `openssl rand -hex 32 > FILE`), the "
+                              f"same file render gets")
+        return key
 
     def validate(self) -> None:
         super().validate()
@@ -74,6 +104,24 @@ class EngineConfig(ServerConfig):
                               f"(default 2048)")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads={self.cpu_threads} must be >= 1 (or unset for cores - 1)")
+        self._validate_media()
         if not 1 <= self.max_choices_per_request <= self.max_running_requests:
             raise ConfigError(f"max_choices_per_request={self.max_choices_per_request} must be between 1 "
                               f"and max_running_requests ({self.max_running_requests})")
+
+    def _validate_media(self) -> None:
+        if self.hmac_key_id and not self.hmac_key_file:
+            raise ConfigError("hmac_key_id is set but hmac_key_file is not: pass --hmac-key-file too")
+        if self.require_signed_features and not self.hmac_key_file:
+            raise ConfigError("require_signed_features needs the key to verify tags with: pass --hmac-key-file "
+                              "with the file render signs with (render --hmac-key-file)")
+        if self.hmac_key_file:
+            self.read_hmac_key()
+        for name in ("max_mm_item_bytes", "max_mm_request_bytes", "max_mm_items"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_mm_item_bytes > self.max_mm_request_bytes:
+            raise ConfigError(f"max_mm_item_bytes={self.max_mm_item_bytes} exceeds max_mm_request_bytes="
+                              f"{self.max_mm_request_bytes}: one item could never fit a request")
+        if self.encoder_cache_bytes < 0:
+            raise ConfigError(f"encoder_cache_bytes={self.encoder_cache_bytes} must be >= 0 (0 = no encoder cache)")

@@ -7,6 +7,11 @@ to each request's `deliver` callback. For streams of the async facade the batch 
 their event loop in one `call_soon_threadsafe` (at most one hand-over in flight per loop; what
 arrives meanwhile goes with the next), and each stream merges what piled up for a choice into one
 output. The gRPC event loop never runs a forward pass.
+
+Media admission is split (features.py): `submit` runs phase 1 (`validate_structure`) here and
+sends the checked items with the "add"; the core runs phase 2 against its encoder cache and may
+answer with a `CoreRefusal`, delivered to the caller as the same TitoError. `encode` (the Encode
+RPC) is a call to the core answered by key, outside the request registry.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from typing import Any
 
 from tito.errors import InvalidArgument, ResourceExhausted, Unavailable
 
-from .engine_core import Batch, CoreProcessSpec, ProcessCore, ThreadCore
+from .engine_core import Batch, CoreProcessSpec, CoreRefusal, EncodeResult, ProcessCore, ThreadCore
+from .features import FeaturePolicy, validate_encode_structure, validate_structure
 from .kv_cache import blocks_for_tokens
 from .request import ChoiceOutput, FinishReason, GenerateInput, Request, Usage
 from .scheduler import DEFAULT_MAX_PREFILL_TOKENS
@@ -43,16 +49,26 @@ class LoadSnapshot:
     kv_blocks_used: int = 0
     kv_block_size: int = 0
     prefix_cache_hit_tokens: int = 0
+    encoder_cache_hits: int = 0
+    encoder_cache_misses: int = 0
+
 
 
 class Engine:
     def __init__(self, runner: Any = None, *, max_running_requests: int = 64,
                  max_waiting_requests: int = 1024, max_choices_per_request: int = 16,
-                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, prefix_caching: bool = True, core: Any = None):
-        """`runner` hosts the core on a thread of this process; `core` passes a ready host instead."""
+                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, prefix_caching: bool = True, core: Any = None,
+                 feature_policy: FeaturePolicy | None = None, encoder_cache_bytes: int = 0):
+        """`runner` hosts the core on a thread of this process; `core` passes a ready host instead.
+
+        `feature_policy`: limits and signing keys for media items (phase 1 of their admission runs
+        here, in `submit`); `encoder_cache_bytes` sizes the thread-hosted core's encoder cache.
+        """
         self._core = core if core is not None else ThreadCore(runner, max_running_requests, max_prefill_tokens,
-                                                              prefix_caching)
+                                                              prefix_caching, encoder_cache_bytes)
         self.info = self._core.info
+        self.mm_spec = getattr(self._core, "mm_spec", None)
+        self.feature_policy = feature_policy or FeaturePolicy()
         self.max_running_requests = max_running_requests
         self.max_waiting_requests = max_waiting_requests
         self.limits = ModelLimits(vocab_size=self.info.vocab_size,
@@ -72,15 +88,16 @@ class Engine:
         self._core_lost = False
         self.on_core_lost: Callable[[], None] | None = None  # e.g. the server turns health NOT_SERVING
         self._channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> _LoopChannel
+        self._calls: dict[int, Callable[[Any], None]] = {}  # key -> callback of a pending core call (Encode)
 
     @classmethod
     def in_process(cls, spec: CoreProcessSpec, *, max_waiting_requests: int = 1024,
-                   max_choices_per_request: int = 16) -> "Engine":
+                   max_choices_per_request: int = 16, feature_policy: FeaturePolicy | None = None) -> "Engine":
         """An engine whose core runs in a child process (loads the model there)."""
         core = ProcessCore(spec)
         return cls(core=core, max_running_requests=spec.max_running_sequences,
                    max_waiting_requests=max_waiting_requests, max_choices_per_request=max_choices_per_request,
-                   max_prefill_tokens=spec.max_prefill_tokens)
+                   max_prefill_tokens=spec.max_prefill_tokens, feature_policy=feature_policy)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -113,8 +130,12 @@ class Engine:
         """Validate and enqueue a request; raise a TitoError for a caller mistake or a full queue."""
         options = validate_generate(generate, self.limits)
         self._check_fits_kv_cache(len(generate.token_ids), options.max_tokens, options.n)
+        # Media admission, phase 1 (everything but the encoder cache; phase 2 runs in the core).
+        # Also for text-only requests: a stray placeholder token id is refused here.
+        checked = validate_structure(generate.token_ids, generate.mm_features, self.mm_spec, self.feature_policy)
         request_id = generate.request_id or f"gen-{uuid.uuid4().hex}"
-        request = Request(request_id, list(generate.token_ids), options, deliver, mm=generate.mm_prefill)
+        request = Request(request_id, list(generate.token_ids), options, deliver)
+        request.has_media = bool(checked)
         request.loop = loop
         with self._lock:
             if self._core_lost:
@@ -134,9 +155,47 @@ class Engine:
             self._submitted += 1
         # Sent outside the lock (a full pipe must not block the thread that delivers outputs);
         # the core honours an abort that overtakes its add.
-        self._core.send(("add", request.key, request_id, request.prompt_ids, options, request.mm,
+        self._core.send(("add", request.key, request_id, request.prompt_ids, options, checked or None,
                          request.arrival_time, generate.cache_salt))
         return request
+
+    async def encode(self, features: Any) -> list[Any]:
+        """The Encode RPC: run the encoder on `features`' items (tito.v1.MultiModalFeatures), keep
+        the outputs in the encoder cache, return one tito.v1.EncoderCacheDescriptor per item."""
+        from tito.v1 import multimodal_pb2
+
+        checked = validate_encode_structure(features, self.mm_spec, self.feature_policy)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def resolve(result: Any) -> None:
+            if not future.done():
+                future.set_result(result)
+
+        def answer(result: Any) -> None:  # the receiver thread
+            try:
+                loop.call_soon_threadsafe(resolve, result)
+            except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
+                pass
+
+        with self._lock:
+            if self._core_lost:
+                raise Unavailable("the engine's model process exited; this replica must be restarted",
+                                  reason="ENGINE_CORE_LOST")
+            if self._stopping:
+                raise Unavailable("the engine is shutting down; retry on another replica", reason="SHUTTING_DOWN")
+            key = next(self._keys)
+            self._calls[key] = answer
+        self._core.send(("encode", key, checked))
+        try:
+            result = await future
+        finally:
+            with self._lock:
+                self._calls.pop(key, None)
+        if isinstance(result, BaseException):
+            raise result
+        assert isinstance(result, EncodeResult)
+        return [multimodal_pb2.EncoderCacheDescriptor.FromString(data) for data in result.descriptors]
 
     def abort(self, request_ids: list[str]) -> list[str]:
         """Abort live requests by id (their streams end with ABORT); unknown ids are ignored."""
@@ -170,7 +229,8 @@ class Engine:
             snapshot = self._load
             return LoadSnapshot(snapshot.running_requests, self._waiting_locked(), snapshot.finished_requests,
                                 snapshot.kv_blocks_total, snapshot.kv_blocks_used, snapshot.kv_block_size,
-                                snapshot.prefix_cache_hit_tokens)
+                                snapshot.prefix_cache_hit_tokens, snapshot.encoder_cache_hits,
+                                snapshot.encoder_cache_misses)
 
     # ---------------------------------------------------------------- async facade
 
@@ -211,12 +271,19 @@ class Engine:
             # a load that still counts it.
             self._load = LoadSnapshot(core_load.running_requests, core_load.waiting_requests,
                                       core_load.finished_requests, self._kv_blocks_total, core_load.kv_blocks_used,
-                                      self._block_size, core_load.prefix_cache_hit_tokens)
+                                      self._block_size, core_load.prefix_cache_hit_tokens,
+                                      core_load.encoder_cache_hits, core_load.encoder_cache_misses)
             self._adds_seen = core_load.adds_seen
             ended = []
+            calls = []
             for key, output, finished in outputs:
+                if isinstance(output, CoreRefusal):
+                    output = output.rebuild()  # the caller's mistake, found where the encoder cache lives
                 request = self._by_key.get(key)
                 if request is None:
+                    call = self._calls.pop(key, None)
+                    if call is not None:
+                        calls.append((call, output))
                     continue
                 if finished:
                     ended.append(request)  # after the loop: its other choices may follow in this batch
@@ -225,6 +292,8 @@ class Engine:
                 self._by_key.pop(request.key, None)
                 if self._live.get(request.request_id) is request:
                     del self._live[request.request_id]
+        for call, output in calls:
+            call(output)
         self._dispatch(deliveries)
 
     def _on_core_lost(self) -> None:
@@ -235,12 +304,15 @@ class Engine:
             lost = list(self._by_key.values())
             self._by_key.clear()
             self._live.clear()
+            calls, self._calls = list(self._calls.values()), {}
         if not stopping:
             log.error("the engine core process exited; failing %d live requests", len(lost))
             if self.on_core_lost is not None:
                 self.on_core_lost()
         error = Unavailable("the engine's model process exited; this replica must be restarted",
                             reason="ENGINE_CORE_LOST")
+        for call in calls:
+            call(error)
         self._dispatch([(request, error) for request in lost])
 
     def _dispatch(self, deliveries) -> None:

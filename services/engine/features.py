@@ -1,7 +1,16 @@
 """Admission of `GenerateRequest.mm_features`: every rule checked before a request is scheduled.
 
-`validate_mm_features(token_ids, features, spec, policy, cache)` (Generate; `validate_encode_request`
-is the same minus the prompt, for Encode) turns the wire items into
+Two phases, because the encoder cache lives in the engine core (a child process) while requests
+arrive in the server process:
+
+* `validate_structure(token_ids, features, spec, policy) -> CheckedFeatures` (rules 1-5, the
+  server process, before anything is sent to the core; `validate_encode_structure` for Encode).
+  Its result is picklable and is what the server sends the core.
+* `resolve_cached(checked, cache) -> ValidatedFeatures` (rule 6, in the core at "add", before
+  the request is scheduled). Its errors travel back to the caller unchanged (engine_core.CoreRefusal).
+
+`validate_mm_features(token_ids, features, spec, policy, cache)` runs both (Generate;
+`validate_encode_request` is the same minus the prompt, for Encode). Together they turn the wire items into
 `ValidatedItem`s the runner can use without further checks (decoded encoder inputs, integer
 grid, absolute embed positions, and, when the encoder can be skipped, the cached encoder rows
 already pinned), or raises a `tito.errors` exception naming the offending field, e.g.
@@ -355,9 +364,10 @@ class ValidatedFeatures:
 # ---------------------------------------------------------------------------- validation
 
 
-@dataclass
-class _Checked:
-    """Pass-1 result for one item: everything but cache resolution."""
+@dataclass(frozen=True)
+class CheckedItem:
+    """Phase-1 result for one item: every rule but cache resolution (picklable: it crosses the
+    pipe from the server process to the engine core, where the encoder cache lives)."""
 
     item: multimodal_pb2.MultiModalItem
     path: str
@@ -368,26 +378,35 @@ class _Checked:
     trusted_hash: bool
 
 
-def validate_mm_features(
+@dataclass(frozen=True)
+class CheckedFeatures:
+    """Phase-1 result for a request: the items that passed every cache-independent rule."""
+
+    items: tuple[CheckedItem, ...] = ()
+    total_bytes: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+def validate_structure(
     token_ids: Sequence[int],
     features: multimodal_pb2.MultiModalFeatures | None,
     spec: ModelMultimodalSpec | None,
     policy: FeaturePolicy,
-    cache: EncoderCache | None = None,
-) -> ValidatedFeatures:
-    """Check `features` against the prompt, the model and the policy; see the module docstring.
+) -> CheckedFeatures:
+    """Phase 1 of Generate admission (rules 1-5): everything that needs no encoder cache.
 
-    `token_ids` must already be validated (non-empty, inside the vocabulary). `cache` is the
-    engine's encoder cache (None: the engine keeps none, so only items with kwargs are served).
+    Runs in the server process before a request is sent to the engine core (also for text-only
+    requests: a stray placeholder token is rejected here). `token_ids` must already be
+    validated (non-empty, inside the vocabulary).
     """
     items = list(features.items) if features is not None else []
-    if cache is not None and spec is not None and cache.model_fingerprint != spec.model_fingerprint:
-        raise ValueError("the encoder cache belongs to another model fingerprint than the spec")
     if len(items) > policy.max_items:
         raise ResourceExhausted(f"mm_features has {len(items)} items; this engine accepts at most "
                                 f"{policy.max_items} per request (max_items)", reason="MM_TOO_MANY_ITEMS",
                                 field="mm_features.items")
-    checked: list[_Checked] = []
+    checked: list[CheckedItem] = []
     total_bytes = 0
     previous_end = 0
     for index, item in enumerate(items):
@@ -405,30 +424,47 @@ def validate_mm_features(
         if item.kwargs:
             modality_spec.check_encoder_inputs(item, layout, path)
         _check_placeholder_tokens(token_ids, modality_spec, embed_positions, path)
-        checked.append(_Checked(item, path, modality, layout, embed_positions, signed,
-                                trusted_hash=signed or not policy.signing_enabled))
+        checked.append(CheckedItem(item, path, modality, layout, embed_positions, signed,
+                                   trusted_hash=signed or not policy.signing_enabled))
     if spec is not None:
         _check_unclaimed_placeholders(token_ids, spec, checked)
-    return ValidatedFeatures(tuple(_resolve(c, index, cache) for index, c in enumerate(checked)), total_bytes)
+    return CheckedFeatures(tuple(checked), total_bytes)
 
 
-def validate_encode_request(
+def resolve_cached(checked: CheckedFeatures, cache: EncoderCache | None) -> ValidatedFeatures:
+    """Phase 2 (rule 6), where the encoder cache lives (the engine core): cache hits, EC
+    descriptors, MM_TENSORS_REQUIRED; decodes the encoder inputs of the items still to encode."""
+    return ValidatedFeatures(tuple(_resolve(c, index, cache) for index, c in enumerate(checked.items)),
+                             checked.total_bytes)
+
+
+def validate_mm_features(
+    token_ids: Sequence[int],
     features: multimodal_pb2.MultiModalFeatures | None,
     spec: ModelMultimodalSpec | None,
     policy: FeaturePolicy,
-    cache: EncoderCache | None,
+    cache: EncoderCache | None = None,
 ) -> ValidatedFeatures:
-    """Admission for the Encode RPC: the Generate rules that do not involve a prompt.
+    """Check `features` against the prompt, the model and the policy; see the module docstring.
+
+    Both phases in one call (`validate_structure` then `resolve_cached`). `cache` is the
+    engine's encoder cache (None: the engine keeps none, so only items with kwargs are served).
+    """
+    if cache is not None and spec is not None and cache.model_fingerprint != spec.model_fingerprint:
+        raise ValueError("the encoder cache belongs to another model fingerprint than the spec")
+    return resolve_cached(validate_structure(token_ids, features, spec, policy), cache)
+
+
+def validate_encode_structure(
+    features: multimodal_pb2.MultiModalFeatures | None,
+    spec: ModelMultimodalSpec | None,
+    policy: FeaturePolicy,
+) -> CheckedFeatures:
+    """Phase 1 of Encode admission: the Generate rules that do not involve a prompt.
 
     Encode has no token ids, so placeholders are not checked (and `embed_positions` is empty).
-    Every item must carry kwargs (FAILED_PRECONDITION `MM_TENSORS_REQUIRED` otherwise), and the
-    engine must keep an encoder cache to put the outputs in. Items already cached come back with
-    `encoder_rows` set; the servicer encodes `to_encode`, `cache.put`s each output under the item's
-    `cache_key` and answers `cache.descriptor_for(item.cache_key)` per item.
+    Every item must carry kwargs (FAILED_PRECONDITION `MM_TENSORS_REQUIRED` otherwise).
     """
-    if cache is None:
-        raise FailedPrecondition("this engine keeps no encoder cache, so Encode has nowhere to store outputs",
-                                 reason="ENCODER_CACHE_DISABLED")
     items = list(features.items) if features is not None else []
     if not items:
         raise InvalidArgument("mm_features.items must not be empty: nothing to encode", reason="MM_ITEMS_EMPTY",
@@ -437,7 +473,7 @@ def validate_encode_request(
         raise ResourceExhausted(f"mm_features has {len(items)} items; this engine accepts at most "
                                 f"{policy.max_items} per request (max_items)", reason="MM_TOO_MANY_ITEMS",
                                 field="mm_features.items")
-    checked: list[_Checked] = []
+    checked: list[CheckedItem] = []
     total_bytes = 0
     for index, item in enumerate(items):
         path = f"mm_features.items[{index}]"
@@ -452,9 +488,32 @@ def validate_encode_request(
         modality_spec.check_names(item, path)
         layout = modality_spec.layout(item, path)
         modality_spec.check_encoder_inputs(item, layout, path)
-        checked.append(_Checked(item, path, modality, layout, (), signed,
-                                trusted_hash=signed or not policy.signing_enabled))
-    return ValidatedFeatures(tuple(_resolve(c, index, cache) for index, c in enumerate(checked)), total_bytes)
+        checked.append(CheckedItem(item, path, modality, layout, (), signed,
+                                   trusted_hash=signed or not policy.signing_enabled))
+    return CheckedFeatures(tuple(checked), total_bytes)
+
+
+def check_encoder_cache_enabled(cache: EncoderCache | None) -> EncoderCache:
+    if cache is None:
+        raise FailedPrecondition("this engine keeps no encoder cache, so Encode has nowhere to store outputs",
+                                 reason="ENCODER_CACHE_DISABLED")
+    return cache
+
+
+def validate_encode_request(
+    features: multimodal_pb2.MultiModalFeatures | None,
+    spec: ModelMultimodalSpec | None,
+    policy: FeaturePolicy,
+    cache: EncoderCache | None,
+) -> ValidatedFeatures:
+    """Admission for the Encode RPC (both phases): `validate_encode_structure`, then resolution.
+
+    The engine must keep an encoder cache to put the outputs in. Items already cached come back
+    with `encoder_rows` set; the caller encodes `to_encode`, `cache.put`s each output under the
+    item's `cache_key` and answers `cache.descriptor_for(item.cache_key)` per item.
+    """
+    check_encoder_cache_enabled(cache)
+    return resolve_cached(validate_encode_structure(features, spec, policy), cache)
 
 
 def _check_modality(item, spec: ModelMultimodalSpec | None, path: str) -> str:
@@ -566,7 +625,8 @@ def _check_placeholder_tokens(token_ids: Sequence[int], modality_spec, embed_pos
                                   violations=[FieldViolation(f"token_ids[{position}]", message)])
 
 
-def _check_unclaimed_placeholders(token_ids: Sequence[int], spec: ModelMultimodalSpec, checked: list[_Checked]) -> None:
+def _check_unclaimed_placeholders(token_ids: Sequence[int], spec: ModelMultimodalSpec,
+                                  checked: list[CheckedItem]) -> None:
     placeholder_ids = spec.placeholder_token_ids
     claimed = {position for c in checked for position in c.embed_positions}
     for position, token_id in enumerate(token_ids):
@@ -593,7 +653,7 @@ def content_digest(item: multimodal_pb2.MultiModalItem) -> str:
     return f"tensors-{digest.hexdigest()}"
 
 
-def _content_id(c: _Checked) -> str | None:
+def _content_id(c: CheckedItem) -> str | None:
     """The identity of the item's content the engine may rely on (see "Trust model")."""
     if c.trusted_hash:
         return c.item.mm_hash
@@ -602,7 +662,7 @@ def _content_id(c: _Checked) -> str | None:
     return None
 
 
-def _resolve(c: _Checked, index: int, cache: EncoderCache | None) -> ValidatedItem:
+def _resolve(c: CheckedItem, index: int, cache: EncoderCache | None) -> ValidatedItem:
     item, path = c.item, c.path
     content_id = _content_id(c)
     key = cache.key_for(content_id) if cache is not None and content_id is not None else None
@@ -643,7 +703,7 @@ def _forged(path: str, part: str, message: str) -> InvalidArgument:
                            field=field_path)
 
 
-def _resolve_descriptor(c: _Checked, key: CacheKey | None, cache: EncoderCache | None) -> CacheEntry | None:
+def _resolve_descriptor(c: CheckedItem, key: CacheKey | None, cache: EncoderCache | None) -> CacheEntry | None:
     """The cached entry a descriptor names, after checking every claim it makes (never trusting it)."""
     ec, path = c.item.ec_descriptor, c.path
     if cache is None or ec.store_id != cache.store_id:

@@ -16,7 +16,9 @@ import torch
 
 from tito.config import ConfigError
 
-from .forward import BatchedDecoder, RowInput
+from . import vision
+from .features import ModelMultimodalSpec, multimodal_spec_from_config
+from .forward import BatchedDecoder, MultiModalPrefill, RowInput
 from .kv_cache import KVLayout, PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,9 @@ class ModelInfo:
     device: str
     fingerprint: str
     modalities: tuple[str, ...] = ()
+    # (modality, placeholder token text, placeholder token id) per accepted modality.
+    placeholders: tuple[tuple[str, str, int], ...] = ()
+    model_family: str = ""  # config.model_type, e.g. "qwen2", "qwen2_vl", "gemma3"
 
 
 def choose_device(spec: str) -> torch.device:
@@ -113,6 +118,16 @@ def set_cpu_threads(threads: int | None) -> None:
         log.info("torch intra-op threads: %d", threads)
 
 
+def token_text(model_dir: Path, token_id: int) -> str:
+    """The text of an added (special) token from tokenizer.json, "" when it cannot be found."""
+    path = model_dir / "tokenizer.json"
+    try:
+        added = json.loads(path.read_text()).get("added_tokens", [])
+    except (OSError, ValueError):
+        return ""
+    return next((token.get("content", "") for token in added if token.get("id") == token_id), "")
+
+
 def _load_model(model_dir: Path, dtype: torch.dtype) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -148,7 +163,12 @@ class ModelRunner:
         if max_model_len is not None and max_model_len > model_max:
             log.warning("max_model_len=%d exceeds the model's max_position_embeddings=%d; quality may "
                         "degrade past it", max_model_len, model_max)
-        modalities = ("image",) if getattr(config, "vision_config", None) is not None else ()
+        fingerprint = model_fingerprint(model_dir)
+        # What media the model takes and how (features.py admission); None for text-only models.
+        self.mm_spec: ModelMultimodalSpec | None = multimodal_spec_from_config(config, fingerprint)
+        modalities = tuple(self.mm_spec.modalities) if self.mm_spec is not None else ()
+        placeholders = tuple((name, token_text(model_dir, spec.placeholder_token_id), spec.placeholder_token_id)
+                             for name, spec in self.mm_spec.modalities.items()) if self.mm_spec else ()
         self.info = ModelInfo(
             model_id=model_id,
             vocab_size=vocab_size,
@@ -156,8 +176,10 @@ class ModelRunner:
             eos_token_ids=eos_token_ids(model_dir, config),
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
-            fingerprint=model_fingerprint(model_dir),
+            fingerprint=fingerprint,
             modalities=modalities,
+            placeholders=placeholders,
+            model_family=getattr(config, "model_type", ""),
         )
         self.cache = self._make_cache(text_config, kv_cache or KVCacheSpec())
         self.decoder = BatchedDecoder(self.model, self.cache, max_positions=self.info.max_context_length)
@@ -186,6 +208,16 @@ class ModelRunner:
             raise ConfigError(f"the KV cache budget holds no block of {spec.block_size} tokens "
                               f"({layout.bytes_per_token} bytes per token); raise --kv-cache-bytes or --kv-blocks")
         return PagedKVCache(layout, num_blocks, spec.block_size, self.device)
+
+    def encode(self, items: list) -> list[torch.Tensor]:
+        """Encoder rows per validated item (features.ValidatedItem), one encoder call per modality."""
+        return vision.encode_items(self.model, items)
+
+    def multimodal_prefill(self, token_ids: list[int], items_with_rows: list) -> MultiModalPrefill:
+        """The forward's multimodal input for a prompt: encoder rows at their positions, M-RoPE
+        positions (Qwen2-VL), bidirectional spans (Gemma3: each image's run of soft tokens)."""
+        return MultiModalPrefill.for_model(self.model.config,
+                                           **vision.prefill_media(token_ids, items_with_rows, self.model.config))
 
     def execute(self, rows: list[RowInput]) -> torch.Tensor:
         """One batched forward over the step's rows; logits [rows needing logits, vocab] (float32)."""

@@ -86,8 +86,8 @@ class GenerateInput:
     sampling: RawSamplingParams
     # Modality names of the request's media items, in order (e.g. ["image"]).
     mm_modalities: list[str] = field(default_factory=list)
-    # forward.MultiModalPrefill (encoder rows + M-RoPE positions) once media are supported.
-    mm_prefill: Any = None
+    # The wire `MultiModalFeatures` (tito.v1 proto) or None; admission checks it (features.py).
+    mm_features: Any = None
     # Mixed into prefix-cache keys: requests only share cached prompt blocks with the same salt.
     cache_salt: str = ""
 
@@ -164,7 +164,8 @@ class Request:
         # When set (an asyncio loop), the engine batches this request's deliveries with others of
         # the same loop into one call_soon_threadsafe per step.
         self.loop: Any = None
-        self.mm = mm  # forward.MultiModalPrefill for multimodal prompts
+        self.mm = mm  # forward.MultiModalPrefill for multimodal prompts (attached by the core after encoding)
+        self.has_media = mm is not None  # media items: kept out of the prefix cache
         self.sequences: list[Sequence] = []
         self.fork_blocks: list[int] = []  # blocks reserved for the choices' copies of the partial block
         self.admit_order = -1

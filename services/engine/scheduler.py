@@ -14,7 +14,11 @@ Runs only on the engine thread (no locks here).
   never fit the whole cache are refused before they get here (Engine.submit).
 - n > 1: choice 0 prefills the prompt; when it completes, the other choices fork from it, sharing
   the prompt's full blocks (reference counts) and copying the last partial block.
-- Prefix caching (text prompts): full prompt blocks are registered under chained sha256 digests
+- Media prompts (Gemma3): a prefill chunk never splits a bidirectional span (an image's run of
+  soft tokens attends within itself in both directions, exact only in one chunk): the chunk ends
+  before the span, or, when it starts at the span, takes the whole span even past the budget.
+- Prefix caching (text prompts only; requests with media items never read or fill it): full
+  prompt blocks are registered under chained sha256 digests
   of their tokens (and the request's cache_salt) once computed; an admitted sequence takes the
   longest cached prefix of its prompt (at most all but its last token, which must run to give
   logits) and starts computing after it. Unreferenced cached blocks count as free and are
@@ -27,7 +31,7 @@ import logging
 import time
 from collections import deque
 
-from .forward import RowInput
+from .forward import RowInput, fit_chunk_end
 from .kv_cache import blocks_for_tokens, prefix_block_hashes
 from .model_runner import ModelRunner
 from .request import ChoiceOutput, FinishReason, Request, Sequence
@@ -138,7 +142,7 @@ class Scheduler:
                 if remaining == 1:
                     count = 1
                 else:
-                    count = min(remaining, budget)
+                    count = _chunk(request, start, min(remaining, budget))
                     if count <= 0:
                         continue
                 end = start + count
@@ -241,7 +245,7 @@ class Scheduler:
                 if fresh:
                     request.cached_tokens = max(request.cached_tokens, start)
                 self.prefix_cache_hit_tokens += start
-                count = min(total - start, budget)
+                count = _chunk(request, start, min(total - start, budget))
                 if count <= 0:
                     continue
                 budget -= count
@@ -255,7 +259,9 @@ class Scheduler:
     def _prefix_hashes(self, request: Request) -> list[bytes]:
         """The prompt's full-block digests (empty when prefix caching is off or media are involved)."""
         if request.block_hashes is None:
-            cacheable = self.prefix_caching and request.mm is None
+            # Media requests stay out of the prefix cache: the token ids of two different images
+            # are equal, so a block covering an image must not be keyed by tokens alone.
+            cacheable = self.prefix_caching and not request.has_media and request.mm is None
             request.block_hashes = prefix_block_hashes(request.prompt_ids, self.block_size,
                                                        request.cache_salt) if cacheable else []
         return request.block_hashes
@@ -390,6 +396,14 @@ class Scheduler:
         request.finish_time = time.monotonic()
         self.finished_requests += 1
         _log_finished(request)
+
+
+def _chunk(request: Request, start: int, count: int) -> int:
+    """The prefill chunk length from `start` within `count` (the budget), moved so it splits no
+    bidirectional span of the prompt (forward.fit_chunk_end); 0: wait for the next step."""
+    if request.mm is None or count <= 0 or not request.mm.bidirectional_spans:
+        return count
+    return fit_chunk_end(request.mm, start, start + count) - start
 
 
 def _tokens(request: Request, seq: Sequence, start: int, end: int) -> list[int]:

@@ -16,6 +16,7 @@ from tito.v1 import engine_pb2_grpc
 from .config import EngineConfig
 from .engine import Engine
 from .engine_core import CoreProcessSpec
+from .features import FeaturePolicy
 from .model_runner import KVCacheSpec, ModelRunner
 from .servicer import EngineServicer
 
@@ -55,6 +56,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "start and same cache_salt); default: on")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="torch intra-op threads when running on CPU (default: cores - 1, at least 1)")
+    media = parser.add_argument_group("media items")
+    media.add_argument("--hmac-key-file", default="",
+                       help="file with the HMAC key render signs media items with (render --hmac-key-file); "
+                            "tags present are then verified, and signed hashes may key the encoder cache")
+    media.add_argument("--hmac-key-id", default="", help="the key's id, as render puts it in auth_key_id")
+    media.add_argument("--require-signed-features", action="store_true",
+                       help="refuse media items without a verifying tag (needs --hmac-key-file)")
+    media.add_argument("--max-mm-item-bytes", type=int, default=EngineConfig.max_mm_item_bytes,
+                       help="most tensor bytes in one media item (default 64 MiB)")
+    media.add_argument("--max-mm-request-bytes", type=int, default=EngineConfig.max_mm_request_bytes,
+                       help="most tensor bytes in one request's media items (default 256 MiB)")
+    media.add_argument("--max-mm-items", type=int, default=EngineConfig.max_mm_items,
+                       help="most media items in one request (default 64)")
+    media.add_argument("--encoder-cache-bytes", type=int, default=EngineConfig.encoder_cache_bytes,
+                       help="bytes of encoder outputs kept for reuse and Encode (default 256 MiB; 0 = none)")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -77,13 +93,28 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         cpu_threads=args.cpu_threads,
         engine_process=args.engine_process,
         prefix_caching=args.prefix_caching,
+        hmac_key_file=args.hmac_key_file,
+        hmac_key_id=args.hmac_key_id,
+        require_signed_features=args.require_signed_features,
+        max_mm_item_bytes=args.max_mm_item_bytes,
+        max_mm_request_bytes=args.max_mm_request_bytes,
+        max_mm_items=args.max_mm_items,
+        encoder_cache_bytes=args.encoder_cache_bytes,
     )
     config.validate()
     return config
 
 
+def feature_policy(config: EngineConfig) -> FeaturePolicy:
+    key = config.read_hmac_key()
+    return FeaturePolicy(max_item_bytes=config.max_mm_item_bytes, max_request_bytes=config.max_mm_request_bytes,
+                         max_items=config.max_mm_items, signing_keys={config.hmac_key_id: key} if key else {},
+                         require_signed_features=config.require_signed_features)
+
+
 def _build_engine(config: EngineConfig) -> Engine:
     model_dir = resolve_model(config.model)
+    policy = feature_policy(config)
     kv_cache = KVCacheSpec(block_size=config.block_size, num_blocks=config.kv_blocks,
                            cache_bytes=config.kv_cache_bytes, memory_fraction=config.kv_memory_fraction)
     if config.engine_process:
@@ -91,15 +122,17 @@ def _build_engine(config: EngineConfig) -> Engine:
                                max_model_len=config.max_model_len, kv_cache=kv_cache, cpu_threads=config.cpu_threads,
                                max_running_sequences=config.max_running_requests,
                                max_prefill_tokens=config.max_prefill_tokens_per_step, log_level=config.log_level,
-                               prefix_caching=config.prefix_caching)
+                               prefix_caching=config.prefix_caching,
+                               encoder_cache_bytes=config.encoder_cache_bytes)
         return Engine.in_process(spec, max_waiting_requests=config.max_waiting_requests,
-                                 max_choices_per_request=config.max_choices_per_request)
+                                 max_choices_per_request=config.max_choices_per_request, feature_policy=policy)
     runner = ModelRunner(model_dir, model_id=config.model, device=config.device,
                          max_model_len=config.max_model_len, kv_cache=kv_cache, cpu_threads=config.cpu_threads)
     return Engine(runner, max_running_requests=config.max_running_requests,
                   max_waiting_requests=config.max_waiting_requests,
                   max_choices_per_request=config.max_choices_per_request,
-                  max_prefill_tokens=config.max_prefill_tokens_per_step, prefix_caching=config.prefix_caching)
+                  max_prefill_tokens=config.max_prefill_tokens_per_step, prefix_caching=config.prefix_caching,
+                  feature_policy=policy, encoder_cache_bytes=config.encoder_cache_bytes)
 
 
 async def create_server(config: EngineConfig) -> RunningServer:
@@ -126,6 +159,9 @@ async def create_server(config: EngineConfig) -> RunningServer:
     running.add_cleanup(lambda: asyncio.to_thread(engine.stop))
     servicer.attach(engine)
     await running.set_serving()
+    if config.hmac_key_file:
+        log.info("media item tags are verified (key id %r); unsigned items are %s", config.hmac_key_id,
+                 "refused" if config.require_signed_features else "accepted but not trusted for cache hits")
     return running
 
 

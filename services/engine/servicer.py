@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tito.errors import Unavailable, Unimplemented
+from tito.errors import Unavailable
 from tito.logs import bind_request_id
 from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2, sampling_pb2
 
@@ -14,6 +14,10 @@ _FINISH_REASONS = {
     FinishReason.LENGTH: engine_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: engine_pb2.FINISH_REASON_ABORT,
 }
+
+
+_MODALITIES = {"image": multimodal_pb2.MODALITY_IMAGE, "video": multimodal_pb2.MODALITY_VIDEO,
+               "audio": multimodal_pb2.MODALITY_AUDIO}
 
 
 def _optional(message, name: str):
@@ -50,6 +54,7 @@ def generate_input_from_proto(request: engine_pb2.GenerateRequest) -> GenerateIn
         token_ids=list(request.token_ids),
         sampling=sampling_from_proto(request.sampling_params),
         mm_modalities=[_modality_name(item.modality) for item in request.mm_features.items],
+        mm_features=request.mm_features if request.HasField("mm_features") else None,
         cache_salt=request.cache_salt,
     )
 
@@ -99,7 +104,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             await outputs.aclose()  # on cancel: aborts the request in the engine
 
     async def Encode(self, request: engine_pb2.EncodeRequest, context):
-        raise Unimplemented("Encode (encoder-only runs) is not implemented yet", reason="NOT_IMPLEMENTED")
+        if request.request_id:
+            bind_request_id(request.request_id)
+        features = request.mm_features if request.HasField("mm_features") else None
+        return engine_pb2.EncodeResponse(descriptors=await self._engine.encode(features))
 
     async def Abort(self, request: engine_pb2.AbortRequest, context):
         return engine_pb2.AbortResponse(aborted_request_ids=self._engine.abort(list(request.request_ids)))
@@ -115,6 +123,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             device=info.device,
             model_fingerprint=info.fingerprint,
             max_running_requests=self._engine.max_running_requests,
+            modalities=[engine_pb2.ModalityInfo(modality=_MODALITIES[name], placeholder_token=token,
+                                                placeholder_token_id=token_id)
+                        for name, token, token_id in info.placeholders if name in _MODALITIES],
         )
 
     async def GetLoad(self, request, context):
@@ -127,4 +138,6 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             kv_blocks_used=load.kv_blocks_used,
             kv_block_size=load.kv_block_size,
             prefix_cache_hit_tokens=load.prefix_cache_hit_tokens,
+            encoder_cache_hits=load.encoder_cache_hits,
+            encoder_cache_misses=load.encoder_cache_misses,
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tito.errors import InvalidArgument, Unimplemented, Violations
+from tito.errors import InvalidArgument, Violations
 
 from .request import GenerateInput, RawSamplingParams, SamplingOptions
 
@@ -50,15 +50,13 @@ def _check_prompt(request: GenerateInput, limits: ModelLimits) -> None:
 
 
 def _check_media(request: GenerateInput, limits: ModelLimits) -> None:
+    # The cheap first look; every other media rule is features.validate_structure's.
     for position, modality in enumerate(request.mm_modalities):
         if modality not in limits.modalities:
             supported = ", ".join(sorted(limits.modalities)) or "none: the model is text-only"
             raise InvalidArgument(
                 f"the model does not accept {modality} input (supported: {supported})",
                 reason="UNSUPPORTED_MODALITY", field=f"mm_features.items[{position}].modality")
-    if request.mm_modalities:
-        raise Unimplemented("multimodal generation is not implemented yet", reason="NOT_IMPLEMENTED",
-                            field="mm_features")
 
 
 def resolve_sampling(raw: RawSamplingParams, prompt_len: int, limits: ModelLimits) -> SamplingOptions:

@@ -178,7 +178,12 @@ def test_admission_errors_name_the_field_and_leave_the_engine_working(engine, hf
         assert collect(stub.Generate(good, timeout=TIMEOUT))[0][0] == expected
     with pytest.raises(grpc.RpcError) as exc:
         stub.Encode(engine_pb2.EncodeRequest(), timeout=TIMEOUT)
-    assert exc.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert error_details(exc.value)["fields"] == ["mm_features.items"]
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as exc:  # a text-only model encodes nothing
+        stub.Encode(engine_pb2.EncodeRequest(mm_features=_image_item()), timeout=TIMEOUT)
+    assert error_details(exc.value)["fields"] == ["mm_features.items[0].modality"]
+    assert collect(stub.Generate(good, timeout=TIMEOUT))[0][0] == expected
 
 
 def test_duplicate_id_full_queue_and_abort(engine):

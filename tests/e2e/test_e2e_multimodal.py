@@ -1,0 +1,124 @@
+"""End to end with an image: `tito serve render|engine|derender` as processes on the tiny
+Qwen2-VL model, render signing media items and the engine requiring signed features; a chat with
+a data: URL image through ChatPipeline streams the text of HF's greedy tokens."""
+
+from __future__ import annotations
+
+import base64
+import io
+import signal
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+from tito import tensors
+from tito.grpc_errors import error_details
+from tito.pipeline import ChatPipeline, Endpoints, wait_until_serving
+from tito.v1 import chat_pb2, engine_pb2, render_pb2
+
+pytestmark = pytest.mark.e2e
+
+SERVICES = ("render", "engine", "derender")
+MAX_TOKENS = 24
+
+
+def data_url(width: int, height: int, seed: int) -> str:
+    pixels = np.random.RandomState(seed).randint(0, 256, size=(height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def services(tiny_vl_model, tmp_path_factory):
+    """The three services as processes on Unix sockets; render and engine share an HMAC key file."""
+    directory = tmp_path_factory.mktemp("mm-e2e")
+    key_file = directory / "hmac.key"
+    key_file.write_text("e2e-shared-key-0123456789abcdef\n")
+    addresses = {name: f"unix:{directory / (name + '.sock')}" for name in SERVICES}
+    extra = {
+        "render": ["--hmac-key-file", str(key_file), "--workers", "1"],
+        "engine": ["--hmac-key-file", str(key_file), "--require-signed-features"],
+        "derender": [],
+    }
+    processes = {
+        name: subprocess.Popen([sys.executable, "-m", "tito.cli", "serve", name, "--address", addresses[name],
+                                "--model", str(tiny_vl_model), "--log-level", "warning", *extra[name]])
+        for name in SERVICES
+    }
+    try:
+        for name in SERVICES:
+            wait_until_serving(addresses[name], timeout=180)
+        yield addresses
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in processes.values():
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def chat_request(url: str) -> render_pb2.RenderChatRequest:
+    return render_pb2.RenderChatRequest(
+        messages=[chat_pb2.ChatMessage(role="user", content_parts=[
+            chat_pb2.ContentPart(text="What is in this picture?"),
+            chat_pb2.ContentPart(image=chat_pb2.ImageSource(url=url))])],
+        sampling=render_pb2.SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0))
+
+
+def hf_greedy(model, generate_request: engine_pb2.GenerateRequest) -> list[int]:
+    ids = torch.tensor([list(generate_request.token_ids)])
+    types = torch.zeros_like(ids)
+    items = generate_request.mm_features.items
+    for item in items:
+        types[0, item.placeholder.offset:item.placeholder.offset + item.placeholder.length] = 1
+    with torch.inference_mode():
+        output = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types, do_sample=False,
+            max_new_tokens=MAX_TOKENS,
+            pixel_values=torch.cat([tensors.to_torch(item.kwargs["pixel_values"]) for item in items]),
+            image_grid_thw=torch.cat([tensors.to_torch(item.metadata["image_grid_thw"]).reshape(-1, 3)
+                                      for item in items]))
+    return output[0, ids.shape[1]:].tolist()
+
+
+def test_image_chat_streams_the_text_of_hf_greedy_tokens(services, tiny_vl_model):
+    request = chat_request(data_url(84, 56, seed=3))
+    with ChatPipeline(Endpoints(**services), timeout=120) as pipeline:
+        rendered = pipeline.render.RenderChat(request, timeout=60)
+        item = rendered.generate_request.mm_features.items[0]
+        assert item.auth_tag and item.kwargs["pixel_values"].data  # signed, with tensors
+        chunks = list(pipeline.stream_chat(request))
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl_model, dtype=torch.float32).eval()
+    expected = hf_greedy(model, rendered.generate_request)
+    assert len(set(expected)) > 1
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vl_model)
+    content = "".join(chunk.content for chunk in chunks)
+    assert content == tokenizer.decode(expected, skip_special_tokens=True)
+    assert chunks[-1].usage.completion_tokens == len(expected)
+    assert chunks[-1].usage.prompt_tokens == len(rendered.generate_request.token_ids)
+
+
+def test_engine_refuses_tampered_features_and_keeps_serving(services):
+    request = chat_request(data_url(56, 56, seed=4))
+    with ChatPipeline(Endpoints(**services), timeout=120) as pipeline:
+        rendered = pipeline.render.RenderChat(request, timeout=60)
+        tampered = engine_pb2.GenerateRequest()
+        tampered.CopyFrom(rendered.generate_request)
+        tampered.mm_features.items[0].mm_hash = "cd" * 32
+        with pytest.raises(grpc.RpcError) as info:
+            list(pipeline.engine.Generate(tampered, timeout=60))
+        details = error_details(info.value)
+        assert details["code"] == grpc.StatusCode.INVALID_ARGUMENT
+        assert details["fields"] == ["mm_features.items[0].auth_tag"]
+        tokens = [t for r in pipeline.engine.Generate(rendered.generate_request, timeout=60) for t in r.token_ids]
+        assert tokens
