@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat = commands.add_parser("chat", help="run one chat through render -> engine -> derender")
     chat.add_argument("text", help="the user message")
     chat.add_argument("--system", help="an optional system message")
+    chat.add_argument("--image", action="append", default=[], metavar="PATH",
+                      help="attach an image file to the user message (repeatable; needs a vision model)")
     chat.add_argument("--max-tokens", type=int, default=64)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--seed", type=int)
@@ -180,7 +182,13 @@ def chat(args: argparse.Namespace) -> int:
         messages = []
         if args.system:
             messages.append(chat_pb2.ChatMessage(role="system", content=args.system))
-        messages.append(chat_pb2.ChatMessage(role="user", content=args.text))
+        if args.image:
+            parts = [chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=Path(path).read_bytes()))
+                     for path in args.image]
+            parts.append(chat_pb2.ContentPart(text=args.text))
+            messages.append(chat_pb2.ChatMessage(role="user", content_parts=parts))
+        else:
+            messages.append(chat_pb2.ChatMessage(role="user", content=args.text))
         kwargs = struct_pb2.Struct()
         if args.no_thinking:
             kwargs.update({"enable_thinking": False})

@@ -122,3 +122,23 @@ def test_engine_refuses_tampered_features_and_keeps_serving(services):
         assert details["fields"] == ["mm_features.items[0].auth_tag"]
         tokens = [t for r in pipeline.engine.Generate(rendered.generate_request, timeout=60) for t in r.token_ids]
         assert tokens
+
+
+def _tito_chat(services, *extra: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "tito.cli", "chat", "What colour is this?", *extra, "--max-tokens", "8",
+         "--render", services["render"], "--engine", services["engine"], "--derender", services["derender"]],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "completion_tokens=8" in result.stdout
+    return result.stdout
+
+
+def test_tito_chat_with_an_image_file(services, tmp_path):
+    image = tmp_path / "red.png"
+    Image.new("RGB", (120, 90), (200, 30, 40)).save(image)
+    with_image = _tito_chat(services, "--image", str(image))
+    without = _tito_chat(services)
+    prompt_tokens = [int(out.split("prompt_tokens=")[1].split()[0]) for out in (with_image, without)]
+    # The image adds <|vision_start|>, its <|image_pad|> run and <|vision_end|> to the prompt.
+    assert prompt_tokens[0] > prompt_tokens[1] + 2
