@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from pathlib import Path
 
 from tito.v1 import multimodal_pb2
 
@@ -80,3 +81,21 @@ def verify_item(item: multimodal_pb2.MultiModalItem, keys: dict[str, bytes]) -> 
     if key is None or len(item.auth_tag) != hashlib.sha256().digest_size:
         return False
     return hmac.compare_digest(item.auth_tag, compute_tag(item, key))
+
+
+MIN_KEY_BYTES = 16
+
+
+def read_key_file(path: str) -> bytes:
+    """Read a shared HMAC key the way render and engine both must: the file's bytes without
+    surrounding whitespace (so `openssl rand -hex 32 > FILE` works), at least MIN_KEY_BYTES long."""
+    from tito.config import ConfigError
+
+    try:
+        key = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(f"hmac_key_file={path!r} cannot be read: {exc.strerror}") from exc
+    if len(key) < MIN_KEY_BYTES:
+        raise ConfigError(f"hmac_key_file={path!r} holds {len(key)} bytes: use a key of at least {MIN_KEY_BYTES} "
+                          f"bytes (e.g. `openssl rand -hex 32 > FILE`), the same file for render and engine")
+    return key

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from tito.config import ConfigError, ServerConfig
 from tito.model_paths import DEFAULT_MODEL
+from tito.signing import read_key_file
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
-MIN_HMAC_KEY_BYTES = 16  # the same rule as render's --hmac-key-file
 
 
 @dataclass
@@ -57,19 +56,8 @@ class EngineConfig(ServerConfig):
     encoder_cache_bytes: int = 256 << 20
 
     def read_hmac_key(self) -> bytes | None:
-        """The verifying key: the file's bytes without surrounding whitespace, at least
-        MIN_HMAC_KEY_BYTES long (as render reads its key). None when no key file is given."""
-        if not self.hmac_key_file:
-            return None
-        try:
-            key = Path(self.hmac_key_file).read_bytes().strip()
-        except OSError as exc:
-            raise ConfigError(f"hmac_key_file={self.hmac_key_file!r} cannot be read: {exc.strerror}") from exc
-        if len(key) < MIN_HMAC_KEY_BYTES:
-            raise ConfigError(f"hmac_key_file={self.hmac_key_file!r} holds {len(key)} bytes: use a key of at "
-                              f"least {MIN_HMAC_KEY_BYTES} bytes (e.g. `openssl rand -hex 32 > FILE`), the "
-                              f"same file render gets")
-        return key
+        """The verifying key (see tito.signing.read_key_file); None when no key file is given."""
+        return read_key_file(self.hmac_key_file) if self.hmac_key_file else None
 
     def validate(self) -> None:
         super().validate()

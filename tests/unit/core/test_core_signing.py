@@ -36,3 +36,19 @@ def test_signed_item_verifies_and_any_change_breaks_it():
 
 def test_unsigned_item_does_not_verify():
     assert not signing.verify_item(_item(), {"": KEY})
+
+
+def test_key_file_is_stripped_and_must_be_long_enough(tmp_path):
+    import pytest
+
+    from tito.config import ConfigError
+
+    good = tmp_path / "key"
+    good.write_text("0123456789abcdef0123\n")
+    assert signing.read_key_file(str(good)) == b"0123456789abcdef0123"
+    short = tmp_path / "short"
+    short.write_text("tiny\n")
+    with pytest.raises(ConfigError, match="at least 16 bytes"):
+        signing.read_key_file(str(short))
+    with pytest.raises(ConfigError, match="cannot be read"):
+        signing.read_key_file(str(tmp_path / "missing"))
