@@ -46,6 +46,11 @@ class RunningServer:
         for name in ("", *self.service_names):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
+    async def set_not_serving(self) -> None:
+        """Mark every service NOT_SERVING (e.g. the model died): load balancers stop sending work."""
+        for name in ("", *self.service_names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
     async def stop(self, grace: float | None = None) -> None:
         """Graceful shutdown: health NOT_SERVING, refuse new calls, let in-flight ones finish."""
         await self.health.enter_graceful_shutdown()

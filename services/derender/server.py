@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 from pathlib import Path
 
-from tito.config import DEFAULT_MAX_MESSAGE_BYTES
-from tito.logs import setup_logging
-from tito.model_paths import DEFAULT_MODEL, resolve_model
+from tito.model_paths import resolve_model
 from tito.serving import RunningServer, run_until_signal, start_server
 from tito.v1 import derender_pb2_grpc
 from tito_derender.config import DerenderConfig
@@ -71,20 +70,12 @@ async def serve(config: DerenderConfig) -> None:
     await run_until_signal(running)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="tito-derender", description="tito derender service")
-    parser.add_argument("--address", default="127.0.0.1:50053")
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--device", default="cpu", help="ignored: derender runs on CPU")
-    parser.add_argument("--log-level", default="info")
-    parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
-    parser.add_argument("--grace-seconds", type=float, default=10.0)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    config = config_from_args(args)
-    setup_logging(config.log_level, "derender")
-    asyncio.run(serve(config))
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m tito_derender.server ...`): exactly `tito serve derender ...`."""
+    from tito.cli import main as tito_main
+
+    return tito_main(["serve", "derender", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

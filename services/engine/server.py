@@ -5,11 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 
-from grpc_health.v1 import health_pb2
-
-from tito.logs import setup_logging
-from tito.model_paths import DEFAULT_MODEL, resolve_model
+from tito.model_paths import resolve_model
 from tito.serving import RunningServer, run_until_signal, start_server
 from tito.v1 import engine_pb2_grpc
 
@@ -149,12 +147,8 @@ async def create_server(config: EngineConfig) -> RunningServer:
         raise
     loop = asyncio.get_running_loop()
 
-    async def not_serving() -> None:
-        for name in ("", SERVICE_NAME):
-            await running.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-
     # A dead model process cannot come back: tell load balancers to stop sending work here.
-    engine.on_core_lost = lambda: asyncio.run_coroutine_threadsafe(not_serving(), loop)
+    engine.on_core_lost = lambda: asyncio.run_coroutine_threadsafe(running.set_not_serving(), loop)
     engine.start()
     running.add_cleanup(lambda: asyncio.to_thread(engine.stop))
     servicer.attach(engine)
@@ -170,24 +164,12 @@ async def serve(config: EngineConfig) -> None:
     await run_until_signal(running)
 
 
-def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", default="127.0.0.1:50052", help="host:port or unix:/path.sock")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="local HF model dir or a tiny model name")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--log-level", default="info")
-    parser.add_argument("--max-message-bytes", type=int, default=EngineConfig.max_message_bytes)
-    parser.add_argument("--grace-seconds", type=float, default=EngineConfig.grace_seconds)
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m tito_engine.server ...`): exactly `tito serve engine ...`."""
+    from tito.cli import main as tito_main
 
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="tito-engine", description="tito engine: token ids in, tokens out")
-    _add_common_arguments(parser)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    config = config_from_args(args)
-    setup_logging(config.log_level, "engine")
-    asyncio.run(serve(config))
+    return tito_main(["serve", "engine", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
