@@ -9,10 +9,16 @@ package converted offline) and the Qwen3-style template. Measures renders/s of
 gRPC with `tito serve render --workers 1` and with `--workers N` (default: every available CPU),
 driven by client processes that each hold their own connections (the kernel balances
 SO_REUSEPORT workers per connection). The clients run on the same machine and take CPU too.
+A "gRPC floor" server (the same tito.serving stack: interceptor, options, health, reflection)
+answers the same requests with responses rendered at startup: the cost of the calls themselves,
+so render's own cost per call is its server CPU above the floor's.
 
 Image: one 1920x1080 PNG with tiny-qwen2-vl: median RenderChat latency per mm_payload (decode,
 hash, process, tokenize, serialize, transport) next to the Hugging Face image processor
-in-process on the same image (with and without decoding the PNG), plus the response sizes.
+in-process on the same image (with and without decoding the PNG), plus the response sizes. Two
+fairer yardsticks: in-process decode + SHA-256 of the pixels (+ the processor for TENSORS), the
+least render must do since mm_hash covers the decoded pixels, and the gRPC floor for the same
+request (4.8 MB in) and response bytes.
 """
 
 from __future__ import annotations
@@ -208,6 +214,63 @@ def grpc_text(address: str, seconds: float, concurrency: int, clients: int) -> t
     return done / max(elapsed for _, elapsed in outcomes), done
 
 
+# ------------------------------------------------------------------------------ gRPC floor server
+
+def start_floor(model: str, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    """A server with render's gRPC stack (tito.serving.start_server: the same interceptor, options,
+    health, reflection) whose RenderChat answers with a response rendered at startup: what a call
+    costs with no rendering at all, for the same request and response bytes."""
+    address = f"127.0.0.1:{free_port()}"
+    command = [sys.executable, os.path.abspath(__file__), "--floor-server", address, "--floor-model", model, *extra]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL), address
+
+
+def image_request(png: bytes, mode: int) -> render_pb2.RenderChatRequest:
+    return render_pb2.RenderChatRequest(mm_payload=mode, messages=[chat_pb2.ChatMessage(
+        role="user", content_parts=[chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=png)),
+                                    chat_pb2.ContentPart(text="Describe this image.")])])
+
+
+def _floor_key(request: render_pb2.RenderChatRequest) -> tuple:
+    return request.messages[-1].content, request.mm_payload
+
+
+def serve_floor(address: str, model: str, max_model_len: int, with_image: bool) -> None:
+    from tito.serving import run_until_signal, start_server
+    from tito.v1 import render_pb2_grpc as stubs
+    from tito_render.config import RenderConfig
+    from tito_render.model import load_render_model
+    from tito_render.renderer import Renderer, RenderLimits
+    from tito_render.server import SERVICE_NAME
+    from tito_render.servicer import WORKER_PID_KEY
+
+    config = RenderConfig(address=address, model=model, max_model_len=max_model_len, media_cache_mb=0,
+                          log_level="warning")
+    renderer = Renderer(load_render_model(config), RenderLimits.from_config(config))
+    requests = [to_request(chat) for chat in CHATS]
+    if with_image:
+        png = test_image_png()
+        requests += [image_request(png, mode) for mode in (multimodal_pb2.MM_PAYLOAD_TENSORS,
+                                                           multimodal_pb2.MM_PAYLOAD_METADATA,
+                                                           multimodal_pb2.MM_PAYLOAD_NONE)]
+    responses = {_floor_key(request): renderer.render_chat(request) for request in requests}
+    assert len(responses) == len(requests)
+    pid = str(os.getpid())
+
+    class FloorServicer(stubs.RenderServiceServicer):
+        async def RenderChat(self, request, context):
+            context.set_trailing_metadata(((WORKER_PID_KEY, pid),))
+            return responses[_floor_key(request)]
+
+    async def main() -> None:
+        running = await start_server(config, [SERVICE_NAME],
+                                     lambda server: stubs.add_RenderServiceServicer_to_server(FloorServicer(), server))
+        await running.set_serving()
+        await run_until_signal(running)
+
+    asyncio.run(main())
+
+
 # ------------------------------------------------------------------------------------- images
 
 def test_image_png() -> bytes:
@@ -233,45 +296,56 @@ def median_ms(fn, repeats: int) -> float:
 
 
 def image_figures(vl_model: str, png: bytes, repeats: int) -> dict:
+    import hashlib
+
     from PIL import Image
     from transformers import AutoImageProcessor
 
     processor = AutoImageProcessor.from_pretrained(vl_model)
     decoded = Image.open(io.BytesIO(png)).convert("RGB")
+
+    def decode_and_hash() -> Image.Image:
+        # The least any render must do per new image: decode it and hash its pixels (mm_hash).
+        image = Image.open(io.BytesIO(png)).convert("RGB")
+        hashlib.sha256(image.tobytes()).digest()
+        return image
+
     figures = {
         "hf_processor_ms": median_ms(lambda: processor(images=[decoded], return_tensors="np"), repeats),
         "hf_decode_and_processor_ms": median_ms(
             lambda: processor(images=[Image.open(io.BytesIO(png)).convert("RGB")], return_tensors="np"), repeats),
+        "decode_and_hash_ms": median_ms(decode_and_hash, repeats),
+        "decode_hash_and_processor_ms": median_ms(
+            lambda: processor(images=[decode_and_hash()], return_tensors="np"), repeats),
     }
-    def image_request(mode: int) -> render_pb2.RenderChatRequest:
-        return render_pb2.RenderChatRequest(mm_payload=mode, messages=[chat_pb2.ChatMessage(
-            role="user", content_parts=[chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=png)),
-                                        chat_pb2.ContentPart(text="Describe this image.")])])
-
-    # Cold: the processed-image cache off, so every call decodes, hashes and processes.
-    process, address = start_render(vl_model, 1, ["--media-cache-mb", "0"])
-    try:
-        wait_ready(process, address, 1)
-        with grpc.insecure_channel(address) as channel:
-            stub = render_pb2_grpc.RenderServiceStub(channel)
-            for mode in (multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD_METADATA,
-                         multimodal_pb2.MM_PAYLOAD_NONE):
-                request = image_request(mode)
-                name = multimodal_pb2.MmPayload.Name(mode).removeprefix("MM_PAYLOAD_")
-                response = stub.RenderChat(request, timeout=60)
-                item = response.generate_request.mm_features.items[0]
-                raw = sum(len(t.data) for t in item.kwargs.values()) + sum(len(t.data) for t in item.metadata.values())
-                figures[f"grpc_{name}_ms"] = median_ms(lambda: stub.RenderChat(request, timeout=60), repeats)
-                figures[f"size_{name}"] = (response.ByteSize(), raw)
-    finally:
-        stop(process)
+    modes = (multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD_METADATA, multimodal_pb2.MM_PAYLOAD_NONE)
+    options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    # Cold: the processed-image cache off, so every call decodes, hashes and processes. Then the
+    # floor: the same request and response bytes through the same server stack, no rendering.
+    for kind, (process, address) in (("grpc", start_render(vl_model, 1, ["--media-cache-mb", "0"])),
+                                      ("floor", start_floor(vl_model, ["--floor-image"]))):
+        try:
+            wait_ready(process, address, 1)
+            with grpc.insecure_channel(address, options=options) as channel:
+                stub = render_pb2_grpc.RenderServiceStub(channel)
+                for mode in modes:
+                    request = image_request(png, mode)
+                    name = multimodal_pb2.MmPayload.Name(mode).removeprefix("MM_PAYLOAD_")
+                    response = stub.RenderChat(request, timeout=60)
+                    item = response.generate_request.mm_features.items[0]
+                    raw = (sum(len(t.data) for t in item.kwargs.values())
+                           + sum(len(t.data) for t in item.metadata.values()))
+                    figures[f"{kind}_{name}_ms"] = median_ms(lambda: stub.RenderChat(request, timeout=60), repeats)
+                    figures[f"size_{name}"] = (response.ByteSize(), raw)
+        finally:
+            stop(process)
     # Warm: the same image again (a chat resends its images every turn), served from the cache.
     process, address = start_render(vl_model, 1)
     try:
         wait_ready(process, address, 1)
-        with grpc.insecure_channel(address) as channel:
+        with grpc.insecure_channel(address, options=options) as channel:
             stub = render_pb2_grpc.RenderServiceStub(channel)
-            request = image_request(multimodal_pb2.MM_PAYLOAD_TENSORS)
+            request = image_request(png, multimodal_pb2.MM_PAYLOAD_TENSORS)
             figures["grpc_TENSORS_cached_ms"] = median_ms(lambda: stub.RenderChat(request, timeout=60), repeats)
     finally:
         stop(process)
@@ -286,7 +360,15 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=4.0, help="measuring time per text row")
     parser.add_argument("--concurrency", type=int, default=16, help="in-flight RenderChat calls (text rows)")
     parser.add_argument("--image-repeats", type=int, default=15)
+    # Internal: the gRPC floor server (see start_floor).
+    parser.add_argument("--floor-server", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--floor-model", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--floor-image", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--floor-max-model-len", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.floor_server:
+        serve_floor(args.floor_server, args.floor_model, args.floor_max_model_len, args.floor_image)
+        return 0
 
     from transformers import AutoTokenizer
 
@@ -320,6 +402,16 @@ def main() -> int:
             rows[workers] = (rate, (cpu_seconds(pids) - cpu_before) / done * 1e3)
         finally:
             stop(process)
+    # The floor: the same chats through the same server stack (1 process), answered with a response
+    # rendered at startup. tito's own cost per render is its CPU above this.
+    process, address = start_floor(text_model, ["--floor-max-model-len", str(MAX_MODEL_LEN)])
+    try:
+        pids = wait_ready(process, address, 1)
+        cpu_before = cpu_seconds(pids)
+        rate, done = grpc_text(address, args.seconds, args.concurrency, clients)
+        floor = (rate, (cpu_seconds(pids) - cpu_before) / done * 1e3)
+    finally:
+        stop(process)
 
     baseline_after = in_process_text(tokenizer, args.seconds)
     baseline = (baseline_before + baseline_after) / 2
@@ -328,25 +420,37 @@ def main() -> int:
           f"{baseline_after:.0f})")
     print(f"  in-process apply_chat_template(tokenize=True), 1 core : {baseline:8.0f}   "
           f"CPU {1e3 / baseline:.2f} ms/render")
+    print(f"  gRPC floor: same stack and bytes, no rendering, 1 process: {floor[0]:8.0f}   "
+          f"server CPU {floor[1]:.2f} ms/call")
     for workers, (rate, cpu_ms) in rows.items():
         print(f"  gRPC RenderChat, {workers} worker process(es)             : {rate:8.0f}   "
-              f"ratio to in-process {rate / baseline:.2f}   server CPU {cpu_ms:.2f} ms/render")
+              f"ratio to in-process {rate / baseline:.2f}   server CPU {cpu_ms:.2f} ms/render "
+              f"(floor + {cpu_ms - floor[1]:.2f}; in-process render {1e3 / baseline:.2f})")
     if len(rows) > 1:
         print(f"  scaling {all_workers} workers / 1 worker: {rows[all_workers][0] / rows[1][0]:.2f}x "
               f"(the {clients} client processes share the same {available_cpus()} CPUs)")
 
     png = test_image_png()
-    figures = image_figures(vl_model, png, args.image_repeats)
+    f = image_figures(vl_model, png, args.image_repeats)
     print(f"\none 1920x1080 image ({len(png)} bytes PNG), tiny-qwen2-vl (max_pixels {28 * 28 * 64}), median latency ms")
-    print(f"  HF image processor in-process (decoded image)    : {figures['hf_processor_ms']:7.1f}")
-    print(f"  HF decode PNG + image processor in-process       : {figures['hf_decode_and_processor_ms']:7.1f}")
+    print(f"  in-process HF image processor (decoded image)       : {f['hf_processor_ms']:7.1f}")
+    print(f"  in-process decode PNG + HF image processor          : {f['hf_decode_and_processor_ms']:7.1f}")
+    print(f"  in-process decode PNG + SHA-256 of the pixels       : {f['decode_and_hash_ms']:7.1f}"
+          f"   (the least METADATA/NONE do: mm_hash is over decoded pixels)")
+    print(f"  in-process decode PNG + SHA-256 + HF image processor: {f['decode_hash_and_processor_ms']:7.1f}"
+          f"   (the least TENSORS does)")
+    least = {"TENSORS": f["decode_hash_and_processor_ms"], "METADATA": f["decode_and_hash_ms"],
+             "NONE": f["decode_and_hash_ms"]}
     for name in ("TENSORS", "METADATA", "NONE"):
-        size, raw = figures[f"size_{name}"]
-        print(f"  gRPC RenderChat mm_payload={name:<8}             : {figures[f'grpc_{name}_ms']:7.1f}   "
-              f"ratio to HF decode+process {figures[f'grpc_{name}_ms'] / figures['hf_decode_and_processor_ms']:.2f}"
-              f"   response {size} bytes (raw tensors {raw}, overhead {size - raw})")
-    print(f"  gRPC RenderChat TENSORS, same image again (cache): {figures['grpc_TENSORS_cached_ms']:7.1f}   "
-          f"ratio to HF decode+process {figures['grpc_TENSORS_cached_ms'] / figures['hf_decode_and_processor_ms']:.2f}")
+        size, raw = f[f"size_{name}"]
+        tito, floor_ms = f[f"grpc_{name}_ms"], f[f"floor_{name}_ms"]
+        print(f"  gRPC RenderChat mm_payload={name:<8} (cache off)     : {tito:7.1f}   "
+              f"ratio to HF decode+process {tito / f['hf_decode_and_processor_ms']:.2f}   gRPC floor {floor_ms:.1f}, "
+              f"ratio to floor + in-process least work {tito / (floor_ms + least[name]):.2f}   "
+              f"response {size} bytes (raw tensors {raw}, overhead {size - raw})")
+    print(f"  gRPC RenderChat TENSORS, same image again (cache)   : {f['grpc_TENSORS_cached_ms']:7.1f}   "
+          f"ratio to HF decode+process {f['grpc_TENSORS_cached_ms'] / f['hf_decode_and_processor_ms']:.2f}   "
+          f"ratio to gRPC floor {f['grpc_TENSORS_cached_ms'] / f['floor_TENSORS_ms']:.2f}")
     return 0
 
 

@@ -81,9 +81,40 @@ def render_chat_text(tokenizer: Any, messages: list[dict[str, Any]], tools: list
 
 
 def encode_prompt_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
-    """Token ids of `text` (a plain list, whatever the tokenizer class returns)."""
+    """Token ids of `text` (a plain list, whatever the tokenizer class returns).
+
+    For a plain `tokenizers`-backed tokenizer, `tokenizer(text)` is the Rust tokenizer's
+    `encode_batch([text])` after resetting padding/truncation and setting `encode_special_tokens`
+    (see TokenizersBackend._encode_plus), wrapped in a BatchEncoding: the backend's own `encode`
+    gives the same ids without the wrapping (a few tens of microseconds per call), so it is used
+    whenever that state already matches; anything else takes the Hugging Face call."""
+    backend = _plain_backend(tokenizer)
+    if (backend is not None and backend.truncation is None and backend.padding is None
+            and backend.encode_special_tokens == tokenizer.split_special_tokens):
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
     encoded = tokenizer(text, add_special_tokens=add_special_tokens)
     return [int(i) for i in encoded["input_ids"]]
+
+
+_PLAIN_BACKEND_CLASSES: dict[type, bool] = {}
+
+
+def _plain_backend(tokenizer: Any) -> Any:
+    """The Rust tokenizer behind `tokenizer` when its class encodes exactly as TokenizersBackend
+    does (neither `__call__` nor `_encode_plus` overridden), else None."""
+    cls = type(tokenizer)
+    plain = _PLAIN_BACKEND_CLASSES.get(cls)
+    if plain is None:
+        try:
+            from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        except ImportError:  # another transformers layout: always take the Hugging Face call
+            plain = False
+        else:
+            plain = (issubclass(cls, TokenizersBackend) and cls._encode_plus is TokenizersBackend._encode_plus
+                     and cls.__call__ is PreTrainedTokenizerBase.__call__)
+        _PLAIN_BACKEND_CLASSES[cls] = plain
+    return tokenizer._tokenizer if plain else None
 
 
 def ends_inside_reasoning(text: str, start: str = "<think>", end: str = "</think>") -> bool:

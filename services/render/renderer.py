@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tito.config import DEFAULT_MAX_MESSAGE_BYTES
@@ -21,7 +23,7 @@ from tito_render.chat_template import (ChatRenderOptions, encode_prompt_text, en
 from tito_render.media.cache import CachedImage, ProcessedImageCache
 from tito_render.media.features import TENSORS, Signer, build_item, resolve_payload
 from tito_render.media import video as video_math
-from tito_render.media.hashing import VideoHasher, image_hash
+from tito_render.media.hashing import VideoHasher, image_hash, rgb_pixels
 from tito_render.media.loader import MediaPolicy, decode_image, read_source
 from tito_render.media.placeholders import check_marker_count, expand_media_markers, locate_spans
 from tito_render.media.processors import MediaAdapter, ProcessedImage
@@ -32,6 +34,8 @@ from tito_render.model import THINK_END, THINK_START, RenderModel
 from tito_render.sampling import SamplingLimits, resolve_sampling
 
 log = logging.getLogger(__name__)
+
+_MM_PAYLOAD_VALUES = frozenset(multimodal_pb2.MmPayload.values())
 
 #: How many trailing prompt ids seed derender's incremental detokenizer.
 PROMPT_TAIL_TOKENS = 8
@@ -111,7 +115,7 @@ class Renderer:
         if videos and media.video is None:
             raise InvalidArgument(f"model {self.model.model_id} ({media.family}) takes no video input; send "
                                   f"frames as image parts", reason="UNSUPPORTED_MODALITY", field=videos[0].field)
-        if request.mm_payload not in multimodal_pb2.MmPayload.values():
+        if request.mm_payload not in _MM_PAYLOAD_VALUES:
             raise InvalidArgument(f"unknown mm_payload {request.mm_payload}", reason="INVALID_MM_PAYLOAD",
                                   field="mm_payload")
         payload = resolve_payload(request.mm_payload)
@@ -143,15 +147,17 @@ class Renderer:
         if not token_ids:
             raise InvalidArgument("the chat template rendered an empty prompt", reason="EMPTY_PROMPT",
                                   field="messages")
-        items: list[multimodal_pb2.MultiModalItem] = []
+        # The response is built in place (a message passed to a constructor or to extend() is
+        # copied, tensors included).
+        response = render_pb2.RenderChatResponse()
+        generate_request, context = response.generate_request, response.derender_context
         if media is not None:
             offsets = locate_spans(token_ids, processed, media.reserved_token_ids)
-            items = [build_item(p, h, offset, payload, self.signer) for p, h, offset in zip(processed, hashes, offsets)]
+            for p, h, offset in zip(processed, hashes, offsets):
+                build_item(p, h, offset, payload, self.signer, into=generate_request.mm_features.items.add())
         self.check_prompt_tokens(len(token_ids), "messages")
-        generate_request, context = self._finish(request_id or request.request_id, token_ids, request.sampling,
-                                                 request.cache_salt, "messages")
-        if items:
-            generate_request.mm_features.items.extend(items)
+        self._finish(request_id or request.request_id, token_ids, request.sampling, request.cache_salt, "messages",
+                     generate_request, context)
         context.tools.extend(request.tools)
         context.tool_choice.CopyFrom(tool_choice)
         enable_thinking = (options.template_kwargs or {}).get("enable_thinking")
@@ -159,12 +165,14 @@ class Renderer:
                                     else bool(self.model.reasoning_parser))
         context.prompt_opens_reasoning = bool(self.model.reasoning_parser) and ends_inside_reasoning(
             text, THINK_START, THINK_END)
-        response = render_pb2.RenderChatResponse(generate_request=generate_request, derender_context=context,
-                                                 prompt_text=text if request.return_prompt_text else "")
+        if request.return_prompt_text:
+            response.prompt_text = text
         self.check_response_size(response)
-        log.info("rendered chat: %d messages, %d tools, %d images, %d videos (%s), %d prompt tokens, max_tokens %d",
-                 len(messages), len(request.tools), len(images), len(videos), multimodal_pb2.MmPayload.Name(payload),
-                 len(token_ids), generate_request.sampling_params.max_tokens)
+        if log.isEnabledFor(logging.INFO):
+            log.info("rendered chat: %d messages, %d tools, %d images, %d videos (%s), %d prompt tokens, max_tokens %d",
+                     len(messages), len(request.tools), len(images), len(videos),
+                     multimodal_pb2.MmPayload.Name(payload), len(token_ids),
+                     generate_request.sampling_params.max_tokens)
         return response
 
     def _process_images(self, media: MediaAdapter, refs: list[ImageRef], media_options: render_pb2.MediaOptions,
@@ -175,19 +183,34 @@ class Renderer:
         hash_options = media.effective_options(kwargs)
         processed, hashes = [], []
         with_tensors = payload == TENSORS
+        cache = self.image_cache
         for ref in refs:
             encoded, encoded_field = read_source(ref.source, ref.field, self.limits.media)
-            key = self.image_cache.key(encoded, media.family, hash_options)
-            cached = self.image_cache.get(key, need_tensors=with_tensors)
+            # The key is a SHA-256 of the encoded bytes (milliseconds for a large image): only
+            # computed when there is a cache to look in.
+            key = cache.key(encoded, media.family, hash_options) if cache.enabled else None
+            cached = cache.get(key, need_tensors=with_tensors) if key is not None else None
             if cached is None:
                 image = decode_image(encoded, encoded_field, self.limits.media)
+                pixels = rgb_pixels(image)  # packed once, for the hash and the processor
+                # With tensors, the hash runs on a helper thread while the processor works
+                # (hashlib and Pillow's resize release the GIL): the latency of the two is
+                # about that of the processor alone.
+                hashing = (_hash_pool().submit(image_hash, image, media.family, hash_options, pixels)
+                           if with_tensors else None)
                 try:
-                    result = media.process(image, kwargs, with_tensors=with_tensors)
+                    result = media.process(image, kwargs, with_tensors=with_tensors, pixels=pixels)
                 except (ValueError, TypeError) as exc:
                     raise InvalidArgument(f"the image processor rejected this image: {exc}",
                                           reason="IMAGE_PROCESSING_FAILED", field=ref.field) from exc
-                cached = CachedImage(image_hash(image, media.family, hash_options), result)
-                self.image_cache.put(key, cached)
+                finally:
+                    if hashing is not None:
+                        hashing.exception()  # wait even when processing failed: no hash left running
+                mm_hash = (hashing.result() if hashing is not None
+                           else image_hash(image, media.family, hash_options, pixels))
+                cached = CachedImage(mm_hash, result)
+                if key is not None:
+                    cache.put(key, cached)
             hashes.append(cached.mm_hash)
             processed.append(cached.processed)
         log.debug("processed %d images in %.1f ms", len(refs), (time.perf_counter() - started) * 1e3)
@@ -206,12 +229,13 @@ class Renderer:
         with_tensors = payload == TENSORS
         for ref in refs:
             encoded = [read_source(frame, ref.frame_field(k), self.limits.media) for k, frame in enumerate(ref.frames)]
-            key = self.image_cache.key(_frames_key(encoded), media.family,
-                                       {"video": hash_options, "fps": ref.fps})
-            cached = self.image_cache.get(key, need_tensors=with_tensors)
+            key = (self.image_cache.key(_frames_key(encoded), media.family, {"video": hash_options, "fps": ref.fps})
+                   if self.image_cache.enabled else None)
+            cached = self.image_cache.get(key, need_tensors=with_tensors) if key is not None else None
             if cached is None:
                 cached = CachedImage(*self._decode_video(media, ref, encoded, settings, hash_options, with_tensors))
-                self.image_cache.put(key, cached)
+                if key is not None:
+                    self.image_cache.put(key, cached)
             hashes.append(cached.mm_hash)
             processed.append(cached.processed)
         log.debug("processed %d videos in %.1f ms", len(refs), (time.perf_counter() - started) * 1e3)
@@ -284,10 +308,11 @@ class Renderer:
             # A raw prompt carries no media items: placeholder tokens in it would point the engine
             # at encoder output that does not exist.
             locate_spans(token_ids, [], self.model.media.reserved_token_ids, field)
-        generate_request, context = self._finish(request_id or request.request_id, token_ids, request.sampling,
-                                                 request.cache_salt, field)
-        context.tool_choice.mode = chat_pb2.TOOL_CHOICE_MODE_NONE  # a raw prompt offers no tools
-        return render_pb2.RenderCompletionResponse(generate_request=generate_request, derender_context=context)
+        response = render_pb2.RenderCompletionResponse()
+        self._finish(request_id or request.request_id, token_ids, request.sampling, request.cache_salt, field,
+                     response.generate_request, response.derender_context)
+        response.derender_context.tool_choice.mode = chat_pb2.TOOL_CHOICE_MODE_NONE  # a raw prompt offers no tools
+        return response
 
     def check_token_ids(self, token_ids: list[int], field: str) -> None:
         vocab = self.model.vocab_size
@@ -298,20 +323,26 @@ class Renderer:
 
     # ------------------------------------------------------------ shared tail
     def _finish(self, request_id: str, token_ids: list[int], sampling: render_pb2.SamplingOptions,
-                cache_salt: str, prompt_field: str) -> tuple[engine_pb2.GenerateRequest, derender_pb2.DerenderContext]:
+                cache_salt: str, prompt_field: str, generate_request: engine_pb2.GenerateRequest,
+                context: derender_pb2.DerenderContext) -> None:
+        """Fill `generate_request` and `context` (fresh messages inside the response) in place."""
         request_id = new_request_id(request_id)
         params = resolve_sampling(sampling, SamplingLimits(
             prompt_tokens=len(token_ids), max_context_length=self.model.max_context_length,
             vocab_size=self.model.vocab_size, generation_defaults=self.model.generation_defaults,
             prompt_field=prompt_field))
-        generate_request = engine_pb2.GenerateRequest(request_id=request_id, token_ids=token_ids,
-                                                      sampling_params=params, cache_salt=cache_salt)
-        context = derender_pb2.DerenderContext(
-            request_id=request_id, prompt_tail_token_ids=token_ids[-PROMPT_TAIL_TOKENS:],
-            prompt_tokens=len(token_ids), text_options=params.text_options,
-            reasoning_parser=self.model.reasoning_parser, tool_parser=self.model.tool_parser,
-            n=params.n, logprobs=params.logprobs)
-        return generate_request, context
+        generate_request.request_id = request_id
+        generate_request.token_ids.extend(token_ids)
+        generate_request.sampling_params.CopyFrom(params)
+        generate_request.cache_salt = cache_salt
+        context.request_id = request_id
+        context.prompt_tail_token_ids.extend(token_ids[-PROMPT_TAIL_TOKENS:])
+        context.prompt_tokens = len(token_ids)
+        context.text_options.CopyFrom(params.text_options)
+        context.reasoning_parser = self.model.reasoning_parser
+        context.tool_parser = self.model.tool_parser
+        context.n = params.n
+        context.logprobs = params.logprobs
 
     # ------------------------------------------------------------- tokenize
     def tokenize(self, request: render_pb2.TokenizeRequest) -> render_pb2.TokenizeResponse:
@@ -333,6 +364,20 @@ class Renderer:
         if media is None:
             return []
         return [multimodal_pb2.MODALITY_IMAGE] + ([multimodal_pb2.MODALITY_VIDEO] if media.video is not None else [])
+
+
+_HASH_POOL: ThreadPoolExecutor | None = None
+_HASH_POOL_LOCK = threading.Lock()
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    """Threads that hash images while the image processor runs (shared by a process's renderers;
+    as many as the render threads that may wait on them, see server.RENDER_THREADS)."""
+    global _HASH_POOL
+    with _HASH_POOL_LOCK:
+        if _HASH_POOL is None:
+            _HASH_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="render-hash")
+        return _HASH_POOL
 
 
 def _frames_key(encoded: list[tuple[bytes, str]]) -> bytes:

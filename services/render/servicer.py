@@ -64,8 +64,10 @@ class RenderServicer(render_pb2_grpc.RenderServiceServicer):
     async def RenderChat(self, request, context):
         self._mark_worker(context)
         request_id = self._request_id(request)
-        inline = (request.ByteSize() <= INLINE_MAX_REQUEST_BYTES and not request.HasField("chat_template")
-                  and not has_media(request))
+        # Cheapest checks first: ByteSize() serializes the message (upb), which for a request
+        # carrying a large image costs milliseconds.
+        inline = (not has_media(request) and not request.HasField("chat_template")
+                  and request.ByteSize() <= INLINE_MAX_REQUEST_BYTES)
         return await self._run(self._renderer.render_chat, request, request_id, inline=inline)
 
     async def RenderCompletion(self, request, context):

@@ -46,6 +46,11 @@ class ProcessedImageCache:
         self.hits = 0
         self.misses = 0
 
+    @property
+    def enabled(self) -> bool:
+        """Whether entries are kept at all (callers skip computing keys when not)."""
+        return self.max_bytes > 0
+
     @staticmethod
     def key(encoded: bytes, family: str, options: dict) -> bytes:
         digest = hashlib.sha256(_DOMAIN)

@@ -15,6 +15,7 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from PIL import Image
 
 _DOMAIN = b"tito.mm_hash.image.v1\x00"
@@ -25,16 +26,30 @@ def canonical_json(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str).encode()
 
 
-def image_hash(image: Image.Image, family: str, options: dict[str, Any]) -> str:
-    """Hex SHA-256 of an RGB image plus the settings that shape its tensors."""
+def image_hash(image: Image.Image, family: str, options: dict[str, Any], pixels: Any = None) -> str:
+    """Hex SHA-256 of an RGB image plus the settings that shape its tensors. `pixels`: the image's
+    RGB bytes when the caller already holds them (`rgb_pixels(image)`), which saves packing them
+    again; any C-contiguous buffer of exactly `image.tobytes()`."""
     if image.mode != "RGB":
         raise ValueError(f"image_hash expects an RGB image, got mode {image.mode}")
     header = canonical_json({"family": family, "mode": image.mode, "size": list(image.size), "options": options})
     digest = hashlib.sha256(_DOMAIN)
     digest.update(struct.pack("<Q", len(header)))
     digest.update(header)
-    digest.update(image.tobytes())
+    digest.update(image.tobytes() if pixels is None else pixels)
     return digest.hexdigest()
+
+
+def rgb_pixels(image: Image.Image) -> np.ndarray:
+    """The pixels of an RGB image as a read-only (height, width, 3) uint8 array, packed once: its
+    buffer is `image.tobytes()` (what the hash covers) and it is what `np.array(image)` gives the
+    image processor, so render packs a decoded image a single time for both."""
+    if image.mode != "RGB":
+        raise ValueError(f"rgb_pixels expects an RGB image, got mode {image.mode}")
+    pixels = np.asarray(image)
+    if pixels.shape != (image.height, image.width, 3) or pixels.dtype != np.uint8 or not pixels.flags.c_contiguous:
+        raise ValueError(f"unexpected pixel layout {pixels.shape} {pixels.dtype}")  # a Pillow change: a bug
+    return pixels
 
 
 class VideoHasher:

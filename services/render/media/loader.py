@@ -61,9 +61,10 @@ def read_source(source: chat_pb2.ImageSource, field: str, policy: MediaPolicy) -
     """The encoded image bytes `source` names, and the field they came from (`<field>.data|url`)."""
     kind = source.WhichOneof("source")
     if kind == "data":
-        if len(source.data) > policy.max_image_bytes:
-            raise _too_large(len(source.data), f"{field}.data", policy)
-        return source.data, f"{field}.data"
+        data = source.data  # each read of a bytes field copies it (upb): read it once
+        if len(data) > policy.max_image_bytes:
+            raise _too_large(len(data), f"{field}.data", policy)
+        return data, f"{field}.data"
     if kind == "url":
         return read_url(source.url, f"{field}.url", policy), f"{field}.url"
     raise InvalidArgument("image source is empty: set url or data", reason="EMPTY_IMAGE_SOURCE", field=field)

@@ -164,11 +164,21 @@ class MediaAdapter:
                       settings: VideoSettings) -> ProcessedImage:
         raise NotImplementedError
 
-    def process(self, image: Image.Image, kwargs: dict[str, Any], with_tensors: bool) -> ProcessedImage:
+    def process(self, image: Image.Image, kwargs: dict[str, Any], with_tensors: bool,
+                pixels: np.ndarray | None = None) -> ProcessedImage:
+        """`image` is RGB; `pixels`, when given, is `hashing.rgb_pixels(image)` (already packed)."""
         raise NotImplementedError
 
-    def run_processor(self, image: Image.Image, kwargs: dict[str, Any]) -> dict[str, np.ndarray]:
-        out = self.image_processor(images=[image], return_tensors="np", **kwargs)
+    def run_processor(self, image: Image.Image, kwargs: dict[str, Any],
+                      pixels: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        if pixels is None:
+            out = self.image_processor(images=[image], return_tensors="np", **kwargs)
+        else:
+            # The same pixels the PIL path would see, without its copies: for an RGB image the PIL
+            # backend's convert_to_rgb is `image.convert("RGB")` then `np.array(...)`, i.e. exactly
+            # `pixels` (H, W, C), which it then views channels-first as it does here.
+            out = self.image_processor(images=[pixels], return_tensors="np", do_convert_rgb=False,
+                                       input_data_format="channels_last", **kwargs)
         return {k: np.asarray(v) for k, v in out.items()}
 
 
@@ -229,10 +239,11 @@ class Qwen2VLAdapter(MediaAdapter):
                                             min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
         return np.array([[1, resized_h // self.patch_size, resized_w // self.patch_size]], dtype=np.int64)
 
-    def process(self, image: Image.Image, kwargs: dict[str, Any], with_tensors: bool) -> ProcessedImage:
+    def process(self, image: Image.Image, kwargs: dict[str, Any], with_tensors: bool,
+                pixels: np.ndarray | None = None) -> ProcessedImage:
         tensors: dict[str, np.ndarray] = {}
         if with_tensors:
-            out = self.run_processor(image, kwargs)
+            out = self.run_processor(image, kwargs, pixels)
             grid = out["image_grid_thw"].astype(np.int64).reshape(1, 3)
             tensors["pixel_values"] = out["pixel_values"]
         else:
@@ -286,10 +297,11 @@ class Gemma3Adapter(MediaAdapter):
         self._is_embed = (False,) + (True,) * self.tokens_per_image + (False,)
         self._span_text = f"\n\n{self.boi_token}{self.soft_token * self.tokens_per_image}{self.eoi_token}\n\n"
 
-    def process(self, image: Image.Image, kwargs: dict[str, Any], with_tensors: bool) -> ProcessedImage:
+    def process(self, image: Image.Image, kwargs: dict[str, Any], with_tensors: bool,
+                pixels: np.ndarray | None = None) -> ProcessedImage:
         tensors: dict[str, np.ndarray] = {}
         if with_tensors:
-            out = self.run_processor(image, {**kwargs, "do_pan_and_scan": False})
+            out = self.run_processor(image, {**kwargs, "do_pan_and_scan": False}, pixels)
             tensors["pixel_values"] = out["pixel_values"]
         return ProcessedImage(span_text=self._span_text, span_token_ids=self._span_ids, is_embed=self._is_embed,
                               kwargs=tensors)
