@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tito.config import ConfigError, ServerConfig
+from tito.signing import read_key_file
 
 #: Reasoning parsers derender knows, plus "auto" (detect from the tokenizer) and "none".
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
@@ -17,7 +18,6 @@ NONE = "none"
 
 MIB = 1024 * 1024
 #: Shortest HMAC key accepted (bytes): shorter keys are guessable.
-MIN_HMAC_KEY_BYTES = 16
 
 
 def available_cpus() -> int:
@@ -122,15 +122,5 @@ class RenderConfig(ServerConfig):
                               f"would pick a different one; choose a port, e.g. 127.0.0.1:50051")
 
     def read_hmac_key(self) -> bytes | None:
-        """The signing key: the file's bytes without surrounding whitespace (so `openssl rand -hex 32 >
-        key` works), at least MIN_HMAC_KEY_BYTES long. None when signing is off."""
-        if not self.hmac_key_file:
-            return None
-        try:
-            key = Path(self.hmac_key_file).read_bytes().strip()
-        except OSError as exc:
-            raise ConfigError(f"hmac_key_file={self.hmac_key_file!r} cannot be read: {exc.strerror}") from exc
-        if len(key) < MIN_HMAC_KEY_BYTES:
-            raise ConfigError(f"hmac_key_file={self.hmac_key_file!r} holds {len(key)} bytes: use a key of at "
-                              f"least {MIN_HMAC_KEY_BYTES} bytes (e.g. `openssl rand -hex 32 > FILE`)")
-        return key
+        """The signing key (see tito.signing.read_key_file); None when signing is off."""
+        return read_key_file(self.hmac_key_file) if self.hmac_key_file else None

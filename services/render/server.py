@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tito.config import ConfigError
 from tito.errors import Unavailable
-from tito.logs import setup_logging
 from tito.model_paths import resolve_model
 from tito.serving import RunningServer, run_until_signal, start_server
 from tito.v1 import render_pb2
@@ -161,19 +160,12 @@ async def serve(config: RenderConfig) -> None:
         sys.exit(code)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="tito-render", description="tito render service")
-    parser.add_argument("--address", default="127.0.0.1:50051")
-    parser.add_argument("--model", default="tiny-qwen2")
-    parser.add_argument("--device", default="cpu", help="ignored: render runs on CPU")
-    parser.add_argument("--log-level", default="info")
-    parser.add_argument("--max-message-bytes", type=int, default=RenderConfig.max_message_bytes)
-    parser.add_argument("--grace-seconds", type=float, default=RenderConfig.grace_seconds)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    setup_logging(args.log_level, "render")
-    asyncio.run(serve(config_from_args(args)))
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m tito_render.server ...`): exactly `tito serve render ...`."""
+    from tito.cli import main as tito_main
+
+    return tito_main(["serve", "render", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
