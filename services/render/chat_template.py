@@ -58,7 +58,7 @@ def render_chat_text(tokenizer: Any, messages: list[dict[str, Any]], tools: list
     check_template_kwargs(kwargs)
     template_field = "chat_template" if options.chat_template is not None else "messages"
     try:
-        return tokenizer.apply_chat_template(
+        text = tokenizer.apply_chat_template(
             messages, tools=tools, chat_template=options.chat_template, tokenize=False,
             add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message, **kwargs)
@@ -74,10 +74,17 @@ def render_chat_text(tokenizer: Any, messages: list[dict[str, Any]], tools: list
         field = "continue_final_message" if options.continue_final_message else template_field
         raise InvalidArgument(f"could not apply the chat template: {str(exc).splitlines()[0]}",
                               reason="CHAT_TEMPLATE_ERROR", field=field) from exc
-    except (TypeError, AttributeError, KeyError, IndexError) as exc:
-        # Template code doing arithmetic or indexing on what this chat gave it.
+    except (TypeError, AttributeError, KeyError, IndexError, ArithmeticError, RecursionError) as exc:
+        # Template code doing arithmetic, indexing or recursion on what this chat gave it
+        # (1/0, 10.0 ** 400, a macro calling itself): the template's fault, not tito's.
         raise InvalidArgument(f"the chat template failed on this chat: {type(exc).__name__}: {exc}",
                               reason="CHAT_TEMPLATE_ERROR", field=template_field) from exc
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # e.g. a template that prints "\ud800"
+        raise InvalidArgument(f"the chat template produced text that is not valid Unicode: {exc.reason}",
+                              reason="CHAT_TEMPLATE_ERROR", field=template_field) from exc
+    return text
 
 
 def encode_prompt_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:

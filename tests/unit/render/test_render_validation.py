@@ -174,3 +174,16 @@ def test_parser_detection():
     assert detect_parsers({}, "auto", "auto") == ("", "")
     assert detect_parsers(vocab, "none", "none") == ("", "")
     assert detect_parsers({}, "deepseek_r1", "pythonic") == ("deepseek_r1", "pythonic")
+
+
+@pytest.mark.parametrize("template", [
+    "{{ 1 / 0 }}",
+    "{{ 10.0 ** 400 }}",
+    "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
+    '{{ "\\ud800" }}',
+])
+def test_template_runtime_failures_are_the_callers(renderer, template):
+    with pytest.raises(InvalidArgument) as err:
+        renderer.render_chat(render_pb2.RenderChatRequest(messages=[user()], chat_template=template))
+    assert err.value.field == "chat_template" and err.value.reason == "CHAT_TEMPLATE_ERROR"
+    renderer.render_chat(render_pb2.RenderChatRequest(messages=[user()]))  # still serving
