@@ -30,6 +30,10 @@ from tito_derender.parsers import reasoning_parser_for, tool_stage_for, validate
 from tito_derender.stops import StopMatch, StopStringMatcher
 from tito_derender.tokenizer import TextTokenizer
 
+# Most choices one request may multiplex (render and the engine cap n lower still): state is kept
+# per choice, so an unbounded n from a caller would be unbounded memory.
+MAX_CHOICES = 128
+
 log = logging.getLogger(__name__)
 
 
@@ -144,6 +148,9 @@ class DerenderStream:
                 raise InvalidArgument(
                     f"prompt tail token id {token_id} is outside the vocabulary [0, {tokenizer.vocab_size})",
                     reason="TOKEN_ID_OUT_OF_RANGE", field=f"context.prompt_tail_token_ids[{position}]")
+        if context.n > MAX_CHOICES:
+            raise InvalidArgument(f"n={context.n} choices is more than derender multiplexes (at most {MAX_CHOICES})",
+                                  reason="TOO_MANY_CHOICES", field="context.n")
         self.context = context
         self.n = max(context.n, 1)  # proto3 zero: a context that does not say means one choice
         self._choices: dict[int, ChoicePipeline] = {}

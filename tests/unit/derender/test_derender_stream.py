@@ -125,3 +125,14 @@ def test_full_matches_stream_and_requires_every_choice_to_finish(tokenizer):
     with pytest.raises(InvalidArgument) as error:
         derender_full(tokenizer, context, [EngineOutput(index=0, token_ids=(99999,))])
     assert error.value.field == "responses[0].token_ids[0]"
+
+
+def test_choice_count_is_bounded(tokenizer):
+    from tito_derender.stream import MAX_CHOICES
+
+    DerenderStream(tokenizer, RequestContext(n=MAX_CHOICES))
+    with pytest.raises(InvalidArgument) as error:
+        DerenderStream(tokenizer, RequestContext(n=100_000_000))
+    assert error.value.field == "context.n" and error.value.reason == "TOO_MANY_CHOICES"
+    with pytest.raises(InvalidArgument):
+        derender_full(tokenizer, RequestContext(n=4_000_000_000), [])
