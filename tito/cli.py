@@ -157,6 +157,10 @@ def chat(args: argparse.Namespace) -> int:
     from tito.pipeline import ChatPipeline, Endpoints, wait_until_serving
     from tito.v1 import chat_pb2, engine_pb2, render_pb2
 
+    missing = [path for path in args.image if not Path(path).is_file()]
+    if missing:
+        print(f"tito chat: --image {missing[0]}: no such file", file=sys.stderr)
+        return 2
     given = [args.render, args.engine, args.derender]
     if any(given) and not all(given):
         print("tito chat: give all of --render, --engine and --derender, or none to start them", file=sys.stderr)
