@@ -17,7 +17,6 @@ AUTO = "auto"
 NONE = "none"
 
 MIB = 1024 * 1024
-#: Shortest HMAC key accepted (bytes): shorter keys are guessable.
 
 
 def available_cpus() -> int:

@@ -319,7 +319,7 @@ class Renderer:
         for i, token_id in enumerate(token_ids):
             if token_id >= vocab:
                 raise InvalidArgument(f"token id {token_id} is outside the vocabulary [0, {vocab})",
-                                      reason="TOKEN_OUT_OF_RANGE", field=f"{field}[{i}]")
+                                      reason="TOKEN_ID_OUT_OF_RANGE", field=f"{field}[{i}]")
 
     # ------------------------------------------------------------ shared tail
     def _finish(self, request_id: str, token_ids: list[int], sampling: render_pb2.SamplingOptions,
