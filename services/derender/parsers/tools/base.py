@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable
 
 from tito_derender.domain import ToolCallDelta
+from tito_derender.parsers.markers import partial_marker_length
 from tito_derender.parsers.tools.json_scan import JsonLexer
 
 Event = str | ToolCallDelta
@@ -53,6 +54,19 @@ class ToolParser:
     def _take_events(self) -> list[Event]:
         events, self._events = self._events, []
         return events
+
+    def _content_until(self, text: str, marker: str) -> str | None:
+        """Emit the content before `marker` and return the text after it. When the marker has not
+        appeared, emit what cannot be its start, keep the rest in `self._held` for the next feed,
+        and return None."""
+        position = text.find(marker)
+        if position < 0:
+            keep = partial_marker_length(text, marker)
+            self._content(text[:len(text) - keep])
+            self._held = text[len(text) - keep:]
+            return None
+        self._content(text[:position])
+        return text[position + len(marker):]
 
     def _content(self, text: str) -> None:
         if not text:

@@ -24,15 +24,11 @@ class HermesToolParser(ToolParser):
         self._held = ""
         while text:
             if self._mode == _CONTENT:
-                position = text.find(START)
-                if position < 0:
-                    keep = partial_marker_length(text, START)
-                    self._content(text[:len(text) - keep])
-                    self._held = text[len(text) - keep:]
+                rest = self._content_until(text, START)
+                if rest is None:
                     break
-                self._content(text[:position])
                 self._mode, self._call = _CALL, JsonCall(self)
-                text = text[position + len(START):]
+                text = rest
             elif self._mode == _CALL:
                 consumed = self._call.feed(text)
                 text = text[consumed:]

@@ -6,7 +6,6 @@ skip_special_tokens false for it to reach derender's text.
 
 from __future__ import annotations
 
-from tito_derender.parsers.markers import partial_marker_length
 from tito_derender.parsers.tools.base import DONE, FAILED, Event, JsonCall, ToolParser
 
 MARKER = "[TOOL_CALLS]"
@@ -28,15 +27,11 @@ class MistralToolParser(ToolParser):
         self._held = ""
         while text:
             if self._mode == _CONTENT:
-                position = text.find(MARKER)
-                if position < 0:
-                    keep = partial_marker_length(text, MARKER)
-                    self._content(text[:len(text) - keep])
-                    self._held = text[len(text) - keep:]
+                rest = self._content_until(text, MARKER)
+                if rest is None:
                     break
-                self._content(text[:position])
                 self._mode, self._raw_prefix = _OPEN, MARKER
-                text = text[position + len(MARKER):]
+                text = rest
                 continue
             stripped = text.lstrip()
             if self._mode != _CALL:
