@@ -97,12 +97,15 @@ def serve_one(args: argparse.Namespace) -> int:
     return 0
 
 
-def spawn_all(addresses: dict[str, str], model: str, device: str, log_level: str) -> list[subprocess.Popen]:
-    """Start the three services as separate processes (each could run on its own machine)."""
+def spawn_all(addresses: dict[str, str], model: str, device: str, log_level: str,
+              extra_args: dict[str, list[str]] | None = None) -> list[subprocess.Popen]:
+    """Start the three services as separate processes (each could run on its own machine);
+    `extra_args` adds service-specific flags, by service name."""
     processes = []
     for name in SERVICES:
         command = [sys.executable, "-m", "tito.cli", "serve", name, "--address", addresses[name],
-                   "--model", model, "--device", device, "--log-level", log_level]
+                   "--model", model, "--device", device, "--log-level", log_level,
+                   *(extra_args or {}).get(name, [])]
         processes.append(subprocess.Popen(command))
     return processes
 

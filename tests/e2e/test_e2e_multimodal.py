@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import io
-import signal
 import subprocess
 import sys
 
@@ -18,13 +17,13 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from tito import tensors
+from tito.cli import SERVICES, spawn_all, stop_all
 from tito.grpc_errors import error_details
 from tito.pipeline import ChatPipeline, Endpoints, wait_until_serving
 from tito.v1 import chat_pb2, engine_pb2, render_pb2
 
 pytestmark = pytest.mark.e2e
 
-SERVICES = ("render", "engine", "derender")
 MAX_TOKENS = 24
 
 
@@ -47,24 +46,13 @@ def services(tiny_vl_model, tmp_path_factory):
         "engine": ["--hmac-key-file", str(key_file), "--require-signed-features"],
         "derender": [],
     }
-    processes = {
-        name: subprocess.Popen([sys.executable, "-m", "tito.cli", "serve", name, "--address", addresses[name],
-                                "--model", str(tiny_vl_model), "--log-level", "warning", *extra[name]])
-        for name in SERVICES
-    }
+    processes = spawn_all(addresses, str(tiny_vl_model), "auto", "warning", extra)
     try:
         for name in SERVICES:
             wait_until_serving(addresses[name], timeout=180)
         yield addresses
     finally:
-        for process in processes.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in processes.values():
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_all(processes)
 
 
 def chat_request(url: str) -> render_pb2.RenderChatRequest:

@@ -11,12 +11,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tito.cli import SERVICES, spawn_all, stop_all
 from tito.pipeline import ChatPipeline, Endpoints, wait_until_serving
 from tito.v1 import chat_pb2, derender_pb2, engine_pb2, engine_pb2_grpc, render_pb2
 
 pytestmark = pytest.mark.e2e
-
-SERVICES = ("render", "engine", "derender")
 
 
 @pytest.fixture(scope="module")
@@ -24,24 +23,13 @@ def services(tiny_text_model, tmp_path_factory):
     """Start the three services as separate processes on Unix sockets; stop them with SIGTERM."""
     sockets = tmp_path_factory.mktemp("sockets")
     addresses = {name: f"unix:{sockets / (name + '.sock')}" for name in SERVICES}
-    processes = {
-        name: subprocess.Popen([sys.executable, "-m", "tito.cli", "serve", name, "--address", addresses[name],
-                                "--model", str(tiny_text_model), "--log-level", "warning"])
-        for name in SERVICES
-    }
+    processes = spawn_all(addresses, str(tiny_text_model), "auto", "warning")
     try:
         for name in SERVICES:
             wait_until_serving(addresses[name], timeout=180)
         yield addresses, processes
     finally:
-        for process in processes.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in processes.values():
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_all(processes)
 
 
 CHATS = [
