@@ -402,10 +402,7 @@ def validate_structure(
     validated (non-empty, inside the vocabulary).
     """
     items = list(features.items) if features is not None else []
-    if len(items) > policy.max_items:
-        raise ResourceExhausted(f"mm_features has {len(items)} items; this engine accepts at most "
-                                f"{policy.max_items} per request (max_items)", reason="MM_TOO_MANY_ITEMS",
-                                field="mm_features.items")
+    _check_item_count(items, policy)
     checked: list[CheckedItem] = []
     total_bytes = 0
     previous_end = 0
@@ -469,10 +466,7 @@ def validate_encode_structure(
     if not items:
         raise InvalidArgument("mm_features.items must not be empty: nothing to encode", reason="MM_ITEMS_EMPTY",
                               field="mm_features.items")
-    if len(items) > policy.max_items:
-        raise ResourceExhausted(f"mm_features has {len(items)} items; this engine accepts at most "
-                                f"{policy.max_items} per request (max_items)", reason="MM_TOO_MANY_ITEMS",
-                                field="mm_features.items")
+    _check_item_count(items, policy)
     checked: list[CheckedItem] = []
     total_bytes = 0
     for index, item in enumerate(items):
@@ -563,6 +557,13 @@ def _check_placeholder(item, num_tokens: int, previous_end: int, path: str) -> t
     return tuple(offset + k for k, flag in enumerate(is_embed) if flag)
 
 
+def _check_item_count(items: list, policy: FeaturePolicy) -> None:
+    if len(items) > policy.max_items:
+        raise ResourceExhausted(f"mm_features has {len(items)} items; this engine accepts at most "
+                                f"{policy.max_items} per request (--max-mm-items)", reason="MM_TOO_MANY_ITEMS",
+                                field="mm_features.items")
+
+
 def _check_tensors(item, policy: FeaturePolicy, bytes_so_far: int, path: str) -> int:
     item_bytes = 0
     for group in ("kwargs", "metadata"):
@@ -571,11 +572,11 @@ def _check_tensors(item, policy: FeaturePolicy, bytes_so_far: int, path: str) ->
             item_bytes += len(tensor.data)
     if item_bytes > policy.max_item_bytes:
         raise ResourceExhausted(f"{path} carries {item_bytes} tensor bytes; the limit per item is "
-                                f"{policy.max_item_bytes} (max_item_bytes)", reason="MM_ITEM_TOO_LARGE", field=path,
+                                f"{policy.max_item_bytes} (--max-mm-item-bytes)", reason="MM_ITEM_TOO_LARGE", field=path,
                                 metadata={"limit": "max_item_bytes", "value": str(policy.max_item_bytes)})
     if bytes_so_far + item_bytes > policy.max_request_bytes:
         raise ResourceExhausted(f"mm_features carries more than {policy.max_request_bytes} tensor bytes "
-                                f"(max_request_bytes), reached at {path}", reason="MM_REQUEST_TOO_LARGE",
+                                f"(--max-mm-request-bytes), reached at {path}", reason="MM_REQUEST_TOO_LARGE",
                                 field="mm_features",
                                 metadata={"limit": "max_request_bytes", "value": str(policy.max_request_bytes)})
     return item_bytes

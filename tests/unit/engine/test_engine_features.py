@@ -336,7 +336,7 @@ def test_item_byte_limit(spec):
     ids, features = request((1, 4, 4))
     error = rejects(ResourceExhausted, "MM_ITEM_TOO_LARGE", "mm_features.items[0]", ids, features, spec,
                     FeaturePolicy(max_item_bytes=1000))
-    assert "max_item_bytes" in error.message and error.metadata["limit"] == "max_item_bytes"
+    assert "--max-mm-item-bytes" in error.message and error.metadata["limit"] == "max_item_bytes"
 
 
 def test_request_byte_limit(spec):
@@ -345,7 +345,7 @@ def test_request_byte_limit(spec):
                    list(features.items[0].metadata.values()))
     error = rejects(ResourceExhausted, "MM_REQUEST_TOO_LARGE", "mm_features", ids, features, spec,
                     FeaturePolicy(max_request_bytes=one_item + 10))
-    assert "max_request_bytes" in error.message and "items[1]" in error.message
+    assert "--max-mm-request-bytes" in error.message and "items[1]" in error.message
 
 
 def test_item_count_limit(spec):
