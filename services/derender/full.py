@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from tito.errors import InvalidArgument
+from tito.errors import FailedPrecondition, InvalidArgument
 from tito_derender.domain import EngineOutput, FinishReason, RequestContext, TokenLogprobText, ToolCallDelta, Usage
 from tito_derender.stream import DerenderStream
 from tito_derender.tokenizer import TextTokenizer
@@ -47,8 +47,10 @@ def derender_full(tokenizer: TextTokenizer, context: RequestContext,
     for position, output in enumerate(outputs):
         try:
             chunks = stream.feed(output)
-        except InvalidArgument as error:
+        except (InvalidArgument, FailedPrecondition) as error:
             # Name the response too: "responses[3].token_ids[0]" instead of "generate_response...".
+            # A stream's out-of-order message is a state problem (FAILED_PRECONDITION); here the
+            # whole output arrives in one request, so any inconsistency is a malformed request.
             raise InvalidArgument(error.message, reason=error.reason,
                                   field=(error.field or "").replace("generate_response", f"responses[{position}]", 1)
                                   ) from None

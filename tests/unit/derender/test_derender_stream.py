@@ -136,3 +136,11 @@ def test_choice_count_is_bounded(tokenizer):
     assert error.value.field == "context.n" and error.value.reason == "TOO_MANY_CHOICES"
     with pytest.raises(InvalidArgument):
         derender_full(tokenizer, RequestContext(n=4_000_000_000), [])
+
+
+def test_full_output_with_a_response_after_the_final_one_is_invalid(tokenizer):
+    outputs = [EngineOutput(index=0, token_ids=(5,), finish_reason=FinishReason.STOP),
+               EngineOutput(index=0, token_ids=(6,))]
+    with pytest.raises(InvalidArgument) as error:
+        derender_full(tokenizer, RequestContext(), outputs)
+    assert error.value.field == "responses[1].index"
