@@ -85,6 +85,18 @@ def _act(mlp: Any):
     return act
 
 
+def _bind_linears(layer_weights: Any, attn: Any, mlp: Any) -> None:
+    """The projections every family shares: fused q/k/v and gate/up (sharing the HF modules'
+    storage), the output and down projections, and the MLP activation."""
+    projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+    layer_weights.qkv_w, layer_weights.qkv_b = _fuse(projections, "weight"), _fuse(projections, "bias")
+    layer_weights.o_w, layer_weights.o_b = attn.o_proj.weight, attn.o_proj.bias
+    layer_weights.gate_up_w = _fuse([mlp.gate_proj, mlp.up_proj], "weight")
+    layer_weights.intermediate = mlp.gate_proj.weight.shape[0]
+    layer_weights.down_w = mlp.down_proj.weight
+    layer_weights.act = _act(mlp)
+
+
 def _layer_kinds(config: Any) -> tuple[list[int], int | None]:
     """Each layer's attention kind from `layer_types`, and the window when any layer slides."""
     types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
@@ -131,13 +143,7 @@ class _QwenLayer:
         self.split = heads + kv_heads
         self.ln1_w, self.ln1_eps = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
         self.ln2_w, self.ln2_eps = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
-        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
-        self.qkv_w, self.qkv_b = _fuse(projections, "weight"), _fuse(projections, "bias")
-        self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
-        self.gate_up_w = _fuse([mlp.gate_proj, mlp.up_proj], "weight")
-        self.intermediate = mlp.gate_proj.weight.shape[0]
-        self.down_w = mlp.down_proj.weight
-        self.act = _act(mlp)
+        _bind_linears(self, attn, mlp)
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = rms_norm(hidden, self.ln1_w, self.ln1_eps)
@@ -215,13 +221,7 @@ class _GemmaLayer:
         # q_norm and k_norm stacked per head: one norm call over [T, heads + kv_heads, head_dim].
         self.qk_norm = torch.cat([scale(attn.q_norm).expand(heads, head_dim),
                                   scale(attn.k_norm).expand(kv_heads, head_dim)])
-        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
-        self.qkv_w, self.qkv_b = _fuse(projections, "weight"), _fuse(projections, "bias")
-        self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
-        self.gate_up_w = _fuse([mlp.gate_proj, mlp.up_proj], "weight")
-        self.intermediate = mlp.gate_proj.weight.shape[0]
-        self.down_w = mlp.down_proj.weight
-        self.act = _act(mlp)
+        _bind_linears(self, attn, mlp)
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = gemma_rms_norm(hidden, self.ln_in, self.eps)
