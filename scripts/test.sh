@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Quick start 2: run the whole test suite (unit, integration, end-to-end). Extra arguments go to
-# pytest (e.g. -k engine, -x).
+# Quick start 2: run the whole test suite (unit, integration, end-to-end), the vLLM engine backend's
+# tests included (so vLLM is installed too). Extra arguments go to pytest (e.g. -k engine, -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/bootstrap.sh
+bash scripts/bootstrap.sh --vllm
+# The vLLM backend's tests must run here, not skip: a missing vLLM is a failure.
+export TITO_REQUIRE_VLLM=1
 exec .venv/bin/python -m pytest "$@"

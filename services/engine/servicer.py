@@ -1,4 +1,8 @@
-"""tito.v1.EngineService over grpc.aio: protos in, domain calls, protos out. Nothing else."""
+"""tito.v1.EngineService over grpc.aio: protos in, domain calls, protos out. Nothing else.
+
+Every request passes the same admission (admission.py) and then goes to the backend seam
+(backend.py): the native engine or vLLM, which cannot tell the servicer apart.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,8 @@ from tito.errors import Unavailable
 from tito.logs import bind_request_id
 from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2, sampling_pb2
 
-from .engine import Engine
+from .admission import Admission
+from .backend import EngineBackend
 from .request import ChoiceOutput, FinishReason, GenerateInput, RawSamplingParams, TokenLogprob
 
 _FINISH_REASONS = {
@@ -80,23 +85,26 @@ def output_to_proto(output: ChoiceOutput) -> engine_pb2.GenerateResponse:
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
-    def __init__(self, engine: Engine | None = None):
-        self._attached = engine
+    def __init__(self):
+        self._backend: EngineBackend | None = None
+        self._admission: Admission | None = None
 
-    def attach(self, engine: Engine) -> None:
-        """Start answering with `engine` (the server is bound before the model finishes loading)."""
-        self._attached = engine
+    def attach(self, backend: EngineBackend, admission: Admission) -> None:
+        """Start answering with `backend` (the server is bound before the model finishes loading)."""
+        self._admission = admission
+        self._backend = backend
 
     @property
-    def _engine(self) -> Engine:
-        if self._attached is None:
+    def _engine(self) -> EngineBackend:
+        if self._backend is None:
             raise Unavailable("the engine is still loading its model; retry shortly", reason="MODEL_LOADING")
-        return self._attached
+        return self._backend
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context):
         if request.request_id:
             bind_request_id(request.request_id)
-        outputs = self._engine.generate(generate_input_from_proto(request))
+        backend = self._engine
+        outputs = backend.generate(self._admission.admit(generate_input_from_proto(request)))
         try:
             async for output in outputs:
                 yield output_to_proto(output)
@@ -106,8 +114,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def Encode(self, request: engine_pb2.EncodeRequest, context):
         if request.request_id:
             bind_request_id(request.request_id)
+        backend = self._engine
         features = request.mm_features if request.HasField("mm_features") else None
-        return engine_pb2.EncodeResponse(descriptors=await self._engine.encode(features))
+        return engine_pb2.EncodeResponse(descriptors=await backend.encode(self._admission.admit_encode(features)))
 
     async def Abort(self, request: engine_pb2.AbortRequest, context):
         return engine_pb2.AbortResponse(aborted_request_ids=self._engine.abort(list(request.request_ids)))

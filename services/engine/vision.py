@@ -1,6 +1,6 @@
 """Vision building blocks for the runner: encode media, place encoder rows, M-RoPE positions.
 
-Verified against transformers 5.24 (see tests/unit/engine/test_engine_vision.py):
+Verified against transformers 5.19 (see tests/unit/engine/test_engine_vision.py):
 
 * `encode_images` / `encode_items` call the model's own `get_image_features` /
   `get_video_features` (one call per modality over all items, as HF's forward does: the Qwen2-VL
@@ -228,16 +228,19 @@ def reference_greedy_decode(model, token_ids: Sequence[int],
     family = model_family(model)
     items = [item for item, _ in items_with_rows]
     embeds = build_prefill_embeddings(model, token_ids, items_with_rows)[None]
+    # HF's forward takes the KV cache as `past_key_values` (transformers 5.19). A `cache=` keyword is not a
+    # forward argument there: it falls through **kwargs to the attention function, which reads `cache` only as a
+    # continuous-batching PagedAttentionCache and otherwise ignores it, so every decode step ran without context.
     cache = DynamicCache(config=model.config)
     length = len(token_ids)
     rope_delta = 0
     if family == "qwen2_vl":
         positions, rope_delta = mrope_positions(token_ids, items, model.config)
-        output = model(inputs_embeds=embeds, position_ids=positions[:, None, :].to(device), cache=cache,
+        output = model(inputs_embeds=embeds, position_ids=positions[:, None, :].to(device), past_key_values=cache,
                        use_cache=True)
     else:
         output = model(inputs_embeds=embeds, token_type_ids=embed_token_type_ids(length, items)[None].to(device),
-                       cache=cache, use_cache=True)
+                       past_key_values=cache, use_cache=True)
     generated: list[int] = []
     for step in range(max_new_tokens):
         token = int(output.logits[0, -1].argmax())
@@ -247,7 +250,7 @@ def reference_greedy_decode(model, token_ids: Sequence[int],
         input_ids = torch.tensor([[token]], device=device)
         if family == "qwen2_vl":
             position_ids = mrope_decode_positions(length + step, 1, rope_delta)[:, None, :].to(device)
-            output = model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True)
+            output = model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
         else:
-            output = model(input_ids=input_ids, cache=cache, use_cache=True)
+            output = model(input_ids=input_ids, past_key_values=cache, use_cache=True)
     return generated

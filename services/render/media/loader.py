@@ -202,7 +202,7 @@ def _too_many_pixels(width: int, height: int, field: str, policy: MediaPolicy) -
 
 
 def decode_image(data: bytes, field: str, policy: MediaPolicy) -> Image.Image:
-    """Decode `data` into an RGB image (alpha composited onto white, as Hugging Face processors do)."""
+    """Decode `data` into an RGB image (alpha dropped, as the Hugging Face processors do: `to_rgb`)."""
     if len(data) > policy.max_image_bytes:
         raise _too_large(len(data), field, policy)
     if not data:
@@ -235,12 +235,15 @@ def decode_image(data: bytes, field: str, policy: MediaPolicy) -> Image.Image:
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB with transparency composited onto white: transformers' `convert_to_rgb`, so the pixels
-    render hashes are the pixels the processor sees."""
+    """RGB exactly as transformers' `convert_to_rgb` makes it, so the pixels render hashes are the
+    pixels the processor sees.
+
+    transformers 5.19 (the pinned version) converts with a plain `image.convert("RGB")`: alpha and
+    palette transparency are dropped, not composited onto white (image_transforms.convert_to_rgb;
+    image_utils.load_image does the same). Note that vLLM 0.32's own image loading composites
+    transparency onto white before its HF processor runs (vllm/multimodal/parse.py,
+    multimodal/image.py `convert_image_mode`), so for images with transparency this matches HF, not
+    vLLM's front end. Fully opaque images are identical either way."""
     if image.mode == "RGB":
         return image
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
     return image.convert("RGB")

@@ -18,7 +18,9 @@ from tito import tiny_models  # noqa: E402
 from tito.tiny_models import (  # noqa: E402
     INTERLEAVED_VL_MODEL,
     TEXT_MODEL,
+    TEXT_MODEL_D64,
     VL_MODEL,
+    VL_MODEL_D64,
     build_interleaved_vl_model,
     build_text_model,
     build_tokenizer,
@@ -470,8 +472,8 @@ def test_ensure_model_rejects_unknown_name(tmp_path):
 
 
 def test_ensure_model_vl_registered():
-    assert tiny_models.MODELS == (TEXT_MODEL, VL_MODEL, INTERLEAVED_VL_MODEL)
-    assert tiny_models.MODELS == ("tiny-qwen2", "tiny-qwen2-vl", "tiny-gemma3")
+    assert tiny_models.MODELS == (TEXT_MODEL, VL_MODEL, INTERLEAVED_VL_MODEL, TEXT_MODEL_D64, VL_MODEL_D64)
+    assert tiny_models.MODELS == ("tiny-qwen2", "tiny-qwen2-vl", "tiny-gemma3", "tiny-qwen2-d64", "tiny-qwen2-vl-d64")
 
 
 def test_ensure_model_builds_interleaved_vl(tmp_path, gemma_dir):

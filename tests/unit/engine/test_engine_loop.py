@@ -6,6 +6,7 @@ import pytest
 
 from tito.config import ConfigError
 from tito.errors import InvalidArgument
+from tito_engine.admission import Admission
 from tito_engine.config import EngineConfig
 from tito_engine.engine import Engine
 from tito_engine.model_runner import ModelRunner
@@ -31,9 +32,13 @@ def greedy(prompt, request_id="", **sampling):
     return GenerateInput(request_id, prompt, RawSamplingParams(**sampling))
 
 
+def admitted(engine, generate_input):
+    return Admission.for_backend(engine).admit(generate_input)
+
+
 async def tokens_of(engine, generate_input):
     tokens, finish = [], None
-    async for output in engine.generate(generate_input):
+    async for output in engine.generate(admitted(engine, generate_input)):
         tokens.extend(output.token_ids)
         finish = output.finish_reason
     return tokens, finish
@@ -53,10 +58,10 @@ def test_concurrent_async_streams_and_load(engine):
 
 def test_closing_the_stream_aborts_and_ids_can_be_reused(engine):
     async def main():
-        stream = engine.generate(greedy([5, 6], request_id="x", max_tokens=1500, ignore_eos=True))
+        stream = engine.generate(admitted(engine, greedy([5, 6], request_id="x", max_tokens=1500, ignore_eos=True)))
         await stream.__anext__()
         with pytest.raises(InvalidArgument):
-            engine.submit(greedy([5], request_id="x"), lambda _: None)
+            engine.submit(admitted(engine, greedy([5], request_id="x")), lambda _: None)
         await stream.aclose()
         for _ in range(200):
             if engine.load().running_requests == 0 and engine.abort(["x"]) == []:

@@ -20,6 +20,7 @@ from tito_engine.engine import Engine
 from tito_engine.engine_core import CoreRefusal
 from tito_engine.features import FeaturePolicy, resolve_cached, validate_mm_features, validate_structure
 from tito_engine.model_runner import KVCacheSpec, ModelRunner
+from tito_engine.admission import Admission
 from tito_engine.servicer import generate_input_from_proto
 from tito_render.config import RenderConfig
 from tito_render.model import load_render_model
@@ -67,9 +68,13 @@ def small_runner(tiny_vl_model):
     return CountingRunner(tiny_vl_model, model_id="vl", device="cpu", kv_cache=KVCacheSpec(block_size=4, num_blocks=24))
 
 
+def admitted(engine: Engine, request: engine_pb2.GenerateRequest):
+    return Admission.for_backend(engine).admit(generate_input_from_proto(request))
+
+
 async def _collect(engine: Engine, request: engine_pb2.GenerateRequest) -> list[int]:
     tokens: list[int] = []
-    async for output in engine.generate(generate_input_from_proto(request)):
+    async for output in engine.generate(admitted(engine, request)):
         tokens.extend(output.token_ids)
     return tokens
 
@@ -104,7 +109,7 @@ def test_items_arriving_together_are_encoded_in_one_call_and_duplicates_once(sma
     # Submit before starting the core, so all three adds arrive in one batch of commands.
     for index, request in enumerate((same, same, other)):
         request.request_id = f"together-{index}"
-        engine.submit(generate_input_from_proto(request), outputs.append)
+        engine.submit(admitted(engine, request), outputs.append)
     calls_before, items_before = small_runner.encoder_calls, small_runner.encoded_items
     engine.start()
     try:
@@ -140,7 +145,7 @@ def test_encode_without_an_encoder_cache_is_a_failed_precondition(small_runner, 
     try:
         request = render(renderer, seed=3, words="Encode me", max_tokens=1)
         with pytest.raises(FailedPrecondition) as info:
-            asyncio.run(engine.encode(request.mm_features))
+            asyncio.run(engine.encode(Admission.for_backend(engine).admit_encode(request.mm_features)))
         assert info.value.reason == "ENCODER_CACHE_DISABLED"
         assert len(asyncio.run(_collect(engine, request))) == 1  # generation still works without a cache
     finally:
@@ -152,8 +157,8 @@ def test_encode_returns_descriptors_that_name_the_cached_rows(small_runner, rend
     engine.start()
     try:
         request = render(renderer, seed=4, words="Encode me", max_tokens=1)
-        first = asyncio.run(engine.encode(request.mm_features))
-        second = asyncio.run(engine.encode(request.mm_features))  # cached: the same descriptor, a hit
+        first = asyncio.run(engine.encode(Admission.for_backend(engine).admit_encode(request.mm_features)))
+        second = asyncio.run(engine.encode(Admission.for_backend(engine).admit_encode(request.mm_features)))  # cached: the same descriptor, a hit
         assert first == second and len(first) == 1
         assert first[0].model_fingerprint == small_runner.info.fingerprint
         assert engine.load().encoder_cache_hits >= 1
@@ -174,7 +179,7 @@ def test_an_encoder_failure_fails_only_its_own_call(small_runner, renderer):
             await asyncio.sleep(0.01)
             small_runner.broken_encoder = True
             with pytest.raises(RuntimeError, match="encoder exploded"):
-                await engine.encode(other.mm_features)
+                await engine.encode(Admission.for_backend(engine).admit_encode(other.mm_features))
             with pytest.raises(RuntimeError, match="encoder exploded"):
                 await _collect(engine, other)
             small_runner.broken_encoder = False

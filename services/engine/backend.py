@@ -1,0 +1,68 @@
+"""The seam between the engine service and what runs the model.
+
+Two backends implement it: `native` (engine.Engine, tito's own continuous batching) and `vllm`
+(vllm_backend.VllmEngine, vLLM's AsyncLLM). The servicer admits every request (admission.py)
+before it reaches either, so both refuse the same requests the same way; a backend only queues,
+schedules, generates and reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .admission import AdmittedRequest, KVCapacity
+from .features import CheckedFeatures, ModelMultimodalSpec
+from .model_runner import ModelInfo
+from .request import ChoiceOutput
+
+BACKENDS = ("native", "vllm")
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """GetLoad's answer (tito.v1.GetLoadResponse), whichever backend measured it."""
+
+    running_requests: int
+    waiting_requests: int
+    finished_requests: int
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_block_size: int = 0
+    prefix_cache_hit_tokens: int = 0
+    encoder_cache_hits: int = 0
+    encoder_cache_misses: int = 0
+
+
+class EngineBackend(Protocol):
+    """What the servicer needs from an engine."""
+
+    info: ModelInfo  # GetModelInfo, and the limits admission checks against
+    mm_spec: ModelMultimodalSpec | None  # media the model accepts (None: text only)
+    max_running_requests: int  # most choices advanced together
+    kv_capacity: KVCapacity  # the whole KV cache: admission refuses what could never fit
+    # Called (from any thread) when the model process died: the server turns health NOT_SERVING.
+    on_core_lost: Callable[[], None] | None
+
+    def start(self) -> None:
+        """Start serving (the model is loaded by the constructor)."""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort what is live and release the model."""
+
+    def generate(self, request: AdmittedRequest) -> AsyncIterator[ChoiceOutput]:
+        """Stream the request's outputs; closing the iterator early aborts the request.
+
+        Raises a TitoError (before the first output) for what only the backend can refuse: a
+        duplicate live request id, a full queue, a metadata-only item it does not hold.
+        """
+
+    async def encode(self, features: CheckedFeatures) -> list[Any]:
+        """Encode admitted items into the encoder cache; one tito.v1.EncoderCacheDescriptor each."""
+
+    def abort(self, request_ids: list[str]) -> list[str]:
+        """Abort live requests by id (their streams end with ABORT); return the ids found."""
+
+    def load(self) -> LoadSnapshot:
+        """The current load."""

