@@ -54,9 +54,16 @@ def _parser() -> Any:
 def _parse(vllm_args: Sequence[str]) -> tuple[Any, argparse.Namespace, set[str]]:
     """vLLM's engine-args class, the parsed namespace, and the fields the arguments set."""
     engine_args_cls, parser = _parser()
-    defaults = parser.parse_args([])
     namespace = parser.parse_args(list(vllm_args))
-    given = {name for name, value in vars(namespace).items() if getattr(defaults, name, None) != value}
+    # The options named on the command line (even when set to vLLM's default value).
+    options = parser._option_string_actions
+    given = set()
+    for token in vllm_args:
+        if token.startswith("--"):
+            name = token.split("=", 1)[0].split(".", 1)[0]
+            action = options.get(name) or options.get(name.replace("_", "-"))
+            if action is not None:
+                given.add(action.dest)
     return engine_args_cls, namespace, given
 
 

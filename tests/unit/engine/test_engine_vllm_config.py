@@ -1,0 +1,76 @@
+"""The vllm backend's configuration: tito flags translated, vLLM arguments passed through, conflicts refused."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tito.cli import main as tito_main
+from tito.config import ConfigError
+from tito_engine.config import EngineConfig
+
+if os.environ.get("TITO_REQUIRE_VLLM"):
+    import vllm  # noqa: F401
+else:
+    pytest.importorskip("vllm", reason="needs vLLM (bash scripts/bootstrap.sh --vllm)")
+
+from tito_engine.vllm_args import build_engine_args  # noqa: E402
+
+
+def vllm_config(*vllm_args, **fields) -> EngineConfig:
+    return EngineConfig(backend="vllm", vllm_args=tuple(vllm_args), **fields)
+
+
+def test_tito_flags_translate_and_vllm_arguments_pass_through():
+    config = vllm_config("--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.5", "--dtype", "bfloat16",
+                         "--kv-cache-dtype", "fp8", "--enforce-eager", max_running_requests=8, max_choices_per_request=4, max_model_len=512,
+                         prefix_caching=False, kv_cache_bytes=1 << 20, block_size=32, max_prefill_tokens_per_step=256)
+    config.validate()
+    args = build_engine_args(config, "/models/m")
+    assert (args.model, args.tokenizer, args.served_model_name) == ("/models/m", "/models/m", ["tiny-qwen2"])
+    assert (args.max_num_seqs, args.max_model_len, args.enable_prefix_caching) == (8, 512, False)
+    assert (args.kv_cache_memory_bytes, args.block_size, args.max_num_batched_tokens) == (1 << 20, 32, 256)
+    assert (args.tensor_parallel_size, args.gpu_memory_utilization, args.dtype) == (2, 0.5, "bfloat16")
+    assert (args.kv_cache_dtype, args.enforce_eager) == ("fp8", True)
+    # Render resolves sampling defaults; the engine must not apply the model's a second time.
+    assert args.generation_config == "vllm" and args.disable_log_stats is False
+
+
+@pytest.mark.parametrize("vllm_args, message", [
+    (("--max-model-len", "100"), "--max-model-len"),
+    (("--max-num-seqs", "4"), "--max-running-requests"),
+    (("--enable-prefix-caching",), "--prefix-caching"),
+    (("--generation-config", "auto"), "render's resolved sampling"),
+    (("--tensor-paralel-size", "2"), "unrecognized arguments"),
+    (("--gpu-memory-utilization", "lots"), "invalid"),
+])
+def test_conflicts_and_typos_are_refused_at_start_up(vllm_args, message):
+    with pytest.raises(ConfigError, match=message):
+        vllm_config(*vllm_args).validate()
+
+
+@pytest.mark.parametrize("fields, flag", [
+    ({"kv_blocks": 10}, "--kv-blocks"),
+    ({"cpu_threads": 2}, "--cpu-threads"),
+    ({"engine_process": False}, "--no-engine-process"),
+    ({"device": "cuda:1"}, "--device"),
+])
+def test_native_only_flags_are_refused_with_vllm(fields, flag):
+    with pytest.raises(ConfigError, match=flag):
+        vllm_config(**fields).validate()
+
+
+def test_vllm_arguments_need_the_vllm_backend():
+    with pytest.raises(ConfigError, match="need --backend vllm"):
+        EngineConfig(vllm_args=("--dtype", "float32")).validate()
+    with pytest.raises(ConfigError, match="must be native"):
+        EngineConfig(backend="sglang").validate()
+
+
+def test_cli_takes_vllm_arguments_after_a_double_dash_for_the_engine_only(capsys):
+    assert tito_main(["serve", "engine", "--backend", "vllm", "--", "--max-model-len", "7"]) == 2
+    assert "--max-model-len" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tito_main(["serve", "render", "--", "--dtype", "float32"])
+    assert "only `tito serve engine --backend vllm`" in capsys.readouterr().err
