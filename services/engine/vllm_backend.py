@@ -200,7 +200,7 @@ class VllmEngine:
 
     def _engine_input(self, request: AdmittedRequest) -> Any:
         if request.features and self._media is None:
-            self._media = MediaConverter(self._llm)  # built on first use: it loads the HF processor
+            self._media = MediaConverter.for_llm(self._llm)  # built on first use: it loads the HF processor
         prompt, hits, misses = engine_input(request, self._media)
         with self._lock:
             self._mm_hits += hits

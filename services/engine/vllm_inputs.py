@@ -13,7 +13,7 @@ when vLLM's multimodal cache holds it; otherwise it is refused as the native eng
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tito.errors import FailedPrecondition
@@ -92,21 +92,31 @@ def placeholder_range(item: CheckedItem) -> Any:
 
 
 class MediaConverter:
-    """Builds vLLM's kwargs items for one model with the model's own field layout."""
+    """Media items as vLLM's multimodal input for one model.
 
-    def __init__(self, llm: Any):
-        from vllm.multimodal import MULTIMODAL_REGISTRY
+    `build_item(item)` makes the item's vLLM `MultiModalKwargsItem`; `cache` is vLLM's front-end
+    multimodal processor cache (None when vLLM keeps none): it mirrors what vLLM's engine core holds.
+    """
 
-        self._processor = MULTIMODAL_REGISTRY.create_processor(llm.vllm_config.model_config)
-        self._cache = llm.renderer.mm_processor_cache
+    def __init__(self, build_item: Callable[[CheckedItem], Any], cache: Any):
+        self._build_item = build_item
+        self._cache = cache
 
-    def kwargs_item(self, item: CheckedItem) -> Any:
+    @classmethod
+    def for_llm(cls, llm: Any) -> "MediaConverter":
+        """The converter of a running AsyncLLM: items laid out by the model's own vLLM processor."""
         from transformers import BatchFeature
+        from vllm.multimodal import MULTIMODAL_REGISTRY
         from vllm.multimodal.inputs import MultiModalKwargsItems
 
-        hf_inputs = BatchFeature(item_hf_inputs(item))
-        fields = self._processor._get_mm_fields_config(hf_inputs, {})
-        return MultiModalKwargsItems.from_hf_inputs(hf_inputs, fields)[item.modality][0]
+        processor = MULTIMODAL_REGISTRY.create_processor(llm.vllm_config.model_config)
+
+        def build_item(item: CheckedItem) -> Any:
+            hf_inputs = BatchFeature(item_hf_inputs(item))
+            fields = processor._get_mm_fields_config(hf_inputs, {})
+            return MultiModalKwargsItems.from_hf_inputs(hf_inputs, fields)[item.modality][0]
+
+        return cls(build_item, llm.renderer.mm_processor_cache)
 
     def convert(self, items: Sequence[CheckedItem]) -> tuple[dict, dict, dict, int, int]:
         """(kwargs, hashes, placeholders) per modality, and the cache hits and misses."""
@@ -118,7 +128,7 @@ class MediaConverter:
             identifier = _content_id(item) if (item.trusted_hash or item.item.kwargs) else None
             cached = self._cache is not None and identifier is not None and self._cache.is_cached_item(identifier)
             if item.item.kwargs:
-                data = self.kwargs_item(item)
+                data = self._build_item(item)
                 if self._cache is not None:
                     # Keeps vLLM's front-end shadow of its engine-side cache in step (and sends
                     # nothing twice): returns None when the engine already holds the item.
