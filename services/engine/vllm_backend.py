@@ -118,7 +118,8 @@ class VllmEngine:
         self._mm_hits = 0
         self._mm_misses = 0
         self._media: MediaConverter | None = None
-        self._watchdog: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task] = set()  # aborts in flight (the loop only keeps weak references)
         self._stopping = False
         log.info("vLLM engine ready: %s on %s (%s), vocab %d, context %d, %d KV blocks x %d tokens, "
                  "max_num_seqs %d", model_id, self.info.device, self.info.dtype, self.info.vocab_size,
@@ -128,7 +129,13 @@ class VllmEngine:
     # ---------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        self._watchdog = asyncio.get_running_loop().create_task(self._watch_core())
+        self._loop = asyncio.get_running_loop()
+        self._spawn(self._watch_core())
+
+    def _spawn(self, coroutine) -> None:
+        task = self._loop.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _watch_core(self) -> None:
         """Tell the server when vLLM's engine core died (health turns NOT_SERVING)."""
@@ -145,9 +152,8 @@ class VllmEngine:
             await asyncio.sleep(1.0)
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._stopping = True
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        """Shut vLLM down (from any thread; the server calls it off its event loop)."""
+        self._stopping = True  # the watchdog sees it within a second and returns
         self._llm.shutdown(timeout=timeout)
 
     # ---------------------------------------------------------------- requests
@@ -218,7 +224,7 @@ class VllmEngine:
             found = [request_id for request_id in request_ids if request_id in self._live]
         if found:
             # The streams end with a final ABORT output that vLLM's output processor produces.
-            asyncio.get_running_loop().create_task(self._llm.abort(found))
+            self._spawn(self._llm.abort(found))
         return found
 
     # ---------------------------------------------------------------- load

@@ -238,3 +238,13 @@ def test_hundred_streams_with_fifty_dropped(stubs):
     load = stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT)
     assert (load.running_requests, load.waiting_requests, load.kv_blocks_used) == (0, 0, 0)
     assert load.kv_blocks_total > 0 and load.kv_block_size > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_repeated_prompt_reports_its_cached_tokens(stubs, backend):
+    prompt = [(7 * i) % 990 + 3 for i in range(200)]  # at least one full KV block on either backend
+    first = generate(stubs[backend], request(prompt, max_tokens=2))[1][0]
+    second = generate(stubs[backend], request(prompt, max_tokens=2))[1][0]
+    assert first.usage.cached_tokens == 0 and 0 < second.usage.cached_tokens < len(prompt)
+    load = stubs[backend].GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT)
+    assert load.prefix_cache_hit_tokens >= second.usage.cached_tokens
