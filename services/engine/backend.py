@@ -8,9 +8,11 @@ schedules, generates and reports.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Container
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from tito.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 from .admission import AdmittedRequest, KVCapacity
 from .features import CheckedFeatures, ModelMultimodalSpec
@@ -66,3 +68,20 @@ class EngineBackend(Protocol):
 
     def load(self) -> LoadSnapshot:
         """The current load."""
+
+
+def check_can_accept(request_id: str, *, live: Container[str], waiting: int, max_waiting: int, core_lost: bool,
+                     stopping: bool) -> None:
+    """The refusals every backend makes at submission, in the same words: a dead model process,
+    shutdown, a duplicate live id, a full waiting queue."""
+    if core_lost:
+        raise Unavailable("the engine's model process exited; this replica must be restarted",
+                          reason="ENGINE_CORE_LOST")
+    if stopping:
+        raise Unavailable("the engine is shutting down; retry on another replica", reason="SHUTTING_DOWN")
+    if request_id in live:
+        raise InvalidArgument(f"request_id {request_id!r} is already live; ids must be unique among running "
+                              f"requests", reason="DUPLICATE_REQUEST_ID", field="request_id")
+    if waiting >= max_waiting:
+        raise ResourceExhausted(f"the engine's waiting queue is full ({max_waiting} requests); retry later",
+                                reason="QUEUE_FULL")

@@ -26,10 +26,10 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from tito.errors import InvalidArgument, ResourceExhausted, Unavailable
+from tito.errors import Unavailable
 
 from .admission import AdmittedRequest, KVCapacity
-from .backend import LoadSnapshot
+from .backend import LoadSnapshot, check_can_accept
 from .engine_core import Batch, CoreProcessSpec, CoreRefusal, EncodeResult, ProcessCore, ThreadCore
 from .features import CheckedFeatures
 from .request import ChoiceOutput, FinishReason, Request, Usage
@@ -106,17 +106,8 @@ class Engine:
         request.has_media = bool(checked)
         request.loop = loop
         with self._lock:
-            if self._core_lost:
-                raise Unavailable("the engine's model process exited; this replica must be restarted",
-                                  reason="ENGINE_CORE_LOST")
-            if self._stopping:
-                raise Unavailable("the engine is shutting down; retry on another replica", reason="SHUTTING_DOWN")
-            if request_id in self._live:
-                raise InvalidArgument(f"request_id {request_id!r} is already live; ids must be unique among "
-                                      f"running requests", reason="DUPLICATE_REQUEST_ID", field="request_id")
-            if self._waiting_locked() >= self.max_waiting_requests:
-                raise ResourceExhausted(f"the engine's waiting queue is full ({self.max_waiting_requests} "
-                                        f"requests); retry later", reason="QUEUE_FULL")
+            check_can_accept(request_id, live=self._live, waiting=self._waiting_locked(),
+                             max_waiting=self.max_waiting_requests, core_lost=self._core_lost, stopping=self._stopping)
             request.key = next(self._keys)
             self._live[request_id] = request
             self._by_key[request.key] = request

@@ -20,10 +20,10 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from tito.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, TitoError, Unavailable
+from tito.errors import FailedPrecondition, InvalidArgument, TitoError, Unavailable
 
 from .admission import AdmittedRequest, KVCapacity
-from .backend import LoadSnapshot
+from .backend import LoadSnapshot, check_can_accept
 from .features import CheckedFeatures, multimodal_spec_from_config
 from .model_runner import ModelInfo, eos_token_ids, model_fingerprint, token_text
 from .request import ChoiceOutput
@@ -160,17 +160,9 @@ class VllmEngine:
 
     def _register(self, request_id: str, n: int) -> None:
         with self._lock:
-            if self._llm.errored:
-                raise Unavailable("vLLM's engine core exited; this replica must be restarted",
-                                  reason="ENGINE_CORE_LOST")
-            if self._stopping:
-                raise Unavailable("the engine is shutting down; retry on another replica", reason="SHUTTING_DOWN")
-            if request_id in self._live:
-                raise InvalidArgument(f"request_id {request_id!r} is already live; ids must be unique among "
-                                      f"running requests", reason="DUPLICATE_REQUEST_ID", field="request_id")
-            if self._waiting_locked() >= self.max_waiting_requests:
-                raise ResourceExhausted(f"the engine's waiting queue is full ({self.max_waiting_requests} "
-                                        f"requests); retry later", reason="QUEUE_FULL")
+            check_can_accept(request_id, live=self._live, waiting=self._waiting_locked(),
+                             max_waiting=self.max_waiting_requests, core_lost=self._llm.errored,
+                             stopping=self._stopping)
             self._live[request_id] = n
 
     async def generate(self, request: AdmittedRequest) -> AsyncIterator[ChoiceOutput]:

@@ -20,7 +20,7 @@ from tito.errors import FailedPrecondition
 from tito import tensors
 
 from .admission import AdmittedRequest
-from .features import TENSORS_REQUIRED, CheckedItem, ModelMultimodalSpec, content_digest
+from .features import TENSORS_REQUIRED, CheckedItem, content_digest
 from .request import ChoiceOutput, FinishReason, PositionLogprobs, SamplingOptions, TokenLogprob, Usage
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}

@@ -7,38 +7,26 @@ vLLM's Qwen2-VL and Gemma3 modules require, so the multimodal path is covered wh
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tito.cli import SERVICES, spawn_all, stop_all
 from tito.pipeline import ChatPipeline, Endpoints, wait_until_serving
-from tito.tiny_models import TEXT_MODEL_D64, ensure_model
 from tito.v1 import chat_pb2, derender_pb2, engine_pb2, render_pb2
 
-if os.environ.get("TITO_REQUIRE_VLLM"):
-    import vllm  # noqa: F401
-else:
-    pytest.importorskip("vllm", reason="the vllm backend needs vLLM (bash scripts/bootstrap.sh --vllm)")
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
 VLLM_ENGINE_ARGS = ["--backend", "vllm", "--kv-cache-bytes", str(32 << 20), "--max-model-len", "1024", "--",
                     "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.05"]
 
 
 @pytest.fixture(scope="module")
-def d64_model(model_cache):
-    return ensure_model(TEXT_MODEL_D64, model_cache)
-
-
-@pytest.fixture(scope="module")
-def services(d64_model, tmp_path_factory):
+def services(tiny_text_model_d64, tmp_path_factory):
     sockets = tmp_path_factory.mktemp("vllm-sockets")
     addresses = {name: f"unix:{sockets / (name + '.sock')}" for name in SERVICES}
-    processes = spawn_all(addresses, str(d64_model), "auto", "warning", extra_args={"engine": VLLM_ENGINE_ARGS})
+    processes = spawn_all(addresses, str(tiny_text_model_d64), "auto", "warning", extra_args={"engine": VLLM_ENGINE_ARGS})
     try:
         for name in SERVICES:
             wait_until_serving(addresses[name], timeout=300)
@@ -47,7 +35,7 @@ def services(d64_model, tmp_path_factory):
         stop_all(processes)
 
 
-def test_a_chat_streams_hf_greedy_text_through_the_vllm_backend(services, d64_model):
+def test_a_chat_streams_hf_greedy_text_through_the_vllm_backend(services, tiny_text_model_d64):
     addresses, processes = services
     messages = [chat_pb2.ChatMessage(role="user", content="Hello! Tell me about the sea.")]
     with ChatPipeline(Endpoints(**addresses), timeout=120) as pipeline:
@@ -59,13 +47,13 @@ def test_a_chat_streams_hf_greedy_text_through_the_vllm_backend(services, d64_mo
                  + [derender_pb2.DerenderRequest(generate_response=r) for r in responses]), timeout=60)]
 
     engine_tokens = [t for r in responses for t in r.token_ids]
-    model = AutoModelForCausalLM.from_pretrained(d64_model, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_text_model_d64, dtype=torch.float32).eval()
     prompt = torch.tensor([list(rendered.generate_request.token_ids)])
     with torch.no_grad():
         hf = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False)
     assert engine_tokens == hf[0, prompt.shape[1]:].tolist()
     assert len(set(engine_tokens)) > 1, "a model stuck on one token would make this test meaningless"
-    tokenizer = AutoTokenizer.from_pretrained(d64_model)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_text_model_d64)
     assert "".join(c.content for c in chunks) == tokenizer.decode(engine_tokens, skip_special_tokens=True)
     assert chunks[-1].finish_reason in (engine_pb2.FINISH_REASON_STOP, engine_pb2.FINISH_REASON_LENGTH)
     assert chunks[-1].usage.completion_tokens == len(engine_tokens)

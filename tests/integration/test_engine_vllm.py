@@ -8,7 +8,6 @@ requests with the same code, reason and field; dropped streams free their slots 
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -19,15 +18,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tito.grpc_errors import error_details
-from tito.tiny_models import TEXT_MODEL_D64, ensure_model
 from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2, sampling_pb2
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
 
-if os.environ.get("TITO_REQUIRE_VLLM"):
-    import vllm  # noqa: F401 - a missing vLLM fails the run where it must be installed
-else:
-    pytest.importorskip("vllm", reason="the vllm backend needs vLLM (bash scripts/bootstrap.sh --vllm)")
+pytestmark = pytest.mark.vllm
 
 TIMEOUT = 120
 CONTEXT = 512
@@ -43,14 +38,9 @@ def prompts(count: int = 32) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def d64_model(model_cache):
-    return ensure_model(TEXT_MODEL_D64, model_cache)
-
-
-@pytest.fixture(scope="module")
-def stubs(module_aio_server, d64_model):
+def stubs(module_aio_server, tiny_text_model_d64):
     """One engine per backend on the same model and limits; the name -> stub."""
-    common = dict(model=str(d64_model), max_model_len=CONTEXT, max_running_requests=64, max_choices_per_request=4)
+    common = dict(model=str(tiny_text_model_d64), max_model_len=CONTEXT, max_running_requests=64, max_choices_per_request=4)
     configs = {
         "native": EngineConfig(device="cpu", engine_process=False, **common),
         "vllm": EngineConfig(backend="vllm", kv_cache_bytes=32 << 20, vllm_args=VLLM_ARGS, **common),
@@ -60,9 +50,9 @@ def stubs(module_aio_server, d64_model):
 
 
 @pytest.fixture(scope="module")
-def hf_model(d64_model):
+def hf_model(tiny_text_model_d64):
     """HF's model with no EOS, the reference for ignore_eos (min_new_tokens would ban EOS instead)."""
-    model = AutoModelForCausalLM.from_pretrained(d64_model, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_text_model_d64, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     return model
 

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from tito.cli import main as tito_main
 from tito.config import ConfigError
 from tito_engine.config import EngineConfig
+from tito_engine.vllm_args import build_engine_args
 
-if os.environ.get("TITO_REQUIRE_VLLM"):
-    import vllm  # noqa: F401
-else:
-    pytest.importorskip("vllm", reason="needs vLLM (bash scripts/bootstrap.sh --vllm)")
-
-from tito_engine.vllm_args import build_engine_args  # noqa: E402
+pytestmark = pytest.mark.vllm
 
 
 def vllm_config(*vllm_args, **fields) -> EngineConfig:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,13 +12,9 @@ from tito.errors import FailedPrecondition
 from tito.v1 import multimodal_pb2
 from tito_engine.features import CheckedItem, ItemLayout, content_digest
 from tito_engine.request import FinishReason, SamplingOptions
+from tito_engine.vllm_inputs import MediaConverter, OutputConverter, item_hf_inputs, sampling_params
 
-if os.environ.get("TITO_REQUIRE_VLLM"):
-    import vllm  # noqa: F401
-else:
-    pytest.importorskip("vllm", reason="needs vLLM (bash scripts/bootstrap.sh --vllm)")
-
-from tito_engine.vllm_inputs import MediaConverter, OutputConverter, item_hf_inputs, sampling_params  # noqa: E402
+pytestmark = pytest.mark.vllm
 
 HASH = "ab" * 16
 
