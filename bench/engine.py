@@ -148,8 +148,10 @@ class Settings:
     max_model_len: int | None = None  # None: the model's own
     kv_cache_bytes: int | None = None  # None: tito's default
 
-    def tito_flags(self) -> list[str]:
-        flags = ["--model", self.model, "--device", self.device, "--max-running-requests", str(self.max_running),
+    def tito_flags(self, backend: str) -> list[str]:
+        # The vllm backend refuses --device: vLLM runs where its build runs.
+        flags = ["--device", self.device] if backend == "native" else []
+        flags += ["--model", self.model, "--max-running-requests", str(self.max_running),
                  "--max-prefill-tokens-per-step", str(MAX_BATCHED_TOKENS),
                  "--prefix-caching" if self.prefix_caching else "--no-prefix-caching"]
         if self.max_model_len is not None:
@@ -286,7 +288,7 @@ class TitoEngine(Setup):
     async def start(self, tmp: str) -> None:
         self.address = f"unix:{os.path.join(tmp, f'engine-{self.backend}.sock')}"
         command = [sys.executable, "-m", "tito_engine.server", "--address", self.address, "--log-level", "warning",
-                   "--backend", self.backend, *self.settings.tito_flags()]
+                   "--backend", self.backend, *self.settings.tito_flags(self.backend)]
         env = None
         if self.backend == "vllm":
             engine_args = self.settings.vllm_engine_args()

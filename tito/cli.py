@@ -94,7 +94,11 @@ def serve_one(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"tito serve {args.service}: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(module.serve(config))
+    try:
+        asyncio.run(module.serve(config))
+    except ConfigError as exc:  # found while loading (e.g. a model directory that is not a model)
+        print(f"tito serve {args.service}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

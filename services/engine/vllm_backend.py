@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+from tito.config import ConfigError
 from tito.errors import FailedPrecondition, InvalidArgument, TitoError, Unavailable
 
 from .admission import AdmittedRequest, KVCapacity
@@ -65,6 +66,18 @@ class _SchedulerStats:
         return _Tap
 
 
+def _first_reason(exc: Exception) -> str:
+    """One line saying why vLLM refused to start (pydantic config errors carry it in errors())."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            return str(errors()[0]["msg"])
+        except Exception:  # noqa: BLE001 - not pydantic's after all
+            pass
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
 def _device_name(vllm_config: Any) -> str:
     from vllm.platforms import current_platform
 
@@ -82,7 +95,11 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._stats = _SchedulerStats()
-        self._llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=[self._stats.factory()])
+        try:
+            self._llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=[self._stats.factory()])
+        except Exception as exc:  # noqa: BLE001 - vLLM reports a model it cannot serve in many ways
+            raise ConfigError(f"vLLM could not start on --model {model_id}: {_first_reason(exc)} (vLLM's log "
+                              f"above has the details)") from exc
         vllm_config = self._llm.vllm_config
         model_config = vllm_config.model_config
         hf_config = model_config.hf_config

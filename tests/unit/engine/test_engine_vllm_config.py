@@ -68,3 +68,9 @@ def test_cli_takes_vllm_arguments_after_a_double_dash_for_the_engine_only(capsys
     with pytest.raises(SystemExit):
         tito_main(["serve", "render", "--", "--dtype", "float32"])
     assert "only `tito serve engine --backend vllm`" in capsys.readouterr().err
+
+
+def test_a_model_that_cannot_load_is_one_line_not_a_traceback(tmp_path, capsys):
+    assert tito_main(["serve", "engine", "--address", "127.0.0.1:0", "--model", str(tmp_path / "missing")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert error[-1].startswith("tito serve engine: --model") and "Traceback" not in "\n".join(error)
