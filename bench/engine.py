@@ -206,6 +206,7 @@ def vllm_cli(*args: str) -> list[str]:
 
 
 def vllm_env() -> dict[str, str]:
+    """The environment of the three vLLM setups: the same for all, vLLM's INFO logging off."""
     return {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
@@ -591,7 +592,7 @@ def print_ratio(label: str, ratios: list[float], target: tuple[str, float] | Non
     if target is not None:
         op, bound = target
         met = statistics.median(ratios) >= bound if op == ">=" else statistics.median(ratios) > bound
-        text += f"  (target {op} {bound:g}: {'met' if met else 'MISSED'})"
+        text += f"  (target {op} {bound:.2f}: {'met' if met else 'MISSED'})"
     print(text)
 
 

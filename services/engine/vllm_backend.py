@@ -100,6 +100,11 @@ class VllmEngine:
         except Exception as exc:  # noqa: BLE001 - vLLM reports a model it cannot serve in many ways
             raise ConfigError(f"vLLM could not start on --model {model_id}: {_first_reason(exc)} (vLLM's log "
                               f"above has the details)") from exc
+        # What vLLM's own engine processes do once started: read its environment variables once,
+        # not at every lookup (its per-token statistics consult several of them).
+        from vllm.envs import enable_envs_cache
+
+        enable_envs_cache()
         vllm_config = self._llm.vllm_config
         model_config = vllm_config.model_config
         hf_config = model_config.hf_config
