@@ -8,12 +8,12 @@ import sys
 
 import grpc
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tito.cli import SERVICES, spawn_all, stop_all
 from tito.pipeline import ChatPipeline, Endpoints, wait_until_serving
-from tito.v1 import chat_pb2, derender_pb2, engine_pb2, engine_pb2_grpc, render_pb2
+from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, render_pb2
+
+from chat_checks import assert_chat_is_hf_greedy
 
 pytestmark = pytest.mark.e2e
 
@@ -42,31 +42,7 @@ CHATS = [
 @pytest.mark.parametrize("messages", CHATS)
 def test_greedy_tokens_match_hf_generate_and_text_matches_decode(services, tiny_text_model, messages):
     addresses, _ = services
-    endpoints = Endpoints(**addresses)
-    with ChatPipeline(endpoints, timeout=120) as pipeline:
-        rendered = pipeline.render.RenderChat(render_pb2.RenderChatRequest(
-            messages=messages, sampling=render_pb2.SamplingOptions(max_tokens=24, temperature=0.0)), timeout=60)
-        responses = list(pipeline.engine.Generate(rendered.generate_request, timeout=120))
-        chunks = [r.chunk for r in pipeline.derender.Derender(
-            iter([derender_pb2.DerenderRequest(context=rendered.derender_context)]
-                 + [derender_pb2.DerenderRequest(generate_response=r) for r in responses]), timeout=60)]
-
-    engine_tokens = [t for r in responses for t in r.token_ids]
-    tokenizer = AutoTokenizer.from_pretrained(tiny_text_model)
-    model = AutoModelForCausalLM.from_pretrained(tiny_text_model, dtype=torch.float32).eval()
-    prompt = torch.tensor([list(rendered.generate_request.token_ids)])
-    with torch.no_grad():
-        hf = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False)
-    hf_tokens = hf[0, prompt.shape[1]:].tolist()
-    assert engine_tokens == hf_tokens
-    assert len(set(engine_tokens)) > 1, "a tiny model stuck on one token would make this test meaningless"
-
-    content = "".join(c.content for c in chunks)
-    assert content == tokenizer.decode(engine_tokens, skip_special_tokens=True)
-    assert chunks[0].role == "assistant"
-    assert chunks[-1].finish_reason in (engine_pb2.FINISH_REASON_STOP, engine_pb2.FINISH_REASON_LENGTH)
-    assert chunks[-1].usage.completion_tokens == len(engine_tokens)
-    assert chunks[-1].usage.prompt_tokens == len(rendered.generate_request.token_ids)
+    assert_chat_is_hf_greedy(addresses, tiny_text_model, messages)
 
 
 def test_pipeline_streams_chunks(services):

@@ -12,9 +12,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM
 
 from tito.grpc_errors import error_details
-from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2, sampling_pb2
+from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2
 from tito_engine.config import EngineConfig
 from tito_engine.server import SERVICE_NAME, create_server
+
+from engine_calls import collect, request
 
 TIMEOUT = 30
 CONTEXT = 64
@@ -45,23 +47,6 @@ def engine(aio_server, tiny_text_model):
         channel = server.channel()
         return engine_pb2_grpc.EngineServiceStub(channel), channel
     return start
-
-
-def request(prompt, request_id="", **sampling):
-    sampling.setdefault("temperature", 0.0)
-    return engine_pb2.GenerateRequest(request_id=request_id, token_ids=prompt,
-                                      sampling_params=sampling_pb2.SamplingParams(**sampling))
-
-
-def collect(responses):
-    """Tokens per choice index and the final message of each choice."""
-    tokens, finals = {}, {}
-    for response in responses:
-        tokens.setdefault(response.index, []).extend(response.token_ids)
-        if response.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
-            assert response.index not in finals, "a choice finished twice"
-            finals[response.index] = response
-    return tokens, finals
 
 
 def wait_for(predicate, timeout=10.0):

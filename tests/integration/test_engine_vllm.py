@@ -18,9 +18,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tito.grpc_errors import error_details
-from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2, sampling_pb2
+from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
+
+from engine_calls import collect, request
 
 pytestmark = pytest.mark.vllm
 
@@ -55,21 +57,6 @@ def hf_model(tiny_text_model_d64):
     model = AutoModelForCausalLM.from_pretrained(tiny_text_model_d64, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     return model
-
-
-def request(prompt, request_id="", **sampling):
-    sampling.setdefault("temperature", 0.0)
-    return engine_pb2.GenerateRequest(request_id=request_id, token_ids=prompt,
-                                      sampling_params=sampling_pb2.SamplingParams(**sampling))
-
-
-def collect(responses):
-    tokens, finals = {}, {}
-    for response in responses:
-        tokens.setdefault(response.index, []).extend(response.token_ids)
-        if response.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
-            finals[response.index] = response
-    return tokens, finals
 
 
 def generate(stub, message):
