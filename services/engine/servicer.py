@@ -12,6 +12,7 @@ from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2, sampling_pb2
 
 from .admission import Admission
 from .backend import EngineBackend
+from .features import MODALITY_NAMES
 from .request import ChoiceOutput, FinishReason, GenerateInput, RawSamplingParams, TokenLogprob
 
 _FINISH_REASONS = {
@@ -50,7 +51,8 @@ def sampling_from_proto(params: sampling_pb2.SamplingParams) -> RawSamplingParam
 
 
 def _modality_name(value: int) -> str:
-    return multimodal_pb2.Modality.Name(value).removeprefix("MODALITY_").lower()
+    # proto3 keeps enum values it does not know: admission refuses them (UNSUPPORTED_MODALITY).
+    return MODALITY_NAMES.get(value, f"modality {value}")
 
 
 def generate_input_from_proto(request: engine_pb2.GenerateRequest) -> GenerateInput:

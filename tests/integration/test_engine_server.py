@@ -147,6 +147,10 @@ BAD_REQUESTS = [
     (engine_pb2.GenerateRequest(token_ids=[1, 2], mm_features=_image_item()), grpc.StatusCode.INVALID_ARGUMENT,
      "mm_features.items[0].modality"),
     (request([1, 2], top_logprobs=2), grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.top_logprobs"),
+    # proto3 keeps enum values it does not know; admission names the field.
+    (engine_pb2.GenerateRequest(token_ids=[1, 2], mm_features=multimodal_pb2.MultiModalFeatures(
+        items=[multimodal_pb2.MultiModalItem(modality=7)])), grpc.StatusCode.INVALID_ARGUMENT,
+     "mm_features.items[0].modality"),
 ]
 
 

@@ -146,6 +146,8 @@ ADMISSION_CASES = {
     "stop token out of range": request([1, 2], stop_token_ids=[5000]),
     "min_tokens above max_tokens": request([1, 2], max_tokens=2, min_tokens=3),
     "media on a text model": engine_pb2.GenerateRequest(token_ids=[1, 2], mm_features=_image_item()),
+    "unknown modality enum value": engine_pb2.GenerateRequest(token_ids=[1, 2], mm_features=(
+        multimodal_pb2.MultiModalFeatures(items=[multimodal_pb2.MultiModalItem(modality=7)]))),
 }
 
 

@@ -1,7 +1,7 @@
 from google.rpc import code_pb2, error_details_pb2
 
-from tito.errors import InvalidArgument, ResourceExhausted, Violations
-from tito.grpc_errors import status_for
+from tito.errors import FieldViolation, InvalidArgument, ResourceExhausted, Violations
+from tito.grpc_errors import clip, status_for
 
 
 def _unpack(status, kind):
@@ -40,3 +40,26 @@ def test_violations_collects_all_fields():
         assert "and 1 more" in exc.message
     else:
         raise AssertionError("expected InvalidArgument")
+
+
+def test_a_status_stays_small_whatever_the_caller_sent():
+    """Huge quoted values and many violations are clipped: the status fits well inside the 8 KB of
+    trailers a client accepts, and still says what was left out."""
+    huge = "r" * 100_000
+    error = InvalidArgument(f"request_id {huge!r} is already live", reason="DUPLICATE_REQUEST_ID", field=huge,
+                            violations=[FieldViolation(f"tools[{i}].{huge}", huge) for i in range(50)],
+                            metadata={huge: huge})
+    status = status_for(error)
+    # It travels as grpc-message plus the base64 of the whole status: both well inside 8 KB.
+    assert len(status.message.encode()) + len(status.SerializeToString()) * 4 / 3 < 6 * 1024
+    assert "more characters" in status.message
+    bad = error_details_pb2.BadRequest()
+    status.details[1].Unpack(bad)
+    assert len(bad.field_violations) == 5 and all(len(v.description) <= 200 for v in bad.field_violations)
+
+
+def test_clip_keeps_short_text_and_says_how_much_it_cut():
+    assert clip("short", 10) == "short"
+    clipped = clip("x" * 5000, 100)
+    kept = clipped.index("...")
+    assert len(clipped) <= 100 and clipped.endswith(f"({5000 - kept} more characters)")
