@@ -44,6 +44,15 @@ def _add_common_arguments(parser: argparse.ArgumentParser, service: str) -> None
                         help="largest gRPC message accepted or sent (default %(default)s)")
     parser.add_argument("--grace-seconds", type=float, default=10.0,
                         help="on SIGTERM, time given to in-flight calls before they are cancelled")
+    security = parser.add_argument_group("who may call (docs/security.md)")
+    security.add_argument("--tls-cert-file", default="", help="PEM certificate: serve TLS only (with --tls-key-file)")
+    security.add_argument("--tls-key-file", default="", help="PEM private key of --tls-cert-file")
+    security.add_argument("--tls-client-ca-file", default="",
+                          help="mutual TLS: require client certificates issued by this PEM CA")
+    security.add_argument("--auth-token-file", default="",
+                          help="require `authorization: Bearer <token>` on every call (token read from the file)")
+    security.add_argument("--auth-exempt-health", action=argparse.BooleanOptionalAction, default=True,
+                          help="let health checks and reflection through without the token (default: on)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--model", default=DEFAULT_MODEL, help="model for the services `tito chat` starts itself")
     chat.add_argument("--device", default="auto")
     chat.add_argument("--timeout", type=float, default=300.0, help="deadline of each call, seconds")
+    security = chat.add_argument_group("reaching secured services (docs/security.md)")
+    security.add_argument("--tls-ca-file", default="", help="PEM CA that issued the services' certificates (TLS on)")
+    security.add_argument("--tls-cert-file", default="", help="client certificate, for mutual TLS")
+    security.add_argument("--tls-key-file", default="", help="private key of --tls-cert-file")
+    security.add_argument("--tls-server-name", default="",
+                          help="name in the services' certificates, when it differs from the address's host")
+    security.add_argument("--auth-token-file", default="", help="send `authorization: Bearer <token>` from the file")
     return parser
 
 
@@ -163,6 +179,7 @@ def chat(args: argparse.Namespace) -> int:
     from google.protobuf import struct_pb2
 
     from tito.pipeline import ChatPipeline, Endpoints, wait_until_serving
+    from tito.security import ClientSecurity
     from tito.v1 import chat_pb2, engine_pb2, render_pb2
 
     missing = [path for path in args.image if not Path(path).is_file()]
@@ -172,6 +189,17 @@ def chat(args: argparse.Namespace) -> int:
     given = [args.render, args.engine, args.derender]
     if any(given) and not all(given):
         print("tito chat: give all of --render, --engine and --derender, or none to start them", file=sys.stderr)
+        return 2
+    security = ClientSecurity(ca_file=args.tls_ca_file, cert_file=args.tls_cert_file, key_file=args.tls_key_file,
+                              server_name=args.tls_server_name, token_file=args.auth_token_file)
+    try:
+        security.validate()
+    except ConfigError as exc:
+        print(f"tito chat: {exc}", file=sys.stderr)
+        return 2
+    if security != ClientSecurity() and not all(given):
+        print("tito chat: TLS and token flags are for services started elsewhere (--render/--engine/--derender)",
+              file=sys.stderr)
         return 2
     processes: list[subprocess.Popen] = []
     tmp = None
@@ -190,7 +218,7 @@ def chat(args: argparse.Namespace) -> int:
         endpoints = Endpoints(**addresses)
     try:
         for address in (endpoints.render, endpoints.engine, endpoints.derender):
-            wait_until_serving(address, timeout=args.timeout)
+            wait_until_serving(address, timeout=args.timeout, security=security)
         messages = []
         if args.system:
             messages.append(chat_pb2.ChatMessage(role="system", content=args.system))
@@ -208,7 +236,7 @@ def chat(args: argparse.Namespace) -> int:
         if args.seed is not None:
             sampling.seed = args.seed
         request = render_pb2.RenderChatRequest(messages=messages, sampling=sampling, chat_template_kwargs=kwargs)
-        with ChatPipeline(endpoints, timeout=args.timeout) as pipeline:
+        with ChatPipeline(endpoints, timeout=args.timeout, security=security) as pipeline:
             for chunk in pipeline.stream_chat(request):
                 text = chunk.reasoning_content + chunk.content
                 for call in chunk.tool_calls:

@@ -35,13 +35,19 @@ def validate_address(address: str, what: str = "address") -> None:
 
 @dataclass
 class ServerConfig:
-    """What every tito server needs: where to listen, message limits, shutdown grace, logging."""
+    """What every tito server needs: where to listen, message limits, shutdown grace, logging, and
+    who may call (tito.security: TLS, mutual TLS, a bearer token)."""
 
     address: str = "127.0.0.1:0"
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_seconds: float = 10.0
     log_level: str = "info"
     reuse_port: bool = False
+    tls_cert_file: str = ""  # PEM; with tls_key_file the server speaks TLS only
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""  # mutual TLS: clients need a certificate this CA issued
+    auth_token_file: str = ""  # calls need `authorization: Bearer <token>`
+    auth_exempt_health: bool = True  # health and reflection answer without the token
 
     def validate(self) -> None:
         validate_address(self.address)
@@ -53,3 +59,25 @@ class ServerConfig:
             raise ConfigError(f"grace_seconds={self.grace_seconds} must be >= 0")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"log_level={self.log_level!r} must be one of {', '.join(LOG_LEVELS)}")
+        self._validate_security()
+
+    def _validate_security(self) -> None:
+        from tito.security import read_file, read_token_file
+
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("TLS needs both --tls-cert-file and --tls-key-file (PEM files)")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ConfigError("--tls-client-ca-file (mutual TLS) needs the server's own --tls-cert-file and "
+                              "--tls-key-file too")
+        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+            if getattr(self, name):
+                read_file(getattr(self, name), f"--{name.replace('_', '-')}")
+        if self.auth_token_file:
+            read_token_file(self.auth_token_file)
+
+
+def server_fields_from_args(args) -> dict:
+    """The `ServerConfig` fields every service takes from its command line (tito.cli's common flags)."""
+    return {name: getattr(args, name) for name in (
+        "address", "max_message_bytes", "grace_seconds", "log_level", "tls_cert_file", "tls_key_file",
+        "tls_client_ca_file", "auth_token_file", "auth_exempt_health")}

@@ -75,6 +75,12 @@ class Unimplemented(TitoError):
     code_name = "UNIMPLEMENTED"
 
 
+class Unauthenticated(TitoError):
+    """The call carries no valid credentials (bearer token) for this server."""
+
+    code_name = "UNAUTHENTICATED"
+
+
 class Unavailable(TitoError):
     """The server is not ready (model loading) or is shutting down; retry elsewhere or later."""
 

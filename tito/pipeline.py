@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tito.security import ClientSecurity
 from tito.v1 import (
     derender_pb2,
     derender_pb2_grpc,
@@ -37,11 +38,12 @@ class Endpoints:
     derender: str
 
 
-def wait_until_serving(address: str, service: str = "", timeout: float = 120.0) -> None:
+def wait_until_serving(address: str, service: str = "", timeout: float = 120.0,
+                       security: ClientSecurity = ClientSecurity()) -> None:
     """Poll the standard health service until `service` is SERVING, or raise TimeoutError."""
     deadline = time.monotonic() + timeout
     last = "no answer"
-    with grpc.insecure_channel(address) as channel:
+    with security.channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:
@@ -58,11 +60,13 @@ def wait_until_serving(address: str, service: str = "", timeout: float = 120.0) 
 class ChatPipeline:
     """Synchronous client running chats through the three services."""
 
-    def __init__(self, endpoints: Endpoints, timeout: float = 300.0, max_message_bytes: int = 64 * 1024 * 1024):
+    def __init__(self, endpoints: Endpoints, timeout: float = 300.0, max_message_bytes: int = 64 * 1024 * 1024,
+                 security: ClientSecurity = ClientSecurity()):
+        """`security`: TLS / mutual TLS / bearer token for all three services (tito.security)."""
         self.timeout = timeout
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes)]
-        self._channels = [grpc.insecure_channel(a, options=options)
+        self._channels = [security.channel(a, options=options)
                           for a in (endpoints.render, endpoints.engine, endpoints.derender)]
         self.render = render_pb2_grpc.RenderServiceStub(self._channels[0])
         self.engine = engine_pb2_grpc.EngineServiceStub(self._channels[1])

@@ -2,7 +2,8 @@
 
 `start_server` builds a `grpc.aio` server with the error-mapping interceptor, message size
 limits, the standard health service (NOT_SERVING until the service says it is ready), server
-reflection, and binds a TCP `host:port` (port 0 picks a free one) or a `unix:` socket.
+reflection, and binds a TCP `host:port` (port 0 picks a free one) or a `unix:` socket, with TLS
+(and mutual TLS) and a bearer-token check when configured (tito.security).
 `run_until_signal` serves until SIGTERM/SIGINT, then enters graceful shutdown (health turns
 NOT_SERVING, new calls are refused) and gives in-flight calls `grace_seconds` to finish.
 """
@@ -22,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tito.config import ServerConfig
 from tito.grpc_errors import ErrorMappingInterceptor
+from tito.security import OPEN_METHOD_PREFIXES, AuthInterceptor, read_token_file, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,12 @@ async def start_server(
     """Create, bind and start a server; health stays NOT_SERVING until `set_serving()`."""
     config.validate()
     names = tuple(service_names)
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=server_options(config))
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    if config.auth_token_file:  # first: an unauthenticated call goes no further
+        open_prefixes = OPEN_METHOD_PREFIXES if config.auth_exempt_health else ()
+        interceptors.append(AuthInterceptor(read_token_file(config.auth_token_file), open_prefixes))
+    interceptors.append(ErrorMappingInterceptor())
+    server = grpc.aio.server(interceptors=interceptors, options=server_options(config))
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -86,20 +93,28 @@ async def start_server(
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = config.address
+    credentials = server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file) \
+        if config.tls_cert_file else None
+
+    def bind(where: str) -> int:
+        return server.add_secure_port(where, credentials) if credentials else server.add_insecure_port(where)
+
     if address.startswith("unix:"):
         path = address.removeprefix("unix://").removeprefix("unix:")
         if os.path.exists(path):
             os.unlink(path)  # a stale socket from a previous run would make the bind fail
-        server.add_insecure_port(address)
+        bind(address)
         dial = address
     else:
-        port = server.add_insecure_port(address)
+        port = bind(address)
         if port == 0:
             raise OSError(f"could not bind {address}: address in use or not available")
         host = address.rsplit(":", 1)[0]
         dial = f"{host}:{port}"
     await server.start()
-    log.info("listening on %s (services: %s)", dial, ", ".join(names))
+    security = ", ".join(part for part, on in (("TLS", credentials), ("mutual TLS", config.tls_client_ca_file),
+                                               ("bearer token", config.auth_token_file)) if on) or "plaintext"
+    log.info("listening on %s (services: %s; %s)", dial, ", ".join(names), security)
     return RunningServer(server, dial, health_servicer, names, config.grace_seconds)
 
 

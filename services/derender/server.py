@@ -8,6 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
+from tito.config import server_fields_from_args
 from tito.model_paths import resolve_model
 from tito.serving import RunningServer, run_until_signal, start_server
 from tito.v1 import derender_pb2_grpc
@@ -29,10 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> DerenderConfig:
     config = DerenderConfig(
-        address=args.address,
-        max_message_bytes=args.max_message_bytes,
-        grace_seconds=args.grace_seconds,
-        log_level=args.log_level,
+        **server_fields_from_args(args),
         model=args.model,
         model_cache_dir=getattr(args, "model_cache_dir", None),
     )

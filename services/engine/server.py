@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 
+from tito.config import server_fields_from_args
 from tito.model_paths import resolve_model
 from tito.serving import RunningServer, run_until_signal, start_server
 from tito.v1 import engine_pb2_grpc
@@ -95,10 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     config = EngineConfig(
-        address=args.address,
-        max_message_bytes=args.max_message_bytes,
-        grace_seconds=args.grace_seconds,
-        log_level=args.log_level,
+        **server_fields_from_args(args),
         model=args.model,
         device=args.device,
         backend=args.backend,

@@ -8,7 +8,7 @@ import logging
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from tito.config import ConfigError
+from tito.config import ConfigError, server_fields_from_args
 from tito.errors import Unavailable
 from tito.model_paths import resolve_model
 from tito.serving import RunningServer, run_until_signal, start_server
@@ -69,8 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> RenderConfig:
     config = RenderConfig(
-        address=args.address, model=args.model, log_level=args.log_level,
-        max_message_bytes=args.max_message_bytes, grace_seconds=args.grace_seconds,
+        **server_fields_from_args(args), model=args.model,
         max_model_len=args.max_model_len, reasoning_parser=args.reasoning_parser,
         tool_parser=args.tool_parser, workers=args.workers, media_dir=args.media_dir,
         allow_remote_media=args.allow_remote_media, media_fetch_timeout=args.media_fetch_timeout,
