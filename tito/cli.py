@@ -33,7 +33,7 @@ def _service_module(name: str):
     return importlib.import_module(f"tito_{name}.server")
 
 
-def _add_common_arguments(parser: argparse.ArgumentParser, service: str) -> None:
+def add_common_arguments(parser: argparse.ArgumentParser, service: str) -> None:
     parser.add_argument("--address", default=DEFAULT_ADDRESSES[service],
                         help="host:port (port 0 = any free port) or unix:/path/to.sock (default %(default)s)")
     parser.add_argument("--model", default=DEFAULT_MODEL,
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     services = serve.add_subparsers(dest="service", required=True)
     for name in SERVICES:
         sub = services.add_parser(name, help=f"run the {name} service")
-        _add_common_arguments(sub, name)
+        add_common_arguments(sub, name)
         _service_module(name).add_arguments(sub)
     everything = services.add_parser("all", help="run render, engine and derender as three processes")
     _add_all_arguments(everything)

@@ -9,6 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: Characters of a caller's string an error message repeats; the rest is elided.
+QUOTE_CHARS = 64
+
+
+def quoted(text: str, limit: int = QUOTE_CHARS) -> str:
+    """`text` as a Python literal ('...'), cut to its first `limit` characters (then '...' and
+    the full length), so a caller's megabyte name or id cannot fill an error message."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
 
 @dataclass(frozen=True)
 class FieldViolation:

@@ -74,23 +74,19 @@ def context_from_proto(context: derender_pb2.DerenderContext) -> RequestContext:
     )
 
 
-def _finish_name(value: int) -> str:
-    try:
-        return engine_pb2.FinishReason.Name(value)
-    except ValueError:
-        return str(value)
-
-
 def output_from_proto(response: engine_pb2.GenerateResponse, field: str = "generate_response") -> EngineOutput:
     if response.finish_reason == engine_pb2.FINISH_REASON_UNSPECIFIED:
         finish = None
     elif response.finish_reason in _FINISH_FROM_PROTO:
         finish = _FINISH_FROM_PROTO[response.finish_reason]
-    else:
+    elif response.finish_reason == engine_pb2.FINISH_REASON_TOOL_CALLS:
         raise InvalidArgument(
-            f"finish_reason {_finish_name(response.finish_reason)} cannot come from an engine "
-            f"(only STOP, LENGTH or ABORT; TOOL_CALLS is derender's to set)",
-            reason="INVALID_FINISH_REASON", field=f"{field}.finish_reason")
+            "finish_reason FINISH_REASON_TOOL_CALLS cannot come from an engine (only STOP, LENGTH or ABORT; "
+            "TOOL_CALLS is derender's to set)", reason="INVALID_FINISH_REASON", field=f"{field}.finish_reason")
+    else:  # proto3 keeps enum numbers it does not know
+        raise InvalidArgument(
+            f"finish_reason {response.finish_reason} is not a FinishReason value (an engine sends UNSPECIFIED, "
+            f"STOP, LENGTH or ABORT)", reason="INVALID_FINISH_REASON", field=f"{field}.finish_reason")
     usage = None
     if response.HasField("usage"):
         usage = EngineUsage(prompt_tokens=response.usage.prompt_tokens,

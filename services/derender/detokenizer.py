@@ -33,6 +33,10 @@ from dataclasses import dataclass
 from tito_derender.tokenizer import TextTokenizer
 
 _REPLACEMENT = "\ufffd"
+#: Prompt-tail ids the window is seeded with, at most (the last ones). Render sends 8; a few are
+#: all the first token's text depends on, and every decode before the first emission sees the
+#: whole seed, so a caller's huge tail must not make each step cost O(tail).
+MAX_SEED_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class IncrementalDetokenizer:
                  prompt_tail_token_ids: Sequence[int] = ()) -> None:
         self._tokenizer = tokenizer
         self._options = options
-        self._window: list[int] = [t for t in prompt_tail_token_ids if self._enters_window(t)]
+        self._window: list[int] = [t for t in prompt_tail_token_ids if self._enters_window(t)][-MAX_SEED_TOKENS:]
         self._prefix = tokenizer.decode(self._window) if self._window else ""
         self._read_index = len(self._window)
         self._previous_output_special = False

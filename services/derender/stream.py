@@ -33,6 +33,8 @@ from tito_derender.tokenizer import TextTokenizer
 # Most choices one request may multiplex (render and the engine cap n lower still): state is kept
 # per choice, so an unbounded n from a caller would be unbounded memory.
 MAX_CHOICES = 128
+# Usage counts are uint32 on the wire.
+UINT32_MAX = 2**32 - 1
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +159,7 @@ class DerenderStream:
         self._prompt_tokens = context.prompt_tokens
         self._cached_tokens = 0
         self._completion_tokens_finished = 0
+        self._tokens_received = 0  # all choices: bounds every usage count derender sends
 
     def choice(self, index: int) -> ChoicePipeline:
         pipeline = self._choices.get(index)
@@ -206,10 +209,36 @@ class DerenderStream:
             raise InvalidArgument(
                 f"matched stop token id {output.matched_stop_token_id} is outside the vocabulary [0, {vocab})",
                 reason="TOKEN_ID_OUT_OF_RANGE", field="generate_response.matched_stop_token_id")
+        if self._tokens_received + len(output.token_ids) > UINT32_MAX:
+            raise InvalidArgument(
+                f"the engine responses of this request hold more than {UINT32_MAX} token ids, more than usage "
+                f"can count", reason="TOO_MANY_TOKENS", field="generate_response.token_ids")
+        if output.usage is not None and output.finish_reason is not None and not (
+                existing is not None and existing.stopped_by_string):
+            self._validate_usage(output, existing)
+
+    def _validate_usage(self, output: EngineOutput, existing: ChoicePipeline | None) -> None:
+        """The engine's usage in a choice's final message must agree with what it streamed: it is
+        what derender reports (and sums over choices), so an inflated count would be passed on as
+        fact (and, summed, may not even fit the uint32 of ChatChunk.usage)."""
+        usage = output.usage
+        streamed = (existing.completion_tokens if existing is not None else 0) + len(output.token_ids)
+        if usage.completion_tokens > streamed:
+            raise InvalidArgument(
+                f"usage.completion_tokens is {usage.completion_tokens}, but choice {output.index} streamed only "
+                f"{streamed} tokens: the engine's count cannot exceed the tokens it sent",
+                reason="USAGE_OUT_OF_RANGE", field="generate_response.usage.completion_tokens")
+        prompt_tokens = usage.prompt_tokens or self._prompt_tokens
+        if usage.cached_tokens > prompt_tokens:
+            raise InvalidArgument(
+                f"usage.cached_tokens is {usage.cached_tokens}, more than the {prompt_tokens} prompt tokens: "
+                f"cached tokens are part of the prompt", reason="USAGE_OUT_OF_RANGE",
+                field="generate_response.usage.cached_tokens")
 
     def feed(self, output: EngineOutput) -> list[Chunk]:
         """Take one engine output; return the chunks it makes final (zero or more)."""
         self._validate(output)
+        self._tokens_received += len(output.token_ids)
         pipeline = self.choice(output.index)
         if pipeline.stopped_by_string:
             return []  # the engine had not seen the cancel yet: its later messages are ignored
@@ -219,7 +248,7 @@ class DerenderStream:
             return [chunk] if chunk is not None else []
         completion = pipeline.completion_tokens
         if output.usage is not None and not pipeline.stopped_by_string:
-            # The engine's count is authoritative (it may include tokens it did not stream).
+            # The engine's count wins (validated: never more than the tokens it streamed).
             completion = output.usage.completion_tokens
             if output.usage.prompt_tokens:
                 self._prompt_tokens = output.usage.prompt_tokens

@@ -51,8 +51,9 @@ def agent_context(hf_tokenizer, **fields) -> derender_pb2.DerenderContext:
 def engine_messages(ids, final_reason=engine_pb2.FINISH_REASON_STOP, stop_token=None):
     messages = [derender_pb2.DerenderRequest(generate_response=engine_pb2.GenerateResponse(index=0, token_ids=[i]))
                 for i in ids]
-    last = engine_pb2.GenerateResponse(index=0, finish_reason=final_reason,
-                                       usage=engine_pb2.Usage(prompt_tokens=20, completion_tokens=len(ids) + 1))
+    # The engine's count is every token it streamed for the choice (derender refuses more).
+    last = engine_pb2.GenerateResponse(index=0, finish_reason=final_reason, usage=engine_pb2.Usage(
+        prompt_tokens=20, completion_tokens=len(ids) + (stop_token is not None)))
     if stop_token is not None:
         last.token_ids.append(stop_token)
         last.matched_stop_token_id = stop_token

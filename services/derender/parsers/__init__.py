@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tito.errors import InvalidArgument
+from tito.errors import InvalidArgument, quoted
 from tito_derender.domain import RequestContext, ToolChoiceMode
 from tito_derender.parsers.reasoning import ThinkReasoningParser
 from tito_derender.parsers.tool_stage import ToolStage
@@ -39,7 +39,7 @@ def validate_parser_names(context: RequestContext) -> None:
                                ("context.tool_parser", context.tool_parser, TOOL_PARSERS)):
         if name and name not in known:
             raise InvalidArgument(
-                f"unknown {field.split('.')[1].replace('_', ' ')} {name!r}: known ones are "
+                f"unknown {field.split('.')[1].replace('_', ' ')} {quoted(name)}: known ones are "
                 f"{', '.join(sorted(known))} (or empty for none)", reason="UNKNOWN_PARSER", field=field)
 
 

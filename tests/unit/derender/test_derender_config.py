@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+from tito.cli import add_common_arguments
 from tito.config import ConfigError
 from tito_derender.config import DerenderConfig
 from tito_derender.server import add_arguments, config_from_args
@@ -13,12 +14,10 @@ from tito_derender.server import add_arguments, config_from_args
 
 def test_config_from_common_and_own_flags():
     parser = argparse.ArgumentParser()
-    for flag, default in (("--address", "127.0.0.1:0"), ("--model", "tiny-qwen2"), ("--log-level", "info")):
-        parser.add_argument(flag, default=default)
-    parser.add_argument("--max-message-bytes", type=int, default=4 << 20)
-    parser.add_argument("--grace-seconds", type=float, default=2.0)
+    add_common_arguments(parser, "derender")  # what `tito serve derender` gives every service
     add_arguments(parser)
-    config = config_from_args(parser.parse_args(["--model", "/some/dir", "--model-cache-dir", "/tmp/c"]))
+    config = config_from_args(parser.parse_args(["--model", "/some/dir", "--model-cache-dir", "/tmp/c",
+                                                 "--grace-seconds", "2"]))
     assert (config.model, config.model_cache_dir, config.grace_seconds) == ("/some/dir", "/tmp/c", 2.0)
 
 

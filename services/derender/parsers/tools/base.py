@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from tito_derender.domain import ToolCallDelta
 from tito_derender.parsers.markers import partial_marker_length
-from tito_derender.parsers.tools.json_scan import JsonLexer
+from tito_derender.parsers.tools.json_scan import JsonLexer, is_json_object
 
 Event = str | ToolCallDelta
 NAME_KEYS = ("name",)
@@ -132,8 +132,8 @@ class JsonCall:
                 raw = lexer.strings.get(key)
                 if raw is None:
                     return False
-                name = json.loads(raw)
-                return name if name and self._parser.accept_name(name) else False
+                name = json.loads(raw)  # a string the lexer validated: cannot fail
+                return name if name and is_utf8(name) and self._parser.accept_name(name) else False
         return None
 
     def _arguments_member(self) -> tuple[str, int, int | None, str] | None:
@@ -222,15 +222,25 @@ class JsonCall:
         return ""
 
 
+def is_utf8(text: str) -> bool:
+    """False for text holding a lone surrogate (a JSON "\\ud800" escape decodes to one): such a
+    string cannot be sent in a protobuf string field, so a call carrying it is malformed."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _arguments_from_other_json(raw: str) -> str | None:
-    """Arguments written as a JSON string holding an object, or null: the object's JSON text."""
-    value = json.loads(raw)
-    if value is None:
+    """Arguments written as a JSON string holding an object, or null: the object's JSON text.
+    None (a malformed call) when the string is not one JSON object by the lexer's rules (strict,
+    nested at most MAX_DEPTH deep) or decodes to a lone surrogate."""
+    # `raw` is one complete value the lexer validated; only a string or null is decoded (a number
+    # of thousands of digits or a nested array would be a malformed call anyway).
+    if raw == "null":
         return "{}"
-    if isinstance(value, str):
-        try:
-            inner = json.loads(value)
-        except ValueError:
-            return None
-        return value if isinstance(inner, dict) else None
-    return None
+    if not raw.startswith('"'):
+        return None
+    value = json.loads(raw)  # a validated JSON string: cannot fail
+    return value if is_utf8(value) and is_json_object(value) else None

@@ -14,6 +14,10 @@ and (when the model breaks off) how to close what is open. This lexer gives exac
 - `completion(depth)` is the shortest text that turns what was consumed into valid JSON for
   every container deeper than `depth` (closing strings, finishing a number or literal,
   supplying a missing value), used to end a call's argument stream cleanly.
+- nesting is bounded (`MAX_DEPTH` open containers): a value nested deeper is invalid at the
+  container that goes too deep, like any other bad character. Model output is not a caller's
+  mistake, but arguments thousands of levels deep are not a usable tool call either (Python's
+  json and protobuf's Struct give up long before), so the parsers treat them as malformed markup.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ _WHITESPACE = " \t\n\r"
 _STRING_RUN = re.compile(r'[^"\\\x00-\x1f]+')
 _HEX = set("0123456789abcdefABCDEF")
 _LITERALS = {"t": "true", "f": "false", "n": "null"}
+#: Most containers a value may have open at once (see the module docstring).
+MAX_DEPTH = 64
 
 # Number DFA: state -> {character class -> next state}; complete states can end a number.
 _DIGITS = "0123456789"
@@ -56,8 +62,9 @@ def _number_step(state: str, char: str) -> str | None:
 class JsonLexer:
     """State of one JSON value being read; see the module docstring."""
 
-    def __init__(self, object_only: bool = False) -> None:
+    def __init__(self, object_only: bool = False, max_depth: int = MAX_DEPTH) -> None:
         self._object_only = object_only
+        self._max_depth = max_depth
         self.length = 0  # characters consumed
         self.stack: list[str] = []  # open containers, "{" or "["
         self.state = _VALUE
@@ -193,6 +200,8 @@ class JsonLexer:
     def _begin_value(self, char: str, position: int) -> bool:
         if not self.stack and self._object_only and char != "{":
             return False
+        if char in "{[" and len(self.stack) >= self._max_depth:
+            return False  # nested too deep: invalid here, like a bad character
         if self._top_level_member():
             self.open_start, self.first_char = position, char
         if char == "{":
@@ -265,3 +274,12 @@ class JsonLexer:
         for container in reversed(self.stack[depth:]):
             out.append("}" if container == "{" else "]")
         return "".join(out)
+
+
+def is_json_object(text: str) -> bool:
+    """Whether `text` is exactly one JSON object (whitespace around it allowed), by the same
+    rules as the streaming lexer: strict JSON (no NaN or Infinity) nested at most MAX_DEPTH deep.
+    Never raises and never recurses, whatever the text."""
+    lexer = JsonLexer(object_only=True)
+    consumed = lexer.feed(text)
+    return lexer.done and not text[consumed:].strip(_WHITESPACE)

@@ -4,8 +4,9 @@ keyword arguments with Python literal values (Llama 3.2 / 4 style).
 As in vLLM the list must start the output (after whitespace); otherwise the output is plain
 content. Arguments stream one complete keyword argument at a time, converted to JSON
 (`{"a": 1`, then `, "b": "x"`, then `}`), so each fragment costs a literal_eval of that value
-only. Positional arguments, non-literal values (e.g. a nested call) or anything else that is not
-a call list make the call malformed: content if its name was not out yet, else the arguments
+only. Positional arguments, non-literal values (e.g. a nested call), values nested more than
+MAX_DEPTH containers deep (as for the JSON parsers) or anything else that is not a call list make
+the call malformed: content if its name was not out yet, else the arguments
 are closed and the rest is content.
 """
 
@@ -15,13 +16,17 @@ import ast
 import json
 import re
 
-from tito_derender.parsers.tools.base import Event, ToolParser
+from tito_derender.parsers.tools.base import Event, ToolParser, is_utf8
+from tito_derender.parsers.tools.json_scan import MAX_DEPTH
 
 _START, _ITEM, _NAME, _ARGS, _KEY, _EQUALS, _VALUE, _AFTER_CALL, _AFTER_ARG, _CONTENT = range(10)
 _IDENTIFIER_CHAR = re.compile(r"[A-Za-z0-9_.]")
 _IDENTIFIER_START = re.compile(r"[A-Za-z_]")
 _VALUE_RUN = re.compile(r"""[^'"\\()\[\]{},]+""")
 _OPENERS, _CLOSERS = "([{", ")]}"
+# Containers a value may nest, so its arguments JSON is at most as deep as the JSON parsers allow
+# (MAX_DEPTH counts their call object and arguments object too): deeper is a malformed call.
+_MAX_VALUE_DEPTH = MAX_DEPTH - 2
 
 
 class _Failed(Exception):
@@ -72,6 +77,10 @@ class PythonicToolParser(ToolParser):
             encoded = json.dumps(value, ensure_ascii=False, allow_nan=False)
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             raise _Failed(position) from None
+        if not is_utf8(encoded):
+            # A "\ud83c\udf89"-style escape: Python keeps surrogates apart, which no protobuf
+            # string may carry; JSON escapes say the same thing and decode to the character.
+            encoded = json.dumps(value, ensure_ascii=True, allow_nan=False)
         separator = ", " if self._fragments else "{"
         self._emit_fragment(f"{separator}{json.dumps(self._key, ensure_ascii=False)}: {encoded}")
         self._value = []
@@ -174,6 +183,9 @@ class PythonicToolParser(ToolParser):
                 self._quote = char
             elif char in _OPENERS:
                 self._depth += 1
+                if self._depth > _MAX_VALUE_DEPTH:
+                    self._keep(text[start:position])
+                    raise _Failed(position)
             elif self._depth:
                 if char in _CLOSERS:
                     self._depth -= 1
