@@ -34,6 +34,17 @@ def setup_logging(level: str = "info", service: str = "tito") -> None:
     root.setLevel(level.upper())
 
 
+#: Characters of a caller's request id that go into log lines.
+MAX_LOGGED_ID_CHARS = 128
+
+
 def bind_request_id(request_id: str) -> None:
-    """Mark the current task's log lines with `request_id`."""
-    request_id_var.set(request_id or "-")
+    """Mark the current task's log lines with `request_id`.
+
+    The id is the caller's: it is escaped (a newline cannot forge a log line) and clipped (a
+    megabyte id cannot bloat every line of its request)."""
+    if not request_id:
+        request_id_var.set("-")
+        return
+    shown = request_id[:MAX_LOGGED_ID_CHARS].encode("unicode_escape").decode("ascii")
+    request_id_var.set(shown if len(request_id) <= MAX_LOGGED_ID_CHARS else shown + "...")

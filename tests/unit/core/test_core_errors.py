@@ -63,3 +63,14 @@ def test_clip_keeps_short_text_and_says_how_much_it_cut():
     clipped = clip("x" * 5000, 100)
     kept = clipped.index("...")
     assert len(clipped) <= 100 and clipped.endswith(f"({5000 - kept} more characters)")
+
+
+def test_a_caller_request_id_cannot_forge_or_bloat_log_lines():
+    from tito.logs import bind_request_id, request_id_var
+
+    bind_request_id("abc\n2026-12-01 INFO forged line")
+    assert "\n" not in request_id_var.get() and request_id_var.get().startswith("abc\\n")
+    bind_request_id("x" * 1_000_000)
+    assert len(request_id_var.get()) <= 131
+    bind_request_id("")
+    assert request_id_var.get() == "-"
