@@ -46,6 +46,8 @@ class EngineBackend(Protocol):
     kv_capacity: KVCapacity  # the whole KV cache: admission refuses what could never fit
     # Called (from any thread) when the model process died: the server turns health NOT_SERVING.
     on_core_lost: Callable[[], None] | None
+    # Called (from any thread) when a new model process serves again: health turns SERVING.
+    on_core_restored: Callable[[], None] | None
 
     def start(self) -> None:
         """Start serving (the model is loaded by the constructor)."""
@@ -75,7 +77,7 @@ def check_can_accept(request_id: str, *, live: Container[str], waiting: int, max
     """The refusals every backend makes at submission, in the same words: a dead model process,
     shutdown, a duplicate live id, a full waiting queue."""
     if core_lost:
-        raise Unavailable("the engine's model process exited; this replica must be restarted",
+        raise Unavailable("the engine's model process exited; retry shortly or on another replica",
                           reason="ENGINE_CORE_LOST")
     if stopping:
         raise Unavailable("the engine is shutting down; retry on another replica", reason="SHUTTING_DOWN")

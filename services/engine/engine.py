@@ -21,6 +21,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -38,6 +39,7 @@ from .scheduler import DEFAULT_MAX_PREFILL_TOKENS
 log = logging.getLogger(__name__)
 
 Deliver = Callable[[ChoiceOutput | BaseException], None]
+CORE_LOST_MESSAGE = "the engine's model process exited; a new one is starting: retry shortly"
 
 
 class Engine:
@@ -70,6 +72,9 @@ class Engine:
         self._stopping = False
         self._core_lost = False
         self.on_core_lost: Callable[[], None] | None = None  # e.g. the server turns health NOT_SERVING
+        self.on_core_restored: Callable[[], None] | None = None  # e.g. the server turns health SERVING again
+        self._spec: CoreProcessSpec | None = None  # set for a child-process core: how to start a new one
+        self._counted_before = LoadSnapshot(0, 0, 0)  # cumulative counters of cores that died
         self._channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> _LoopChannel
         self._calls: dict[int, Callable[[Any], None]] = {}  # key -> callback of a pending core call (Encode)
 
@@ -77,8 +82,10 @@ class Engine:
     def in_process(cls, spec: CoreProcessSpec, *, max_waiting_requests: int = 1024) -> "Engine":
         """An engine whose core runs in a child process (loads the model there)."""
         core = ProcessCore(spec)
-        return cls(core=core, max_running_requests=spec.max_running_sequences,
-                   max_waiting_requests=max_waiting_requests, max_prefill_tokens=spec.max_prefill_tokens)
+        engine = cls(core=core, max_running_requests=spec.max_running_sequences,
+                     max_waiting_requests=max_waiting_requests, max_prefill_tokens=spec.max_prefill_tokens)
+        engine._spec = spec
+        return engine
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -138,8 +145,7 @@ class Engine:
 
         with self._lock:
             if self._core_lost:
-                raise Unavailable("the engine's model process exited; this replica must be restarted",
-                                  reason="ENGINE_CORE_LOST")
+                raise Unavailable(CORE_LOST_MESSAGE, reason="ENGINE_CORE_LOST")
             if self._stopping:
                 raise Unavailable("the engine is shutting down; retry on another replica", reason="SHUTTING_DOWN")
             key = next(self._keys)
@@ -227,10 +233,13 @@ class Engine:
         with self._lock:
             # Publish the load before delivering, so a caller who saw its stream end never reads
             # a load that still counts it.
+            before = self._counted_before  # "since start" counters survive a core restart
             self._load = LoadSnapshot(core_load.running_requests, core_load.waiting_requests,
-                                      core_load.finished_requests, self._kv_blocks_total, core_load.kv_blocks_used,
-                                      self._block_size, core_load.prefix_cache_hit_tokens,
-                                      core_load.encoder_cache_hits, core_load.encoder_cache_misses)
+                                      before.finished_requests + core_load.finished_requests, self._kv_blocks_total,
+                                      core_load.kv_blocks_used, self._block_size,
+                                      before.prefix_cache_hit_tokens + core_load.prefix_cache_hit_tokens,
+                                      before.encoder_cache_hits + core_load.encoder_cache_hits,
+                                      before.encoder_cache_misses + core_load.encoder_cache_misses)
             self._adds_seen = core_load.adds_seen
             ended = []
             calls = []
@@ -255,7 +264,8 @@ class Engine:
         self._dispatch(deliveries)
 
     def _on_core_lost(self) -> None:
-        """The core process died: end every live stream with an error instead of hanging."""
+        """The core process died: end every live stream with UNAVAILABLE instead of hanging, and
+        start a new core (the service recovers by itself; health is NOT_SERVING meanwhile)."""
         with self._lock:
             stopping = self._stopping
             self._core_lost = not stopping
@@ -263,15 +273,49 @@ class Engine:
             self._by_key.clear()
             self._live.clear()
             calls, self._calls = list(self._calls.values()), {}
+            self._counted_before = self._load
         if not stopping:
-            log.error("the engine core process exited; failing %d live requests", len(lost))
+            log.error("the engine core process exited; failing %d live requests and starting a new core", len(lost))
             if self.on_core_lost is not None:
                 self.on_core_lost()
-        error = Unavailable("the engine's model process exited; this replica must be restarted",
-                            reason="ENGINE_CORE_LOST")
+            if self._spec is not None:
+                threading.Thread(target=self._restart_core, name="tito-engine-restart", daemon=True).start()
+        error = Unavailable(CORE_LOST_MESSAGE, reason="ENGINE_CORE_LOST")
         for call in calls:
             call(error)
         self._dispatch([(request, error) for request in lost])
+
+    def _restart_core(self) -> None:
+        """Start a new core process like the lost one, retrying with backoff until it runs."""
+        lost, delay = self._core, 0.5
+        lost.stop(1.0)  # its process is gone: this only closes the pipe
+        while True:
+            with self._lock:
+                if self._stopping:
+                    return
+            try:
+                core = ProcessCore(self._spec)
+            except Exception:  # noqa: BLE001 - keep trying: the service has nothing better to do
+                log.exception("starting a new engine core failed; retrying in %.1fs", delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 30.0)
+                continue
+            with self._lock:
+                if self._stopping:
+                    core.stop(5.0)
+                    return
+                self._core = core
+                self._submitted = self._adds_seen = 0  # the new core counts its "add"s from zero
+                self._load = LoadSnapshot(0, 0, self._counted_before.finished_requests, self._kv_blocks_total, 0,
+                                          self._block_size, self._counted_before.prefix_cache_hit_tokens,
+                                          self._counted_before.encoder_cache_hits,
+                                          self._counted_before.encoder_cache_misses)
+                self._core_lost = False
+            core.start(self._on_batch, self._on_core_lost)
+            log.info("a new engine core is serving")
+            if self.on_core_restored is not None:
+                self.on_core_restored()
+            return
 
     def _dispatch(self, deliveries) -> None:
         by_loop: dict = {}

@@ -174,6 +174,7 @@ async def create_server(config: EngineConfig) -> RunningServer:
 
     # A dead model process cannot come back: tell load balancers to stop sending work here.
     backend.on_core_lost = lambda: asyncio.run_coroutine_threadsafe(running.set_not_serving(), loop)
+    backend.on_core_restored = lambda: asyncio.run_coroutine_threadsafe(running.set_serving(), loop)
     backend.start()
     running.add_cleanup(lambda: asyncio.to_thread(backend.stop))
     admission = Admission.for_backend(backend, feature_policy(config), config.max_choices_per_request)

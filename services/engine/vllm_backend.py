@@ -134,6 +134,8 @@ class VllmEngine:
             int(cache_config.num_gpu_blocks or 0), int(cache_config.block_size),
             how_to_grow="give vLLM more KV cache memory (--kv-cache-bytes, or -- --gpu-memory-utilization)")
         self.on_core_lost: Callable[[], None] | None = None
+        # vLLM's engine core does not come back once dead: this replica must be restarted.
+        self.on_core_restored: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._live: dict[str, int] = {}  # request id -> choices (n), until its stream ends
         self._finished = 0

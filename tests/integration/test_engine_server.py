@@ -221,23 +221,35 @@ def test_dropping_a_stream_frees_its_slot(engine):
     assert load.waiting_requests == 0 and load.finished_requests == 1
 
 
-def test_a_dead_model_process_fails_streams_and_refuses_new_work(engine):
+def test_a_dead_model_process_fails_its_streams_then_the_engine_recovers_by_itself(engine, hf_model):
     import multiprocessing
+
+    def new_cores():
+        return [child for child in multiprocessing.active_children()
+                if child.name == "tito-engine-core" and child.pid not in before]
 
     before = {child.pid for child in multiprocessing.active_children()}
     stub, channel = engine(max_model_len=None, engine_process=True)
-    cores = [child for child in multiprocessing.active_children()
-             if child.name == "tito-engine-core" and child.pid not in before]
+    cores = new_cores()
     assert len(cores) == 1
     call = stub.Generate(request(PROMPTS[0], max_tokens=LONG, ignore_eos=True), timeout=TIMEOUT)
     next(call)
     cores[0].kill()
     with pytest.raises(grpc.RpcError) as exc:
         list(call)
-    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
-    with pytest.raises(grpc.RpcError) as exc:
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE  # promptly, not at the deadline
+    with pytest.raises(grpc.RpcError) as exc:  # while the new core loads
         list(stub.Generate(request(PROMPTS[0], max_tokens=2), timeout=TIMEOUT))
-    assert error_details(exc.value)["reason"] == "ENGINE_CORE_LOST"
+    assert (exc.value.code(), error_details(exc.value)["reason"]) == (grpc.StatusCode.UNAVAILABLE, "ENGINE_CORE_LOST")
     health = health_pb2_grpc.HealthStub(channel)
-    assert wait_for(lambda: health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=TIMEOUT).status
-                    == health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def status():
+        return health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=TIMEOUT).status
+
+    assert wait_for(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING)
+    # A new core, without restarting the service: SERVING again, and answering as before.
+    assert wait_for(lambda: status() == health_pb2.HealthCheckResponse.SERVING, timeout=120)
+    assert [core.pid for core in new_cores() if core.is_alive()] != [cores[0].pid]
+    tokens, _ = collect(stub.Generate(request(PROMPTS[0], max_tokens=4), timeout=TIMEOUT))
+    assert tokens[0] == hf_greedy(hf_model, PROMPTS[0], 4)
+    assert stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT).running_requests == 0
