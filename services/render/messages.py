@@ -22,6 +22,27 @@ from tito.v1 import chat_pb2
 
 ALLOWED_ROLES = ("system", "developer", "user", "assistant", "tool")
 _MAX_SAFE_INT = 2**53
+#: Deepest nesting render takes in a Struct (tool parameters, arguments_object, chat_template_kwargs,
+#: processor_kwargs): the Struct itself is level 1, each struct or list value inside it one more.
+#: Far more than any real schema needs, and low enough that the tools render copies into the
+#: DerenderContext still parse when derender reads them (protobuf's decoder stops at 100 message
+#: levels; a Struct level costs three of them).
+MAX_STRUCT_DEPTH = 32
+
+
+class StructValueError(ValueError):
+    """A Struct value render cannot take: a number JSON cannot hold (NaN, Infinity) or nesting past
+    `MAX_STRUCT_DEPTH`. `reason` is the UPPER_SNAKE code; `where` locates the value (`x.min[1]`)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self._path: list[str | int] = []  # innermost first: filled in while the walk unwinds
+
+    @property
+    def where(self) -> str:
+        parts = [f"[{part}]" if isinstance(part, int) else f".{part}" for part in reversed(self._path)]
+        return "".join(parts).removeprefix(".")
 
 
 def struct_to_dict(struct: struct_pb2.Struct) -> dict[str, Any]:
@@ -32,29 +53,68 @@ def struct_to_dict(struct: struct_pb2.Struct) -> dict[str, Any]:
     and a Struct is a map without key order, so keys are sorted, making the rendered prompt (and
     its prefix-cache keys) the same for the same request whatever order the map arrived in.
 
-    The values are what `json_format.MessageToDict` gives (same errors for Infinity/NaN), walked
-    directly: MessageToDict's generic printer costs several times more per tool schema."""
+    The values are what `json_format.MessageToDict` gives (same messages for Infinity/NaN, raised
+    as `StructValueError`), walked directly: MessageToDict's generic printer costs several times
+    more per tool schema. Nesting past `MAX_STRUCT_DEPTH` is refused before it is walked, so a
+    value nested thousands deep cannot exhaust the recursion limit here or in the template."""
+    return _struct(struct, 1)
+
+
+def request_struct(struct: struct_pb2.Struct, field: str) -> dict[str, Any]:
+    """`struct_to_dict` for a Struct the request carries at `field`: what it cannot hold is the
+    caller's error, naming the field (and, in the message, where inside it)."""
+    try:
+        return struct_to_dict(struct)
+    except StructValueError as exc:
+        if exc.reason == "STRUCT_TOO_DEEP":
+            raise InvalidArgument(f"{field} nests deeper than {MAX_STRUCT_DEPTH} levels (at {exc.where})",
+                                  reason=exc.reason, field=field,
+                                  metadata={"limit": "max_struct_depth", "max": str(MAX_STRUCT_DEPTH)}) from exc
+        raise InvalidArgument(f"{field} holds NaN or Infinity at {exc.where}: JSON has no such numbers, send "
+                              f"finite ones", reason=exc.reason, field=field) from exc
+
+
+def _struct(struct: struct_pb2.Struct, depth: int) -> dict[str, Any]:
     fields = struct.fields
-    return {key: _value(fields[key]) for key in sorted(fields)}
+    result = {}
+    for key in sorted(fields):
+        try:
+            result[key] = _value(fields[key], depth)
+        except StructValueError as exc:
+            exc._path.append(key)
+            raise
+    return result
 
 
-def _value(value: struct_pb2.Value) -> Any:
+def _value(value: struct_pb2.Value, depth: int) -> Any:
+    """`value`, held by a container at nesting level `depth`."""
     kind = value.WhichOneof("kind")
     if kind == "string_value":
         return value.string_value
     if kind == "number_value":
         number = value.number_value
         if math.isinf(number):
-            raise ValueError("Fail to serialize Infinity for Value.number_value, which would parse as string_value")
+            raise StructValueError("Fail to serialize Infinity for Value.number_value, which would parse as "
+                                   "string_value", "NON_FINITE_NUMBER")
         if math.isnan(number):
-            raise ValueError("Fail to serialize NaN for Value.number_value, which would parse as string_value")
+            raise StructValueError("Fail to serialize NaN for Value.number_value, which would parse as string_value",
+                                   "NON_FINITE_NUMBER")
         return int(number) if number.is_integer() and abs(number) < _MAX_SAFE_INT else number
     if kind == "bool_value":
         return value.bool_value
+    if kind in ("struct_value", "list_value") and depth >= MAX_STRUCT_DEPTH:
+        raise StructValueError(f"nested deeper than {MAX_STRUCT_DEPTH} levels", "STRUCT_TOO_DEEP")
     if kind == "struct_value":
-        return struct_to_dict(value.struct_value)
+        return _struct(value.struct_value, depth + 1)
     if kind == "list_value":
-        return [_value(item) for item in value.list_value.values]
+        result = []
+        for index, item in enumerate(value.list_value.values):
+            try:
+                result.append(_value(item, depth + 1))
+            except StructValueError as exc:
+                exc._path.append(index)
+                raise
+        return result
     return None  # null_value, or no kind set (MessageToDict reads both as null)
 
 
@@ -165,7 +225,7 @@ def _tool_call(call: chat_pb2.ToolCall, path: str, violations: Violations) -> di
             violations.add(f"{path}.function.arguments", f"arguments must be a JSON object: {problem}")
         function["arguments"] = call.function.arguments
     elif kind == "arguments_object":
-        function["arguments"] = struct_to_dict(call.function.arguments_object)
+        function["arguments"] = request_struct(call.function.arguments_object, f"{path}.function.arguments_object")
     else:
         function["arguments"] = {}
     result: dict[str, Any] = {}
@@ -228,7 +288,7 @@ def tools_to_dicts(tools: list[chat_pb2.Tool]) -> list[dict[str, Any]] | None:
         if tool.function.description:
             function["description"] = tool.function.description
         if tool.function.HasField("parameters"):
-            function["parameters"] = struct_to_dict(tool.function.parameters)
+            function["parameters"] = request_struct(tool.function.parameters, f"tools[{i}].function.parameters")
         if tool.function.HasField("strict"):
             function["strict"] = tool.function.strict
         result.append({"type": "function", "function": function})

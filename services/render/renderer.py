@@ -29,7 +29,7 @@ from tito_render.media.placeholders import check_marker_count, expand_media_mark
 from tito_render.media.processors import MediaAdapter, ProcessedImage
 from tito_render.media.video import VideoSettings
 from tito_render.messages import (ImageRef, VideoRef, collect_media, messages_to_dicts, resolve_tool_choice,
-                                  struct_to_dict, tools_to_dicts)
+                                  request_struct, tools_to_dicts)
 from tito_render.model import THINK_END, THINK_START, RenderModel
 from tito_render.sampling import SamplingLimits, resolve_sampling
 
@@ -88,7 +88,8 @@ class Renderer:
 
     # ------------------------------------------------------------------ chat
     def chat_options(self, request: render_pb2.RenderChatRequest) -> ChatRenderOptions:
-        kwargs = struct_to_dict(request.chat_template_kwargs) if request.HasField("chat_template_kwargs") else {}
+        kwargs = (request_struct(request.chat_template_kwargs, "chat_template_kwargs")
+                  if request.HasField("chat_template_kwargs") else {})
         if request.continue_final_message:
             if request.HasField("add_generation_prompt") and request.add_generation_prompt:
                 raise InvalidArgument("continue_final_message needs add_generation_prompt false (or unset)",

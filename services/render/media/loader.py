@@ -1,7 +1,8 @@
 """Fetch and decode one image with limits, turning every caller mistake into a field-named error.
 
 Sources: raw bytes (`ImageSource.data`), `data:` URLs, local files under the configured media
-directory (`file://` URLs or bare paths; nothing outside it, symlinks resolved first), and
+directory (`file://` URLs or bare paths; nothing outside it, symlinks resolved first; every path
+that cannot be served answers alike, so that callers cannot probe which files exist), and
 `http(s)://` URLs only when remote media is enabled (total deadline and byte cap while reading).
 
 Limits, each named in its error: encoded bytes (`--max-image-bytes`), decoded pixels
@@ -15,6 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import logging
 import re
 import time
 import urllib.error
@@ -32,6 +34,10 @@ from tito.v1 import chat_pb2
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 _READ_CHUNK = 64 * 1024
+#: What any --media-dir path that cannot be served answers (see `_unservable`).
+MEDIA_NOT_FOUND_MESSAGE = "no such media file under the media directory (--media-dir)"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -129,27 +135,35 @@ def _read_local(path_text: str, field: str, policy: MediaPolicy) -> bytes:
         raise InvalidArgument("local image files are disabled on this server (start render with --media-dir "
                               "DIR to allow files under DIR); send the image as data or a data: URL",
                               reason="LOCAL_MEDIA_DISABLED", field=field)
+    if "\0" in path_text:  # no file has such a name (the OS refuses it with ValueError)
+        raise InvalidArgument("media path contains a NUL byte", reason="INVALID_MEDIA_PATH", field=field)
     candidate = Path(path_text)
     if not candidate.is_absolute():
         candidate = policy.media_dir / candidate
     try:
         resolved = candidate.resolve(strict=True)  # symlinks resolved: no escape through a link
-    except (OSError, RuntimeError):
-        resolved = None
-    if resolved is not None and not resolved.is_relative_to(policy.media_dir):
-        raise InvalidArgument("path is outside the allowed media directory (--media-dir)",
-                              reason="PATH_OUTSIDE_MEDIA_DIR", field=field)
-    if resolved is None or not resolved.is_file():
-        raise InvalidArgument("no such image file in the media directory", reason="MEDIA_NOT_FOUND", field=field)
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise _unservable(path_text, field, f"does not resolve ({exc})") from exc
+    if not resolved.is_relative_to(policy.media_dir):
+        raise _unservable(path_text, field, f"resolves to {resolved}, outside {policy.media_dir}")
+    if not resolved.is_file():
+        raise _unservable(path_text, field, f"resolves to {resolved}, not a regular file")
     try:
         with open(resolved, "rb") as handle:
             data = handle.read(policy.max_image_bytes + 1)
     except OSError as exc:
-        raise InvalidArgument(f"image file cannot be read: {exc.strerror}", reason="MEDIA_NOT_FOUND",
-                              field=field) from exc
+        raise _unservable(path_text, field, f"cannot be read ({exc.strerror})") from exc
     if len(data) > policy.max_image_bytes:
         raise _too_large(f"more than {policy.max_image_bytes}", field, policy)
     return data
+
+
+def _unservable(path_text: str, field: str, cause: str) -> InvalidArgument:
+    """One answer for every path that cannot be served (missing, outside the media directory, a
+    symlink out of it, a directory, unreadable): the caller cannot tell which, so it cannot probe
+    what exists on the server. The log keeps the cause."""
+    log.info("media path %.300r (%s) cannot be served: %s", path_text, field, cause)
+    return InvalidArgument(MEDIA_NOT_FOUND_MESSAGE, reason="MEDIA_NOT_FOUND", field=field)
 
 
 def _read_remote(url: str, field: str, policy: MediaPolicy) -> bytes:

@@ -97,10 +97,11 @@ class MediaAdapter:
     # ---------------------------------------------------------------- options
     def call_kwargs(self, options: render_pb2.MediaOptions, max_image_pixels: int) -> dict[str, Any]:
         """Validate media_options and turn them into image processor call kwargs."""
-        from tito_render.messages import struct_to_dict  # local: messages imports nothing from media
+        from tito_render.messages import request_struct  # local: messages imports nothing from media
 
         violations = Violations()
-        requested = struct_to_dict(options.processor_kwargs) if options.HasField("processor_kwargs") else {}
+        requested = (request_struct(options.processor_kwargs, "media_options.processor_kwargs")
+                     if options.HasField("processor_kwargs") else {})
         kwargs: dict[str, Any] = {}
         for key, value in requested.items():
             check = self.tunable.get(key)
@@ -146,9 +147,10 @@ class MediaAdapter:
         first) override min/max_pixels and resample as they do for images."""
         if self.video is None:
             raise ValueError(f"the {self.family} adapter takes no video")  # checked by the caller: a bug
-        from tito_render.messages import struct_to_dict
+        from tito_render.messages import request_struct
 
-        requested = struct_to_dict(options.processor_kwargs) if options.HasField("processor_kwargs") else {}
+        requested = (request_struct(options.processor_kwargs, "media_options.processor_kwargs")
+                     if options.HasField("processor_kwargs") else {})
         settings = self.video.with_overrides(
             options.min_pixels if options.HasField("min_pixels") else None,
             options.max_pixels if options.HasField("max_pixels") else None,
