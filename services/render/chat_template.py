@@ -15,6 +15,7 @@ import jinja2
 from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
 
 from tito.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from tito_render.deadline import WATCHDOG, TemplateTimeout
 
 # Names apply_chat_template (or the template itself) already binds; a chat_template_kwargs key
 # with one of these names would silently change how rendering works rather than feed the template.
@@ -32,6 +33,7 @@ MAX_TEMPLATE_OUTPUT_CHARS = 64 * 1024 * 1024  # the rendered text, and each macr
 MAX_TEMPLATE_REPEAT = 1024 * 1024  # items in one `sequence * n` ('=' * 80 is fine)
 MAX_TEMPLATE_INT_BITS = 65536  # bits in one `a * b` or `a ** b` of integers (2 ** 64 is fine)
 MAX_TEMPLATE_RANGE = MAX_RANGE  # items in one range(), as jinja's sandbox already bounds it
+DEFAULT_TEMPLATE_SECONDS = 10.0  # a chat template's run time (--max-template-seconds)
 
 
 class TemplateTooLarge(jinja2.exceptions.SecurityError):
@@ -140,6 +142,7 @@ class ChatRenderOptions:
     template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    time_limit: float = DEFAULT_TEMPLATE_SECONDS  # seconds the template may run (deadline.py)
 
 
 def check_template_kwargs(kwargs: dict[str, Any]) -> None:
@@ -171,13 +174,19 @@ def render_chat_text(tokenizer: Any, messages: list[dict[str, Any]], tools: list
     template_field = "chat_template" if options.chat_template is not None else "messages"
     _use_bounded_sandbox()
     try:
-        text = tokenizer.apply_chat_template(
-            messages, tools=tools, chat_template=options.chat_template, tokenize=False,
-            add_generation_prompt=options.add_generation_prompt,
-            continue_final_message=options.continue_final_message, **kwargs)
+        with WATCHDOG.limit(options.time_limit):
+            text = tokenizer.apply_chat_template(
+                messages, tools=tools, chat_template=options.chat_template, tokenize=False,
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message, **kwargs)
     except jinja2.TemplateSyntaxError as exc:
         raise InvalidArgument(f"chat_template is not a valid Jinja template: {exc.message}",
                               reason="INVALID_CHAT_TEMPLATE", field="chat_template") from exc
+    except TemplateTimeout:
+        raise ResourceExhausted(f"the chat template ran past its time limit of {options.time_limit:g} s on this "
+                                f"chat (or its caller went away)", reason="TEMPLATE_TIMEOUT", field=template_field,
+                                metadata={"limit": "max_template_seconds",
+                                          "max": f"{options.time_limit:g}"}) from None
     except TemplateTooLarge as exc:
         raise ResourceExhausted(f"the chat template built too much on this chat: {exc.message}",
                                 reason="TEMPLATE_TOO_LARGE", field=template_field,

@@ -64,6 +64,9 @@ class RenderConfig(ServerConfig):
     max_video_frames: int = 64
     #: Most prompt tokens (media placeholders included); 0 = the context limit only.
     max_prompt_tokens: int = 0
+    #: Seconds a chat template may run on one chat before it is stopped (TEMPLATE_TIMEOUT); a
+    #: call's own deadline, when sooner, applies instead.
+    max_template_seconds: float = 10.0
     #: MiB of processed images each worker keeps for reuse (a chat resends its images every
     #: turn); 0 = no cache.
     media_cache_mb: int = 256
@@ -101,6 +104,8 @@ class RenderConfig(ServerConfig):
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.media_cache_mb < 0:
             raise ConfigError(f"media_cache_mb={self.media_cache_mb} must be >= 0 (0 = no cache)")
+        if not 0 < self.max_template_seconds <= 3600:
+            raise ConfigError(f"max_template_seconds={self.max_template_seconds} must be in (0, 3600] (default 10)")
         if self.max_prompt_tokens < 0:
             raise ConfigError(f"max_prompt_tokens={self.max_prompt_tokens} must be >= 0 (0 = the context limit)")
         if self.hmac_key_id and not self.hmac_key_file:

@@ -39,6 +39,8 @@ class RenderModel:
     tool_parser: str = ""
     #: Media adapter (image processor + placeholder rules); None for a text-only model.
     media: Any = None
+    #: Characters of the longest vocabulary entry: no token covers more text than this.
+    longest_token_chars: int = 1
 
     @property
     def vocab_size(self) -> int:
@@ -115,8 +117,10 @@ def load_render_model(config: RenderConfig) -> RenderModel:
     defaults = generation_defaults(_read_json(path / "generation_config.json"))
     reasoning, tool = detect_parsers(tokenizer.get_vocab(), config.reasoning_parser, config.tool_parser)
     media = load_media_adapter(path, tokenizer)
+    vocab = tokenizer.get_vocab()
     model = RenderModel(model_id=config.model, path=path, tokenizer=tokenizer, max_context_length=limit,
-                        generation_defaults=defaults, reasoning_parser=reasoning, tool_parser=tool, media=media)
+                        generation_defaults=defaults, reasoning_parser=reasoning, tool_parser=tool, media=media,
+                        longest_token_chars=max(map(len, vocab), default=1))
     log.info("loaded %s from %s: vocab %d, context %d, reasoning parser %r, tool parser %r, "
              "generation defaults %s", config.model, path, model.vocab_size, limit, reasoning, tool, defaults)
     return model

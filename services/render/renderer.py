@@ -18,7 +18,7 @@ from tito.config import DEFAULT_MAX_MESSAGE_BYTES
 from tito.errors import FieldViolation, InvalidArgument, ResourceExhausted
 from tito.v1 import chat_pb2, derender_pb2, engine_pb2, multimodal_pb2, render_pb2
 
-from tito_render.chat_template import (ChatRenderOptions, encode_prompt_text, ends_inside_reasoning,
+from tito_render.chat_template import (DEFAULT_TEMPLATE_SECONDS, ChatRenderOptions, encode_prompt_text, ends_inside_reasoning,
                                        render_chat_text)
 from tito_render.media.cache import CachedImage, ProcessedImageCache
 from tito_render.media.features import TENSORS, Signer, build_item, resolve_payload
@@ -59,13 +59,16 @@ class RenderLimits:
     max_response_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     #: Bytes of processed images kept for reuse (0 = no cache).
     media_cache_bytes: int = 0
+    #: Seconds a chat template may run on one chat.
+    max_template_seconds: float = DEFAULT_TEMPLATE_SECONDS
 
     @classmethod
     def from_config(cls, config) -> "RenderLimits":
         return cls(media=MediaPolicy.from_config(config), max_images_per_request=config.max_images_per_request,
                    max_video_frames=config.max_video_frames,
                    max_prompt_tokens=config.max_prompt_tokens, max_response_bytes=config.max_message_bytes,
-                   media_cache_bytes=config.media_cache_mb * 1024 * 1024)
+                   media_cache_bytes=config.media_cache_mb * 1024 * 1024,
+                   max_template_seconds=config.max_template_seconds)
 
 
 @dataclass
@@ -87,7 +90,9 @@ class Renderer:
         self.image_cache = ProcessedImageCache(self.limits.media_cache_bytes)
 
     # ------------------------------------------------------------------ chat
-    def chat_options(self, request: render_pb2.RenderChatRequest) -> ChatRenderOptions:
+    def chat_options(self, request: render_pb2.RenderChatRequest,
+                     time_remaining: float | None = None) -> ChatRenderOptions:
+        """`time_remaining`: seconds left before the call's deadline (None: no deadline)."""
         kwargs = (request_struct(request.chat_template_kwargs, "chat_template_kwargs")
                   if request.HasField("chat_template_kwargs") else {})
         if request.continue_final_message:
@@ -100,11 +105,14 @@ class Renderer:
         return ChatRenderOptions(
             chat_template=request.chat_template if request.HasField("chat_template") else None,
             template_kwargs=kwargs, add_generation_prompt=add_generation_prompt,
-            continue_final_message=request.continue_final_message)
+            continue_final_message=request.continue_final_message,
+            time_limit=min(self.limits.max_template_seconds, max(time_remaining, 0.0))
+            if time_remaining is not None else self.limits.max_template_seconds)
 
-    def render_chat(self, request: render_pb2.RenderChatRequest,
-                    request_id: str = "") -> render_pb2.RenderChatResponse:
-        """`request_id` (when given) overrides the request's own (the servicer assigns one up front)."""
+    def render_chat(self, request: render_pb2.RenderChatRequest, request_id: str = "",
+                    time_remaining: float | None = None) -> render_pb2.RenderChatResponse:
+        """`request_id` (when given) overrides the request's own (the servicer assigns one up front);
+        `time_remaining` is what is left of the call's deadline (the template stops by then)."""
         refs = collect_media(list(request.messages), self.limits.max_images_per_request,
                              self.limits.max_video_frames)
         images = [ref for ref in refs if isinstance(ref, ImageRef)]
@@ -120,14 +128,19 @@ class Renderer:
             raise InvalidArgument(f"unknown mm_payload {request.mm_payload}", reason="INVALID_MM_PAYLOAD",
                                   field="mm_payload")
         payload = resolve_payload(request.mm_payload)
+        for index, message in enumerate(request.messages):  # templates render every message's content
+            self.check_text_length(len(message.content), f"messages[{index}].content")
+            for part_index, part in enumerate(message.content_parts):
+                self.check_text_length(len(part.text), f"messages[{index}].content_parts[{part_index}].text")
         messages = messages_to_dicts(list(request.messages))
         if request.continue_final_message and "content" not in messages[-1]:
             raise InvalidArgument("continue_final_message needs a final message with content to continue",
                                   reason="CONFLICTING_OPTIONS", field="continue_final_message")
         tools = tools_to_dicts(list(request.tools))
         tool_choice = resolve_tool_choice(request.tool_choice, list(request.tools))
-        options = self.chat_options(request)
+        options = self.chat_options(request, time_remaining)
         text = render_chat_text(self.model.tokenizer, messages, tools, options)
+        self.check_text_length(len(text), "messages")
         processed: list[ProcessedImage] = []
         hashes: list[str] = []
         prompt = text
@@ -268,6 +281,24 @@ class Renderer:
         assert hasher is not None  # a video has at least one frame (messages_to_dicts checks)
         return hasher.hexdigest(), media.process_video(len(encoded), hasher.size, resized, settings)
 
+    @property
+    def max_text_chars(self) -> int:
+        """The longest text that could tokenize within the prompt limit. A token covers at most the
+        model's longest vocabulary entry; a normalizer may merge a few characters into one (NFC),
+        hence the factor 4. Longer text is refused before it is templated or tokenized, which for
+        megabytes of text would hold a render thread (and the GIL) for seconds."""
+        tokens = self.limits.max_prompt_tokens or self.model.max_context_length
+        return tokens * self.model.longest_token_chars * 4
+
+    def check_text_length(self, length: int, field: str) -> None:
+        limit = self.max_text_chars
+        if length > limit:
+            tokens = self.limits.max_prompt_tokens or self.model.max_context_length
+            raise InvalidArgument(f"{field} has {length} characters: more than could ever fit the prompt limit of "
+                                  f"{tokens} tokens (at most {limit} characters), refused before tokenizing",
+                                  reason="PROMPT_TOO_LONG", field=field,
+                                  metadata={"limit": "max_prompt_tokens", "max": str(tokens)})
+
     def check_prompt_tokens(self, count: int, field: str) -> None:
         limit = self.limits.max_prompt_tokens
         if limit and count > limit:
@@ -295,6 +326,7 @@ class Renderer:
                                   violations=[FieldViolation("prompt_token_ids",
                                                              "set exactly one of prompt and prompt_token_ids")])
         if has_text:
+            self.check_text_length(len(request.prompt), "prompt")
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
             token_ids = encode_prompt_text(self.model.tokenizer, request.prompt, add_special_tokens=add_special)
             field = "prompt"
@@ -347,6 +379,7 @@ class Renderer:
 
     # ------------------------------------------------------------- tokenize
     def tokenize(self, request: render_pb2.TokenizeRequest) -> render_pb2.TokenizeResponse:
+        self.check_text_length(len(request.text), "text")
         token_ids = encode_prompt_text(self.model.tokenizer, request.text, request.add_special_tokens)
         response = render_pb2.TokenizeResponse(token_ids=token_ids)
         if request.return_token_strings:

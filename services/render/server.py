@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most frames in one video part (default %(default)s)")
     limits.add_argument("--max-prompt-tokens", type=int, default=0,
                         help="most prompt tokens, media placeholders included (default 0: the context limit)")
+    limits.add_argument("--max-template-seconds", type=float, default=10.0,
+                        help="run time of a chat template on one chat before it is stopped (default 10; a call's "
+                             "own deadline, when sooner, applies instead)")
     signing = parser.add_argument_group("feature signing")
     signing.add_argument("--hmac-key-file", default="",
                          help="file with the key shared with the engine; each media item gets an HMAC tag")
@@ -76,7 +79,7 @@ def config_from_args(args: argparse.Namespace) -> RenderConfig:
         media_cache_mb=args.media_cache_mb,
         max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
         max_images_per_request=args.max_images_per_request, max_video_frames=args.max_video_frames,
-        max_prompt_tokens=args.max_prompt_tokens,
+        max_prompt_tokens=args.max_prompt_tokens, max_template_seconds=args.max_template_seconds,
         hmac_key_file=args.hmac_key_file, hmac_key_id=args.hmac_key_id)
     config.validate()
     return config

@@ -12,6 +12,7 @@ from typing import Any
 from tito.logs import bind_request_id, request_id_var
 from tito.v1 import render_pb2_grpc
 
+from tito_render.deadline import WATCHDOG
 from tito_render.renderer import Renderer, new_request_id
 
 
@@ -43,12 +44,18 @@ class RenderServicer(render_pb2_grpc.RenderServiceServicer):
             return fn(*args)
         # Copy the request-id binding into the worker thread so its log lines carry it too.
         request_id = request_id_var.get()
+        token = object()  # this call, for the template watchdog
 
         def call() -> Any:
             bind_request_id(request_id)
-            return fn(*args)
+            with WATCHDOG.owned_by(token):
+                return fn(*args)
 
-        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+        except asyncio.CancelledError:
+            WATCHDOG.expire(token)  # the caller went away: stop its template now, not at its deadline
+            raise
 
     @staticmethod
     def _mark_worker(context: Any) -> None:
@@ -68,7 +75,8 @@ class RenderServicer(render_pb2_grpc.RenderServiceServicer):
         # carrying a large image costs milliseconds.
         inline = (not has_media(request) and not request.HasField("chat_template")
                   and request.ByteSize() <= INLINE_MAX_REQUEST_BYTES)
-        return await self._run(self._renderer.render_chat, request, request_id, inline=inline)
+        return await self._run(self._renderer.render_chat, request, request_id, context.time_remaining(),
+                               inline=inline)
 
     async def RenderCompletion(self, request, context):
         self._mark_worker(context)
