@@ -58,6 +58,8 @@ class RenderConfig(ServerConfig):
     #: Largest decoded image (width x height): decompression-bomb guard, checked from the header
     #: before any pixel is decoded. Also caps the min/max_pixels a request may ask for.
     max_image_pixels: int = 64_000_000
+    #: Decoded pixels of all images and video frames of one request together.
+    max_request_pixels: int = 128_000_000
     #: Most images (and video frames) in one request.
     max_images_per_request: int = 32
     #: Most frames in one video part (each frame also counts toward max_images_per_request).
@@ -99,7 +101,8 @@ class RenderConfig(ServerConfig):
                               f"existing directory, or leave it empty to refuse local files")
         if self.media_fetch_timeout <= 0:
             raise ConfigError(f"media_fetch_timeout={self.media_fetch_timeout} must be > 0 seconds")
-        for name in ("max_image_bytes", "max_image_pixels", "max_images_per_request", "max_video_frames"):
+        for name in ("max_image_bytes", "max_image_pixels", "max_request_pixels", "max_images_per_request",
+                     "max_video_frames"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.media_cache_mb < 0:

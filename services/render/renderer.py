@@ -24,7 +24,7 @@ from tito_render.media.cache import CachedImage, ProcessedImageCache
 from tito_render.media.features import TENSORS, Signer, build_item, resolve_payload
 from tito_render.media import video as video_math
 from tito_render.media.hashing import VideoHasher, image_hash, rgb_pixels
-from tito_render.media.loader import MediaPolicy, decode_image, read_source
+from tito_render.media.loader import MediaPolicy, PixelBudget, decode_image, read_source
 from tito_render.media.placeholders import check_marker_count, expand_media_markers, locate_spans
 from tito_render.media.processors import MediaAdapter, ProcessedImage
 from tito_render.media.video import VideoSettings
@@ -150,8 +150,9 @@ class Renderer:
             if media.video_marker:
                 check_marker_count(text, media.video_marker, len(videos), template_field, kind="video")
             if refs:
-                image_media = self._process_images(media, images, request.media_options, payload)
-                video_media = self._process_videos(media, videos, request.media_options, payload)
+                budget = PixelBudget(self.limits.media.max_request_pixels)
+                image_media = self._process_images(media, images, request.media_options, payload, budget)
+                video_media = self._process_videos(media, videos, request.media_options, payload, budget)
                 by_marker = {media.image_marker: image_media, media.video_marker: video_media}
                 prompt, order = expand_media_markers(
                     text, {marker: found.processed for marker, found in by_marker.items() if marker})
@@ -190,7 +191,7 @@ class Renderer:
         return response
 
     def _process_images(self, media: MediaAdapter, refs: list[ImageRef], media_options: render_pb2.MediaOptions,
-                        payload: int) -> PromptMedia:
+                        payload: int, budget: PixelBudget) -> PromptMedia:
         """Validate media_options, then load, hash and process each image (fail fast, field-named)."""
         started = time.perf_counter()
         kwargs = media.call_kwargs(media_options, self.limits.media.max_image_pixels)
@@ -205,7 +206,7 @@ class Renderer:
             key = cache.key(encoded, media.family, hash_options) if cache.enabled else None
             cached = cache.get(key, need_tensors=with_tensors) if key is not None else None
             if cached is None:
-                image = decode_image(encoded, encoded_field, self.limits.media)
+                image = decode_image(encoded, encoded_field, self.limits.media, budget)
                 pixels = rgb_pixels(image)  # packed once, for the hash and the processor
                 # With tensors, the hash runs on a helper thread while the processor works
                 # (hashlib and Pillow's resize release the GIL): the latency of the two is
@@ -231,7 +232,7 @@ class Renderer:
         return PromptMedia(refs, processed, hashes)
 
     def _process_videos(self, media: MediaAdapter, refs: list[VideoRef], media_options: render_pb2.MediaOptions,
-                        payload: int) -> PromptMedia:
+                        payload: int, budget: PixelBudget) -> PromptMedia:
         """Load every frame (the image loader and limits), then hash and process each video."""
         if not refs:
             return PromptMedia([], [], [])
@@ -247,7 +248,8 @@ class Renderer:
                    if self.image_cache.enabled else None)
             cached = self.image_cache.get(key, need_tensors=with_tensors) if key is not None else None
             if cached is None:
-                cached = CachedImage(*self._decode_video(media, ref, encoded, settings, hash_options, with_tensors))
+                cached = CachedImage(*self._decode_video(media, ref, encoded, settings, hash_options, with_tensors,
+                                                        budget))
                 if key is not None:
                     self.image_cache.put(key, cached)
             hashes.append(cached.mm_hash)
@@ -256,13 +258,14 @@ class Renderer:
         return PromptMedia(refs, processed, hashes)
 
     def _decode_video(self, media: MediaAdapter, ref: VideoRef, encoded: list[tuple[bytes, str]],
-                      settings: VideoSettings, hash_options: dict, with_tensors: bool) -> tuple[str, ProcessedImage]:
+                      settings: VideoSettings, hash_options: dict, with_tensors: bool,
+                      budget: PixelBudget) -> tuple[str, ProcessedImage]:
         """Decode, hash and (with tensors) resize one frame at a time, so that at most one full-size
         frame is held; then the video's tensors from the resized frames."""
         hasher: VideoHasher | None = None
         resized: list | None = [] if with_tensors else None
         for k, (data, data_field) in enumerate(encoded):
-            frame = decode_image(data, data_field, self.limits.media)
+            frame = decode_image(data, data_field, self.limits.media, budget)
             if hasher is None:
                 try:
                     video_math.resized_size(frame.height, frame.width, len(encoded), settings)

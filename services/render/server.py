@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest encoded image, bytes (default %(default)s)")
     limits.add_argument("--max-image-pixels", type=int, default=RenderConfig.max_image_pixels,
                         help="largest decoded image, width x height (decompression-bomb guard; default %(default)s)")
+    limits.add_argument("--max-request-pixels", type=int, default=RenderConfig.max_request_pixels,
+                        help="decoded pixels of all images and video frames of one request together, checked "
+                             "from each image's header before decoding (default %(default)s)")
     limits.add_argument("--max-images-per-request", type=int, default=RenderConfig.max_images_per_request,
                         help="most images in one request, video frames included (default %(default)s)")
     limits.add_argument("--max-video-frames", type=int, default=RenderConfig.max_video_frames,
@@ -78,6 +81,7 @@ def config_from_args(args: argparse.Namespace) -> RenderConfig:
         allow_remote_media=args.allow_remote_media, media_fetch_timeout=args.media_fetch_timeout,
         media_cache_mb=args.media_cache_mb,
         max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
+        max_request_pixels=args.max_request_pixels,
         max_images_per_request=args.max_images_per_request, max_video_frames=args.max_video_frames,
         max_prompt_tokens=args.max_prompt_tokens, max_template_seconds=args.max_template_seconds,
         hmac_key_file=args.hmac_key_file, hmac_key_id=args.hmac_key_id)

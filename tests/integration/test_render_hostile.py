@@ -37,9 +37,9 @@ def user(text: str = "What is the weather in Paris?") -> chat_pb2.ChatMessage:
     return chat_pb2.ChatMessage(role="user", content=text)
 
 
-def png() -> bytes:
+def png(seed: int = 0) -> bytes:
     buffer = io.BytesIO()
-    Image.fromarray(np.random.RandomState(0).randint(0, 256, (64, 64, 3), dtype=np.uint8)).save(buffer, "PNG")
+    Image.fromarray(np.random.RandomState(seed).randint(0, 256, (64, 64, 3), dtype=np.uint8)).save(buffer, "PNG")
     return buffer.getvalue()
 
 
@@ -295,3 +295,22 @@ def test_ordinary_template_arithmetic_still_works(text_stub):
     response = text_stub.RenderChat(render_pb2.RenderChatRequest(
         messages=[user()], chat_template=template, return_prompt_text=True), timeout=TIMEOUT)
     assert response.prompt_text == ("=" * 80 + str(2 ** 64) + " What is the weather in Paris?" + "3" + "." * 1000)
+
+
+def test_a_request_has_one_pixel_budget_across_its_images(tiny_vl_model, aio_server):
+    """Each 64x64 image is within --max-image-pixels, but three of them exceed the request's budget:
+    refused at the image that crosses it, from its header, before its pixels are decoded."""
+    # No processed-image cache: a cached image is not decoded again, so it spends nothing.
+    config = RenderConfig(model=str(tiny_vl_model), max_request_pixels=3 * 64 * 64 - 1, media_cache_mb=0)
+    server = aio_server(lambda: create_server(config))
+    images = [chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=png(seed))) for seed in range(3)]
+    with server.channel() as channel:
+        stub = render_pb2_grpc.RenderServiceStub(channel)
+        two = render_pb2.RenderChatRequest(messages=[chat_pb2.ChatMessage(
+            role="user", content_parts=[*images[:2], chat_pb2.ContentPart(text="Compare them")])])
+        assert stub.RenderChat(two, timeout=TIMEOUT).generate_request.mm_features.items
+        three = render_pb2.RenderChatRequest(messages=[chat_pb2.ChatMessage(
+            role="user", content_parts=[*images, chat_pb2.ContentPart(text="Compare them")])])
+        details = refused(stub, three)
+    assert (details["code"], details["reason"]) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "REQUEST_TOO_MANY_PIXELS")
+    assert details["fields"] == ["messages[0].content_parts[2].image.data"]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from tito.errors import InvalidArgument
+from tito.errors import InvalidArgument, ResourceExhausted
 from tito.v1 import chat_pb2
 
 #: Formats render decodes; anything else is refused before a plugin runs.
@@ -49,12 +49,31 @@ class MediaPolicy:
     fetch_timeout: float = 10.0
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 64_000_000
+    max_request_pixels: int = 128_000_000  # all images and video frames of one request, decoded
 
     @classmethod
     def from_config(cls, config) -> "MediaPolicy":
         return cls(media_dir=Path(config.media_dir).resolve() if config.media_dir else None,
                    allow_remote=config.allow_remote_media, fetch_timeout=config.media_fetch_timeout,
-                   max_image_bytes=config.max_image_bytes, max_image_pixels=config.max_image_pixels)
+                   max_image_bytes=config.max_image_bytes, max_image_pixels=config.max_image_pixels,
+                   max_request_pixels=config.max_request_pixels)
+
+
+class PixelBudget:
+    """The pixels one request may decode across all its images and frames, spent from each image's
+    header before its pixels are decoded."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.spent = 0
+
+    def spend(self, width: int, height: int, field: str) -> None:
+        self.spent += width * height
+        if self.spent > self.limit:
+            raise ResourceExhausted(
+                f"the request's images and frames come to more than {self.limit} decoded pixels "
+                f"(--max-request-pixels), reached at this {width}x{height} image", reason="REQUEST_TOO_MANY_PIXELS",
+                field=field, metadata={"limit": "max_request_pixels", "max": str(self.limit)})
 
 
 def load_image(source: chat_pb2.ImageSource, field: str, policy: MediaPolicy) -> Image.Image:
@@ -215,8 +234,9 @@ def _too_many_pixels(width: int, height: int, field: str, policy: MediaPolicy) -
         metadata={"limit": "max_image_pixels", "max": str(policy.max_image_pixels)})
 
 
-def decode_image(data: bytes, field: str, policy: MediaPolicy) -> Image.Image:
-    """Decode `data` into an RGB image (alpha dropped, as the Hugging Face processors do: `to_rgb`)."""
+def decode_image(data: bytes, field: str, policy: MediaPolicy, budget: PixelBudget | None = None) -> Image.Image:
+    """Decode `data` into an RGB image (alpha dropped, as the Hugging Face processors do: `to_rgb`);
+    its pixels are spent from the request's `budget` (when given) before they are decoded."""
     if len(data) > policy.max_image_bytes:
         raise _too_large(len(data), field, policy)
     if not data:
@@ -230,6 +250,8 @@ def decode_image(data: bytes, field: str, policy: MediaPolicy) -> Image.Image:
             raise _too_many_pixels(width, height, field, policy)
         if width < 1 or height < 1:
             raise InvalidArgument("image has no pixels", reason="CORRUPT_IMAGE", field=field)
+        if budget is not None:
+            budget.spend(width, height, field)
         image.load()
         return to_rgb(image)
     except Image.DecompressionBombError as exc:
@@ -237,7 +259,7 @@ def decode_image(data: bytes, field: str, policy: MediaPolicy) -> Image.Image:
                               f"{policy.max_image_pixels} (--max-image-pixels)", reason="IMAGE_TOO_MANY_PIXELS",
                               field=field, metadata={"limit": "max_image_pixels",
                                                      "max": str(policy.max_image_pixels)}) from exc
-    except InvalidArgument:
+    except (InvalidArgument, ResourceExhausted):
         raise
     except Image.UnidentifiedImageError as exc:
         raise InvalidArgument(f"not a decodable image (supported formats: {', '.join(ALLOWED_FORMATS)})",
