@@ -69,7 +69,11 @@ class AioServer:
 
     def start(self) -> "AioServer":
         self._thread.start()
-        self.running = asyncio.run_coroutine_threadsafe(self._factory(), self._loop).result(timeout=120)
+        try:
+            self.running = asyncio.run_coroutine_threadsafe(self._factory(), self._loop).result(timeout=120)
+        except BaseException:
+            self.stop()  # nothing started: do not leave the loop's thread behind
+            raise
         return self
 
     @property

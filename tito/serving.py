@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tito.config import ServerConfig
+from tito.config import ConfigError, ServerConfig
 from tito.grpc_errors import ErrorMappingInterceptor
 from tito.security import OPEN_METHOD_PREFIXES, AuthInterceptor, read_token_file, server_credentials
 
@@ -97,18 +97,25 @@ async def start_server(
         if config.tls_cert_file else None
 
     def bind(where: str) -> int:
-        return server.add_secure_port(where, credentials) if credentials else server.add_insecure_port(where)
+        try:
+            port = server.add_secure_port(where, credentials) if credentials else server.add_insecure_port(where)
+        except RuntimeError:  # grpc's "Failed to bind to address"
+            port = 0
+        if port == 0 and not where.startswith("unix:"):
+            raise ConfigError(f"--address {where}: cannot listen there (the port is in use, or the host is not "
+                              f"this machine's); pick another port (0 = any free one) or stop what listens there")
+        return port
 
     if address.startswith("unix:"):
         path = address.removeprefix("unix://").removeprefix("unix:")
         if os.path.exists(path):
             os.unlink(path)  # a stale socket from a previous run would make the bind fail
-        bind(address)
+        if not bind(address):
+            raise ConfigError(f"--address {address}: cannot create the socket (does its directory exist and is "
+                              f"it writable?)")
         dial = address
     else:
         port = bind(address)
-        if port == 0:
-            raise OSError(f"could not bind {address}: address in use or not available")
         host = address.rsplit(":", 1)[0]
         dial = f"{host}:{port}"
     await server.start()

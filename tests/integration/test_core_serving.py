@@ -5,7 +5,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tito.config import ServerConfig
+from tito.config import ConfigError, ServerConfig
 from tito.errors import InvalidArgument
 from tito.grpc_errors import error_details
 from tito.serving import start_server
@@ -103,3 +103,11 @@ def test_stop_turns_health_not_serving_and_refuses_new_calls(aio_server):
         stub.Detokenize(derender_pb2.DetokenizeRequest(token_ids=[1]), timeout=2)
     assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     channel.close()
+
+
+def test_an_address_in_use_is_a_config_error_not_a_traceback(aio_server, tmp_path):
+    server = aio_server(_factory())
+    with pytest.raises(ConfigError, match="in use"):
+        aio_server(_factory(address=server.address))
+    with pytest.raises(ConfigError, match="cannot create the socket"):
+        aio_server(_factory(address=f"unix:{tmp_path / 'missing' / 'x.sock'}"))
