@@ -18,12 +18,13 @@ from tito.config import DEFAULT_MAX_MESSAGE_BYTES
 from tito.errors import FieldViolation, InvalidArgument, ResourceExhausted
 from tito.v1 import chat_pb2, derender_pb2, engine_pb2, multimodal_pb2, render_pb2
 
-from tito_render.chat_template import (DEFAULT_TEMPLATE_SECONDS, ChatRenderOptions, encode_prompt_text, ends_inside_reasoning,
+from tito_render.chat_template import (DEFAULT_TEMPLATE_SECONDS, ChatRenderOptions, ends_inside_reasoning,
                                        render_chat_text)
 from tito_render.media.cache import CachedImage, ProcessedImageCache
 from tito_render.media.features import TENSORS, Signer, build_item, resolve_payload
 from tito_render.media import video as video_math
 from tito_render.media.hashing import VideoHasher, image_hash, rgb_pixels
+from tito_render.long_text import LongTextEncoder
 from tito_render.media.loader import MediaPolicy, PixelBudget, decode_image, read_source
 from tito_render.media.placeholders import check_marker_count, expand_media_markers, locate_spans
 from tito_render.media.processors import MediaAdapter, ProcessedImage
@@ -88,6 +89,7 @@ class Renderer:
         self.limits = limits or RenderLimits()
         self.signer = signer
         self.image_cache = ProcessedImageCache(self.limits.media_cache_bytes)
+        self.encoder = LongTextEncoder(model.tokenizer, model.path)  # long text: off this process's GIL
 
     # ------------------------------------------------------------------ chat
     def chat_options(self, request: render_pb2.RenderChatRequest,
@@ -158,7 +160,7 @@ class Renderer:
                     text, {marker: found.processed for marker, found in by_marker.items() if marker})
                 processed = [by_marker[marker].processed[i] for marker, i in order]
                 hashes = [by_marker[marker].hashes[i] for marker, i in order]
-        token_ids = encode_prompt_text(self.model.tokenizer, prompt, add_special_tokens=False)
+        token_ids = self.encoder.encode(prompt, add_special_tokens=False)
         if not token_ids:
             raise InvalidArgument("the chat template rendered an empty prompt", reason="EMPTY_PROMPT",
                                   field="messages")
@@ -331,7 +333,7 @@ class Renderer:
         if has_text:
             self.check_text_length(len(request.prompt), "prompt")
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            token_ids = encode_prompt_text(self.model.tokenizer, request.prompt, add_special_tokens=add_special)
+            token_ids = self.encoder.encode(request.prompt, add_special_tokens=add_special)
             field = "prompt"
             if not token_ids:
                 raise InvalidArgument("prompt encodes to no tokens", reason="EMPTY_PROMPT", field="prompt")
@@ -383,7 +385,7 @@ class Renderer:
     # ------------------------------------------------------------- tokenize
     def tokenize(self, request: render_pb2.TokenizeRequest) -> render_pb2.TokenizeResponse:
         self.check_text_length(len(request.text), "text")
-        token_ids = encode_prompt_text(self.model.tokenizer, request.text, request.add_special_tokens)
+        token_ids = self.encoder.encode(request.text, request.add_special_tokens)
         response = render_pb2.TokenizeResponse(token_ids=token_ids)
         if request.return_token_strings:
             response.token_strings.extend(self.model.tokenizer.convert_ids_to_tokens(token_ids))

@@ -114,7 +114,9 @@ async def create_server(config: RenderConfig) -> RunningServer:
     except BaseException:
         await running.stop(0)
         raise
-    servicer_slot[0].attach(RenderServicer(Renderer(model, RenderLimits.from_config(config), signer), executor))
+    renderer = Renderer(model, RenderLimits.from_config(config), signer)
+    running.add_cleanup(renderer.encoder.close)
+    servicer_slot[0].attach(RenderServicer(renderer, executor))
     if signer:
         log.info("media items are signed (HMAC-SHA256, key id %r)", config.hmac_key_id)
     await running.set_serving()

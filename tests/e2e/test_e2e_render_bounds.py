@@ -141,3 +141,36 @@ def test_runaway_templates_are_stopped_and_every_render_thread_comes_back(render
     assert max(seconds for seconds, _ in limited) < 2 * (2.0 + 1.0)
     assert cpu_idle < 0.3, f"the server still burns CPU ({cpu_idle:.2f} s in 1 s): a template is still running"
     assert after < 3 * idle + 0.005
+
+
+def test_a_long_valid_prompt_does_not_stall_other_renders(render_process):
+    """Just under the length bound, the text is tokenized in render's helper process: small renders
+    meanwhile keep their pace (the Rust tokenizer would hold this process's GIL throughout)."""
+    address, _ = render_process
+    with grpc.insecure_channel(address) as channel:
+        stub = render_pb2_grpc.RenderServiceStub(channel)
+        small = _chat("Hello there")
+        long = _chat("the sea " * 15000 + "ok", sampling=render_pb2.SamplingOptions(max_tokens=1))  # 120k characters
+        with pytest.raises(grpc.RpcError) as exc:  # tokenized (in the helper): too many tokens for the context
+            stub.RenderChat(long, timeout=60)
+        assert error_details(exc.value)["reason"] == "PROMPT_TOO_LONG"
+        idle = statistics.median(_latency(stub, small) for _ in range(30))
+        busy: list[float] = []
+        done = threading.Event()
+
+        def small_renders():
+            while not done.is_set():
+                busy.append(_latency(stub, small))
+
+        neighbour = threading.Thread(target=small_renders)
+        neighbour.start()
+        try:
+            for _ in range(3):
+                with pytest.raises(grpc.RpcError):
+                    stub.RenderChat(long, timeout=60)
+        finally:
+            done.set()
+            neighbour.join()
+    assert statistics.median(busy) < 2 * idle + 0.002
+    print(f"\nsmall render latency while long prompts render: p50 {statistics.median(busy) * 1000:.1f} ms, max {max(busy) * 1000:.1f} ms (idle p50 {idle * 1000:.1f} ms)")
+    assert max(busy) < 0.25, f"a small render waited {max(busy) * 1000:.0f} ms behind the long one"

@@ -1,0 +1,21 @@
+"""Long text is tokenized in a helper process, with exactly the in-process ids."""
+
+from __future__ import annotations
+
+from transformers import AutoTokenizer
+
+from tito_render.chat_template import encode_prompt_text
+from tito_render.long_text import IN_PROCESS_CHARS, LongTextEncoder
+
+
+def test_long_text_gives_the_same_ids_as_in_process(tiny_text_model):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_text_model)
+    encoder = LongTextEncoder(tokenizer, tiny_text_model)
+    try:
+        short = "Hello there, café 🎉"
+        long = ("The sea, the sky and <|im_end|> the river 日本 " * 4000)[: IN_PROCESS_CHARS * 2]
+        assert encoder.encode(short, False) == encode_prompt_text(tokenizer, short, False)
+        for add_special in (False, True):
+            assert encoder.encode(long, add_special) == encode_prompt_text(tokenizer, long, add_special)
+    finally:
+        encoder.close()
