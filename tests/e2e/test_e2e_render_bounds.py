@@ -13,6 +13,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -64,6 +66,25 @@ def _latency(stub, request) -> float:
     return time.perf_counter() - start
 
 
+@contextmanager
+def _small_renders_meanwhile(stub, request) -> Iterator[list[float]]:
+    """Renders `request` over and over on another thread while the body runs; their latencies."""
+    latencies: list[float] = []
+    done = threading.Event()
+
+    def loop():
+        while not done.is_set():
+            latencies.append(_latency(stub, request))
+
+    neighbour = threading.Thread(target=loop)
+    neighbour.start()
+    try:
+        yield latencies
+    finally:
+        done.set()
+        neighbour.join()
+
+
 def test_a_50_mb_message_is_refused_fast_and_small_renders_keep_their_pace(render_process):
     address, pid = render_process
     options = [("grpc.max_send_message_length", 128 << 20)]
@@ -75,24 +96,12 @@ def test_a_50_mb_message_is_refused_fast_and_small_renders_keep_their_pace(rende
         idle = statistics.median(_latency(stub, small) for _ in range(50))
         huge = _chat("x" * (50 << 20))
         rss_before = _rss_mib(pid)
-        busy: list[float] = []
-        done = threading.Event()
-
-        def small_renders():
-            while not done.is_set():
-                busy.append(_latency(stub, small))
-
-        neighbour = threading.Thread(target=small_renders)
-        neighbour.start()
-        try:
+        with _small_renders_meanwhile(stub, small) as busy:
             start = time.perf_counter()
             with pytest.raises(grpc.RpcError) as exc:
                 stub.RenderChat(huge, timeout=30)
             elapsed = time.perf_counter() - start
             time.sleep(0.2)
-        finally:
-            done.set()
-            neighbour.join()
         rss_after = _rss_mib(pid)
     details = error_details(exc.value)
     assert (details["code"], details["reason"], details["fields"]) == (
@@ -155,22 +164,10 @@ def test_a_long_valid_prompt_does_not_stall_other_renders(render_process):
             stub.RenderChat(long, timeout=60)
         assert error_details(exc.value)["reason"] == "PROMPT_TOO_LONG"
         idle = statistics.median(_latency(stub, small) for _ in range(30))
-        busy: list[float] = []
-        done = threading.Event()
-
-        def small_renders():
-            while not done.is_set():
-                busy.append(_latency(stub, small))
-
-        neighbour = threading.Thread(target=small_renders)
-        neighbour.start()
-        try:
+        with _small_renders_meanwhile(stub, small) as busy:
             for _ in range(3):
                 with pytest.raises(grpc.RpcError):
                     stub.RenderChat(long, timeout=60)
-        finally:
-            done.set()
-            neighbour.join()
     assert statistics.median(busy) < 2 * idle + 0.002
     print(f"\nsmall render latency while long prompts render: p50 {statistics.median(busy) * 1000:.1f} ms, max {max(busy) * 1000:.1f} ms (idle p50 {idle * 1000:.1f} ms)")
     assert max(busy) < 0.25, f"a small render waited {max(busy) * 1000:.0f} ms behind the long one"
