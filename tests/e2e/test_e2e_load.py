@@ -18,10 +18,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tito.cli import SERVICES, spawn_all, stop_all
-from tito.pipeline import wait_until_serving
+from tito.cli import SERVICES
 from tito.v1 import (chat_pb2, derender_pb2, derender_pb2_grpc, engine_pb2, engine_pb2_grpc, render_pb2,
                      render_pb2_grpc)
+
+from service_processes import running_services
 
 pytestmark = pytest.mark.e2e
 
@@ -35,17 +36,10 @@ WORDS = "sea sky river stone cloud garden lantern harbour meadow violin winter a
 
 @pytest.fixture(scope="module")
 def services(tiny_text_model, tmp_path_factory):
-    sockets = tmp_path_factory.mktemp("load-sockets")
-    addresses = {name: f"unix:{sockets / (name + '.sock')}" for name in SERVICES}
     # Room for the whole load at once: 256 streams run together instead of queueing.
-    processes = spawn_all(addresses, str(tiny_text_model), "cpu", "warning",
-                          extra_args={"engine": ["--max-running-requests", "256", "--kv-cache-bytes", str(128 << 20)]})
-    try:
-        for name in SERVICES:
-            wait_until_serving(addresses[name], timeout=180)
-        yield addresses, processes
-    finally:
-        stop_all(processes)
+    extra = {"engine": ["--max-running-requests", "256", "--kv-cache-bytes", str(128 << 20)]}
+    with running_services(tiny_text_model, tmp_path_factory.mktemp("load-sockets"), "cpu", extra) as running:
+        yield running
 
 
 def _chat(index: int) -> render_pb2.RenderChatRequest:

@@ -17,10 +17,11 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from tito import tensors
-from tito.cli import SERVICES, spawn_all, stop_all
 from tito.grpc_errors import error_details
-from tito.pipeline import ChatPipeline, Endpoints, wait_until_serving
+from tito.pipeline import ChatPipeline, Endpoints
 from tito.v1 import chat_pb2, engine_pb2, render_pb2
+
+from service_processes import running_services
 
 pytestmark = pytest.mark.e2e
 
@@ -40,19 +41,13 @@ def services(tiny_vl_model, tmp_path_factory):
     directory = tmp_path_factory.mktemp("mm-e2e")
     key_file = directory / "hmac.key"
     key_file.write_text("e2e-shared-key-0123456789abcdef\n")
-    addresses = {name: f"unix:{directory / (name + '.sock')}" for name in SERVICES}
     extra = {
         "render": ["--hmac-key-file", str(key_file), "--workers", "1"],
         "engine": ["--hmac-key-file", str(key_file), "--require-signed-features"],
         "derender": [],
     }
-    processes = spawn_all(addresses, str(tiny_vl_model), "auto", "warning", extra)
-    try:
-        for name in SERVICES:
-            wait_until_serving(addresses[name], timeout=180)
+    with running_services(tiny_vl_model, directory, "auto", extra) as (addresses, _):
         yield addresses
-    finally:
-        stop_all(processes)
 
 
 def chat_request(url: str) -> render_pb2.RenderChatRequest:

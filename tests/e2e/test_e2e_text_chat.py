@@ -9,11 +9,11 @@ import sys
 import grpc
 import pytest
 
-from tito.cli import SERVICES, spawn_all, stop_all
 from tito.pipeline import ChatPipeline, Endpoints, wait_until_serving
 from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, render_pb2
 
 from chat_checks import assert_chat_is_hf_greedy
+from service_processes import running_services
 
 pytestmark = pytest.mark.e2e
 
@@ -21,15 +21,8 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def services(tiny_text_model, tmp_path_factory):
     """Start the three services as separate processes on Unix sockets; stop them with SIGTERM."""
-    sockets = tmp_path_factory.mktemp("sockets")
-    addresses = {name: f"unix:{sockets / (name + '.sock')}" for name in SERVICES}
-    processes = spawn_all(addresses, str(tiny_text_model), "auto", "warning")
-    try:
-        for name in SERVICES:
-            wait_until_serving(addresses[name], timeout=180)
-        yield addresses, processes
-    finally:
-        stop_all(processes)
+    with running_services(tiny_text_model, tmp_path_factory.mktemp("sockets")) as running:
+        yield running
 
 
 CHATS = [

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from tito.cli import SERVICES, spawn_all, stop_all
-from tito.pipeline import wait_until_serving
+from tito.cli import SERVICES, stop_all
 from tito.v1 import chat_pb2
 
 from chat_checks import assert_chat_is_hf_greedy
+from service_processes import running_services
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -24,15 +24,9 @@ VLLM_ENGINE_ARGS = ["--backend", "vllm", "--kv-cache-bytes", str(32 << 20), "--m
 
 @pytest.fixture(scope="module")
 def services(tiny_text_model_d64, tmp_path_factory):
-    sockets = tmp_path_factory.mktemp("vllm-sockets")
-    addresses = {name: f"unix:{sockets / (name + '.sock')}" for name in SERVICES}
-    processes = spawn_all(addresses, str(tiny_text_model_d64), "auto", "warning", extra_args={"engine": VLLM_ENGINE_ARGS})
-    try:
-        for name in SERVICES:
-            wait_until_serving(addresses[name], timeout=300)
-        yield addresses, processes
-    finally:
-        stop_all(processes)
+    with running_services(tiny_text_model_d64, tmp_path_factory.mktemp("vllm-sockets"),
+                          extra_args={"engine": VLLM_ENGINE_ARGS}) as running:
+        yield running
 
 
 def test_a_chat_streams_hf_greedy_text_through_the_vllm_backend(services, tiny_text_model_d64):
