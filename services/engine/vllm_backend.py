@@ -191,19 +191,17 @@ class VllmEngine:
 
     async def generate(self, request: AdmittedRequest) -> AsyncIterator[ChoiceOutput]:
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-        try:
-            prompt = self._engine_input(request)
-            params = sampling_params(request.options, self.info.eos_token_ids)
-        except TitoError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            raise _map_vllm_error(exc) from exc
+        # Registered first: a request refused here (duplicate id, full queue) must not have touched
+        # vLLM's multimodal cache bookkeeping in _engine_input.
         self._register(request_id, request.options.n)
         converter = OutputConverter(request.options, len(request.token_ids))
         finished = False
-        stream = self._llm.generate(prompt, params, request_id)
+        stream = None
         try:
             try:
+                prompt = self._engine_input(request)
+                params = sampling_params(request.options, self.info.eos_token_ids)
+                stream = self._llm.generate(prompt, params, request_id)
                 async for output in stream:
                     for choice in converter.convert(output):
                         yield choice
@@ -217,7 +215,7 @@ class VllmEngine:
                 self._live.pop(request_id, None)
                 if finished:
                     self._finished += 1
-            if not finished:
+            if stream is not None and not finished:
                 await stream.aclose()  # vLLM aborts the request when its generator is closed early
 
     def _engine_input(self, request: AdmittedRequest) -> Any:
