@@ -98,6 +98,11 @@ class Unavailable(TitoError):
     code_name = "UNAVAILABLE"
 
 
+def still_loading(service: str) -> Unavailable:
+    """The one answer of every service between binding its port and having its model loaded."""
+    return Unavailable(f"{service} is still loading its model; retry shortly", reason="MODEL_LOADING")
+
+
 @dataclass
 class Violations:
     """Collects field violations so a validator can report them all at once."""

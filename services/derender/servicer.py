@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from tito.errors import InvalidArgument, Unavailable
+from tito.errors import InvalidArgument, still_loading
 from tito.logs import bind_request_id
 from tito.v1 import derender_pb2, derender_pb2_grpc
 from tito_derender.convert import (
@@ -33,7 +33,7 @@ class DerenderServicer(derender_pb2_grpc.DerenderServiceServicer):
     @property
     def tokenizer(self) -> TextTokenizer:
         if self._tokenizer is None:
-            raise Unavailable("derender is still loading its tokenizer; retry shortly", reason="LOADING")
+            raise still_loading("derender")
         return self._tokenizer
 
     async def Derender(self, request_iterator: AsyncIterator[derender_pb2.DerenderRequest],

@@ -6,7 +6,7 @@ Every request passes the same admission (admission.py) and then goes to the back
 
 from __future__ import annotations
 
-from tito.errors import Unavailable
+from tito.errors import still_loading
 from tito.logs import bind_request_id
 from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2, sampling_pb2
 
@@ -99,7 +99,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     @property
     def _engine(self) -> EngineBackend:
         if self._backend is None:
-            raise Unavailable("the engine is still loading its model; retry shortly", reason="MODEL_LOADING")
+            raise still_loading("the engine")
         return self._backend
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context):

@@ -9,7 +9,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from tito.config import ConfigError, server_fields_from_args
-from tito.errors import Unavailable
+from tito.errors import still_loading
 from tito.model_paths import resolve_model
 from tito.serving import RunningServer, run_until_signal, start_server
 from tito.v1 import render_pb2
@@ -134,7 +134,7 @@ class _LazyServicer(RenderServicer):
 
     def _ready(self) -> RenderServicer:
         if self._inner is None:
-            raise Unavailable("render is loading its model; retry shortly", reason="LOADING")
+            raise still_loading("render")
         return self._inner
 
     async def RenderChat(self, request, context):

@@ -1,6 +1,7 @@
+import pytest
 from google.rpc import code_pb2, error_details_pb2
 
-from tito.errors import FieldViolation, InvalidArgument, ResourceExhausted, Violations
+from tito.errors import FieldViolation, InvalidArgument, ResourceExhausted, Unavailable, Violations
 from tito.grpc_errors import clip, status_for
 
 
@@ -74,3 +75,17 @@ def test_a_caller_request_id_cannot_forge_or_bloat_log_lines():
     assert len(request_id_var.get()) <= 131
     bind_request_id("")
     assert request_id_var.get() == "-"
+
+
+def test_every_service_answers_still_loading_the_same_way():
+    from tito_derender.servicer import DerenderServicer
+    from tito_engine.servicer import EngineServicer
+    from tito_render.server import _LazyServicer
+
+    for not_ready in (lambda: DerenderServicer().tokenizer, lambda: EngineServicer()._engine,
+                      lambda: _LazyServicer()._ready()):
+        with pytest.raises(Unavailable) as raised:
+            not_ready()
+        status = status_for(raised.value)
+        assert status.code == code_pb2.UNAVAILABLE and _unpack(status, error_details_pb2.ErrorInfo).reason == \
+            "MODEL_LOADING" and "still loading its model" in status.message
