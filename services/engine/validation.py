@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tito.contract import INVALID_SAMPLING_PARAMS, MAX_TOP_LOGPROBS
 from tito.errors import InvalidArgument, Violations
 
 from .request import GenerateInput, RawSamplingParams, SamplingOptions
 
-MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def resolve_sampling(raw: RawSamplingParams, prompt_len: int, limits: ModelLimit
     max_tokens = room if raw.max_tokens is None else raw.max_tokens
     if raw.min_tokens > max_tokens:
         violations.add(field("min_tokens"), f"must not exceed max_tokens ({max_tokens}), got {raw.min_tokens}")
-    violations.raise_if_any(reason="INVALID_SAMPLING_PARAMS")
+    violations.raise_if_any(reason=INVALID_SAMPLING_PARAMS)
 
     return SamplingOptions(
         max_tokens=max_tokens,

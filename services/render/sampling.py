@@ -11,11 +11,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from tito.contract import INVALID_SAMPLING_PARAMS, MAX_TOP_LOGPROBS
 from tito.errors import InvalidArgument, Violations
 from tito.v1 import render_pb2, sampling_pb2
 
 MAX_STOP_STRINGS = 16
-MAX_TOP_LOGPROBS = 20
 MAX_N = 128
 
 #: tito's own defaults (used when neither the request nor the generation config sets a value).
@@ -119,7 +119,7 @@ def resolve_sampling(options: render_pb2.SamplingOptions,
         if token_id >= limits.vocab_size:
             violations.add(f"sampling.stop_token_ids[{i}]",
                            f"token id {token_id} is outside the vocabulary [0, {limits.vocab_size})")
-    violations.raise_if_any(reason="INVALID_SAMPLING")
+    violations.raise_if_any(reason=INVALID_SAMPLING_PARAMS)
 
     params = sampling_pb2.SamplingParams(
         max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
