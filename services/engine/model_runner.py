@@ -76,6 +76,23 @@ def model_fingerprint(model_dir: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def describe_model(model_dir: Path, config: Any, *, model_id: str, vocab_size: int, max_context_length: int,
+                   dtype: str, device: str, multimodal: bool = True) -> tuple[ModelInfo, ModelMultimodalSpec | None]:
+    """The model's identity and the media it takes, as every backend reports them (GetModelInfo) and
+    admits them (features.py). `multimodal=False`: the backend serves the model as text only."""
+    fingerprint = model_fingerprint(model_dir)
+    mm_spec = multimodal_spec_from_config(config, fingerprint) if multimodal else None
+    media = mm_spec.modalities if mm_spec is not None else {}
+    info = ModelInfo(
+        model_id=model_id, vocab_size=vocab_size, max_context_length=max_context_length,
+        eos_token_ids=eos_token_ids(model_dir, config), dtype=dtype, device=device, fingerprint=fingerprint,
+        modalities=tuple(media),
+        placeholders=tuple((name, token_text(model_dir, spec.placeholder_token_id), spec.placeholder_token_id)
+                           for name, spec in media.items()),
+        model_family=getattr(config, "model_type", ""))
+    return info, mm_spec
+
+
 def eos_token_ids(model_dir: Path, config: Any) -> tuple[int, ...]:
     """EOS ids from generation_config.json (int or list) plus the model config's, in order."""
     ids: list[int] = []
@@ -164,24 +181,10 @@ class ModelRunner:
         if max_model_len is not None and max_model_len > model_max:
             log.warning("max_model_len=%d exceeds the model's max_position_embeddings=%d; quality may "
                         "degrade past it", max_model_len, model_max)
-        fingerprint = model_fingerprint(model_dir)
         # What media the model takes and how (features.py admission); None for text-only models.
-        self.mm_spec: ModelMultimodalSpec | None = multimodal_spec_from_config(config, fingerprint)
-        modalities = tuple(self.mm_spec.modalities) if self.mm_spec is not None else ()
-        placeholders = tuple((name, token_text(model_dir, spec.placeholder_token_id), spec.placeholder_token_id)
-                             for name, spec in self.mm_spec.modalities.items()) if self.mm_spec else ()
-        self.info = ModelInfo(
-            model_id=model_id,
-            vocab_size=vocab_size,
-            max_context_length=max_model_len or model_max,
-            eos_token_ids=eos_token_ids(model_dir, config),
-            dtype=str(self.dtype).removeprefix("torch."),
-            device=str(self.device),
-            fingerprint=fingerprint,
-            modalities=modalities,
-            placeholders=placeholders,
-            model_family=getattr(config, "model_type", ""),
-        )
+        self.info, self.mm_spec = describe_model(
+            model_dir, config, model_id=model_id, vocab_size=vocab_size, max_context_length=max_model_len or model_max,
+            dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
         self.cache = self._make_cache(text_config, kv_cache or KVCacheSpec())
         self.decoder = BatchedDecoder(self.model, self.cache, max_positions=self.info.max_context_length)
         log.info("loaded %s on %s (%s): vocab %d, context %d, eos %s, fingerprint %s; KV cache %d blocks x %d "

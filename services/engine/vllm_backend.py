@@ -25,8 +25,8 @@ from tito.errors import FailedPrecondition, InvalidArgument, TitoError, Unavaila
 
 from .admission import AdmittedRequest, KVCapacity
 from .backend import LoadSnapshot, check_can_accept
-from .features import CheckedFeatures, multimodal_spec_from_config
-from .model_runner import ModelInfo, eos_token_ids, model_fingerprint, token_text
+from .features import CheckedFeatures
+from .model_runner import describe_model
 from .request import ChoiceOutput
 from .vllm_inputs import MediaConverter, OutputConverter, engine_input, sampling_params
 
@@ -108,25 +108,11 @@ class VllmEngine:
         vllm_config = self._llm.vllm_config
         model_config = vllm_config.model_config
         hf_config = model_config.hf_config
-        fingerprint = model_fingerprint(Path(model_dir))
-        self.mm_spec = multimodal_spec_from_config(hf_config, fingerprint)
-        if self.mm_spec is not None and not model_config.is_multimodal_model:
-            self.mm_spec = None
-        modalities = tuple(self.mm_spec.modalities) if self.mm_spec is not None else ()
-        placeholders = tuple((name, token_text(Path(model_dir), spec.placeholder_token_id), spec.placeholder_token_id)
-                             for name, spec in self.mm_spec.modalities.items()) if self.mm_spec else ()
-        self.info = ModelInfo(
-            model_id=model_id,
+        self.info, self.mm_spec = describe_model(
+            Path(model_dir), hf_config, model_id=model_id,
             vocab_size=model_config.get_vocab_size(),  # embedding rows, padding included
-            max_context_length=model_config.max_model_len,
-            eos_token_ids=eos_token_ids(Path(model_dir), hf_config),
-            dtype=str(model_config.dtype).removeprefix("torch."),
-            device=_device_name(vllm_config),
-            fingerprint=fingerprint,
-            modalities=modalities,
-            placeholders=placeholders,
-            model_family=getattr(hf_config, "model_type", ""),
-        )
+            max_context_length=model_config.max_model_len, dtype=str(model_config.dtype).removeprefix("torch."),
+            device=_device_name(vllm_config), multimodal=model_config.is_multimodal_model)
         self.max_running_requests = vllm_config.scheduler_config.max_num_seqs
         self.max_waiting_requests = max_waiting_requests
         cache_config = vllm_config.cache_config
