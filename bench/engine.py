@@ -77,7 +77,7 @@ VLLM_MAX_NUM_SEQS = 64
 KV_CACHE_BYTES = 64 << 20
 MAX_BATCHED_TOKENS = 2048  # tito's --max-prefill-tokens-per-step default (vLLM's max_num_batched_tokens)
 START_TIMEOUT_S = 600  # several servers load at once on a small machine
-# vLLM engine arguments tito's engine sets from its own flags (services/engine/vllm_args.py).
+# vLLM engine arguments tito's engine sets from its own flags (tito_engine/vllm_args.py).
 TITO_SETS = {"model", "max_model_len", "max_num_seqs", "enable_prefix_caching", "max_num_batched_tokens",
              "kv_cache_memory_bytes", "generation_config"}
 

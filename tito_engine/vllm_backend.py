@@ -23,12 +23,12 @@ from typing import Any
 from tito.config import ConfigError
 from tito.errors import FailedPrecondition, InvalidArgument, TitoError, Unavailable
 
-from .admission import AdmittedRequest, KVCapacity
-from .backend import LoadSnapshot, check_can_accept
-from .features import CheckedFeatures
-from .model_runner import describe_model
-from .request import ChoiceOutput
-from .vllm_inputs import MediaConverter, OutputConverter, engine_input, sampling_params
+from tito_engine.admission import AdmittedRequest, KVCapacity
+from tito_engine.backend import LoadSnapshot, check_can_accept
+from tito_engine.features import CheckedFeatures
+from tito_engine.model_runner import describe_model
+from tito_engine.request import ChoiceOutput
+from tito_engine.vllm_inputs import MediaConverter, OutputConverter, engine_input, sampling_params
 
 log = logging.getLogger(__name__)
 

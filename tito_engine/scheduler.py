@@ -31,11 +31,11 @@ import logging
 import time
 from collections import deque
 
-from .forward import RowInput, fit_chunk_end
-from .kv_cache import blocks_for_tokens, prefix_block_hashes
-from .model_runner import ModelRunner
-from .request import ChoiceOutput, FinishReason, Request, Sequence
-from .sampler import SampleRow, make_generator, sample_batch
+from tito_engine.forward import RowInput, fit_chunk_end
+from tito_engine.kv_cache import blocks_for_tokens, prefix_block_hashes
+from tito_engine.model_runner import ModelRunner
+from tito_engine.request import ChoiceOutput, FinishReason, Request, Sequence
+from tito_engine.sampler import SampleRow, make_generator, sample_batch
 
 log = logging.getLogger(__name__)
 

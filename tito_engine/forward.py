@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .families import SLIDING, default_bidirectional_spans, family_for, spans_of_runs, text_model_of
-from .kv_cache import PagedKVCache
+from tito_engine.families import SLIDING, default_bidirectional_spans, family_for, spans_of_runs, text_model_of
+from tito_engine.kv_cache import PagedKVCache
 
 __all__ = ["BatchedDecoder", "MultiModalPrefill", "RowInput", "chunk_boundaries_ok", "fit_chunk_end",
            "text_model_of"]

@@ -37,10 +37,10 @@ from typing import Any
 import tito.errors
 from tito.errors import FieldViolation, TitoError
 
-from .encoder_cache import EncoderCache
-from .features import CheckedFeatures, ValidatedFeatures, check_encoder_cache_enabled, resolve_cached
-from .request import Request
-from .scheduler import Scheduler
+from tito_engine.encoder_cache import EncoderCache
+from tito_engine.features import CheckedFeatures, ValidatedFeatures, check_encoder_cache_enabled, resolve_cached
+from tito_engine.request import Request
+from tito_engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -358,7 +358,7 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
 
     from tito.logs import setup_logging
 
-    from .model_runner import ModelRunner
+    from tito_engine.model_runner import ModelRunner
 
     setup_logging(spec.log_level, "engine")
     try:

@@ -85,7 +85,7 @@ from tito import signing, tensors
 from tito.errors import FailedPrecondition, FieldViolation, InvalidArgument, ResourceExhausted
 from tito.v1 import multimodal_pb2, tensor_pb2
 
-from .encoder_cache import CacheEntry, CacheKey, EncoderCache
+from tito_engine.encoder_cache import CacheEntry, CacheKey, EncoderCache
 
 Dtype = tensor_pb2.Dtype
 _FLOAT_DTYPES = frozenset({Dtype.DTYPE_FLOAT32, Dtype.DTYPE_FLOAT16, Dtype.DTYPE_BFLOAT16, Dtype.DTYPE_FLOAT64})

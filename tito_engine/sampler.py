@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .request import PositionLogprobs, SamplingOptions, Sequence, TokenLogprob
+from tito_engine.request import PositionLogprobs, SamplingOptions, Sequence, TokenLogprob
 
 _SEED_MASK = 2**64 - 1
 

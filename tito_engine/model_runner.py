@@ -16,10 +16,10 @@ import torch
 
 from tito.config import ConfigError
 
-from . import vision
-from .features import ModelMultimodalSpec, multimodal_spec_from_config
-from .forward import BatchedDecoder, MultiModalPrefill, RowInput
-from .kv_cache import KVLayout, PagedKVCache
+from tito_engine import vision
+from tito_engine.features import ModelMultimodalSpec, multimodal_spec_from_config
+from tito_engine.forward import BatchedDecoder, MultiModalPrefill, RowInput
+from tito_engine.kv_cache import KVLayout, PagedKVCache
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from tito.contract import INVALID_SAMPLING_PARAMS, MAX_TOP_LOGPROBS
 from tito.errors import InvalidArgument, Violations
 
-from .request import GenerateInput, RawSamplingParams, SamplingOptions
+from tito_engine.request import GenerateInput, RawSamplingParams, SamplingOptions
 
 
 

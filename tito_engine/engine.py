@@ -29,12 +29,12 @@ from typing import Any
 
 from tito.errors import Unavailable
 
-from .admission import AdmittedRequest, KVCapacity
-from .backend import LoadSnapshot, check_can_accept
-from .engine_core import Batch, CoreProcessSpec, CoreRefusal, EncodeResult, ProcessCore, ThreadCore
-from .features import CheckedFeatures
-from .request import ChoiceOutput, FinishReason, Request, Usage
-from .scheduler import DEFAULT_MAX_PREFILL_TOKENS
+from tito_engine.admission import AdmittedRequest, KVCapacity
+from tito_engine.backend import LoadSnapshot, check_can_accept
+from tito_engine.engine_core import Batch, CoreProcessSpec, CoreRefusal, EncodeResult, ProcessCore, ThreadCore
+from tito_engine.features import CheckedFeatures
+from tito_engine.request import ChoiceOutput, FinishReason, Request, Usage
+from tito_engine.scheduler import DEFAULT_MAX_PREFILL_TOKENS
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from typing import Any
 
 from tito.errors import ResourceExhausted
 
-from .features import (CheckedFeatures, FeaturePolicy, ModelMultimodalSpec, validate_encode_structure,
+from tito_engine.features import (CheckedFeatures, FeaturePolicy, ModelMultimodalSpec, validate_encode_structure,
                        validate_structure)
-from .kv_cache import blocks_for_tokens
-from .request import GenerateInput, SamplingOptions
-from .validation import ModelLimits, validate_generate
+from tito_engine.kv_cache import blocks_for_tokens
+from tito_engine.request import GenerateInput, SamplingOptions
+from tito_engine.validation import ModelLimits, validate_generate
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ from tito.errors import still_loading
 from tito.logs import bind_request_id
 from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2, sampling_pb2
 
-from .admission import Admission
-from .backend import EngineBackend
-from .features import MODALITY_NAMES
-from .request import ChoiceOutput, FinishReason, GenerateInput, RawSamplingParams, TokenLogprob
+from tito_engine.admission import Admission
+from tito_engine.backend import EngineBackend
+from tito_engine.features import MODALITY_NAMES
+from tito_engine.request import ChoiceOutput, FinishReason, GenerateInput, RawSamplingParams, TokenLogprob
 
 _FINISH_REASONS = {
     FinishReason.STOP: engine_pb2.FINISH_REASON_STOP,

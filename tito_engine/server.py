@@ -12,14 +12,14 @@ from tito.model_paths import resolve_model
 from tito.serving import RunningServer, run_until_signal, start_server
 from tito.v1 import engine_pb2_grpc
 
-from .admission import Admission
-from .backend import EngineBackend
-from .config import EngineConfig
-from .engine import Engine
-from .engine_core import CoreProcessSpec
-from .features import FeaturePolicy
-from .model_runner import DEFAULT_BLOCK_SIZE, KVCacheSpec, ModelRunner
-from .servicer import EngineServicer
+from tito_engine.admission import Admission
+from tito_engine.backend import EngineBackend
+from tito_engine.config import EngineConfig
+from tito_engine.engine import Engine
+from tito_engine.engine_core import CoreProcessSpec
+from tito_engine.features import FeaturePolicy
+from tito_engine.model_runner import DEFAULT_BLOCK_SIZE, KVCacheSpec, ModelRunner
+from tito_engine.servicer import EngineServicer
 
 SERVICE_NAME = "tito.v1.EngineService"
 
@@ -135,8 +135,8 @@ def feature_policy(config: EngineConfig) -> FeaturePolicy:
 def _build_backend(config: EngineConfig) -> EngineBackend:
     model_dir = resolve_model(config.model)
     if config.backend == "vllm":
-        from .vllm_backend import VllmEngine
-        from .vllm_args import build_engine_args
+        from tito_engine.vllm_backend import VllmEngine
+        from tito_engine.vllm_args import build_engine_args
 
         return VllmEngine(build_engine_args(config, str(model_dir)), model_dir, model_id=config.model,
                           max_waiting_requests=config.max_waiting_requests)

@@ -19,9 +19,9 @@ from typing import Any
 from tito.errors import FailedPrecondition
 from tito import tensors
 
-from .admission import AdmittedRequest
-from .features import TENSORS_REQUIRED, CheckedItem, content_digest
-from .request import ChoiceOutput, FinishReason, PositionLogprobs, SamplingOptions, TokenLogprob, Usage
+from tito_engine.admission import AdmittedRequest
+from tito_engine.features import TENSORS_REQUIRED, CheckedItem, content_digest
+from tito_engine.request import ChoiceOutput, FinishReason, PositionLogprobs, SamplingOptions, TokenLogprob, Usage
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 

