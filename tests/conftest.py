@@ -17,7 +17,31 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tito.contract import ERROR_REASONS
+from tito.errors import TitoError
 from tito.tiny_models import INTERLEAVED_VL_MODEL, TEXT_MODEL, TEXT_MODEL_D64, VL_MODEL, ensure_model
+
+# Every error reason raised in this test process, so the session can fail if one is missing from
+# the contract's ErrorReason enum (the static scan in test_core_error_reasons.py cannot see
+# reasons computed at run time).
+_RAISED_REASONS: set[str] = set()
+_original_error_init = TitoError.__init__
+
+
+def _recording_error_init(self, message, *, reason, **kwargs):
+    _RAISED_REASONS.add(reason)
+    _original_error_init(self, message, reason=reason, **kwargs)
+
+
+TitoError.__init__ = _recording_error_init
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    undocumented = sorted(_RAISED_REASONS - ERROR_REASONS)
+    if undocumented:
+        session.config.get_terminal_writer().line(
+            f"error reasons raised but missing from proto/tito/v1/errors.proto: {undocumented}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
