@@ -55,6 +55,16 @@ class TitoError(Exception):
     def field(self) -> str | None:
         return self.violations[0].field if self.violations else None
 
+    def __reduce__(self):
+        # Keyword-only arguments defeat Exception's default pickling; errors found in the engine's
+        # core process must cross the pipe whole (same class, code, reason, fields, metadata).
+        return _rebuild_error, (type(self), self.message, self.reason, tuple(self.violations), self.metadata)
+
+
+def _rebuild_error(error_type: type[TitoError], message: str, reason: str,
+                   violations: tuple[FieldViolation, ...], metadata: dict[str, str]) -> TitoError:
+    return error_type(message, reason=reason, violations=list(violations), metadata=metadata)
+
 
 class InvalidArgument(TitoError):
     """The request itself is malformed or out of range; retrying it unchanged cannot succeed."""

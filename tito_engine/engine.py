@@ -10,8 +10,8 @@ output. The gRPC event loop never runs a forward pass.
 
 Requests arrive admitted (admission.py: the checks shared with the vLLM backend, including phase 1
 of media admission). `submit` sends the checked items with the "add"; the core runs phase 2
-against its encoder cache and may answer with a `CoreRefusal`, delivered to the caller as the same
-TitoError. `encode` (the Encode RPC) is a call to the core answered by key, outside the request
+against its encoder cache and may answer with a TitoError (they pickle whole), delivered to the caller
+unchanged. `encode` (the Encode RPC) is a call to the core answered by key, outside the request
 registry.
 """
 
@@ -31,7 +31,7 @@ from tito.errors import Unavailable
 
 from tito_engine.admission import AdmittedRequest, KVCapacity
 from tito_engine.backend import LoadSnapshot, check_can_accept
-from tito_engine.engine_core import Batch, CoreProcessSpec, CoreRefusal, EncodeResult, ProcessCore, ThreadCore
+from tito_engine.engine_core import Batch, CoreProcessSpec, EncodeResult, ProcessCore, ThreadCore
 from tito_engine.features import CheckedFeatures
 from tito_engine.request import ChoiceOutput, FinishReason, Request, Usage
 from tito_engine.scheduler import DEFAULT_MAX_PREFILL_TOKENS
@@ -244,8 +244,6 @@ class Engine:
             ended = []
             calls = []
             for key, output, finished in outputs:
-                if isinstance(output, CoreRefusal):
-                    output = output.rebuild()  # the caller's mistake, found where the encoder cache lives
                 request = self._by_key.get(key)
                 if request is None:
                     call = self._calls.pop(key, None)

@@ -10,9 +10,8 @@ Commands: ("add", key, request_id, prompt_ids, options, mm, arrival_time, cache_
 | ("encode", key, checked) | ("stop",).
 `mm` / `checked` are `features.CheckedFeatures` (phase 1 of media admission, done in the server) or
 None. The core owns the encoder cache, so phase 2 happens here at "add": cache hits, EC
-descriptors, MM_TENSORS_REQUIRED. A refusal goes back as the request's only output, a
-`CoreRefusal` the server turns into the same TitoError (code, reason, field) before the request
-was ever scheduled. Admitted media requests are encoded before the next step, all new items of
+descriptors, MM_TENSORS_REQUIRED. A refusal goes back as the request's only output: the
+TitoError itself (it pickles whole: code, reason, field), before the request was ever scheduled. Admitted media requests are encoded before the next step, all new items of
 the requests that arrived together in one encoder call per modality (an item already in the
 encoder cache is not encoded again), and their `forward.MultiModalPrefill` is attached to the
 request: n > 1 forks and preemption-recompute reuse it, so the encoder never runs twice for them.
@@ -34,8 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import tito.errors
-from tito.errors import FieldViolation, TitoError
+from tito.errors import TitoError
 
 from tito_engine.encoder_cache import EncoderCache
 from tito_engine.features import CheckedFeatures, ValidatedFeatures, check_encoder_cache_enabled, resolve_cached
@@ -47,30 +45,6 @@ log = logging.getLogger(__name__)
 
 class EngineStepError(RuntimeError):
     """An unexpected error in the engine core, carried to the request's stream (picklable)."""
-
-
-class CoreRefusal(Exception):
-    """A caller's mistake found in the core (cache-dependent admission), as plain picklable data.
-
-    TitoErrors take keyword-only arguments and so do not survive pickling; this carries their
-    class name, message, reason, violations and metadata, and `rebuild()` makes the same error.
-    """
-
-    def __init__(self, kind: str, message: str, reason: str, violations: tuple, metadata: dict):
-        super().__init__(kind, message, reason, violations, metadata)
-
-    @classmethod
-    def of(cls, error: TitoError) -> "CoreRefusal":
-        return cls(type(error).__name__, error.message, error.reason,
-                   tuple((v.field, v.description) for v in error.violations), dict(error.metadata))
-
-    def rebuild(self) -> TitoError:
-        kind, message, reason, violations, metadata = self.args
-        error_type = getattr(tito.errors, kind, None)
-        if not (isinstance(error_type, type) and issubclass(error_type, TitoError)):
-            error_type = tito.errors.InvalidArgument
-        return error_type(message, reason=reason, violations=[FieldViolation(f, d) for f, d in violations],
-                          metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -284,10 +258,11 @@ class EngineCore:
 
 
 def _refusal_or_bug(error: Exception) -> Exception:
-    """A caller's mistake as a CoreRefusal (same code, reason, field for the caller); anything
-    else is a bug in tito, logged here and carried as an EngineStepError (INTERNAL)."""
+    """A caller's mistake crosses the pipe as itself (TitoErrors pickle whole: same code, reason,
+    field for the caller); anything else is a bug in tito, logged here and carried as an
+    EngineStepError (INTERNAL)."""
     if isinstance(error, TitoError):
-        return CoreRefusal.of(error)
+        return error
     log.exception("media admission or encoding failed unexpectedly")
     return _portable(error)
 

@@ -7,7 +7,7 @@ arrive in the server process:
   server process, before anything is sent to the core; `validate_encode_structure` for Encode).
   Its result is picklable and is what the server sends the core.
 * `resolve_cached(checked, cache) -> ValidatedFeatures` (rule 6, in the core at "add", before
-  the request is scheduled). Its errors travel back to the caller unchanged (engine_core.CoreRefusal).
+  the request is scheduled). Its errors travel back to the caller unchanged (domain errors pickle whole).
 
 `validate_mm_features(token_ids, features, spec, policy, cache)` runs both (Generate;
 `validate_encode_request` is the same minus the prompt, for Encode). Together they turn the wire items into

@@ -13,11 +13,10 @@ import pytest
 from PIL import Image
 
 from tito.config import ConfigError
-from tito.errors import FailedPrecondition, InvalidArgument
+from tito.errors import FailedPrecondition, FieldViolation, InvalidArgument
 from tito.v1 import chat_pb2, engine_pb2, multimodal_pb2, render_pb2
 from tito_engine.config import EngineConfig
 from tito_engine.engine import Engine
-from tito_engine.engine_core import CoreRefusal
 from tito_engine.features import FeaturePolicy, resolve_cached, validate_mm_features, validate_structure
 from tito_engine.model_runner import KVCacheSpec, ModelRunner
 from tito_engine.admission import Admission
@@ -204,13 +203,15 @@ def test_two_phase_admission_equals_one_call_and_crosses_a_pipe(small_runner, re
     assert split.items[0].encoder_inputs["pixel_values"].equal(whole.items[0].encoder_inputs["pixel_values"])
 
 
-def test_core_refusal_survives_pickling_with_code_reason_and_field():
+def test_a_refusal_from_the_core_survives_pickling_with_code_reason_and_fields():
     error = InvalidArgument("bad descriptor", reason="EC_DESCRIPTOR_INVALID",
                             field="mm_features.items[0].ec_descriptor.key",
                             metadata={"limit": "x"})
-    rebuilt = pickle.loads(pickle.dumps(CoreRefusal.of(error))).rebuild()
+    error.violations.append(FieldViolation("mm_features.items[1].hash", "empty"))
+    rebuilt = pickle.loads(pickle.dumps(error))
     assert type(rebuilt) is InvalidArgument and rebuilt.reason == error.reason and rebuilt.field == error.field
     assert rebuilt.message == error.message and rebuilt.metadata == {"limit": "x"}
+    assert rebuilt.violations == error.violations
 
 
 @pytest.mark.parametrize("fields, words", [
