@@ -31,7 +31,8 @@ from tito.errors import Unavailable
 
 from tito_engine.admission import AdmittedRequest, KVCapacity
 from tito_engine.backend import LoadSnapshot, check_can_accept
-from tito_engine.engine_core import Batch, CoreProcessSpec, EncodeResult, ProcessCore, ThreadCore
+from tito_engine.core_messages import AbortRequest, AddRequest, EncodeItems, EncodeResult, StepBatch
+from tito_engine.engine_core import CoreProcessSpec, ProcessCore, ThreadCore
 from tito_engine.features import CheckedFeatures
 from tito_engine.request import ChoiceOutput, FinishReason, Request, Usage
 from tito_engine.scheduler import DEFAULT_MAX_PREFILL_TOKENS
@@ -121,8 +122,8 @@ class Engine:
             self._submitted += 1
         # Sent outside the lock (a full pipe must not block the thread that delivers outputs);
         # the core honours an abort that overtakes its add.
-        self._core.send(("add", request.key, request_id, request.prompt_ids, options, checked or None,
-                         request.arrival_time, admitted.cache_salt))
+        self._core.send(AddRequest(request.key, request_id, request.prompt_ids, options, checked or None,
+                                   request.arrival_time, admitted.cache_salt))
         return request
 
     async def encode(self, checked: CheckedFeatures) -> list[Any]:
@@ -150,7 +151,7 @@ class Engine:
                 raise Unavailable("the engine is shutting down; retry on another replica", reason="SHUTTING_DOWN")
             key = next(self._keys)
             self._calls[key] = answer
-        self._core.send(("encode", key, checked))
+        self._core.send(EncodeItems(key, checked))
         try:
             result = await future
         finally:
@@ -170,7 +171,7 @@ class Engine:
                 if request is not None:
                     found.append(request)
         for request in found:
-            self._core.send(("abort", request.key))
+            self._core.send(AbortRequest(request.key))
         return [request.request_id for request in found]
 
     def cancel(self, request: Request) -> None:
@@ -178,7 +179,7 @@ class Engine:
         with self._lock:
             live = self._by_key.get(request.key) is request
         if live:
-            self._core.send(("abort", request.key))
+            self._core.send(AbortRequest(request.key))
 
     def _waiting_locked(self) -> int:
         return self._load.waiting_requests + (self._submitted - self._adds_seen)
@@ -226,9 +227,9 @@ class Engine:
 
     # ---------------------------------------------------------------- from the core
 
-    def _on_batch(self, batch: Batch) -> None:
+    def _on_batch(self, batch: StepBatch) -> None:
         """One step's outputs (core thread or receiver thread): update the load, then deliver."""
-        outputs, core_load = batch
+        outputs, core_load = batch.outputs, batch.load
         deliveries = []
         with self._lock:
             # Publish the load before delivering, so a caller who saw its stream end never reads

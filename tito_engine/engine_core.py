@@ -6,21 +6,16 @@ back and forth with the gRPC event loop when both share a process; measured on 2
 model, that contention halved throughput. In its own process the core keeps a core to itself and
 talks to the server through one pipe: commands in, one batch of outputs per step out.
 
-Commands: ("add", key, request_id, prompt_ids, options, mm, arrival_time, cache_salt) | ("abort", key)
-| ("encode", key, checked) | ("stop",).
-`mm` / `checked` are `features.CheckedFeatures` (phase 1 of media admission, done in the server) or
-None. The core owns the encoder cache, so phase 2 happens here at "add": cache hits, EC
+Commands and answers are the typed messages of `core_messages.py`. Media arrive as
+`features.CheckedFeatures` (phase 1 of media admission, done in the server). The core owns the
+encoder cache, so phase 2 happens here at AddRequest: cache hits, EC
 descriptors, MM_TENSORS_REQUIRED. A refusal goes back as the request's only output: the
 TitoError itself (it pickles whole: code, reason, field), before the request was ever scheduled. Admitted media requests are encoded before the next step, all new items of
 the requests that arrived together in one encoder call per modality (an item already in the
 encoder cache is not encoded again), and their `forward.MultiModalPrefill` is attached to the
 request: n > 1 forks and preemption-recompute reuse it, so the encoder never runs twice for them.
-"encode" (the Encode RPC) resolves, encodes what is not cached, stores, and answers with one
-`EncoderCacheDescriptor` per item.
-(arrival_time is time.monotonic() at submission: one clock for both processes on Linux, so queue
-time and TTFT in the finish log include the trip to the core.)
-Out: (outputs, load) where outputs is [(key, ChoiceOutput | EngineStepError, request_finished)].
-Keys are integers the server assigns per submission, so a late abort never hits a reused request id.
+EncodeItems (the Encode RPC) resolves, encodes what is not cached, stores, and answers with one
+`EncoderCacheDescriptor` per item. Out: one `StepBatch` per step.
 """
 
 from __future__ import annotations
@@ -35,6 +30,8 @@ from typing import Any
 
 from tito.errors import TitoError
 
+from tito_engine.core_messages import (AbortRequest, AddRequest, Command, CoreFailed, CoreLoad, CoreReady,
+                                       CoreStopped, EncodeItems, EncodeResult, StepBatch, StopCore)
 from tito_engine.encoder_cache import EncoderCache
 from tito_engine.features import CheckedFeatures, ValidatedFeatures, check_encoder_cache_enabled, resolve_cached
 from tito_engine.request import Request
@@ -45,28 +42,6 @@ log = logging.getLogger(__name__)
 
 class EngineStepError(RuntimeError):
     """An unexpected error in the engine core, carried to the request's stream (picklable)."""
-
-
-@dataclass(frozen=True)
-class EncodeResult:
-    """The Encode RPC's answer: one serialized tito.v1.EncoderCacheDescriptor per item."""
-
-    descriptors: tuple[bytes, ...]
-
-
-@dataclass(frozen=True)
-class CoreLoad:
-    running_requests: int
-    waiting_requests: int
-    finished_requests: int
-    kv_blocks_used: int
-    adds_seen: int  # "add" commands taken so far: the server counts the rest as waiting
-    prefix_cache_hit_tokens: int = 0
-    encoder_cache_hits: int = 0
-    encoder_cache_misses: int = 0
-
-
-Batch = tuple[list[tuple[int, Any, bool]], CoreLoad]
 
 
 class EngineCore:
@@ -94,15 +69,15 @@ class EngineCore:
                         scheduler.kv_blocks_used(), self.adds_seen, scheduler.prefix_cache_hit_tokens,
                         stats.hits if stats else 0, stats.misses if stats else 0)
 
-    def run(self, receive: Callable[[], Any], receive_ready: Callable[[], list], emit: Callable[[Batch], None]) -> None:
-        """Serve until a ("stop",) command; `receive` blocks, `receive_ready` drains without blocking."""
+    def run(self, receive: Callable[[], Any], receive_ready: Callable[[], list], emit: Callable[[StepBatch], None]) -> None:
+        """Serve until a StopCore command; `receive` blocks, `receive_ready` drains without blocking."""
         while True:
             try:
                 if self._serve(receive, receive_ready, emit):
                     return
             except Exception as exc:  # noqa: BLE001 - keep serving; fail only what was in flight
                 log.exception("engine step failed; failing the requests in flight")
-                emit((self._fail_all(exc), self.load()))
+                emit(StepBatch(self._fail_all(exc), self.load()))
 
     def _serve(self, receive, receive_ready, emit) -> bool:
         scheduler = self.scheduler
@@ -111,9 +86,9 @@ class EngineCore:
             commands = ([receive()] if not scheduler.has_work() else []) + receive_ready()
             outputs: list = []
             for command in commands:
-                if command[0] == "stop":
+                if isinstance(command, StopCore):
                     outputs.extend(self._abort_all())
-                    emit((outputs, self.load()))
+                    emit(StepBatch(outputs, self.load()))
                     return True
                 self._apply(command, outputs)
             if self._to_encode:
@@ -123,49 +98,53 @@ class EngineCore:
                 for request, output in scheduler.step():
                     outputs.append(self._out(request, output))
             if outputs or commands or stepped:
-                emit((outputs, self.load()))
+                emit(StepBatch(outputs, self.load()))
 
-    def _apply(self, command: tuple, outputs: list) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, key, request_id, prompt_ids, options, checked, arrival_time, cache_salt = command
-            self.adds_seen += 1
-            validated = None
-            if checked:
+    def _apply(self, command: Command, outputs: list) -> None:
+        match command:
+            case AddRequest():
+                self._add(command, outputs)
+            case EncodeItems(key=key, features=checked):
                 try:
-                    validated = resolve_cached(checked, self.encoder_cache)
-                except Exception as error:  # noqa: BLE001 - refused before scheduling; only this request
-                    self.early_aborts.pop(key, None)
+                    outputs.append((key, self._encode_request(checked), True))
+                except Exception as error:  # noqa: BLE001 - fails this Encode call only, never the generations
                     outputs.append((key, _refusal_or_bug(error), True))
-                    return
-            request = Request(request_id, prompt_ids, options, None)
-            request.arrival_time = arrival_time
-            request.cache_salt = cache_salt
-            request.key = key
-            request.has_media = validated is not None
-            self.requests[key] = request
-            if validated is not None:
-                self._to_encode.append((request, validated))
-            self.scheduler.add(request)
-            if key in self.early_aborts:
-                del self.early_aborts[key]
-                self._to_encode = [(r, v) for r, v in self._to_encode if r is not request]
-                outputs.extend(self._out(request, output) for output in self.scheduler.abort(request))
-        elif kind == "encode":
-            _, key, checked = command
+            case AbortRequest(key=key):
+                request = self.requests.get(key)
+                if request is not None:
+                    outputs.extend(self._out(request, output) for output in self.scheduler.abort(request))
+                else:
+                    # Either finished already or its add is still behind this abort; remember a bounded few.
+                    self.early_aborts[key] = None
+                    if len(self.early_aborts) > 4096:
+                        del self.early_aborts[next(iter(self.early_aborts))]
+            case _:
+                raise TypeError(f"unknown core command {command!r}")
+
+    def _add(self, command: AddRequest, outputs: list) -> None:
+        key = command.key
+        self.adds_seen += 1
+        validated = None
+        if command.features:
             try:
-                outputs.append((key, self._encode_request(checked), True))
-            except Exception as error:  # noqa: BLE001 - fails this Encode call only, never the generations
+                validated = resolve_cached(command.features, self.encoder_cache)
+            except Exception as error:  # noqa: BLE001 - refused before scheduling; only this request
+                self.early_aborts.pop(key, None)
                 outputs.append((key, _refusal_or_bug(error), True))
-        elif kind == "abort":
-            request = self.requests.get(command[1])
-            if request is not None:
-                outputs.extend(self._out(request, output) for output in self.scheduler.abort(request))
-            else:
-                # Either finished already or its add is still behind this abort; remember a bounded few.
-                self.early_aborts[command[1]] = None
-                if len(self.early_aborts) > 4096:
-                    del self.early_aborts[next(iter(self.early_aborts))]
+                return
+        request = Request(command.request_id, command.prompt_ids, command.options, None)
+        request.arrival_time = command.arrival_time
+        request.cache_salt = command.cache_salt
+        request.key = key
+        request.has_media = validated is not None
+        self.requests[key] = request
+        if validated is not None:
+            self._to_encode.append((request, validated))
+        self.scheduler.add(request)
+        if key in self.early_aborts:
+            del self.early_aborts[key]
+            self._to_encode = [(r, v) for r, v in self._to_encode if r is not request]
+            outputs.extend(self._out(request, output) for output in self.scheduler.abort(request))
 
     # ------------------------------------------------------------------ media
 
@@ -289,7 +268,7 @@ class ThreadCore:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def start(self, on_batch: Callable[[Batch], None]) -> None:
+    def start(self, on_batch: Callable[[StepBatch], None]) -> None:
         def drain() -> list:
             items = []
             while True:
@@ -302,11 +281,11 @@ class ThreadCore:
                                         name="tito-engine", daemon=True)
         self._thread.start()
 
-    def send(self, command: tuple) -> None:
+    def send(self, command: Command) -> None:
         self._inbox.put(command)
 
     def stop(self, timeout: float) -> None:
-        self._inbox.put(("stop",))
+        self._inbox.put(StopCore())
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -340,9 +319,9 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
         runner = ModelRunner(Path(spec.model_dir), model_id=spec.model_id, device=spec.device,
                              max_model_len=spec.max_model_len, kv_cache=spec.kv_cache, cpu_threads=spec.cpu_threads)
     except BaseException as exc:  # noqa: BLE001 - report why the engine could not start
-        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        conn.send(CoreFailed(f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", runner.info, runner.cache.num_blocks, runner.cache.block_size, runner.mm_spec))
+    conn.send(CoreReady(runner.info, runner.cache.num_blocks, runner.cache.block_size, runner.mm_spec))
     core = EngineCore(runner, spec.max_running_sequences, spec.max_prefill_tokens, spec.prefix_caching,
                       spec.encoder_cache_bytes)
 
@@ -350,7 +329,7 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
         try:
             return conn.recv()
         except (EOFError, OSError):  # the server process is gone: stop (aborting what is left)
-            return ("stop",)
+            return StopCore()
 
     def drain() -> list:
         items = []
@@ -358,18 +337,18 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
             while conn.poll():
                 items.append(conn.recv())
         except (EOFError, OSError):
-            items.append(("stop",))
+            items.append(StopCore())
         return items
 
-    def emit(batch: Batch) -> None:
+    def emit(batch: StepBatch) -> None:
         try:
-            conn.send(("batch", batch))
+            conn.send(batch)
         except (BrokenPipeError, OSError):
             raise SystemExit(0) from None  # nobody to serve any more
 
     core.run(receive, drain, emit)
     try:
-        conn.send(("stopped",))
+        conn.send(CoreStopped())
     except (BrokenPipeError, OSError):
         pass
 
@@ -394,15 +373,16 @@ class ProcessCore:
         try:
             message = self._conn.recv()
         except EOFError:
-            message = ("failed", f"the engine core process exited with code {self._process.exitcode}")
-        if message[0] != "ready":
+            message = CoreFailed(f"the engine core process exited with code {self._process.exitcode}")
+        if not isinstance(message, CoreReady):
             self._process.join(5)
             from tito.config import ConfigError
 
-            raise ConfigError(f"the engine core could not start: {message[1]}")
-        _, self.info, self.kv_blocks_total, self.block_size, self.mm_spec = message
+            raise ConfigError(f"the engine core could not start: {message.reason}")
+        self.info, self.kv_blocks_total = message.info, message.kv_blocks_total
+        self.block_size, self.mm_spec = message.block_size, message.mm_spec
 
-    def start(self, on_batch: Callable[[Batch], None], on_lost: Callable[[], None] | None = None) -> None:
+    def start(self, on_batch: Callable[[StepBatch], None], on_lost: Callable[[], None] | None = None) -> None:
         def receive() -> None:
             while True:
                 try:
@@ -411,15 +391,15 @@ class ProcessCore:
                     if on_lost is not None:
                         on_lost()
                     return
-                if message[0] == "batch":
-                    on_batch(message[1])
-                elif message[0] == "stopped":
+                if isinstance(message, StepBatch):
+                    on_batch(message)
+                elif isinstance(message, CoreStopped):
                     return
 
         self._receiver = threading.Thread(target=receive, name="tito-engine-receiver", daemon=True)
         self._receiver.start()
 
-    def send(self, command: tuple) -> None:
+    def send(self, command: Command) -> None:
         with self._send_lock:
             try:
                 self._conn.send(command)
@@ -427,7 +407,7 @@ class ProcessCore:
                 pass  # the child is gone; the receiver reports it
 
     def stop(self, timeout: float) -> None:
-        self.send(("stop",))
+        self.send(StopCore())
         if self._receiver is not None:
             self._receiver.join(timeout)
         self._process.join(timeout)

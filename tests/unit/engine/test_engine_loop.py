@@ -143,17 +143,26 @@ def test_outputs_that_piled_up_are_merged_per_choice():
 
 
 def test_core_honours_an_abort_that_overtakes_its_add(runner):
+    from tito_engine.core_messages import AbortRequest, AddRequest
     from tito_engine.engine_core import EngineCore
     from tito_engine.request import SamplingOptions
 
     core = EngineCore(runner, max_running_sequences=4, max_prefill_tokens=64)
     outputs = []
-    core._apply(("abort", 9), outputs)
+    core._apply(AbortRequest(9), outputs)
     assert outputs == []
-    core._apply(("add", 9, "late", [5, 6], SamplingOptions(max_tokens=4, temperature=0.0), None, 0.0, ""),
+    core._apply(AddRequest(9, "late", [5, 6], SamplingOptions(max_tokens=4, temperature=0.0), None, 0.0, ""),
                 outputs)
     assert [(key, out.finish_reason, finished) for key, out, finished in outputs] == [(9, FinishReason.ABORT, True)]
     assert not core.scheduler.has_work() and core.requests == {}
+
+
+def test_core_refuses_a_command_it_does_not_know(runner):
+    from tito_engine.engine_core import EngineCore
+
+    core = EngineCore(runner, max_running_sequences=4, max_prefill_tokens=64)
+    with pytest.raises(TypeError, match="unknown core command"):
+        core._apply(("add", 1), [])
 
 
 def test_load_reports_kv_blocks(engine, runner):
