@@ -35,7 +35,7 @@ from tito_engine.core_messages import (AbortRequest, AddRequest, Command, CoreFa
 from tito_engine.encoder_cache import EncoderCache
 from tito_engine.features import CheckedFeatures, ValidatedFeatures, check_encoder_cache_enabled, resolve_cached
 from tito_engine.request import Request
-from tito_engine.scheduler import Scheduler
+from tito_engine.scheduler import Scheduler, run_step
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class EngineCore:
     def __init__(self, runner: Any, max_running_sequences: int, max_prefill_tokens: int,
                  prefix_caching: bool = True, encoder_cache_bytes: int = 0):
         self.runner = runner
-        self.scheduler = Scheduler(runner, max_running_sequences, max_prefill_tokens, prefix_caching)
+        self.scheduler = Scheduler.for_runner(runner, max_running_sequences, max_prefill_tokens, prefix_caching)
         self.requests: dict[int, Request] = {}
         self.adds_seen = 0
         self.early_aborts: dict[int, None] = {}  # aborts that overtook their add (insertion-ordered)
@@ -95,7 +95,7 @@ class EngineCore:
                 self._encode_new_media(outputs)
             stepped = scheduler.has_work()
             if stepped:
-                for request, output in scheduler.step():
+                for request, output in run_step(scheduler, self.runner):
                     outputs.append(self._out(request, output))
             if outputs or commands or stepped:
                 emit(StepBatch(outputs, self.load()))

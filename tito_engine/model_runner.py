@@ -20,6 +20,8 @@ from tito_engine import vision
 from tito_engine.features import ModelMultimodalSpec, multimodal_spec_from_config
 from tito_engine.forward import BatchedDecoder, MultiModalPrefill, RowInput
 from tito_engine.kv_cache import KVLayout, PagedKVCache
+from tito_engine.plan import SampledTokens, StepPlan
+from tito_engine.sampler import sample_batch
 
 log = logging.getLogger(__name__)
 
@@ -226,3 +228,14 @@ class ModelRunner:
     def execute(self, rows: list[RowInput]) -> torch.Tensor:
         """One batched forward over the step's rows; logits [rows needing logits, vocab] (float32)."""
         return self.decoder.forward(rows)
+
+    def run(self, plan: StepPlan) -> SampledTokens:
+        """Execute a scheduler plan: one batched forward, then one batched sampling call (argmax
+        alone when every target is plain greedy)."""
+        logits = self.decoder.forward(plan.rows)
+        if plan.logit_rows != list(range(logits.shape[0])):
+            logits = logits[plan.logit_rows]  # forking choices read their parent's row
+        if plan.plain_greedy:
+            return SampledTokens(logits.max(dim=-1).indices.tolist())  # max: faster than argmax on CPU
+        tokens, logprobs = sample_batch(logits, plan.samples)
+        return SampledTokens(tokens, logprobs)

@@ -1,5 +1,10 @@
-"""Continuous batching: each step admits waiting requests, schedules prefill chunks beside the
-running decodes, runs ONE batched forward and ONE batched sampling call, and returns the outputs.
+"""Continuous batching policy: who runs in a step, with which tokens. A step is three calls with
+one direction of data (plan.py): `schedule()` returns a `StepPlan` (admits waiting requests,
+schedules prefill chunks beside the running decodes), the model runner executes it (ONE batched
+forward and ONE batched sampling call), and `update(plan, sampled)` applies the tokens (finishes,
+frees, forks). `run_step` chains the three. Block arithmetic and the prefix cache are
+`kv_manager.KVCacheManager`'s; the scheduler never touches the model, so its policy is tested
+against a fake runner.
 
 Runs only on the engine thread (no locks here).
 
@@ -30,12 +35,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import Any, Protocol
 
 from tito_engine.forward import RowInput, fit_chunk_end
-from tito_engine.kv_cache import blocks_for_tokens, prefix_block_hashes
-from tito_engine.model_runner import ModelRunner
+from tito_engine.kv_manager import KVCacheManager
+from tito_engine.plan import SampledTokens, StepPlan
 from tito_engine.request import ChoiceOutput, FinishReason, Request, Sequence
-from tito_engine.sampler import SampleRow, make_generator, sample_batch
+from tito_engine.sampler import SampleRow, make_generator
 
 log = logging.getLogger(__name__)
 
@@ -44,24 +50,33 @@ DEFAULT_MAX_PREFILL_TOKENS = 2048
 StepOutputs = list[tuple[Request, ChoiceOutput | BaseException]]
 
 
+class StepRunner(Protocol):
+    """What executes a plan: the model runner, or a fake one in policy tests."""
+
+    def run(self, plan: StepPlan) -> SampledTokens: ...
+
+
 class Scheduler:
-    def __init__(self, runner: ModelRunner, max_running_sequences: int,
-                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, prefix_caching: bool = True):
-        self.runner = runner
-        self.cache = runner.cache
-        self.allocator = runner.cache.allocator
-        self.block_size = runner.cache.block_size
+    def __init__(self, kv: KVCacheManager, eos_token_ids: frozenset[int] | tuple[int, ...], device: Any,
+                 max_running_sequences: int, max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS):
+        self.kv = kv
+        self.device = device  # where seeded requests' generators live
         self.max_running_sequences = max_running_sequences
         self.max_prefill_tokens = max_prefill_tokens
-        self.eos_token_ids = frozenset(runner.info.eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.finished_requests = 0
         self.preemptions = 0
-        self.prefix_caching = prefix_caching
-        self.prefix_cache_hit_tokens = 0
         self._admit_counter = 0
         self._running_sequences = 0  # unfinished choices of running requests
+
+    @classmethod
+    def for_runner(cls, runner: Any, max_running_sequences: int,
+                   max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, prefix_caching: bool = True) -> "Scheduler":
+        """A scheduler over `runner`'s KV cache, stopping at its model's EOS ids."""
+        return cls(KVCacheManager(runner.cache, prefix_caching), runner.info.eos_token_ids, runner.device,
+                   max_running_sequences, max_prefill_tokens)
 
     # ---------------------------------------------------------------- queue management
 
@@ -75,14 +90,16 @@ class Scheduler:
         return self._running_sequences
 
     def kv_blocks_used(self) -> int:
-        return self.allocator.num_used
+        return self.kv.num_used
+
+    @property
+    def prefix_cache_hit_tokens(self) -> int:
+        return self.kv.prefix_cache_hit_tokens
 
     def abort(self, request: Request) -> list[ChoiceOutput]:
         """Remove `request` wherever it is; free its KV; return the ABORT outputs of its open choices."""
         if request.is_running:
-            self.running.remove(request)
-            request.is_running = False
-            self._running_sequences -= len(request.unfinished())
+            self._leave_running(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         else:
@@ -96,89 +113,70 @@ class Scheduler:
         self._retire(request)
         return outputs
 
-    # ---------------------------------------------------------------- the step
-
-    def step(self) -> StepOutputs:
-        """Schedule, run one forward, sample, and return every output produced (engine thread)."""
-        rows, owners = self._schedule()
-        if not rows:
-            return []
-        try:
-            logits = self.runner.execute(rows)
-            return self._process(rows, owners, logits)
-        except Exception as exc:  # noqa: BLE001 - a failed batch must not stop the engine
-            # One forward serves the whole batch, so its error fails every request in it (and
-            # only those: waiting requests and the engine carry on).
-            log.exception("the model step failed; failing the %d requests in its batch", len(rows))
-            outputs: StepOutputs = []
-            for request in dict.fromkeys(request for request, _ in owners):
-                if request.is_running:
-                    self.running.remove(request)
-                    request.is_running = False
-                    self._running_sequences -= len(request.unfinished())
-                    request.failed = True
-                    self._retire(request)
-                    outputs.append((request, exc))
-            return outputs
+    def fail(self, plan: StepPlan, error: BaseException) -> StepOutputs:
+        """The step of `plan` failed: one forward serves the whole batch, so its error fails every
+        request in it (and only those: waiting requests and the engine carry on)."""
+        outputs: StepOutputs = []
+        for request in dict.fromkeys(request for request, _ in plan.owners):
+            if request.is_running:
+                self._leave_running(request)
+                request.failed = True
+                self._retire(request)
+                outputs.append((request, error))
+        return outputs
 
     # ---------------------------------------------------------------- scheduling
 
-    def _schedule(self) -> tuple[list[RowInput], list[tuple[Request, Sequence]]]:
-        rows: list[RowInput] = []
-        owners: list[tuple[Request, Sequence]] = []
+    def schedule(self) -> StepPlan:
+        """This step's rows: the running choices' next tokens or prefill chunks, then newly
+        admitted requests within the prefill budget; and how each target picks its token."""
+        plan = StepPlan()
+        budget = self._schedule_running(plan)
+        self._admit(plan, budget)
+        self._plan_sampling(plan)
+        return plan
+
+    def _schedule_running(self, plan: StepPlan) -> int:
+        """Rows of the running requests (preempting the newest when blocks run out); returns the
+        prefill budget left."""
         budget = self.max_prefill_tokens
-        block_size = self.block_size
         for request in list(self.running):
             if not request.is_running:
                 continue  # preempted while making room for an earlier request
-            prompt_len = len(request.prompt_ids)
+            total_prompt = len(request.prompt_ids)
             for seq in request.sequences:
                 if seq.finish_reason is not None or seq.awaiting_fork:
                     continue
-                output_ids = seq.output_ids
-                total = prompt_len + len(output_ids)
+                total = total_prompt + len(seq.output_ids)
                 start = seq.num_computed
                 remaining = total - start
-                if remaining == 1:
-                    count = 1
-                else:
-                    count = _chunk(request, start, min(remaining, budget))
-                    if count <= 0:
-                        continue
+                count = 1 if remaining == 1 else _chunk(request, start, min(remaining, budget))
+                if count <= 0:
+                    continue
                 end = start + count
-                need = 0
-                if end > len(seq.block_table) * block_size:
-                    need = blocks_for_tokens(end, block_size) - len(seq.block_table)
-                fork_need = 0
-                if end == total and request.sequences[-1].awaiting_fork:
-                    fork_need = self._fork_block_need(request)
+                need = self.kv.growth_need(seq, end)
+                fork_need = self.kv.fork_need(request) if end == total and request.sequences[-1].awaiting_fork else 0
                 if need + fork_need > 0:
                     if not self._make_room(need + fork_need, request):
-                        # `request` itself was the newest: it went back to the queue.
-                        rows, owners = _without(rows, owners, request)
-                        break
-                    if need > 0:
-                        seq.block_table.extend(self.allocator.allocate(need))
+                        # `request` itself was the newest and went back to the queue; every request
+                        # after it in this loop was preempted before it, so nothing is left here.
+                        _drop_rows_of(plan, request)
+                        return budget
+                    self.kv.grow(seq, need)
                     if fork_need:
-                        request.fork_blocks = self.allocator.allocate(fork_need)
+                        self.kv.reserve_fork_blocks(request)
                 if remaining > 1:
                     budget -= count
                     tokens = _tokens(request, seq, start, end)
                 else:
-                    tokens = [output_ids[-1]] if output_ids else request.prompt_ids[-1:]
-                rows.append(RowInput(tokens, start, seq.block_table, end == total, request.mm))
-                owners.append((request, seq))
-        self._admit(rows, owners, budget)
-        return rows, owners
-
-    def _fork_block_need(self, request: Request) -> int:
-        """Blocks the waiting choices need at fork: a copy of the prompt's partial last block each."""
-        waiting = sum(1 for seq in request.sequences if seq.awaiting_fork)
-        return waiting if len(request.prompt_ids) % self.block_size else 0
+                    tokens = [seq.output_ids[-1]] if seq.output_ids else request.prompt_ids[-1:]
+                plan.rows.append(RowInput(tokens, start, seq.block_table, end == total, request.mm))
+                plan.owners.append((request, seq))
+        return budget
 
     def _make_room(self, need: int, request: Request) -> bool:
         """Preempt the newest requests until `need` blocks are free; False if `request` itself went."""
-        while self.allocator.num_free < need:
+        while self.kv.num_free < need:
             victim = self.running[-1]
             self._preempt(victim)
             if victim is request:
@@ -186,21 +184,20 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
-        request.is_running = False
-        self._running_sequences -= len(request.unfinished())
-        self._free_blocks(request)
+        self._leave_running(request)
+        self.kv.free(request)
         for seq in request.sequences:
             seq.num_computed = 0
         request.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(request)
-        log.info("preempted for KV memory (%d blocks free); it will recompute %d tokens", self.allocator.num_free,
+        log.info("preempted for KV memory (%d blocks free); it will recompute %d tokens", self.kv.num_free,
                  sum(len(request.prompt_ids) + len(s.output_ids) for s in request.unfinished()),
                  extra={"request_id": request.request_id})
 
-    def _admit(self, rows: list[RowInput], owners: list[tuple[Request, Sequence]], budget: int) -> None:
-        block_size = self.block_size
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        """Move waiting requests to the running set, in order, while choices, blocks and the
+        prefill budget allow; schedule each one's first prefill chunk."""
         while self.waiting and budget > 0:
             request = self.waiting[0]
             if request.failed:
@@ -212,123 +209,43 @@ class Scheduler:
             open_seqs = request.unfinished()
             if self._running_sequences + len(open_seqs) > self.max_running_sequences:
                 break
-            # Blocks for every token to recompute (less cached prefix blocks, though taking an
-            # evictable one uses up a free one), the fork copies, and one spare per choice so it
-            # can make progress (an idle engine skips the spare: Engine.submit guaranteed the
-            # request fits the cache on its own).
             prefilling = [seq for seq in open_seqs if not seq.awaiting_fork]
-            hashes = self._prefix_hashes(request)
-            need = self._fork_block_need(request)
-            for seq in prefilling:
-                total = len(request.prompt_ids) + len(seq.output_ids)
-                hits, evictable = self.allocator.peek_prefix(hashes[:(total - 1) // block_size])
-                need += blocks_for_tokens(total, block_size) - hits + evictable
-            if self.running:
-                need += len(open_seqs)
-            if need > self.allocator.num_free:
+            # An idle engine skips the spare block per choice: Engine.submit guaranteed the request
+            # fits the cache on its own.
+            if self.kv.admission_need(request, prefilling, 1 if self.running else 0) > self.kv.num_free:
                 break
             self.waiting.popleft()
-            self._admit_counter += 1
-            request.admit_order = self._admit_counter
-            if request.scheduled_time is None:
-                request.scheduled_time = time.monotonic()
-            self.running.append(request)
-            request.is_running = True
-            self._running_sequences += len(open_seqs)
-            # Take every cached prefix before allocating: an allocation may evict cached blocks.
-            cached_prefixes = [self.allocator.take_prefix(
-                hashes[:(len(request.prompt_ids) + len(seq.output_ids) - 1) // block_size]) for seq in prefilling]
-            for seq, cached in zip(prefilling, cached_prefixes):
+            self._enter_running(request, len(open_seqs))
+            self.kv.allocate_for_admission(request, prefilling, fresh)
+            for seq in prefilling:
+                start = seq.num_computed
                 total = len(request.prompt_ids) + len(seq.output_ids)
-                seq.block_table = cached + self.allocator.allocate(blocks_for_tokens(total, block_size) - len(cached))
-                start = seq.num_computed = len(cached) * block_size
-                if fresh:
-                    request.cached_tokens = max(request.cached_tokens, start)
-                self.prefix_cache_hit_tokens += start
                 count = _chunk(request, start, min(total - start, budget))
                 if count <= 0:
                     continue
                 budget -= count
                 end = start + count
-                if end == total and seq.index == 0 and self._fork_block_need(request):
-                    request.fork_blocks = self.allocator.allocate(self._fork_block_need(request))
-                rows.append(RowInput(_tokens(request, seq, start, end), start, seq.block_table, end == total,
-                                     request.mm))
-                owners.append((request, seq))
+                if end == total and seq.index == 0:
+                    self.kv.reserve_fork_blocks(request)
+                plan.rows.append(RowInput(_tokens(request, seq, start, end), start, seq.block_table, end == total,
+                                          request.mm))
+                plan.owners.append((request, seq))
 
-    def _prefix_hashes(self, request: Request) -> list[bytes]:
-        """The prompt's full-block digests (empty when prefix caching is off or media are involved)."""
-        if request.block_hashes is None:
-            # Media requests stay out of the prefix cache: the token ids of two different images
-            # are equal, so a block covering an image must not be keyed by tokens alone.
-            cacheable = self.prefix_caching and not request.has_media and request.mm is None
-            request.block_hashes = prefix_block_hashes(request.prompt_ids, self.block_size,
-                                                       request.cache_salt) if cacheable else []
-        return request.block_hashes
-
-    def _register_prefix_blocks(self, request: Request, seq: Sequence, before: int) -> None:
-        """Publish the prompt blocks this step completed (computed tokens went from `before` on)."""
-        hashes = request.block_hashes
-        block_size = self.block_size
-        for index in range(before // block_size, min(seq.num_computed // block_size, len(hashes))):
-            self.allocator.register(seq.block_table[index], hashes[index])
-
-    def _create_sequences(self, request: Request) -> None:
-        options = request.options
-        device = self.runner.device
-        request.sequences = []
-        for index in range(options.n):
-            generator = make_generator(options.seed, index, device) if options.seed is not None else None
-            seq = Sequence(index, generator)
-            seq.awaiting_fork = index > 0
-            request.sequences.append(seq)
-
-    # ---------------------------------------------------------------- after the forward
-
-    def _process(self, rows: list[RowInput], owners: list[tuple[Request, Sequence]], logits) -> StepOutputs:
-        logit_rows: list[int] = []
-        targets: list[tuple[Request, Sequence]] = []
-        logit_index = 0
-        for row, (request, seq) in zip(rows, owners):
-            before = seq.num_computed
-            seq.num_computed += len(row.token_ids)
-            if request.block_hashes and before < len(request.block_hashes) * self.block_size:
-                self._register_prefix_blocks(request, seq, before)
+    def _plan_sampling(self, plan: StepPlan) -> None:
+        """One target per row that reaches the end of its known tokens; choices forking from
+        choice 0 this step sample from the same logits row."""
+        logit_row = 0
+        for row, (request, seq) in zip(plan.rows, plan.owners):
             if not row.needs_logits:
                 continue
-            targets.append((request, seq))
-            logit_rows.append(logit_index)
+            choices = [seq]
             if seq.index == 0 and request.sequences[-1].awaiting_fork:
-                for child in self._fork(request, seq):  # the choices sample from the same logits
-                    targets.append((request, child))
-                    logit_rows.append(logit_index)
-            logit_index += 1
-        if not targets:
-            return []
-        if logit_rows != list(range(logit_index)):
-            logits = logits[logit_rows]
-        if all(request.options.plain_greedy for request, _ in targets):
-            tokens, logprobs = logits.max(dim=-1).indices.tolist(), None  # the common fast path
-        else:
-            tokens, logprobs = sample_batch(logits, [self._sample_row(request, seq) for request, seq in targets])
-        now = time.monotonic()
-        outputs: StepOutputs = []
-        done: list[Request] = []
-        for i, (request, seq) in enumerate(targets):
-            if request.first_token_time is None:
-                request.first_token_time = now
-            output = self._append(request, seq, tokens[i], logprobs[i] if logprobs is not None else None)
-            outputs.append((request, output))
-            if output.finish_reason is not None:
-                self._running_sequences -= 1
-                self._release(seq)
-                if request.finished and (not done or done[-1] is not request):
-                    done.append(request)
-        for request in done:
-            self.running.remove(request)
-            request.is_running = False
-            self._retire(request)
-        return outputs
+                choices += [child for child in request.sequences if child.awaiting_fork]
+            for choice in choices:
+                plan.targets.append((request, choice))
+                plan.samples.append(self._sample_row(request, choice))
+                plan.logit_rows.append(logit_row)
+            logit_row += 1
 
     def _sample_row(self, request: Request, seq: Sequence) -> SampleRow:
         options = request.options
@@ -337,25 +254,45 @@ class Scheduler:
             banned = options.stop_token_ids if options.ignore_eos else options.stop_token_ids | self.eos_token_ids
         return SampleRow(options, seq, request.prompt_ids, banned)
 
-    def _fork(self, request: Request, parent: Sequence) -> list[Sequence]:
-        """Choices 1..n-1 start from choice 0's prompt KV: full blocks shared, the partial one copied."""
-        block_size = self.block_size
-        prompt_len = len(request.prompt_ids)
-        full = prompt_len // block_size
-        shared = parent.block_table[:full]
-        children = [seq for seq in request.sequences if seq.awaiting_fork]
-        spare = request.fork_blocks
-        request.fork_blocks = []
-        for child in children:
-            child.awaiting_fork = False
-            self.allocator.share(shared)
-            child.block_table = list(shared)
-            if prompt_len % block_size:
-                block = spare.pop()
-                self.cache.copy_block(parent.block_table[full], block)
-                child.block_table.append(block)
-            child.num_computed = parent.num_computed
-        return children
+    def _create_sequences(self, request: Request) -> None:
+        options = request.options
+        request.sequences = []
+        for index in range(options.n):
+            generator = make_generator(options.seed, index, self.device) if options.seed is not None else None
+            seq = Sequence(index, generator)
+            seq.awaiting_fork = index > 0
+            request.sequences.append(seq)
+
+    # ---------------------------------------------------------------- after the forward
+
+    def update(self, plan: StepPlan, sampled: SampledTokens) -> StepOutputs:
+        """Apply a step's results: computed tokens (publishing finished prefix blocks), forks,
+        one new token per target; finish, free and retire what ended."""
+        for row, (request, seq) in zip(plan.rows, plan.owners):
+            before = seq.num_computed
+            seq.num_computed += len(row.token_ids)
+            self.kv.register_computed(request, seq, before)
+            if row.needs_logits and seq.index == 0 and request.sequences[-1].awaiting_fork:
+                self.kv.fork(request, seq)
+        now = time.monotonic()
+        outputs: StepOutputs = []
+        done: list[Request] = []
+        logprobs = sampled.logprobs
+        for i, (request, seq) in enumerate(plan.targets):
+            if request.first_token_time is None:
+                request.first_token_time = now
+            output = self._append(request, seq, sampled.token_ids[i], logprobs[i] if logprobs is not None else None)
+            outputs.append((request, output))
+            if output.finish_reason is not None:
+                self._running_sequences -= 1
+                self.kv.release(seq)
+                if request.finished and (not done or done[-1] is not request):
+                    done.append(request)
+        for request in done:
+            self.running.remove(request)
+            request.is_running = False
+            self._retire(request)
+        return outputs
 
     def _append(self, request: Request, seq: Sequence, token_id: int, logprobs) -> ChoiceOutput:
         options = request.options
@@ -377,25 +314,41 @@ class Scheduler:
         return ChoiceOutput(seq.index, token_ids, finish_reason=seq.finish_reason,
                             matched_stop_token_id=seq.matched_stop_token_id, usage=request.usage_for(seq))
 
-    # ---------------------------------------------------------------- KV bookkeeping
+    # ---------------------------------------------------------------- the running set
 
-    def _release(self, seq: Sequence) -> None:
-        if seq.block_table:
-            self.allocator.release(seq.block_table)
-            seq.block_table = []
+    def _enter_running(self, request: Request, open_choices: int) -> None:
+        self._admit_counter += 1
+        request.admit_order = self._admit_counter
+        if request.scheduled_time is None:
+            request.scheduled_time = time.monotonic()
+        self.running.append(request)
+        request.is_running = True
+        self._running_sequences += open_choices
 
-    def _free_blocks(self, request: Request) -> None:
-        for seq in request.sequences:
-            self._release(seq)
-        if request.fork_blocks:
-            self.allocator.release(request.fork_blocks)
-            request.fork_blocks = []
+    def _leave_running(self, request: Request) -> None:
+        self.running.remove(request)
+        request.is_running = False
+        self._running_sequences -= len(request.unfinished())
 
     def _retire(self, request: Request) -> None:
-        self._free_blocks(request)
+        self.kv.free(request)
         request.finish_time = time.monotonic()
         self.finished_requests += 1
         _log_finished(request)
+
+
+def run_step(scheduler: Scheduler, runner: StepRunner) -> StepOutputs:
+    """One engine step: schedule, execute (forward and sampling), update. A failed execution
+    fails the requests of its batch, never the engine."""
+    plan = scheduler.schedule()
+    if not plan:
+        return []
+    try:
+        sampled = runner.run(plan)
+    except Exception as exc:  # noqa: BLE001 - a failed batch must not stop the engine
+        log.exception("the model step failed; failing the %d requests in its batch", len(plan.rows))
+        return scheduler.fail(plan, exc)
+    return scheduler.update(plan, sampled)
 
 
 def _chunk(request: Request, start: int, count: int) -> int:
@@ -416,9 +369,10 @@ def _tokens(request: Request, seq: Sequence, start: int, end: int) -> list[int]:
     return prompt[start:] + seq.output_ids[:end - len(prompt)]
 
 
-def _without(rows, owners, request):
-    kept = [(row, owner) for row, owner in zip(rows, owners) if owner[0] is not request]
-    return [row for row, _ in kept], [owner for _, owner in kept]
+def _drop_rows_of(plan: StepPlan, request: Request) -> None:
+    kept = [(row, owner) for row, owner in zip(plan.rows, plan.owners) if owner[0] is not request]
+    plan.rows = [row for row, _ in kept]
+    plan.owners = [owner for _, owner in kept]
 
 
 def _log_finished(request: Request) -> None:

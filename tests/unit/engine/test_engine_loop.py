@@ -74,16 +74,16 @@ def test_closing_the_stream_aborts_and_ids_can_be_reused(engine):
 
 
 def test_a_failing_forward_fails_its_batch_and_the_engine_carries_on(engine, runner, monkeypatch):
-    real_execute = runner.execute
+    real_run = runner.run
     calls = {"n": 0}
 
-    def flaky_execute(rows):
+    def flaky_run(plan):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("simulated device error")
-        return real_execute(rows)
+        return real_run(plan)
 
-    monkeypatch.setattr(runner, "execute", flaky_execute)
+    monkeypatch.setattr(runner, "run", flaky_run)
 
     async def main():
         with pytest.raises(RuntimeError, match="simulated"):
@@ -107,16 +107,16 @@ def test_config_rejects_bad_values(overrides):
 
 def test_an_unexpected_engine_error_fails_live_requests_and_the_engine_recovers(engine, monkeypatch):
     scheduler = engine._core.core.scheduler
-    real_step = scheduler.step
+    real_schedule = scheduler.schedule
     calls = {"n": 0}
 
-    def broken_step():
+    def broken_schedule():
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("simulated scheduler bug")
-        return real_step()
+        return real_schedule()
 
-    monkeypatch.setattr(scheduler, "step", broken_step)
+    monkeypatch.setattr(scheduler, "schedule", broken_schedule)
 
     async def main():
         with pytest.raises(RuntimeError, match="scheduler bug"):

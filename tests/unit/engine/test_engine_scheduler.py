@@ -13,7 +13,7 @@ import torch
 
 from tito_engine.model_runner import KVCacheSpec, ModelRunner
 from tito_engine.request import FinishReason, Request, SamplingOptions
-from tito_engine.scheduler import Scheduler
+from tito_engine.scheduler import Scheduler, run_step
 
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300, 400, 500, 17], [42]]
 
@@ -45,6 +45,13 @@ def hf_greedy(runner, prompt, max_new_tokens):
     return _HF_CACHE[key]
 
 
+def scheduler_over(runner, **settings) -> Scheduler:
+    """A scheduler over `runner`'s cache, carrying the runner so `run_step` can execute its plans."""
+    scheduler = Scheduler.for_runner(runner, **settings)
+    scheduler.runner = runner
+    return scheduler
+
+
 def run(scheduler, requests, max_steps=5000, joins=None):
     """Step until idle; `joins` maps a step number to requests added before that step."""
     outputs = collections.defaultdict(dict)
@@ -57,7 +64,7 @@ def run(scheduler, requests, max_steps=5000, joins=None):
             scheduler.add(request)
         if not scheduler.has_work() and not joins:
             break
-        for request, output in scheduler.step():
+        for request, output in run_step(scheduler, scheduler.runner):
             assert not isinstance(output, BaseException), output
             outputs[id(request)].setdefault(output.index, []).extend(output.token_ids)
             if output.finished:
@@ -85,7 +92,7 @@ def test_model_info(runner):
 
 
 def test_greedy_equals_hf_generate_alone(runner):
-    scheduler = Scheduler(runner, max_running_sequences=8)
+    scheduler = scheduler_over(runner, max_running_sequences=8)
     for prompt in PROMPTS:
         request = make(prompt)
         outputs, finals = run(scheduler, [request])
@@ -101,7 +108,7 @@ def test_greedy_equals_hf_in_a_batch_of_16_joining_at_different_steps(runner):
     rng = random.Random(0)
     prompts = [[rng.randrange(1000) for _ in range(rng.randrange(1, 60))] for _ in range(16)]
     # A small prefill budget so long prompts are chunked beside running decodes.
-    scheduler = Scheduler(runner, max_running_sequences=16, max_prefill_tokens=24)
+    scheduler = scheduler_over(runner, max_running_sequences=16, max_prefill_tokens=24)
     requests = [make(prompt, max_tokens=20 + i, ignore_eos=True) for i, prompt in enumerate(prompts)]
     joins = {3 * i: [request] for i, request in enumerate(requests)}
     outputs, finals = run(scheduler, [], joins=joins)
@@ -112,11 +119,11 @@ def test_greedy_equals_hf_in_a_batch_of_16_joining_at_different_steps(runner):
 
 
 def test_max_running_limits_admission(runner):
-    scheduler = Scheduler(runner, max_running_sequences=1)
+    scheduler = scheduler_over(runner, max_running_sequences=1)
     a, b = make(PROMPTS[0], max_tokens=3), make(PROMPTS[1], max_tokens=3)
     scheduler.add(a)
     scheduler.add(b)
-    scheduler.step()
+    run_step(scheduler, scheduler.runner)
     assert scheduler.running == [a] and list(scheduler.waiting) == [b]
     run(scheduler, [])
     assert scheduler.finished_requests == 2
@@ -126,7 +133,7 @@ def test_max_running_limits_admission(runner):
 def test_stop_tokens_min_tokens_and_ignore_eos(runner):
     greedy = hf_greedy(runner, PROMPTS[0], 12)
     stop_at = greedy[4]
-    scheduler = Scheduler(runner, max_running_sequences=8)
+    scheduler = scheduler_over(runner, max_running_sequences=8)
     stop = make(PROMPTS[0], stop_token_ids=frozenset({stop_at}))
     length = make(PROMPTS[0], max_tokens=5, ignore_eos=True)
     outputs, finals = run(scheduler, [stop, length])
@@ -146,7 +153,7 @@ def test_stop_tokens_min_tokens_and_ignore_eos(runner):
 
 def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(runner):
     def sampled(with_neighbours):
-        scheduler = Scheduler(runner, max_running_sequences=16)
+        scheduler = scheduler_over(runner, max_running_sequences=16)
         target = make(PROMPTS[1], temperature=1.0, seed=7, n=2, max_tokens=10, ignore_eos=True)
         others = [make(PROMPTS[0], temperature=1.0, max_tokens=8), make(PROMPTS[2], max_tokens=5)] \
             if with_neighbours else []
@@ -160,11 +167,11 @@ def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(runner):
 
 
 def test_n_choices_fork_from_one_prefill_and_share_prompt_blocks(runner):
-    scheduler = Scheduler(runner, max_running_sequences=16)
+    scheduler = scheduler_over(runner, max_running_sequences=16)
     prompt = list(range(10, 31))  # 21 tokens: one full block of 16 shared, the partial one copied
     request = make(prompt, n=3, max_tokens=6, ignore_eos=True)
     scheduler.add(request)
-    scheduler.step()  # prefill + fork + first token of every choice
+    run_step(scheduler, scheduler.runner)  # prefill + fork + first token of every choice
     tables = [seq.block_table for seq in request.sequences]
     assert tables[0][0] == tables[1][0] == tables[2][0]  # the full block is shared
     assert len({table[1] for table in tables}) == 3  # the partial block is per choice
@@ -177,11 +184,11 @@ def test_n_choices_fork_from_one_prefill_and_share_prompt_blocks(runner):
 
 
 def test_abort_frees_blocks_of_running_and_waiting_requests(runner):
-    scheduler = Scheduler(runner, max_running_sequences=1)
+    scheduler = scheduler_over(runner, max_running_sequences=1)
     running, waiting = make(PROMPTS[0], max_tokens=50), make(PROMPTS[1], max_tokens=50)
     scheduler.add(running)
     scheduler.add(waiting)
-    scheduler.step()
+    run_step(scheduler, scheduler.runner)
     assert scheduler.kv_blocks_used() == 1
     aborted = scheduler.abort(running)
     assert [out.finish_reason for out in aborted] == [FinishReason.ABORT]
@@ -197,7 +204,7 @@ def test_preemption_under_a_tiny_cache_keeps_greedy_output_exact(tiny_cache_runn
     # and later recompute prompt + generated tokens; the output must not change.
     runner = tiny_cache_runner
     prompts = [[7 + i, 8, 9, 10, 11, 12] for i in range(4)]
-    scheduler = Scheduler(runner, max_running_sequences=8)
+    scheduler = scheduler_over(runner, max_running_sequences=8)
     requests = [make(prompt, max_tokens=14, ignore_eos=True) for prompt in prompts]
     outputs, finals = run(scheduler, requests)
     for prompt, request in zip(prompts, requests):
@@ -209,13 +216,13 @@ def test_preemption_under_a_tiny_cache_keeps_greedy_output_exact(tiny_cache_runn
 
 def test_preemption_of_a_forked_request_keeps_seeded_output(tiny_cache_runner):
     runner = tiny_cache_runner
-    scheduler = Scheduler(runner, max_running_sequences=8)
+    scheduler = scheduler_over(runner, max_running_sequences=8)
     seeded = make([3, 4, 5, 6, 7], n=2, temperature=1.0, seed=5, max_tokens=14, ignore_eos=True)
     greedy = make([9, 9, 8, 7, 6, 5], max_tokens=24, ignore_eos=True)
     outputs, _ = run(scheduler, [greedy, seeded])
     assert seeded.preemptions > 0
     assert outputs[id(greedy)][0] == hf_greedy(runner, [9, 9, 8, 7, 6, 5], 24)
-    alone = Scheduler(runner, max_running_sequences=8)
+    alone = scheduler_over(runner, max_running_sequences=8)
     again = make([3, 4, 5, 6, 7], n=2, temperature=1.0, seed=5, max_tokens=14, ignore_eos=True)
     reference, _ = run(alone, [again])
     assert outputs[id(seeded)] == reference[id(again)]
@@ -223,7 +230,7 @@ def test_preemption_of_a_forked_request_keeps_seeded_output(tiny_cache_runner):
 
 
 def test_penalties_and_logprobs_through_the_step(runner):
-    scheduler = Scheduler(runner, max_running_sequences=8)
+    scheduler = scheduler_over(runner, max_running_sequences=8)
     plain = make(PROMPTS[1], max_tokens=8, ignore_eos=True, logprobs=True, top_logprobs=2)
     penalised = make(PROMPTS[1], max_tokens=8, ignore_eos=True, repetition_penalty=5.0, frequency_penalty=2.0)
     tokens = collections.defaultdict(list)
@@ -231,7 +238,7 @@ def test_penalties_and_logprobs_through_the_step(runner):
     scheduler.add(plain)
     scheduler.add(penalised)
     while scheduler.has_work():
-        for request, output in scheduler.step():
+        for request, output in run_step(scheduler, scheduler.runner):
             tokens[id(request)].extend(output.token_ids)
             if request is plain:
                 logprobs.extend(output.logprobs)
@@ -247,7 +254,7 @@ def test_penalties_and_logprobs_through_the_step(runner):
 
 def test_a_request_that_exactly_fits_the_whole_cache_runs(tiny_cache_runner):
     # 12 blocks of 4 tokens; 45 prompt + 3 new = 48 tokens = every block (no spare left to ask for).
-    scheduler = Scheduler(tiny_cache_runner, max_running_sequences=8)
+    scheduler = scheduler_over(tiny_cache_runner, max_running_sequences=8)
     prompt = [(7 * i) % 1000 for i in range(45)]
     request = make(prompt, max_tokens=3, ignore_eos=True)
     outputs, _ = run(scheduler, [request], max_steps=50)
@@ -256,7 +263,7 @@ def test_a_request_that_exactly_fits_the_whole_cache_runs(tiny_cache_runner):
 
 
 def test_prefix_cache_reuses_prompt_blocks_and_keeps_output_exact(runner):
-    scheduler = Scheduler(runner, max_running_sequences=8)
+    scheduler = scheduler_over(runner, max_running_sequences=8)
     system = [(11 * i) % 997 for i in range(40)]  # a shared "system prompt": 2 full blocks of 16
     first = make(system + [1, 2, 3], max_tokens=6, ignore_eos=True)
     outputs, finals = run(scheduler, [first])
@@ -280,7 +287,7 @@ def test_prefix_cache_reuses_prompt_blocks_and_keeps_output_exact(runner):
 
 
 def test_prefix_cache_never_covers_the_last_prompt_token(runner):
-    scheduler = Scheduler(runner, max_running_sequences=8)
+    scheduler = scheduler_over(runner, max_running_sequences=8)
     prompt = [(5 * i) % 991 for i in range(32)]  # exactly 2 blocks
     run(scheduler, [make(prompt, max_tokens=2)])
     again = make(prompt, max_tokens=4, ignore_eos=True)
@@ -291,7 +298,7 @@ def test_prefix_cache_never_covers_the_last_prompt_token(runner):
 
 def test_prefix_cache_under_eviction_pressure(tiny_cache_runner):
     # 12 blocks of 4: many distinct prompts evict each other's cached blocks; repeats still exact.
-    scheduler = Scheduler(tiny_cache_runner, max_running_sequences=8)
+    scheduler = scheduler_over(tiny_cache_runner, max_running_sequences=8)
     prompts = [[(13 * i + j) % 997 for j in range(10)] for i in range(6)]
     for round_ in range(2):
         requests = [make(prompt, max_tokens=5, ignore_eos=True) for prompt in prompts]
@@ -299,11 +306,11 @@ def test_prefix_cache_under_eviction_pressure(tiny_cache_runner):
         for prompt, request in zip(prompts, requests):
             assert outputs[id(request)][0] == hf_greedy(tiny_cache_runner, prompt, 5), round_
         assert_idle(scheduler)
-    assert scheduler.cache.allocator.num_cached <= 12
+    assert scheduler.kv.allocator.num_cached <= 12
 
 
 def test_each_finished_request_logs_one_line_with_its_timings(runner, caplog):
-    scheduler = Scheduler(runner, max_running_sequences=8)
+    scheduler = scheduler_over(runner, max_running_sequences=8)
     request = make(PROMPTS[1], max_tokens=5, ignore_eos=True)
     with caplog.at_level("INFO", logger="tito_engine.scheduler"):
         run(scheduler, [request])
