@@ -23,7 +23,7 @@ exist yet), which differs from HF's full-prompt forward.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -113,6 +113,31 @@ class RowInput:
     mm: MultiModalPrefill | None = None
 
 
+@dataclass
+class _PackedRows:
+    """Where a step's rows sit once their tokens are packed into one [T] sequence."""
+
+    flat_ids: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)  # each row's first packed token
+    decode_rows: list[int] = field(default_factory=list)  # row indices with one token
+    prefill_rows: list[int] = field(default_factory=list)
+    decode_slots: list[int] = field(default_factory=list)  # paged-cache slot of each decode token
+    logit_index: list[int] = field(default_factory=list)  # packed tokens whose logits are returned
+    any_mm: bool = False
+    longest: int = 0  # the longest context in this step (does the sliding window cut anything?)
+    window: int | None = None
+
+
+@dataclass
+class _AttentionPlan:
+    """How every layer of one step attends (built once per step)."""
+
+    num_tokens: int
+    whole_batch_decodes: bool  # every row decodes one token
+    decode_groups: list = field(default_factory=list)
+    prefill_specs: list = field(default_factory=list)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -183,104 +208,108 @@ class BatchedDecoder:
     @torch.inference_mode()
     def forward(self, rows: list[RowInput]) -> torch.Tensor:
         """Run one step; return logits [R, vocab] (float32) for the rows with needs_logits, in order."""
-        device, block_size = self.device, self.block_size
-        flat_ids: list[int] = []
-        decode_rows: list[int] = []  # row indices with one token
-        prefill_rows: list[int] = []
-        offsets: list[int] = []
-        logit_index: list[int] = []
-        decode_slots: list[int] = []
-        any_mm = False
-        longest = 0  # the longest context in this step (does the sliding window cut anything?)
-        for index, row in enumerate(rows):
-            offset = len(flat_ids)
-            offsets.append(offset)
-            flat_ids.extend(row.token_ids)
-            longest = max(longest, row.start + len(row.token_ids))
-            if len(row.token_ids) == 1:
-                decode_rows.append(index)
-                start = row.start
-                decode_slots.append(row.block_table[start // block_size] * block_size + start % block_size)
-            else:
-                prefill_rows.append(index)
-            if row.needs_logits:
-                logit_index.append(len(flat_ids) - 1)
-            if row.mm is not None:
-                any_mm = True
-        num_tokens = len(flat_ids)
-        input_ids = torch.tensor(flat_ids, dtype=torch.long, device=device)
-        window = self.sliding_window if self.sliding_window is not None and longest > self.sliding_window else None
-
-        # Positions and cache slots of every packed token.
-        if not prefill_rows:
-            positions = torch.tensor([row.start for row in rows], dtype=torch.long, device=device)
-            slot_mapping = torch.tensor(decode_slots, dtype=torch.long, device=device)
-        else:
-            # Vectorised over the packed tokens: each token's row, its position, its slot.
-            counts = [len(row.token_ids) for row in rows]
-            widest = max(-(-(row.start + count) // block_size) for row, count in zip(rows, counts))
-            tables = []
-            for row in rows:
-                table = row.block_table[:widest]
-                tables.append(table + [0] * (widest - len(table)))
-            table_tensor = torch.tensor(tables, dtype=torch.long, device=device)
-            row_of = torch.repeat_interleave(self._range(len(rows)),
-                                             torch.tensor(counts, dtype=torch.long, device=device))
-            shift = torch.tensor([row.start - offset for row, offset in zip(rows, offsets)], dtype=torch.long,
-                                 device=device)
-            # A step may pack more tokens than one sequence's context (many prompts at once).
-            positions = self._range(num_tokens) + shift[row_of]
-            slot_mapping = table_tensor[row_of, positions // block_size] * block_size + positions % block_size
-
+        packed = self._pack(rows)
+        input_ids = torch.tensor(packed.flat_ids, dtype=torch.long, device=self.device)
+        positions, slot_mapping = self._positions_and_slots(rows, packed)
         hidden = self.family.embed(input_ids)
         mrope = None
-        if any_mm:
-            hidden, mrope = self._apply_multimodal(rows, offsets, hidden, positions)
+        if packed.any_mm:
+            hidden, mrope = self._apply_multimodal(rows, packed.offsets, hidden, positions)
         ropes = [self._rotary(table, positions, mrope) for table in self.rope_tables]
-
-        decode_groups = self._decode_groups(rows, decode_rows, offsets, whole_batch=not prefill_rows, window=window)
-        prefill_specs = [self._prefill_spec(rows[i], offsets[i], window) for i in prefill_rows]
-
-        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        one_group = len(decode_groups) == 1 and decode_groups[0][0] is None  # every row decodes, one group
+        attention = self._plan_attention(rows, packed)
+        heads = self.num_heads
         for layer_index, layer in enumerate(self.layers):
-            kind = layer.kind
             residual = hidden
             qk, v = layer.project(hidden)
             cos, sin = ropes[layer.rope]
             qk = qk * cos + _rotate_half(qk) * sin  # rotary on q and k together
             q, k = qk[:, :heads], qk[:, heads:]
             key_cache, value_cache = self.cache.keys[layer_index], self.cache.values[layer_index]
-            key_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-            value_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
-
-            if one_group:
-                _, blocks, count, masks = decode_groups[0]
-                attn = self._attend_decode(q, key_cache, value_cache, blocks, count, masks[kind])
-            else:
-                attn = torch.empty((num_tokens, heads * head_dim), dtype=q.dtype, device=device)
-                for index, blocks, count, masks in decode_groups:
-                    out = self._attend_decode(q.index_select(0, index), key_cache, value_cache, blocks, count,
-                                              masks[kind])
-                    attn.index_copy_(0, index, out)
-                for offset, count, blocks, masks in prefill_specs:
-                    q_rows = q[offset:offset + count].transpose(0, 1)[None]  # [1, heads, count, hd]
-                    mask = masks[kind]
-                    if blocks is None:  # a prompt's first chunk: this step's K/V only
-                        out = F.scaled_dot_product_attention(
-                            q_rows, k[offset:offset + count].transpose(0, 1)[None],
-                            v[offset:offset + count].transpose(0, 1)[None], attn_mask=mask,
-                            is_causal=mask is None, scale=self.scaling,
-                            enable_gqa=kv_heads != heads).transpose(1, 2)
-                    else:
-                        out = self._attend(q_rows, key_cache, value_cache, blocks, 1, mask)
-                    attn[offset:offset + count] = out[0].reshape(count, heads * head_dim)
-
+            key_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, k)
+            value_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, v)
+            attn = self._attend_layer(attention, layer_index, layer.kind, q, k, v)
             hidden = layer.finish(residual, attn)
-
-        if len(logit_index) != num_tokens:
-            hidden = hidden.index_select(0, torch.tensor(logit_index, dtype=torch.long, device=device))
+        if len(packed.logit_index) != len(packed.flat_ids):
+            hidden = hidden.index_select(0, torch.tensor(packed.logit_index, dtype=torch.long, device=self.device))
         return self.family.logits(hidden).float()
+
+    def _pack(self, rows: list[RowInput]) -> "_PackedRows":
+        """The step's tokens packed row after row, and where each kind of row sits."""
+        packed = _PackedRows()
+        block_size = self.block_size
+        for index, row in enumerate(rows):
+            packed.offsets.append(len(packed.flat_ids))
+            packed.flat_ids.extend(row.token_ids)
+            packed.longest = max(packed.longest, row.start + len(row.token_ids))
+            if len(row.token_ids) == 1:
+                packed.decode_rows.append(index)
+                start = row.start
+                packed.decode_slots.append(row.block_table[start // block_size] * block_size + start % block_size)
+            else:
+                packed.prefill_rows.append(index)
+            if row.needs_logits:
+                packed.logit_index.append(len(packed.flat_ids) - 1)
+            packed.any_mm = packed.any_mm or row.mm is not None
+        if self.sliding_window is not None and packed.longest > self.sliding_window:
+            packed.window = self.sliding_window
+        return packed
+
+    def _positions_and_slots(self, rows: list[RowInput], packed: "_PackedRows") -> tuple[torch.Tensor, torch.Tensor]:
+        """Each packed token's position and the paged-cache slot its K/V goes to."""
+        device, block_size = self.device, self.block_size
+        if not packed.prefill_rows:
+            return (torch.tensor([row.start for row in rows], dtype=torch.long, device=device),
+                    torch.tensor(packed.decode_slots, dtype=torch.long, device=device))
+        # Vectorised over the packed tokens: each token's row, its position, its slot.
+        counts = [len(row.token_ids) for row in rows]
+        widest = max(-(-(row.start + count) // block_size) for row, count in zip(rows, counts))
+        tables = []
+        for row in rows:
+            table = row.block_table[:widest]
+            tables.append(table + [0] * (widest - len(table)))
+        table_tensor = torch.tensor(tables, dtype=torch.long, device=device)
+        row_of = torch.repeat_interleave(self._range(len(rows)), torch.tensor(counts, dtype=torch.long, device=device))
+        shift = torch.tensor([row.start - offset for row, offset in zip(rows, packed.offsets)], dtype=torch.long,
+                             device=device)
+        # A step may pack more tokens than one sequence's context (many prompts at once).
+        positions = self._range(len(packed.flat_ids)) + shift[row_of]
+        return positions, table_tensor[row_of, positions // block_size] * block_size + positions % block_size
+
+    def _plan_attention(self, rows: list[RowInput], packed: "_PackedRows") -> "_AttentionPlan":
+        """How every layer of this step attends: decode rows in one or two gathered groups,
+        prefill chunks one by one."""
+        plan = _AttentionPlan(num_tokens=len(packed.flat_ids), whole_batch_decodes=not packed.prefill_rows)
+        plan.decode_groups = self._decode_groups(rows, packed.decode_rows, packed.offsets,
+                                                 whole_batch=not packed.prefill_rows, window=packed.window)
+        plan.prefill_specs = [self._prefill_spec(rows[i], packed.offsets[i], packed.window)
+                              for i in packed.prefill_rows]
+        return plan
+
+    def _attend_layer(self, plan: "_AttentionPlan", layer_index: int, kind: int, q: torch.Tensor,
+                      k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One layer's attention output [T, heads * hd] for the step's packed queries."""
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        key_cache, value_cache = self.cache.keys[layer_index], self.cache.values[layer_index]
+        groups = plan.decode_groups
+        if plan.whole_batch_decodes and len(groups) == 1 and groups[0][0] is None:  # every row decodes, one group
+            _, blocks, count, masks = groups[0]
+            return self._attend_decode(q, key_cache, value_cache, blocks, count, masks[kind])
+        attn = torch.empty((plan.num_tokens, heads * head_dim), dtype=q.dtype, device=self.device)
+        for index, blocks, count, masks in groups:
+            out = self._attend_decode(q.index_select(0, index), key_cache, value_cache, blocks, count, masks[kind])
+            attn.index_copy_(0, index, out)
+        for offset, count, blocks, masks in plan.prefill_specs:
+            q_rows = q[offset:offset + count].transpose(0, 1)[None]  # [1, heads, count, hd]
+            mask = masks[kind]
+            if blocks is None:  # a prompt's first chunk: this step's K/V only
+                out = F.scaled_dot_product_attention(
+                    q_rows, k[offset:offset + count].transpose(0, 1)[None],
+                    v[offset:offset + count].transpose(0, 1)[None], attn_mask=mask,
+                    is_causal=mask is None, scale=self.scaling, enable_gqa=kv_heads != heads).transpose(1, 2)
+            else:
+                out = self._attend(q_rows, key_cache, value_cache, blocks, 1, mask)
+            attn[offset:offset + count] = out[0].reshape(count, heads * head_dim)
+        return attn
 
     # ------------------------------------------------------------------ masks
 
