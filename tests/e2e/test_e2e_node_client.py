@@ -2,7 +2,8 @@
 Qwen2-VL model, render signing media items and the engine requiring signed features: its image
 chat streams the same text as the Python pipeline (so grpc-js forwarded the signed features
 unchanged), a plain object for a Struct field is dropped while toStruct() arrives, a cancelled
-stream leaves the engine idle, and a bad token id decodes to ErrorInfo + BadRequest."""
+stream and one past its deadline leave the engine idle, and a bad token id decodes to ErrorInfo
+and BadRequest."""
 
 from __future__ import annotations
 
@@ -91,6 +92,12 @@ def test_a_cancelled_stream_ends_cancelled_and_frees_the_engine(steps):
     cancel = steps["cancel"]
     assert cancel["code"] == "CANCELLED" and cancel["received"] >= 1
     assert cancel["running_requests"] == 0
+
+
+def test_a_stream_past_its_deadline_ends_deadline_exceeded_and_frees_the_engine(steps):
+    # 2000 tokens under a 150 ms deadline: a slower machine only makes the deadline surer.
+    assert steps["deadline"]["code"] == "DEADLINE_EXCEEDED"
+    assert steps["deadline"]["running_requests"] == 0
 
 
 def test_a_bad_token_id_decodes_to_error_info_and_bad_request(steps):

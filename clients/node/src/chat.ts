@@ -12,6 +12,8 @@ import { checkHealth } from "./health";
 import { Addresses, Clients, closeAll, connect, deadline, streamChat, unary } from "./pipeline";
 import { toStruct } from "./struct";
 
+const DEADLINE_DEMO_MS = 150; // far shorter than 2000 tokens take
+
 function report(step: string, fields: object): void {
   console.log(JSON.stringify({ step, ...fields }));
 }
@@ -71,29 +73,33 @@ async function imageChat(clients: Clients, prompt: string, image: Buffer, maxTok
   report("chat", { content, finish_reason: last?.finish_reason, usage: last?.usage });
 }
 
-// Cancel a Generate stream after its first message: the client sees CANCELLED, and the engine
-// frees the request (GetLoad shows it no longer running).
-async function cancelStream(clients: Clients, timeoutMs: number): Promise<void> {
+// Ask for a long generation, then end the Generate stream early: cancelled by the client after
+// its first message, or cut by a deadline. The client sees CANCELLED or DEADLINE_EXCEEDED, and the
+// engine frees the request (GetLoad shows nothing running).
+async function endStreamEarly(clients: Clients, how: "cancel" | "deadline", timeoutMs: number): Promise<void> {
   const rendered = await unary(clients.render, "RenderChat", {
     messages: [{ role: "user", content: "Count to a thousand." }],
     sampling: { max_tokens: 2000, temperature: 0, ignore_eos: true },
   }, timeoutMs);
   const call: grpc.ClientReadableStream<any> = clients.engine.Generate(rendered.generate_request,
-    deadline(timeoutMs));
+    deadline(how === "deadline" ? DEADLINE_DEMO_MS : timeoutMs));
   let received = 0;
   const code = await new Promise<string>((resolve) => {
-    call.on("data", () => { received += 1; if (received === 1) call.cancel(); });
+    call.on("data", () => { received += 1; if (how === "cancel" && received === 1) call.cancel(); });
     call.on("error", (error: grpc.ServiceError) => resolve(grpc.status[error.code]));
-    call.on("end", () => resolve("ENDED_WITHOUT_CANCEL"));
+    call.on("end", () => resolve("OK"));
   });
+  report(how, { code, received, ...await waitUntilIdle(clients, timeoutMs) });
+}
+
+async function waitUntilIdle(clients: Clients, timeoutMs: number): Promise<object> {
   let load: any;
   for (let attempt = 0; attempt < 100; attempt += 1) {
     load = await unary(clients.engine, "GetLoad", {}, timeoutMs);
     if (!load.running_requests && !load.waiting_requests) break;
     await new Promise((resolve) => setTimeout(resolve, 100));
   }
-  report("cancel", { code, received, running_requests: load.running_requests ?? 0,
-                     finished_requests: load.finished_requests });
+  return { running_requests: load.running_requests ?? 0, finished_requests: load.finished_requests };
 }
 
 // A token id outside the vocabulary: INVALID_ARGUMENT with ErrorInfo and a BadRequest naming it.
@@ -128,7 +134,8 @@ async function main(): Promise<void> {
     if (values.image) {
       await imageChat(clients, values.prompt!, readFileSync(values.image), Number(values["max-tokens"]), timeoutMs);
     }
-    await cancelStream(clients, timeoutMs);
+    await endStreamEarly(clients, "cancel", timeoutMs);
+    await endStreamEarly(clients, "deadline", timeoutMs);
     await richError(clients, vocabSize, timeoutMs);
   } finally {
     closeAll(clients);
