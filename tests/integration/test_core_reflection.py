@@ -88,3 +88,23 @@ def test_the_derived_v1_file_names_only_v1_types():
     proto = reflection.v1_file_descriptor_proto()
     text = str(proto)
     assert "v1alpha" not in text and proto.options.java_package == "io.grpc.reflection.v1"
+
+
+@pytest.mark.parametrize("exempt", [True, False])
+def test_v1_reflection_is_open_under_a_token_exactly_when_v1alpha_is(aio_server, tmp_path, exempt):
+    token_file = tmp_path / "token"
+    token_file.write_text("t" * 40)
+
+    async def make():
+        config = ServerConfig(address="127.0.0.1:0", auth_token_file=str(token_file), auth_exempt_health=exempt)
+        return await start_server(config, [SERVICE], lambda s: derender_pb2_grpc.add_DerenderServiceServicer_to_server(
+            derender_pb2_grpc.DerenderServiceServicer(), s))
+
+    server = aio_server(make)
+    for version in VERSIONS:
+        if exempt:
+            assert _ask(server, version, list_services="").list_services_response.service
+        else:
+            with pytest.raises(grpc.RpcError) as info:
+                _ask(server, version, list_services="")
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
