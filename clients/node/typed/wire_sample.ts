@@ -10,8 +10,10 @@ import { ToolChoiceMode } from "../gen/tito/v1/chat";
 
 function encodeSample(): string {
   const request = RenderChatRequest.fromPartial({
-    messages: [{ role: "user", content_parts: [{ text: "What is this?" }, { image: { data: Buffer.from([1, 2, 3]) } }] }],
-    chat_template_kwargs: { enable_thinking: false, depth: { list: [1, "two", null] } }, // plain JSON: ts-proto wraps it
+    messages: [{ role: "user",
+                 content_parts: [{ text: "What is this?" }, { image: { data: Buffer.from([1, 2, 3]) } }] }],
+    // Plain JSON for a Struct: ts-proto wraps it into the Struct message itself.
+    chat_template_kwargs: { enable_thinking: false, depth: { list: [1, "two", null] } },
     tool_choice: { mode: ToolChoiceMode.TOOL_CHOICE_MODE_NONE },
     sampling: { max_tokens: 8, seed: "18446744073709551615" },
     mm_payload: MmPayload.MM_PAYLOAD_METADATA,
