@@ -2,6 +2,10 @@
 
 The stubs are committed; CI regenerates them into a temporary directory and fails if they
 differ, so nobody edits generated code by hand and nobody forgets to regenerate.
+
+Only proto/tito/v1 is compiled. proto/google/rpc holds vendored copies of google.rpc's status,
+code and error details for clients in other languages; Python gets those from the
+googleapis-common-protos package (google.rpc.*_pb2), so no stubs are generated for them here.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ HEADER_INIT = '"""Generated gRPC stubs for the tito.v1 contract. Do not edit: ru
 
 
 def generate(out_root: Path) -> Path:
-    """Run protoc for every .proto under proto/tito/v1, writing into out_root/tito/v1."""
+    """Run protoc for every .proto under proto/tito/v1 (never the vendored proto/google), writing
+    into out_root/tito/v1."""
     protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in (PROTO_ROOT / PACKAGE_DIR).glob("*.proto"))
     well_known = Path(protoc.__file__).parent / "_proto"
     args = [

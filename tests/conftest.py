@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import shutil
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -45,13 +46,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Tests marked `vllm` skip where vLLM is not installed, unless TITO_REQUIRE_VLLM is set (the
-    README's test command sets it): there a missing vLLM fails them instead of hiding them."""
-    if item.get_closest_marker("vllm") is None or importlib.util.find_spec("vllm") is not None:
-        return
-    if os.environ.get("TITO_REQUIRE_VLLM"):
-        pytest.fail("vLLM is not installed but TITO_REQUIRE_VLLM is set: run bash scripts/bootstrap.sh --vllm")
-    pytest.skip("needs vLLM (bash scripts/bootstrap.sh --vllm)")
+    """Tests marked `vllm` skip where vLLM is not installed, and tests marked `node` where Node.js
+    or npm is missing, unless TITO_REQUIRE_VLLM / TITO_REQUIRE_NODE is set (the README's test
+    command sets both): there a missing tool fails them instead of hiding them."""
+    if item.get_closest_marker("vllm") is not None and importlib.util.find_spec("vllm") is None:
+        if os.environ.get("TITO_REQUIRE_VLLM"):
+            pytest.fail("vLLM is not installed but TITO_REQUIRE_VLLM is set: run bash scripts/bootstrap.sh --vllm")
+        pytest.skip("needs vLLM (bash scripts/bootstrap.sh --vllm)")
+    if item.get_closest_marker("node") is not None and not (shutil.which("node") and shutil.which("npm")):
+        if os.environ.get("TITO_REQUIRE_NODE"):
+            pytest.fail("Node.js and npm are not on PATH but TITO_REQUIRE_NODE is set: install Node.js 20 or newer")
+        pytest.skip("needs Node.js 20+ and npm on PATH")
 
 
 @pytest.fixture(scope="session")

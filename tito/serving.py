@@ -2,8 +2,9 @@
 
 `start_server` builds a `grpc.aio` server with the error-mapping interceptor, message size
 limits, the standard health service (NOT_SERVING until the service says it is ready), server
-reflection, and binds a TCP `host:port` (port 0 picks a free one) or a `unix:` socket, with TLS
-(and mutual TLS) and a bearer-token check when configured (tito.security).
+reflection (grpc.reflection.v1 and v1alpha: tito.reflection), and binds a TCP `host:port` (port 0
+picks a free one) or a `unix:` socket, with TLS (and mutual TLS) and a bearer-token check when
+configured (tito.security).
 `run_until_signal` serves until SIGTERM/SIGINT, then enters graceful shutdown (health turns
 NOT_SERVING, new calls are refused) and gives in-flight calls `grace_seconds` to finish.
 """
@@ -19,8 +20,8 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from tito import reflection
 from tito.config import ConfigError, ServerConfig
 from tito.grpc_errors import ErrorMappingInterceptor
 from tito.security import OPEN_METHOD_PREFIXES, AuthInterceptor, read_token_file, server_credentials
@@ -91,7 +92,7 @@ async def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", *names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection((*names, health.SERVICE_NAME), server)
     address = config.address
     credentials = server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file) \
         if config.tls_cert_file else None

@@ -76,5 +76,8 @@ def test_every_grpcurl_command_of_the_readme_works_as_described(ports):
         assert result.returncode == 0, f"{command}\n{output}"
         if " list" in command:
             assert re.search(r"tito\.v1\.RenderService", output) and "grpc.health.v1.Health" in output
+            assert "grpc.reflection.v1.ServerReflection" in output and "grpc.reflection.v1alpha" in output
+        if "describe grpc.reflection.v1." in command:
+            assert "rpc ServerReflectionInfo ( stream .grpc.reflection.v1.ServerReflectionRequest )" in output, output
         if any(method in command for method in ("/Generate", "/Derender", "/RenderChat")):
             assert "token_ids" in output or "content" in output or "chunk" in output, output
