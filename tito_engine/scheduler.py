@@ -109,7 +109,7 @@ class Scheduler:
         outputs = []
         for seq in request.unfinished():
             seq.finish_reason = FinishReason.ABORT
-            outputs.append(self._final_output(request, seq, ()))
+            outputs.append(_final_output(request, seq))
         self._retire(request)
         return outputs
 
@@ -205,7 +205,7 @@ class Scheduler:
                 continue
             fresh = not request.sequences
             if fresh:
-                self._create_sequences(request)
+                _create_sequences(request, self.device)
             open_seqs = request.unfinished()
             if self._running_sequences + len(open_seqs) > self.max_running_sequences:
                 break
@@ -243,25 +243,9 @@ class Scheduler:
                 choices += [child for child in request.sequences if child.awaiting_fork]
             for choice in choices:
                 plan.targets.append((request, choice))
-                plan.samples.append(self._sample_row(request, choice))
+                plan.samples.append(_sample_row(request, choice, self.eos_token_ids))
                 plan.logit_rows.append(logit_row)
             logit_row += 1
-
-    def _sample_row(self, request: Request, seq: Sequence) -> SampleRow:
-        options = request.options
-        banned: frozenset[int] = frozenset()
-        if len(seq.output_ids) < options.min_tokens:  # EOS and stop ids may not end it yet
-            banned = options.stop_token_ids if options.ignore_eos else options.stop_token_ids | self.eos_token_ids
-        return SampleRow(options, seq, request.prompt_ids, banned)
-
-    def _create_sequences(self, request: Request) -> None:
-        options = request.options
-        request.sequences = []
-        for index in range(options.n):
-            generator = make_generator(options.seed, index, self.device) if options.seed is not None else None
-            seq = Sequence(index, generator)
-            seq.awaiting_fork = index > 0
-            request.sequences.append(seq)
 
     # ---------------------------------------------------------------- after the forward
 
@@ -281,7 +265,8 @@ class Scheduler:
         for i, (request, seq) in enumerate(plan.targets):
             if request.first_token_time is None:
                 request.first_token_time = now
-            output = self._append(request, seq, sampled.token_ids[i], logprobs[i] if logprobs is not None else None)
+            output = _append(request, seq, sampled.token_ids[i], logprobs[i] if logprobs is not None else None,
+                             self.eos_token_ids)
             outputs.append((request, output))
             if output.finish_reason is not None:
                 self._running_sequences -= 1
@@ -293,26 +278,6 @@ class Scheduler:
             request.is_running = False
             self._retire(request)
         return outputs
-
-    def _append(self, request: Request, seq: Sequence, token_id: int, logprobs) -> ChoiceOutput:
-        options = request.options
-        seq.output_ids.append(token_id)
-        count = len(seq.output_ids)
-        if count >= options.min_tokens and (
-                (not options.ignore_eos and token_id in self.eos_token_ids) or token_id in options.stop_token_ids):
-            seq.finish_reason = FinishReason.STOP
-            seq.matched_stop_token_id = token_id
-        elif count >= options.max_tokens:
-            seq.finish_reason = FinishReason.LENGTH
-        lp = (logprobs,) if logprobs is not None else ()
-        if seq.finish_reason is not None:
-            return ChoiceOutput(seq.index, (token_id,), seq.finish_reason, seq.matched_stop_token_id,
-                                request.usage_for(seq), lp)
-        return ChoiceOutput(seq.index, (token_id,), logprobs=lp)
-
-    def _final_output(self, request: Request, seq: Sequence, token_ids: tuple[int, ...]) -> ChoiceOutput:
-        return ChoiceOutput(seq.index, token_ids, finish_reason=seq.finish_reason,
-                            matched_stop_token_id=seq.matched_stop_token_id, usage=request.usage_for(seq))
 
     # ---------------------------------------------------------------- the running set
 
@@ -349,6 +314,49 @@ def run_step(scheduler: Scheduler, runner: StepRunner) -> StepOutputs:
         log.exception("the model step failed; failing the %d requests in its batch", len(plan.rows))
         return scheduler.fail(plan, exc)
     return scheduler.update(plan, sampled)
+
+
+def _sample_row(request: Request, seq: Sequence, eos_token_ids: frozenset[int]) -> SampleRow:
+    options = request.options
+    banned: frozenset[int] = frozenset()
+    if len(seq.output_ids) < options.min_tokens:  # EOS and stop ids may not end it yet
+        banned = options.stop_token_ids if options.ignore_eos else options.stop_token_ids | eos_token_ids
+    return SampleRow(options, seq, request.prompt_ids, banned)
+
+
+def _create_sequences(request: Request, device: Any) -> None:
+    """The request's choices; choice 0 prefills, the others wait to fork from it."""
+    options = request.options
+    request.sequences = []
+    for index in range(options.n):
+        generator = make_generator(options.seed, index, device) if options.seed is not None else None
+        seq = Sequence(index, generator)
+        seq.awaiting_fork = index > 0
+        request.sequences.append(seq)
+
+
+def _append(request: Request, seq: Sequence, token_id: int, logprobs, eos_token_ids: frozenset[int]) -> ChoiceOutput:
+    """Append a sampled token to its choice, deciding whether it ends the choice."""
+    options = request.options
+    seq.output_ids.append(token_id)
+    count = len(seq.output_ids)
+    if count >= options.min_tokens and (
+            (not options.ignore_eos and token_id in eos_token_ids) or token_id in options.stop_token_ids):
+        seq.finish_reason = FinishReason.STOP
+        seq.matched_stop_token_id = token_id
+    elif count >= options.max_tokens:
+        seq.finish_reason = FinishReason.LENGTH
+    lp = (logprobs,) if logprobs is not None else ()
+    if seq.finish_reason is not None:
+        return ChoiceOutput(seq.index, (token_id,), seq.finish_reason, seq.matched_stop_token_id,
+                            request.usage_for(seq), lp)
+    return ChoiceOutput(seq.index, (token_id,), logprobs=lp)
+
+
+def _final_output(request: Request, seq: Sequence) -> ChoiceOutput:
+    """A finished choice's last message with no new tokens (abort)."""
+    return ChoiceOutput(seq.index, (), finish_reason=seq.finish_reason,
+                        matched_stop_token_id=seq.matched_stop_token_id, usage=request.usage_for(seq))
 
 
 def _chunk(request: Request, start: int, count: int) -> int:
