@@ -17,7 +17,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tito.tiny_models import INTERLEAVED_VL_MODEL, TEXT_MODEL, TEXT_MODEL_D64, VL_MODEL, ensure_model
+from tito.tiny_models import (INTERLEAVED_VL_MODEL, LLAMA_MODEL, QWEN2_5_VL_MODEL, QWEN3_MODEL, TEXT_MODEL,
+                              TEXT_MODEL_D64, VL_MODEL, ensure_model)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -56,6 +57,24 @@ def tiny_vl_model(model_cache) -> Path:
 def tiny_interleaved_vl_model(model_cache) -> Path:
     """A tiny Gemma3: image spans interleave boundary tokens with soft tokens (is_embed masks)."""
     return ensure_model(INTERLEAVED_VL_MODEL, model_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_model(model_cache) -> Path:
+    """A tiny Llama 3.1-style model (rope_type llama3, GQA, no biases)."""
+    return ensure_model(LLAMA_MODEL, model_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_model(model_cache) -> Path:
+    """A tiny Qwen3 (per-head q/k norms, head_dim 32 from the config)."""
+    return ensure_model(QWEN3_MODEL, model_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl_model(model_cache) -> Path:
+    """A tiny Qwen2.5-VL (windowed vision attention, video time axis in M-RoPE)."""
+    return ensure_model(QWEN2_5_VL_MODEL, model_cache)
 
 
 class AioServer:
