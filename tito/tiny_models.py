@@ -1,13 +1,13 @@
 """Deterministic, offline builder for tiny Hugging Face model directories.
 
-The models built here are random-weight toys (Qwen2, Qwen2-VL, Gemma3) used by the tests and
+The models built here are random-weight toys (Qwen2, Qwen2-VL, Gemma3, Llama, Qwen3, Qwen2.5-VL) used by the tests and
 as the default model of ``tito serve``.  Nothing is downloaded: the tokenizer is
 trained from a corpus embedded in this module and the weights come from
 private generators seeded per parameter name (normal(0, 0.2) for matrices, so
 greedy output is varied), so every build writes byte-identical files.  Only
 ``tokenizers``, ``torch`` and ``transformers`` are needed, imported lazily.
 
-Five models are available:
+Eight models are available:
 
 ``tiny-qwen2`` (:data:`TEXT_MODEL`, :func:`build_text_model`)
     ``Qwen2ForCausalLM``: hidden size 64, 2 layers, 4 attention heads / 2 KV
@@ -77,7 +77,25 @@ Five models are available:
     ``generate()``, silently).  Pan-and-scan (off here) would add crops, each
     a further span with text between them; not supported by these helpers.
 
-The three directories share one tokenizer (:func:`build_tokenizer`): a byte-level
+``tiny-llama`` (:data:`LLAMA_MODEL`, :func:`build_llama_model`)
+    ``LlamaForCausalLM`` with the shared text part (hidden 64, 2 layers, 4 / 2 heads, head_dim
+    16, intermediate 128), no biases, untied embeddings and Llama 3.1's rotary scaling
+    (:data:`LLAMA_ROPE_PARAMETERS`: ``rope_type`` ``llama3``, factor 8, original context 256, so
+    on head_dim 16 some frequencies are scaled fully, some partly, some not at all).
+
+``tiny-qwen3`` (:data:`QWEN3_MODEL`, :func:`build_qwen3_model`)
+    ``Qwen3ForCausalLM``: the shared text part with ``head_dim`` 32 (not hidden / heads), per-head
+    q/k RMSNorm, no q/k/v bias.
+
+``tiny-qwen2.5-vl`` (:data:`QWEN2_5_VL_MODEL`, :func:`build_qwen2_5_vl_model`)
+    ``Qwen2_5_VLForConditionalGeneration``: the text part of ``tiny-qwen2-vl`` and a 2-block
+    vision tower (block 0 windowed, ``window_size`` 56 px, block 1 full: ``fullatt_block_indexes``
+    [1]; hidden 32, 2 heads, gated SiLU MLP 64, RMSNorm, merger to 64), ``tokens_per_second`` 2,
+    and ``tiny-qwen2-vl``'s image processor config (``processor_class`` ``Qwen2_5_VLProcessor``).
+
+These three use the shared tokenizer, chat template and generation config unchanged.
+
+The directories share one tokenizer (:func:`build_tokenizer`): a byte-level
 BPE with the Qwen2 pre-tokenizer regex, NFC normalisation and a ~1000 token
 vocabulary, followed by these added tokens (ids are fixed by the build)::
 

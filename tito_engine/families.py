@@ -14,9 +14,12 @@ architectures, read once from the loaded Hugging Face module:
 * `logits(hidden)`: final norm, lm_head, final soft-capping where HF applies it;
 * the query scaling, and the default bidirectional spans of a multimodal prefill.
 
-Families: `QwenFamily` (Qwen2, and Qwen2-VL's text model with its M-RoPE sections) and
-`Gemma3Family` (Gemma3 text, alone or inside Gemma3ForConditionalGeneration). Each follows HF's
-op order (norm statistics in float32, casts where HF casts) so logits match HF's forward.
+Families (`FAMILIES`, keyed by the text config's model_type): `QwenFamily` (the Llama-style
+pre-norm decoder: Qwen2, Qwen2-VL's and Qwen2.5-VL's text models with their M-RoPE sections,
+Llama 2 / 3.x with any rotary scaling HF folds into `inv_freq`, Mistral), `Qwen3Family` (the same
+plus per-head q/k RMSNorm) and `Gemma3Family` (Gemma3 text, alone or inside
+Gemma3ForConditionalGeneration). Each follows HF's op order (norm statistics in float32, casts
+where HF casts) so logits match HF's forward.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ class ModelInfo:
     modalities: tuple[str, ...] = ()
     # (modality, placeholder token text, placeholder token id) per accepted modality.
     placeholders: tuple[tuple[str, str, int], ...] = ()
-    model_family: str = ""  # config.model_type, e.g. "qwen2", "qwen2_vl", "gemma3"
+    model_family: str = ""  # config.model_type, e.g. "qwen2", "llama", "qwen3", "qwen2_5_vl", "gemma3"
 
 
 def choose_device(spec: str) -> torch.device:
@@ -150,7 +150,8 @@ def _load_model(model_dir: Path, dtype: torch.dtype) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(model_dir)
-    # Vision-language models (Qwen2-VL) load as image-text-to-text; the engine drives their text model.
+    # Vision-language models (Qwen2-VL, Qwen2.5-VL, Gemma3) load as image-text-to-text; the engine drives
+    # their text model.
     loader = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     return loader.from_pretrained(model_dir, dtype=dtype)
 
