@@ -187,7 +187,10 @@ class ModelRunner:
             model_dir, config, model_id=model_id, vocab_size=vocab_size, max_context_length=max_model_len or model_max,
             dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
         self.cache = self._make_cache(text_config, kv_cache or KVCacheSpec())
-        self.decoder = BatchedDecoder(self.model, self.cache, max_positions=self.info.max_context_length)
+        try:
+            self.decoder = BatchedDecoder(self.model, self.cache, max_positions=self.info.max_context_length)
+        except ValueError as exc:  # an architecture (or a setting of one) the native forward does not run
+            raise ConfigError(f"{model_id}: {exc}") from exc
         log.info("loaded %s on %s (%s): vocab %d, context %d, eos %s, fingerprint %s; KV cache %d blocks x %d "
                  "tokens (%.1f MiB)", model_id, self.info.device, self.info.dtype, vocab_size,
                  self.info.max_context_length, list(self.info.eos_token_ids), self.info.fingerprint,
