@@ -20,7 +20,8 @@ import pytest
 
 from tito.contract import ERROR_REASONS
 from tito.errors import TitoError
-from tito.tiny_models import INTERLEAVED_VL_MODEL, TEXT_MODEL, TEXT_MODEL_D64, VL_MODEL, ensure_model
+from tito.tiny_models import (INTERLEAVED_VL_MODEL, LLAMA_MODEL, QWEN2_5_VL_MODEL, QWEN3_MODEL, TEXT_MODEL,
+                              TEXT_MODEL_D64, VL_MODEL, ensure_model)
 
 # Every error reason raised in this test process, so the session can fail if one is missing from
 # the contract's ErrorReason enum (the static scan in test_core_error_reasons.py cannot see
@@ -85,6 +86,24 @@ def tiny_vl_model(model_cache) -> Path:
 def tiny_interleaved_vl_model(model_cache) -> Path:
     """A tiny Gemma3: image spans interleave boundary tokens with soft tokens (is_embed masks)."""
     return ensure_model(INTERLEAVED_VL_MODEL, model_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_model(model_cache) -> Path:
+    """A tiny Llama 3.1-style model (rope_type llama3, GQA, no biases)."""
+    return ensure_model(LLAMA_MODEL, model_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_model(model_cache) -> Path:
+    """A tiny Qwen3 (per-head q/k norms, head_dim 32 from the config)."""
+    return ensure_model(QWEN3_MODEL, model_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl_model(model_cache) -> Path:
+    """A tiny Qwen2.5-VL (windowed vision attention, video time axis in M-RoPE)."""
+    return ensure_model(QWEN2_5_VL_MODEL, model_cache)
 
 
 class AioServer:

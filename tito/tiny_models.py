@@ -1,13 +1,13 @@
 """Deterministic, offline builder for tiny Hugging Face model directories.
 
-The models built here are random-weight toys (Qwen2, Qwen2-VL, Gemma3) used by the tests and
+The models built here are random-weight toys (Qwen2, Qwen2-VL, Gemma3, Llama, Qwen3, Qwen2.5-VL) used by the tests and
 as the default model of ``tito serve``.  Nothing is downloaded: the tokenizer is
 trained from a corpus embedded in this module and the weights come from
 private generators seeded per parameter name (normal(0, 0.2) for matrices, so
 greedy output is varied), so every build writes byte-identical files.  Only
 ``tokenizers``, ``torch`` and ``transformers`` are needed, imported lazily.
 
-Five models are available:
+Eight models are available:
 
 ``tiny-qwen2`` (:data:`TEXT_MODEL`, :func:`build_text_model`)
     ``Qwen2ForCausalLM``: hidden size 64, 2 layers, 4 attention heads / 2 KV
@@ -77,7 +77,25 @@ Five models are available:
     ``generate()``, silently).  Pan-and-scan (off here) would add crops, each
     a further span with text between them; not supported by these helpers.
 
-The three directories share one tokenizer (:func:`build_tokenizer`): a byte-level
+``tiny-llama`` (:data:`LLAMA_MODEL`, :func:`build_llama_model`)
+    ``LlamaForCausalLM`` with the shared text part (hidden 64, 2 layers, 4 / 2 heads, head_dim
+    16, intermediate 128), no biases, untied embeddings and Llama 3.1's rotary scaling
+    (:data:`LLAMA_ROPE_PARAMETERS`: ``rope_type`` ``llama3``, factor 8, original context 256, so
+    on head_dim 16 some frequencies are scaled fully, some partly, some not at all).
+
+``tiny-qwen3`` (:data:`QWEN3_MODEL`, :func:`build_qwen3_model`)
+    ``Qwen3ForCausalLM``: the shared text part with ``head_dim`` 32 (not hidden / heads), per-head
+    q/k RMSNorm, no q/k/v bias.
+
+``tiny-qwen2.5-vl`` (:data:`QWEN2_5_VL_MODEL`, :func:`build_qwen2_5_vl_model`)
+    ``Qwen2_5_VLForConditionalGeneration``: the text part of ``tiny-qwen2-vl`` and a 2-block
+    vision tower (block 0 windowed, ``window_size`` 56 px, block 1 full: ``fullatt_block_indexes``
+    [1]; hidden 32, 2 heads, gated SiLU MLP 64, RMSNorm, merger to 64), ``tokens_per_second`` 2,
+    and ``tiny-qwen2-vl``'s image processor config (``processor_class`` ``Qwen2_5_VLProcessor``).
+
+These three use the shared tokenizer, chat template and generation config unchanged.
+
+The directories share one tokenizer (:func:`build_tokenizer`): a byte-level
 BPE with the Qwen2 pre-tokenizer regex, NFC normalisation and a ~1000 token
 vocabulary, followed by these added tokens (ids are fixed by the build)::
 
@@ -178,6 +196,12 @@ __all__ = [
     "build_text_model",
     "build_vl_model",
     "build_interleaved_vl_model",
+    "build_llama_model",
+    "build_qwen3_model",
+    "build_qwen2_5_vl_model",
+    "LLAMA_MODEL",
+    "QWEN3_MODEL",
+    "QWEN2_5_VL_MODEL",
     "build_interleaved_vl_tokenizer",
     "INTERLEAVED_VL_CHAT_TEMPLATE",
     "INTERLEAVED_VL_SPECIAL_TOKENS",
@@ -194,7 +218,11 @@ VL_MODEL = "tiny-qwen2-vl"
 INTERLEAVED_VL_MODEL = "tiny-gemma3"
 TEXT_MODEL_D64 = "tiny-qwen2-d64"
 VL_MODEL_D64 = "tiny-qwen2-vl-d64"
-MODELS = (TEXT_MODEL, VL_MODEL, INTERLEAVED_VL_MODEL, TEXT_MODEL_D64, VL_MODEL_D64)
+LLAMA_MODEL = "tiny-llama"
+QWEN3_MODEL = "tiny-qwen3"
+QWEN2_5_VL_MODEL = "tiny-qwen2.5-vl"
+MODELS = (TEXT_MODEL, VL_MODEL, INTERLEAVED_VL_MODEL, TEXT_MODEL_D64, VL_MODEL_D64, LLAMA_MODEL, QWEN3_MODEL,
+          QWEN2_5_VL_MODEL)
 
 #: Bump whenever the produced bytes change, so cached copies are rebuilt.
 VERSION = "v1"
@@ -797,6 +825,108 @@ def build_vl_model(out_dir: Path, head_dim: int = 16) -> Path:
     return out_dir
 
 
+# --------------------------------------------------------------------------- more text families
+
+
+#: Llama 3.1's rotary scaling (rope_type "llama3") with a small original context, so that on
+#: head_dim 16 the scaling changes some frequencies fully, some partly and leaves the fastest alone.
+LLAMA_ROPE_PARAMETERS = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+
+
+def _plain_text_settings() -> dict[str, Any]:
+    """The shared text part without the Qwen2-only sliding-window switch."""
+    settings = _text_settings()
+    del settings["use_sliding_window"]
+    return settings
+
+
+def build_llama_model(out_dir: Path) -> Path:
+    """Write the tokenizer and a tiny random ``LlamaForCausalLM`` (Llama 3.1-style rotary scaling,
+    GQA, no biases, untied embeddings) with the shared tokenizer and generation config."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out_dir = Path(out_dir)
+    build_tokenizer(out_dir)
+    config = LlamaConfig(**_plain_text_settings(), tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+                         rope_parameters=dict(LLAMA_ROPE_PARAMETERS), dtype="float32")
+    config.architectures = ["LlamaForCausalLM"]
+    _save_model(_create_model(LlamaForCausalLM, config), out_dir)
+    return out_dir
+
+
+def build_qwen3_model(out_dir: Path) -> Path:
+    """Write the tokenizer and a tiny random ``Qwen3ForCausalLM``: per-head q/k RMSNorm, no q/k/v
+    bias, and ``head_dim`` 32 from the config (not hidden_size / heads = 16)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    out_dir = Path(out_dir)
+    build_tokenizer(out_dir)
+    config = Qwen3Config(**_text_settings(), head_dim=32, attention_bias=False, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, dtype="float32")
+    config.architectures = ["Qwen3ForCausalLM"]
+    _save_model(_create_model(Qwen3ForCausalLM, config), out_dir)
+    return out_dir
+
+
+#: Qwen2.5-VL's vision window in pixels: 56 = 2 x 2 merged patches of 28 pixels per window, so any
+#: image wider or taller than 56 pixels is split into several windows.
+QWEN2_5_VL_WINDOW_SIZE = 56
+#: Temporal rotary positions per second of video (Qwen2.5-VL's M-RoPE time axis).
+QWEN2_5_VL_TOKENS_PER_SECOND = 2
+
+
+def build_qwen2_5_vl_model(out_dir: Path) -> Path:
+    """Write the tokenizer, a tiny random ``Qwen2_5_VLForConditionalGeneration`` and its image
+    processor config (Qwen2.5-VL uses ``Qwen2VLImageProcessor``; same bounds as ``tiny-qwen2-vl``).
+
+    Vision tower: 2 blocks (block 0 attends within windows of ``QWEN2_5_VL_WINDOW_SIZE`` pixels,
+    block 1 over the whole image: ``fullatt_block_indexes`` [1]), hidden 32, 2 heads, SwiGLU MLP of
+    64, RMSNorm, merger to 64; ``tokens_per_second`` 2. Text part: the shared one with
+    ``mrope_section`` [2, 3, 3].
+    """
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    out_dir = Path(out_dir)
+    build_tokenizer(out_dir)
+    ids = _added_token_ids()
+    text_config = dict(
+        _text_settings(),
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )
+    vision_config = {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "hidden_act": "silu",
+        "in_channels": 3,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "tokens_per_second": QWEN2_5_VL_TOKENS_PER_SECOND,
+        "window_size": QWEN2_5_VL_WINDOW_SIZE,
+        "fullatt_block_indexes": [1],
+        "out_hidden_size": text_config["hidden_size"],
+        "initializer_range": INITIALIZER_RANGE,
+    }
+    config = Qwen2_5_VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    _save_model(_create_model(Qwen2_5_VLForConditionalGeneration, config), out_dir)
+    _write_json(out_dir / "preprocessor_config.json",
+                dict(_image_processor_config(), processor_class="Qwen2_5_VLProcessor"))
+    return out_dir
+
+
 # --------------------------------------------------------------------------- interleaved-span VL model (Gemma3)
 
 IMAGE_BEGIN_TOKEN = "<start_of_image>"
@@ -1053,7 +1183,8 @@ def find_image_spans(
 
 _BUILDERS = {TEXT_MODEL: build_text_model, VL_MODEL: build_vl_model, INTERLEAVED_VL_MODEL: build_interleaved_vl_model,
              TEXT_MODEL_D64: functools.partial(build_text_model, head_dim=64),
-             VL_MODEL_D64: functools.partial(build_vl_model, head_dim=64)}
+             VL_MODEL_D64: functools.partial(build_vl_model, head_dim=64),
+             LLAMA_MODEL: build_llama_model, QWEN3_MODEL: build_qwen3_model, QWEN2_5_VL_MODEL: build_qwen2_5_vl_model}
 
 
 # --------------------------------------------------------------------------- cache

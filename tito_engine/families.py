@@ -14,9 +14,12 @@ architectures, read once from the loaded Hugging Face module:
 * `logits(hidden)`: final norm, lm_head, final soft-capping where HF applies it;
 * the query scaling, and the default bidirectional spans of a multimodal prefill.
 
-Families: `QwenFamily` (Qwen2, and Qwen2-VL's text model with its M-RoPE sections) and
-`Gemma3Family` (Gemma3 text, alone or inside Gemma3ForConditionalGeneration). Each follows HF's
-op order (norm statistics in float32, casts where HF casts) so logits match HF's forward.
+Families (`FAMILIES`, keyed by the text config's model_type): `QwenFamily` (the Llama-style
+pre-norm decoder: Qwen2, Qwen2-VL's and Qwen2.5-VL's text models with their M-RoPE sections,
+Llama 2 / 3.x with any rotary scaling HF folds into `inv_freq`, Mistral), `Qwen3Family` (the same
+plus per-head q/k RMSNorm) and `Gemma3Family` (Gemma3 text, alone or inside
+Gemma3ForConditionalGeneration). Each follows HF's op order (norm statistics in float32, casts
+where HF casts) so logits match HF's forward.
 """
 
 from __future__ import annotations
@@ -91,15 +94,23 @@ def _bind_linears(layer_weights: Any, attn: Any, mlp: Any) -> None:
     projections = [attn.q_proj, attn.k_proj, attn.v_proj]
     layer_weights.qkv_w, layer_weights.qkv_b = _fuse(projections, "weight"), _fuse(projections, "bias")
     layer_weights.o_w, layer_weights.o_b = attn.o_proj.weight, attn.o_proj.bias
-    layer_weights.gate_up_w = _fuse([mlp.gate_proj, mlp.up_proj], "weight")
+    gate_up = [mlp.gate_proj, mlp.up_proj]
+    layer_weights.gate_up_w, layer_weights.gate_up_b = _fuse(gate_up, "weight"), _fuse(gate_up, "bias")
     layer_weights.intermediate = mlp.gate_proj.weight.shape[0]
-    layer_weights.down_w = mlp.down_proj.weight
+    layer_weights.down_w, layer_weights.down_b = mlp.down_proj.weight, mlp.down_proj.bias
     layer_weights.act = _act(mlp)
 
 
 def _layer_kinds(config: Any) -> tuple[list[int], int | None]:
-    """Each layer's attention kind from `layer_types`, and the window when any layer slides."""
-    types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+    """Each layer's attention kind from `layer_types`, and the window when any layer slides.
+
+    A config with a `sliding_window` but no `layer_types` (Mistral) slides on every layer, as HF's
+    Mistral builds one sliding-window mask for all of them; a null window means full attention."""
+    types = getattr(config, "layer_types", None)
+    if not types:
+        kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+        types = [kind] * config.num_hidden_layers
+    types = list(types)
     unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
     if unknown:
         raise ValueError(f"unsupported attention layer types {unknown}")
@@ -128,61 +139,79 @@ def spans_of_runs(positions: torch.Tensor | None) -> list[tuple[int, int]]:
     return spans
 
 
-# ---------------------------------------------------------------------------- Qwen2 / Qwen2-VL
+# ---------------------------------------------------------------------------- Llama-style decoders
 
 
-class _QwenLayer:
-    """Qwen2 decoder layer: pre-norm attention and pre-norm SwiGLU MLP, biased q/k/v."""
+class _PreNormLayer:
+    """The Llama-style decoder layer: RMSNorm, attention, residual; RMSNorm, SwiGLU MLP, residual.
 
-    def __init__(self, layer: Any, kind: int, heads: int, kv_heads: int, head_dim: int):
+    Covers Llama / Mistral (no biases unless `attention_bias` / `mlp_bias`), Qwen2 and Qwen2-VL /
+    Qwen2.5-VL (biased q/k/v) and Qwen3 (an RMSNorm over each q and k head before rotary, as
+    `q_norm` / `k_norm`). All norms are Qwen2RMSNorm's math (`rms_norm`).
+    """
+
+    def __init__(self, layer: Any, kind: int, heads: int, kv_heads: int, head_dim: int, qk_norm: bool):
         attn, mlp = layer.self_attn, layer.mlp
-        if hasattr(attn, "q_norm") or hasattr(layer, "pre_feedforward_layernorm"):
-            raise ValueError(f"{type(layer).__name__} has norms the Qwen2 family does not apply")
+        if hasattr(layer, "pre_feedforward_layernorm") or hasattr(attn, "q_norm") != qk_norm:
+            raise ValueError(f"{type(layer).__name__} has norms this family does not apply")
         self.kind, self.rope = kind, 0
         self.shape = (heads + 2 * kv_heads, head_dim)
         self.split = heads + kv_heads
         self.ln1_w, self.ln1_eps = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
         self.ln2_w, self.ln2_eps = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
+        self.qk_norm_w = None
+        if qk_norm:
+            self.qk_eps = attn.q_norm.variance_epsilon
+            if attn.k_norm.variance_epsilon != self.qk_eps:
+                raise ValueError("q_norm and k_norm with different eps are not supported")
+            # q_norm and k_norm stacked per head: one norm call over [T, heads + kv_heads, head_dim].
+            self.qk_norm_w = torch.cat([attn.q_norm.weight.detach().expand(heads, head_dim),
+                                        attn.k_norm.weight.detach().expand(kv_heads, head_dim)])
         _bind_linears(self, attn, mlp)
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = rms_norm(hidden, self.ln1_w, self.ln1_eps)
         qkv = F.linear(x, self.qkv_w, self.qkv_b).view(hidden.shape[0], *self.shape)
-        return qkv[:, :self.split], qkv[:, self.split:]
+        qk, v = qkv[:, :self.split], qkv[:, self.split:]
+        if self.qk_norm_w is not None:
+            qk = rms_norm(qk, self.qk_norm_w, self.qk_eps)
+        return qk, v
 
     def finish(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         hidden = residual + F.linear(attn, self.o_w, self.o_b)
         x = rms_norm(hidden, self.ln2_w, self.ln2_eps)
-        gate_up = F.linear(x, self.gate_up_w)
+        gate_up = F.linear(x, self.gate_up_w, self.gate_up_b)
         inter = self.intermediate
-        return hidden + F.linear(self.act(gate_up[:, :inter]) * gate_up[:, inter:], self.down_w)
+        return hidden + F.linear(self.act(gate_up[:, :inter]) * gate_up[:, inter:], self.down_w, self.down_b)
 
 
 class QwenFamily:
-    """Qwen2 (and Qwen2-VL's text model: the same layers, plus M-RoPE sections on the rotary)."""
+    """Llama-style decoders: Qwen2, Qwen2-VL / Qwen2.5-VL's text model (the same layers, plus
+    M-RoPE sections on the rotary), Llama (any rotary scaling HF folds into `inv_freq`, e.g.
+    Llama 3.1's "llama3"), Mistral and, with `qk_norm`, Qwen3. `name` is the text config's
+    model_type (qwen2_vl / qwen2_5_vl for the VLMs)."""
 
-    name = "qwen2"
+    qk_norm = False
 
     def __init__(self, model: Any):
         text = text_model_of(model)
         config = text.config
+        self.name = getattr(model.config, "model_type", "") or getattr(config, "model_type", "")
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.scaling = self.head_dim ** -0.5
         kinds, self.sliding_window = _layer_kinds(config)
-        self.layers = [_QwenLayer(layer, kind, self.num_heads, self.num_kv_heads, self.head_dim)
+        self.layers = [_PreNormLayer(layer, kind, self.num_heads, self.num_kv_heads, self.head_dim, self.qk_norm)
                        for layer, kind in zip(text.layers, kinds)]
         self.embed_w = text.embed_tokens.weight
         self.norm_w, self.norm_eps = text.norm.weight, text.norm.variance_epsilon
-        self.lm_head_w = model.lm_head.weight
+        self.lm_head_w = model.lm_head.weight  # the embedding itself when tied
         self.lm_head_b = getattr(model.lm_head, "bias", None)
         rotary = text.rotary_emb
         _check_rope_type(getattr(rotary, "rope_type", "default"))
         self.ropes = [(rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0)))]
         self.mrope_section = getattr(rotary, "mrope_section", None)
-        if self.mrope_section is not None:
-            self.name = "qwen2_vl"
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.embed_w)
@@ -192,7 +221,14 @@ class QwenFamily:
         return F.linear(hidden, self.lm_head_w, self.lm_head_b)
 
     def default_bidirectional_spans(self, embed_positions: torch.Tensor | None) -> list[tuple[int, int]]:
-        return []  # Qwen2-VL attends causally over image tokens too
+        return []  # Qwen2-VL / Qwen2.5-VL attend causally over image tokens too
+
+
+class Qwen3Family(QwenFamily):
+    """Qwen3: Qwen2's layers without q/k/v bias, with q_norm / k_norm per head before rotary and
+    head_dim from the config (it need not be hidden_size / heads)."""
+
+    qk_norm = True
 
 
 # ---------------------------------------------------------------------------- Gemma3
@@ -301,12 +337,23 @@ class Gemma3Family:
         return spans_of_runs(embed_positions)
 
 
+#: Text config model_type -> family. Llama covers Llama 2 / 3.x and Mistral is the same layer math
+#: (its sliding window, when set, applies to every layer: see `_layer_kinds`).
+FAMILIES: dict[str, type] = {
+    "qwen2": QwenFamily, "qwen2_vl": QwenFamily, "qwen2_vl_text": QwenFamily, "qwen2_5_vl": QwenFamily,
+    "qwen2_5_vl_text": QwenFamily, "llama": QwenFamily, "mistral": QwenFamily, "qwen3": Qwen3Family,
+    "gemma3": Gemma3Family, "gemma3_text": Gemma3Family,
+}
+
+
 def family_for(model: Any) -> QwenFamily | Gemma3Family:
     """The layer math for a loaded HF causal LM / VLM, chosen from its text config's model_type."""
     model_type = getattr(text_model_of(model).config, "model_type", "")
-    if model_type in ("gemma3_text", "gemma3"):
-        return Gemma3Family(model)
-    return QwenFamily(model)
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise ValueError(f"the native engine has no layer math for model_type {model_type!r} (supported: "
+                         f"{', '.join(sorted(FAMILIES))}); serve it with --backend vllm")
+    return family(model)
 
 
 def uses_bidirectional_spans(config: Any) -> bool:

@@ -27,7 +27,8 @@ Rules, in the order they are checked (first violation wins):
    running total stay within `FeaturePolicy` limits (RESOURCE_EXHAUSTED naming the limit).
 3. Per item, signature (see "Trust model").
 4. Per item, model layout: only the tensor names the model knows; the metadata the model needs
-   even without kwargs (Qwen2-VL: `image_grid_thw`, M-RoPE needs it); the number of encoder output
+   even without kwargs (Qwen2-VL: `image_grid_thw`, M-RoPE needs it; Qwen2.5-VL videos may add
+   `second_per_grid_ts`, one positive float, default 1.0); the number of encoder output
    rows the item produces (Qwen2-VL: prod(grid_thw) // spatial_merge_size**2, Gemma3: fixed)
    equals its number of embed positions; for M-RoPE models the embed positions are one
    contiguous run; when kwargs are present they have plausible shapes and dtypes (Qwen2-VL
@@ -112,6 +113,8 @@ class ItemLayout:
 
     num_rows: int
     grid_thw: tuple[int, int, int] | None = None
+    # Qwen2.5-VL videos: seconds per temporal grid step (M-RoPE time axis); None elsewhere.
+    second_per_grid_ts: float | None = None
 
 
 class ModalitySpec(Protocol):
@@ -163,6 +166,19 @@ def _grid_from(tensor: tensor_pb2.Tensor, field_path: str, merge: int) -> tuple[
     return t, h, w
 
 
+def _seconds_from(tensor: tensor_pb2.Tensor, field_path: str) -> float:
+    """A positive, finite float32/float64 scalar given as shape [] or [1] (second_per_grid_ts)."""
+    itemsize = {Dtype.DTYPE_FLOAT32: 4, Dtype.DTYPE_FLOAT64: 8}.get(tensor.dtype)
+    value = None
+    if itemsize is not None and list(tensor.shape) in ([], [1]) and len(tensor.data) == itemsize:
+        value = struct.unpack("<f" if itemsize == 4 else "<d", tensor.data)[0]
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise InvalidArgument(f"{field_path} must be one positive finite FLOAT32 or FLOAT64 value (shape [1]): "
+                              f"the seconds each temporal grid step of the video spans", reason="MM_GRID_INVALID",
+                              field=field_path)
+    return value
+
+
 @dataclass(frozen=True)
 class Qwen2VLVisionSpec:
     """Qwen2-VL images or videos: patches flattened to rows, a (t, h, w) grid, M-RoPE."""
@@ -176,13 +192,17 @@ class Qwen2VLVisionSpec:
     patch_size: int
     spatial_merge_size: int
     contiguous_embeds: bool = True
+    # Qwen2.5-VL videos: "second_per_grid_ts" (seconds per temporal grid step; M-RoPE spaces the
+    # time axis by it). Optional on the wire: absent means 1.0, as in HF's get_rope_index.
+    time_key: str | None = None
 
     @property
     def patch_dim(self) -> int:
         return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
     def check_names(self, item, path):
-        for group, allowed in (("kwargs", {self.pixel_key, self.grid_key}), ("metadata", {self.grid_key})):
+        names = {self.grid_key} | ({self.time_key} if self.time_key else set())
+        for group, allowed in (("kwargs", {self.pixel_key} | names), ("metadata", names)):
             for name in getattr(item, group):
                 if name not in allowed:
                     raise InvalidArgument(
@@ -208,7 +228,18 @@ class Qwen2VLVisionSpec:
                                   f"metadata.{self.grid_key} {list(grids['metadata'])}",
                                   reason="MM_METADATA_MISMATCH", field=_tensor_path(path, "kwargs", self.grid_key))
         grid = next(iter(grids.values()))
-        return ItemLayout(num_rows=math.prod(grid) // merge ** 2, grid_thw=grid)
+        return ItemLayout(num_rows=math.prod(grid) // merge ** 2, grid_thw=grid,
+                          second_per_grid_ts=self._second_per_grid_ts(item, path))
+
+    def _second_per_grid_ts(self, item, path) -> float | None:
+        if self.time_key is None:
+            return None
+        values = {group: _seconds_from(getattr(item, group)[self.time_key], _tensor_path(path, group, self.time_key))
+                  for group in ("metadata", "kwargs") if self.time_key in getattr(item, group)}
+        if len(set(values.values())) > 1:
+            raise InvalidArgument(f"{path}.kwargs.{self.time_key} disagrees with metadata.{self.time_key}",
+                                  reason="MM_METADATA_MISMATCH", field=_tensor_path(path, "kwargs", self.time_key))
+        return next(iter(values.values()), 1.0)
 
     def check_encoder_inputs(self, item, layout, path):
         field_path = _tensor_path(path, "kwargs", self.pixel_key)
@@ -269,7 +300,7 @@ class FixedRowsImageSpec:
 def multimodal_spec_from_config(config: Any, model_fingerprint: str) -> ModelMultimodalSpec | None:
     """The spec of a loaded HF model from its config; None for a text-only (or unknown) model."""
     model_type = getattr(config, "model_type", "")
-    if model_type == "qwen2_vl":
+    if model_type in ("qwen2_vl", "qwen2_5_vl"):
         vision = config.vision_config
         common = dict(in_channels=vision.in_channels, temporal_patch_size=vision.temporal_patch_size,
                       patch_size=vision.patch_size, spatial_merge_size=vision.spatial_merge_size)
@@ -278,6 +309,7 @@ def multimodal_spec_from_config(config: Any, model_fingerprint: str) -> ModelMul
             modalities={
                 "image": Qwen2VLVisionSpec("image", config.image_token_id, "pixel_values", "image_grid_thw", **common),
                 "video": Qwen2VLVisionSpec("video", config.video_token_id, "pixel_values_videos", "video_grid_thw",
+                                           time_key="second_per_grid_ts" if model_type == "qwen2_5_vl" else None,
                                            **common),
             },
             hidden_size=config.text_config.hidden_size, uses_mrope=True)
@@ -324,7 +356,7 @@ class ValidatedItem:
     length: int
     embed_positions: tuple[int, ...]  # absolute token indices that take encoder rows, ascending
     num_rows: int  # == len(embed_positions)
-    grid_thw: tuple[int, int, int] | None  # M-RoPE grid (Qwen2-VL), None otherwise
+    grid_thw: tuple[int, int, int] | None  # M-RoPE grid (Qwen2-VL, Qwen2.5-VL), None otherwise
     # What identifies the item's content for every cache (encoder cache, prefix cache): mm_hash
     # when trusted, else the engine's own digest of its tensors. Key prefix-cache blocks that cover
     # the item by this, never by a client's unverified mm_hash (the token ids of two images are equal).
@@ -337,6 +369,8 @@ class ValidatedItem:
     encoder_inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
     # Encoder output pinned from the cache (hit or EC descriptor); None: the runner must encode.
     encoder_rows: torch.Tensor | None = None
+    # Qwen2.5-VL videos: seconds per temporal grid step (spaces M-RoPE's time axis); None elsewhere.
+    second_per_grid_ts: float | None = None
 
     @property
     def needs_encoder(self) -> bool:
@@ -693,7 +727,8 @@ def _resolve(c: CheckedItem, index: int, cache: EncoderCache | None) -> Validate
     return ValidatedItem(
         index=index, modality=c.modality, mm_hash=item.mm_hash, offset=item.placeholder.offset,
         length=item.placeholder.length, embed_positions=c.embed_positions, num_rows=c.layout.num_rows,
-        grid_thw=c.layout.grid_thw, content_id=content_id, cache_key=key, signed=c.signed,
+        grid_thw=c.layout.grid_thw, second_per_grid_ts=c.layout.second_per_grid_ts, content_id=content_id,
+        cache_key=key, signed=c.signed,
         encoder_inputs=encoder_inputs,
         encoder_rows=entry.rows if entry is not None else None)
 

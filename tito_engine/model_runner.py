@@ -43,7 +43,7 @@ class ModelInfo:
     modalities: tuple[str, ...] = ()
     # (modality, placeholder token text, placeholder token id) per accepted modality.
     placeholders: tuple[tuple[str, str, int], ...] = ()
-    model_family: str = ""  # config.model_type, e.g. "qwen2", "qwen2_vl", "gemma3"
+    model_family: str = ""  # config.model_type, e.g. "qwen2", "llama", "qwen3", "qwen2_5_vl", "gemma3"
 
 
 def choose_device(spec: str) -> torch.device:
@@ -152,7 +152,8 @@ def _load_model(model_dir: Path, dtype: torch.dtype) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(model_dir)
-    # Vision-language models (Qwen2-VL) load as image-text-to-text; the engine drives their text model.
+    # Vision-language models (Qwen2-VL, Qwen2.5-VL, Gemma3) load as image-text-to-text; the engine drives
+    # their text model.
     loader = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     return loader.from_pretrained(model_dir, dtype=dtype)
 
@@ -188,7 +189,10 @@ class ModelRunner:
             model_dir, config, model_id=model_id, vocab_size=vocab_size, max_context_length=max_model_len or model_max,
             dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
         self.cache = self._make_cache(text_config, kv_cache or KVCacheSpec())
-        self.decoder = BatchedDecoder(self.model, self.cache, max_positions=self.info.max_context_length)
+        try:
+            self.decoder = BatchedDecoder(self.model, self.cache, max_positions=self.info.max_context_length)
+        except ValueError as exc:  # an architecture (or a setting of one) the native forward does not run
+            raise ConfigError(f"{model_id}: {exc}") from exc
         log.info("loaded %s on %s (%s): vocab %d, context %d, eos %s, fingerprint %s; KV cache %d blocks x %d "
                  "tokens (%.1f MiB)", model_id, self.info.device, self.info.dtype, vocab_size,
                  self.info.max_context_length, list(self.info.eos_token_ids), self.info.fingerprint,

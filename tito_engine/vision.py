@@ -20,7 +20,13 @@ Verified against transformers 5.19 (see tests/unit/engine/test_engine_vision.py)
 * `reference_greedy_decode` is a deliberately plain prefill + decode loop built from the above;
   it equals `model.generate` greedily and is the reference a batched runner can be checked against.
 
-Supported families: Qwen2-VL (`model_type == "qwen2_vl"`: images and videos, M-RoPE) and Gemma3
+Qwen2.5-VL (`"qwen2_5_vl"`) is Qwen2-VL here except for the time axis of a video's M-RoPE: its
+t index is `int(t * tokens_per_second * second_per_grid_ts)` (float32 product, truncated, as
+HF's `get_vision_position_ids`) instead of t; its vision tower (windowed attention, RMSNorm,
+gated MLP) runs through the model's own `get_image_features` / `get_video_features`.
+
+Supported families: Qwen2-VL (`model_type == "qwen2_vl"`: images and videos, M-RoPE), Qwen2.5-VL
+(`"qwen2_5_vl"`: the same plus the video time axis) and Gemma3
 (`"gemma3"`: interleaved spans, fixed rows per image, bidirectional attention inside each image's
 run of soft tokens; `embed_token_type_ids` gives the mask input HF's Gemma3 expects).
 """
@@ -40,18 +46,23 @@ class EmbedItem(Protocol):
     embed_positions: tuple[int, ...]
     grid_thw: tuple[int, int, int] | None
     encoder_inputs: Any
+    # second_per_grid_ts: float | None, read with getattr (Qwen2.5-VL videos; absent elsewhere)
+
+
+#: Families whose vision tower takes flattened patches + grid_thw and whose text model uses M-RoPE.
+MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 
 
 def model_family(model_or_config: Any) -> str:
     config = getattr(model_or_config, "config", model_or_config)
     family = getattr(config, "model_type", "")
-    if family not in ("qwen2_vl", "gemma3"):
-        raise ValueError(f"no vision support for model_type {family!r} (supported: qwen2_vl, gemma3)")
+    if family not in (*MROPE_FAMILIES, "gemma3"):
+        raise ValueError(f"no vision support for model_type {family!r} (supported: qwen2_vl, qwen2_5_vl, gemma3)")
     return family
 
 
 def uses_mrope(model_or_config: Any) -> bool:
-    return model_family(model_or_config) == "qwen2_vl"
+    return model_family(model_or_config) in MROPE_FAMILIES
 
 
 # ---------------------------------------------------------------------------- encoding
@@ -70,7 +81,7 @@ def encode_images(model, pixel_values: torch.Tensor, grid_thw: torch.Tensor | No
     Gemma3: `pixel_values` is [n, C, S, S] and `grid_thw` is unused.
     """
     device, _ = _device_dtype(model)
-    if model_family(model) == "qwen2_vl":
+    if uses_mrope(model):
         grid_thw = torch.as_tensor(grid_thw, dtype=torch.long).reshape(-1, 3).to(device)
         output = model.get_image_features(pixel_values=pixel_values.to(device), image_grid_thw=grid_thw,
                                           return_dict=True)
@@ -81,7 +92,7 @@ def encode_images(model, pixel_values: torch.Tensor, grid_thw: torch.Tensor | No
 
 @torch.inference_mode()
 def encode_videos(model, pixel_values_videos: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
-    """Qwen2-VL videos: like `encode_images` through `get_video_features`."""
+    """Qwen2-VL / Qwen2.5-VL videos: like `encode_images` through `get_video_features`."""
     device, _ = _device_dtype(model)
     grid_thw = torch.as_tensor(grid_thw, dtype=torch.long).reshape(-1, 3).to(device)
     output = model.get_video_features(pixel_values_videos=pixel_values_videos.to(device), video_grid_thw=grid_thw,
@@ -96,7 +107,7 @@ def encode_items(model, items: Sequence[EmbedItem]) -> list[torch.Tensor]:
     for modality in dict.fromkeys(item.modality for item in items):
         indices = [k for k, item in enumerate(items) if item.modality == modality]
         group = [items[k] for k in indices]
-        if family == "qwen2_vl":
+        if family in MROPE_FAMILIES:
             pixel_key = "pixel_values" if modality == "image" else "pixel_values_videos"
             pixels = torch.cat([item.encoder_inputs[pixel_key] for item in group])
             grids = torch.tensor([item.grid_thw for item in group], dtype=torch.long)
@@ -148,12 +159,31 @@ def embed_token_type_ids(length: int, items: Sequence[EmbedItem]) -> torch.Tenso
     return types
 
 
+def _time_positions(item: EmbedItem, t: int, config: Any) -> torch.Tensor:
+    """The time axis of an item's grid: 0..t-1, or for a Qwen2.5-VL video
+    int(index * tokens_per_second * second_per_grid_ts) computed in float32 as HF does (its
+    processor hands second_per_grid_ts over as a float32 tensor; 1.0 when absent)."""
+    steps = torch.arange(t)
+    if config.model_type != "qwen2_5_vl" or item.modality != "video":
+        return steps
+    seconds = getattr(item, "second_per_grid_ts", None)
+    interval = config.vision_config.tokens_per_second * torch.tensor(1.0 if seconds is None else seconds,
+                                                                     dtype=torch.float32)
+    return (steps * interval).long()
+
+
 def mrope_positions(token_ids: Sequence[int], items: Sequence[EmbedItem], config: Any) -> tuple[torch.Tensor, int]:
-    """Qwen2-VL M-RoPE position ids [3, L] and rope_delta for one prompt (== HF get_rope_index).
+    """Qwen2-VL / Qwen2.5-VL M-RoPE position ids [3, L] and rope_delta for one prompt (== HF
+    get_rope_index).
 
     Text tokens advance all three axes together; an item's embed run of t*h'*w' tokens (h' = h /
-    merge, w' = w / merge) gets (start + t_index, start + row, start + column) and the next text
-    resumes at start + max(h', w'). Decode token k (at index L + k) sits at L + k + rope_delta.
+    merge, w' = w / merge) gets (start + time(t_index), start + row, start + column), time being
+    the identity except for Qwen2.5-VL videos (`_time_positions`), and the next text resumes at
+    start + max(h', w'). Decode token k (at index L + k) sits at L + k + rope_delta, i.e. right
+    after the prompt's last position, as transformers 5.19's `generate` continues its position ids
+    (each axis from its last value; a chat prompt ends in text, where the three agree). That is
+    not always the prompt's largest position: a Qwen2.5-VL video's time axis, or a Qwen2-VL video
+    with more time steps than rows and columns, can reach past the text that follows it.
     """
     config = getattr(config, "config", config)
     merge = config.vision_config.spatial_merge_size
@@ -170,13 +200,13 @@ def mrope_positions(token_ids: Sequence[int], items: Sequence[EmbedItem], config
         count = t * grid_h * grid_w
         if len(item.embed_positions) != count or item.embed_positions[-1] != start + count - 1:
             raise ValueError(f"{item.modality} item's embed positions are not one run of {count} tokens")
-        positions[0, start:start + count] = torch.arange(t).repeat_interleave(grid_h * grid_w) + current
+        positions[0, start:start + count] = _time_positions(item, t, config).repeat_interleave(grid_h * grid_w) + current
         positions[1, start:start + count] = torch.arange(grid_h).repeat_interleave(grid_w).repeat(t) + current
         positions[2, start:start + count] = torch.arange(grid_w).repeat(t * grid_h) + current
         current += max(grid_h, grid_w)
         cursor = start + count
     positions[:, cursor:] = torch.arange(current, current + length - cursor)
-    rope_delta = int(positions.max()) + 1 - length if length else 0
+    rope_delta = int(positions[:, -1].max()) + 1 - length if length else 0
     return positions, rope_delta
 
 
@@ -219,7 +249,7 @@ def reference_greedy_decode(model, token_ids: Sequence[int],
                             max_new_tokens: int, eos_token_ids: Sequence[int] = ()) -> list[int]:
     """Greedy generation for one request, one token per forward: a correctness reference, not a server.
 
-    Prefill: `build_prefill_embeddings` + (Qwen2-VL) `mrope_positions`, or (Gemma3)
+    Prefill: `build_prefill_embeddings` + (Qwen2-VL, Qwen2.5-VL) `mrope_positions`, or (Gemma3)
     `embed_token_type_ids`; decode: plain token ids with `mrope_decode_positions`.
     """
     from transformers import DynamicCache
@@ -234,7 +264,7 @@ def reference_greedy_decode(model, token_ids: Sequence[int],
     cache = DynamicCache(config=model.config)
     length = len(token_ids)
     rope_delta = 0
-    if family == "qwen2_vl":
+    if family in MROPE_FAMILIES:
         positions, rope_delta = mrope_positions(token_ids, items, model.config)
         output = model(inputs_embeds=embeds, position_ids=positions[:, None, :].to(device), past_key_values=cache,
                        use_cache=True)
@@ -248,7 +278,7 @@ def reference_greedy_decode(model, token_ids: Sequence[int],
         if token in eos_token_ids or step == max_new_tokens - 1:
             break
         input_ids = torch.tensor([[token]], device=device)
-        if family == "qwen2_vl":
+        if family in MROPE_FAMILIES:
             position_ids = mrope_decode_positions(length + step, 1, rope_delta)[:, None, :].to(device)
             output = model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
         else:

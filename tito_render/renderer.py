@@ -284,7 +284,7 @@ class Renderer:
             if resized is not None:
                 resized.append(video_math.resize_frame(frame, len(encoded), settings))
         assert hasher is not None  # a video has at least one frame (messages_to_dicts checks)
-        return hasher.hexdigest(), media.process_video(len(encoded), hasher.size, resized, settings)
+        return hasher.hexdigest(), media.process_video(len(encoded), hasher.size, resized, settings, ref.fps)
 
     @property
     def max_text_chars(self) -> int:

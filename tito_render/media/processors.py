@@ -163,7 +163,7 @@ class MediaAdapter:
 
     # ------------------------------------------------------------- processing
     def process_video(self, num_frames: int, frame_size: tuple[int, int], resized_frames: list[Image.Image] | None,
-                      settings: VideoSettings) -> ProcessedImage:
+                      settings: VideoSettings, fps: float = 0.0) -> ProcessedImage:
         raise NotImplementedError
 
     def process(self, image: Image.Image, kwargs: dict[str, Any], with_tensors: bool,
@@ -184,11 +184,16 @@ class MediaAdapter:
         return {k: np.asarray(v) for k, v in out.items()}
 
 
+#: The frame rate HF's video metadata assumes when none is known (`VideoMetadata.sampled_fps`).
+DEFAULT_VIDEO_FPS = 24.0
+
+
 class Qwen2VLAdapter(MediaAdapter):
     """Qwen2-VL / Qwen2.5-VL: `<|vision_start|><|image_pad|><|vision_end|>`, the pad repeated once
     per merged patch (grid_thw.prod() // merge_size**2); every span position takes encoder output.
     kwargs: pixel_values (this item's grid_thw.prod() flattened patches); metadata: image_grid_thw
-    [1, 3] int64 (concatenating the items' tensors along dim 0 gives the processor's batch)."""
+    [1, 3] int64 (concatenating the items' tensors along dim 0 gives the processor's batch).
+    Qwen2.5-VL videos also carry metadata second_per_grid_ts [1] float32 (see `process_video`)."""
 
     family = "qwen2_vl"
     tunable = {"resample": _int_in(0, 5)}
@@ -217,6 +222,8 @@ class Qwen2VLAdapter(MediaAdapter):
         processor = self.image_processor
         self.patch_size = int(processor.patch_size)
         self.merge_size = int(processor.merge_size)
+        # Qwen2.5-VL spaces the time axis of a video's M-RoPE by the seconds each grid step spans.
+        self.timed_video = self.model_config.get("model_type") == "qwen2_5_vl"
 
     def normalise_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         # transformers 5 takes min/max_pixels as size={"shortest_edge", "longest_edge"}.
@@ -256,10 +263,12 @@ class Qwen2VLAdapter(MediaAdapter):
 
 
     def process_video(self, num_frames: int, frame_size: tuple[int, int], resized_frames: list[Image.Image] | None,
-                      settings: VideoSettings) -> ProcessedImage:
+                      settings: VideoSettings, fps: float = 0.0) -> ProcessedImage:
         """`<|video_pad|>` x grid_thw.prod() // merge_size**2; kwargs pixel_values_videos (from
         `resized_frames`, when given), metadata video_grid_thw [1, 3] (media/video.py:
-        Qwen2VLVideoProcessor's math without torchvision). `frame_size` is (width, height)."""
+        Qwen2VLVideoProcessor's math without torchvision). `frame_size` is (width, height).
+        Qwen2.5-VL adds metadata second_per_grid_ts [1] float32 = temporal_patch_size / fps, as
+        Qwen2_5_VLProcessor computes it (fps 0, unknown, is HF's default of 24)."""
         width, height = frame_size
         grid = video_math.video_grid_thw(num_frames, height, width, settings)
         tensors: dict[str, np.ndarray] = {}
@@ -269,9 +278,12 @@ class Qwen2VLAdapter(MediaAdapter):
                 raise RuntimeError(f"video grid {out['video_grid_thw'].tolist()} != {grid.tolist()}")  # a bug
             tensors["pixel_values_videos"] = out["pixel_values_videos"]
         count = int(grid.prod()) // (settings.merge_size ** 2)
+        metadata = {"video_grid_thw": grid}
+        if self.timed_video:
+            seconds = settings.temporal_patch_size / (fps or DEFAULT_VIDEO_FPS)
+            metadata["second_per_grid_ts"] = np.array([seconds], dtype=np.float32)
         return ProcessedImage(span_text=self.video_marker * count, span_token_ids=(self.video_token_id,) * count,
-                              is_embed=None, kwargs=tensors, metadata={"video_grid_thw": grid},
-                              modality=multimodal_pb2.MODALITY_VIDEO)
+                              is_embed=None, kwargs=tensors, metadata=metadata, modality=multimodal_pb2.MODALITY_VIDEO)
 
 
 class Gemma3Adapter(MediaAdapter):
@@ -316,6 +328,10 @@ ADAPTERS: dict[str, type[MediaAdapter]] = {
 }
 
 
+#: Models whose videos render processes (their video processor's math is in media/video.py).
+VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -343,11 +359,11 @@ def load_media_adapter(model_dir: Path, tokenizer: Any) -> MediaAdapter | None:
     adapter = adapter_class(image_processor, tokenizer, _read_json(model_dir / "config.json"),
                             _read_json(model_dir / "processor_config.json"))
     if isinstance(adapter, Qwen2VLAdapter) and adapter.video_marker:
-        if adapter.model_config.get("model_type") == "qwen2_vl":
+        if adapter.model_config.get("model_type") in VIDEO_MODEL_TYPES:
             adapter.video = video_math.load_video_settings(model_dir)
-        else:  # Qwen2.5-VL's M-RoPE also needs second_per_grid_ts, which render does not produce
-            log.warning("video inputs are supported for model_type qwen2_vl only (this model: %s): videos will "
-                        "be refused", adapter.model_config.get("model_type"))
+        else:
+            log.warning("video inputs are supported for model_type %s only (this model: %s): videos will be "
+                        "refused", " and ".join(VIDEO_MODEL_TYPES), adapter.model_config.get("model_type"))
     log.info("media: %s adapter over %s (image marker %r)", adapter.family, type(image_processor).__name__,
              adapter.image_marker)
     return adapter

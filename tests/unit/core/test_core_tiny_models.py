@@ -472,8 +472,35 @@ def test_ensure_model_rejects_unknown_name(tmp_path):
 
 
 def test_ensure_model_vl_registered():
-    assert tiny_models.MODELS == (TEXT_MODEL, VL_MODEL, INTERLEAVED_VL_MODEL, TEXT_MODEL_D64, VL_MODEL_D64)
-    assert tiny_models.MODELS == ("tiny-qwen2", "tiny-qwen2-vl", "tiny-gemma3", "tiny-qwen2-d64", "tiny-qwen2-vl-d64")
+    assert tiny_models.MODELS == (TEXT_MODEL, VL_MODEL, INTERLEAVED_VL_MODEL, TEXT_MODEL_D64, VL_MODEL_D64,
+                                  tiny_models.LLAMA_MODEL, tiny_models.QWEN3_MODEL, tiny_models.QWEN2_5_VL_MODEL)
+    assert tiny_models.MODELS == ("tiny-qwen2", "tiny-qwen2-vl", "tiny-gemma3", "tiny-qwen2-d64", "tiny-qwen2-vl-d64",
+                                  "tiny-llama", "tiny-qwen3", "tiny-qwen2.5-vl")
+
+
+@pytest.mark.parametrize("name,architecture,model_type", [
+    ("tiny-llama", "LlamaForCausalLM", "llama"),
+    ("tiny-qwen3", "Qwen3ForCausalLM", "qwen3"),
+    ("tiny-qwen2.5-vl", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
+])
+def test_more_families_build_deterministically_with_the_shared_tokenizer(build_root, text_dir, name, architecture,
+                                                                         model_type):
+    first = tiny_models.main([str(build_root / f"{name}-1"), "--model", name]) or build_root / f"{name}-1"
+    again = tiny_models._BUILDERS[name](build_root / f"{name}-2")
+    assert _dir_bytes(first) == _dir_bytes(again)
+    files = _dir_bytes(first)
+    for shared in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        assert files[shared] == _dir_bytes(text_dir)[shared]
+    config = json.loads(files["config.json"])
+    assert config["architectures"] == [architecture] and config["model_type"] == model_type
+    assert config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings")) is False
+    if name == "tiny-llama":
+        assert config["rope_parameters"]["rope_type"] == "llama3"
+    if name == "tiny-qwen3":
+        assert config["head_dim"] == 32 != config["hidden_size"] // config["num_attention_heads"]
+    if name == "tiny-qwen2.5-vl":
+        assert config["vision_config"]["fullatt_block_indexes"] == [1] and config["vision_config"]["window_size"] == 56
+        assert json.loads(files["preprocessor_config.json"])["image_processor_type"] == "Qwen2VLImageProcessor"
 
 
 def test_ensure_model_builds_interleaved_vl(tmp_path, gemma_dir):

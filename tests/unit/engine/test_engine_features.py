@@ -185,6 +185,52 @@ def test_spec_from_configs(spec, gemma_spec, model_cache):
     assert multimodal_spec_from_config(text_config, FINGERPRINT) is None
 
 
+@pytest.fixture(scope="module")
+def qwen2_5_spec(tiny_qwen2_5_vl_model):
+    return multimodal_spec_from_config(AutoConfig.from_pretrained(tiny_qwen2_5_vl_model), FINGERPRINT)
+
+
+def timed_video(seconds=None, group="metadata", dtype=np.float32, shape=(1,)):
+    ids, offsets = prompt((2, 4, 4), pad=VIDEO_PAD)
+    item = image_item(offsets[0], (2, 4, 4), modality=multimodal_pb2.MODALITY_VIDEO)
+    if seconds is not None:
+        getattr(item, group)["second_per_grid_ts"].CopyFrom(
+            tensors.from_numpy(np.array(seconds, dtype=dtype).reshape(shape)))
+    return ids, multimodal_pb2.MultiModalFeatures(items=[item])
+
+
+def test_qwen2_5_vl_video_takes_second_per_grid_ts(qwen2_5_spec):
+    assert qwen2_5_spec.uses_mrope and set(qwen2_5_spec.modalities) == {"image", "video"}
+    (item,) = validate_mm_features(*timed_video(0.5), qwen2_5_spec, OPEN).items
+    assert item.second_per_grid_ts == 0.5 and item.grid_thw == (2, 4, 4)
+    (item,) = validate_mm_features(*timed_video(2.0, dtype=np.float64, shape=()), qwen2_5_spec, OPEN).items
+    assert item.second_per_grid_ts == 2.0
+    (item,) = validate_mm_features(*timed_video(None), qwen2_5_spec, OPEN).items
+    assert item.second_per_grid_ts == 1.0  # HF's get_rope_index default
+
+
+@pytest.mark.parametrize("seconds,dtype,shape", [(-1.0, np.float32, (1,)), (0.0, np.float32, (1,)),
+                                                 (float("nan"), np.float64, (1,)), (1, np.int64, (1,)),
+                                                 ([1.0, 2.0], np.float32, (2,))])
+def test_qwen2_5_vl_bad_second_per_grid_ts(qwen2_5_spec, seconds, dtype, shape):
+    ids, features = timed_video(seconds, dtype=dtype, shape=shape)
+    rejects(InvalidArgument, "MM_GRID_INVALID", "mm_features.items[0].metadata.second_per_grid_ts", ids, features,
+            qwen2_5_spec)
+
+
+def test_second_per_grid_ts_in_kwargs_must_agree_and_qwen2_vl_has_none(qwen2_5_spec, spec):
+    ids, features = timed_video(0.5)
+    features.items[0].kwargs["second_per_grid_ts"].CopyFrom(tensors.from_numpy(np.array([0.25], np.float32)))
+    rejects(InvalidArgument, "MM_METADATA_MISMATCH", "mm_features.items[0].kwargs.second_per_grid_ts", ids,
+            features, qwen2_5_spec)
+    rejects(InvalidArgument, "MM_TENSOR_UNKNOWN", "mm_features.items[0].kwargs.second_per_grid_ts",
+            *timed_video(0.5, group="kwargs"), spec)
+    image_ids, image_features = request((1, 4, 4))
+    image_features.items[0].metadata["second_per_grid_ts"].CopyFrom(tensors.from_numpy(np.ones(1, np.float32)))
+    rejects(InvalidArgument, "MM_TENSOR_UNKNOWN", "mm_features.items[0].metadata.second_per_grid_ts", image_ids,
+            image_features, qwen2_5_spec)
+
+
 # ---------------------------------------------------------------------------- structure
 
 

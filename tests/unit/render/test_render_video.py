@@ -424,14 +424,101 @@ def test_engine_admits_the_item_and_the_model_runs_forward(qwen, tiny_vl_model):
     assert sum(r.shape[0] for r in rows.pooler_output) == len(positions)
 
 
-def test_qwen2_5_vl_video_is_refused(tiny_vl_model, tmp_path):
-    """Qwen2.5-VL shares the image processor but its M-RoPE needs second_per_grid_ts for videos."""
-    for path in tiny_vl_model.iterdir():
-        if path.name != "config.json":
-            (tmp_path / path.name).symlink_to(path)
-    config = json.loads((tiny_vl_model / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "qwen2_5_vl"}))
-    renderer = Renderer(load_render_model(RenderConfig(model=str(tmp_path))))
-    err = render_error(renderer, chat(video_part(frames_of(2, 30, 30))))
-    assert (err.reason, err.field) == ("UNSUPPORTED_MODALITY", VIDEO)
-    assert renderer.render_chat(chat(chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=png(picture(30, 30))))))
+# --------------------------------------------------------------------------- Qwen2.5-VL
+
+
+@pytest.fixture(scope="module")
+def qwen25(tiny_qwen2_5_vl_model) -> Renderer:
+    return Renderer(load_render_model(RenderConfig(model=str(tiny_qwen2_5_vl_model))))
+
+
+class StandInVideoProcessor:
+    """What Qwen2_5_VLProcessor needs of its video processor (the real one imports torchvision):
+    the pixels from `hf_reference` (HF's PIL-backend frame math + HF's patchify) and the video
+    metadata from HF's own `make_batched_metadata` (whose sampled_fps defaults unknown fps to 24)."""
+
+    temporal_patch_size = 2
+    merge_size = 2
+
+    def __init__(self, renderer: Renderer, video_processor_class):
+        self.renderer, self.video_processor_class = renderer, video_processor_class
+
+    def __call__(self, videos, video_metadata=None, **kwargs):
+        from transformers.feature_extraction_utils import BatchFeature
+        from transformers.video_utils import make_batched_metadata
+
+        outputs = [hf_reference(self.renderer, list(frames), self.video_processor_class) for frames in videos]
+        metadata = make_batched_metadata([np.stack([np.asarray(f) for f in frames]) for frames in videos],
+                                         video_metadata)
+        return BatchFeature({"pixel_values_videos": np.concatenate([rows for rows, _ in outputs]),
+                             "video_grid_thw": np.concatenate([grid for _, grid in outputs]),
+                             "video_metadata": metadata})
+
+
+def hf_qwen2_5_vl_processor(renderer: Renderer, video_processor_class):
+    """transformers' Qwen2_5_VLProcessor (its text expansion, mm_token_type_ids and
+    second_per_grid_ts code), built around the model's image processor and tokenizer and the
+    stand-in video processor; its __init__ is skipped (it looks the video processor class up, which
+    needs torchvision)."""
+    from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+
+    processor = object.__new__(Qwen2_5_VLProcessor)
+    processor.image_processor = renderer.model.media.image_processor
+    processor.tokenizer = renderer.model.tokenizer
+    processor.video_processor = StandInVideoProcessor(renderer, video_processor_class)
+    processor.chat_template = None
+    processor.image_token, processor.video_token = "<|image_pad|>", "<|video_pad|>"
+    processor.image_token_id, processor.video_token_id = 1005, 1006
+    return processor
+
+
+@pytest.mark.parametrize("fps", [2.0, 0.0, 5.0])
+def test_qwen2_5_vl_video_and_image_equal_hf_processor(qwen25, hf_video_processor_class, fps):
+    frames = frames_of(5, 90, 70, seed=20)
+    still = picture(100, 60, seed=30)
+    response = qwen25.render_chat(chat(text_part("Clip:"), video_part(frames, fps=fps),
+                                       chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=png(still))),
+                                       text_part("Same scene?")))
+    content = [{"type": "text", "text": "Clip:"}, {"type": "video"}, {"type": "image"},
+               {"type": "text", "text": "Same scene?"}]
+    text = qwen25.model.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                      add_generation_prompt=True)
+    metadata = [{"total_num_frames": 5, "fps": fps, "frames_indices": list(range(5))}] if fps else None
+    hf = hf_qwen2_5_vl_processor(qwen25, hf_video_processor_class)(
+        text=[text], images=[still], videos=[frames], video_metadata=metadata, return_tensors="np")
+    request = response.generate_request
+    assert list(request.token_ids) == hf["input_ids"][0].tolist()
+    video, image = request.mm_features.items
+    assert to_numpy(video.kwargs["pixel_values_videos"]).tobytes() == hf["pixel_values_videos"].tobytes()
+    assert to_numpy(video.metadata["video_grid_thw"]).tolist() == hf["video_grid_thw"].tolist()
+    seconds = to_numpy(video.metadata["second_per_grid_ts"])
+    assert seconds.dtype == np.float32 and seconds.shape == (1,)
+    # HF hands the value to the model as a float32 tensor: equal in float32, 2 / (fps or 24).
+    assert seconds.tolist() == np.asarray(hf["second_per_grid_ts"], dtype=np.float32).tolist()
+    assert seconds[0] == np.float32(2 / (fps or 24))
+    assert to_numpy(image.kwargs["pixel_values"]).tobytes() == hf["pixel_values"].tobytes()
+    assert to_numpy(image.metadata["image_grid_thw"]).tolist() == hf["image_grid_thw"].tolist()
+    assert list(image.metadata) == ["image_grid_thw"]  # images have no time axis
+    # Placeholder ranges are exactly the runs HF's mm_token_type_ids marks (2 video, 1 image).
+    types = hf["mm_token_type_ids"][0]
+    for item, type_id in ((video, 2), (image, 1)):
+        marked = np.flatnonzero(types == type_id).tolist()
+        assert marked == list(range(item.placeholder.offset, item.placeholder.offset + item.placeholder.length))
+
+
+def test_qwen2_5_vl_video_fps_changes_hash_and_seconds_not_pixels(qwen25):
+    frames = frames_of(2, 60, 60, seed=40)
+    slow, fast = (qwen25.render_chat(chat(video_part(frames, fps=fps))).generate_request.mm_features.items[0]
+                  for fps in (1.0, 4.0))
+    assert slow.mm_hash != fast.mm_hash
+    assert slow.kwargs["pixel_values_videos"].data == fast.kwargs["pixel_values_videos"].data
+    assert to_numpy(slow.metadata["second_per_grid_ts"]).tolist() == [2.0]
+    assert to_numpy(fast.metadata["second_per_grid_ts"]).tolist() == [0.5]
+    metadata_only = qwen25.render_chat(chat(video_part(frames, fps=4.0), mm_payload=METADATA))
+    (item,) = metadata_only.generate_request.mm_features.items
+    assert not item.kwargs and to_numpy(item.metadata["second_per_grid_ts"]).tolist() == [0.5]
+
+
+def test_qwen2_vl_videos_carry_no_seconds(qwen):
+    (item,) = qwen.render_chat(chat(video_part(frames_of(2, 60, 60), fps=4.0))).generate_request.mm_features.items
+    assert list(item.metadata) == ["video_grid_thw"]
