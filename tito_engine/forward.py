@@ -8,17 +8,17 @@ reads each row's K/V through its block table: all one-token rows share one padde
 The per-architecture layer math lives in `families.py` (Llama, Mistral, Qwen2, Qwen3, Qwen2-VL,
 Qwen2.5-VL, Gemma3); this module is the shared plumbing: packing, positions and slots, rotary
 tables (one per rope kind: Gemma3's sliding layers use the local base frequency), K/V writes,
-masks and attention calls. Masks come
-in two kinds, built once per step: full causal, and sliding window (a query at p attends to keys
-in (p - window, p]; blocks outside the window stay allocated, the mask hides them).
+masks and attention calls. Masks come in two kinds, built once per step: full causal, and sliding
+window (a query at p attends to keys in (p - window, p]; blocks outside the window stay
+allocated, the mask hides them).
 
 Multimodal prefill (`MultiModalPrefill`): encoder rows replace placeholder embeddings; Qwen2-VL
 and Qwen2.5-VL take explicit 3-D rotary positions (decode positions `cache_len + rope_delta`);
-Gemma3 attends bidirectionally inside each image's run of soft tokens (`bidirectional_spans`). A span's
-bidirectional attention is exact only when one prefill chunk holds the whole span: a scheduler
-must cut chunks with `chunk_boundaries_ok` / `fit_chunk_end`. If a chunk does split a span, a
-query attends to later positions of its span only within its own chunk (the later ones do not
-exist yet), which differs from HF's full-prompt forward.
+Gemma3 attends bidirectionally inside each image's run of soft tokens (`bidirectional_spans`). A
+span's bidirectional attention is exact only when one prefill chunk holds the whole span: a
+scheduler must cut chunks with `chunk_boundaries_ok` / `fit_chunk_end`. If a chunk does split a
+span, a query attends to later positions of its span only within its own chunk (the later ones do
+not exist yet), which differs from HF's full-prompt forward.
 """
 
 from __future__ import annotations
