@@ -14,11 +14,11 @@ them).
 
 Multimodal prefill (`MultiModalPrefill`): encoder rows replace placeholder embeddings; Qwen2-VL
 and Qwen2.5-VL take explicit 3-D rotary positions (decode positions `cache_len + rope_delta`);
-Gemma3 attends bidirectionally inside each image's run of soft tokens (`bidirectional_spans`). A span's
-bidirectional attention is exact only when one prefill chunk holds the whole span: a scheduler
-must cut chunks with `chunk_boundaries_ok` / `fit_chunk_end`. If a chunk does split a span, a
-query attends to later positions of its span only within its own chunk (the later ones do not
-exist yet), which differs from HF's full-prompt forward.
+Gemma3 attends bidirectionally inside each image's run of soft tokens (`bidirectional_spans`). A
+span's bidirectional attention is exact only when one prefill chunk holds the whole span: a
+scheduler must cut chunks with `chunk_boundaries_ok` / `fit_chunk_end`. If a chunk does split a
+span, a query attends to later positions of its span only within its own chunk (the later ones do
+not exist yet), which differs from HF's full-prompt forward.
 """
 
 from __future__ import annotations
