@@ -1,0 +1,262 @@
+"""Tool-call and reasoning parsers of the model families with their own markup (qwen3_coder,
+deepseek_v3, kimi_k2, glm45, gpt_oss): table tests of well-formed, parallel, content around
+calls, malformed and truncated outputs, each streamed under several chunkings (all at once, one
+character at a time, random pieces) and equal to the complete (non-streamed) parse."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from tito_derender.domain import OutputDelta, ToolCallDelta
+from tito_derender.parsers import REASONING_PARSERS, TOOL_PARSERS
+from tito_derender.parsers.tool_stage import ToolStage
+from tito_derender.parsers.tools.markup import typed_value
+
+TOOLS = {
+    "get_weather": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+        "ratio": {"type": "number"}, "options": {"type": "object"}, "tags": {"type": "array"}}},
+    "search": {"type": "object", "properties": {"query": {"type": "string"}}},
+}
+W = {"city": "Paris", "days": 3, "nested": {"ok": True, "none": None}, "q": "a\"b é"}
+W_JSON = json.dumps(W, ensure_ascii=False)
+
+# DeepSeek markers
+DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+# Kimi markers
+K_BEGIN, K_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+K_CALL, K_ARGS, K_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+
+
+def ds_v3(name, arguments):
+    return f"{DS_CALL}function{DS_SEP}{name}\n```json\n{arguments}\n```{DS_CALL_END}"
+
+
+def ds_v31(name, arguments):
+    return f"{DS_CALL}{name}{DS_SEP}{arguments}{DS_CALL_END}"
+
+
+def kimi(name, index, arguments):
+    return f"{K_CALL}functions.{name}:{index}{K_ARGS}{arguments}{K_CALL_END}"
+
+
+def coder(name, **params):
+    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def glm(name, **params):
+    body = "".join(f"\n<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>" for key, value in params.items())
+    return f"<tool_call>{name}{body}\n</tool_call>"
+
+
+# (tool parser, text, content, [(name, arguments)])
+CASES = [
+    # -- qwen3_coder
+    ("qwen3_coder", coder("get_weather", city="Paris", days=3, metric="True", ratio="0.5"), "",
+     [("get_weather", {"city": "Paris", "days": 3, "metric": True, "ratio": 0.5})]),
+    ("qwen3_coder", "Let me check.\n\n" + coder("get_weather", city="New\nYork", options='{"a": [1, 2]}') + "\n"
+     + coder("search", query="  spaced  ", unknown="7"), "Let me check.",
+     [("get_weather", {"city": "New\nYork", "options": {"a": [1, 2]}}), ("search", {"query": "  spaced  ",
+                                                                                  "unknown": "7"})]),
+    ("qwen3_coder", "<tool_call>\n<function=search>\n</function>\n</tool_call> after", " after",
+     [("search", {})]),
+    ("qwen3_coder", "<tool_call>\n<function=search>\n<parameter=query>\nx < y\n<parameter=unknown>\nz\n</function>\n"
+                    "</tool_call>", "", [("search", {"query": "x < y", "unknown": "z"})]),  # </parameter> dropped
+    ("qwen3_coder", "a <tool_ b <function=x> c", "a <tool_ b <function=x> c", []),
+    # -- deepseek_v3 (both forms)
+    ("deepseek_v3", DS_BEGIN + ds_v3("get_weather", W_JSON) + DS_END, "", [("get_weather", W)]),
+    ("deepseek_v3", "Checking." + DS_BEGIN + ds_v3("get_weather", '{"city": "Oslo"}') + "\n"
+     + ds_v3("search", "{}") + DS_END + " done", "Checking. done",
+     [("get_weather", {"city": "Oslo"}), ("search", {})]),
+    ("deepseek_v3", DS_BEGIN + ds_v31("get_weather", W_JSON) + ds_v31("search", '{"query": "x"}') + DS_END, "",
+     [("get_weather", W), ("search", {"query": "x"})]),
+    ("deepseek_v3", "no calls <｜tool▁calls here", "no calls <｜tool▁calls here", []),
+    # -- kimi_k2
+    ("kimi_k2", K_BEGIN + kimi("get_weather", 0, W_JSON) + K_END, "", [("get_weather", W)]),
+    ("kimi_k2", "Sure. " + K_BEGIN + kimi("get_weather", 0, '{"city": "Oslo"}') + kimi("search", 1, "{}") + K_END
+     + " after", "Sure. after", [("get_weather", {"city": "Oslo"}), ("search", {})]),
+    ("kimi_k2", "text <|tool_calls_section", "text <|tool_calls_section", []),
+    # -- glm45
+    ("glm45", glm("get_weather", city="Paris", days="3", options='{"k": [1]}'), "",
+     [("get_weather", {"city": "Paris", "days": 3, "options": {"k": [1]}})]),
+    ("glm45", "I will look.\n" + glm("get_weather", city="42") + "\n" + glm("search", query="q", extra="[1, 2]",
+                                                                          free="not json") + "\nbye",
+     "I will look.\nbye", [("get_weather", {"city": "42"}), ("search", {"query": "q", "extra": [1, 2],
+                                                                        "free": "not json"})]),
+    ("glm45", "<tool_call>search\n</tool_call>", "", [("search", {})]),
+    ("glm45", "<tool_call>search</tool_call>", "", [("search", {})]),
+    ("glm45", "use <tool_ and <arg_key> here", "use <tool_ and <arg_key> here", []),
+    # -- gpt_oss (tool stage only: the messages as the harmony stage passes them on)
+    ("gpt_oss", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>' + W_JSON + "<|call|>",
+     "", [("get_weather", W)]),
+    ("gpt_oss", 'Let me look.<|start|>assistant to=functions.search<|channel|>commentary json<|message|>'
+                '{"query": "x"}<|call|>', "Let me look.", [("search", {"query": "x"})]),
+    ("gpt_oss", '<|channel|>commentary to=functions.search <|constrain|>json<|message|>{"query": "y"}', "",
+     [("search", {"query": "y"})]),  # <|call|> is a stop token: the output may end at the object
+]
+
+# Malformed or truncated markup: the complete parse gives it back as content, untouched; streamed,
+# a call whose name was already out has its arguments closed into a JSON object.
+MALFORMED = [
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"),
+    ("qwen3_coder", "<tool_call>\n<oops>\n</tool_call> tail"),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\nstray text\n</function>\n</tool_call>"),
+    ("deepseek_v3", DS_BEGIN + DS_CALL + "function" + DS_SEP + "get_weather\n```json\n{\"city\": \"Pa"),
+    ("deepseek_v3", DS_BEGIN + DS_CALL + "get_weather" + DS_SEP + "{\"city\": broken}" + DS_CALL_END + DS_END),
+    ("deepseek_v3", DS_BEGIN + "nope"),
+    ("deepseek_v3", DS_BEGIN + DS_CALL + "get_weather" + DS_SEP + "[1]" + DS_CALL_END),
+    ("kimi_k2", K_BEGIN + K_CALL + "functions.get_weather:0" + K_ARGS + '{"city": "Os'),
+    ("kimi_k2", K_BEGIN + K_CALL + "functions.get_weather:0" + K_ARGS + "nope" + K_CALL_END + K_END),
+    ("kimi_k2", K_BEGIN + K_CALL + "bad id with spaces" + K_ARGS + "{}" + K_CALL_END + K_END),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par"),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\nParis</tool_call>"),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city"),
+    ("gpt_oss", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": '),
+    ("gpt_oss", '<|channel|>commentary to=functions.get_weather json<|message|>not json<|call|>'),
+    ("gpt_oss", '<|channel|>final<|message|>stray header'),
+]
+
+
+def run(stages, pieces):
+    content, reasoning, deltas = "", "", []
+    for index, piece in enumerate(pieces + [""]):
+        final = index == len(pieces)
+        delta = OutputDelta(content=piece)
+        for stage in stages:
+            delta = stage.process(delta, final=final)
+        content, reasoning, deltas = content + delta.content, reasoning + delta.reasoning_content, \
+            deltas + delta.tool_calls
+    return content, reasoning, deltas
+
+
+def parse(parser_name, pieces, streaming=True, accept=None):
+    options = {"streaming": streaming, "tools": TOOLS}
+    if accept is not None:
+        options["accept_name"] = accept
+    content, _, deltas = run([ToolStage(TOOL_PARSERS[parser_name](**options))], list(pieces))
+    return content, deltas
+
+
+def merge(deltas: list[ToolCallDelta]) -> list[tuple[str, str, str]]:
+    """(id, name, concatenated arguments) per call, checking the OpenAI delta shape."""
+    calls: list[list[str]] = []
+    for delta in deltas:
+        if delta.name:
+            assert delta.index == len(calls) and delta.type == "function" and delta.id
+            assert delta.arguments == ""  # the first delta carries the name only
+            calls.append([delta.id, delta.name, ""])
+        else:
+            assert not delta.id and not delta.type and delta.index < len(calls)
+            calls[delta.index][2] += delta.arguments
+    return [tuple(call) for call in calls]
+
+
+def chunkings(text: str, seed: int):
+    rng = random.Random(seed)
+    yield [text]
+    yield list(text)
+    for _ in range(4):
+        pieces, position = [], 0
+        while position < len(text):
+            size = rng.randint(1, 9)
+            pieces.append(text[position:position + size])
+            position += size
+        yield pieces
+
+
+@pytest.mark.parametrize("parser_name,text,content,calls", CASES)
+def test_family_parser_table_complete_and_streamed(parser_name, text, content, calls):
+    full_content, full_deltas = parse(parser_name, [text], streaming=False)
+    full_calls = merge(full_deltas)
+    assert full_content == content
+    assert [(name, json.loads(arguments)) for _, name, arguments in full_calls] == calls
+    for pieces in chunkings(text, len(text)):
+        streamed_content, deltas = parse(parser_name, pieces)
+        streamed_calls = merge(deltas)
+        assert streamed_content == content, pieces
+        assert [(n, a) for _, n, a in streamed_calls] == [(n, a) for _, n, a in full_calls], pieces
+
+
+@pytest.mark.parametrize("parser_name,text", MALFORMED)
+def test_family_malformed_markup_is_content_never_an_error(parser_name, text):
+    content, deltas = parse(parser_name, [text], streaming=False)
+    assert (content, deltas) == (text, [])
+    for pieces in chunkings(text, 3):
+        _, deltas = parse(parser_name, pieces)
+        for _, _, arguments in merge(deltas):
+            assert isinstance(json.loads(arguments), dict)
+
+
+def test_kimi_call_id_is_the_models_own():
+    text = K_BEGIN + kimi("get_weather", 3, "{}") + K_END
+    for streaming in (True, False):
+        [(call_id, name, _)] = merge(parse("kimi_k2", list(text), streaming=streaming)[1])
+        assert (call_id, name) == ("functions.get_weather:3", "get_weather")
+
+
+@pytest.mark.parametrize("parser_name,text", [
+    ("qwen3_coder", coder("other") + coder("search", query="x")),
+    ("deepseek_v3", DS_BEGIN + ds_v31("other", "{}") + ds_v31("search", '{"query": "x"}') + DS_END),
+    ("kimi_k2", K_BEGIN + kimi("other", 0, "{}") + kimi("search", 1, '{"query": "x"}') + K_END),
+    ("glm45", glm("other") + glm("search", query="x")),
+])
+def test_named_tool_choice_accepts_only_that_function(parser_name, text):
+    for streaming in (True, False):
+        _, deltas = parse(parser_name, list(text), streaming=streaming, accept=lambda name: name == "search")
+        assert [(n, json.loads(a)) for _, n, a in merge(deltas)] == [("search", {"query": "x"})]
+
+
+def test_xml_arguments_stream_one_member_per_parameter():
+    _, deltas = parse("qwen3_coder", list(coder("get_weather", city="Oslo", days=2)))
+    fragments = [d.arguments for d in deltas if not d.name and d.arguments]
+    assert fragments == ['{"city": "Oslo"', ', "days": 2', "}"]
+
+
+@pytest.mark.parametrize("raw,schema_type,unknown,expected", [
+    ("Paris", "string", "string", "Paris"), ("42", "integer", "string", 42), ("4.5", "number", "string", 4.5),
+    ("4", "number", "string", 4), ("True", "boolean", "string", True), ("false", "boolean", "string", False),
+    ('{"a": 1}', "object", "string", {"a": 1}), ("{'a': (1, 2)}", "object", "string", {"a": [1, 2]}),
+    ("[1, 2]", ["array", "null"], "string", [1, 2]), ("null", "integer", "string", None),
+    ("12", None, "string", "12"), ("12", None, "json", 12), ("x y", None, "json", "x y"),
+    ("not a number", "integer", "string", "not a number"), ("nan", "number", "string", "nan"),
+])
+def test_values_are_typed_by_the_schema(raw, schema_type, unknown, expected):
+    value = typed_value(raw, schema_type, unknown)
+    assert value == expected and type(value) is type(expected)
+
+
+# -- harmony (gpt_oss reasoning + tool stages together)
+
+HARMONY = [
+    ("<|channel|>analysis<|message|>Think first.<|end|><|start|>assistant<|channel|>final<|message|>Hi!<|return|>",
+     "Hi!", "Think first.", []),
+    ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary "
+     'to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>',
+     "", "Need weather.", [("get_weather", {"city": "Oslo"})]),
+    ("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
+     '<|start|>assistant to=functions.search<|channel|>commentary json<|message|>{"query": "q"}',
+     "Checking.", "a", [("search", {"query": "q"})]),
+    ("plain text without harmony", "plain text without harmony", "", []),
+    ("<|channel|>analysis<|message|>cut off in thou", "", "cut off in thou", []),
+]
+
+
+@pytest.mark.parametrize("text,content,reasoning,calls", HARMONY)
+def test_harmony_channels_split_reasoning_content_and_calls(text, content, reasoning, calls):
+    def stages(streaming):
+        return [REASONING_PARSERS["gpt_oss"](False),
+                ToolStage(TOOL_PARSERS["gpt_oss"](streaming=streaming, tools=TOOLS))]
+
+    full = run(stages(False), [text])
+    assert full[:2] == (content, reasoning)
+    assert [(n, json.loads(a)) for _, n, a in merge(full[2])] == calls
+    for pieces in chunkings(text, 7):
+        streamed = run(stages(True), pieces)
+        assert streamed[:2] == (content, reasoning), pieces
+        assert [(n, a) for _, n, a in merge(streamed[2])] == [(n, a) for _, n, a in merge(full[2])]
