@@ -260,3 +260,78 @@ def test_harmony_channels_split_reasoning_content_and_calls(text, content, reaso
         streamed = run(stages(True), pieces)
         assert streamed[:2] == (content, reasoning), pieces
         assert [(n, a) for _, n, a in merge(streamed[2])] == [(n, a) for _, n, a in merge(full[2])]
+
+
+# -- property: any arguments, any split, streamed == complete ---------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_text = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"], exclude_characters="<"),
+                max_size=6)
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-1000, 1000) | st.floats(-1e6, 1e6, allow_nan=False) | _text,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8)
+_arguments = st.dictionaries(st.from_regex(r"[a-z_][a-z0-9_]{0,5}", fullmatch=True), _values, max_size=4)
+_SCHEMA_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (dict, "object"),
+                 (list, "array"), (type(None), "null"))
+
+
+def _schemas(calls):
+    schemas = {}
+    for name, arguments in calls:
+        properties = {key: {"type": next(kind for cls, kind in _SCHEMA_TYPES if type(value) is cls)}
+                      for key, value in arguments.items()}
+        schemas[name] = {"type": "object", "properties": properties}
+    return schemas
+
+
+def _template_value(value, python_scalars: bool) -> str:
+    """A value as the family's chat template writes it."""
+    if isinstance(value, str):
+        return value
+    if python_scalars and not isinstance(value, (dict, list)):
+        return str(value)  # Qwen3-Coder's template: `args_value | string`
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _family_markup(parser_name: str, calls: list[tuple[str, dict]]) -> str:
+    if parser_name == "deepseek_v3":
+        return DS_BEGIN + "".join(ds_v31(n, json.dumps(a, ensure_ascii=False)) if i % 2 else
+                                  ds_v3(n, json.dumps(a, ensure_ascii=False)) for i, (n, a) in enumerate(calls)) + DS_END
+    if parser_name == "kimi_k2":
+        return K_BEGIN + "".join(kimi(n, i, json.dumps(a)) for i, (n, a) in enumerate(calls)) + K_END
+    if parser_name == "gpt_oss":
+        return "".join(f"<|start|>assistant to=functions.{n}<|channel|>commentary json<|message|>{json.dumps(a)}"
+                       "<|call|>" for n, a in calls)
+    if parser_name == "qwen3_coder":
+        return "\n".join(coder(n, **{k: _template_value(v, True) for k, v in a.items()}) for n, a in calls)
+    return "".join(glm(n, **{k: _template_value(v, False) for k, v in a.items()}) for n, a in calls)
+
+
+@pytest.mark.parametrize("parser_name", ["qwen3_coder", "deepseek_v3", "kimi_k2", "glm45", "gpt_oss"])
+def test_family_any_arguments_any_split_stream_like_the_complete_parse(parser_name):
+    @settings(max_examples=40, deadline=None, database=None)
+    @given(calls=st.lists(st.tuples(st.sampled_from(["f", "get_weather", "a.b"]), _arguments), min_size=1, max_size=3),
+           cuts=st.lists(st.integers(0, 400), max_size=12))
+    def check(calls, cuts):
+        names = [name for name, _ in calls]
+        if len(set(names)) != len(names):  # one schema per name: keep the calls' names apart
+            calls = [(f"{name}{i}", arguments) for i, (name, arguments) in enumerate(calls)]
+        tools = _schemas(calls)
+        text = _family_markup(parser_name, calls)
+
+        def run_parser(pieces, streaming):
+            stage = ToolStage(TOOL_PARSERS[parser_name](streaming=streaming, tools=tools))
+            return run([stage], pieces)
+
+        full_content, _, full_deltas = run_parser([text], False)
+        full_calls = merge(full_deltas)
+        assert [(n, json.loads(a)) for _, n, a in full_calls] == calls
+        assert full_content == ""
+        bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+        content, _, deltas = run_parser([text[a:b] for a, b in zip(bounds, bounds[1:])], True)
+        assert content == ""
+        assert [(n, a) for _, n, a in merge(deltas)] == [(n, a) for _, n, a in full_calls]
+
+    check()
