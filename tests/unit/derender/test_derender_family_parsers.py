@@ -335,3 +335,93 @@ def test_family_any_arguments_any_split_stream_like_the_complete_parse(parser_na
         assert [(n, a) for _, n, a in merge(deltas)] == [(n, a) for _, n, a in full_calls]
 
     check()
+
+
+# -- real special tokens: the table fed one token id per engine message ------------------------
+from tito.family_tokenizers import ensure_family_tokenizer  # noqa: E402
+from tito_derender.detokenizer import TextOptions  # noqa: E402
+from tito_derender.domain import EngineOutput, FinishReason, RequestContext, ToolChoiceMode  # noqa: E402
+from tito_derender.stream import DerenderStream  # noqa: E402
+from tito_derender.tokenizer import TextTokenizer  # noqa: E402
+
+FAMILY_OF_PARSER = {"qwen3_coder": "qwen3_coder", "deepseek_v3": "deepseek_v31", "kimi_k2": "kimi_k2",
+                    "glm45": "glm45", "gpt_oss": "gpt_oss"}
+
+
+@pytest.fixture(scope="module")
+def family_tokenizers(model_cache):
+    return {parser: TextTokenizer.load(ensure_family_tokenizer(family, model_cache))
+            for parser, family in FAMILY_OF_PARSER.items()}
+
+
+def stream_ids(tokenizer, ctx, ids, streaming=True):
+    stream = DerenderStream(tokenizer, ctx, streaming=streaming)
+    chunks = []
+    for token_id in ids:
+        chunks += stream.feed(EngineOutput(index=0, token_ids=(token_id,)))
+    chunks += stream.feed(EngineOutput(index=0, finish_reason=FinishReason.STOP))
+    content = "".join(c.content for c in chunks)
+    reasoning = "".join(c.reasoning_content for c in chunks)
+    return content, reasoning, [d for c in chunks for d in c.tool_calls]
+
+
+def family_context(parser_name, reasoning=""):
+    return RequestContext(tool_parser=parser_name, reasoning_parser=reasoning, thinking_enabled=bool(reasoning),
+                          tool_names=tuple(TOOLS), tool_choice=ToolChoiceMode.AUTO,
+                          tool_schemas=tuple(TOOLS.items()), text=TextOptions(skip_special_tokens=False))
+
+
+@pytest.mark.parametrize("parser_name,text,content,calls", CASES)
+def test_family_table_one_token_per_engine_message(family_tokenizers, parser_name, text, content, calls):
+    tokenizer = family_tokenizers[parser_name]
+    ids = tokenizer.hf.encode(text, add_special_tokens=False)
+    for marker in ("<tool_call>", "<｜tool▁sep｜>", "<|tool_call_begin|>", "<arg_key>", "<|message|>"):
+        if marker in text:  # the family's markers are single tokens of its tokenizer
+            assert tokenizer.hf.convert_tokens_to_ids(marker) in ids
+    for streaming in (True, False):
+        got_content, _, deltas = stream_ids(tokenizer, family_context(parser_name), ids, streaming)
+        assert got_content == content
+        assert [(n, json.loads(a)) for _, n, a in merge(deltas)] == calls
+
+
+@pytest.mark.parametrize("text,content,reasoning,calls", HARMONY)
+def test_harmony_one_token_per_engine_message(family_tokenizers, text, content, reasoning, calls):
+    tokenizer = family_tokenizers["gpt_oss"]
+    ids = tokenizer.hf.encode(text, add_special_tokens=False)
+    for streaming in (True, False):
+        got = stream_ids(tokenizer, family_context("gpt_oss", reasoning="gpt_oss"), ids, streaming)
+        assert got[:2] == (content, reasoning)
+        assert [(n, json.loads(a)) for _, n, a in merge(got[2])] == calls
+
+
+_FUZZ_MARKUP = {
+    "qwen3_coder": ["<tool_call>", "</tool_call>", "<function=get_weather>", "<parameter=city>", "</parameter>",
+                    "</function>", "\n", "Paris", "<think>", "</think>"],
+    "deepseek_v3": [DS_BEGIN, DS_END, DS_CALL, DS_CALL_END, DS_SEP, "function", "get_weather", "\n```json\n", "```",
+                    '{"city": "Oslo"}', "{", "}"],
+    "kimi_k2": [K_BEGIN, K_END, K_CALL, K_ARGS, K_CALL_END, "functions.get_weather:0", '{"city": "Oslo"}', "{"],
+    "glm45": ["<tool_call>", "</tool_call>", "get_weather", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+              "city", "3", "\n", "<think>", "</think>"],
+    "gpt_oss": ["<|start|>", "assistant", "<|channel|>", "analysis", "final", "commentary", " to=functions.get_weather",
+                "<|constrain|>", "json", "<|message|>", "<|end|>", "<|call|>", "<|return|>", '{"city": "Oslo"}', "{"],
+}
+_FUZZ_REASONING = {"qwen3_coder": "qwen3", "deepseek_v3": "deepseek_r1", "kimi_k2": "", "glm45": "qwen3",
+                   "gpt_oss": "gpt_oss"}
+
+
+@pytest.mark.parametrize("parser_name", sorted(_FUZZ_MARKUP))
+def test_family_fuzzed_outputs_never_fail(family_tokenizers, parser_name):
+    tokenizer = family_tokenizers[parser_name]
+    pieces = [tokenizer.hf.encode(m, add_special_tokens=False) for m in _FUZZ_MARKUP[parser_name]]
+
+    @settings(max_examples=40, deadline=None, database=None)
+    @given(groups=st.lists(st.one_of(st.sampled_from(pieces), st.lists(st.integers(0, len(tokenizer.hf) - 1),
+                                                                       max_size=2)), max_size=25),
+           streaming=st.booleans())
+    def check(groups, streaming):
+        ids = [i for group in groups for i in group]
+        _, _, deltas = stream_ids(tokenizer, family_context(parser_name, _FUZZ_REASONING[parser_name]), ids, streaming)
+        for _, _, arguments in merge(deltas):
+            assert isinstance(json.loads(arguments), dict)
+
+    check()
