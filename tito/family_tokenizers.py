@@ -8,9 +8,10 @@ and specialness are, which is what rendering and parsing depend on: a marker tha
 token in the real tokenizer is one here too (decoded only with skip_special_tokens false), and
 every marker encodes to its one token.
 
-Families (:data:`FAMILIES`): ``qwen3_coder`` (Qwen3's tokens, XML tool calls), ``deepseek_v31``
-(DeepSeek-V3 / R1 / V3.1 tokens), ``kimi_k2``, ``glm45`` and ``gpt_oss`` (harmony). Tokenizer
-directories only (no weights): render and derender load them; the engine cannot.
+Families (:data:`FAMILIES`): ``qwen3_coder`` (Qwen3's tokens, XML tool calls), ``deepseek_r1``
+and ``deepseek_v31`` (DeepSeek-V3's tokens; R1's and V3.1's templates), ``kimi_k2``, ``glm45``
+and ``gpt_oss`` (harmony). Tokenizer directories only (no weights): render and derender load
+them; the engine cannot.
 :func:`ensure_family_tokenizer` builds one on first use and caches it like the tiny models.
 """
 
@@ -68,6 +69,8 @@ _GPT_OSS = _all(True, "<|startoftext|>", "<|endoftext|>", "<|return|>", "<|const
 
 FAMILIES: dict[str, Family] = {
     "qwen3_coder": Family("qwen3_coder", _QWEN3, eos="<|im_end|>", pad="<|endoftext|>"),
+    "deepseek_r1": Family("deepseek_r1", _DEEPSEEK, eos="<｜end▁of▁sentence｜>", bos="<｜begin▁of▁sentence｜>",
+                          pad="<｜▁pad▁｜>"),
     "deepseek_v31": Family("deepseek_v31", _DEEPSEEK, eos="<｜end▁of▁sentence｜>", bos="<｜begin▁of▁sentence｜>",
                            pad="<｜▁pad▁｜>"),
     "kimi_k2": Family("kimi_k2", _KIMI, eos="<|im_end|>", bos="[BOS]"),

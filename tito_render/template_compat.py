@@ -7,6 +7,9 @@
   the parsed object that prints, and concatenates, as the original text.
 - Reasoning history: a template that reads an assistant turn's reasoning from `thinking` (gpt-oss)
   and not from `reasoning_content` gets `thinking` set from `reasoning_content`.
+- A tool-call turn without content: OpenAI clients send `content: null`, which the wire cannot
+  carry (the field is just absent). A template that tests `content is none` (DeepSeek-R1, V3.1)
+  gets the None it would get from such a client; others keep the key absent.
 
 Messages that need no change are passed on as they are; changed ones are copies.
 """
@@ -18,6 +21,7 @@ import re
 from typing import Any
 
 _TESTS_ARGUMENTS_IS_STRING = re.compile(r"arguments(?:'\]|\"\])?\s+is\s+string")
+_TESTS_CONTENT_IS_NONE = re.compile(r"(?:\['content'\]|\[\"content\"\]|\.content)\s+is\s+(?:not\s+)?none")
 
 
 class JsonArguments(dict):
@@ -49,17 +53,21 @@ def adapt_messages(messages: list[dict[str, Any]], template: str) -> list[dict[s
     """The messages as `template` needs them (see the module docstring)."""
     wrap_arguments = "arguments" in template and not _TESTS_ARGUMENTS_IS_STRING.search(template)
     alias_thinking = "thinking" in template and "reasoning_content" not in template
-    if not (wrap_arguments or alias_thinking):
+    none_content = bool(_TESTS_CONTENT_IS_NONE.search(template))
+    if not (wrap_arguments or alias_thinking or none_content):
         return messages
-    return [_adapt(message, wrap_arguments, alias_thinking) for message in messages]
+    return [_adapt(message, wrap_arguments, alias_thinking, none_content) for message in messages]
 
 
-def _adapt(message: dict[str, Any], wrap_arguments: bool, alias_thinking: bool) -> dict[str, Any]:
+def _adapt(message: dict[str, Any], wrap_arguments: bool, alias_thinking: bool,
+           none_content: bool) -> dict[str, Any]:
     if message.get("role") != "assistant":
         return message
     adapted = message
+    if none_content and "content" not in message and message.get("tool_calls"):
+        adapted = dict(message, content=None)
     if alias_thinking and "reasoning_content" in message and "thinking" not in message:
-        adapted = dict(message, thinking=message["reasoning_content"])
+        adapted = dict(adapted, thinking=message["reasoning_content"])
     if wrap_arguments and message.get("tool_calls"):
         calls = []
         for call in message["tool_calls"]:

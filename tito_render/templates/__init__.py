@@ -1,5 +1,5 @@
 """Chat templates of the model families whose markup derender parses with a family parser
-(qwen3_coder, deepseek_v3, kimi_k2, glm45, gpt_oss), stored verbatim as the models publish them
+(qwen3_coder, deepseek_v3 with deepseek_r1 / qwen3 reasoning, kimi_k2, glm45, gpt_oss), stored verbatim as the models publish them
 (sources and licenses: README.md in this folder). The tiny family tokenizers
 (tito.family_tokenizers) carry them, and the tests check that render gives the same text as
 the template rendered on its own."""
@@ -11,6 +11,7 @@ from importlib import resources
 #: Family -> template file in this package.
 TEMPLATE_FILES = {
     "qwen3_coder": "qwen3_coder.jinja",
+    "deepseek_r1": "deepseek_r1.jinja",
     "deepseek_v31": "deepseek_v31.jinja",
     "kimi_k2": "kimi_k2.jinja",
     "glm45": "glm45.jinja",

@@ -98,6 +98,9 @@ CASES = [
                 '{"query": "x"}<|call|>', "Let me look.", [("search", {"query": "x"})]),
     ("gpt_oss", '<|channel|>commentary to=functions.search <|constrain|>json<|message|>{"query": "y"}', "",
      [("search", {"query": "y"})]),  # <|call|> is a stop token: the output may end at the object
+    ("gpt_oss", '<|start|>assistant to=functions.search<|channel|>commentary json<|message|>{"query": "a"}<|call|>'
+                '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "B"}'
+                "<|call|>Done.", "Done.", [("search", {"query": "a"}), ("get_weather", {"city": "B"})]),
 ]
 
 # Malformed or truncated markup: the complete parse gives it back as content, untouched; streamed,
@@ -297,8 +300,9 @@ def _template_value(value, python_scalars: bool) -> str:
 
 def _family_markup(parser_name: str, calls: list[tuple[str, dict]]) -> str:
     if parser_name == "deepseek_v3":
-        return DS_BEGIN + "".join(ds_v31(n, json.dumps(a, ensure_ascii=False)) if i % 2 else
-                                  ds_v3(n, json.dumps(a, ensure_ascii=False)) for i, (n, a) in enumerate(calls)) + DS_END
+        form = [ds_v3, ds_v31]  # both forms, alternating
+        return DS_BEGIN + "".join(form[i % 2](n, json.dumps(a, ensure_ascii=False))
+                                  for i, (n, a) in enumerate(calls)) + DS_END
     if parser_name == "kimi_k2":
         return K_BEGIN + "".join(kimi(n, i, json.dumps(a)) for i, (n, a) in enumerate(calls)) + K_END
     if parser_name == "gpt_oss":
@@ -382,6 +386,17 @@ def test_family_table_one_token_per_engine_message(family_tokenizers, parser_nam
         got_content, _, deltas = stream_ids(tokenizer, family_context(parser_name), ids, streaming)
         assert got_content == content
         assert [(n, json.loads(a)) for _, n, a in merge(deltas)] == calls
+
+
+@pytest.mark.parametrize("parser_name,text", MALFORMED)
+def test_family_malformed_one_token_per_engine_message(family_tokenizers, parser_name, text):
+    tokenizer = family_tokenizers[parser_name]
+    ids = tokenizer.hf.encode(text, add_special_tokens=False)
+    content, _, deltas = stream_ids(tokenizer, family_context(parser_name), ids, streaming=False)
+    assert (content, deltas) == (text, [])
+    _, _, deltas = stream_ids(tokenizer, family_context(parser_name), ids)
+    for _, _, arguments in merge(deltas):
+        assert isinstance(json.loads(arguments), dict)
 
 
 @pytest.mark.parametrize("text,content,reasoning,calls", HARMONY)

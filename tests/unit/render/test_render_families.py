@@ -37,7 +37,10 @@ ARGS = {"city": "Paris", "days": 3}
 # family -> (reasoning parser, tool parser, skip_special_tokens default, call id, assistant turn)
 FAMILIES = {
     "qwen3_coder": ("qwen3", "qwen3_coder", True, "call_1", {"content": "Let me check."}),
-    "deepseek_v31": ("qwen3", "deepseek_v3", True, "call_1", {"content": ""}),
+    # A tool-call turn with content null, as an OpenAI client sends it (DeepSeek's templates test it).
+    "deepseek_r1": ("deepseek_r1", "deepseek_v3", True, "call_1",
+                    {"content": None, "reasoning_content": "Need the weather tool."}),
+    "deepseek_v31": ("qwen3", "deepseek_v3", True, "call_1", {"content": None}),
     "kimi_k2": ("", "kimi_k2", False, "functions.get_weather:0", {"content": ""}),
     "glm45": ("qwen3", "glm45", False, "call_1", {"content": "", "reasoning_content": "The user wants weather."}),
     "gpt_oss": ("gpt_oss", "gpt_oss", False, "call_1", {"reasoning_content": "Use the weather tool."}),
@@ -71,15 +74,16 @@ def chat(name: str, with_result: bool = True) -> list[dict]:
 
 def to_proto(message: dict) -> chat_pb2.ChatMessage:
     proto = chat_pb2.ChatMessage(role=message["role"], tool_call_id=message.get("tool_call_id", ""))
-    if "content" in message:
+    if message.get("content") is not None:
         proto.content = message["content"]
     reasoning = message.get("reasoning_content", message.get("thinking"))
     if reasoning is not None:
         proto.reasoning_content = reasoning
     for call in message.get("tool_calls", []):
         arguments = call["function"]["arguments"]
-        proto.tool_calls.add(id=call["id"], type="function", function=chat_pb2.FunctionCall(
-            name=call["function"]["name"], arguments=arguments if isinstance(arguments, str) else json.dumps(arguments)))
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        proto.tool_calls.add(id=call["id"], type="function",
+                             function=chat_pb2.FunctionCall(name=call["function"]["name"], arguments=text))
     return proto
 
 
@@ -110,6 +114,10 @@ def reference_text(name: str, tokenizer, messages: list[dict], add_generation_pr
         bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
 
 
+def turn_reasoning(name: str) -> str:
+    return FAMILIES[name][4].get("reasoning_content", "")
+
+
 def test_render_detects_the_familys_parsers(family):
     name, _, renderer = family
     reasoning, tool, skip_special, _, _ = FAMILIES[name]
@@ -118,17 +126,24 @@ def test_render_detects_the_familys_parsers(family):
     assert model.keep_special_tokens is (not skip_special)
 
 
-def test_chat_with_tools_call_and_result_renders_as_the_real_template(family):
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_with_tools_call_and_result_renders_as_the_real_template(family, add_generation_prompt):
     name, _, renderer = family
     messages = chat(name)
-    response = renderer.render_chat(request(messages))
-    expected = reference_text(name, renderer.model.tokenizer, messages)
+    response = renderer.render_chat(request(messages, add_generation_prompt))
+    expected = reference_text(name, renderer.model.tokenizer, messages, add_generation_prompt)
     assert response.prompt_text == expected
     assert list(response.generate_request.token_ids) == renderer.model.tokenizer.encode(
         expected, add_special_tokens=False)
-    # The request's own choice of skip_special_tokens wins over the family's default.
-    skip = FAMILIES[name][2]
-    assert response.derender_context.text_options.skip_special_tokens is skip
+    assert response.derender_context.text_options.skip_special_tokens is FAMILIES[name][2]
+
+
+def test_a_requests_own_skip_special_tokens_wins(family):
+    name, _, renderer = family
+    chat_request = request(chat(name))
+    chat_request.sampling.skip_special_tokens = not FAMILIES[name][2]
+    response = renderer.render_chat(chat_request)
+    assert response.derender_context.text_options.skip_special_tokens is (not FAMILIES[name][2])
 
 
 def test_assistant_turn_parses_back_into_the_same_call(family):
@@ -139,8 +154,16 @@ def test_assistant_turn_parses_back_into_the_same_call(family):
     messages = chat(name, with_result=False)
     prompt = renderer.render_chat(request(messages[:-1]))
     full = reference_text(name, renderer.model.tokenizer, messages, add_generation_prompt=False)
-    assert full.startswith(prompt.prompt_text)
-    output = full[len(prompt.prompt_text):]
+    if name == "deepseek_r1":
+        # R1's prompt opens <think> and its history drops reasoning: the model writes its
+        # reasoning, </think>, then the call as the template renders it after <｜Assistant｜>.
+        history = reference_text(name, renderer.model.tokenizer, messages[:-1], add_generation_prompt=False)
+        call_text = full[len(history):].removeprefix("<｜Assistant｜>")
+        assert prompt.prompt_text.endswith("<think>\n") and call_text.startswith("<｜tool▁calls▁begin｜>")
+        output = turn_reasoning(name) + "</think>\n\n" + call_text
+    else:
+        assert full.startswith(prompt.prompt_text)
+        output = full[len(prompt.prompt_text):]
     for end in ("<|im_end|>\n", "<｜end▁of▁sentence｜>", "<|end|>"):
         output = output.removesuffix(end)
     tokenizer = TextTokenizer.load(directory)
@@ -157,8 +180,8 @@ def test_assistant_turn_parses_back_into_the_same_call(family):
     assert [(n, json.loads(a)) for _, n, a in calls.values()] == [("get_weather", ARGS)]
     if name == "kimi_k2":
         assert calls[0][0] == call_id
-    assert "".join(c.reasoning_content for c in chunks) == turn.get("reasoning_content", "")
-    assert "".join(c.content for c in chunks) == turn.get("content", "")
+    assert "".join(c.reasoning_content for c in chunks) == turn_reasoning(name)
+    assert "".join(c.content for c in chunks) == (turn.get("content") or "")
     assert chunks[-1].finish_reason == FinishReason.TOOL_CALLS
 
 
