@@ -440,3 +440,21 @@ def test_family_fuzzed_outputs_never_fail(family_tokenizers, parser_name):
             assert isinstance(json.loads(arguments), dict)
 
     check()
+
+
+@pytest.mark.parametrize("parser_name,head,tail", [
+    ("qwen3_coder", "<tool_call>\n<function=search>\n<parameter=query>\n", "\n</parameter>\n</function>\n</tool_call>"),
+    ("glm45", "<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>", "</arg_value>\n</tool_call>"),
+])
+def test_a_long_value_is_read_once_not_held_and_rescanned(parser_name, head, tail):
+    """A value (a whole file, say) arrives token by token: the parser keeps at most a possible
+    marker's start pending, so each character is scanned once, not once per token."""
+    value = "line of code; " * 400
+    parser = TOOL_PARSERS[parser_name](tools=TOOLS)
+    events = parser.feed(head)
+    for char in value:
+        events += parser.feed(char)
+        assert len(parser._held) < len("</parameter>")
+    events += parser.feed(tail) + parser.finish()
+    [(_, name, arguments)] = merge([event for event in events if isinstance(event, ToolCallDelta)])
+    assert (name, json.loads(arguments)) == ("search", {"query": value})

@@ -60,14 +60,14 @@ class Glm45ToolParser(MarkupToolParser):
         return self._expect(text, {VALUE: self._value})
 
     def _value(self, text: str) -> str | None:
-        split = self._until(text, VALUE_END)
-        if split is None:
-            return WAIT
-        value, _, after = split
+        found = self._collect(text, VALUE_END)
+        if found is None:
+            return ""
+        value, _, before = found
         if not self._call.add(self._key.strip(), value):
             return self._give_up(text)
         self._state = self._body
-        return self._consume(text, len(text) - len(after))
+        return self._consume(text, before + len(VALUE_END))
 
     @immediate
     def _call_end(self, text: str) -> str | None:

@@ -21,6 +21,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from tito_derender.parsers.markers import partial_marker_length
 from tito_derender.parsers.tools.base import DONE, FAILED, PENDING, Event, ToolParser, is_utf8
 from tito_derender.parsers.tools.json_scan import JsonLexer
 
@@ -47,6 +48,7 @@ class MarkupToolParser(ToolParser):
         self._raw = ""  # markup consumed for the current call while its name is not out
         self._call: ObjectArguments | KeyValueArguments | None = None
         self._closing = False  # after a complete call, before the next one begins
+        self._parts: list[str] = []  # a value gathered so far (see _collect)
         self._state: Callable[[str], str | None] = self._content_state
 
     # -- the parser's interface
@@ -137,13 +139,31 @@ class MarkupToolParser(ToolParser):
 
     def _skip_call(self, text: str, end: str, state) -> str | None:
         position = text.find(end)
-        if position < 0:
-            if len(text) > MAX_HEADER_CHARS * 64:
-                return self._give_up(text)
-            return WAIT
+        if position < 0:  # content as it comes, but for what may be the start of `end`
+            keep = partial_marker_length(text, end)
+            self._content(self._raw + text[:len(text) - keep])
+            self._raw, self._held = "", text[len(text) - keep:]
+            return ""
         self._content(self._raw + text[:position + len(end)])
         self._raw, self._closing, self._state = "", True, state
         return text[position + len(end):]
+
+    def _collect(self, text: str, *markers: str) -> tuple[str, str, int] | None:
+        """A value running up to the first of `markers`, gathered over any number of feeds with
+        each character read once: (value, marker, characters of `text` before the marker), or
+        None when the marker has not come yet (the text is taken, but for what may be the start
+        of a marker, which is held)."""
+        split = self._until(text, *markers)
+        if split is None:
+            keep = max(partial_marker_length(text, marker) for marker in markers)
+            self._parts.append(text[:len(text) - keep])
+            self._consume(text, len(text) - keep)
+            self._held = text[len(text) - keep:]
+            return None
+        before, marker, _ = split
+        value = "".join(self._parts) + before
+        self._parts = []
+        return value, marker, len(before)
 
     def _done(self) -> None:
         """The current call is complete: what follows up to the next call is closing markup."""
@@ -158,6 +178,7 @@ class MarkupToolParser(ToolParser):
         elif self._closing:
             raw = ""
         self._call, self._raw, self._closing, self._state = None, "", False, self._content_state
+        self._parts = []
         self._content(raw)
         return text
 

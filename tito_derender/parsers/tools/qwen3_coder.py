@@ -76,15 +76,15 @@ class Qwen3CoderToolParser(MarkupToolParser):
         return self._consume(text, len(text) - len(after))
 
     def _parameter_value(self, text: str) -> str | None:
-        split = self._until(text, PARAMETER_END, PARAMETER, FUNCTION_END)
-        if split is None:
-            return WAIT
-        value, marker, _ = split
+        found = self._collect(text, PARAMETER_END, PARAMETER, FUNCTION_END)
+        if found is None:
+            return ""
+        value, marker, before = found
         if not self._call.add(self._key.strip(), strip_one_newline(value)):
             return self._give_up(text)
         self._state = self._body
         # A missing </parameter>: the next parameter or the function end is read as such.
-        return self._consume(text, len(value) + (len(marker) if marker == PARAMETER_END else 0))
+        return self._consume(text, before + (len(marker) if marker == PARAMETER_END else 0))
 
     @immediate
     def _function_end(self, text: str) -> str | None:
