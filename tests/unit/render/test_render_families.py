@@ -199,3 +199,16 @@ def test_assistant_turn_parses_back_into_the_same_call(family):
 def test_auto_detection_by_vocabulary_and_template(vocab, template, expected):
     assert detect_parsers(vocab, "auto", "auto", template) == expected
     assert detect_parsers(vocab, "none", "kimi_k2", template) == ("", "kimi_k2")  # explicit names win
+
+
+def test_render_offers_exactly_the_parsers_derender_knows():
+    from tito_derender.parsers import REASONING_PARSERS as DERENDER_REASONING
+    from tito_derender.parsers import TOOL_PARSERS as DERENDER_TOOLS
+    from tito_render.config import REASONING_PARSERS, TOOL_PARSERS
+    from tito_render.families import PARSER_MARKERS
+
+    assert set(TOOL_PARSERS) == set(DERENDER_TOOLS)
+    assert set(REASONING_PARSERS) == set(DERENDER_REASONING)
+    assert set(PARSER_MARKERS) <= set(TOOL_PARSERS) | set(REASONING_PARSERS)
+    for name in TOOL_PARSERS:
+        RenderConfig(model="x", tool_parser=name).validate()
