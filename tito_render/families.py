@@ -12,10 +12,11 @@ vocabulary with another family) by its markup in the chat template:
 | glm45         | `<arg_key>` in the vocabulary                              |
 | qwen3_coder   | `<tool_call>` in the vocabulary and `<function=` in the template |
 
-Reasoning: gpt_oss (harmony channels) for gpt-oss; for DeepSeek, deepseek_r1 (output starts as
-reasoning) unless the template has a `thinking` switch (V3.1: the prompt itself opens or closes
-the block, which "qwen3" follows through prompt_opens_reasoning); for GLM-4.5 qwen3 (the output
-opens its `<think>` block). Other models: render's original rules (model.detect_parsers).
+Reasoning: gpt_oss (harmony channels) for gpt-oss. DeepSeek's V3, R1 and V3.1 share one
+vocabulary, so the template decides: a `thinking` switch (V3.1: the prompt itself opens or closes
+the block, which "qwen3" follows through prompt_opens_reasoning) -> qwen3; `<think>` in the
+template (R1's generation prompt opens the block) -> deepseek_r1; neither (V3) -> none. GLM-4.5
+and others: render's original rules (model.detect_parsers: qwen3 with `<think>`/`</think>`).
 """
 
 from __future__ import annotations
@@ -64,11 +65,13 @@ def family_reasoning_parser(vocab: Any, template: str) -> str | None:
     """The family reasoning parser ("" for none), or None when the original rules decide."""
     if HARMONY_CHANNEL in vocab and HARMONY_MESSAGE in vocab:
         return "gpt_oss"
-    has_think = all(marker in vocab for marker in THINK)
     if DEEPSEEK_SECTION in vocab:
-        if not has_think:
+        # One vocabulary (with <think>) for V3, R1 and V3.1: the template tells them apart.
+        if not all(marker in vocab for marker in THINK):
             return ""
-        return "qwen3" if "thinking" in template else "deepseek_r1"
+        if "thinking" in template:  # V3.1: the prompt opens or closes the block
+            return "qwen3"
+        return "deepseek_r1" if THINK[0] in template else ""  # R1's prompt opens <think>; V3 never thinks
     return None
 
 

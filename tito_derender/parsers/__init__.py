@@ -58,9 +58,17 @@ def validate_parser_names(context: RequestContext) -> None:
                 f"{', '.join(sorted(known))} (or empty for none)", reason="UNKNOWN_PARSER", field=field)
 
 
-def reasoning_parser_for(context: RequestContext) -> ThinkReasoningParser | None:
-    """None when the request has no reasoning parser or thinking is off (then all is content)."""
-    if not context.reasoning_parser or not context.thinking_enabled:
+#: Reasoning parsers that also take the output's message structure apart (harmony headers and
+#: channels): they run whether or not thinking is on, since the model writes that structure anyway.
+STRUCTURAL_REASONING_PARSERS = frozenset({"gpt_oss"})
+
+
+def reasoning_parser_for(context: RequestContext) -> ThinkReasoningParser | HarmonyReasoningParser | None:
+    """None when the request has no reasoning parser or thinking is off (then all is content),
+    except for a structural parser (STRUCTURAL_REASONING_PARSERS), which always runs."""
+    if not context.reasoning_parser:
+        return None
+    if not context.thinking_enabled and context.reasoning_parser not in STRUCTURAL_REASONING_PARSERS:
         return None
     return REASONING_PARSERS[context.reasoning_parser](context.prompt_opens_reasoning)
 

@@ -458,3 +458,11 @@ def test_a_long_value_is_read_once_not_held_and_rescanned(parser_name, head, tai
     events += parser.feed(tail) + parser.finish()
     [(_, name, arguments)] = merge([event for event in events if isinstance(event, ToolCallDelta)])
     assert (name, json.loads(arguments)) == ("search", {"query": value})
+
+
+def test_harmony_structure_is_parsed_even_with_thinking_off(family_tokenizers):
+    text = "<|channel|>analysis<|message|>hmm<|end|><|start|>assistant<|channel|>final<|message|>Hi!<|return|>"
+    tokenizer = family_tokenizers["gpt_oss"]
+    ctx = RequestContext(reasoning_parser="gpt_oss", thinking_enabled=False, text=TextOptions(skip_special_tokens=False))
+    content, reasoning, _ = stream_ids(tokenizer, ctx, tokenizer.hf.encode(text, add_special_tokens=False))
+    assert (content, reasoning) == ("Hi!", "hmm")

@@ -188,7 +188,8 @@ def test_assistant_turn_parses_back_into_the_same_call(family):
 @pytest.mark.parametrize("vocab,template,expected", [
     ({"<tool_call>": 1, "<think>": 2, "</think>": 3}, "{{ '<tool_call>' }}", ("qwen3", "hermes")),
     ({"<tool_call>": 1, "<think>": 2, "</think>": 3}, "<function=x>", ("qwen3", "qwen3_coder")),
-    ({"<｜tool▁calls▁begin｜>": 1, "<think>": 2, "</think>": 3}, "", ("deepseek_r1", "deepseek_v3")),
+    ({"<｜tool▁calls▁begin｜>": 1, "<think>": 2, "</think>": 3}, "{{ '<think>\\n' }}", ("deepseek_r1", "deepseek_v3")),
+    ({"<｜tool▁calls▁begin｜>": 1, "<think>": 2, "</think>": 3}, "", ("", "deepseek_v3")),  # V3: no reasoning
     ({"<｜tool▁calls▁begin｜>": 1, "<think>": 2, "</think>": 3}, "{% if thinking %}", ("qwen3", "deepseek_v3")),
     ({"<｜tool▁calls▁begin｜>": 1}, "", ("", "deepseek_v3")),
     ({"<|tool_calls_section_begin|>": 1}, "", ("", "kimi_k2")),

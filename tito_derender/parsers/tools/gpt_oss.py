@@ -5,8 +5,8 @@
 or with the recipient after the channel (`<|channel|>commentary to=functions.NAME <|constrain|>json
 <|message|>`). The "gpt_oss" reasoning parser (parsers/harmony.py) passes such messages on
 verbatim as content and strips the headers of the others; this parser turns them into calls.
-Without the reasoning stage (thinking off) any other harmony message header here is not a call
-and stays content. `<|call|>` is a stop token, so the output may end right after the object.
+Without that stage (no reasoning parser named) any other harmony message here is not a call and
+stays content, header and all. `<|call|>` is a stop token, so the output may end right after the object.
 The markers are special tokens: render keeps special tokens in the text for this parser.
 """
 
