@@ -81,6 +81,9 @@ CASES = [
     ("kimi_k2", "Sure. " + K_BEGIN + kimi("get_weather", 0, '{"city": "Oslo"}') + kimi("search", 1, "{}") + K_END
      + " after", "Sure. after", [("get_weather", {"city": "Oslo"}), ("search", {})]),
     ("kimi_k2", "text <|tool_calls_section", "text <|tool_calls_section", []),
+    ("kimi_k2", "Let me help you with that.\n" + K_BEGIN + "\n" + K_CALL + "\nfunctions.get_weather:0" + K_ARGS
+     + '\n{"city": "Tokyo"}\n' + K_CALL_END + "\n" + K_END + "\nThe weather in Tokyo is...",
+     "Let me help you with that.\nThe weather in Tokyo is...", [("get_weather", {"city": "Tokyo"})]),
     # -- glm45
     ("glm45", glm("get_weather", city="Paris", days="3", options='{"k": [1]}'), "",
      [("get_weather", {"city": "Paris", "days": 3, "options": {"k": [1]}})]),
