@@ -502,13 +502,10 @@ def _corpus_lines() -> list[str]:
 # --------------------------------------------------------------------------- tokenizer
 
 
-def _train_backend_tokenizer(extra_special_tokens: tuple[str, ...] = ()):
-    """Train the shared BPE and add the tokens of :func:`_added_token_ids`.
-
-    ``extra_special_tokens`` are appended after them (ids from 1013 on), for a
-    model variant that needs more special tokens; the first 1013 ids never change.
-    """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
+def train_bpe():
+    """The shared byte-level BPE (Qwen2's pipeline, :data:`BPE_VOCAB_SIZE` tokens) trained on the
+    embedded corpus, without added tokens: ids 0..999 of every tokenizer built here."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
     from tokenizers.models import BPE
 
     tokenizer = Tokenizer(
@@ -543,6 +540,19 @@ def _train_backend_tokenizer(extra_special_tokens: tuple[str, ...] = ()):
     trained = tokenizer.get_vocab_size(with_added_tokens=False)
     if trained != BPE_VOCAB_SIZE:
         raise RuntimeError(f"BPE training produced {trained} tokens, expected {BPE_VOCAB_SIZE}; enlarge the corpus")
+
+    return tokenizer
+
+
+def _train_backend_tokenizer(extra_special_tokens: tuple[str, ...] = ()):
+    """Train the shared BPE and add the tokens of :func:`_added_token_ids`.
+
+    ``extra_special_tokens`` are appended after them (ids from 1013 on), for a
+    model variant that needs more special tokens; the first 1013 ids never change.
+    """
+    from tokenizers import AddedToken
+
+    tokenizer = train_bpe()
 
     tokenizer.add_special_tokens(
         [AddedToken(t, special=True, normalized=False, lstrip=False, rstrip=False, single_word=False) for t in SPECIAL_TOKENS]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from google.protobuf import json_format
+
 from tito.errors import InvalidArgument
 from tito.v1 import chat_pb2, derender_pb2, engine_pb2
 from tito_derender.detokenizer import TextOptions
@@ -52,6 +54,16 @@ def tool_choice_from_proto(choice: chat_pb2.ToolChoice, has_tools: bool) -> tupl
     return modes[mode], ""
 
 
+def tool_schemas(context: derender_pb2.DerenderContext) -> tuple[tuple[str, dict], ...]:
+    """The tools' parameter schemas, converted only for a parser that types values by them."""
+    from tito_derender.parsers import SCHEMA_TYPED_TOOL_PARSERS
+
+    if context.tool_parser not in SCHEMA_TYPED_TOOL_PARSERS:
+        return ()
+    return tuple((tool.function.name, json_format.MessageToDict(tool.function.parameters))
+                 for tool in context.tools if tool.function.HasField("parameters"))
+
+
 def context_from_proto(context: derender_pb2.DerenderContext) -> RequestContext:
     tool_names = tuple(tool.function.name for tool in context.tools)
     tool_choice, tool_choice_function = tool_choice_from_proto(context.tool_choice, bool(tool_names))
@@ -65,6 +77,7 @@ def context_from_proto(context: derender_pb2.DerenderContext) -> RequestContext:
         reasoning_parser=context.reasoning_parser,
         tool_parser=context.tool_parser,
         tool_names=tool_names,
+        tool_schemas=tool_schemas(context),
         tool_choice=tool_choice,
         tool_choice_function=tool_choice_function,
         thinking_enabled=context.thinking_enabled,

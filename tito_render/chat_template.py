@@ -16,6 +16,7 @@ from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
 
 from tito.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from tito_render.deadline import WATCHDOG, TemplateTimeout
+from tito_render.template_compat import adapt_messages, template_source
 
 # Names apply_chat_template (or the template itself) already binds; a chat_template_kwargs key
 # with one of these names would silently change how rendering works rather than feed the template.
@@ -172,6 +173,7 @@ def render_chat_text(tokenizer: Any, messages: list[dict[str, Any]], tools: list
     kwargs = dict(options.template_kwargs or {})
     check_template_kwargs(kwargs)
     template_field = "chat_template" if options.chat_template is not None else "messages"
+    messages = adapt_messages(messages, template_source(tokenizer, options.chat_template))
     _use_bounded_sandbox()
     try:
         with WATCHDOG.limit(options.time_limit):

@@ -10,9 +10,10 @@ from tito.config import ConfigError, ServerConfig
 from tito.signing import read_key_file
 
 #: Reasoning parsers derender knows, plus "auto" (detect from the tokenizer) and "none".
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss")
 #: Tool-call parsers derender knows.
-TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3", "kimi_k2", "glm45",
+                "gpt_oss")
 AUTO = "auto"
 NONE = "none"
 

@@ -5,7 +5,8 @@ The dicts are exactly the OpenAI-style dicts a Python caller would pass to
 `tokenizer.apply_chat_template`: string content stays a string, content parts stay a list of
 `{"type": "text", "text": ...}` parts, unset optional fields are left out (as HF drops None keys).
 Tool-call `arguments` given as a JSON string stay that string (after checking it parses as a JSON
-object), so the ids equal HF's for the same OpenAI dicts; `arguments_object` becomes a dict.
+object), so the ids equal HF's for the same OpenAI dicts; `arguments_object` becomes a dict. (A
+template that cannot take the string gets it adapted right before rendering: template_compat.py.)
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ from tito.config import ConfigError
 from tito.model_paths import resolve_model
 
 from tito_render.config import AUTO, NONE, RenderConfig
+from tito_render.families import family_reasoning_parser, family_tool_parser, keeps_special_tokens
 from tito_render.media.processors import load_media_adapter
+from tito_render.template_compat import template_source
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,9 @@ class RenderModel:
     media: Any = None
     #: Characters of the longest vocabulary entry: no token covers more text than this.
     longest_token_chars: int = 1
+    #: The parsers read markers that are special tokens of this tokenizer: skip_special_tokens
+    #: defaults to false (a request may still set it).
+    keep_special_tokens: bool = False
 
     @property
     def vocab_size(self) -> int:
@@ -93,14 +98,18 @@ def generation_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
             if isinstance(generation_config.get(key), (int, float)) and not isinstance(generation_config.get(key), bool)}
 
 
-def detect_parsers(vocab: dict[str, int], reasoning: str, tool: str) -> tuple[str, str]:
-    """Resolve "auto"/"none"/explicit parser settings to the names put in DerenderContext."""
+def detect_parsers(vocab: dict[str, int], reasoning: str, tool: str, template: str = "") -> tuple[str, str]:
+    """Resolve "auto"/"none"/explicit parser settings to the names put in DerenderContext. The
+    model families with their own markup come first (tito_render.families: by vocabulary, or by
+    the chat `template` where families share a vocabulary)."""
     if reasoning == AUTO:
-        reasoning = "qwen3" if THINK_START in vocab and THINK_END in vocab else ""
+        reasoning = family_reasoning_parser(vocab, template)
+        if reasoning is None:
+            reasoning = "qwen3" if THINK_START in vocab and THINK_END in vocab else ""
     elif reasoning == NONE:
         reasoning = ""
     if tool == AUTO:
-        tool = "hermes" if TOOL_CALL_START in vocab else ""
+        tool = family_tool_parser(vocab, template) or ("hermes" if TOOL_CALL_START in vocab else "")
     elif tool == NONE:
         tool = ""
     return reasoning, tool
@@ -115,12 +124,14 @@ def load_render_model(config: RenderConfig) -> RenderModel:
     model_config = _read_json(path / "config.json")
     limit = resolve_context_length(model_context_length(model_config, tokenizer), config.max_model_len)
     defaults = generation_defaults(_read_json(path / "generation_config.json"))
-    reasoning, tool = detect_parsers(tokenizer.get_vocab(), config.reasoning_parser, config.tool_parser)
+    template = template_source(tokenizer, None)
+    reasoning, tool = detect_parsers(tokenizer.get_vocab(), config.reasoning_parser, config.tool_parser, template)
     media = load_media_adapter(path, tokenizer)
     vocab = tokenizer.get_vocab()
     model = RenderModel(model_id=config.model, path=path, tokenizer=tokenizer, max_context_length=limit,
                         generation_defaults=defaults, reasoning_parser=reasoning, tool_parser=tool, media=media,
-                        longest_token_chars=max(map(len, vocab), default=1))
+                        longest_token_chars=max(map(len, vocab), default=1),
+                        keep_special_tokens=keeps_special_tokens(tokenizer, reasoning, tool))
     log.info("loaded %s from %s: vocab %d, context %d, reasoning parser %r, tool parser %r, "
              "generation defaults %s", config.model, path, model.vocab_size, limit, reasoning, tool, defaults)
     return model

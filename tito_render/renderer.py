@@ -369,6 +369,8 @@ class Renderer:
             prompt_tokens=len(token_ids), max_context_length=self.model.max_context_length,
             vocab_size=self.model.vocab_size, generation_defaults=self.model.generation_defaults,
             prompt_field=prompt_field))
+        if self.model.keep_special_tokens and not sampling.HasField("skip_special_tokens"):
+            params.text_options.skip_special_tokens = False  # the parsers' markers are special tokens
         generate_request.request_id = request_id
         generate_request.token_ids.extend(token_ids)
         generate_request.sampling_params.CopyFrom(params)

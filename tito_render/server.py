@@ -34,11 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=0,
                         help="context limit in tokens (default 0: the model's own)")
     parser.add_argument("--reasoning-parser", default=AUTO, choices=(AUTO, NONE, *REASONING_PARSERS),
-                        help="reasoning parser named in DerenderContext (auto: qwen3 when the tokenizer has "
-                             "<think>/</think>)")
+                        help="reasoning parser named in DerenderContext (auto: gpt_oss for harmony tokenizers, "
+                             "deepseek_r1 for DeepSeek R1, else qwen3 when the tokenizer has <think>/</think>)")
     parser.add_argument("--tool-parser", default=AUTO, choices=(AUTO, NONE, *TOOL_PARSERS),
-                        help="tool-call parser named in DerenderContext (auto: hermes when the tokenizer has "
-                             "<tool_call>)")
+                        help="tool-call parser named in DerenderContext (auto: by the model family's tokens or "
+                             "template, see tito_render/README.md; else hermes when the tokenizer has <tool_call>)")
     parser.add_argument("--workers", type=int, default=1,
                         help="render processes sharing the address with SO_REUSEPORT (needs a fixed TCP port); "
                              "0 = one per available CPU (default %(default)s)")

@@ -11,18 +11,26 @@ from collections.abc import Callable
 
 from tito.errors import InvalidArgument, quoted
 from tito_derender.domain import RequestContext, ToolChoiceMode
+from tito_derender.parsers.harmony import HarmonyReasoningParser
 from tito_derender.parsers.reasoning import ThinkReasoningParser
 from tito_derender.parsers.tool_stage import ToolStage
 from tito_derender.parsers.tools.base import ToolParser
+from tito_derender.parsers.tools.deepseek_v3 import DeepSeekV3ToolParser
+from tito_derender.parsers.tools.glm45 import Glm45ToolParser
+from tito_derender.parsers.tools.gpt_oss import GptOssToolParser
 from tito_derender.parsers.tools.hermes import HermesToolParser
+from tito_derender.parsers.tools.kimi_k2 import KimiK2ToolParser
 from tito_derender.parsers.tools.llama3_json import Llama3JsonToolParser
+from tito_derender.parsers.tools.markup import MarkupToolParser
 from tito_derender.parsers.tools.mistral import MistralToolParser
 from tito_derender.parsers.tools.pythonic import PythonicToolParser
+from tito_derender.parsers.tools.qwen3_coder import Qwen3CoderToolParser
 
 #: name -> factory(prompt_opens_reasoning) for the reasoning parsers.
-REASONING_PARSERS: dict[str, Callable[[bool], ThinkReasoningParser]] = {
+REASONING_PARSERS: dict[str, Callable[[bool], ThinkReasoningParser | HarmonyReasoningParser]] = {
     "qwen3": lambda prompt_opens: ThinkReasoningParser(start_in_reasoning=prompt_opens),
     "deepseek_r1": lambda prompt_opens: ThinkReasoningParser(start_in_reasoning=True),
+    "gpt_oss": lambda prompt_opens: HarmonyReasoningParser(),
 }
 
 #: name -> ToolParser class.
@@ -31,7 +39,14 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
     "pythonic": PythonicToolParser,
+    "qwen3_coder": Qwen3CoderToolParser,
+    "deepseek_v3": DeepSeekV3ToolParser,
+    "kimi_k2": KimiK2ToolParser,
+    "glm45": Glm45ToolParser,
+    "gpt_oss": GptOssToolParser,
 }
+#: Tool parsers that type argument values by the tools' JSON schemas (they get the schemas).
+SCHEMA_TYPED_TOOL_PARSERS = frozenset({"qwen3_coder", "glm45"})
 
 
 def validate_parser_names(context: RequestContext) -> None:
@@ -43,9 +58,17 @@ def validate_parser_names(context: RequestContext) -> None:
                 f"{', '.join(sorted(known))} (or empty for none)", reason="UNKNOWN_PARSER", field=field)
 
 
-def reasoning_parser_for(context: RequestContext) -> ThinkReasoningParser | None:
-    """None when the request has no reasoning parser or thinking is off (then all is content)."""
-    if not context.reasoning_parser or not context.thinking_enabled:
+#: Reasoning parsers that also take the output's message structure apart (harmony headers and
+#: channels): they run whether or not thinking is on, since the model writes that structure anyway.
+STRUCTURAL_REASONING_PARSERS = frozenset({"gpt_oss"})
+
+
+def reasoning_parser_for(context: RequestContext) -> ThinkReasoningParser | HarmonyReasoningParser | None:
+    """None when the request has no reasoning parser or thinking is off (then all is content),
+    except for a structural parser (STRUCTURAL_REASONING_PARSERS), which always runs."""
+    if not context.reasoning_parser:
+        return None
+    if not context.thinking_enabled and context.reasoning_parser not in STRUCTURAL_REASONING_PARSERS:
         return None
     return REASONING_PARSERS[context.reasoning_parser](context.prompt_opens_reasoning)
 
@@ -61,4 +84,8 @@ def tool_stage_for(context: RequestContext, streaming: bool = True) -> ToolStage
         accept = lambda name: name == named  # noqa: E731
     else:
         accept = lambda name: True  # noqa: E731
-    return ToolStage(TOOL_PARSERS[context.tool_parser](streaming=streaming, accept_name=accept))
+    parser_class = TOOL_PARSERS[context.tool_parser]
+    options = {"streaming": streaming, "accept_name": accept}
+    if issubclass(parser_class, MarkupToolParser):
+        options["tools"] = dict(context.tool_schemas)
+    return ToolStage(parser_class(**options))

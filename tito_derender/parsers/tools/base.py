@@ -76,10 +76,11 @@ class ToolParser:
         else:
             self._events.append(text)
 
-    def _start_call(self, name: str) -> int:
+    def _start_call(self, name: str, call_id: str = "") -> int:
+        """`call_id`: the model's own id for the call (Kimi-K2 writes one), else a new one."""
         index = self.calls_made
         self.calls_made += 1
-        self._events.append(ToolCallDelta(index=index, id=new_call_id(), type="function", name=name))
+        self._events.append(ToolCallDelta(index=index, id=call_id or new_call_id(), type="function", name=name))
         return index
 
     def _arguments(self, index: int, fragment: str) -> None:

@@ -1,0 +1,79 @@
+"""Kimi-K2 tool calls: `<|tool_calls_section_begin|>`, then per call `<|tool_call_begin|>` ID
+`<|tool_call_argument_begin|>` {...} `<|tool_call_end|>`, then `<|tool_calls_section_end|>`.
+
+The ID is `functions.NAME:N` (N counts the calls of the conversation); the function name is
+what lies between "functions." and the last ":". The ID is the call's id (the chat template
+renders it back into the conversation, and a tool result answers it). The markers are special
+tokens: render keeps special tokens in the text for this parser (skip_special_tokens defaults to
+false), else they never reach it.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tito_derender.parsers.tools.base import DONE, FAILED
+from tito_derender.parsers.tools.markup import WAIT, MarkupToolParser, ObjectArguments
+
+SECTION_BEGIN = "<|tool_calls_section_begin|>"
+SECTION_END = "<|tool_calls_section_end|>"
+CALL_BEGIN = "<|tool_call_begin|>"
+ARGUMENT_BEGIN = "<|tool_call_argument_begin|>"
+CALL_END = "<|tool_call_end|>"
+_CALL_ID = re.compile(r"(?:functions\.)?(?P<name>[^\s:]+?)(?::\d+)?")
+
+
+def function_name(call_id: str) -> str | None:
+    match = _CALL_ID.fullmatch(call_id)
+    return match.group("name") if match else None
+
+
+class KimiK2ToolParser(MarkupToolParser):
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self._call_id = ""
+        self._name = ""
+
+    def _content_state(self, text: str) -> str | None:
+        return self._open(text, SECTION_BEGIN, self._section)
+
+    def _section(self, text: str) -> str | None:
+        return self._expect(text, {CALL_BEGIN: self._call_header, SECTION_END: self._content_state},
+                            opening=(CALL_BEGIN,))
+
+    def _call_header(self, text: str) -> str | None:
+        split = self._header(text, ARGUMENT_BEGIN)
+        if not split:
+            return WAIT if split is None else self._give_up(text)
+        before, _, after = split
+        self._call_id = before.strip()
+        self._name = function_name(self._call_id) or ""
+        if not self._name:
+            return self._give_up(text)
+        if not self.accept_name(self._name):
+            return self._reject(text, CALL_END, self._section)
+        self._state = self._arguments_start
+        return self._consume(text, len(text) - len(after))
+
+    def _arguments_start(self, text: str) -> str | None:
+        stripped = text.lstrip()
+        if not stripped:
+            return WAIT
+        if stripped[0] != "{":
+            return self._give_up(text)
+        text = self._consume(text, len(text) - len(stripped))
+        self._call, self._state = ObjectArguments(self, self._name, self._call_id), self._object
+        return text
+
+    def _object(self, text: str) -> str | None:
+        consumed = self._call.feed(text)
+        if self._call.status == DONE:
+            self._done()
+            self._state = self._call_end
+        text = text[consumed:]
+        if self._call is not None and self._call.status == FAILED:
+            return self._give_up(text)
+        return text
+
+    def _call_end(self, text: str) -> str | None:
+        return self._expect(text, {CALL_END: self._section})

@@ -1,0 +1,337 @@
+"""Shared machinery of the parsers whose calls are framed by markers (deepseek_v3, kimi_k2,
+qwen3_coder, glm45, gpt_oss): a state machine over the content text, and the two ways such a
+format writes a call's arguments.
+
+- `MarkupToolParser`: each state handler reads from the front of the pending text and returns
+  the rest, or WAIT when it cannot decide until more text arrives (the text is then held). The
+  markup of a call whose name is not out yet is kept (`_raw`), so a call that breaks before that
+  goes back to content as the text it was (see base.py for the rules every parser follows).
+- `ObjectArguments`: a call whose arguments are one JSON object written after the name (the
+  DeepSeek, Kimi and harmony formats). The object streams as the model writes it, validated by
+  the JsonLexer; the call's first delta goes out with the object's "{".
+- `KeyValueArguments`: a call whose arguments are written key by key as text (the Qwen3-Coder and
+  GLM XML formats). Each value is typed by the tool's JSON schema (`typed_value`) and streamed as
+  one JSON member once complete: `{"k": v`, then `, "k2": v2`, then `}`.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from tito_derender.parsers.markers import partial_marker_length
+from tito_derender.parsers.tools.base import DONE, FAILED, PENDING, Event, ToolParser, is_utf8
+from tito_derender.parsers.tools.json_scan import JsonLexer
+
+#: Returned by a state handler that needs more text before it can go on.
+WAIT = None
+#: Longest header (a call's name or id) read before deciding the markup is not a call.
+MAX_HEADER_CHARS = 512
+
+
+def immediate(state):
+    """Mark a state handler that runs as soon as it is entered (it acts on the marker that led
+    to it, e.g. closing a call), even when no text follows yet."""
+    state.immediate = True
+    return state
+
+
+class MarkupToolParser(ToolParser):
+    """Base of the marker-framed parsers. Subclasses set `self._state` to handler methods."""
+
+    def __init__(self, *, tools: Mapping[str, Any] | None = None, **options) -> None:
+        super().__init__(**options)
+        self.tools = tools or {}
+        self._held = ""
+        self._raw = ""  # markup consumed for the current call while its name is not out
+        self._call: ObjectArguments | KeyValueArguments | None = None
+        self._closing = False  # after a complete call, before the next one begins
+        self._parts: list[str] = []  # a value gathered so far (see _collect)
+        self._state: Callable[[str], str | None] = self._content_state
+
+    # -- the parser's interface
+    def feed(self, text: str) -> list[Event]:
+        text = self._held + text
+        self._held = ""
+        while text:
+            rest = self._state(text)
+            if rest is WAIT:
+                self._held = text
+                break
+            text = rest
+        return self._take_events()
+
+    def finish(self) -> list[Event]:
+        held, self._held = self._held, ""
+        if self._state == self._content_state:
+            self._content(held)
+        elif self._call is None and self._closing:
+            if held.strip():  # text after a complete call that never became markup
+                self._content(held)
+            self._state = self._content_state
+        else:
+            self._content(self._give_up(held))
+        self._closing = False
+        return self._take_events()
+
+    # -- for subclasses
+    def _content_state(self, text: str) -> str | None:
+        raise NotImplementedError
+
+    def _consume(self, text: str, count: int) -> str:
+        """Take `count` characters of markup from the front of `text`. Markup that closes a
+        complete call is not kept: it never goes back to content."""
+        if not self._closing:
+            self._raw += text[:count]
+        return text[count:]
+
+    def _open(self, text: str, marker: str, state) -> str:
+        """Content up to `marker`; from there on the markup is read by `state`."""
+        rest = self._content_until(text, marker)
+        if rest is None:
+            return ""
+        self._raw, self._call, self._closing, self._state = marker, None, False, state
+        return rest
+
+    def _expect(self, text: str, choices: dict, opening: tuple[str, ...] = ()):
+        """After optional whitespace, one of the literal `choices`: consume it and go to its
+        state (a literal in `opening` begins a new call: its markup is kept from there). WAIT
+        while the text may still become one; give up (content) when it cannot."""
+        stripped = text.lstrip()
+        if not stripped:
+            return WAIT
+        for literal, state in choices.items():
+            if stripped.startswith(literal):
+                stripped_count = len(text) - len(stripped)
+                if literal in opening and self._closing:  # the next call: keep its markup
+                    self._raw, self._closing, text, stripped_count = "", False, stripped, 0
+                self._state = state
+                rest = self._consume(text, stripped_count + len(literal))
+                return state(rest) if getattr(state, "immediate", False) else rest
+        if any(literal.startswith(stripped) for literal in choices):
+            return WAIT
+        return self._give_up(text)
+
+    @staticmethod
+    def _until(text: str, *markers: str) -> tuple[str, str, str] | None:
+        """(before, marker, after) for the first of `markers` in `text`, None when none is."""
+        found = [(text.find(marker), marker) for marker in markers if marker in text]
+        if not found:
+            return None
+        position, marker = min(found)
+        return text[:position], marker, text[position + len(marker):]
+
+    def _header(self, text: str, *markers: str):
+        """`_until` for a short header: None (wait) until a marker shows; False when too much
+        text came without one (not a call)."""
+        split = self._until(text, *markers)
+        if split is None and len(text) > MAX_HEADER_CHARS:
+            return False
+        return split
+
+    def _reject(self, text: str, end: str, state) -> str:
+        """A call to a function the request does not accept (tool_choice names another): its
+        markup up to and including `end` is content; then read on in `state`."""
+        self._state = lambda rest: self._skip_call(rest, end, state)
+        return text
+
+    def _skip_call(self, text: str, end: str, state) -> str | None:
+        position = text.find(end)
+        if position < 0:  # content as it comes, but for what may be the start of `end`
+            keep = partial_marker_length(text, end)
+            self._content(self._raw + text[:len(text) - keep])
+            self._raw, self._held = "", text[len(text) - keep:]
+            return ""
+        self._content(self._raw + text[:position + len(end)])
+        self._raw, self._closing, self._state = "", True, state
+        return text[position + len(end):]
+
+    def _collect(self, text: str, *markers: str) -> tuple[str, str, int] | None:
+        """A value running up to the first of `markers`, gathered over any number of feeds with
+        each character read once: (value, marker, characters of `text` before the marker), or
+        None when the marker has not come yet (the text is taken, but for what may be the start
+        of a marker, which is held)."""
+        split = self._until(text, *markers)
+        if split is None:
+            keep = max(partial_marker_length(text, marker) for marker in markers)
+            self._parts.append(text[:len(text) - keep])
+            self._consume(text, len(text) - keep)
+            self._held = text[len(text) - keep:]
+            return None
+        before, marker, _ = split
+        value = "".join(self._parts) + before
+        self._parts = []
+        return value, marker, len(before)
+
+    def _done(self) -> None:
+        """The current call is complete: what follows up to the next call is closing markup."""
+        self._call, self._raw, self._closing = None, "", True
+
+    def _give_up(self, text: str) -> str:
+        """The markup is not (or no longer) a call: what was consumed goes back to content (or,
+        if the call is already out, its arguments are closed) and `text` is read as content."""
+        call, raw = self._call, self._raw
+        if call is not None:
+            raw = call.fail(raw)
+        elif self._closing:
+            raw = ""
+        self._call, self._raw, self._closing, self._state = None, "", False, self._content_state
+        self._parts = []
+        self._content(raw)
+        return text
+
+    def schema_type(self, function: str, key: str) -> Any:
+        """The JSON-schema "type" of argument `key` of `function` (None when unknown)."""
+        parameters = self.tools.get(function) or {}
+        properties = parameters.get("properties") if isinstance(parameters, dict) else None
+        spec = properties.get(key) if isinstance(properties, dict) else None
+        return spec.get("type") if isinstance(spec, dict) else None
+
+
+class ObjectArguments:
+    """One call whose arguments are a bare JSON object (see the module docstring)."""
+
+    def __init__(self, parser: ToolParser, name: str, call_id: str = "") -> None:
+        self._parser = parser
+        self._name = name
+        self._call_id = call_id
+        self._lexer = JsonLexer(object_only=True)
+        self._kept: list[str] = []  # the object text, kept while the call is not out
+        self.index: int | None = None
+        self.status = PENDING
+
+    @property
+    def name_sent(self) -> bool:
+        return self.index is not None
+
+    def feed(self, text: str) -> int:
+        """Consume object text; returns how much was consumed. Sets `status`."""
+        consumed = self._lexer.feed(text)
+        piece = text[:consumed]
+        if not self._parser.streaming:
+            self._kept.append(piece)
+        elif piece:  # valid JSON so far: the call is out from its "{" on
+            if not self.name_sent:
+                self.index = self._parser._start_call(self._name, self._call_id)
+            self._parser._arguments(self.index, piece)
+        if self._lexer.error:
+            self.status = FAILED
+        elif self._lexer.done:
+            if not self.name_sent:
+                self.index = self._parser._start_call(self._name, self._call_id)
+                self._parser._arguments(self.index, "".join(self._kept))
+            self._kept = []
+            self.status = DONE
+        return consumed
+
+    def fail(self, raw: str) -> str:
+        """End a broken call: close its arguments if it is out (returns ""), else return the
+        markup `raw` and the object text for content."""
+        self.status = FAILED
+        if not self.name_sent:
+            return raw + "".join(self._kept)
+        completion = self._lexer.completion(0) if not self._lexer.done else ""
+        self._parser._arguments(self.index, completion)
+        return ""
+
+
+class KeyValueArguments:
+    """One call whose arguments come as (key, text value) pairs (see the module docstring)."""
+
+    def __init__(self, parser: MarkupToolParser, name: str, unknown: str) -> None:
+        self._parser = parser
+        self._name = name
+        self._unknown = unknown
+        self._members: list[str] = []  # JSON members, kept while the call is not out
+        self.index: int | None = None
+        self.status = PENDING
+        if parser.streaming:
+            self.index = parser._start_call(name)
+
+    @property
+    def name_sent(self) -> bool:
+        return self.index is not None
+
+    def add(self, key: str, raw_value: str) -> bool:
+        """Add one argument; False (the call is malformed) for a key or value JSON cannot carry."""
+        value = typed_value(raw_value, self._parser.schema_type(self._name, key), self._unknown)
+        if not is_utf8(key) or (isinstance(value, str) and not is_utf8(value)):
+            return False
+        member = json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
+        separator = ", " if self._members else "{"
+        self._members.append(member)
+        if self.name_sent:
+            self._parser._arguments(self.index, separator + member)
+        return True
+
+    def close(self) -> None:
+        text = "{" + ", ".join(self._members) + "}"
+        if not self.name_sent:
+            self.index = self._parser._start_call(self._name)
+            self._parser._arguments(self.index, text)
+        else:
+            self._parser._arguments(self.index, "}" if self._members else "{}")
+        self.status = DONE
+
+    def fail(self, raw: str) -> str:
+        """End a broken call: close it if it is out (returns ""), else return `raw`."""
+        if not self.name_sent:
+            self.status = FAILED
+            return raw
+        self.close()
+        return ""
+
+
+_STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
+_INTEGER_TYPES = {"integer", "int", "uint", "long", "short"}
+_NUMBER_TYPES = {"number", "float", "double"}
+
+
+def typed_value(raw: str, schema_type: Any, unknown: str = "string") -> Any:
+    """An argument written as text, as the JSON value the tool's schema asks for: strings stay
+    raw text; integers, numbers and booleans are parsed (Python's True/False too: that is how a
+    Jinja template prints them); objects and arrays are JSON (or a Python literal). A value that
+    does not parse as its type stays a string. `unknown`: what a key without a schema type gets:
+    "string", or "json" (parsed as JSON when it is JSON, else a string)."""
+    if isinstance(schema_type, list):  # ["string", "null"]: the first type that is not null
+        schema_type = next((kind for kind in schema_type if kind != "null"), None)
+    kind = schema_type.lower() if isinstance(schema_type, str) else None
+    if kind is None:
+        return _json_or_string(raw) if unknown == "json" else raw
+    if kind in _STRING_TYPES:
+        return raw
+    if raw.strip().lower() in ("null", "none"):
+        return None
+    text = raw.strip()
+    if kind in _INTEGER_TYPES or kind.startswith("int"):
+        try:
+            return int(text)
+        except ValueError:
+            return raw
+    if kind in _NUMBER_TYPES:
+        try:
+            number = float(text)
+        except ValueError:
+            return raw
+        if number != number or number in (float("inf"), float("-inf")):
+            return raw
+        return int(number) if number.is_integer() and "." not in text and "e" not in text.lower() else number
+    if kind in ("boolean", "bool"):
+        lowered = text.lower()
+        return True if lowered == "true" else False if lowered == "false" else raw
+    parsed = _json_or_string(text)
+    if parsed is text:
+        try:
+            parsed = json.loads(json.dumps(ast.literal_eval(text)))
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return raw
+    return parsed
+
+
+def _json_or_string(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text
