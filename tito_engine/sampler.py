@@ -6,6 +6,12 @@ as batched tensor ops; greedy rows take the argmax; sampled rows draw by the exp
 draw their noise from their own `torch.Generator`, so a seed gives the same tokens whatever
 else shares the batch; unseeded rows share one draw from the global generator.
 
+Padding ids (valid ids the tokenizer does not name, tito.vocab) are excluded by default: the
+model runner precomputes one mask row (0 / -inf) that `mask_logits` adds to the step's logits
+before anything else, so they are never sampled and carry no probability in logprobs either
+(the distribution is the model's over real tokens). With the exclusion off there is no mask and
+no cost.
+
 Logprobs are those of the raw model distribution (log_softmax of the logits before penalties,
 bans, temperature and filters), with the sampled token's 1-based rank.
 """
@@ -38,6 +44,12 @@ class SampleRow:
     seq: Sequence
     prompt_ids: list[int]
     banned: frozenset[int] = frozenset()  # EOS/stop ids while min_tokens is not reached
+
+
+def mask_logits(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """`logits` [R, vocab] with the precomputed mask row added (padding ids to -inf); unchanged
+    when there is no mask."""
+    return logits if mask is None else logits + mask
 
 
 def sample_batch(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[PositionLogprobs | None] | None]:

@@ -35,7 +35,7 @@ from tito_engine.forward import RowInput, fit_chunk_end
 from tito_engine.kv_cache import blocks_for_tokens, prefix_block_hashes
 from tito_engine.model_runner import ModelRunner
 from tito_engine.request import ChoiceOutput, FinishReason, Request, Sequence
-from tito_engine.sampler import SampleRow, make_generator, sample_batch
+from tito_engine.sampler import SampleRow, make_generator, mask_logits, sample_batch
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class Scheduler:
         self.max_running_sequences = max_running_sequences
         self.max_prefill_tokens = max_prefill_tokens
         self.eos_token_ids = frozenset(runner.info.eos_token_ids)
+        self.logits_mask = getattr(runner, "logits_mask", None)  # padding ids out (model_runner)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.finished_requests = 0
@@ -307,6 +308,7 @@ class Scheduler:
             return []
         if logit_rows != list(range(logit_index)):
             logits = logits[logit_rows]
+        logits = mask_logits(logits, self.logits_mask)
         if all(request.options.plain_greedy for request, _ in targets):
             tokens, logprobs = logits.max(dim=-1).indices.tolist(), None  # the common fast path
         else:

@@ -394,6 +394,7 @@ class Renderer:
     def model_info(self) -> render_pb2.RenderServiceGetModelInfoResponse:
         return render_pb2.RenderServiceGetModelInfoResponse(
             model_id=self.model.model_id, vocab_size=self.model.vocab_size,
+            tokenizer_vocab_size=self.model.tokenizer_vocab_size,
             max_context_length=self.model.max_context_length, reasoning_parser=self.model.reasoning_parser,
             tool_parser=self.model.tool_parser, has_chat_template=self.model.has_chat_template,
             modalities=self.modalities())
