@@ -13,6 +13,10 @@ from tito.signing import read_key_file
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 #: Tool-call parsers derender knows.
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+#: Tool-call parsers whose markup is special tokens (Mistral's [TOOL_CALLS]): for the requests they
+#: parse, skip_special_tokens defaults to false (derender's ToolParser.needs_special_tokens says
+#: the same per parser; a test keeps the two in step).
+TOOL_PARSERS_NEEDING_SPECIAL_TOKENS = frozenset({"mistral"})
 AUTO = "auto"
 NONE = "none"
 

@@ -18,7 +18,8 @@ from typing import Any
 
 from tito.contract import INVALID_SAMPLING_PARAMS, MAX_TOP_LOGPROBS
 from tito.errors import InvalidArgument, Violations
-from tito.v1 import render_pb2, sampling_pb2
+from tito.v1 import chat_pb2, derender_pb2, render_pb2, sampling_pb2
+from tito_render.config import TOOL_PARSERS_NEEDING_SPECIAL_TOKENS
 
 MAX_STOP_STRINGS = 16
 MAX_N = 128
@@ -147,6 +148,16 @@ def resolve_sampling(options: render_pb2.SamplingOptions,
     if options.HasField("seed"):
         params.seed = options.seed
     return params
+
+
+def keeps_special_tokens_for_tools(context: derender_pb2.DerenderContext,
+                                   options: render_pb2.SamplingOptions) -> bool:
+    """Whether a chat's text must keep special tokens for its tool parser: the parser's markup is
+    special tokens (Mistral's [TOOL_CALLS]), derender will parse calls (tools offered, tool_choice
+    not none) and the request left skip_special_tokens unset (a request that sets it wins)."""
+    return (context.tool_parser in TOOL_PARSERS_NEEDING_SPECIAL_TOKENS and len(context.tools) > 0
+            and context.tool_choice.mode != chat_pb2.TOOL_CHOICE_MODE_NONE
+            and not options.HasField("skip_special_tokens"))
 
 
 def text_options(options: render_pb2.SamplingOptions) -> sampling_pb2.OutputTextOptions:
