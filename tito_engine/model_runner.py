@@ -157,13 +157,12 @@ def _describe_vocab(info: ModelInfo) -> str:
     return f"{info.vocab_size} ({info.tokenizer_vocab_size} tokenizer entries, {len(info.padding_ids)} padding ids)"
 
 
-def padding_mask(vocab_size: int, padding_ids: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
-    """One row [vocab_size]: 0 for tokens, -inf for padding ids; None when there are none."""
+def padding_mask(padding_ids: tuple[int, ...], device: torch.device | str) -> torch.Tensor | None:
+    """The columns sampler.mask_logits sets to -inf: the padding ids as one index tensor on the
+    model's device, built once; None when there are none."""
     if not padding_ids:
         return None
-    mask = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-    mask[torch.tensor(padding_ids, dtype=torch.long, device=device)] = float("-inf")
-    return mask
+    return torch.tensor(padding_ids, dtype=torch.long, device=device)
 
 
 def _load_model(model_dir: Path, dtype: torch.dtype) -> Any:
@@ -205,10 +204,9 @@ class ModelRunner:
         self.info, self.mm_spec = describe_model(
             model_dir, config, model_id=model_id, vocab_size=vocab_size, max_context_length=max_model_len or model_max,
             dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
-        #: Added to every step's logits (sampler.mask_logits) when padding ids are excluded; None
-        #: when they are not or the model has none (then sampling costs nothing extra).
-        self.logits_mask = padding_mask(vocab_size, self.info.padding_ids, self.device) \
-            if exclude_padding_ids else None
+        #: Logit columns set to -inf every step (sampler.mask_logits) when padding ids are
+        #: excluded; None when they are not or the model has none (then it costs nothing).
+        self.logits_mask = padding_mask(self.info.padding_ids, self.device) if exclude_padding_ids else None
         self.cache = self._make_cache(text_config, kv_cache or KVCacheSpec())
         self.decoder = BatchedDecoder(self.model, self.cache, max_positions=self.info.max_context_length)
         log.info("loaded %s on %s (%s): vocab %s%s, context %d, eos %s, fingerprint %s; KV cache %d blocks x %d "

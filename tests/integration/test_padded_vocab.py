@@ -35,8 +35,10 @@ def servers(tiny_padded_model, module_aio_server):
     render = module_aio_server(lambda: create_render(RenderConfig(
         address="127.0.0.1:0", model=model, reasoning_parser="none", tool_parser="none")))
     derender = module_aio_server(lambda: create_derender(DerenderConfig(address="127.0.0.1:0", model=model)))
+    # The default (exclusion on, None) runs as deployed, in a child process; the other on a thread.
     engines = {exclude: module_aio_server(lambda exclude=exclude: create_engine(EngineConfig(
-        address="127.0.0.1:0", model=model, device="cpu", engine_process=False, exclude_padding_ids=exclude)))
+        address="127.0.0.1:0", model=model, device="cpu", engine_process=exclude,
+        exclude_padding_ids=None if exclude else False)))
         for exclude in (False, True)}
     return render, engines, derender
 

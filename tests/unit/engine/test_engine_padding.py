@@ -15,12 +15,15 @@ from tito_engine.sampler import SampleRow, make_generator, mask_logits, sample_b
 TOKENS = 1013
 
 
-def test_mask_row_and_no_mask_without_padding():
-    assert padding_mask(10, (), "cpu") is None
-    mask = padding_mask(10, (7, 8, 9), "cpu")
-    assert mask[:7].eq(0).all() and mask[7:].eq(float("-inf")).all()
+def test_mask_and_no_mask_without_padding():
+    assert padding_mask((), "cpu") is None
+    mask = padding_mask((3, 7, 8, 9), "cpu")
     logits = torch.zeros(2, 10)
-    assert mask_logits(logits, None) is logits  # off: untouched, no copy
+    masked = mask_logits(logits, mask)
+    assert masked[:, [3, 7, 8, 9]].eq(float("-inf")).all()
+    assert masked[:, [0, 1, 2, 4, 5, 6]].eq(0).all()
+    untouched = torch.zeros(2, 10)
+    assert mask_logits(untouched, None) is untouched and untouched.eq(0).all()  # off: no work
 
 
 @pytest.mark.parametrize("options", [
@@ -30,11 +33,11 @@ def test_mask_row_and_no_mask_without_padding():
 ], ids=["greedy", "hot", "filtered+logprobs"])
 def test_masked_rows_never_give_a_padding_id(options):
     vocab, padding = 64, tuple(range(48, 64))
-    mask = padding_mask(vocab, padding, "cpu")
+    mask = padding_mask(padding, "cpu")
     logits = torch.randn(32, vocab, generator=torch.Generator().manual_seed(0))
     logits[:, 48:] += 5.0  # the padding rows would win without the mask
     rows = [SampleRow(options, Sequence(0, make_generator(i, 0, "cpu")), [1]) for i in range(32)]
-    tokens, logprobs = sample_batch(mask_logits(logits, mask), rows)
+    tokens, logprobs = sample_batch(mask_logits(logits.clone(), mask), rows)
     assert max(tokens) < 48
     for position in logprobs or ():
         assert len(position.top) == 20 and all(alt.token_id < 48 for alt in position.top)
@@ -56,7 +59,7 @@ def test_runner_describes_the_padded_vocabulary(runner):
     assert info.padding_ids == tuple(range(TOKENS, PADDED_VOCAB_ROWS))
     excluded = runner.logits_mask is not None
     if excluded:
-        assert runner.logits_mask[TOKENS:].eq(float("-inf")).all() and runner.logits_mask[:TOKENS].eq(0).all()
+        assert runner.logits_mask.tolist() == list(range(TOKENS, PADDED_VOCAB_ROWS))
 
 
 def test_no_mask_for_a_model_without_padding(tiny_text_model):
