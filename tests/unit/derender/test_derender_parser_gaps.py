@@ -213,7 +213,8 @@ def test_held_call_text_reaches_the_client_once_decided(tiny_tokenizer):
     sent = "".join(c.reasoning_content + c.content for i in ids
                    for c in stream.feed(EngineOutput(index=0, token_ids=(i,))))
     assert sent == "maybe "
-    rest = stream.feed(EngineOutput(index=0, token_ids=tuple(tiny_tokenizer.hf.encode(" so.", add_special_tokens=False))))
+    more = tiny_tokenizer.hf.encode(" so.", add_special_tokens=False)
+    rest = stream.feed(EngineOutput(index=0, token_ids=tuple(more)))
     assert "".join(c.reasoning_content for c in rest) == f"{CALL} so."
 
 

@@ -55,6 +55,9 @@ def test_skip_special_tokens_follows_the_tool_parser(renderers, parser, tools, m
 def test_the_tiny_models_do_sample_false_is_greedy_unless_the_request_samples(renderers):
     renderer = renderers["hermes"]
     assert renderer.model.generation_defaults == {"do_sample": False}
-    assert renderer.render_chat(chat()).generate_request.sampling_params.temperature == 0.0
-    assert renderer.render_chat(chat(temperature=0.8)).generate_request.sampling_params.temperature == pytest.approx(0.8)
-    assert renderer.render_chat(chat(top_p=0.9)).generate_request.sampling_params.temperature == 1.0
+    def temperature(**sampling) -> float:
+        return renderer.render_chat(chat(**sampling)).generate_request.sampling_params.temperature
+
+    assert temperature() == 0.0
+    assert temperature(temperature=0.8) == pytest.approx(0.8)
+    assert temperature(top_p=0.9) == 1.0
