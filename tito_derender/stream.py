@@ -61,7 +61,7 @@ class ChoicePipeline:
         self._stops = (StopStringMatcher(context.stop, context.include_stop_str_in_output)
                        if context.stop else None)
         self._tools = tool_stage_for(context, streaming)
-        reasoning = reasoning_parser_for(context)
+        reasoning = reasoning_parser_for(context, self._tools)
         self.stages: list[Stage] = [stage for stage in (reasoning, self._tools) if stage is not None]
         self._chunks = ChunkBuilder(index)
         self._logprobs: list[TokenLogprobText] = []  # waiting for the next chunk

@@ -4,6 +4,10 @@ Derender loads only the tokenizer of `--model`. Decoding goes through the `token
 directly (no Python-level token loop), always with special tokens kept: which special tokens
 to drop is decided by the detokenizer, which filters them out before they reach the decoder
 (exactly what `skip_special_tokens=True` does inside `tokenizers`).
+
+Valid ids follow tito.vocab: [0, vocab_size) with vocab_size the model's embedding rows (from the
+model directory's config.json), which may be more than the tokenizer's entries. Ids the
+tokenizer does not name (padding ids) decode as empty text, as Hugging Face's decode does.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ import re
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
+
+from tito.vocab import Vocabulary, read_model_config, vocabulary_of
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -33,10 +40,13 @@ def _unicode_to_byte() -> dict[str, int]:
 class TextTokenizer:
     """Vocabulary size, special ids and windowed decoding of one Hugging Face tokenizer."""
 
-    def __init__(self, hf_tokenizer) -> None:
+    def __init__(self, hf_tokenizer, model_config: dict[str, Any] | None = None) -> None:
         self.hf = hf_tokenizer
-        #: Valid token ids are [0, vocab_size): the base vocabulary plus added tokens.
-        self.vocab_size = len(hf_tokenizer)
+        self.vocabulary: Vocabulary = vocabulary_of(hf_tokenizer, model_config or {})
+        #: Valid token ids are [0, vocab_size): the model's embedding rows (tito.vocab).
+        self.vocab_size = self.vocabulary.vocab_size
+        #: Valid ids no tokenizer entry names: they decode as "".
+        self.padding_ids: frozenset[int] = frozenset(self.vocabulary.padding_ids)
         special = set(getattr(hf_tokenizer, "all_special_ids", ()) or ())
         for token_id, added in (getattr(hf_tokenizer, "added_tokens_decoder", {}) or {}).items():
             if getattr(added, "special", False):
@@ -64,7 +74,7 @@ class TextTokenizer:
     def load(cls, model_dir: Path | str) -> "TextTokenizer":
         from transformers import AutoTokenizer  # heavy import, only when a model is loaded
 
-        return cls(AutoTokenizer.from_pretrained(str(model_dir)))
+        return cls(AutoTokenizer.from_pretrained(str(model_dir)), read_model_config(Path(model_dir)))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of `token_ids`, special tokens included. Callers pass short windows."""
@@ -74,7 +84,8 @@ class TextTokenizer:
         """The text of one token on its own, e.g. "<|im_end|>" for a stop token (cached)."""
         text = self._token_text.get(token_id)
         if text is None:
-            text = self._token_text[token_id] = self._decode([token_id])
+            text = "" if token_id in self.padding_ids else self._decode([token_id])
+            self._token_text[token_id] = text
         return text
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -86,6 +97,8 @@ class TextTokenizer:
         return raw
 
     def _compute_token_bytes(self, token_id: int) -> bytes:
+        if token_id in self.padding_ids:
+            return b""
         if token_id not in self._added_ids and not self.is_special(token_id):
             piece = self.hf.convert_ids_to_tokens(token_id)
             if isinstance(piece, str):
@@ -101,3 +114,7 @@ class TextTokenizer:
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_ids
+
+    def is_padding(self, token_id: int) -> bool:
+        """A valid id the tokenizer does not name (see tito.vocab): its text is empty."""
+        return token_id in self.padding_ids

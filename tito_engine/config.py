@@ -47,6 +47,10 @@ class EngineConfig(ServerConfig):
     engine_process: bool = True
     # Reuse the K/V of full prompt blocks across requests with the same prefix (and cache_salt).
     prefix_caching: bool = True
+    # Never sample padding ids (embedding rows the tokenizer has no token for; tito.vocab). None:
+    # the default, on for the native backend; the vllm backend samples every row as vLLM does and
+    # refuses an explicit True.
+    exclude_padding_ids: bool | None = None
     # ---- media items (features.py admission)
     # File holding the HMAC key shared with render ("" = tags are not checked); its id as render
     # puts it in each item's auth_key_id.
@@ -60,6 +64,11 @@ class EngineConfig(ServerConfig):
     max_mm_items: int = 64
     # Encoder outputs kept by content for reuse (and for Encode descriptors); 0 = no cache.
     encoder_cache_bytes: int = 256 << 20
+
+    @property
+    def excludes_padding_ids(self) -> bool:
+        """Whether the native engine masks padding ids out of sampling (default: yes)."""
+        return self.exclude_padding_ids is not False
 
     def read_hmac_key(self) -> bytes | None:
         """The verifying key (see tito.signing.read_key_file); None when no key file is given."""
@@ -118,6 +127,9 @@ class EngineConfig(ServerConfig):
                 raise ConfigError(f"{flag} applies to the native backend only; with --backend vllm size the KV "
                                   f"cache with --kv-cache-bytes or pass vLLM's own arguments after `--` (e.g. "
                                   f"-- --gpu-memory-utilization 0.85)")
+        if self.exclude_padding_ids:
+            raise ConfigError("--exclude-padding-ids applies to the native backend only: vLLM samples over every "
+                              "embedding row (derender decodes padding ids as empty text); drop the flag")
         if not self.engine_process:
             raise ConfigError("--no-engine-process applies to the native backend only (vLLM always runs its "
                               "engine core in its own processes)")

@@ -305,6 +305,7 @@ class CoreProcessSpec:
     log_level: str = "info"
     prefix_caching: bool = True
     encoder_cache_bytes: int = 0
+    exclude_padding_ids: bool = True
 
 
 def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
@@ -317,7 +318,8 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
     setup_logging(spec.log_level, "engine")
     try:
         runner = ModelRunner(Path(spec.model_dir), model_id=spec.model_id, device=spec.device,
-                             max_model_len=spec.max_model_len, kv_cache=spec.kv_cache, cpu_threads=spec.cpu_threads)
+                             max_model_len=spec.max_model_len, kv_cache=spec.kv_cache, cpu_threads=spec.cpu_threads,
+                             exclude_padding_ids=spec.exclude_padding_ids)
     except BaseException as exc:  # noqa: BLE001 - report why the engine could not start
         conn.send(CoreFailed(f"{type(exc).__name__}: {exc}"))
         return

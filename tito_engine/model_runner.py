@@ -15,13 +15,14 @@ from typing import Any
 import torch
 
 from tito.config import ConfigError
+from tito.vocab import load_vocabulary
 
 from tito_engine import vision
 from tito_engine.features import ModelMultimodalSpec, multimodal_spec_from_config
 from tito_engine.forward import BatchedDecoder, MultiModalPrefill, RowInput
 from tito_engine.kv_cache import KVLayout, PagedKVCache
 from tito_engine.plan import SampledTokens, StepPlan
-from tito_engine.sampler import sample_batch
+from tito_engine.sampler import mask_logits, sample_batch
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ DEFAULT_CUDA_KV_MEMORY_FRACTION = 0.5  # of the memory free after loading the we
 @dataclass(frozen=True)
 class ModelInfo:
     model_id: str
-    vocab_size: int
+    vocab_size: int  # embedding rows: valid token ids are [0, vocab_size) (tito.vocab)
     max_context_length: int
     eos_token_ids: tuple[int, ...]
     dtype: str
@@ -44,6 +45,8 @@ class ModelInfo:
     # (modality, placeholder token text, placeholder token id) per accepted modality.
     placeholders: tuple[tuple[str, str, int], ...] = ()
     model_family: str = ""  # config.model_type, e.g. "qwen2", "llama", "qwen3", "qwen2_5_vl", "gemma3"
+    tokenizer_vocab_size: int = 0  # the tokenizer's entries (0: unknown, take vocab_size)
+    padding_ids: tuple[int, ...] = ()  # valid ids the tokenizer does not name (tito.vocab)
 
 
 def choose_device(spec: str) -> torch.device:
@@ -83,6 +86,7 @@ def describe_model(model_dir: Path, config: Any, *, model_id: str, vocab_size: i
     """The model's identity and the media it takes, as every backend reports them (GetModelInfo) and
     admits them (features.py). `multimodal=False`: the backend serves the model as text only."""
     fingerprint = model_fingerprint(model_dir)
+    vocabulary = load_vocabulary(model_dir, vocab_size)
     mm_spec = multimodal_spec_from_config(config, fingerprint) if multimodal else None
     media = mm_spec.modalities if mm_spec is not None else {}
     info = ModelInfo(
@@ -91,7 +95,8 @@ def describe_model(model_dir: Path, config: Any, *, model_id: str, vocab_size: i
         modalities=tuple(media),
         placeholders=tuple((name, token_text(model_dir, spec.placeholder_token_id), spec.placeholder_token_id)
                            for name, spec in media.items()),
-        model_family=getattr(config, "model_type", ""))
+        model_family=getattr(config, "model_type", ""),
+        tokenizer_vocab_size=vocabulary.tokenizer_vocab_size, padding_ids=vocabulary.padding_ids)
     return info, mm_spec
 
 
@@ -148,6 +153,20 @@ def token_text(model_dir: Path, token_id: int) -> str:
     return next((token.get("content", "") for token in added if token.get("id") == token_id), "")
 
 
+def _describe_vocab(info: ModelInfo) -> str:
+    if not info.padding_ids:
+        return str(info.vocab_size)
+    return f"{info.vocab_size} ({info.tokenizer_vocab_size} tokenizer entries, {len(info.padding_ids)} padding ids)"
+
+
+def padding_mask(padding_ids: tuple[int, ...], device: torch.device | str) -> torch.Tensor | None:
+    """The columns sampler.mask_logits sets to -inf: the padding ids as one index tensor on the
+    model's device, built once; None when there are none."""
+    if not padding_ids:
+        return None
+    return torch.tensor(padding_ids, dtype=torch.long, device=device)
+
+
 def _load_model(model_dir: Path, dtype: torch.dtype) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -163,7 +182,7 @@ class ModelRunner:
 
     def __init__(self, model_dir: Path, *, model_id: str, device: str = "auto",
                  max_model_len: int | None = None, kv_cache: KVCacheSpec | None = None,
-                 cpu_threads: int | None = None):
+                 cpu_threads: int | None = None, exclude_padding_ids: bool = True):
         self.device = choose_device(device)
         self.dtype = choose_dtype(self.device)
         if self.device.type == "cpu":
@@ -188,13 +207,18 @@ class ModelRunner:
         self.info, self.mm_spec = describe_model(
             model_dir, config, model_id=model_id, vocab_size=vocab_size, max_context_length=max_model_len or model_max,
             dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
+        #: Logit columns set to -inf every step (sampler.mask_logits) when padding ids are
+        #: excluded; None when they are not or the model has none (then it costs nothing).
+        self.logits_mask = padding_mask(self.info.padding_ids, self.device) if exclude_padding_ids else None
         self.cache = self._make_cache(text_config, kv_cache or KVCacheSpec())
         try:
             self.decoder = BatchedDecoder(self.model, self.cache, max_positions=self.info.max_context_length)
         except ValueError as exc:  # an architecture (or a setting of one) the native forward does not run
             raise ConfigError(f"{model_id}: {exc}") from exc
-        log.info("loaded %s on %s (%s): vocab %d, context %d, eos %s, fingerprint %s; KV cache %d blocks x %d "
-                 "tokens (%.1f MiB)", model_id, self.info.device, self.info.dtype, vocab_size,
+        log.info("loaded %s on %s (%s): vocab %s%s, context %d, eos %s, fingerprint %s; KV cache %d blocks x %d "
+                 "tokens (%.1f MiB)", model_id, self.info.device, self.info.dtype,
+                 _describe_vocab(self.info),
+                 " (padding ids excluded from sampling)" if self.logits_mask is not None else "",
                  self.info.max_context_length, list(self.info.eos_token_ids), self.info.fingerprint,
                  self.cache.num_blocks, self.cache.block_size,
                  self.cache.capacity_tokens * self.cache.layout.bytes_per_token / 2**20)
@@ -239,6 +263,7 @@ class ModelRunner:
         logits = self.decoder.forward(plan.rows)
         if plan.logit_rows != list(range(logits.shape[0])):
             logits = logits[plan.logit_rows]  # forking choices read their parent's row
+        logits = mask_logits(logits, self.logits_mask)
         if plan.plain_greedy:
             return SampledTokens(logits.max(dim=-1).indices.tolist())  # max: faster than argmax on CPU
         tokens, logprobs = sample_batch(logits, plan.samples)

@@ -6,6 +6,13 @@ as batched tensor ops; greedy rows take the argmax; sampled rows draw by the exp
 draw their noise from their own `torch.Generator`, so a seed gives the same tokens whatever
 else shares the batch; unseeded rows share one draw from the global generator.
 
+Padding ids (valid ids the tokenizer does not name, tito.vocab) are excluded by default: the
+model runner precomputes their index once, and `mask_logits` sets those columns of the step's
+logits to -inf before anything else (in place: a few hundred writes per row, not a pass over the
+vocabulary), so they are never sampled and carry no probability in logprobs either (the
+distribution is the model's over real tokens). With the exclusion off there is no mask and no
+cost.
+
 Logprobs are those of the raw model distribution (log_softmax of the logits before penalties,
 bans, temperature and filters), with the sampled token's 1-based rank.
 """
@@ -38,6 +45,15 @@ class SampleRow:
     seq: Sequence
     prompt_ids: list[int]
     banned: frozenset[int] = frozenset()  # EOS/stop ids while min_tokens is not reached
+
+
+def mask_logits(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """`logits` [R, vocab] (the step's own tensor) with the precomputed padding columns set to
+    -inf, in place; untouched when there is no mask."""
+    if mask is None:
+        return logits
+    with torch.inference_mode():  # the forward's logits are inference tensors: update them as such
+        return logits.index_fill_(1, mask, float("-inf"))
 
 
 def sample_batch(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[PositionLogprobs | None] | None]:

@@ -75,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV of prompt blocks shared with earlier requests (same tokens from the "
                              "start and same cache_salt); default: on")
+    parser.add_argument("--exclude-padding-ids", action=argparse.BooleanOptionalAction, default=None,
+                        help="never sample padding ids (embedding rows the tokenizer has no token for, e.g. Qwen's "
+                             "151669..151935): native backend, default on; --no-exclude-padding-ids samples over "
+                             "every row as Hugging Face and vLLM do (derender then decodes such ids as empty text)")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="torch intra-op threads when running on CPU (default: cores - 1, at least 1)")
     media = parser.add_argument_group("media items")
@@ -113,6 +117,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         cpu_threads=args.cpu_threads,
         engine_process=args.engine_process,
         prefix_caching=args.prefix_caching,
+        exclude_padding_ids=args.exclude_padding_ids,
         hmac_key_file=args.hmac_key_file,
         hmac_key_id=args.hmac_key_id,
         require_signed_features=args.require_signed_features,
@@ -148,10 +153,12 @@ def _build_backend(config: EngineConfig) -> EngineBackend:
                                max_running_sequences=config.max_running_requests,
                                max_prefill_tokens=config.max_prefill_tokens_per_step, log_level=config.log_level,
                                prefix_caching=config.prefix_caching,
-                               encoder_cache_bytes=config.encoder_cache_bytes)
+                               encoder_cache_bytes=config.encoder_cache_bytes,
+                               exclude_padding_ids=config.excludes_padding_ids)
         return Engine.in_process(spec, max_waiting_requests=config.max_waiting_requests)
     runner = ModelRunner(model_dir, model_id=config.model, device=config.device,
-                         max_model_len=config.max_model_len, kv_cache=kv_cache, cpu_threads=config.cpu_threads)
+                         max_model_len=config.max_model_len, kv_cache=kv_cache, cpu_threads=config.cpu_threads,
+                         exclude_padding_ids=config.excludes_padding_ids)
     return Engine(runner, max_running_requests=config.max_running_requests,
                   max_waiting_requests=config.max_waiting_requests,
                   max_prefill_tokens=config.max_prefill_tokens_per_step, prefix_caching=config.prefix_caching,

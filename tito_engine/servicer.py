@@ -134,6 +134,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             device=info.device,
             model_fingerprint=info.fingerprint,
             max_running_requests=self._engine.max_running_requests,
+            tokenizer_vocab_size=info.tokenizer_vocab_size or info.vocab_size,
             modalities=[engine_pb2.ModalityInfo(modality=_MODALITIES[name], placeholder_token=token,
                                                 placeholder_token_id=token_id)
                         for name, token, token_id in info.placeholders if name in _MODALITIES],

@@ -14,6 +14,12 @@ REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss")
 #: Tool-call parsers derender knows.
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3", "kimi_k2", "glm45",
                 "gpt_oss")
+#: Tool-call parsers whose markup is special tokens the tokenizer may not flag as the model's own
+#: markers (Mistral's [TOOL_CALLS]): for the requests they parse, skip_special_tokens defaults to
+#: false (derender's ToolParser.needs_special_tokens says the same per parser; a test keeps the
+#: two in step). Families whose markers are special tokens of their tokenizer are found by
+#: families.keeps_special_tokens instead.
+TOOL_PARSERS_NEEDING_SPECIAL_TOKENS = frozenset({"mistral"})
 AUTO = "auto"
 NONE = "none"
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from tito.config import ConfigError
 from tito.model_paths import resolve_model
+from tito.vocab import Vocabulary, vocabulary_of
 
 from tito_render.config import AUTO, NONE, RenderConfig
 from tito_render.families import family_reasoning_parser, family_tool_parser, keeps_special_tokens
@@ -21,8 +22,14 @@ log = logging.getLogger(__name__)
 
 #: tokenizer.model_max_length values at or above this are HF's "unknown" sentinel.
 _UNKNOWN_MAX_LENGTH = 10**9
-#: Generation-config keys render takes as sampling defaults (as vLLM does).
-GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+#: Generation-config keys render takes as sampling defaults (the ones vLLM's
+#: `--generation-config auto` takes), with the range a value must be in to be used.
+GENERATION_DEFAULT_KEYS = {
+    "temperature": lambda v: v >= 0, "top_p": lambda v: 0 < v <= 1, "top_k": lambda v: v >= -1 and v == int(v),
+    "min_p": lambda v: 0 <= v <= 1, "repetition_penalty": lambda v: v > 0,
+    "presence_penalty": lambda v: -2 <= v <= 2, "frequency_penalty": lambda v: -2 <= v <= 2,
+    "max_new_tokens": lambda v: v >= 1 and v == int(v),
+}
 
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_CALL_START = "<tool_call>"
@@ -46,9 +53,16 @@ class RenderModel:
     #: The parsers read markers that are special tokens of this tokenizer: skip_special_tokens
     #: defaults to false (a request may still set it).
     keep_special_tokens: bool = False
+    #: Embedding rows vs tokenizer entries (tito.vocab); None: the tokenizer alone (no padding).
+    vocabulary: Vocabulary | None = None
 
     @property
     def vocab_size(self) -> int:
+        """Valid token ids are [0, vocab_size): the model's embedding rows (tito.vocab)."""
+        return self.vocabulary.vocab_size if self.vocabulary is not None else len(self.tokenizer)
+
+    @property
+    def tokenizer_vocab_size(self) -> int:
         return len(self.tokenizer)
 
     @property
@@ -92,10 +106,23 @@ def resolve_context_length(model_limit: int | None, override: int) -> int:
 
 
 def generation_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
-    """Sampling defaults from generation_config.json. Like vLLM, `do_sample` is ignored: a model
-    whose config says do_sample=false still samples unless the request sets temperature 0."""
-    return {key: generation_config[key] for key in GENERATION_DEFAULT_KEYS
-            if isinstance(generation_config.get(key), (int, float)) and not isinstance(generation_config.get(key), bool)}
+    """Sampling defaults from generation_config.json: the numeric keys of GENERATION_DEFAULT_KEYS
+    (an out-of-range value is ignored with a warning: every request would otherwise fail on a
+    field it never set), plus `do_sample` when it is a boolean (sampling.py: `do_sample: false`
+    makes an unset temperature 0, as Hugging Face decodes greedily then)."""
+    defaults: dict[str, Any] = {}
+    for key, in_range in GENERATION_DEFAULT_KEYS.items():
+        value = generation_config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not in_range(value):
+            log.warning("generation_config.json: ignoring %s=%r (out of range or not a number); "
+                        "requests that leave %s unset get tito's default", key, value, key)
+            continue
+        defaults[key] = value
+    if isinstance(generation_config.get("do_sample"), bool):
+        defaults["do_sample"] = generation_config["do_sample"]
+    return defaults
 
 
 def detect_parsers(vocab: dict[str, int], reasoning: str, tool: str, template: str = "") -> tuple[str, str]:
@@ -131,7 +158,8 @@ def load_render_model(config: RenderConfig) -> RenderModel:
     model = RenderModel(model_id=config.model, path=path, tokenizer=tokenizer, max_context_length=limit,
                         generation_defaults=defaults, reasoning_parser=reasoning, tool_parser=tool, media=media,
                         longest_token_chars=max(map(len, vocab), default=1),
-                        keep_special_tokens=keeps_special_tokens(tokenizer, reasoning, tool))
-    log.info("loaded %s from %s: vocab %d, context %d, reasoning parser %r, tool parser %r, "
-             "generation defaults %s", config.model, path, model.vocab_size, limit, reasoning, tool, defaults)
+                        keep_special_tokens=keeps_special_tokens(tokenizer, reasoning, tool),
+                        vocabulary=vocabulary_of(tokenizer, model_config))
+    log.info("loaded %s from %s: vocab %s, context %d, reasoning parser %r, tool parser %r, "
+             "generation defaults %s", config.model, path, model.vocabulary.describe(), limit, reasoning, tool, defaults)
     return model

@@ -32,7 +32,7 @@ from tito_render.media.video import VideoSettings
 from tito_render.messages import (ImageRef, VideoRef, collect_media, messages_to_dicts, resolve_tool_choice,
                                   request_struct, tools_to_dicts)
 from tito_render.model import THINK_END, THINK_START, RenderModel
-from tito_render.sampling import SamplingLimits, resolve_sampling
+from tito_render.sampling import SamplingLimits, keeps_special_tokens_for_tools, resolve_sampling
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +177,9 @@ class Renderer:
                      generate_request, context)
         context.tools.extend(request.tools)
         context.tool_choice.CopyFrom(tool_choice)
+        if keeps_special_tokens_for_tools(context, request.sampling):
+            context.text_options.skip_special_tokens = False
+            generate_request.sampling_params.text_options.skip_special_tokens = False
         enable_thinking = (options.template_kwargs or {}).get("enable_thinking")
         context.thinking_enabled = (enable_thinking if isinstance(enable_thinking, bool)
                                     else bool(self.model.reasoning_parser))
@@ -396,6 +399,7 @@ class Renderer:
     def model_info(self) -> render_pb2.RenderServiceGetModelInfoResponse:
         return render_pb2.RenderServiceGetModelInfoResponse(
             model_id=self.model.model_id, vocab_size=self.model.vocab_size,
+            tokenizer_vocab_size=self.model.tokenizer_vocab_size,
             max_context_length=self.model.max_context_length, reasoning_parser=self.model.reasoning_parser,
             tool_parser=self.model.tool_parser, has_chat_template=self.model.has_chat_template,
             modalities=self.modalities())

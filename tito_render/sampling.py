@@ -3,6 +3,11 @@
 Every value is: the request's, else the model's generation_config.json default, else tito's
 default, and render always writes the resolved value so the engine never guesses. max_tokens
 absent means the context remainder (or the generation config's max_new_tokens when smaller).
+
+`do_sample: false` in the generation config (Hugging Face decodes such a model greedily) makes
+the default temperature 0, unless the request asks for sampling: it sets temperature, or
+shapes the distribution with top_p, top_k or min_p (then the generation config's temperature,
+else 1.0). The render README lists every field.
 """
 
 from __future__ import annotations
@@ -13,10 +18,15 @@ from typing import Any
 
 from tito.contract import INVALID_SAMPLING_PARAMS, MAX_TOP_LOGPROBS
 from tito.errors import InvalidArgument, Violations
-from tito.v1 import render_pb2, sampling_pb2
+from tito.v1 import chat_pb2, derender_pb2, render_pb2, sampling_pb2
+from tito_render.config import TOOL_PARSERS_NEEDING_SPECIAL_TOKENS
 
 MAX_STOP_STRINGS = 16
 MAX_N = 128
+
+#: Request fields that only mean something when sampling: setting one asks for sampling even
+#: where the generation config says do_sample false.
+SAMPLING_SHAPE_FIELDS = ("top_p", "top_k", "min_p")
 
 #: tito's own defaults (used when neither the request nor the generation config sets a value).
 TITO_DEFAULTS: dict[str, Any] = {
@@ -43,6 +53,14 @@ def _pick(options: render_pb2.SamplingOptions, name: str, defaults: dict[str, An
     return defaults.get(name, TITO_DEFAULTS.get(name))
 
 
+def _default_temperature(options: render_pb2.SamplingOptions, defaults: dict[str, Any]) -> float:
+    """The temperature of a request that sets none: greedy (0) for a `do_sample: false` model
+    unless the request shapes sampling, else the generation config's, else tito's (1.0)."""
+    if defaults.get("do_sample") is False and not any(options.HasField(name) for name in SAMPLING_SHAPE_FIELDS):
+        return 0.0
+    return float(defaults.get("temperature", TITO_DEFAULTS["temperature"]))
+
+
 def _check_float(violations: Violations, name: str, value: float, ok: bool, expectation: str) -> None:
     if not math.isfinite(value) or not ok:
         violations.add(f"sampling.{name}", f"{name}={value} is out of range: must be {expectation}")
@@ -66,7 +84,7 @@ def resolve_sampling(options: render_pb2.SamplingOptions,
     defaults = limits.generation_defaults
     violations = Violations()
 
-    temperature = float(_pick(options, "temperature", defaults))
+    temperature = options.temperature if options.HasField("temperature") else _default_temperature(options, defaults)
     _check_float(violations, "temperature", temperature, temperature >= 0, ">= 0 (0 = greedy)")
     top_p = float(_pick(options, "top_p", defaults))
     _check_float(violations, "top_p", top_p, 0 < top_p <= 1, "in (0, 1]")
@@ -75,9 +93,9 @@ def resolve_sampling(options: render_pb2.SamplingOptions,
     repetition_penalty = float(_pick(options, "repetition_penalty", defaults))
     _check_float(violations, "repetition_penalty", repetition_penalty, repetition_penalty > 0,
                  "> 0 (1 disables it)")
-    presence_penalty = float(_pick(options, "presence_penalty", {}))
+    presence_penalty = float(_pick(options, "presence_penalty", defaults))
     _check_float(violations, "presence_penalty", presence_penalty, -2 <= presence_penalty <= 2, "in [-2, 2]")
-    frequency_penalty = float(_pick(options, "frequency_penalty", {}))
+    frequency_penalty = float(_pick(options, "frequency_penalty", defaults))
     _check_float(violations, "frequency_penalty", frequency_penalty, -2 <= frequency_penalty <= 2, "in [-2, 2]")
     top_k = int(_pick(options, "top_k", defaults))
     if top_k < -1:
@@ -130,6 +148,16 @@ def resolve_sampling(options: render_pb2.SamplingOptions,
     if options.HasField("seed"):
         params.seed = options.seed
     return params
+
+
+def keeps_special_tokens_for_tools(context: derender_pb2.DerenderContext,
+                                   options: render_pb2.SamplingOptions) -> bool:
+    """Whether a chat's text must keep special tokens for its tool parser: the parser's markup is
+    special tokens (Mistral's [TOOL_CALLS]), derender will parse calls (tools offered, tool_choice
+    not none) and the request left skip_special_tokens unset (a request that sets it wins)."""
+    return (context.tool_parser in TOOL_PARSERS_NEEDING_SPECIAL_TOKENS and len(context.tools) > 0
+            and context.tool_choice.mode != chat_pb2.TOOL_CHOICE_MODE_NONE
+            and not options.HasField("skip_special_tokens"))
 
 
 def text_options(options: render_pb2.SamplingOptions) -> sampling_pb2.OutputTextOptions:

@@ -66,7 +66,7 @@ def test_health_and_model_info(engine, tiny_text_model):
         assert status == health_pb2.HealthCheckResponse.SERVING
     info = stub.GetModelInfo(engine_pb2.EngineServiceGetModelInfoRequest(), timeout=TIMEOUT)
     assert info.model_id == str(tiny_text_model)
-    assert info.vocab_size == 1013 and info.max_context_length == CONTEXT
+    assert info.vocab_size == info.tokenizer_vocab_size == 1013 and info.max_context_length == CONTEXT
     assert list(info.eos_token_ids) == [1002, 1000]
     assert info.dtype == "float32" and info.device == "cpu"
     assert len(info.model_fingerprint) == 16 and info.max_running_requests == 64

@@ -70,8 +70,8 @@ def greedy_tokens(stub, prompt):
 def test_model_info_agrees(stubs):
     native, vllm_info = (stubs[name].GetModelInfo(engine_pb2.EngineServiceGetModelInfoRequest(), timeout=TIMEOUT)
                          for name in BACKENDS)
-    for field in ("vocab_size", "max_context_length", "eos_token_ids", "model_fingerprint", "dtype",
-                  "max_running_requests"):
+    for field in ("vocab_size", "tokenizer_vocab_size", "max_context_length", "eos_token_ids",
+                  "model_fingerprint", "dtype", "max_running_requests"):
         assert getattr(vllm_info, field) == getattr(native, field), field
     assert vllm_info.device == "cpu" and vllm_info.vocab_size == 1013
 

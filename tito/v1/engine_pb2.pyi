@@ -121,7 +121,7 @@ class ModalityInfo(_message.Message):
     def __init__(self, modality: _Optional[_Union[_multimodal_pb2.Modality, str]] = ..., placeholder_token: _Optional[str] = ..., placeholder_token_id: _Optional[int] = ...) -> None: ...
 
 class EngineServiceGetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "max_context_length", "eos_token_ids", "modalities", "dtype", "device", "model_fingerprint", "max_running_requests")
+    __slots__ = ("model_id", "vocab_size", "max_context_length", "eos_token_ids", "modalities", "dtype", "device", "model_fingerprint", "max_running_requests", "tokenizer_vocab_size")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class EngineServiceGetModelInfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     max_context_length: int
@@ -140,7 +141,8 @@ class EngineServiceGetModelInfoResponse(_message.Message):
     device: str
     model_fingerprint: str
     max_running_requests: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., modalities: _Optional[_Iterable[_Union[ModalityInfo, _Mapping]]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_running_requests: _Optional[int] = ...) -> None: ...
+    tokenizer_vocab_size: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., modalities: _Optional[_Iterable[_Union[ModalityInfo, _Mapping]]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_running_requests: _Optional[int] = ..., tokenizer_vocab_size: _Optional[int] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()

@@ -150,7 +150,7 @@ class RenderServiceGetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RenderServiceGetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "max_context_length", "modalities", "reasoning_parser", "tool_parser", "has_chat_template")
+    __slots__ = ("model_id", "vocab_size", "max_context_length", "modalities", "reasoning_parser", "tool_parser", "has_chat_template", "tokenizer_vocab_size")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class RenderServiceGetModelInfoResponse(_message.Message):
     REASONING_PARSER_FIELD_NUMBER: _ClassVar[int]
     TOOL_PARSER_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     max_context_length: int
@@ -165,4 +166,5 @@ class RenderServiceGetModelInfoResponse(_message.Message):
     reasoning_parser: str
     tool_parser: str
     has_chat_template: bool
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., modalities: _Optional[_Iterable[_Union[_multimodal_pb2.Modality, str]]] = ..., reasoning_parser: _Optional[str] = ..., tool_parser: _Optional[str] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
+    tokenizer_vocab_size: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., modalities: _Optional[_Iterable[_Union[_multimodal_pb2.Modality, str]]] = ..., reasoning_parser: _Optional[str] = ..., tool_parser: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., tokenizer_vocab_size: _Optional[int] = ...) -> None: ...

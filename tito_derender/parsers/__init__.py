@@ -26,11 +26,12 @@ from tito_derender.parsers.tools.mistral import MistralToolParser
 from tito_derender.parsers.tools.pythonic import PythonicToolParser
 from tito_derender.parsers.tools.qwen3_coder import Qwen3CoderToolParser
 
-#: name -> factory(prompt_opens_reasoning) for the reasoning parsers.
-REASONING_PARSERS: dict[str, Callable[[bool], ThinkReasoningParser | HarmonyReasoningParser]] = {
-    "qwen3": lambda prompt_opens: ThinkReasoningParser(start_in_reasoning=prompt_opens),
-    "deepseek_r1": lambda prompt_opens: ThinkReasoningParser(start_in_reasoning=True),
-    "gpt_oss": lambda prompt_opens: HarmonyReasoningParser(),
+#: name -> factory(prompt_opens_reasoning, call_markers) for the reasoning parsers; call_markers:
+#: the tool parser's (start, end) when tool calls are parsed (a call may end the reasoning).
+REASONING_PARSERS: dict[str, Callable[[bool, tuple[str, str] | None], ThinkReasoningParser | HarmonyReasoningParser]] = {
+    "qwen3": lambda prompt_opens, calls: ThinkReasoningParser(start_in_reasoning=prompt_opens, call_markers=calls),
+    "deepseek_r1": lambda prompt_opens, calls: ThinkReasoningParser(start_in_reasoning=True, call_markers=calls),
+    "gpt_oss": lambda prompt_opens, calls: HarmonyReasoningParser(),
 }
 
 #: name -> ToolParser class.
@@ -63,14 +64,24 @@ def validate_parser_names(context: RequestContext) -> None:
 STRUCTURAL_REASONING_PARSERS = frozenset({"gpt_oss"})
 
 
-def reasoning_parser_for(context: RequestContext) -> ThinkReasoningParser | HarmonyReasoningParser | None:
+def reasoning_parser_for(context: RequestContext, tools: ToolStage | None = None
+                         ) -> ThinkReasoningParser | HarmonyReasoningParser | None:
     """None when the request has no reasoning parser or thinking is off (then all is content),
-    except for a structural parser (STRUCTURAL_REASONING_PARSERS), which always runs."""
+    except for a structural parser (STRUCTURAL_REASONING_PARSERS), which always runs.
+    `tools`: the choice's tool stage, whose parser's calls may end the reasoning."""
     if not context.reasoning_parser:
         return None
     if not context.thinking_enabled and context.reasoning_parser not in STRUCTURAL_REASONING_PARSERS:
         return None
-    return REASONING_PARSERS[context.reasoning_parser](context.prompt_opens_reasoning)
+    markers = type(tools.parser).call_markers if tools is not None else None
+    return REASONING_PARSERS[context.reasoning_parser](context.prompt_opens_reasoning, markers)
+
+
+def needs_special_tokens(tool_parser: str) -> bool:
+    """Whether the named tool parser reads special tokens (render's default skip_special_tokens
+    is false for the requests it parses; tito_render.config lists the same names)."""
+    parser = TOOL_PARSERS.get(tool_parser)
+    return parser is not None and parser.needs_special_tokens
 
 
 def tool_stage_for(context: RequestContext, streaming: bool = True) -> ToolStage | None:

@@ -473,9 +473,10 @@ def test_ensure_model_rejects_unknown_name(tmp_path):
 
 def test_ensure_model_vl_registered():
     assert tiny_models.MODELS == (TEXT_MODEL, VL_MODEL, INTERLEAVED_VL_MODEL, TEXT_MODEL_D64, VL_MODEL_D64,
-                                  tiny_models.LLAMA_MODEL, tiny_models.QWEN3_MODEL, tiny_models.QWEN2_5_VL_MODEL)
+                                  tiny_models.LLAMA_MODEL, tiny_models.QWEN3_MODEL, tiny_models.QWEN2_5_VL_MODEL,
+                                  tiny_models.PADDED_TEXT_MODEL)
     assert tiny_models.MODELS == ("tiny-qwen2", "tiny-qwen2-vl", "tiny-gemma3", "tiny-qwen2-d64", "tiny-qwen2-vl-d64",
-                                  "tiny-llama", "tiny-qwen3", "tiny-qwen2.5-vl")
+                                  "tiny-llama", "tiny-qwen3", "tiny-qwen2.5-vl", "tiny-qwen2-padded")
 
 
 @pytest.mark.parametrize("name,architecture,model_type", [

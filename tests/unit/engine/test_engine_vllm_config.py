@@ -49,6 +49,7 @@ def test_conflicts_and_typos_are_refused_at_start_up(vllm_args, message):
     ({"cpu_threads": 2}, "--cpu-threads"),
     ({"engine_process": False}, "--no-engine-process"),
     ({"device": "cuda:1"}, "--device"),
+    ({"exclude_padding_ids": True}, "--exclude-padding-ids"),
 ])
 def test_native_only_flags_are_refused_with_vllm(fields, flag):
     with pytest.raises(ConfigError, match=flag):
@@ -74,3 +75,10 @@ def test_a_model_that_cannot_load_is_one_line_not_a_traceback(tmp_path, capsys):
     assert tito_main(["serve", "engine", "--address", "127.0.0.1:0", "--model", str(tmp_path / "missing")]) == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert error[-1].startswith("tito serve engine: --model") and "Traceback" not in "\n".join(error)
+
+
+def test_padding_exclusion_defaults_on_for_native_and_off_for_vllm():
+    assert EngineConfig().excludes_padding_ids
+    assert not EngineConfig(exclude_padding_ids=False).excludes_padding_ids
+    vllm_config().validate()  # the default (None) is not an explicit request
+    vllm_config(exclude_padding_ids=False).validate()

@@ -13,6 +13,8 @@ _CONTENT, _CALL, _AFTER_CALL = range(3)
 
 
 class HermesToolParser(ToolParser):
+    call_markers = (START, END)
+
     def __init__(self, **options) -> None:
         super().__init__(**options)
         self._mode = _CONTENT

@@ -2,12 +2,16 @@
 keyword arguments with Python literal values (Llama 3.2 / 4 style).
 
 As in vLLM the list must start the output (after whitespace); otherwise the output is plain
-content. Arguments stream one complete keyword argument at a time, converted to JSON
-(`{"a": 1`, then `, "b": "x"`, then `}`), so each fragment costs a literal_eval of that value
-only. Positional arguments, non-literal values (e.g. a nested call), values nested more than
-MAX_DEPTH containers deep (as for the JSON parsers) or anything else that is not a call list make
-the call malformed: content if its name was not out yet, else the arguments
-are closed and the rest is content.
+content. The list is read item by item: an item ends at the "," or "]" that follows it outside
+any string or bracket, and only then is it checked. A valid call (a name, keyword arguments only,
+each value a Python literal that JSON can carry, nested at most MAX_DEPTH containers deep as for
+the JSON parsers) is sent whole, its arguments as one JSON object. So a call is never sent
+before it is known to be valid, and nothing is ever invented for a broken one.
+
+A malformed item (a positional argument, a nested call, a set, an unbalanced bracket, anything
+not a call) is content: its own text, as written. The calls beside it are still calls. A list in
+which no item is a valid call is not a call list: all of its text is content, untouched. A list
+cut off before its "]" keeps the calls it completed; its unfinished item is content.
 """
 
 from __future__ import annotations
@@ -19,17 +23,15 @@ import re
 from tito_derender.parsers.tools.base import Event, ToolParser, is_utf8
 from tito_derender.parsers.tools.json_scan import MAX_DEPTH
 
-_START, _ITEM, _NAME, _ARGS, _KEY, _EQUALS, _VALUE, _AFTER_CALL, _AFTER_ARG, _CONTENT = range(10)
-_IDENTIFIER_CHAR = re.compile(r"[A-Za-z0-9_.]")
-_IDENTIFIER_START = re.compile(r"[A-Za-z_]")
-_VALUE_RUN = re.compile(r"""[^'"\\()\[\]{},]+""")
+_START, _ITEM, _CONTENT = range(3)
+_PLAIN_RUN = re.compile(r"""[^'"\\()\[\]{},]+""")
 _OPENERS, _CLOSERS = "([{", ")]}"
-# Containers a value may nest, so its arguments JSON is at most as deep as the JSON parsers allow
-# (MAX_DEPTH counts their call object and arguments object too): deeper is a malformed call.
-_MAX_VALUE_DEPTH = MAX_DEPTH - 2
+# The call's own parentheses are one level; its values may nest MAX_DEPTH - 2 containers, so the
+# arguments JSON is at most as deep as the JSON parsers allow (their call and arguments objects).
+_MAX_ITEM_DEPTH = MAX_DEPTH - 1
 
 
-class _Failed(Exception):
+class _Malformed(Exception):
     pass
 
 
@@ -37,132 +39,42 @@ class PythonicToolParser(ToolParser):
     def __init__(self, **options) -> None:
         super().__init__(**options)
         self._mode = _START
-        self._raw: list[str] = []  # text since the last sent call, for content if a call fails
-        self._word: list[str] = []  # identifier being read (name or key)
-        self._name = ""
-        self._key = ""
-        self._index: int | None = None  # current call's index once its name is out (streaming)
-        self._fragments: list[str] = []  # current call's argument JSON pieces
-        self._value: list[str] = []
+        self._raw: list[str] = []  # all the list's text: its content if no item is a call
+        self._held_items: list[str] = []  # malformed items' text: content when the list ends
+        self._item: list[str] = []  # the current item's text
         self._depth = 0
+        self._too_deep = False  # the item nests deeper than allowed: malformed, but read to its end
+        self._unbalanced = False
         self._quote = ""  # inside a string literal: its quote character
         self._escape = False
 
-    # -- argument fragments
-    def _emit_fragment(self, fragment: str) -> None:
-        self._fragments.append(fragment)
-        if self._index is not None:
-            self._arguments(self._index, fragment)
-
-    def _open_call(self, position: int) -> None:
-        name = "".join(self._word)
-        if not name or name[0].isdigit() or not self.accept_name(name):
-            raise _Failed(position)
-        self._name, self._fragments = name, []
-        if self.streaming:
-            self._index = self._start_call(name)
-            self._raw = []
-
-    def _close_call(self) -> None:
-        self._emit_fragment("}" if self._fragments else "{}")
-        if self._index is None:  # not streaming: the whole call now
-            index = self._start_call(self._name)
-            self._arguments(index, "".join(self._fragments))
-        self._index, self._fragments, self._raw = None, [], []
-
-    def _finish_value(self, position: int) -> None:
-        source = "".join(self._value).strip()
-        try:
-            value = ast.literal_eval(source)
-            encoded = json.dumps(value, ensure_ascii=False, allow_nan=False)
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            raise _Failed(position) from None
-        if not is_utf8(encoded):
-            # A "\ud83c\udf89"-style escape: Python keeps surrogates apart, which no protobuf
-            # string may carry; JSON escapes say the same thing and decode to the character.
-            encoded = json.dumps(value, ensure_ascii=True, allow_nan=False)
-        separator = ", " if self._fragments else "{"
-        self._emit_fragment(f"{separator}{json.dumps(self._key, ensure_ascii=False)}: {encoded}")
-        self._value = []
-
-    # -- the state machine
     def feed(self, text: str) -> list[Event]:
         position = 0
         while position < len(text):
             if self._mode == _CONTENT:
                 self._content(text[position:])
                 break
-            try:
-                position = self._step(text, position)
-            except _Failed as failure:
-                self._fail(text[failure.args[0]:])
-                break
+            if self._mode == _START:
+                position = self._start(text, position)
+            else:
+                position = self._scan_item(text, position)
         return self._take_events()
 
-    def _keep(self, raw: str) -> None:
-        if self._index is None:  # raw text matters only while no call is out
-            self._raw.append(raw)
-
-    def _step(self, text: str, position: int) -> int:
-        """Consume some of `text` from `position`; return the new position. Raises
-        _Failed(position of the first character not consumed)."""
+    def _start(self, text: str, position: int) -> int:
+        """Before the list: whitespace, then "[" (else everything is content)."""
         char = text[position]
-        mode = self._mode
-        if mode == _VALUE:
-            return self._scan_value(text, position)
-        if mode == _START and not char.isspace() and char != "[":
-            self._mode = _CONTENT  # not a call list: everything is content
-            self._content("".join(self._raw))
-            self._raw = []
+        if char.isspace():
+            self._raw.append(char)
+            return position + 1
+        if char != "[":
+            self._to_content()
             return position
-        self._read(char, mode, position)
-        self._keep(char)
+        self._raw.append(char)
+        self._mode = _ITEM
         return position + 1
 
-    def _read(self, char: str, mode: int, position: int) -> None:
-        if mode in (_NAME, _KEY) and _IDENTIFIER_CHAR.match(char):
-            self._word.append(char)
-        elif char.isspace():
-            if mode == _NAME:
-                raise _Failed(position)
-            if mode == _KEY:
-                self._mode = _EQUALS
-        elif mode == _START:
-            self._mode = _ITEM
-        elif mode == _ITEM:
-            if not _IDENTIFIER_START.match(char):
-                raise _Failed(position)
-            self._mode, self._word = _NAME, [char]
-        elif mode == _NAME:
-            if char != "(":
-                raise _Failed(position)
-            self._open_call(position)
-            self._mode = _ARGS
-        elif mode == _ARGS or mode == _AFTER_ARG:
-            if char == ")":
-                self._close_call()
-                self._mode = _AFTER_CALL
-            elif mode == _AFTER_ARG and char == ",":
-                self._mode = _ARGS
-            elif mode == _ARGS and _IDENTIFIER_START.match(char):
-                self._mode, self._word = _KEY, [char]
-            else:
-                raise _Failed(position)
-        elif mode == _KEY or mode == _EQUALS:
-            if char != "=":
-                raise _Failed(position)
-            self._key = "".join(self._word)
-            self._mode, self._value, self._depth, self._quote, self._escape = _VALUE, [], 0, "", False
-        elif mode == _AFTER_CALL:
-            if char == ",":
-                self._mode = _ITEM
-            elif char == "]":
-                self._mode, self._raw = _CONTENT, []
-            else:
-                raise _Failed(position)
-
-    def _scan_value(self, text: str, position: int) -> int:
-        """Read a literal value up to the "," or ")" that ends it at depth 0."""
+    def _scan_item(self, text: str, position: int) -> int:
+        """Read the current item up to the "," or "]" that ends it at depth 0."""
         start = position
         while position < len(text):
             char = text[position]
@@ -175,54 +87,122 @@ class PythonicToolParser(ToolParser):
                     self._quote = ""
                 position += 1
                 continue
-            match = _VALUE_RUN.match(text, position)
-            if match:
-                position = match.end()
+            plain = _PLAIN_RUN.match(text, position)
+            if plain:
+                position = plain.end()
                 continue
             if char in "'\"":
                 self._quote = char
             elif char in _OPENERS:
                 self._depth += 1
-                if self._depth > _MAX_VALUE_DEPTH:
-                    self._keep(text[start:position])
-                    raise _Failed(position)
-            elif self._depth:
-                if char in _CLOSERS:
-                    self._depth -= 1
-            elif char in ",)":  # at depth 0: the value ends here
-                self._value.append(text[start:position])
-                self._keep(text[start:position])
-                self._finish_value(position)
-                self._mode = _AFTER_ARG
-                return position  # the "," or ")" is read again in _AFTER_ARG
-            else:  # an unbalanced "]" or "}"
-                self._keep(text[start:position])
-                raise _Failed(position)
+                self._too_deep = self._too_deep or self._depth > _MAX_ITEM_DEPTH
+            elif char in _CLOSERS and self._depth:
+                self._depth -= 1
+            elif self._depth:  # a "," inside brackets
+                pass
+            elif char in ",]":  # at depth 0: the item ends here
+                self._item.append(text[start:position])
+                self._end_item(last=char == "]")
+                self._raw.append(char)
+                if char == "]":
+                    self._end_list()
+                return position + 1
+            else:  # an unbalanced ")" or "}": the item is malformed; read on to its end
+                self._unbalanced = True
             position += 1
-        self._value.append(text[start:position])
-        self._keep(text[start:position])
+        self._item.append(text[start:position])
         return position
 
-    def _fail(self, rest: str) -> None:
-        """A malformed call: close it if it is out, else give its text back; the rest is content."""
-        if self._index is not None:
-            self._arguments(self._index, "}" if self._fragments else "{}")
-            self._content(rest)
+    def _end_item(self, *, last: bool) -> None:
+        """Check the item just read: send it as a call, or keep it as content."""
+        item = "".join(self._item)
+        self._raw.append(item)
+        self._item, self._depth, self._quote, self._escape = [], 0, "", False
+        malformed = self._too_deep or self._unbalanced
+        self._too_deep = self._unbalanced = False
+        if not item.strip() and last and self.calls_made:
+            return  # "[f(), ]": a trailing comma is no item
+        try:
+            if malformed:
+                raise _Malformed
+            name, arguments = _parse_call(item.strip(), self.accept_name)
+        except _Malformed:
+            if item.strip():
+                self._held_items.append(item.strip())
+            return
+        self._arguments(self._start_call(name), arguments)
+
+    def _end_list(self) -> None:
+        """After the list: its malformed items are content (all of its text if no item was a
+        call), and so is everything that follows."""
+        if self.calls_made:
+            self._content(" ".join(self._held_items))
+            self._raw, self._held_items = [], []
+            self._mode = _CONTENT
         else:
-            self._content("".join(self._raw) + rest)
-        self._index, self._fragments, self._raw = None, [], []
+            self._to_content()
+
+    def _to_content(self) -> None:
+        """Not a call list: the text read so far is content, and so is the rest."""
+        self._content("".join(self._raw))
+        self._raw, self._held_items = [], []
         self._mode = _CONTENT
 
     def finish(self) -> list[Event]:
         if self._mode == _START:
-            self._content("".join(self._raw))
-        elif self._mode == _VALUE and self._index is not None:
-            try:  # cut off inside the last value: keep it if it is complete
-                self._finish_value(0)
-                self._fail("")
-            except _Failed:
-                self._fail("")
-        elif self._mode not in (_CONTENT, _AFTER_CALL):
-            self._fail("")
+            self._to_content()
+        elif self._mode == _ITEM:
+            unfinished = "".join(self._item)
+            if self._quote or self._depth:  # cut off inside the item: it cannot be a call
+                self._raw.append(unfinished)
+                if unfinished.strip():
+                    self._held_items.append(unfinished.strip())
+                self._item = []
+            elif unfinished.strip():
+                self._end_item(last=True)  # a complete item without its "]"
+            self._end_list()
         self._mode = _CONTENT
         return self._take_events()
+
+
+def _parse_call(item: str, accept_name) -> tuple[str, str]:
+    """(name, arguments JSON) of one item, or _Malformed."""
+    try:
+        node = ast.parse(item, mode="eval").body
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        raise _Malformed from None
+    if not isinstance(node, ast.Call) or node.args:
+        raise _Malformed
+    name = _dotted_name(node.func)
+    if not name or not accept_name(name):
+        raise _Malformed
+    members = []
+    for keyword in node.keywords:
+        if keyword.arg is None:  # **kwargs
+            raise _Malformed
+        members.append(f"{json.dumps(keyword.arg, ensure_ascii=False)}: {_literal_json(keyword.value)}")
+    return name, "{" + ", ".join(members) + "}"
+
+
+def _dotted_name(node: ast.expr) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return ""
+    parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def _literal_json(node: ast.expr) -> str:
+    try:
+        value = ast.literal_eval(node)
+        encoded = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        raise _Malformed from None
+    if not is_utf8(encoded):
+        # A "\ud83c\udf89"-style escape: Python keeps surrogates apart, which no protobuf string
+        # may carry; JSON escapes say the same thing and decode to the character.
+        encoded = json.dumps(value, ensure_ascii=True, allow_nan=False)
+    return encoded
