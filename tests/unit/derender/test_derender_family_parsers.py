@@ -256,7 +256,7 @@ HARMONY = [
 @pytest.mark.parametrize("text,content,reasoning,calls", HARMONY)
 def test_harmony_channels_split_reasoning_content_and_calls(text, content, reasoning, calls):
     def stages(streaming):
-        return [REASONING_PARSERS["gpt_oss"](False),
+        return [REASONING_PARSERS["gpt_oss"](False, None),
                 ToolStage(TOOL_PARSERS["gpt_oss"](streaming=streaming, tools=TOOLS))]
 
     full = run(stages(False), [text])
