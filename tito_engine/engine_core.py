@@ -22,10 +22,15 @@ request: n > 1 forks and preemption-recompute reuse it, so the encoder never run
 time and TTFT in the finish log include the trip to the core.)
 Out: (outputs, load) where outputs is [(key, ChoiceOutput | EngineStepError, request_finished)].
 Keys are integers the server assigns per submission, so a late abort never hits a reused request id.
+A request with a structured-output constraint (options.structured_output, plain strings) is
+parked at "add" while a worker thread compiles its grammar (constraints.GrammarCompiler, cached by
+the constraint's hash), and queued once it has it, so the step loop never compiles; a constraint
+that fails to compile is refused like a media request (CoreRefusal), never scheduled.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -37,6 +42,7 @@ from typing import Any
 import tito.errors
 from tito.errors import FieldViolation, TitoError
 
+from tito_engine.constraints import GrammarCompiler, compile_error
 from tito_engine.encoder_cache import EncoderCache
 from tito_engine.features import CheckedFeatures, ValidatedFeatures, check_encoder_cache_enabled, resolve_cached
 from tito_engine.request import Request
@@ -112,6 +118,9 @@ class EngineCore:
                                               store_id=f"engine-{uuid.uuid4().hex[:16]}",
                                               model_fingerprint=runner.info.fingerprint)
         self._to_encode: list[tuple[Request, ValidatedFeatures]] = []  # added, not yet encoded
+        self.grammars = GrammarCompiler(getattr(runner, "model_dir", None), runner.info.vocab_size,
+                                        runner.info.eos_token_ids)
+        self._compiling: dict[int, tuple[Request, concurrent.futures.Future]] = {}  # key -> parked request
 
     def load(self) -> CoreLoad:
         scheduler = self.scheduler
@@ -133,8 +142,14 @@ class EngineCore:
     def _serve(self, receive, receive_ready, emit) -> bool:
         scheduler = self.scheduler
         while True:
-            # Block when idle; otherwise take whatever arrived and run a step.
-            commands = ([receive()] if not scheduler.has_work() else []) + receive_ready()
+            # Block when idle; otherwise take whatever arrived and run a step. While grammars
+            # compile with nothing else to do, wait on them a moment instead of on the pipe.
+            if self._compiling and not scheduler.has_work():
+                concurrent.futures.wait([future for _, future in self._compiling.values()], timeout=0.005,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+                commands = receive_ready()
+            else:
+                commands = ([receive()] if not scheduler.has_work() else []) + receive_ready()
             outputs: list = []
             for command in commands:
                 if command[0] == "stop":
@@ -142,6 +157,8 @@ class EngineCore:
                     emit((outputs, self.load()))
                     return True
                 self._apply(command, outputs)
+            if self._compiling:
+                self._queue_compiled(outputs)
             if self._to_encode:
                 self._encode_new_media(outputs)
             stepped = scheduler.has_work()
@@ -172,11 +189,14 @@ class EngineCore:
             self.requests[key] = request
             if validated is not None:
                 self._to_encode.append((request, validated))
-            self.scheduler.add(request)
+            if options.structured_output is not None:
+                self._compiling[key] = (request, self.grammars.submit(options.structured_output))
+            else:
+                self.scheduler.add(request)
             if key in self.early_aborts:
                 del self.early_aborts[key]
                 self._to_encode = [(r, v) for r, v in self._to_encode if r is not request]
-                outputs.extend(self._out(request, output) for output in self.scheduler.abort(request))
+                outputs.extend(self._abort(request))
         elif kind == "encode":
             _, key, checked = command
             try:
@@ -186,12 +206,34 @@ class EngineCore:
         elif kind == "abort":
             request = self.requests.get(command[1])
             if request is not None:
-                outputs.extend(self._out(request, output) for output in self.scheduler.abort(request))
+                outputs.extend(self._abort(request))
             else:
                 # Either finished already or its add is still behind this abort; remember a bounded few.
                 self.early_aborts[command[1]] = None
                 if len(self.early_aborts) > 4096:
                     del self.early_aborts[next(iter(self.early_aborts))]
+
+    def _abort(self, request: Request) -> list:
+        if self._compiling.pop(request.key, None) is not None:
+            self.scheduler.add(request)  # so that the scheduler ends its choices with ABORT like any other
+        return [self._out(request, output) for output in self.scheduler.abort(request)]
+
+    # ------------------------------------------------------------------ structured outputs
+
+    def _queue_compiled(self, outputs: list) -> None:
+        """Queue the parked requests whose grammar is compiled; refuse those whose compile failed."""
+        for key, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[key]
+            error = future.exception()
+            if error is not None:
+                self.requests.pop(key, None)
+                self._to_encode = [(r, v) for r, v in self._to_encode if r is not request]
+                outputs.append((key, _refusal_or_bug(compile_error(error, request.options.structured_output)), True))
+                continue
+            request.grammar = future.result()
+            self.scheduler.add(request)
 
     # ------------------------------------------------------------------ media
 
@@ -267,7 +309,7 @@ class EngineCore:
     def _abort_all(self) -> list:
         outputs = []
         for request in list(self.requests.values()):
-            outputs.extend(self._out(request, output) for output in self.scheduler.abort(request))
+            outputs.extend(self._abort(request))
             self.requests.pop(request.key, None)
         return outputs
 
@@ -280,6 +322,7 @@ class EngineCore:
             self.scheduler.abort(request)  # frees the KV; the caller sees the error, not an ABORT
             outputs.append((request.key, portable, True))
         self.requests.clear()
+        self._compiling.clear()
         return outputs
 
 

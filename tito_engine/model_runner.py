@@ -161,6 +161,7 @@ class ModelRunner:
     def __init__(self, model_dir: Path, *, model_id: str, device: str = "auto",
                  max_model_len: int | None = None, kv_cache: KVCacheSpec | None = None,
                  cpu_threads: int | None = None):
+        self.model_dir = model_dir  # structured outputs read the tokenizer from here (constraints.py)
         self.device = choose_device(device)
         self.dtype = choose_dtype(self.device)
         if self.device.type == "cpu":

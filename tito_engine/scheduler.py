@@ -17,6 +17,10 @@ Runs only on the engine thread (no locks here).
 - Media prompts (Gemma3): a prefill chunk never splits a bidirectional span (an image's run of
   soft tokens attends within itself in both directions, exact only in one chunk): the chunk ends
   before the span, or, when it starts at the span, takes the whole span even past the budget.
+- Structured outputs (constraints.py): a constrained request arrives with its compiled grammar;
+  each choice gets a matcher. A step with constrained rows masks their logits in one batched
+  fill + apply before sampling and feeds each matcher its token after; a choice whose grammar
+  is complete finishes with STOP. Steps without constrained rows pay nothing.
 - Prefix caching (text prompts only; requests with media items never read or fill it): full
   prompt blocks are registered under chained sha256 digests
   of their tokens (and the request's cache_salt) once computed; an admitted sequence takes the
@@ -31,6 +35,7 @@ import logging
 import time
 from collections import deque
 
+from tito_engine import constraints
 from tito_engine.forward import RowInput, fit_chunk_end
 from tito_engine.kv_cache import blocks_for_tokens, prefix_block_hashes
 from tito_engine.model_runner import ModelRunner
@@ -62,6 +67,7 @@ class Scheduler:
         self.prefix_cache_hit_tokens = 0
         self._admit_counter = 0
         self._running_sequences = 0  # unfinished choices of running requests
+        self._token_masks: constraints.TokenMasks | None = None  # built by the first constrained step
 
     # ---------------------------------------------------------------- queue management
 
@@ -281,6 +287,8 @@ class Scheduler:
             generator = make_generator(options.seed, index, device) if options.seed is not None else None
             seq = Sequence(index, generator)
             seq.awaiting_fork = index > 0
+            if request.grammar is not None:
+                seq.matcher = constraints.new_matcher(request.grammar)
             request.sequences.append(seq)
 
     # ---------------------------------------------------------------- after the forward
@@ -307,17 +315,24 @@ class Scheduler:
             return []
         if logit_rows != list(range(logit_index)):
             logits = logits[logit_rows]
+        constrained = [i for i, (_, seq) in enumerate(targets) if seq.matcher is not None]
+        raw_logits = logits
+        if constrained:
+            logits = self._mask_constrained(logits, targets, constrained)
         if all(request.options.plain_greedy for request, _ in targets):
             tokens, logprobs = logits.max(dim=-1).indices.tolist(), None  # the common fast path
         else:
-            tokens, logprobs = sample_batch(logits, [self._sample_row(request, seq) for request, seq in targets])
+            tokens, logprobs = sample_batch(logits, [self._sample_row(request, seq) for request, seq in targets],
+                                            raw_logits=raw_logits)
+        complete = self._advance_constrained(targets, constrained, tokens) if constrained else ()
         now = time.monotonic()
         outputs: StepOutputs = []
         done: list[Request] = []
         for i, (request, seq) in enumerate(targets):
             if request.first_token_time is None:
                 request.first_token_time = now
-            output = self._append(request, seq, tokens[i], logprobs[i] if logprobs is not None else None)
+            output = self._append(request, seq, tokens[i], logprobs[i] if logprobs is not None else None,
+                                  i in complete)
             outputs.append((request, output))
             if output.finish_reason is not None:
                 self._running_sequences -= 1
@@ -330,10 +345,29 @@ class Scheduler:
             self._retire(request)
         return outputs
 
+    def _mask_constrained(self, logits, targets: list[tuple[Request, Sequence]], constrained: list[int]):
+        """The logits with every token the constrained rows' grammars refuse at -inf (one batched
+        mask; on a copy when a row wants logprobs, which are those of the raw distribution)."""
+        if self._token_masks is None:
+            self._token_masks = constraints.TokenMasks(logits.shape[-1])
+        if any(request.options.wants_logprobs for request, _ in targets):
+            logits = logits.clone()
+        self._token_masks.apply(logits, constrained, [targets[i][1].matcher for i in constrained])
+        return logits
+
+    @staticmethod
+    def _advance_constrained(targets: list[tuple[Request, Sequence]], constrained: list[int],
+                             tokens: list[int]) -> set[int]:
+        """Feed the sampled tokens to the matchers; the rows whose structure is now complete."""
+        finished = constraints.TokenMasks.advance([targets[i][1].matcher for i in constrained],
+                                                  [tokens[i] for i in constrained])
+        return {i for i, done in zip(constrained, finished) if done}
+
     def _sample_row(self, request: Request, seq: Sequence) -> SampleRow:
         options = request.options
         banned: frozenset[int] = frozenset()
-        if len(seq.output_ids) < options.min_tokens:  # EOS and stop ids may not end it yet
+        if len(seq.output_ids) < options.min_tokens and seq.matcher is None:
+            # EOS and stop ids may not end it yet (a grammar decides where a constrained row may end)
             banned = options.stop_token_ids if options.ignore_eos else options.stop_token_ids | self.eos_token_ids
         return SampleRow(options, seq, request.prompt_ids, banned)
 
@@ -357,7 +391,8 @@ class Scheduler:
             child.num_computed = parent.num_computed
         return children
 
-    def _append(self, request: Request, seq: Sequence, token_id: int, logprobs) -> ChoiceOutput:
+    def _append(self, request: Request, seq: Sequence, token_id: int, logprobs,
+                structure_complete: bool = False) -> ChoiceOutput:
         options = request.options
         seq.output_ids.append(token_id)
         count = len(seq.output_ids)
@@ -365,6 +400,10 @@ class Scheduler:
                 (not options.ignore_eos and token_id in self.eos_token_ids) or token_id in options.stop_token_ids):
             seq.finish_reason = FinishReason.STOP
             seq.matched_stop_token_id = token_id
+        elif structure_complete:  # the grammar took its end (an EOS token) or can take nothing more
+            seq.finish_reason = FinishReason.STOP
+            if token_id in self.eos_token_ids or token_id in options.stop_token_ids:
+                seq.matched_stop_token_id = token_id
         elif count >= options.max_tokens:
             seq.finish_reason = FinishReason.LENGTH
         lp = (logprobs,) if logprobs is not None else ()

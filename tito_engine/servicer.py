@@ -6,12 +6,15 @@ Every request passes the same admission (admission.py) and then goes to the back
 
 from __future__ import annotations
 
+import asyncio
+
 from tito.errors import still_loading
 from tito.logs import bind_request_id
 from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2, sampling_pb2
 
 from tito_engine.admission import Admission
 from tito_engine.backend import EngineBackend
+from tito_engine.constraints import StructuredOutputSpec
 from tito_engine.features import MODALITY_NAMES
 from tito_engine.request import ChoiceOutput, FinishReason, GenerateInput, RawSamplingParams, TokenLogprob
 
@@ -47,7 +50,22 @@ def sampling_from_proto(params: sampling_pb2.SamplingParams) -> RawSamplingParam
         n=_optional(params, "n"),
         logprobs=params.logprobs,
         top_logprobs=params.top_logprobs,
+        structured_output=structured_output_from_proto(params),
     )
+
+
+def structured_output_from_proto(params: sampling_pb2.SamplingParams) -> StructuredOutputSpec | None:
+    if not params.HasField("structured_output"):
+        return None
+    constraint = params.structured_output
+    kind = constraint.WhichOneof("constraint")
+    if kind is None:
+        return None  # an empty StructuredOutput message: nothing to constrain
+    if kind == "choice":
+        return StructuredOutputSpec.choice(constraint.choice.choices)
+    if kind == "json_object":
+        return StructuredOutputSpec("json_object")
+    return StructuredOutputSpec(kind, getattr(constraint, kind))
 
 
 def _modality_name(value: int) -> str:
@@ -106,7 +124,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         if request.request_id:
             bind_request_id(request.request_id)
         backend = self._engine
-        outputs = backend.generate(self._admission.admit(generate_input_from_proto(request)))
+        generate = generate_input_from_proto(request)
+        if generate.sampling.structured_output is not None:  # checking a grammar can take ms: off the loop
+            admitted = await asyncio.to_thread(self._admission.admit, generate)
+        else:
+            admitted = self._admission.admit(generate)
+        outputs = backend.generate(admitted)
         try:
             async for output in outputs:
                 yield output_to_proto(output)

@@ -106,6 +106,10 @@ def resolve_sampling(raw: RawSamplingParams, prompt_len: int, limits: ModelLimit
     if raw.min_tokens > max_tokens:
         violations.add(field("min_tokens"), f"must not exceed max_tokens ({max_tokens}), got {raw.min_tokens}")
     violations.raise_if_any(reason=INVALID_SAMPLING_PARAMS)
+    if raw.structured_output is not None:
+        from tito_engine.constraints import validate  # imports xgrammar: only for constrained requests
+
+        validate(raw.structured_output)
 
     return SamplingOptions(
         max_tokens=max_tokens,
@@ -123,4 +127,5 @@ def resolve_sampling(raw: RawSamplingParams, prompt_len: int, limits: ModelLimit
         repetition_penalty=float(repetition_penalty),
         logprobs=raw.logprobs,
         top_logprobs=raw.top_logprobs,
+        structured_output=raw.structured_output,
     )

@@ -1,0 +1,236 @@
+"""Structured outputs: the constraint of a request, its compilation, and the per-step token masks.
+
+Built on xgrammar (bench/grammar_libraries.py compares it with llguidance and outlines_core; the
+engine README gives the figures and the reasons). Three stages, three places:
+
+- `validate` (admission, server process, no tokenizer): builds the constraint's grammar, which
+  checks the schema / regex / grammar; a mistake is INVALID_ARGUMENT with xgrammar's message,
+  reason INVALID_STRUCTURED_OUTPUT and the field, before the request is queued. Both backends.
+- `GrammarCompiler` (engine core): compiles the grammar against the model's vocabulary in a
+  worker thread, off the step loop, and caches the compiled grammar by the constraint's hash.
+- `TokenMasks` (scheduler step): one batched bitmask fill and one bitmask apply for all the
+  constrained rows of a step, then each matcher takes its sampled token. A step without a
+  constrained row never gets here.
+
+A compiled grammar and its matchers are native objects that do not pickle: only the
+`StructuredOutputSpec` (plain strings) crosses from the server to the core process.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from tito.errors import FailedPrecondition, InvalidArgument
+
+log = logging.getLogger(__name__)
+
+INVALID_STRUCTURED_OUTPUT = "INVALID_STRUCTURED_OUTPUT"
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
+_JSON_OBJECT_SCHEMA = '{"type": "object"}'
+_XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+@dataclass(frozen=True)
+class StructuredOutputSpec:
+    """One constraint as plain data (picklable). `value` is the schema / regex / grammar / tag
+    text; for "choice" the JSON list of the strings; for "json_object" empty."""
+
+    kind: str
+    value: str = ""
+
+    @property
+    def key(self) -> str:
+        """The compile cache's key: same constraint, same compiled grammar."""
+        return hashlib.sha256(f"{self.kind}\0{self.value}".encode()).hexdigest()
+
+    @property
+    def field(self) -> str:
+        return f"sampling_params.structured_output.{self.kind}"
+
+    @classmethod
+    def choice(cls, choices: Sequence[str]) -> "StructuredOutputSpec":
+        return cls("choice", json.dumps(list(choices), ensure_ascii=False))
+
+
+def _grammar(spec: StructuredOutputSpec) -> Any:
+    """The tokenizer-independent xgrammar Grammar of `spec` (raises on a bad constraint)."""
+    import xgrammar
+
+    if spec.kind in ("json_schema", "json_object"):
+        schema = spec.value if spec.kind == "json_schema" else _JSON_OBJECT_SCHEMA
+        return _json_control_chars_escaped(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False))
+    if spec.kind == "regex":
+        return xgrammar.Grammar.from_regex(spec.value)
+    if spec.kind == "choice":
+        choices = json.loads(spec.value)
+        return xgrammar.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_literal(c) for c in choices))
+    if spec.kind == "grammar":
+        return xgrammar.Grammar.from_ebnf(spec.value)
+    if spec.kind == "structural_tag":
+        return xgrammar.Grammar.from_structural_tag(spec.value)
+    raise ValueError(f"unknown structured output kind {spec.kind!r}")
+
+
+# xgrammar 0.2.8 writes a length-bounded JSON string's characters (minLength/maxLength) as
+# [^"\\\r\n], which lets raw control characters (U+0000-U+001F) into the string: invalid JSON
+# (RFC 8259 wants them escaped). Its unbounded strings exclude them; so do ours.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+def _json_control_chars_escaped(grammar: Any) -> Any:
+    import xgrammar
+
+    ebnf = str(grammar)
+    if _BOUNDED_STRING_CHAR not in ebnf:
+        return grammar
+    return xgrammar.Grammar.from_ebnf(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+
+
+def _ebnf_literal(text: str) -> str:
+    # JSON string escapes (\" \\ \n \t \uXXXX) are EBNF string escapes too.
+    return json.dumps(text, ensure_ascii=True)
+
+
+def validate(spec: StructuredOutputSpec) -> None:
+    """Refuse a constraint that cannot compile, naming the field and quoting the compiler."""
+    if spec.kind == "choice":
+        choices = json.loads(spec.value)
+        if not choices:
+            raise InvalidArgument("a choice constraint needs at least one string", reason=INVALID_STRUCTURED_OUTPUT,
+                                  field=f"{spec.field}.choices")
+        for position, choice in enumerate(choices):
+            if not choice:
+                raise InvalidArgument("a choice must be a non-empty string", reason=INVALID_STRUCTURED_OUTPUT,
+                                      field=f"{spec.field}.choices[{position}]")
+    elif spec.kind != "json_object" and not spec.value:
+        raise InvalidArgument(f"the {spec.kind} constraint is empty", reason=INVALID_STRUCTURED_OUTPUT,
+                              field=spec.field)
+    try:
+        _grammar(spec)
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError subclasses for bad input
+        raise InvalidArgument(f"invalid {spec.kind} constraint: {compiler_message(exc)}",
+                              reason=INVALID_STRUCTURED_OUTPUT, field=spec.field) from None
+
+
+def compiler_message(exc: BaseException) -> str:
+    """xgrammar's message without its log prefix (time, C++ source line)."""
+    text = str(exc).strip()
+    return _XGRAMMAR_LOG_PREFIX.sub("", text).strip() or type(exc).__name__
+
+
+class GrammarCompiler:
+    """Compiles constraints against the model's vocabulary in worker threads, cached by hash.
+
+    Lives in the engine core. The tokenizer is read from the model directory on the first
+    constrained request (a model without tokenizer files refuses constrained requests with
+    FAILED_PRECONDITION). The cache keeps the `cache_size` most recently used grammars.
+    """
+
+    def __init__(self, model_dir: Path | str | None, vocab_size: int, stop_token_ids: Sequence[int],
+                 threads: int = 1, cache_size: int = 256):
+        self._model_dir = model_dir
+        self._vocab_size = vocab_size
+        self._stop_token_ids = list(stop_token_ids)
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tito-grammar")
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, concurrent.futures.Future] = OrderedDict()
+        self._cache_size = cache_size
+        self._compiler: Any = None  # xgrammar.GrammarCompiler, built by the first compile
+
+    def submit(self, spec: StructuredOutputSpec) -> concurrent.futures.Future:
+        """A future of the compiled grammar (done at once on a cache hit)."""
+        key = spec.key
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None and not (future.done() and future.exception() is not None):
+                self._cache.move_to_end(key)
+                return future
+            future = self._pool.submit(self._compile, spec)
+            self._cache[key] = future
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+            return future
+
+    def _compile(self, spec: StructuredOutputSpec) -> Any:
+        grammar = _grammar(spec)  # admission validated it; a failure here is still the caller's
+        return self._xgrammar_compiler().compile_grammar(grammar)
+
+    def _xgrammar_compiler(self) -> Any:
+        if self._compiler is None:  # only the pool's threads get here: one at a time per thread
+            import xgrammar
+            from transformers import AutoTokenizer
+
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(str(self._model_dir))
+            except Exception as exc:  # noqa: BLE001 - any loader error means the same thing here
+                raise FailedPrecondition(
+                    f"structured outputs need the model's tokenizer, which could not be loaded from the model "
+                    f"directory ({type(exc).__name__}); send the request without structured_output",
+                    reason="STRUCTURED_OUTPUT_UNAVAILABLE", field="sampling_params.structured_output") from None
+            info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size,
+                                                           stop_token_ids=self._stop_token_ids)
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def compile_error(exc: BaseException, spec: StructuredOutputSpec) -> Exception:
+    """The caller-facing error for a compile that failed in the core."""
+    if isinstance(exc, (InvalidArgument, FailedPrecondition)):
+        return exc
+    return InvalidArgument(f"invalid {spec.kind} constraint: {compiler_message(exc)}",
+                           reason=INVALID_STRUCTURED_OUTPUT, field=spec.field)
+
+
+def new_matcher(compiled: Any) -> Any:
+    """A fresh matcher (one per choice) at the start of the compiled grammar."""
+    import xgrammar
+
+    return xgrammar.GrammarMatcher(compiled)
+
+
+class TokenMasks:
+    """The step's hook: mask the constrained rows' logits, then advance their matchers."""
+
+    def __init__(self, vocab_size: int):
+        import xgrammar
+
+        self._xgrammar = xgrammar
+        self._vocab_size = vocab_size
+        self._batch = xgrammar.BatchGrammarMatcher(max_threads=1)
+        self._bitmask = xgrammar.allocate_token_bitmask(64, vocab_size)
+
+    def apply(self, logits: Any, rows: list[int], matchers: list[Any]) -> None:
+        """In place: every token the matcher of row rows[j] cannot take gets -inf (one fill, one apply)."""
+        if logits.shape[0] > self._bitmask.shape[0]:
+            self._bitmask = self._xgrammar.allocate_token_bitmask(logits.shape[0] * 2, self._vocab_size)
+        bitmask = self._bitmask
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        if logits.device.type != "cpu":
+            bitmask = bitmask[:logits.shape[0]].to(logits.device, non_blocking=True)
+        self._xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self._vocab_size, indices=rows)
+
+    @staticmethod
+    def advance(matchers: list[Any], tokens: list[int]) -> list[bool]:
+        """Feed each matcher its row's sampled token; True where the structure is now complete."""
+        done = []
+        for matcher, token in zip(matchers, tokens):
+            if not matcher.accept_token(token):
+                # Only an all-masked row can sample a refused token; end it rather than emit garbage.
+                log.warning("a constrained row sampled token %d, which its grammar refuses; ending it", token)
+                done.append(True)
+                continue
+            done.append(matcher.is_terminated())
+        return done
