@@ -3,9 +3,10 @@
 Built on xgrammar (bench/grammar_libraries.py compares it with llguidance and outlines_core; the
 engine README gives the figures and the reasons). Three stages, three places:
 
-- `validate` (admission, server process, no tokenizer): builds the constraint's grammar, which
-  checks the schema / regex / grammar; a mistake is INVALID_ARGUMENT with xgrammar's message,
-  reason INVALID_STRUCTURED_OUTPUT and the field, before the request is queued. Both backends.
+- `validate` (tito/structured_output.py; admission, server process, no tokenizer): builds the
+  constraint's grammar, which checks the schema / regex / grammar; a mistake is INVALID_ARGUMENT
+  with xgrammar's message, reason INVALID_STRUCTURED_OUTPUT and the field, before the request is
+  queued. Both backends.
 - `GrammarCompiler` (engine core): compiles the grammar against the model's vocabulary in a
   worker thread, off the step loop, and caches the compiled grammar by the constraint's hash.
 - `TokenMasks` (scheduler step): one batched bitmask fill and one bitmask apply for all the
@@ -19,113 +20,20 @@ A compiled grammar and its matchers are native objects that do not pickle: only 
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
-import json
 import logging
-import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from tito.errors import FailedPrecondition, InvalidArgument
+from tito.structured_output import (INVALID_STRUCTURED_OUTPUT, StructuredOutputSpec, compiler_message, grammar_of,
+                                    validate)
 
 log = logging.getLogger(__name__)
 
-INVALID_STRUCTURED_OUTPUT = "INVALID_STRUCTURED_OUTPUT"
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
-_JSON_OBJECT_SCHEMA = '{"type": "object"}'
-_XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
-
-
-@dataclass(frozen=True)
-class StructuredOutputSpec:
-    """One constraint as plain data (picklable). `value` is the schema / regex / grammar / tag
-    text; for "choice" the JSON list of the strings; for "json_object" empty."""
-
-    kind: str
-    value: str = ""
-
-    @property
-    def key(self) -> str:
-        """The compile cache's key: same constraint, same compiled grammar."""
-        return hashlib.sha256(f"{self.kind}\0{self.value}".encode()).hexdigest()
-
-    @property
-    def field(self) -> str:
-        return f"sampling_params.structured_output.{self.kind}"
-
-    @classmethod
-    def choice(cls, choices: Sequence[str]) -> "StructuredOutputSpec":
-        return cls("choice", json.dumps(list(choices), ensure_ascii=False))
-
-
-def _grammar(spec: StructuredOutputSpec) -> Any:
-    """The tokenizer-independent xgrammar Grammar of `spec` (raises on a bad constraint)."""
-    import xgrammar
-
-    if spec.kind in ("json_schema", "json_object"):
-        schema = spec.value if spec.kind == "json_schema" else _JSON_OBJECT_SCHEMA
-        return _json_control_chars_escaped(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False))
-    if spec.kind == "regex":
-        return xgrammar.Grammar.from_regex(spec.value)
-    if spec.kind == "choice":
-        choices = json.loads(spec.value)
-        return xgrammar.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_literal(c) for c in choices))
-    if spec.kind == "grammar":
-        return xgrammar.Grammar.from_ebnf(spec.value)
-    if spec.kind == "structural_tag":
-        return xgrammar.Grammar.from_structural_tag(spec.value)
-    raise ValueError(f"unknown structured output kind {spec.kind!r}")
-
-
-# xgrammar 0.2.8 writes a length-bounded JSON string's characters (minLength/maxLength) as
-# [^"\\\r\n], which lets raw control characters (U+0000-U+001F) into the string: invalid JSON
-# (RFC 8259 wants them escaped). Its unbounded strings exclude them; so do ours.
-_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
-
-
-def _json_control_chars_escaped(grammar: Any) -> Any:
-    import xgrammar
-
-    ebnf = str(grammar)
-    if _BOUNDED_STRING_CHAR not in ebnf:
-        return grammar
-    return xgrammar.Grammar.from_ebnf(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
-
-
-def _ebnf_literal(text: str) -> str:
-    # JSON string escapes (\" \\ \n \t \uXXXX) are EBNF string escapes too.
-    return json.dumps(text, ensure_ascii=True)
-
-
-def validate(spec: StructuredOutputSpec) -> None:
-    """Refuse a constraint that cannot compile, naming the field and quoting the compiler."""
-    if spec.kind == "choice":
-        choices = json.loads(spec.value)
-        if not choices:
-            raise InvalidArgument("a choice constraint needs at least one string", reason=INVALID_STRUCTURED_OUTPUT,
-                                  field=f"{spec.field}.choices")
-        for position, choice in enumerate(choices):
-            if not choice:
-                raise InvalidArgument("a choice must be a non-empty string", reason=INVALID_STRUCTURED_OUTPUT,
-                                      field=f"{spec.field}.choices[{position}]")
-    elif spec.kind != "json_object" and not spec.value:
-        raise InvalidArgument(f"the {spec.kind} constraint is empty", reason=INVALID_STRUCTURED_OUTPUT,
-                              field=spec.field)
-    try:
-        _grammar(spec)
-    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError subclasses for bad input
-        raise InvalidArgument(f"invalid {spec.kind} constraint: {compiler_message(exc)}",
-                              reason=INVALID_STRUCTURED_OUTPUT, field=spec.field) from None
-
-
-def compiler_message(exc: BaseException) -> str:
-    """xgrammar's message without its log prefix (time, C++ source line)."""
-    text = str(exc).strip()
-    return _XGRAMMAR_LOG_PREFIX.sub("", text).strip() or type(exc).__name__
+__all__ = ["GrammarCompiler", "INVALID_STRUCTURED_OUTPUT", "StructuredOutputSpec", "TokenMasks", "compile_error",
+           "new_matcher", "validate"]
 
 
 class GrammarCompiler:
@@ -162,7 +70,7 @@ class GrammarCompiler:
             return future
 
     def _compile(self, spec: StructuredOutputSpec) -> Any:
-        grammar = _grammar(spec)  # admission validated it; a failure here is still the caller's
+        grammar = grammar_of(spec)  # admission validated it; a failure here is still the caller's
         return self._xgrammar_compiler().compile_grammar(grammar)
 
     def _xgrammar_compiler(self) -> Any:

@@ -10,11 +10,11 @@ import asyncio
 
 from tito.errors import still_loading
 from tito.logs import bind_request_id
+from tito.structured_output import StructuredOutputSpec, spec_from_proto
 from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2, sampling_pb2
 
 from tito_engine.admission import Admission
 from tito_engine.backend import EngineBackend
-from tito_engine.constraints import StructuredOutputSpec
 from tito_engine.features import MODALITY_NAMES
 from tito_engine.request import ChoiceOutput, FinishReason, GenerateInput, RawSamplingParams, TokenLogprob
 
@@ -55,17 +55,7 @@ def sampling_from_proto(params: sampling_pb2.SamplingParams) -> RawSamplingParam
 
 
 def structured_output_from_proto(params: sampling_pb2.SamplingParams) -> StructuredOutputSpec | None:
-    if not params.HasField("structured_output"):
-        return None
-    constraint = params.structured_output
-    kind = constraint.WhichOneof("constraint")
-    if kind is None:
-        return None  # an empty StructuredOutput message: nothing to constrain
-    if kind == "choice":
-        return StructuredOutputSpec.choice(constraint.choice.choices)
-    if kind == "json_object":
-        return StructuredOutputSpec("json_object")
-    return StructuredOutputSpec(kind, getattr(constraint, kind))
+    return spec_from_proto(params.structured_output) if params.HasField("structured_output") else None
 
 
 def _modality_name(value: int) -> str:

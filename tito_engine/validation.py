@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from tito.contract import INVALID_SAMPLING_PARAMS, MAX_TOP_LOGPROBS
 from tito.errors import InvalidArgument, Violations
+from tito.structured_output import validate as validate_structured_output
 
 from tito_engine.request import GenerateInput, RawSamplingParams, SamplingOptions
 
@@ -107,9 +108,7 @@ def resolve_sampling(raw: RawSamplingParams, prompt_len: int, limits: ModelLimit
         violations.add(field("min_tokens"), f"must not exceed max_tokens ({max_tokens}), got {raw.min_tokens}")
     violations.raise_if_any(reason=INVALID_SAMPLING_PARAMS)
     if raw.structured_output is not None:
-        from tito_engine.constraints import validate  # imports xgrammar: only for constrained requests
-
-        validate(raw.structured_output)
+        validate_structured_output(raw.structured_output)
 
     return SamplingOptions(
         max_tokens=max_tokens,

@@ -223,7 +223,7 @@ def test_a_compile_failure_in_the_core_is_refused_before_scheduling(engine, monk
     def broken(_spec):
         raise RuntimeError("[12:00:00] /project/cpp/x.cc:1: boom")
 
-    monkeypatch.setattr(constraints, "_grammar", broken)
+    monkeypatch.setattr(constraints, "grammar_of", broken)
     engine._core.core.grammars._cache.clear()
 
     async def main():
