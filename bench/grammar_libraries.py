@@ -72,7 +72,7 @@ def bench_llguidance(tokenizer, steps: int) -> tuple[float, float]:
     import llguidance.torch
 
     lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer))
-    executor = llguidance.LLExecutor()
+    executor = llguidance.LLExecutor(num_threads=1)  # as xgrammar's batch matcher on 2 cores
     start = time.perf_counter()
     grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA))
     first = llguidance.LLMatcher(lltok, grammar)

@@ -125,7 +125,8 @@ class EngineCore:
     def load(self) -> CoreLoad:
         scheduler = self.scheduler
         stats = self.encoder_cache.stats() if self.encoder_cache is not None else None
-        return CoreLoad(scheduler.num_running_sequences(), len(scheduler.waiting), scheduler.finished_requests,
+        waiting = len(scheduler.waiting) + len(self._compiling)  # parked while their grammar compiles
+        return CoreLoad(scheduler.num_running_sequences(), waiting, scheduler.finished_requests,
                         scheduler.kv_blocks_used(), self.adds_seen, scheduler.prefix_cache_hit_tokens,
                         stats.hits if stats else 0, stats.misses if stats else 0)
 

@@ -232,3 +232,36 @@ def test_a_compile_failure_in_the_core_is_refused_before_scheduling(engine, monk
     with pytest.raises(InvalidArgument) as caught:
         asyncio.run(main())
     assert caught.value.reason == INVALID_STRUCTURED_OUTPUT and "boom" in caught.value.message
+
+
+def test_a_request_aborted_while_its_grammar_compiles_ends_with_abort(engine, monkeypatch):
+    import threading
+
+    import tito_engine.constraints as constraints
+
+    release = threading.Event()
+    real = constraints.grammar_of
+
+    def slow(spec):
+        release.wait(10)
+        return real(spec)
+
+    monkeypatch.setattr(constraints, "grammar_of", slow)
+    spec = StructuredOutputSpec("regex", "[0-9]{5}")
+    engine._core.core.grammars._cache.clear()
+    delivered = []
+    request_input = request(spec)
+    request_input.request_id = "parked"
+    engine.submit(Admission.for_backend(engine).admit(request_input), delivered.append)
+    for _ in range(200):
+        if engine.load().waiting_requests == 1:  # parked, counted as waiting
+            break
+        asyncio.run(asyncio.sleep(0.01))
+    assert engine.load().waiting_requests == 1
+    assert engine.abort(["parked"]) == ["parked"]
+    for _ in range(200):
+        if delivered:
+            break
+        asyncio.run(asyncio.sleep(0.01))
+    release.set()
+    assert len(delivered) == 1 and delivered[0].finish_reason is FinishReason.ABORT
