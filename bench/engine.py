@@ -38,8 +38,10 @@ tokens of the four setups agree in the first round.
 --constrained: one native engine server; the same prompts with no row, every other row and every
 row under a JSON schema constraint (structured outputs: a typical response_format schema as the
 items of an array too long to finish in the new tokens, so each constrained row is masked at every
-step). Prints each mix's tok/s and its paired ratio to the unconstrained mix (target >= 0.75 with
-every row constrained at the top concurrency).
+step). Prints each mix's tok/s and its paired ratios to the unconstrained mix (target >= 0.75 with
+every row constrained at the top concurrency): of wall-clock tok/s, and of tokens per CPU second
+of the engine's processes (server + core, from /proc: Linux), which other load on a shared
+machine disturbs much less.
 
 The machine may be shared (other load comes and goes within seconds), so the figures are measured
 in paired rounds: each round runs, at each concurrency, every setup back to back (the order rotates
@@ -386,7 +388,36 @@ class ConstrainedShare(Setup):
         def stream(prompt: list[int], tokens: int) -> AsyncIterator[list[int]]:
             return self.base.stream(prompt, tokens, self.constraint if id(prompt) in constrained else None)
 
-        return await measure(stream, prompts, new_tokens, concurrency)
+        cpu_before = process_tree_cpu_seconds(self.base.process.pid)
+        result = await measure(stream, prompts, new_tokens, concurrency)
+        # CPU seconds the engine (server + core process) spent per token: what a step costs,
+        # much less disturbed than wall time by other load on a shared machine.
+        cpu = process_tree_cpu_seconds(self.base.process.pid) - cpu_before
+        result["tokens_per_cpu_s"] = new_tokens * len(prompts) / max(cpu, 1e-9)
+        return result
+
+
+def process_tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and its descendants so far (Linux /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent pid, cpu seconds)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat_file:
+                fields = stat_file.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks)
+    tree, total, frontier = {pid}, 0.0, [pid]
+    while frontier:
+        parent = frontier.pop()
+        total += stats.get(parent, (0, 0.0))[1]
+        children = [child for child, (ppid, _) in stats.items() if ppid == parent and child not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return total
 
 
 class AsyncLLMWorker(Setup):
@@ -646,8 +677,8 @@ def print_setups(rounds, names: list[str]) -> None:
             print_row(f"{name}, concurrency {concurrency}", best)
 
 
-def paired(rounds, concurrency: int, numerator: str, denominator: str) -> list[float]:
-    return [r[concurrency][numerator]["tok_s"] / r[concurrency][denominator]["tok_s"] for r in rounds]
+def paired(rounds, concurrency: int, numerator: str, denominator: str, key: str = "tok_s") -> list[float]:
+    return [r[concurrency][numerator][key] / r[concurrency][denominator][key] for r in rounds]
 
 
 def print_ratio(label: str, ratios: list[float], target: tuple[str, float] | None) -> None:
@@ -728,6 +759,12 @@ def print_constrained_report(rounds, names: list[str]) -> None:
             target = (">=", 0.75) if name == names[-1] and concurrency == max(rounds[0]) else None
             print_ratio(f"{name} / {UNCONSTRAINED}, concurrency {concurrency}",
                         paired(rounds, concurrency, name, UNCONSTRAINED), target)
+    print(f"paired rounds, tokens per engine CPU second (server + core process), ratio to {UNCONSTRAINED}:")
+    for concurrency in rounds[0]:
+        for name in names[1:]:
+            target = (">=", 0.75) if name == names[-1] and concurrency == max(rounds[0]) else None
+            print_ratio(f"{name} / {UNCONSTRAINED}, concurrency {concurrency}",
+                        paired(rounds, concurrency, name, UNCONSTRAINED, "tokens_per_cpu_s"), target)
 
 
 def print_vllm_report(rounds, concurrencies: list[int]) -> None:

@@ -110,7 +110,13 @@ def new_matcher(compiled: Any) -> Any:
 
 
 class TokenMasks:
-    """The step's hook: mask the constrained rows' logits, then advance their matchers."""
+    """The step's hook: mask the constrained rows' logits, then advance their matchers.
+
+    After a step advances its matchers, a worker thread computes their next masks at once
+    (xgrammar releases the GIL), while the engine sends the step's outputs and runs the next
+    forward; the next `apply` only copies those rows into place. A matcher with no mask ready
+    (a choice that just started, or one that sat out a step) is filled then, in the same batch.
+    """
 
     def __init__(self, vocab_size: int):
         import xgrammar
@@ -118,21 +124,40 @@ class TokenMasks:
         self._xgrammar = xgrammar
         self._vocab_size = vocab_size
         self._batch = xgrammar.BatchGrammarMatcher(max_threads=1)
-        self._bitmask = xgrammar.allocate_token_bitmask(64, vocab_size)
+        self._step_mask = xgrammar.allocate_token_bitmask(64, vocab_size)  # by logits row
+        self._ahead_mask = xgrammar.allocate_token_bitmask(64, vocab_size)  # by position in _ahead_matchers
+        self._ahead_matchers: list[Any] = []  # kept referenced: their ids key _ahead_rows
+        self._ahead_rows: dict[int, int] = {}
+        self._ahead: concurrent.futures.Future | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tito-masks")
 
     def apply(self, logits: Any, rows: list[int], matchers: list[Any]) -> None:
-        """In place: every token the matcher of row rows[j] cannot take gets -inf (one fill, one apply)."""
-        if logits.shape[0] > self._bitmask.shape[0]:
-            self._bitmask = self._xgrammar.allocate_token_bitmask(logits.shape[0] * 2, self._vocab_size)
-        bitmask = self._bitmask
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        """In place: every token the matcher of row rows[j] cannot take gets -inf (one fill of the
+        missing masks, one apply for all rows)."""
+        if logits.shape[0] > self._step_mask.shape[0]:
+            self._step_mask = self._xgrammar.allocate_token_bitmask(logits.shape[0] * 2, self._vocab_size)
+        ready = self._take_ahead()
+        source, target, missing, missing_rows = [], [], [], []
+        for row, matcher in zip(rows, matchers):
+            position = ready.get(id(matcher))
+            if position is None:
+                missing.append(matcher)
+                missing_rows.append(row)
+            else:
+                source.append(position)
+                target.append(row)
+        if source:
+            self._step_mask[target] = self._ahead_mask[source]
+        if missing:
+            self._batch.batch_fill_next_token_bitmask(missing, self._step_mask, missing_rows)
+        bitmask = self._step_mask
         if logits.device.type != "cpu":
             bitmask = bitmask[:logits.shape[0]].to(logits.device, non_blocking=True)
         self._xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self._vocab_size, indices=rows)
 
-    @staticmethod
-    def advance(matchers: list[Any], tokens: list[int]) -> list[bool]:
-        """Feed each matcher its row's sampled token; True where the structure is now complete."""
+    def advance(self, matchers: list[Any], tokens: list[int]) -> list[bool]:
+        """Feed each matcher its row's sampled token; True where the structure is now complete.
+        Then start computing the next masks of the others."""
         done = []
         for matcher, token in zip(matchers, tokens):
             if not matcher.accept_token(token):
@@ -141,4 +166,25 @@ class TokenMasks:
                 done.append(True)
                 continue
             done.append(matcher.is_terminated())
+        self._compute_ahead([matcher for matcher, finished in zip(matchers, done) if not finished])
         return done
+
+    def _compute_ahead(self, matchers: list[Any]) -> None:
+        self._take_ahead()  # never two fills of the buffer at once
+        if len(matchers) > self._ahead_mask.shape[0]:
+            self._ahead_mask = self._xgrammar.allocate_token_bitmask(len(matchers) * 2, self._vocab_size)
+        self._ahead_matchers = matchers
+        self._ahead_rows = {id(matcher): position for position, matcher in enumerate(matchers)}
+        if matchers:
+            self._ahead = self._pool.submit(self._batch.batch_fill_next_token_bitmask, matchers, self._ahead_mask)
+
+    def _take_ahead(self) -> dict[int, int]:
+        """Wait for the masks computed ahead; their rows by matcher id (valid until the next advance)."""
+        if self._ahead is not None:
+            try:
+                self._ahead.result()
+            except Exception:  # noqa: BLE001 - computed again, synchronously, by apply
+                log.exception("computing token masks ahead failed")
+                self._ahead_rows = {}
+            self._ahead = None
+        return self._ahead_rows

@@ -355,12 +355,11 @@ class Scheduler:
         self._token_masks.apply(logits, constrained, [targets[i][1].matcher for i in constrained])
         return logits
 
-    @staticmethod
-    def _advance_constrained(targets: list[tuple[Request, Sequence]], constrained: list[int],
+    def _advance_constrained(self, targets: list[tuple[Request, Sequence]], constrained: list[int],
                              tokens: list[int]) -> set[int]:
         """Feed the sampled tokens to the matchers; the rows whose structure is now complete."""
-        finished = constraints.TokenMasks.advance([targets[i][1].matcher for i in constrained],
-                                                  [tokens[i] for i in constrained])
+        finished = self._token_masks.advance([targets[i][1].matcher for i in constrained],
+                                             [tokens[i] for i in constrained])
         return {i for i, done in zip(constrained, finished) if done}
 
     def _sample_row(self, request: Request, seq: Sequence) -> SampleRow:
