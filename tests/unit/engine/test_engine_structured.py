@@ -265,3 +265,42 @@ def test_a_request_aborted_while_its_grammar_compiles_ends_with_abort(engine, mo
         asyncio.run(asyncio.sleep(0.01))
     release.set()
     assert len(delivered) == 1 and delivered[0].finish_reason is FinishReason.ABORT
+
+
+def test_choices_and_preempted_requests_keep_their_structure(tiny_text_model, tokenizer):
+    from tito_engine.model_runner import KVCacheSpec
+
+    # 96 blocks of 8 tokens: 14 choices of ~100 tokens each cannot all stay; some are preempted
+    # mid-structure and recompute prompt + output before their matcher takes the next token.
+    small = ModelRunner(tiny_text_model, model_id="tiny-qwen2", device="cpu", max_model_len=512,
+                        kv_cache=KVCacheSpec(num_blocks=96, block_size=8))
+    engine = Engine(small, max_running_requests=16)
+    engine.start()
+    try:
+        schemas = generated_schemas(12, seed=3)
+        inputs = [request(StructuredOutputSpec("json_schema", json.dumps(schema)), temperature=1.0, seed=i,
+                          n=3 if i == 0 else None, max_tokens=160, prompt=list(range(5 + i, 60 + i)))
+                  for i, schema in enumerate(schemas)]
+
+        async def choices(generate_input):
+            per_choice: dict[int, list[int]] = {}
+            finish = {}
+            async for output in engine.generate(Admission.for_backend(engine).admit(generate_input)):
+                per_choice.setdefault(output.index, []).extend(output.token_ids)
+                if output.finish_reason is not None:
+                    finish[output.index] = output.finish_reason
+            return per_choice, finish
+
+        async def main():
+            return await asyncio.gather(*(choices(item) for item in inputs))
+
+        results = asyncio.run(main())
+        assert engine._core.core.scheduler.preemptions > 0
+    finally:
+        engine.stop()
+    assert len(results[0][0]) == 3
+    for schema, (per_choice, finish) in zip(schemas, results):
+        for index, tokens in per_choice.items():
+            assert finish[index] is FinishReason.STOP
+            jsonschema.validate(json.loads(tokenizer.decode(tokens, skip_special_tokens=True)), schema,
+                                format_checker=syntactic_format_checker())
