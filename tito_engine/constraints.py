@@ -9,9 +9,9 @@ engine README gives the figures and the reasons). Three stages, three places:
   queued. Both backends.
 - `GrammarCompiler` (engine core): compiles the grammar against the model's vocabulary in a
   worker thread, off the step loop, and caches the compiled grammar by the constraint's hash.
-- `TokenMasks` (scheduler step): one batched bitmask fill and one bitmask apply for all the
-  constrained rows of a step, then each matcher takes its sampled token. A step without a
-  constrained row never gets here.
+- `TokenMasks` (scheduler step): one bitmask apply for all the constrained rows of a step, then
+  each matcher takes its sampled token and a worker thread computes the next masks of the
+  batch in one call while the engine runs on. A step without a constrained row never gets here.
 
 A compiled grammar and its matchers are native objects that do not pickle: only the
 `StructuredOutputSpec` (plain strings) crosses from the server to the core process.
@@ -54,6 +54,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, concurrent.futures.Future] = OrderedDict()
         self._cache_size = cache_size
         self._compiler: Any = None  # xgrammar.GrammarCompiler, built by the first compile
+        self._compiler_lock = threading.Lock()
 
     def submit(self, spec: StructuredOutputSpec) -> concurrent.futures.Future:
         """A future of the compiled grammar (done at once on a cache hit)."""
@@ -74,24 +75,26 @@ class GrammarCompiler:
         return self._xgrammar_compiler().compile_grammar(grammar)
 
     def _xgrammar_compiler(self) -> Any:
-        if self._compiler is None:  # only the pool's threads get here: one at a time per thread
-            import xgrammar
-            from transformers import AutoTokenizer
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = self._build_compiler()
+            return self._compiler
 
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(str(self._model_dir))
-            except Exception as exc:  # noqa: BLE001 - any loader error means the same thing here
-                raise FailedPrecondition(
-                    f"structured outputs need the model's tokenizer, which could not be loaded from the model "
-                    f"directory ({type(exc).__name__}); send the request without structured_output",
-                    reason="STRUCTURED_OUTPUT_UNAVAILABLE", field="sampling_params.structured_output") from None
-            info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size,
-                                                           stop_token_ids=self._stop_token_ids)
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        return self._compiler
+    def _build_compiler(self) -> Any:
+        """Reads the tokenizer (seconds for a large vocabulary): once per engine."""
+        import xgrammar
+        from transformers import AutoTokenizer
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(self._model_dir))
+        except Exception as exc:  # noqa: BLE001 - any loader error means the same thing here
+            raise FailedPrecondition(
+                f"structured outputs need the model's tokenizer, which could not be loaded from the model "
+                f"directory ({type(exc).__name__}); send the request without structured_output",
+                reason="STRUCTURED_OUTPUT_UNAVAILABLE", field="sampling_params.structured_output") from None
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size,
+                                                       stop_token_ids=self._stop_token_ids)
+        return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
 
 def compile_error(exc: BaseException, spec: StructuredOutputSpec) -> Exception:
