@@ -304,3 +304,13 @@ def test_choices_and_preempted_requests_keep_their_structure(tiny_text_model, to
             assert finish[index] is FinishReason.STOP
             jsonschema.validate(json.loads(tokenizer.decode(tokens, skip_special_tokens=True)), schema,
                                 format_checker=syntactic_format_checker())
+
+
+def test_a_model_without_tokenizer_files_refuses_constrained_requests(tmp_path):
+    from tito.errors import FailedPrecondition
+    from tito_engine.constraints import GrammarCompiler, compile_error
+
+    spec = StructuredOutputSpec("regex", "[a-z]")
+    error = GrammarCompiler(tmp_path, 1013, [1000]).submit(spec).exception(timeout=60)
+    refused = compile_error(error, spec)
+    assert isinstance(refused, FailedPrecondition) and refused.reason == "STRUCTURED_OUTPUT_UNAVAILABLE"
