@@ -3,6 +3,8 @@
     .venv/bin/python bench/engine.py [--model tiny-qwen2] [--device cpu] [--new-tokens 64]
     .venv/bin/python bench/engine.py --vllm [--model tiny-qwen2-d64] [--concurrency 1 32]
 
+    .venv/bin/python bench/engine.py --constrained [--concurrency 32]
+
 Default run: starts the engine server as a subprocess on a Unix socket, sends the same 32 prompts
 of different lengths (greedy, ignore_eos, 64 new tokens each) at concurrency 1, 8 and 32 from a
 grpc.aio client, and measures in the same run (server idle meanwhile) HF `generate` one request at
@@ -32,6 +34,14 @@ baselines are not run in this mode. Prints the table for the four setups, the ra
 tito-vllm-backend / AsyncLLM (target >= 0.90 at the top concurrency: tito's gRPC layer costs at most
 10%) and tito-vllm-backend / vLLM HTTP (target > 1) at each concurrency, and whether the greedy
 tokens of the four setups agree in the first round.
+
+--constrained: one native engine server; the same prompts with no row, every other row and every
+row under a JSON schema constraint (structured outputs: a typical response_format schema as the
+items of an array too long to finish in the new tokens, so each constrained row is masked at every
+step). Prints each mix's tok/s and its paired ratios to the unconstrained mix (target >= 0.75 with
+every row constrained at the top concurrency): of wall-clock tok/s, and of tokens per CPU second
+of the engine's processes (server + core, from /proc: Linux), which other load on a shared
+machine disturbs much less.
 
 The machine may be shared (other load comes and goes within seconds), so the figures are measured
 in paired rounds: each round runs, at each concurrency, every setup back to back (the order rotates
@@ -310,9 +320,10 @@ class TitoEngine(Setup):
                 await asyncio.sleep(0.2)
         raise RuntimeError(f"{self.name}: the engine did not start in time")
 
-    async def stream(self, prompt: list[int], new_tokens: int) -> AsyncIterator[list[int]]:
+    async def stream(self, prompt: list[int], new_tokens: int,
+                     structured_output: sampling_pb2.StructuredOutput | None = None) -> AsyncIterator[list[int]]:
         request = engine_pb2.GenerateRequest(token_ids=prompt, sampling_params=sampling_pb2.SamplingParams(
-            temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+            temperature=0.0, max_tokens=new_tokens, ignore_eos=True, structured_output=structured_output))
         async for response in self.stub.Generate(request, timeout=600):
             yield response.token_ids
 
@@ -327,6 +338,86 @@ class TitoEngine(Setup):
         if getattr(self, "channel", None) is not None:
             await self.channel.close()
         await super().stop()
+
+
+# --constrained: a typical response_format schema (nested object, array, enum, bounded strings and
+# integers, required fields), as the items of an array that needs more than 64 tokens, so every
+# constrained stream is masked at each of its steps and still runs to max_tokens.
+ITEM_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "role", "address"],
+    "additionalProperties": False,
+}
+BENCH_SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": ITEM_SCHEMA, "minItems": 100}},
+                "required": ["items"], "additionalProperties": False}
+UNCONSTRAINED = "no row constrained"
+
+
+class ConstrainedShare(Setup):
+    """The same native engine server as `base`, with every `every`-th prompt carrying the JSON
+    schema constraint (BENCH_SCHEMA) and the others unconstrained (every=0: none constrained).
+    Constrained and unconstrained prompts alternate, so with every=2 they share each step."""
+
+    def __init__(self, base: TitoEngine, every: int, name: str):
+        super().__init__(base.settings)
+        self.base, self.every, self.name = base, every, name
+        self.constraint = sampling_pb2.StructuredOutput(json_schema=json.dumps(BENCH_SCHEMA))
+
+    async def start(self, tmp: str) -> None:  # the base setup runs the server
+        pass
+
+    async def ready(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    async def run(self, prompts, new_tokens, concurrency):
+        # measure() hands over the prompt objects themselves: their ids say which are constrained.
+        constrained = {id(p) for i, p in enumerate(prompts) if self.every and i % self.every == 0}
+
+        def stream(prompt: list[int], tokens: int) -> AsyncIterator[list[int]]:
+            return self.base.stream(prompt, tokens, self.constraint if id(prompt) in constrained else None)
+
+        cpu_before = process_tree_cpu_seconds(self.base.process.pid)
+        result = await measure(stream, prompts, new_tokens, concurrency)
+        # CPU seconds the engine (server + core process) spent per token: what a step costs,
+        # much less disturbed than wall time by other load on a shared machine.
+        cpu = process_tree_cpu_seconds(self.base.process.pid) - cpu_before
+        result["tokens_per_cpu_s"] = new_tokens * len(prompts) / max(cpu, 1e-9)
+        return result
+
+
+def process_tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and its descendants so far (Linux /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent pid, cpu seconds)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat_file:
+                fields = stat_file.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks)
+    tree, total, frontier = {pid}, 0.0, [pid]
+    while frontier:
+        parent = frontier.pop()
+        total += stats.get(parent, (0, 0.0))[1]
+        children = [child for child, (ppid, _) in stats.items() if ppid == parent and child not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return total
 
 
 class AsyncLLMWorker(Setup):
@@ -478,17 +569,20 @@ async def paired_rounds(setups: list[Setup], prompts, args, pause: float,
 
 
 async def bench(setups: list[Setup], prompts, args, pause: float,
-                after_top: Callable[[], dict] | None = None) -> list[dict[int, dict[str, dict]]]:
-    """Start every setup (all at once), warm each up, run the paired rounds, stop them all."""
+                after_top: Callable[[], dict] | None = None,
+                only: list[Setup] | None = None) -> list[dict[int, dict[str, dict]]]:
+    """Start every setup (all at once), warm each up, run the paired rounds (over `only` when
+    given: setups that share another's server), stop them all."""
     with tempfile.TemporaryDirectory() as tmp:
         try:
             for setup in setups:
                 await setup.start(tmp)
             for setup in setups:
                 await setup.ready()
-            for setup in setups:
+            measured = only or setups
+            for setup in measured:
                 await setup.run(prompts[:8], 8, 8)  # warm up
-            rounds = await paired_rounds(setups, prompts, args, pause, after_top)
+            rounds = await paired_rounds(measured, prompts, args, pause, after_top)
             await asyncio.sleep(pause)
             for setup in setups:
                 await setup.check_idle()
@@ -583,12 +677,12 @@ def print_setups(rounds, names: list[str]) -> None:
             print_row(f"{name}, concurrency {concurrency}", best)
 
 
-def paired(rounds, concurrency: int, numerator: str, denominator: str) -> list[float]:
-    return [r[concurrency][numerator]["tok_s"] / r[concurrency][denominator]["tok_s"] for r in rounds]
+def paired(rounds, concurrency: int, numerator: str, denominator: str, key: str = "tok_s") -> list[float]:
+    return [r[concurrency][numerator][key] / r[concurrency][denominator][key] for r in rounds]
 
 
 def print_ratio(label: str, ratios: list[float], target: tuple[str, float] | None) -> None:
-    text = f"  {label:<56}{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
+    text = f"  {label:<56} {statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
     if target is not None:
         op, bound = target
         met = statistics.median(ratios) >= bound if op == ">=" else statistics.median(ratios) > bound
@@ -654,6 +748,25 @@ def print_default_report(rounds) -> None:
           f"  (target >= 8)")
 
 
+def print_constrained_report(rounds, names: list[str]) -> None:
+    print()
+    print_header()
+    print_setups(rounds, names)
+    print()
+    print(f"paired rounds, tok/s ratio to {UNCONSTRAINED} on the same engine, median [min-max] of {len(rounds)}:")
+    for concurrency in rounds[0]:
+        for name in names[1:]:
+            target = (">=", 0.75) if name == names[-1] and concurrency == max(rounds[0]) else None
+            print_ratio(f"{name} / {UNCONSTRAINED}, concurrency {concurrency}",
+                        paired(rounds, concurrency, name, UNCONSTRAINED), target)
+    print(f"paired rounds, tokens per engine CPU second (server + core process), ratio to {UNCONSTRAINED}:")
+    for concurrency in rounds[0]:
+        for name in names[1:]:
+            target = (">=", 0.75) if name == names[-1] and concurrency == max(rounds[0]) else None
+            print_ratio(f"{name} / {UNCONSTRAINED}, concurrency {concurrency}",
+                        paired(rounds, concurrency, name, UNCONSTRAINED, "tokens_per_cpu_s"), target)
+
+
 def print_vllm_report(rounds, concurrencies: list[int]) -> None:
     names = [TITO_NATIVE, TITO_VLLM, ASYNCLLM, VLLM_HTTP]
     print()
@@ -687,6 +800,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vllm", action="store_true",
                         help="compare tito (native and vllm backend) with vLLM's AsyncLLM and HTTP token-in "
                              "instead of HF generate")
+    parser.add_argument("--constrained", action="store_true",
+                        help="the native engine with no, half and every row under a JSON schema constraint "
+                             "(structured outputs): tok/s ratios to unconstrained decoding")
     parser.add_argument("--vllm-asyncllm-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.vllm_asyncllm_worker:
@@ -708,7 +824,15 @@ def main(argv: list[str] | None = None) -> None:
           f"{'every setup' if args.vllm else 'engine'} prefix cache {'on' if args.prefix_caching else 'off'}",
           flush=True)
 
-    if args.vllm:
+    if args.constrained:
+        settings = Settings(args.model, str(model_dir), args.device, args.prefix_caching,
+                            max_running=max(args.concurrency))
+        base = TitoEngine(settings)
+        setups = [ConstrainedShare(base, 0, UNCONSTRAINED), ConstrainedShare(base, 2, "half the rows constrained"),
+                  ConstrainedShare(base, 1, "every row constrained")]
+        rounds = asyncio.run(bench([base, *setups], prompts, args, pause=0.0, only=setups))
+        print_constrained_report(rounds, [setup.name for setup in setups])
+    elif args.vllm:
         # One value for every setting the four setups share (the default run keeps tito's defaults).
         settings = Settings(args.model, str(model_dir), args.device, args.prefix_caching,
                             max_running=max(VLLM_MAX_NUM_SEQS, *args.concurrency),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import json
 import signal
 import subprocess
 import sys
@@ -77,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--seed", type=int)
     chat.add_argument("--no-thinking", action="store_true", help="pass enable_thinking=false to the template")
+    answer_format = chat.add_mutually_exclusive_group()
+    answer_format.add_argument("--json-schema", metavar="FILE",
+                               help="answer with JSON that validates against the JSON Schema in FILE "
+                                    "(response_format json_schema)")
+    answer_format.add_argument("--json", action="store_true", help="answer with a JSON object (response_format json_object)")
     chat.add_argument("--render", help="render address; with --engine and --derender, use running services")
     chat.add_argument("--engine", help="engine address")
     chat.add_argument("--derender", help="derender address")
@@ -186,6 +192,19 @@ def chat(args: argparse.Namespace) -> int:
     if missing:
         print(f"tito chat: --image {missing[0]}: no such file", file=sys.stderr)
         return 2
+    response_format = render_pb2.ResponseFormat(type="json_object") if args.json else None
+    if args.json_schema:
+        try:
+            schema = json.loads(Path(args.json_schema).read_text())
+        except (OSError, ValueError) as exc:
+            print(f"tito chat: --json-schema {args.json_schema}: {exc}", file=sys.stderr)
+            return 2
+        if not isinstance(schema, dict):
+            print(f"tito chat: --json-schema {args.json_schema}: a JSON Schema is a JSON object", file=sys.stderr)
+            return 2
+        response_format = render_pb2.ResponseFormat(type="json_schema")
+        response_format.json_schema.name = Path(args.json_schema).stem
+        response_format.json_schema.schema.update(schema)
     given = [args.render, args.engine, args.derender]
     if any(given) and not all(given):
         print("tito chat: give all of --render, --engine and --derender, or none to start them", file=sys.stderr)
@@ -235,7 +254,8 @@ def chat(args: argparse.Namespace) -> int:
         sampling = render_pb2.SamplingOptions(max_tokens=args.max_tokens, temperature=args.temperature)
         if args.seed is not None:
             sampling.seed = args.seed
-        request = render_pb2.RenderChatRequest(messages=messages, sampling=sampling, chat_template_kwargs=kwargs)
+        request = render_pb2.RenderChatRequest(messages=messages, sampling=sampling, chat_template_kwargs=kwargs,
+                                               response_format=response_format)
         with ChatPipeline(endpoints, timeout=args.timeout, security=security) as pipeline:
             for chunk in pipeline.stream_chat(request):
                 text = chunk.reasoning_content + chunk.content

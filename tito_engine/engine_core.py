@@ -16,10 +16,15 @@ encoder cache is not encoded again), and their `forward.MultiModalPrefill` is at
 request: n > 1 forks and preemption-recompute reuse it, so the encoder never runs twice for them.
 EncodeItems (the Encode RPC) resolves, encodes what is not cached, stores, and answers with one
 `EncoderCacheDescriptor` per item. Out: one `StepBatch` per step.
+A request with a structured-output constraint (options.structured_output, plain strings) is
+parked at AddRequest while a worker thread compiles its grammar (constraints.GrammarCompiler,
+cached by the constraint's hash), and queued once it has it, so the step loop never compiles; a
+constraint that fails to compile is refused like a media request, never scheduled.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -30,6 +35,7 @@ from typing import Any
 
 from tito.errors import TitoError
 
+from tito_engine.constraints import GrammarCompiler, compile_error
 from tito_engine.core_messages import (AbortRequest, AddRequest, Command, CoreFailed, CoreLoad, CoreReady,
                                        CoreStopped, EncodeItems, EncodeResult, StepBatch, StopCore)
 from tito_engine.encoder_cache import EncoderCache
@@ -61,11 +67,15 @@ class EngineCore:
                                               store_id=f"engine-{uuid.uuid4().hex[:16]}",
                                               model_fingerprint=runner.info.fingerprint)
         self._to_encode: list[tuple[Request, ValidatedFeatures]] = []  # added, not yet encoded
+        self.grammars = GrammarCompiler(getattr(runner, "model_dir", None), runner.info.vocab_size,
+                                        runner.info.eos_token_ids)
+        self._compiling: dict[int, tuple[Request, concurrent.futures.Future]] = {}  # key -> parked request
 
     def load(self) -> CoreLoad:
         scheduler = self.scheduler
         stats = self.encoder_cache.stats() if self.encoder_cache is not None else None
-        return CoreLoad(scheduler.num_running_sequences(), len(scheduler.waiting), scheduler.finished_requests,
+        waiting = len(scheduler.waiting) + len(self._compiling)  # parked while their grammar compiles
+        return CoreLoad(scheduler.num_running_sequences(), waiting, scheduler.finished_requests,
                         scheduler.kv_blocks_used(), self.adds_seen, scheduler.prefix_cache_hit_tokens,
                         stats.hits if stats else 0, stats.misses if stats else 0)
 
@@ -82,8 +92,14 @@ class EngineCore:
     def _serve(self, receive, receive_ready, emit) -> bool:
         scheduler = self.scheduler
         while True:
-            # Block when idle; otherwise take whatever arrived and run a step.
-            commands = ([receive()] if not scheduler.has_work() else []) + receive_ready()
+            # Block when idle; otherwise take whatever arrived and run a step. While grammars
+            # compile with nothing else to do, wait on them a moment instead of on the pipe.
+            if self._compiling and not scheduler.has_work():
+                concurrent.futures.wait([future for _, future in self._compiling.values()], timeout=0.005,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+                commands = receive_ready()
+            else:
+                commands = ([receive()] if not scheduler.has_work() else []) + receive_ready()
             outputs: list = []
             for command in commands:
                 if isinstance(command, StopCore):
@@ -91,6 +107,8 @@ class EngineCore:
                     emit(StepBatch(outputs, self.load()))
                     return True
                 self._apply(command, outputs)
+            if self._compiling:
+                self._queue_compiled(outputs)
             if self._to_encode:
                 self._encode_new_media(outputs)
             stepped = scheduler.has_work()
@@ -112,7 +130,7 @@ class EngineCore:
             case AbortRequest(key=key):
                 request = self.requests.get(key)
                 if request is not None:
-                    outputs.extend(self._out(request, output) for output in self.scheduler.abort(request))
+                    outputs.extend(self._abort(request))
                 else:
                     # Either finished already or its add is still behind this abort; remember a bounded few.
                     self.early_aborts[key] = None
@@ -140,11 +158,36 @@ class EngineCore:
         self.requests[key] = request
         if validated is not None:
             self._to_encode.append((request, validated))
-        self.scheduler.add(request)
+        if command.options.structured_output is not None:
+            self._compiling[key] = (request, self.grammars.submit(command.options.structured_output))
+        else:
+            self.scheduler.add(request)
         if key in self.early_aborts:
             del self.early_aborts[key]
             self._to_encode = [(r, v) for r, v in self._to_encode if r is not request]
-            outputs.extend(self._out(request, output) for output in self.scheduler.abort(request))
+            outputs.extend(self._abort(request))
+
+    def _abort(self, request: Request) -> list:
+        if self._compiling.pop(request.key, None) is not None:
+            self.scheduler.add(request)  # so that the scheduler ends its choices with ABORT like any other
+        return [self._out(request, output) for output in self.scheduler.abort(request)]
+
+    # ------------------------------------------------------------------ structured outputs
+
+    def _queue_compiled(self, outputs: list) -> None:
+        """Queue the parked requests whose grammar is compiled; refuse those whose compile failed."""
+        for key, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[key]
+            error = future.exception()
+            if error is not None:
+                self.requests.pop(key, None)
+                self._to_encode = [(r, v) for r, v in self._to_encode if r is not request]
+                outputs.append((key, _refusal_or_bug(compile_error(error, request.options.structured_output)), True))
+                continue
+            request.grammar = future.result()
+            self.scheduler.add(request)
 
     # ------------------------------------------------------------------ media
 
@@ -220,7 +263,7 @@ class EngineCore:
     def _abort_all(self) -> list:
         outputs = []
         for request in list(self.requests.values()):
-            outputs.extend(self._out(request, output) for output in self.scheduler.abort(request))
+            outputs.extend(self._abort(request))
             self.requests.pop(request.key, None)
         return outputs
 
@@ -233,6 +276,7 @@ class EngineCore:
             self.scheduler.abort(request)  # frees the KV; the caller sees the error, not an ABORT
             outputs.append((request.key, portable, True))
         self.requests.clear()
+        self._compiling.clear()
         return outputs
 
 

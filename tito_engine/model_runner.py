@@ -17,7 +17,7 @@ import torch
 from tito.config import ConfigError
 from tito.vocab import load_vocabulary
 
-from tito_engine import vision
+from tito_engine import constraints, vision
 from tito_engine.features import ModelMultimodalSpec, multimodal_spec_from_config
 from tito_engine.forward import BatchedDecoder, MultiModalPrefill, RowInput
 from tito_engine.kv_cache import KVLayout, PagedKVCache
@@ -183,6 +183,7 @@ class ModelRunner:
     def __init__(self, model_dir: Path, *, model_id: str, device: str = "auto",
                  max_model_len: int | None = None, kv_cache: KVCacheSpec | None = None,
                  cpu_threads: int | None = None, exclude_padding_ids: bool = True):
+        self.model_dir = model_dir  # structured outputs read the tokenizer from here (constraints.py)
         self.device = choose_device(device)
         self.dtype = choose_dtype(self.device)
         if self.device.type == "cpu":
@@ -210,6 +211,7 @@ class ModelRunner:
         #: Logit columns set to -inf every step (sampler.mask_logits) when padding ids are
         #: excluded; None when they are not or the model has none (then it costs nothing).
         self.logits_mask = padding_mask(self.info.padding_ids, self.device) if exclude_padding_ids else None
+        self._token_masks: constraints.TokenMasks | None = None  # built by the first constrained step
         self.cache = self._make_cache(text_config, kv_cache or KVCacheSpec())
         try:
             self.decoder = BatchedDecoder(self.model, self.cache, max_positions=self.info.max_context_length)
@@ -259,12 +261,25 @@ class ModelRunner:
 
     def run(self, plan: StepPlan) -> SampledTokens:
         """Execute a scheduler plan: one batched forward, then one batched sampling call (argmax
-        alone when every target is plain greedy)."""
+        alone when every target is plain greedy). Constrained targets are masked by their
+        grammars first, in one apply, and their matchers take the sampled tokens after."""
         logits = self.decoder.forward(plan.rows)
         if plan.logit_rows != list(range(logits.shape[0])):
             logits = logits[plan.logit_rows]  # forking choices read their parent's row
-        logits = mask_logits(logits, self.logits_mask)
+        raw_logits = logits = mask_logits(logits, self.logits_mask)
+        matchers = [plan.targets[i][1].matcher for i in plan.constrained]
+        if matchers:
+            if self._token_masks is None:
+                self._token_masks = constraints.TokenMasks(logits.shape[-1])
+            if any(sample.options.wants_logprobs for sample in plan.samples):
+                logits = logits.clone()  # logprobs are those of the distribution before the grammar
+            self._token_masks.apply(logits, plan.constrained, matchers)
         if plan.plain_greedy:
-            return SampledTokens(logits.max(dim=-1).indices.tolist())  # max: faster than argmax on CPU
-        tokens, logprobs = sample_batch(logits, plan.samples)
-        return SampledTokens(tokens, logprobs)
+            tokens, logprobs = logits.max(dim=-1).indices.tolist(), None  # max: faster than argmax on CPU
+        else:
+            tokens, logprobs = sample_batch(logits, plan.samples, raw_logits=raw_logits)
+        complete: frozenset[int] = frozenset()
+        if matchers:
+            finished = self._token_masks.advance(matchers, [tokens[i] for i in plan.constrained])
+            complete = frozenset(i for i, done in zip(plan.constrained, finished) if done)
+        return SampledTokens(tokens, logprobs, complete)

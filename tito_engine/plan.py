@@ -29,6 +29,8 @@ class StepPlan:
     targets: list[tuple[Request, Sequence]] = field(default_factory=list)
     samples: list[SampleRow] = field(default_factory=list)
     logit_rows: list[int] = field(default_factory=list)
+    #: Targets whose choice is under a structured-output grammar (their `seq.matcher`).
+    constrained: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.rows)
@@ -45,3 +47,5 @@ class SampledTokens:
 
     token_ids: list[int]
     logprobs: list[PositionLogprobs | None] | None = None
+    #: Targets whose grammar is complete after this token (they finish with STOP).
+    structure_complete: frozenset[int] = frozenset()

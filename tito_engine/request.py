@@ -37,6 +37,7 @@ class RawSamplingParams:
     n: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    structured_output: Any = None  # constraints.StructuredOutputSpec or None
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class SamplingOptions:
     repetition_penalty: float = 1.0
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per position (validation: needs logprobs)
+    structured_output: Any = None  # constraints.StructuredOutputSpec (validated) or None
 
     @property
     def greedy(self) -> bool:
@@ -144,6 +146,7 @@ class Sequence:
         self.awaiting_fork = False  # a choice n > 1 that starts from choice 0's prefilled prompt
         self.generator = generator  # torch.Generator for seeded requests, else None
         self.prompt_mask: Any = None  # lazily built by the sampler for repetition_penalty
+        self.matcher: Any = None  # the grammar matcher of a constrained choice (constraints.py)
         self.finish_reason: FinishReason | None = None
         self.matched_stop_token_id: int | None = None
 
@@ -180,6 +183,7 @@ class Request:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.failed = False  # ended by an engine error; never schedule it
+        self.grammar: Any = None  # compiled structured-output grammar (constraints.py), set before queueing
 
     @property
     def finished(self) -> bool:

@@ -56,8 +56,13 @@ def mask_logits(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor
         return logits.index_fill_(1, mask, float("-inf"))
 
 
-def sample_batch(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[PositionLogprobs | None] | None]:
-    """Pick one token per row of `logits` [R, vocab]; return the ids and (if any row asked) logprobs."""
+def sample_batch(logits: torch.Tensor, rows: list[SampleRow], raw_logits: torch.Tensor | None = None
+                 ) -> tuple[list[int], list[PositionLogprobs | None] | None]:
+    """Pick one token per row of `logits` [R, vocab]; return the ids and (if any row asked) logprobs.
+
+    `raw_logits`: the model's logits when `logits` were already masked (structured outputs);
+    logprobs are computed from them.
+    """
     if all(row.options.plain_greedy and not row.banned for row in rows):
         return logits.max(dim=-1).indices.tolist(), None  # max: faster than argmax on CPU
     processed = logits
@@ -77,7 +82,7 @@ def sample_batch(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int]
     logprob_rows = [i for i, row in enumerate(rows) if row.options.wants_logprobs]
     if not logprob_rows:
         return token_list, None
-    return token_list, _logprobs(logits, rows, token_list, logprob_rows)
+    return token_list, _logprobs(logits if raw_logits is None else raw_logits, rows, token_list, logprob_rows)
 
 
 def _apply_penalties(row_logits: torch.Tensor, row: SampleRow) -> None:

@@ -22,6 +22,10 @@ Runs only on the engine thread (no locks here).
 - Media prompts (Gemma3): a prefill chunk never splits a bidirectional span (an image's run of
   soft tokens attends within itself in both directions, exact only in one chunk): the chunk ends
   before the span, or, when it starts at the span, takes the whole span even past the budget.
+- Structured outputs (constraints.py): a constrained request arrives with its compiled grammar;
+  each choice gets a matcher. The runner masks a step's constrained rows in one batched apply
+  before sampling and feeds each matcher its token after (ModelRunner.run); a choice whose
+  grammar is complete finishes with STOP. Steps without constrained rows pay nothing.
 - Prefix caching (text prompts only; requests with media items never read or fill it): full
   prompt blocks are registered under chained sha256 digests
   of their tokens (and the request's cache_salt) once computed; an admitted sequence takes the
@@ -37,6 +41,7 @@ import time
 from collections import deque
 from typing import Any, Protocol
 
+from tito_engine import constraints
 from tito_engine.forward import RowInput, fit_chunk_end
 from tito_engine.kv_manager import KVCacheManager
 from tito_engine.plan import SampledTokens, StepPlan
@@ -243,6 +248,8 @@ class Scheduler:
                 choices += [child for child in request.sequences if child.awaiting_fork]
             for choice in choices:
                 plan.targets.append((request, choice))
+                if choice.matcher is not None:
+                    plan.constrained.append(len(plan.targets) - 1)
                 plan.samples.append(_sample_row(request, choice, self.eos_token_ids))
                 plan.logit_rows.append(logit_row)
             logit_row += 1
@@ -266,7 +273,7 @@ class Scheduler:
             if request.first_token_time is None:
                 request.first_token_time = now
             output = _append(request, seq, sampled.token_ids[i], logprobs[i] if logprobs is not None else None,
-                             self.eos_token_ids)
+                             self.eos_token_ids, i in sampled.structure_complete)
             outputs.append((request, output))
             if output.finish_reason is not None:
                 self._running_sequences -= 1
@@ -319,7 +326,8 @@ def run_step(scheduler: Scheduler, runner: StepRunner) -> StepOutputs:
 def _sample_row(request: Request, seq: Sequence, eos_token_ids: frozenset[int]) -> SampleRow:
     options = request.options
     banned: frozenset[int] = frozenset()
-    if len(seq.output_ids) < options.min_tokens:  # EOS and stop ids may not end it yet
+    if len(seq.output_ids) < options.min_tokens and seq.matcher is None:
+        # EOS and stop ids may not end it yet (a grammar decides where a constrained row may end)
         banned = options.stop_token_ids if options.ignore_eos else options.stop_token_ids | eos_token_ids
     return SampleRow(options, seq, request.prompt_ids, banned)
 
@@ -332,11 +340,15 @@ def _create_sequences(request: Request, device: Any) -> None:
         generator = make_generator(options.seed, index, device) if options.seed is not None else None
         seq = Sequence(index, generator)
         seq.awaiting_fork = index > 0
+        if request.grammar is not None:
+            seq.matcher = constraints.new_matcher(request.grammar)
         request.sequences.append(seq)
 
 
-def _append(request: Request, seq: Sequence, token_id: int, logprobs, eos_token_ids: frozenset[int]) -> ChoiceOutput:
-    """Append a sampled token to its choice, deciding whether it ends the choice."""
+def _append(request: Request, seq: Sequence, token_id: int, logprobs, eos_token_ids: frozenset[int],
+            structure_complete: bool = False) -> ChoiceOutput:
+    """Append a sampled token to its choice, deciding whether it ends the choice
+    (`structure_complete`: its grammar took its end or can take nothing more)."""
     options = request.options
     seq.output_ids.append(token_id)
     count = len(seq.output_ids)
@@ -344,6 +356,10 @@ def _append(request: Request, seq: Sequence, token_id: int, logprobs, eos_token_
             (not options.ignore_eos and token_id in eos_token_ids) or token_id in options.stop_token_ids):
         seq.finish_reason = FinishReason.STOP
         seq.matched_stop_token_id = token_id
+    elif structure_complete:
+        seq.finish_reason = FinishReason.STOP
+        if token_id in eos_token_ids or token_id in options.stop_token_ids:
+            seq.matched_stop_token_id = token_id
     elif count >= options.max_tokens:
         seq.finish_reason = FinishReason.LENGTH
     lp = (logprobs,) if logprobs is not None else ()

@@ -6,8 +6,11 @@ Every request passes the same admission (admission.py) and then goes to the back
 
 from __future__ import annotations
 
+import asyncio
+
 from tito.errors import still_loading
 from tito.logs import bind_request_id
+from tito.structured_output import StructuredOutputSpec, spec_from_proto
 from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2, sampling_pb2
 
 from tito_engine.admission import Admission
@@ -47,7 +50,12 @@ def sampling_from_proto(params: sampling_pb2.SamplingParams) -> RawSamplingParam
         n=_optional(params, "n"),
         logprobs=params.logprobs,
         top_logprobs=params.top_logprobs,
+        structured_output=structured_output_from_proto(params),
     )
+
+
+def structured_output_from_proto(params: sampling_pb2.SamplingParams) -> StructuredOutputSpec | None:
+    return spec_from_proto(params.structured_output) if params.HasField("structured_output") else None
 
 
 def _modality_name(value: int) -> str:
@@ -106,7 +114,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         if request.request_id:
             bind_request_id(request.request_id)
         backend = self._engine
-        outputs = backend.generate(self._admission.admit(generate_input_from_proto(request)))
+        generate = generate_input_from_proto(request)
+        if generate.sampling.structured_output is not None:  # checking a grammar can take ms: off the loop
+            admitted = await asyncio.to_thread(self._admission.admit, generate)
+        else:
+            admitted = self._admission.admit(generate)
+        outputs = backend.generate(admitted)
         try:
             async for output in outputs:
                 yield output_to_proto(output)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from tito.contract import INVALID_SAMPLING_PARAMS, MAX_TOP_LOGPROBS
 from tito.errors import InvalidArgument, Violations
+from tito.structured_output import validate as validate_structured_output
 
 from tito_engine.request import GenerateInput, RawSamplingParams, SamplingOptions
 
@@ -106,6 +107,8 @@ def resolve_sampling(raw: RawSamplingParams, prompt_len: int, limits: ModelLimit
     if raw.min_tokens > max_tokens:
         violations.add(field("min_tokens"), f"must not exceed max_tokens ({max_tokens}), got {raw.min_tokens}")
     violations.raise_if_any(reason=INVALID_SAMPLING_PARAMS)
+    if raw.structured_output is not None:
+        validate_structured_output(raw.structured_output)
 
     return SamplingOptions(
         max_tokens=max_tokens,
@@ -123,4 +126,5 @@ def resolve_sampling(raw: RawSamplingParams, prompt_len: int, limits: ModelLimit
         repetition_penalty=float(repetition_penalty),
         logprobs=raw.logprobs,
         top_logprobs=raw.top_logprobs,
+        structured_output=raw.structured_output,
     )

@@ -8,15 +8,18 @@ the kwargs tensors as the model's `MultiModalKwargsItem`s (vLLM's own field layo
 the item's content id (its mm_hash when trusted) as the identifier vLLM's caches key on, and the
 placeholder ranges with their `is_embed` masks. A metadata-only item is sent without tensors only
 when vLLM's multimodal cache holds it; otherwise it is refused as the native engine refuses it.
+A structured-output constraint becomes vLLM's `StructuredOutputsParams` (`structured_outputs`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from tito.errors import FailedPrecondition
+from tito.structured_output import StructuredOutputSpec, grammar_of
 from tito import tensors
 
 from tito_engine.admission import AdmittedRequest
@@ -56,7 +59,28 @@ def sampling_params(options: SamplingOptions, eos_token_ids: Sequence[int]) -> A
         detokenize=False,  # derender owns the text
         skip_special_tokens=False,
         output_kind=RequestOutputKind.DELTA,
+        structured_outputs=structured_outputs(options.structured_output),
     )
+
+
+def structured_outputs(spec: StructuredOutputSpec | None) -> Any:
+    """vLLM's StructuredOutputsParams for a tito constraint (None: unconstrained).
+
+    Every kind goes to vLLM as the xgrammar EBNF grammar the native engine compiles
+    (tito/structured_output.py), so both backends accept exactly the same outputs: the same
+    compact JSON, the same escaped control characters, the same choice and tag grammars. vLLM's
+    "auto" structured-output backend compiles EBNF with xgrammar.
+    """
+    if spec is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(grammar=_ebnf(spec))
+
+
+@functools.lru_cache(maxsize=256)
+def _ebnf(spec: StructuredOutputSpec) -> str:
+    return str(grammar_of(spec))
 
 
 def _replicated(options: SamplingOptions) -> bool:

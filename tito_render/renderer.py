@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from tito.config import DEFAULT_MAX_MESSAGE_BYTES
 from tito.errors import FieldViolation, InvalidArgument, ResourceExhausted
-from tito.v1 import chat_pb2, derender_pb2, engine_pb2, multimodal_pb2, render_pb2
+from tito.v1 import chat_pb2, derender_pb2, engine_pb2, multimodal_pb2, render_pb2, sampling_pb2
 
 from tito_render.chat_template import (DEFAULT_TEMPLATE_SECONDS, ChatRenderOptions, ends_inside_reasoning,
                                        render_chat_text)
@@ -33,6 +33,7 @@ from tito_render.messages import (ImageRef, VideoRef, collect_media, messages_to
                                   request_struct, tools_to_dicts)
 from tito_render.model import THINK_END, THINK_START, RenderModel
 from tito_render.sampling import SamplingLimits, keeps_special_tokens_for_tools, resolve_sampling
+from tito_render.structured import explicit_structured_output, resolve_structured_output
 
 log = logging.getLogger(__name__)
 
@@ -173,8 +174,9 @@ class Renderer:
             for p, h, offset in zip(processed, hashes, offsets):
                 build_item(p, h, offset, payload, self.signer, into=generate_request.mm_features.items.add())
         self.check_prompt_tokens(len(token_ids), "messages")
+        constraint = resolve_structured_output(request, tools, tool_choice, self.model.tool_parser)
         self._finish(request_id or request.request_id, token_ids, request.sampling, request.cache_salt, "messages",
-                     generate_request, context)
+                     generate_request, context, constraint)
         context.tools.extend(request.tools)
         context.tool_choice.CopyFrom(tool_choice)
         if keeps_special_tokens_for_tools(context, request.sampling):
@@ -351,7 +353,8 @@ class Renderer:
             locate_spans(token_ids, [], self.model.media.reserved_token_ids, field)
         response = render_pb2.RenderCompletionResponse()
         self._finish(request_id or request.request_id, token_ids, request.sampling, request.cache_salt, field,
-                     response.generate_request, response.derender_context)
+                     response.generate_request, response.derender_context,
+                     explicit_structured_output(request.sampling))
         response.derender_context.tool_choice.mode = chat_pb2.TOOL_CHOICE_MODE_NONE  # a raw prompt offers no tools
         return response
 
@@ -365,8 +368,10 @@ class Renderer:
     # ------------------------------------------------------------ shared tail
     def _finish(self, request_id: str, token_ids: list[int], sampling: render_pb2.SamplingOptions,
                 cache_salt: str, prompt_field: str, generate_request: engine_pb2.GenerateRequest,
-                context: derender_pb2.DerenderContext) -> None:
-        """Fill `generate_request` and `context` (fresh messages inside the response) in place."""
+                context: derender_pb2.DerenderContext,
+                structured_output: sampling_pb2.StructuredOutput | None = None) -> None:
+        """Fill `generate_request` and `context` (fresh messages inside the response) in place.
+        `structured_output`: the checked constraint (structured.py), if any."""
         request_id = new_request_id(request_id)
         params = resolve_sampling(sampling, SamplingLimits(
             prompt_tokens=len(token_ids), max_context_length=self.model.max_context_length,
@@ -377,6 +382,8 @@ class Renderer:
         generate_request.request_id = request_id
         generate_request.token_ids.extend(token_ids)
         generate_request.sampling_params.CopyFrom(params)
+        if structured_output is not None:
+            generate_request.sampling_params.structured_output.CopyFrom(structured_output)
         generate_request.cache_salt = cache_salt
         context.request_id = request_id
         context.prompt_tail_token_ids.extend(token_ids[-PROMPT_TAIL_TOKENS:])

@@ -72,6 +72,28 @@ def test_tito_chat_command_prints_a_streamed_answer(services):
     assert answer.strip(), result.stdout
 
 
+def test_tito_chat_json_schema_answers_with_json_that_validates(services, tmp_path):
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                               "warm": {"type": "boolean"}},
+              "required": ["city", "warm"], "additionalProperties": False}
+    schema_file = tmp_path / "weather.json"
+    schema_file.write_text(json.dumps(schema))
+    addresses, _ = services
+    result = subprocess.run(
+        [sys.executable, "-m", "tito.cli", "chat", "Weather?", "--max-tokens", "120", "--json-schema",
+         str(schema_file), "--render", addresses["render"], "--engine", addresses["engine"],
+         "--derender", addresses["derender"]],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    answer, _, tail = result.stdout.partition("\n[finish_reason=")
+    assert tail.startswith("FINISH_REASON_STOP")
+    jsonschema.validate(json.loads(answer), schema)
+
+
 def test_sigterm_shuts_down_gracefully(tiny_text_model, tmp_path):
     address = f"unix:{tmp_path / 'derender.sock'}"
     process = subprocess.Popen([sys.executable, "-m", "tito.cli", "serve", "derender", "--address", address,

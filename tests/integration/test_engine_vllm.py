@@ -8,17 +8,20 @@ requests with the same code, reason and field; dropped streams free their slots 
 
 from __future__ import annotations
 
+import json
 import random
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import jsonschema
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tito.grpc_errors import error_details
-from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2
+from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2, sampling_pb2
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
 
@@ -227,3 +230,35 @@ def test_a_repeated_prompt_reports_its_cached_tokens(stubs, backend):
     assert first.usage.cached_tokens == 0 and 0 < second.usage.cached_tokens < len(prompt)
     load = stubs[backend].GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT)
     assert load.prefix_cache_hit_tokens >= second.usage.cached_tokens
+
+
+STRUCTURED_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                                      "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                      "kind": {"enum": ["a", "b"]}},
+                     "required": ["name", "n", "kind"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_structured_outputs_parse_on_both_backends(stubs, backend, tiny_text_model_d64):
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_text_model_d64))
+    schema = sampling_pb2.StructuredOutput(json_schema=json.dumps(STRUCTURED_SCHEMA))
+    choice = sampling_pb2.StructuredOutput(choice=sampling_pb2.ChoiceConstraint(choices=["yes", "no"]))
+    regex = sampling_pb2.StructuredOutput(regex=r"[a-z]{3}-\d{2}")
+    calls = [(schema, 0.0), (schema, 1.0), (choice, 1.0), (regex, 1.0)]
+    with ThreadPoolExecutor(len(calls)) as pool:
+        results = list(pool.map(lambda call: generate(stubs[backend], request(
+            prompts(1)[0], max_tokens=128, temperature=call[1], seed=3, structured_output=call[0])), calls))
+    texts = []
+    for tokens, finals in results:
+        assert finals[0].finish_reason == engine_pb2.FINISH_REASON_STOP
+        texts.append(tokenizer.decode(tokens[0], skip_special_tokens=True))
+    for text in texts[:2]:
+        jsonschema.validate(json.loads(text), STRUCTURED_SCHEMA)
+    assert texts[2] in ("yes", "no")
+    assert re.fullmatch(r"[a-z]{3}-\d{2}", texts[3])
+    with pytest.raises(grpc.RpcError) as caught:
+        generate(stubs[backend], request(prompts(1)[0], max_tokens=8,
+                                         structured_output=sampling_pb2.StructuredOutput(regex="a(b")))
+    details = error_details(caught.value)
+    assert details["code"] == grpc.StatusCode.INVALID_ARGUMENT and details["reason"] == "INVALID_STRUCTURED_OUTPUT"
+    assert details["fields"] == ["sampling_params.structured_output.regex"]

@@ -3,6 +3,7 @@ from tito.v1 import chat_pb2 as _chat_pb2
 from tito.v1 import derender_pb2 as _derender_pb2
 from tito.v1 import engine_pb2 as _engine_pb2
 from tito.v1 import multimodal_pb2 as _multimodal_pb2
+from tito.v1 import sampling_pb2 as _sampling_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -12,7 +13,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingOptions(_message.Message):
-    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "n", "logprobs", "top_logprobs", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens")
+    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "n", "logprobs", "top_logprobs", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "structured_output")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +33,7 @@ class SamplingOptions(_message.Message):
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     min_tokens: int
     temperature: float
@@ -51,7 +53,28 @@ class SamplingOptions(_message.Message):
     include_stop_str_in_output: bool
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., n: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ...) -> None: ...
+    structured_output: _sampling_pb2.StructuredOutput
+    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., n: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., structured_output: _Optional[_Union[_sampling_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
+
+class ResponseFormat(_message.Message):
+    __slots__ = ("type", "json_schema")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    json_schema: JsonSchemaResponseFormat
+    def __init__(self, type: _Optional[str] = ..., json_schema: _Optional[_Union[JsonSchemaResponseFormat, _Mapping]] = ...) -> None: ...
+
+class JsonSchemaResponseFormat(_message.Message):
+    __slots__ = ("name", "description", "schema", "strict")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    schema: _struct_pb2.Struct
+    strict: bool
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., schema: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., strict: _Optional[bool] = ...) -> None: ...
 
 class MediaOptions(_message.Message):
     __slots__ = ("min_pixels", "max_pixels", "processor_kwargs")
@@ -64,7 +87,7 @@ class MediaOptions(_message.Message):
     def __init__(self, min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., processor_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class RenderChatRequest(_message.Message):
-    __slots__ = ("request_id", "messages", "tools", "tool_choice", "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "sampling", "mm_payload", "media_options", "cache_salt", "return_prompt_text")
+    __slots__ = ("request_id", "messages", "tools", "tool_choice", "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "sampling", "mm_payload", "media_options", "cache_salt", "return_prompt_text", "response_format")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +101,7 @@ class RenderChatRequest(_message.Message):
     MEDIA_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     RETURN_PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[_chat_pb2.ChatMessage]
     tools: _containers.RepeatedCompositeFieldContainer[_chat_pb2.Tool]
@@ -91,7 +115,8 @@ class RenderChatRequest(_message.Message):
     media_options: MediaOptions
     cache_salt: str
     return_prompt_text: bool
-    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_chat_pb2.ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[_chat_pb2.Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_chat_pb2.ToolChoice, _Mapping]] = ..., chat_template: _Optional[str] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., mm_payload: _Optional[_Union[_multimodal_pb2.MmPayload, str]] = ..., media_options: _Optional[_Union[MediaOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., return_prompt_text: _Optional[bool] = ...) -> None: ...
+    response_format: ResponseFormat
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_chat_pb2.ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[_chat_pb2.Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_chat_pb2.ToolChoice, _Mapping]] = ..., chat_template: _Optional[str] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., mm_payload: _Optional[_Union[_multimodal_pb2.MmPayload, str]] = ..., media_options: _Optional[_Union[MediaOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., return_prompt_text: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
 
 class RenderChatResponse(_message.Message):
     __slots__ = ("generate_request", "derender_context", "prompt_text")

@@ -1,0 +1,117 @@
+"""Structured outputs through the real render, engine and derender services.
+
+The tiny model's random weights write nonsense; under a response_format or a strict tool call the
+same model's answer parses and validates, end to end: render turns the request's intent into the
+constraint, the engine masks, derender parses what came out.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from google.protobuf import struct_pb2
+
+from tito.pipeline import ChatPipeline, Endpoints
+from tito.v1 import chat_pb2, engine_pb2, render_pb2
+from tito_derender.config import DerenderConfig
+from tito_derender.server import create_server as create_derender
+from tito_engine.config import EngineConfig
+from tito_engine.server import create_server as create_engine
+from tito_render.config import RenderConfig
+from tito_render.server import create_server as create_render
+
+ANSWER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "days", "unit", "tags"],
+                 "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 10},
+                                "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                                "unit": {"enum": ["celsius", "fahrenheit"]},
+                                "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 2}}}
+WEATHER_PARAMS = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                  "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 10},
+                                 "unit": {"enum": ["celsius", "fahrenheit"]}}}
+
+
+def struct(value: dict) -> struct_pb2.Struct:
+    result = struct_pb2.Struct()
+    result.update(value)
+    return result
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_text_model, module_aio_server):
+    model = str(tiny_text_model)
+    render = module_aio_server(lambda: create_render(RenderConfig(address="127.0.0.1:0", model=model)))
+    engine = module_aio_server(lambda: create_engine(EngineConfig(address="127.0.0.1:0", model=model, device="cpu",
+                                                                  max_model_len=1024)))
+    derender = module_aio_server(lambda: create_derender(DerenderConfig(address="127.0.0.1:0", model=model)))
+    with ChatPipeline(Endpoints(render.address, engine.address, derender.address), timeout=120) as client:
+        yield client
+
+
+def chat(**fields) -> render_pb2.RenderChatRequest:
+    fields.setdefault("sampling", render_pb2.SamplingOptions(max_tokens=200, temperature=1.0, seed=11))
+    return render_pb2.RenderChatRequest(
+        messages=[chat_pb2.ChatMessage(role="user", content="What is the weather in Paris this week?")], **fields)
+
+
+def run(pipeline, request):
+    chunks = list(pipeline.stream_chat(request))
+    content = "".join(chunk.content for chunk in chunks)
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for delta in chunk.tool_calls:
+            call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+            call["name"] += delta.name
+            call["arguments"] += delta.arguments
+    return content, calls, chunks[-1].finish_reason
+
+
+def test_unconstrained_the_model_writes_no_json(pipeline):
+    content, _, _ = run(pipeline, chat())
+    with pytest.raises(ValueError):
+        json.loads(content)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_response_format_json_schema_content_validates(pipeline, seed):
+    response_format = render_pb2.ResponseFormat(type="json_schema", json_schema=render_pb2.JsonSchemaResponseFormat(
+        name="forecast", schema=struct(ANSWER_SCHEMA), strict=True))
+    content, calls, finish = run(pipeline, chat(response_format=response_format, sampling=render_pb2.SamplingOptions(
+        max_tokens=200, temperature=1.0, seed=seed)))
+    assert finish == engine_pb2.FINISH_REASON_STOP and not calls
+    jsonschema.validate(json.loads(content), ANSWER_SCHEMA)
+
+
+def test_response_format_json_object_content_is_an_object(pipeline):
+    content, _, finish = run(pipeline, chat(response_format=render_pb2.ResponseFormat(type="json_object"),
+                                            sampling=render_pb2.SamplingOptions(max_tokens=300, temperature=0)))
+    assert finish == engine_pb2.FINISH_REASON_STOP
+    assert isinstance(json.loads(content), dict)
+
+
+@pytest.mark.parametrize("tool_choice", [chat_pb2.ToolChoice(function_name="get_weather"),
+                                         chat_pb2.ToolChoice(mode=chat_pb2.TOOL_CHOICE_MODE_REQUIRED)])
+def test_a_strict_tool_calls_arguments_validate(pipeline, tool_choice):
+    weather = chat_pb2.Tool(type="function", function=chat_pb2.FunctionDefinition(
+        name="get_weather", description="Weather for a city", parameters=struct(WEATHER_PARAMS), strict=True))
+    other = chat_pb2.Tool(type="function", function=chat_pb2.FunctionDefinition(
+        name="get_time", parameters=struct({"type": "object", "properties": {}, "additionalProperties": False})))
+    tools = [weather] if tool_choice.WhichOneof("choice") == "mode" else [weather, other]
+    _, calls, finish = run(pipeline, chat(tools=tools, tool_choice=tool_choice))
+    assert finish == engine_pb2.FINISH_REASON_TOOL_CALLS
+    assert [call["name"] for call in calls.values()] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER_PARAMS)
+
+
+def test_a_bad_response_format_is_refused_by_render_naming_the_field(pipeline):
+    import grpc
+
+    from tito.grpc_errors import error_details
+
+    response_format = render_pb2.ResponseFormat(type="json_schema")
+    with pytest.raises(grpc.RpcError) as caught:
+        run(pipeline, chat(response_format=response_format))
+    details = error_details(caught.value)
+    assert details["code"] == grpc.StatusCode.INVALID_ARGUMENT
+    assert details["fields"] == ["response_format.json_schema.schema"]
