@@ -39,7 +39,7 @@ from tito.errors import FieldViolation, TitoError
 
 from tito_engine.encoder_cache import EncoderCache
 from tito_engine.features import CheckedFeatures, ValidatedFeatures, check_encoder_cache_enabled, resolve_cached
-from tito_engine.request import Request
+from tito_engine.request import ChoiceOutput, Request
 from tito_engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -262,6 +262,8 @@ class EngineCore:
         finished = request.failed or request.finished
         if finished:
             self.requests.pop(request.key, None)
+            if isinstance(output, ChoiceOutput):
+                output.timings = request.timings()  # the server derives latencies and spans from them
         return request.key, output, finished
 
     def _abort_all(self) -> list:

@@ -205,6 +205,7 @@ class PythonicToolParser(ToolParser):
 
     def _fail(self, rest: str) -> None:
         """A malformed call: close it if it is out, else give its text back; the rest is content."""
+        self.malformed_calls += 1
         if self._index is not None:
             self._arguments(self._index, "}" if self._fragments else "{}")
             self._content(rest)
