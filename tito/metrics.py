@@ -17,7 +17,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.exposition import start_http_server
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,9 @@ class ServiceMetrics:
     """The metrics of one server (`service` is render, engine or derender)."""
 
     def __init__(self, service: str) -> None:
+        # No `*_created` timestamp series beside every counter (as vLLM): they double a scrape for
+        # nothing a dashboard uses. The switch is prometheus_client's, for the whole process.
+        disable_created_metrics()
         self.service = service
         self.registry = CollectorRegistry()
         self.rpc_requests = self.counter(

@@ -26,6 +26,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 _tracer: Any = None  # an opentelemetry Tracer while tracing is on
+_trace: Any = None  # the opentelemetry.trace module while tracing is on
 _provider: Any = None  # the TracerProvider `configure` built (flushed and shut down by `shutdown`)
 _NO_SPAN = contextlib.nullcontext()
 INSTRUMENTATION_NAME = "tito"
@@ -68,10 +69,15 @@ def configure(service: str, flag: bool = False) -> bool:
     provider.add_span_processor(BatchSpanProcessor(_exporter(ConfigError)))
     use_provider(provider)
     _provider = provider
-    log.info("tracing on: %s spans to %s", os.environ.get("OTEL_TRACES_EXPORTER", "otlp"),
-             os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-             or "the OTLP default endpoint")
+    log.info("tracing on: spans to %s", _destination())
     return True
+
+
+def _destination() -> str:
+    if os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "console":
+        return "the console"
+    return (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+            or "the OTLP default endpoint (localhost:4317)")
 
 
 def _exporter(config_error: type[Exception]) -> Any:
@@ -97,14 +103,17 @@ def _exporter(config_error: type[Exception]) -> Any:
 
 def use_provider(provider: Any) -> None:
     """Trace with `provider` (an opentelemetry TracerProvider), e.g. one with an in-memory exporter."""
-    global _tracer
+    global _tracer, _trace
+    from opentelemetry import trace
+
+    _trace = trace
     _tracer = provider.get_tracer(INSTRUMENTATION_NAME)
 
 
 def shutdown() -> None:
     """Export what is buffered and turn tracing off (at process exit; tests turn it off this way)."""
-    global _tracer, _provider
-    provider, _provider, _tracer = _provider, None, None
+    global _tracer, _provider, _trace
+    provider, _provider, _tracer, _trace = _provider, None, None, None
     if provider is not None:
         provider.shutdown()
 
@@ -112,8 +121,9 @@ def shutdown() -> None:
 # ---------------------------------------------------------------------------------- spans
 
 def span(name: str, **attributes: Any):
-    """A child span of the current one around a block (a no-op while tracing is off)."""
-    if _tracer is None:
+    """A child span of the current one around a block; a no-op while tracing is off or when the
+    current span is not recorded (a sampler left its trace out: children would be dropped too)."""
+    if _tracer is None or not _trace.get_current_span().is_recording():
         return _NO_SPAN
     return _tracer.start_as_current_span(name, attributes=attributes or None)
 
@@ -122,15 +132,15 @@ def add_attributes(**attributes: Any) -> None:
     """Set attributes on the current span (nothing while tracing is off)."""
     if _tracer is None:
         return
-    from opentelemetry import trace
-
-    trace.get_current_span().set_attributes(attributes)
+    current = _trace.get_current_span()
+    if current.is_recording():
+        current.set_attributes(attributes)
 
 
 def record_span(name: str, start_monotonic: float, end_monotonic: float, **attributes: Any) -> None:
     """A finished child span of the current one for work already done elsewhere (e.g. in the
     engine's core process), from `time.monotonic()` readings of this machine."""
-    if _tracer is None or end_monotonic < start_monotonic:
+    if _tracer is None or end_monotonic < start_monotonic or not _trace.get_current_span().is_recording():
         return
     offset_ns = time.time_ns() - time.monotonic_ns()
     started = _tracer.start_span(name, start_time=int(start_monotonic * 1e9) + offset_ns,

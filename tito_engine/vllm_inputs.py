@@ -174,6 +174,11 @@ def request_timings(stats: Any) -> RequestTimings | None:
                           finished=stats.last_token_ts or stats.first_token_ts or stats.queued_ts)
 
 
+def _timings_if_finished(output: Any) -> RequestTimings | None:
+    """The request's timings, on the outputs of its last RequestOutput only."""
+    return request_timings(getattr(output, "metrics", None)) if getattr(output, "finished", False) else None
+
+
 class OutputConverter:
     """vLLM's delta RequestOutputs for one request as tito ChoiceOutputs."""
 
@@ -207,7 +212,7 @@ class OutputConverter:
             matched = self._last_token.get(index) if finish is FinishReason.STOP else None
             usage = Usage(self._prompt_tokens, self._generated.get(index, 0), output.num_cached_tokens or 0)
             choices.append(ChoiceOutput(index, token_ids, finish, matched, usage, logprobs,
-                                        request_timings(output.metrics) if output.finished else None))
+                                        _timings_if_finished(output)))
         return choices
 
     def _logprobs(self, token_ids: tuple[int, ...], positions: Any) -> tuple[PositionLogprobs, ...]:

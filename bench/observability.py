@@ -1,0 +1,125 @@
+"""What metrics and tracing cost: RenderChat calls/s with them off, with --metrics-port, and with
+--metrics-port --otel (every trace kept, and 1% kept), in one run.
+
+    .venv/bin/python bench/observability.py [--calls 300] [--rounds 5]
+
+Four `tito serve render` processes on the tiny text model (Unix sockets): one plain, one with
+/metrics, one with /metrics and tracing of every call, one with /metrics and tracing keeping one
+trace in a hundred (OTEL_TRACES_SAMPLER=parentbased_traceidratio, OTEL_TRACES_SAMPLER_ARG=0.01).
+Spans are exported over OTLP/gRPC to a do-nothing collector in this process, so export costs what
+it would in production minus the network. A synchronous
+client sends the same small text chat to each in turn, `--calls` calls per round, rounds
+interleaved so that noise from other work on the machine falls on all of them alike. A small chat
+renders in well under a millisecond, so this is where a per-call cost would show most; an engine
+call takes milliseconds per token and hides it.
+
+Prints calls/s per configuration (median over rounds) and the ratio to the plain server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tito.pipeline import wait_until_serving  # noqa: E402
+from tito.tiny_models import TEXT_MODEL, ensure_model  # noqa: E402
+from tito.v1 import chat_pb2, render_pb2, render_pb2_grpc  # noqa: E402
+
+CONFIGS = {"off": [], "metrics": ["--metrics-port", "0"], "metrics+tracing": ["--metrics-port", "0", "--otel"],
+           "metrics+tracing 1%": ["--metrics-port", "0", "--otel"]}
+#: The last configuration keeps one trace in a hundred (the standard sampler variables).
+SAMPLED = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.01"}
+REQUEST = render_pb2.RenderChatRequest(
+    messages=[chat_pb2.ChatMessage(role="system", content="You are a helpful assistant."),
+              chat_pb2.ChatMessage(role="user", content="What is the capital of France? Answer in one word.")],
+    sampling=render_pb2.SamplingOptions(max_tokens=16, temperature=0.0))
+
+
+def start_collector() -> tuple[grpc.Server, int]:
+    """An OTLP/gRPC trace endpoint that accepts and drops everything."""
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    class Sink(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Sink(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def start_render(model: str, address: str, extra: list[str], collector_port: int,
+                 environ: dict[str, str]) -> subprocess.Popen:
+    environ = dict(os.environ, PYTHONPATH=str(ROOT), OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{collector_port}",
+                   OTEL_EXPORTER_OTLP_INSECURE="true", **environ)
+    if "--otel" not in extra:  # the endpoint variable alone would turn tracing on
+        del environ["OTEL_EXPORTER_OTLP_ENDPOINT"]
+    command = [sys.executable, "-m", "tito.cli", "serve", "render", "--address", address, "--model", model,
+               "--log-level", "warning", *extra]
+    return subprocess.Popen(command, env=environ, stdout=subprocess.DEVNULL)
+
+
+def calls_per_second(stub, calls: int) -> float:
+    started = time.perf_counter()
+    for _ in range(calls):
+        stub.RenderChat(REQUEST, timeout=30)
+    return calls / (time.perf_counter() - started)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    model = str(ensure_model(TEXT_MODEL))
+    collector, collector_port = start_collector()
+    directory = tempfile.TemporaryDirectory(prefix="tito-bench-")
+    addresses = {name: f"unix:{Path(directory.name) / f'render-{i}.sock'}" for i, name in enumerate(CONFIGS)}
+    processes = [start_render(model, addresses[name], extra, collector_port, SAMPLED if name.endswith("%") else {})
+                 for name, extra in CONFIGS.items()]
+    try:
+        for address in addresses.values():
+            wait_until_serving(address, timeout=180)
+        channels = {name: grpc.insecure_channel(address) for name, address in addresses.items()}
+        stubs = {name: render_pb2_grpc.RenderServiceStub(channel) for name, channel in channels.items()}
+        for stub in stubs.values():
+            calls_per_second(stub, 50)  # warm-up: templates compiled, connections up
+        rates: dict[str, list[float]] = {name: [] for name in CONFIGS}
+        for round_index in range(args.rounds):
+            order = list(CONFIGS)[round_index % len(CONFIGS):] + list(CONFIGS)[:round_index % len(CONFIGS)]
+            for name in order:
+                rates[name].append(calls_per_second(stubs[name], args.calls))
+        baseline = statistics.median(rates["off"])
+        print(f"RenderChat, small text chat, {args.calls} calls x {args.rounds} rounds (median calls/s):")
+        for name in CONFIGS:
+            median = statistics.median(rates[name])
+            print(f"  {name:16s} {median:8.0f} calls/s   ratio to off {median / baseline:.3f}   "
+                  f"(rounds: {', '.join(f'{rate:.0f}' for rate in rates[name])})")
+        for channel in channels.values():
+            channel.close()
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(30)
+        collector.stop(0)
+        directory.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
