@@ -75,6 +75,8 @@ def _observe(behavior: Callable, method: str, streaming_response: bool, metrics)
             finally:
                 call.end(code)
         return stream_observer
+    if not inspect.iscoroutinefunction(behavior):
+        return behavior  # a synchronous handler (none in tito's servers): left as it is
 
     async def unary_observer(request, context):
         call = _Call(method, context, metrics)

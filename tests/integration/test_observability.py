@@ -144,6 +144,16 @@ def test_each_service_exposes_its_series_after_one_chat(servers, one_chat, tiny_
         assert value(derender, "tito_derender_parser_outcomes_total", parser=parser, outcome=outcome) == 1, outcome
 
 
+def test_health_checks_are_counted_too(servers):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with servers["engine"].channel() as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    assert value(scrape(servers["engine"]), "tito_grpc_requests_total", method="/grpc.health.v1.Health/Check",
+                 code="OK") >= 1
+
+
 def test_refused_calls_are_counted_by_status_code(servers):
     with servers["render"].channel() as channel:
         with pytest.raises(grpc.RpcError) as refused:
