@@ -104,7 +104,7 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
         self._metrics = metrics
         # method -> (the inner handler, its observed wrapper). Inner interceptors hand back the same
         # handler object for every call of a method, except one-off handlers (a refused token):
-        # those are wrapped per call.
+        # a handler that differs is wrapped and becomes the method's entry.
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -117,6 +117,5 @@ class ObservingInterceptor(grpc.aio.ServerInterceptor):
             return cached[1]
         metrics = self._metrics
         wrapped = wrap_handler(handler, lambda behavior, streaming: _observe(behavior, method, streaming, metrics))
-        if cached is None:
-            self._wrapped[method] = (handler, wrapped)
+        self._wrapped[method] = (handler, wrapped)
         return wrapped
