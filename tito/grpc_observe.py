@@ -4,8 +4,8 @@
 each call's final gRPC status whatever decided it: a handler's answer, an error the mapping turned
 into a status, a refused token, a cancelled call. Per call it records
 `tito_grpc_requests_total{method,code}` and `tito_grpc_request_duration_seconds{method}` (when
-the server has metrics), and opens a server span that continues the caller's W3C trace context
-(when tracing is on; tito.tracing). start_server adds it only when one of them is on.
+the server has metrics), and for tito.v1 methods opens a server span that continues the caller's
+W3C trace context (when tracing is on; tito.tracing; health checks and reflection are not traced). start_server adds it only when one of them is on.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from tito import tracing
-from tito.grpc_errors import wrap_handler
+from tito.grpc_errors import TITO_METHOD_PREFIX, wrap_handler
 
 
 def _code_name(context: grpc.aio.ServicerContext, default: str) -> str:
@@ -45,7 +45,9 @@ class _Call:
         self.started = time.perf_counter()
         self.span = None
         self._span_scope = None
-        if tracing.enabled():
+        # Health checks and reflection are counted but not traced: a probe every few seconds
+        # would bury the traces of real work.
+        if tracing.enabled() and method.startswith(TITO_METHOD_PREFIX):
             self._span_scope = tracing.server_span(method, context.invocation_metadata())
             self.span = self._span_scope.__enter__()
 

@@ -144,7 +144,7 @@ def test_each_service_exposes_its_series_after_one_chat(servers, one_chat, tiny_
         assert value(derender, "tito_derender_parser_outcomes_total", parser=parser, outcome=outcome) == 1, outcome
 
 
-def test_health_checks_are_counted_too(servers):
+def test_health_checks_are_counted_but_not_traced(servers, spans):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with servers["engine"].channel() as channel:
@@ -152,6 +152,7 @@ def test_health_checks_are_counted_too(servers):
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
     assert value(scrape(servers["engine"]), "tito_grpc_requests_total", method="/grpc.health.v1.Health/Check",
                  code="OK") >= 1
+    assert not [span for span in spans.get_finished_spans() if "Health" in span.name]
 
 
 def test_refused_calls_are_counted_by_status_code(servers):
