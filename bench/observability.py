@@ -13,7 +13,10 @@ interleaved so that noise from other work on the machine falls on all of them al
 renders in well under a millisecond, so this is where a per-call cost would show most; an engine
 call takes milliseconds per token and hides it.
 
-Prints calls/s per configuration (median over rounds) and the ratio to the plain server.
+Prints, per configuration, the server's CPU time per call (its process's user + system time over
+all rounds, from /proc: what the observability adds to the server's own work, and much less
+sensitive than wall time to other load on a shared machine) and calls/s (median over rounds),
+each with its ratio to the plain server.
 """
 
 from __future__ import annotations
@@ -73,6 +76,12 @@ def start_render(model: str, address: str, extra: list[str], collector_port: int
     return subprocess.Popen(command, env=environ, stdout=subprocess.DEVNULL)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def calls_per_second(stub, calls: int) -> float:
     started = time.perf_counter()
     for _ in range(calls):
@@ -98,17 +107,22 @@ def main() -> int:
         stubs = {name: render_pb2_grpc.RenderServiceStub(channel) for name, channel in channels.items()}
         for stub in stubs.values():
             calls_per_second(stub, 50)  # warm-up: templates compiled, connections up
+        pids = dict(zip(CONFIGS, (process.pid for process in processes)))
         rates: dict[str, list[float]] = {name: [] for name in CONFIGS}
+        cpu = dict.fromkeys(CONFIGS, 0.0)
         for round_index in range(args.rounds):
             order = list(CONFIGS)[round_index % len(CONFIGS):] + list(CONFIGS)[:round_index % len(CONFIGS)]
             for name in order:
+                before = cpu_seconds(pids[name])
                 rates[name].append(calls_per_second(stubs[name], args.calls))
-        baseline = statistics.median(rates["off"])
-        print(f"RenderChat, small text chat, {args.calls} calls x {args.rounds} rounds (median calls/s):")
+                cpu[name] += cpu_seconds(pids[name]) - before
+        calls = args.calls * args.rounds
+        base_cpu, base_rate = cpu["off"] / calls, statistics.median(rates["off"])
+        print(f"RenderChat, small text chat, {args.calls} calls x {args.rounds} rounds:")
+        print(f"  {'':20s} {'server CPU/call':>16s} {'ratio':>6s} {'calls/s':>9s} {'ratio':>6s}")
         for name in CONFIGS:
-            median = statistics.median(rates[name])
-            print(f"  {name:16s} {median:8.0f} calls/s   ratio to off {median / baseline:.3f}   "
-                  f"(rounds: {', '.join(f'{rate:.0f}' for rate in rates[name])})")
+            per_call, rate = cpu[name] / calls, statistics.median(rates[name])
+            print(f"  {name:20s} {per_call * 1e6:13.0f} us {per_call / base_cpu:6.3f} {rate:9.0f} {rate / base_rate:6.3f}")
         for channel in channels.values():
             channel.close()
     finally:
