@@ -197,3 +197,27 @@ def test_one_chat_is_one_trace_across_the_three_services(spans, one_chat):
     assert phases[0].end_time <= phases[1].start_time + 1_000 and phases[1].end_time <= phases[2].start_time + 1_000
     assert generate.start_time <= phases[0].start_time + 5_000_000  # within 5 ms: the same clock
     assert generate.attributes["rpc.grpc.status_code"] == "OK"
+
+
+def test_a_refused_token_is_counted_and_later_calls_still_are(aio_server, tiny_text_model, tmp_path):
+    """Authentication refuses before the handler runs; the interceptor still sees UNAUTHENTICATED,
+    and the calls that follow (another handler object for the same method) are counted too."""
+    token = tmp_path / "token"
+    token.write_text("a-token-long-enough-for-tito-0123456789\n")
+    server = aio_server(lambda: create_derender(DerenderConfig(
+        address="127.0.0.1:0", model=str(tiny_text_model), auth_token_file=str(token), metrics_port=0)))
+    detokenize = derender_pb2.DetokenizeRequest(token_ids=[5, 6])
+    with server.channel() as channel:
+        stub = derender_pb2_grpc.DerenderServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Detokenize(detokenize, timeout=TIMEOUT)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        bearer = (("authorization", "Bearer a-token-long-enough-for-tito-0123456789"),)
+        for _ in range(2):
+            stub.Detokenize(detokenize, timeout=TIMEOUT, metadata=bearer)
+        with pytest.raises(grpc.RpcError):
+            stub.Detokenize(detokenize, timeout=TIMEOUT)
+    samples = scrape(server)
+    method = "/tito.v1.DerenderService/Detokenize"
+    assert value(samples, "tito_grpc_requests_total", method=method, code="UNAUTHENTICATED") == 2
+    assert value(samples, "tito_grpc_requests_total", method=method, code="OK") == 2
