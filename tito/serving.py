@@ -152,7 +152,7 @@ async def start_server(
         except ConfigError:
             await server.stop(0)
             raise
-        running.add_cleanup(metrics.stop)
+        running.add_cleanup(lambda: asyncio.to_thread(metrics.stop))  # waits out the HTTP poll loop
     security = ", ".join(part for part, on in (("TLS", credentials), ("mutual TLS", config.tls_client_ca_file),
                                                ("bearer token", config.auth_token_file)) if on) or "plaintext"
     log.info("listening on %s (services: %s; %s)", dial, ", ".join(names), security)
