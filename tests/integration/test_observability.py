@@ -86,6 +86,19 @@ def scrape(server) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
+def scrape_after(server, method: str, code: str = "OK", count: int = 1) -> dict[tuple[str, tuple], float]:
+    """Scrape once the server has counted `count` calls of `method` ending with `code`. A client
+    has its status a moment before the server's interceptor records it (the last thing recorded
+    for a call, after the service's own series), so a scrape right after a call may miss it."""
+    key = ("tito_grpc_requests_total", (("code", code), ("method", method)))
+    deadline = time.monotonic() + 10
+    while True:
+        samples = scrape(server)
+        if samples.get(key, 0) >= count or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.02)
+
+
 def value(samples, name: str, **labels) -> float:
     key = (name, tuple(sorted(labels.items())))
     assert key in samples, f"{name}{labels} missing; have {sorted(k for k in samples if k[0].startswith(name))}"
@@ -109,7 +122,7 @@ def test_each_service_exposes_its_series_after_one_chat(servers, one_chat, tiny_
     with servers["derender"].channel() as channel:
         list(derender_pb2_grpc.DerenderServiceStub(channel).Derender(iter(requests), timeout=TIMEOUT))
 
-    render = scrape(servers["render"])
+    render = scrape_after(servers["render"], "/tito.v1.RenderService/RenderChat")
     assert value(render, "tito_grpc_requests_total", method="/tito.v1.RenderService/RenderChat", code="OK") == 1
     assert value(render, "tito_render_duration_seconds_count", kind="chat") == 1
     assert value(render, "tito_render_duration_seconds_count", kind="tokenize") == 0
@@ -117,7 +130,7 @@ def test_each_service_exposes_its_series_after_one_chat(servers, one_chat, tiny_
     assert value(render, "tito_render_media_processing_seconds_count", modality="image") == 1
     assert value(render, "tito_render_media_items_total", modality="image") == 1
 
-    engine = scrape(servers["engine"])
+    engine = scrape_after(servers["engine"], "/tito.v1.EngineService/Generate")
     assert value(engine, "tito_grpc_requests_total", method="/tito.v1.EngineService/Generate", code="OK") == 1
     for histogram in ("queue_time", "time_to_first_token", "time_per_output_token", "e2e_request_latency"):
         assert value(engine, f"tito_engine_{histogram}_seconds_count") == 1, histogram
@@ -133,7 +146,7 @@ def test_each_service_exposes_its_series_after_one_chat(servers, one_chat, tiny_
     assert value(engine, "tito_engine_encoder_cache_misses_total") == 1
     assert value(engine, "tito_engine_encoder_cache_hits_total") == 0
 
-    derender = scrape(servers["derender"])
+    derender = scrape_after(servers["derender"], "/tito.v1.DerenderService/Derender", count=2)
     assert value(derender, "tito_grpc_requests_total", method="/tito.v1.DerenderService/Derender", code="OK") == 2
     assert value(derender, "tito_derender_streams_total") == 2
     assert value(derender, "tito_derender_chunks_total") >= len(one_chat) + 1
@@ -150,8 +163,8 @@ def test_health_checks_are_counted_but_not_traced(servers, spans):
     with servers["engine"].channel() as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
-    assert value(scrape(servers["engine"]), "tito_grpc_requests_total", method="/grpc.health.v1.Health/Check",
-                 code="OK") >= 1
+    assert value(scrape_after(servers["engine"], "/grpc.health.v1.Health/Check"), "tito_grpc_requests_total",
+                 method="/grpc.health.v1.Health/Check", code="OK") >= 1
     assert not [span for span in spans.get_finished_spans() if "Health" in span.name]
 
 
@@ -160,7 +173,7 @@ def test_refused_calls_are_counted_by_status_code(servers):
         with pytest.raises(grpc.RpcError) as refused:
             render_pb2_grpc.RenderServiceStub(channel).RenderChat(render_pb2.RenderChatRequest(), timeout=TIMEOUT)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    render = scrape(servers["render"])
+    render = scrape_after(servers["render"], "/tito.v1.RenderService/RenderChat", "INVALID_ARGUMENT")
     assert value(render, "tito_grpc_requests_total", method="/tito.v1.RenderService/RenderChat",
                  code="INVALID_ARGUMENT") == 1
     assert value(render, "tito_grpc_request_duration_seconds_count",
@@ -217,7 +230,8 @@ def test_a_refused_token_is_counted_and_later_calls_still_are(aio_server, tiny_t
             stub.Detokenize(detokenize, timeout=TIMEOUT, metadata=bearer)
         with pytest.raises(grpc.RpcError):
             stub.Detokenize(detokenize, timeout=TIMEOUT)
-    samples = scrape(server)
     method = "/tito.v1.DerenderService/Detokenize"
+    scrape_after(server, method, "OK", 2)
+    samples = scrape_after(server, method, "UNAUTHENTICATED", 2)
     assert value(samples, "tito_grpc_requests_total", method=method, code="UNAUTHENTICATED") == 2
     assert value(samples, "tito_grpc_requests_total", method=method, code="OK") == 2

@@ -4,6 +4,7 @@ the load gauges from vLLM's scheduler statistics."""
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import pytest
@@ -29,9 +30,15 @@ def test_vllm_backend_feeds_the_engine_series(aio_server, tiny_text_model_d64):
     prompt = [(7 * i) % 990 + 3 for i in range(200)]  # a repeat reuses at least one full KV block
     for _ in range(2):
         collect(stub.Generate(request(prompt, max_tokens=4, ignore_eos=True), timeout=TIMEOUT))
-    with urllib.request.urlopen(f"http://{server.running.metrics.address}/metrics", timeout=10) as reply:
-        samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-                   for family in text_string_to_metric_families(reply.read().decode()) for sample in family.samples}
+    generated = ("tito_grpc_requests_total", (("code", "OK"), ("method", "/tito.v1.EngineService/Generate")))
+    deadline = time.monotonic() + 10
+    while True:  # the server records a call a moment after the client has its last message
+        with urllib.request.urlopen(f"http://{server.running.metrics.address}/metrics", timeout=10) as reply:
+            samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+                       for family in text_string_to_metric_families(reply.read().decode()) for sample in family.samples}
+        if samples.get(generated, 0) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
     for histogram in ("queue_time", "time_to_first_token", "time_per_output_token", "e2e_request_latency"):
         assert samples[(f"tito_engine_{histogram}_seconds_count", ())] == 2, histogram
     assert samples[("tito_engine_generation_tokens_total", ())] == 8
