@@ -2,7 +2,8 @@
 made of them (tool calls, malformed markup degraded to content, reasoning split), and the live
 streams (tito.metrics; only built with --metrics-port).
 
-A stream's counts are added when it ends (one update per stream, not one per chunk)."""
+A stream's counts are added when it ends (one update per stream, not one per chunk); a
+DerenderFull call's choices, tokens and parser outcomes count like a stream's."""
 
 from __future__ import annotations
 
@@ -36,10 +37,14 @@ class DerenderMetrics:
             "tito_derender_streams_active", "Derender streams holding state now", value=live_streams())]))
 
     def stream_ended(self, stream: DerenderStream | None, chunks: int) -> None:
+        """A Derender stream ended (any way; `stream` is None when no context came)."""
         self.streams.inc()
         self.chunks.inc(chunks)
-        if stream is None:
-            return
+        if stream is not None:
+            self.choices_done(stream)
+
+    def choices_done(self, stream: DerenderStream) -> None:
+        """The choices of a request (a Derender stream or a DerenderFull call), when it ends."""
         context = stream.context
         for choice in stream.choices():
             if choice.finish_reason is not None:

@@ -84,7 +84,8 @@ class DerenderServicer(derender_pb2_grpc.DerenderServiceServicer):
                    for i, response in enumerate(request.responses)]
         tokenizer = self.tokenizer
         choices, usage = await _off_loop_if_large(
-            sum(len(o.token_ids) for o in outputs), derender_full, tokenizer, domain_context, outputs)
+            sum(len(o.token_ids) for o in outputs), derender_full, tokenizer, domain_context, outputs,
+            self.metrics.choices_done if self.metrics is not None else None)
         return derender_pb2.DerenderFullResponse(choices=[choice_to_proto(c) for c in choices],
                                                  usage=usage_to_proto(usage))
 

@@ -107,7 +107,8 @@ def value(samples, name: str, **labels) -> float:
 
 def test_each_service_exposes_its_series_after_one_chat(servers, one_chat, tiny_vl_model):
     assert one_chat[-1].finish_reason
-    # A scripted engine stream through derender: reasoning, one tool call, one malformed call.
+    # A scripted engine output through derender, as a stream and as one DerenderFull call: reasoning,
+    # one tool call, one malformed call.
     tokenizer = AutoTokenizer.from_pretrained(tiny_vl_model)
     reply = ('<think>\nchecking\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
              '\n</tool_call>\n<tool_call>\n{"name": broken</tool_call>')
@@ -120,7 +121,11 @@ def test_each_service_exposes_its_series_after_one_chat(servers, one_chat, tiny_
                 derender_pb2.DerenderRequest(generate_response=engine_pb2.GenerateResponse(
                     token_ids=ids, finish_reason=engine_pb2.FINISH_REASON_STOP))]
     with servers["derender"].channel() as channel:
-        list(derender_pb2_grpc.DerenderServiceStub(channel).Derender(iter(requests), timeout=TIMEOUT))
+        stub = derender_pb2_grpc.DerenderServiceStub(channel)
+        list(stub.Derender(iter(requests), timeout=TIMEOUT))
+        full = stub.DerenderFull(derender_pb2.DerenderFullRequest(
+            context=context, responses=[requests[1].generate_response]), timeout=TIMEOUT)
+    assert full.choices[0].message.tool_calls and full.choices[0].message.reasoning_content
 
     render = scrape_after(servers["render"], "/tito.v1.RenderService/RenderChat")
     assert value(render, "tito_grpc_requests_total", method="/tito.v1.RenderService/RenderChat", code="OK") == 1
@@ -146,15 +151,16 @@ def test_each_service_exposes_its_series_after_one_chat(servers, one_chat, tiny_
     assert value(engine, "tito_engine_encoder_cache_misses_total") == 1
     assert value(engine, "tito_engine_encoder_cache_hits_total") == 0
 
-    derender = scrape_after(servers["derender"], "/tito.v1.DerenderService/Derender", count=2)
+    scrape_after(servers["derender"], "/tito.v1.DerenderService/Derender", count=2)
+    derender = scrape_after(servers["derender"], "/tito.v1.DerenderService/DerenderFull")
     assert value(derender, "tito_grpc_requests_total", method="/tito.v1.DerenderService/Derender", code="OK") == 2
     assert value(derender, "tito_derender_streams_total") == 2
     assert value(derender, "tito_derender_chunks_total") >= len(one_chat) + 1
-    assert value(derender, "tito_derender_completion_tokens_total") == 6 + len(ids)
+    assert value(derender, "tito_derender_completion_tokens_total") == 6 + 2 * len(ids)
     assert value(derender, "tito_derender_choices_finished_total", finish_reason="length") == 1
     assert value(derender, "tito_derender_streams_active") == 0
     for outcome, parser in (("tool_call", "hermes"), ("malformed_to_content", "hermes"), ("reasoning_split", "qwen3")):
-        assert value(derender, "tito_derender_parser_outcomes_total", parser=parser, outcome=outcome) == 1, outcome
+        assert value(derender, "tito_derender_parser_outcomes_total", parser=parser, outcome=outcome) == 2, outcome
 
 
 def test_health_checks_are_counted_but_not_traced(servers, spans):
