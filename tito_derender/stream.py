@@ -141,6 +141,7 @@ class ChoicePipeline:
 
     @property
     def tool_parser(self):
+        """The choice's ToolParser (its call counts), or None when tool calls are not parsed."""
         return self._tools.parser if self._tools is not None else None
 
     def content_chunk(self, delta: OutputDelta) -> Chunk | None:

@@ -102,8 +102,8 @@ class Usage:
 @dataclass(frozen=True)
 class RequestTimings:
     """When a request reached each phase, in time.monotonic() seconds (one clock for every process
-    of a Linux machine, so the engine's core process and vLLM's can report them). Queue time,
-    TTFT, time per output token and the engine's trace spans are derived from these."""
+    of a Linux machine, so the engine's core process and vLLM's can report them). The queue-time
+    metric and the engine's trace spans (queue, prefill, decode) are derived from these."""
 
     arrival: float  # submitted to the engine
     scheduled: float | None  # first given a slot (None: never ran)
