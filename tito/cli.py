@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tito.config import DEFAULT_MAX_MESSAGE_BYTES, ConfigError
+from tito.config import DEFAULT_MAX_MESSAGE_BYTES, ConfigError, add_observability_arguments
 from tito.logs import LOG_LEVELS, setup_logging
 from tito.model_paths import DEFAULT_MODEL, resolve_model
 
@@ -54,6 +54,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, service: str) -> None:
                           help="require `authorization: Bearer <token>` on every call (token read from the file)")
     security.add_argument("--auth-exempt-health", action=argparse.BooleanOptionalAction, default=True,
                           help="let health checks and reflection through without the token (default: on)")
+    add_observability_arguments(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--model", default=DEFAULT_MODEL, help="model for the services `tito chat` starts itself")
     chat.add_argument("--device", default="auto")
     chat.add_argument("--timeout", type=float, default=300.0, help="deadline of each call, seconds")
+    chat.add_argument("--otel", action="store_true",
+                      help="trace the chat with OpenTelemetry (docs/tracing.md; also on with OTEL_* variables); the "
+                           "services `tito chat` starts trace too")
     security = chat.add_argument_group("reaching secured services (docs/security.md)")
     security.add_argument("--tls-ca-file", default="", help="PEM CA that issued the services' certificates (TLS on)")
     security.add_argument("--tls-cert-file", default="", help="client certificate, for mutual TLS")
@@ -184,6 +188,7 @@ def serve_all(args: argparse.Namespace) -> int:
 def chat(args: argparse.Namespace) -> int:
     from google.protobuf import struct_pb2
 
+    from tito import tracing
     from tito.pipeline import ChatPipeline, Endpoints, wait_until_serving
     from tito.security import ClientSecurity
     from tito.v1 import chat_pb2, engine_pb2, render_pb2
@@ -233,9 +238,11 @@ def chat(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"tito chat: {exc}", file=sys.stderr)
             return 2
-        processes = spawn_all(addresses, model, args.device, "warning")
+        processes = spawn_all(addresses, model, args.device, "warning",
+                              {name: ["--otel"] for name in SERVICES} if args.otel else None)
         endpoints = Endpoints(**addresses)
     try:
+        tracing.configure("chat", args.otel)
         for address in (endpoints.render, endpoints.engine, endpoints.derender):
             wait_until_serving(address, timeout=args.timeout, security=security)
         messages = []
@@ -268,7 +275,11 @@ def chat(args: argparse.Namespace) -> int:
                     print(f"\n[finish_reason={engine_pb2.FinishReason.Name(chunk.finish_reason)} "
                           f"prompt_tokens={usage.prompt_tokens} completion_tokens={usage.completion_tokens}]")
         return 0
+    except ConfigError as exc:  # tracing asked for but not installed
+        print(f"tito chat: {exc}", file=sys.stderr)
+        return 2
     finally:
+        tracing.shutdown()  # export the chat's spans before exiting
         stop_all(processes)
         if tmp is not None:
             tmp.cleanup()

@@ -48,6 +48,11 @@ class ServerConfig:
     tls_client_ca_file: str = ""  # mutual TLS: clients need a certificate this CA issued
     auth_token_file: str = ""  # calls need `authorization: Bearer <token>`
     auth_exempt_health: bool = True  # health and reflection answer without the token
+    # Prometheus /metrics on this port (0: any free port), on the host of `address` (loopback for a
+    # unix socket); None: no metrics (nothing of prometheus_client is even imported).
+    metrics_port: int | None = None
+    # OpenTelemetry tracing (tito.tracing): on with this flag or the standard OTEL_* variables.
+    otel: bool = False
 
     def validate(self) -> None:
         validate_address(self.address)
@@ -57,6 +62,9 @@ class ServerConfig:
                 f"(default {DEFAULT_MAX_MESSAGE_BYTES})")
         if self.grace_seconds < 0:
             raise ConfigError(f"grace_seconds={self.grace_seconds} must be >= 0")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port={self.metrics_port} must be a TCP port, 0-65535 (0 = any free port); "
+                              f"leave --metrics-port out for no metrics")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"log_level={self.log_level!r} must be one of {', '.join(LOG_LEVELS)}")
         self._validate_security()
@@ -76,8 +84,22 @@ class ServerConfig:
             read_token_file(self.auth_token_file)
 
 
+def add_observability_arguments(parser) -> None:
+    """--metrics-port and --otel (docs/metrics.md, docs/tracing.md), for every service."""
+    group = parser.add_argument_group("observability (docs/metrics.md, docs/tracing.md)")
+    group.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus metrics at http://HOST:PORT/metrics, HOST being the --address host "
+                            "(127.0.0.1 for a unix socket); 0 = any free port; default: no metrics")
+    group.add_argument("--otel", action="store_true",
+                       help="export OpenTelemetry traces (OTLP, configured by the OTEL_* variables); also on when "
+                            "OTEL_TRACES_EXPORTER or OTEL_EXPORTER_OTLP_ENDPOINT is set")
+
+
 def server_fields_from_args(args) -> dict:
     """The `ServerConfig` fields every service takes from its command line (tito.cli's common flags)."""
-    return {name: getattr(args, name) for name in (
+    fields = {name: getattr(args, name) for name in (
         "address", "max_message_bytes", "grace_seconds", "log_level", "tls_cert_file", "tls_key_file",
         "tls_client_ca_file", "auth_token_file", "auth_exempt_health")}
+    fields["metrics_port"] = getattr(args, "metrics_port", None)
+    fields["otel"] = getattr(args, "otel", False)
+    return fields

@@ -198,19 +198,29 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
     @staticmethod
     def _wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        kinds = {
-            "unary_unary": (grpc.unary_unary_rpc_method_handler, False),
-            "unary_stream": (grpc.unary_stream_rpc_method_handler, True),
-            "stream_unary": (grpc.stream_unary_rpc_method_handler, False),
-            "stream_stream": (grpc.stream_stream_rpc_method_handler, True),
-        }
-        for attr, (factory, streaming) in kinds.items():
-            behavior = getattr(handler, attr)
-            if behavior is not None:
-                return factory(_wrap(behavior, method, streaming),
-                               request_deserializer=_tolerant(handler.request_deserializer),
-                               response_serializer=handler.response_serializer)
-        return handler
+        return wrap_handler(handler, lambda behavior, streaming: _wrap(behavior, method, streaming),
+                            request_deserializer=_tolerant(handler.request_deserializer))
+
+
+_HANDLER_KINDS = {
+    "unary_unary": (grpc.unary_unary_rpc_method_handler, False),
+    "unary_stream": (grpc.unary_stream_rpc_method_handler, True),
+    "stream_unary": (grpc.stream_unary_rpc_method_handler, False),
+    "stream_stream": (grpc.stream_stream_rpc_method_handler, True),
+}
+
+
+def wrap_handler(handler: grpc.RpcMethodHandler, wrap: Callable[[Callable, bool], Callable],
+                 request_deserializer: Callable | None = None) -> grpc.RpcMethodHandler:
+    """`handler` with its behavior replaced by `wrap(behavior, streaming_response)` (the way every
+    tito interceptor wraps a method); the request deserializer too when one is given."""
+    for attr, (factory, streaming) in _HANDLER_KINDS.items():
+        behavior = getattr(handler, attr)
+        if behavior is not None:
+            return factory(wrap(behavior, streaming),
+                           request_deserializer=request_deserializer or handler.request_deserializer,
+                           response_serializer=handler.response_serializer)
+    return handler
 
 
 def error_details(error: grpc.RpcError) -> dict:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tito import tracing
 from tito.security import ClientSecurity
 from tito.v1 import (
     derender_pb2,
@@ -83,9 +84,23 @@ class ChatPipeline:
         self.close()
 
     def stream_chat(self, request: render_pb2.RenderChatRequest) -> Iterator[derender_pb2.ChatChunk]:
-        """Yield chat chunks as derender produces them."""
-        rendered = self.render.RenderChat(request, timeout=self.timeout)
-        generation = self.engine.Generate(rendered.generate_request, timeout=self.timeout)
+        """Yield chat chunks as derender produces them.
+
+        With tracing on (tito.tracing), the chat is one span whose W3C trace context the three
+        calls carry in their metadata, so render, engine and derender add to one trace."""
+        chat_span = tracing.begin_client_span("chat")
+        error: BaseException | None = None
+        try:
+            yield from self._stream_chat(request, tracing.inject(parent=chat_span))
+        except BaseException as exc:
+            error = exc if not isinstance(exc, GeneratorExit) else None
+            raise
+        finally:
+            tracing.end_span(chat_span, error)
+
+    def _stream_chat(self, request: render_pb2.RenderChatRequest, metadata) -> Iterator[derender_pb2.ChatChunk]:
+        rendered = self.render.RenderChat(request, timeout=self.timeout, metadata=metadata)
+        generation = self.engine.Generate(rendered.generate_request, timeout=self.timeout, metadata=metadata)
 
         engine_errors: list[grpc.RpcError] = []
 
@@ -100,7 +115,7 @@ class ChatPipeline:
                 if exc.code() != grpc.StatusCode.CANCELLED:
                     engine_errors.append(exc)
 
-        chunks = self.derender.Derender(derender_requests(), timeout=self.timeout)
+        chunks = self.derender.Derender(derender_requests(), timeout=self.timeout, metadata=metadata)
         try:
             for reply in chunks:
                 if reply.chunk.cancel_generation:

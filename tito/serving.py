@@ -5,6 +5,8 @@ limits, the standard health service (NOT_SERVING until the service says it is re
 reflection (grpc.reflection.v1 and v1alpha: tito.reflection), and binds a TCP `host:port` (port 0
 picks a free one) or a `unix:` socket, with TLS (and mutual TLS) and a bearer-token check when
 configured (tito.security).
+With `--metrics-port` or tracing on, an `ObservingInterceptor` (tito.grpc_observe) wraps every
+call first, and the server's /metrics endpoint starts and stops with it (`observability`).
 `run_until_signal` serves until SIGTERM/SIGINT, then enters graceful shutdown (health turns
 NOT_SERVING, new calls are refused) and gives in-flight calls `grace_seconds` to finish.
 """
@@ -17,11 +19,13 @@ import os
 import signal
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tito import reflection
+from tito import tracing
 from tito.config import ConfigError, ServerConfig
 from tito.grpc_errors import ErrorMappingInterceptor
 from tito.security import OPEN_METHOD_PREFIXES, AuthInterceptor, read_token_file, server_credentials
@@ -39,6 +43,7 @@ class RunningServer:
     service_names: tuple[str, ...]
     grace_seconds: float
     cleanups: list[Callable[[], object]] = field(default_factory=list)
+    metrics: Any = None  # tito.metrics.ServiceMetrics when serving /metrics (its .address: host:port)
 
     def add_cleanup(self, cleanup: Callable[[], object]) -> None:
         """Run `cleanup` (sync or async) after the server has stopped, e.g. to free a model."""
@@ -73,15 +78,34 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
     ]
 
 
+def observability(config: ServerConfig, service: str) -> Any:
+    """Turn tracing on when the config or the OTEL_* variables ask (tito.tracing), and build the
+    server's metrics when it has a metrics port: a tito.metrics.ServiceMetrics to add the service's
+    own series to and pass to `start_server`, or None."""
+    tracing.configure(service, config.otel)
+    if config.metrics_port is None:
+        return None
+    from tito.metrics import ServiceMetrics
+
+    return ServiceMetrics(service)
+
+
 async def start_server(
     config: ServerConfig,
     service_names: Iterable[str],
     register: Callable[[grpc.aio.Server], None],
+    metrics: Any = None,
 ) -> RunningServer:
-    """Create, bind and start a server; health stays NOT_SERVING until `set_serving()`."""
+    """Create, bind and start a server; health stays NOT_SERVING until `set_serving()`.
+
+    `metrics` (from `observability`): served on config.metrics_port while the server runs."""
     config.validate()
     names = tuple(service_names)
     interceptors: list[grpc.aio.ServerInterceptor] = []
+    if metrics is not None or tracing.enabled():  # first: it sees every call's final status
+        from tito.grpc_observe import ObservingInterceptor
+
+        interceptors.append(ObservingInterceptor(metrics))
     if config.auth_token_file:  # first: an unauthenticated call goes no further
         open_prefixes = OPEN_METHOD_PREFIXES if config.auth_exempt_health else ()
         interceptors.append(AuthInterceptor(read_token_file(config.auth_token_file), open_prefixes))
@@ -120,10 +144,20 @@ async def start_server(
         host = address.rsplit(":", 1)[0]
         dial = f"{host}:{port}"
     await server.start()
+    running = RunningServer(server, dial, health_servicer, names, config.grace_seconds, metrics=metrics)
+    if metrics is not None:
+        from tito.metrics import metrics_host
+
+        try:
+            metrics.serve(metrics_host(address), config.metrics_port)
+        except ConfigError:
+            await server.stop(0)
+            raise
+        running.add_cleanup(lambda: asyncio.to_thread(metrics.stop))  # waits out the HTTP poll loop
     security = ", ".join(part for part, on in (("TLS", credentials), ("mutual TLS", config.tls_client_ca_file),
                                                ("bearer token", config.auth_token_file)) if on) or "plaintext"
     log.info("listening on %s (services: %s; %s)", dial, ", ".join(names), security)
-    return RunningServer(server, dial, health_servicer, names, config.grace_seconds)
+    return running
 
 
 async def run_until_signal(running: RunningServer) -> None:
@@ -135,4 +169,5 @@ async def run_until_signal(running: RunningServer) -> None:
     await stop_event.wait()
     log.info("shutting down: finishing in-flight calls (grace %.1fs)", running.grace_seconds)
     await running.stop()
+    tracing.shutdown()  # export the spans still buffered
     log.info("stopped")

@@ -8,7 +8,7 @@ call's name before its end is known, closes a broken call's arguments instead).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tito.errors import FailedPrecondition, InvalidArgument
@@ -40,8 +40,9 @@ class CompletedChoice:
         self.tool_calls[delta.index].arguments += delta.arguments
 
 
-def derender_full(tokenizer: TextTokenizer, context: RequestContext,
-                  outputs: Iterable[EngineOutput]) -> tuple[list[CompletedChoice], Usage]:
+def derender_full(tokenizer: TextTokenizer, context: RequestContext, outputs: Iterable[EngineOutput],
+                  on_done: Callable[[DerenderStream], None] | None = None) -> tuple[list[CompletedChoice], Usage]:
+    """`on_done` (metrics) sees the finished stream: its choices and parser outcomes."""
     stream = DerenderStream(tokenizer, context, streaming=False)
     choices = {index: CompletedChoice(index) for index in range(stream.n)}
     for position, output in enumerate(outputs):
@@ -69,4 +70,6 @@ def derender_full(tokenizer: TextTokenizer, context: RequestContext,
         raise InvalidArgument(
             f"choice {unfinished[0]} has no final response (one with finish_reason set); DerenderFull needs "
             f"the whole engine output of all {stream.n} choices", reason="INCOMPLETE_OUTPUT", field="responses")
+    if on_done is not None:
+        on_done(stream)
     return [choices[i] for i in range(stream.n)], stream.usage()

@@ -10,9 +10,10 @@ from pathlib import Path
 
 from tito.config import server_fields_from_args
 from tito.model_paths import resolve_model
-from tito.serving import RunningServer, run_until_signal, start_server
+from tito.serving import RunningServer, observability, run_until_signal, start_server
 from tito.v1 import derender_pb2_grpc
 from tito_derender.config import DerenderConfig
+from tito_derender.observe import DerenderMetrics
 from tito_derender.servicer import DerenderServicer
 from tito_derender.tokenizer import TextTokenizer
 
@@ -46,9 +47,12 @@ async def create_server(config: DerenderConfig) -> RunningServer:
     """
     config.validate()
     servicer = DerenderServicer()
+    metrics = observability(config, "derender")
+    if metrics is not None:
+        servicer.metrics = DerenderMetrics(metrics, lambda: servicer.live_streams)
     running = await start_server(
         config, (SERVICE_NAME,),
-        lambda server: derender_pb2_grpc.add_DerenderServiceServicer_to_server(servicer, server))
+        lambda server: derender_pb2_grpc.add_DerenderServiceServicer_to_server(servicer, server), metrics)
     running.derender_servicer = servicer  # for tests and operators: live stream count
     cache = Path(config.model_cache_dir) if config.model_cache_dir else None
     try:

@@ -15,6 +15,7 @@ from tito_derender.convert import (
     choice_to_proto, chunk_to_proto, context_from_proto, output_from_proto, text_options, usage_to_proto)
 from tito_derender.detokenizer import detokenize
 from tito_derender.full import derender_full
+from tito_derender.observe import DerenderMetrics
 from tito_derender.stream import DerenderStream
 from tito_derender.tokenizer import TextTokenizer
 
@@ -22,10 +23,11 @@ log = logging.getLogger(__name__)
 
 
 class DerenderServicer(derender_pb2_grpc.DerenderServiceServicer):
-    def __init__(self, tokenizer: TextTokenizer | None = None) -> None:
+    def __init__(self, tokenizer: TextTokenizer | None = None, metrics: DerenderMetrics | None = None) -> None:
         self._tokenizer = tokenizer
         #: Derender streams currently holding state (for operators and tests: drops release it).
         self.live_streams = 0
+        self.metrics = metrics  # set by the server when it serves /metrics
 
     def set_tokenizer(self, tokenizer: TextTokenizer) -> None:
         self._tokenizer = tokenizer
@@ -39,6 +41,7 @@ class DerenderServicer(derender_pb2_grpc.DerenderServiceServicer):
     async def Derender(self, request_iterator: AsyncIterator[derender_pb2.DerenderRequest],
                        context: grpc.aio.ServicerContext) -> AsyncIterator[derender_pb2.DerenderResponse]:
         stream: DerenderStream | None = None
+        chunks = 0
         self.live_streams += 1
         try:
             async for request in request_iterator:
@@ -62,6 +65,7 @@ class DerenderServicer(derender_pb2_grpc.DerenderServiceServicer):
                         reason="UNEXPECTED_CONTEXT" if kind == "context" else "EMPTY_MESSAGE",
                         field="context" if kind == "context" else "generate_response")
                 for chunk in stream.feed(output_from_proto(request.generate_response)):
+                    chunks += 1
                     yield chunk_to_proto(chunk)
             if stream is not None and not stream.finished:
                 log.info("client closed the derender stream with choices %s unfinished", stream.unfinished_choices)
@@ -69,6 +73,8 @@ class DerenderServicer(derender_pb2_grpc.DerenderServiceServicer):
             # Runs on normal end, on error and on cancellation (client dropped the call): the
             # stream's state goes with this frame.
             self.live_streams -= 1
+            if self.metrics is not None:
+                self.metrics.stream_ended(stream, chunks)
 
     async def DerenderFull(self, request: derender_pb2.DerenderFullRequest,
                            context: grpc.aio.ServicerContext) -> derender_pb2.DerenderFullResponse:
@@ -78,7 +84,8 @@ class DerenderServicer(derender_pb2_grpc.DerenderServiceServicer):
                    for i, response in enumerate(request.responses)]
         tokenizer = self.tokenizer
         choices, usage = await _off_loop_if_large(
-            sum(len(o.token_ids) for o in outputs), derender_full, tokenizer, domain_context, outputs)
+            sum(len(o.token_ids) for o in outputs), derender_full, tokenizer, domain_context, outputs,
+            self.metrics.choices_done if self.metrics is not None else None)
         return derender_pb2.DerenderFullResponse(choices=[choice_to_proto(c) for c in choices],
                                                  usage=usage_to_proto(usage))
 

@@ -18,6 +18,7 @@ proportional to its new tokens (plus bounded look-behind for markers and stop st
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Protocol
 
 from tito.errors import FailedPrecondition, InvalidArgument
@@ -37,6 +38,16 @@ MAX_CHOICES = 128
 UINT32_MAX = 2**32 - 1
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParserOutcomes:
+    """Per request: tool calls parsed, calls whose malformed (or cut-off) markup went back to
+    content, and choices whose reasoning was split from the content."""
+
+    tool_calls: int = 0
+    malformed_calls: int = 0
+    reasoning_splits: int = 0
 
 
 class Stage(Protocol):
@@ -71,6 +82,7 @@ class ChoicePipeline:
         self.stopped_by_string = False
         self.finish_reason: FinishReason | None = None
         self.matched_stop = ""
+        self.reasoning_split = False  # the reasoning parser took reasoning out of this choice's text
 
     def _run_stages(self, text: str, final: bool) -> OutputDelta:
         delta = OutputDelta(content=text)
@@ -112,6 +124,8 @@ class ChoicePipeline:
                 text = result + (self._stops.flush() if engine_final else "")
         final = engine_final or match is not None
         delta = self._run_stages(text, final)
+        if delta.reasoning_content:
+            self.reasoning_split = True
         if final:
             self.finished = True
             if match is not None:
@@ -124,6 +138,11 @@ class ChoicePipeline:
             if self.finish_reason == FinishReason.STOP and self._tools is not None and self._tools.calls_made:
                 self.finish_reason = FinishReason.TOOL_CALLS
         return delta, final
+
+    @property
+    def tool_parser(self):
+        """The choice's ToolParser (its call counts), or None when tool calls are not parsed."""
+        return self._tools.parser if self._tools is not None else None
 
     def content_chunk(self, delta: OutputDelta) -> Chunk | None:
         chunk = self._chunks.delta(delta, tuple(self._logprobs))
@@ -269,6 +288,18 @@ class DerenderStream:
         With n = 1 that is the stop string's chunk itself; with n > 1 the flag waits for the
         other choices, since cancelling the engine stream would cut them off too."""
         return self.finished and any(c.stopped_by_string for c in self._choices.values())
+
+    def choices(self) -> list[ChoicePipeline]:
+        """The choices seen so far, finished or not."""
+        return list(self._choices.values())
+
+    def parser_outcomes(self) -> ParserOutcomes:
+        """What the parsers made of this request's choices so far (for metrics)."""
+        choices = self._choices.values()
+        tools = [choice.tool_parser for choice in choices if choice.tool_parser is not None]
+        return ParserOutcomes(tool_calls=sum(parser.calls_made for parser in tools),
+                              malformed_calls=sum(parser.malformed_calls for parser in tools),
+                              reasoning_splits=sum(choice.reasoning_split for choice in choices))
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=self._prompt_tokens, completion_tokens=self._completion_tokens_finished,

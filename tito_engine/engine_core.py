@@ -40,7 +40,7 @@ from tito_engine.core_messages import (AbortRequest, AddRequest, Command, CoreFa
                                        CoreStopped, EncodeItems, EncodeResult, StepBatch, StopCore)
 from tito_engine.encoder_cache import EncoderCache
 from tito_engine.features import CheckedFeatures, ValidatedFeatures, check_encoder_cache_enabled, resolve_cached
-from tito_engine.request import Request
+from tito_engine.request import ChoiceOutput, Request
 from tito_engine.scheduler import Scheduler, run_step
 
 log = logging.getLogger(__name__)
@@ -258,6 +258,8 @@ class EngineCore:
         finished = request.failed or request.finished
         if finished:
             self.requests.pop(request.key, None)
+            if isinstance(output, ChoiceOutput):
+                output.timings = request.timings()  # the server derives latencies and spans from them
         return request.key, output, finished
 
     def _abort_all(self) -> list:

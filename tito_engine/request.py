@@ -102,6 +102,18 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class RequestTimings:
+    """When a request reached each phase, in time.monotonic() seconds (one clock for every process
+    of a Linux machine, so the engine's core process and vLLM's can report them). The queue-time
+    metric and the engine's trace spans (queue, prefill, decode) are derived from these."""
+
+    arrival: float  # submitted to the engine
+    scheduled: float | None  # first given a slot (None: never ran)
+    first_token: float | None  # first token sampled
+    finished: float  # last output
+
+
+@dataclass(frozen=True)
 class TokenLogprob:
     token_id: int
     logprob: float  # natural log, under the raw model distribution (before penalties/temperature/filters)
@@ -124,11 +136,13 @@ class ChoiceOutput:
     matched_stop_token_id: int | None = None
     usage: Usage | None = None
     logprobs: tuple[PositionLogprobs, ...] = ()  # one per token id when requested
+    timings: RequestTimings | None = None  # on the request's last output, when the backend knows them
 
     def merged_with(self, later: "ChoiceOutput") -> "ChoiceOutput":
         """This output followed by `later` of the same choice, as one message."""
         return ChoiceOutput(self.index, self.token_ids + later.token_ids, later.finish_reason,
-                            later.matched_stop_token_id, later.usage, self.logprobs + later.logprobs)
+                            later.matched_stop_token_id, later.usage, self.logprobs + later.logprobs,
+                            later.timings or self.timings)
 
     @property
     def finished(self) -> bool:
@@ -191,6 +205,10 @@ class Request:
 
     def unfinished(self) -> list[Sequence]:
         return [seq for seq in self.sequences if not seq.finished]
+
+    def timings(self) -> RequestTimings:
+        return RequestTimings(self.arrival_time, self.scheduled_time, self.first_token_time,
+                              self.finish_time or time.monotonic())
 
     def usage_for(self, seq: Sequence) -> Usage:
         return Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(seq.output_ids),

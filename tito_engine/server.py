@@ -9,7 +9,7 @@ import sys
 
 from tito.config import server_fields_from_args
 from tito.model_paths import resolve_model
-from tito.serving import RunningServer, run_until_signal, start_server
+from tito.serving import RunningServer, observability, run_until_signal, start_server
 from tito.v1 import engine_pb2_grpc
 
 from tito_engine.admission import Admission
@@ -19,6 +19,7 @@ from tito_engine.engine import Engine
 from tito_engine.engine_core import CoreProcessSpec
 from tito_engine.features import FeaturePolicy
 from tito_engine.model_runner import DEFAULT_BLOCK_SIZE, KVCacheSpec, ModelRunner
+from tito_engine.observe import EngineMetrics, RequestObserver
 from tito_engine.servicer import EngineServicer
 
 SERVICE_NAME = "tito.v1.EngineService"
@@ -170,8 +171,11 @@ async def create_server(config: EngineConfig) -> RunningServer:
     config.validate()
     # The port is bound (health NOT_SERVING, calls answered UNAVAILABLE) while the model loads.
     servicer = EngineServicer()
+    metrics = observability(config, "engine")
+    engine_metrics = EngineMetrics(metrics, servicer.load_now) if metrics is not None else None
     running = await start_server(
-        config, [SERVICE_NAME], lambda server: engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server))
+        config, [SERVICE_NAME], lambda server: engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server),
+        metrics)
     try:
         backend = await asyncio.to_thread(_build_backend, config)
     except BaseException:
@@ -185,7 +189,8 @@ async def create_server(config: EngineConfig) -> RunningServer:
     backend.start()
     running.add_cleanup(lambda: asyncio.to_thread(backend.stop))
     admission = Admission.for_backend(backend, feature_policy(config), config.max_choices_per_request)
-    servicer.attach(backend, admission)
+    observer = RequestObserver(engine_metrics)
+    servicer.attach(backend, admission, observer if observer.active else None)
     await running.set_serving()
     if config.hmac_key_file:
         log.info("media item tags are verified (key id %r); unsigned items are %s", config.hmac_key_id,

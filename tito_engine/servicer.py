@@ -14,8 +14,9 @@ from tito.structured_output import StructuredOutputSpec, spec_from_proto
 from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2, sampling_pb2
 
 from tito_engine.admission import Admission
-from tito_engine.backend import EngineBackend
+from tito_engine.backend import EngineBackend, LoadSnapshot
 from tito_engine.features import MODALITY_NAMES
+from tito_engine.observe import RequestObserver
 from tito_engine.request import ChoiceOutput, FinishReason, GenerateInput, RawSamplingParams, TokenLogprob
 
 _FINISH_REASONS = {
@@ -98,11 +99,18 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self):
         self._backend: EngineBackend | None = None
         self._admission: Admission | None = None
+        self._observer: RequestObserver | None = None
 
-    def attach(self, backend: EngineBackend, admission: Admission) -> None:
-        """Start answering with `backend` (the server is bound before the model finishes loading)."""
+    def attach(self, backend: EngineBackend, admission: Admission, observer: RequestObserver | None = None) -> None:
+        """Start answering with `backend` (the server is bound before the model finishes loading);
+        `observer` measures and traces each Generate stream (None: metrics and tracing are off)."""
         self._admission = admission
+        self._observer = observer
         self._backend = backend
+
+    def load_now(self) -> LoadSnapshot | None:
+        """The backend's load, or None while the model loads (for metrics read at scrape time)."""
+        return self._backend.load() if self._backend is not None else None
 
     @property
     def _engine(self) -> EngineBackend:
@@ -120,6 +128,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         else:
             admitted = self._admission.admit(generate)
         outputs = backend.generate(admitted)
+        if self._observer is not None:
+            outputs = self._observer.observe(outputs)
         try:
             async for output in outputs:
                 yield output_to_proto(output)

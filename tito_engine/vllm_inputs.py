@@ -24,7 +24,8 @@ from tito import tensors
 
 from tito_engine.admission import AdmittedRequest
 from tito_engine.features import TENSORS_REQUIRED, CheckedItem, content_digest
-from tito_engine.request import ChoiceOutput, FinishReason, PositionLogprobs, SamplingOptions, TokenLogprob, Usage
+from tito_engine.request import (ChoiceOutput, FinishReason, PositionLogprobs, RequestTimings, SamplingOptions,
+                                  TokenLogprob, Usage)
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
@@ -187,6 +188,21 @@ def engine_input(request: AdmittedRequest, media: "MediaConverter | None") -> tu
                     cache_salt=salt), hits, misses
 
 
+def request_timings(stats: Any) -> RequestTimings | None:
+    """tito's RequestTimings from vLLM's RequestStateStats (engine-core monotonic timestamps; 0
+    means "not reached"); None when vLLM kept no statistics."""
+    if stats is None or not stats.queued_ts:
+        return None
+    return RequestTimings(arrival=stats.queued_ts, scheduled=stats.scheduled_ts or None,
+                          first_token=stats.first_token_ts or None,
+                          finished=stats.last_token_ts or stats.first_token_ts or stats.queued_ts)
+
+
+def _timings_if_finished(output: Any) -> RequestTimings | None:
+    """The request's timings, on the outputs of its last RequestOutput only."""
+    return request_timings(getattr(output, "metrics", None)) if getattr(output, "finished", False) else None
+
+
 class OutputConverter:
     """vLLM's delta RequestOutputs for one request as tito ChoiceOutputs."""
 
@@ -219,7 +235,8 @@ class OutputConverter:
                 continue
             matched = self._last_token.get(index) if finish is FinishReason.STOP else None
             usage = Usage(self._prompt_tokens, self._generated.get(index, 0), output.num_cached_tokens or 0)
-            choices.append(ChoiceOutput(index, token_ids, finish, matched, usage, logprobs))
+            choices.append(ChoiceOutput(index, token_ids, finish, matched, usage, logprobs,
+                                        _timings_if_finished(output)))
         return choices
 
     def _logprobs(self, token_ids: tuple[int, ...], positions: Any) -> tuple[PositionLogprobs, ...]:

@@ -12,8 +12,10 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tito import tracing
 from tito.config import DEFAULT_MAX_MESSAGE_BYTES
 from tito.errors import FieldViolation, InvalidArgument, ResourceExhausted
 from tito.v1 import chat_pb2, derender_pb2, engine_pb2, multimodal_pb2, render_pb2, sampling_pb2
@@ -91,6 +93,9 @@ class Renderer:
         self.signer = signer
         self.image_cache = ProcessedImageCache(self.limits.media_cache_bytes)
         self.encoder = LongTextEncoder(model.tokenizer, model.path)  # long text: off this process's GIL
+        #: Called with (modality, items, seconds) after a request's images or videos are processed
+        #: (the server's metrics; None: nobody is counting).
+        self.on_media_processed: Callable[[str, int, float], None] | None = None
 
     # ------------------------------------------------------------------ chat
     def chat_options(self, request: render_pb2.RenderChatRequest,
@@ -142,7 +147,8 @@ class Renderer:
         tools = tools_to_dicts(list(request.tools))
         tool_choice = resolve_tool_choice(request.tool_choice, list(request.tools))
         options = self.chat_options(request, time_remaining)
-        text = render_chat_text(self.model.tokenizer, messages, tools, options)
+        with tracing.span("render.template", messages=len(messages), tools=len(request.tools)):
+            text = render_chat_text(self.model.tokenizer, messages, tools, options)
         self.check_text_length(len(text), "messages")
         processed: list[ProcessedImage] = []
         hashes: list[str] = []
@@ -154,14 +160,17 @@ class Renderer:
                 check_marker_count(text, media.video_marker, len(videos), template_field, kind="video")
             if refs:
                 budget = PixelBudget(self.limits.media.max_request_pixels)
-                image_media = self._process_images(media, images, request.media_options, payload, budget)
-                video_media = self._process_videos(media, videos, request.media_options, payload, budget)
+                with tracing.span("render.media", images=len(images), videos=len(videos)):
+                    image_media = self._process_images(media, images, request.media_options, payload, budget)
+                    video_media = self._process_videos(media, videos, request.media_options, payload, budget)
                 by_marker = {media.image_marker: image_media, media.video_marker: video_media}
                 prompt, order = expand_media_markers(
                     text, {marker: found.processed for marker, found in by_marker.items() if marker})
                 processed = [by_marker[marker].processed[i] for marker, i in order]
                 hashes = [by_marker[marker].hashes[i] for marker, i in order]
-        token_ids = self.encoder.encode(prompt, add_special_tokens=False)
+        with tracing.span("render.tokenize", characters=len(prompt)):
+            token_ids = self.encoder.encode(prompt, add_special_tokens=False)
+        tracing.add_attributes(prompt_tokens=len(token_ids))
         if not token_ids:
             raise InvalidArgument("the chat template rendered an empty prompt", reason="EMPTY_PROMPT",
                                   field="messages")
@@ -235,7 +244,7 @@ class Renderer:
                     cache.put(key, cached)
             hashes.append(cached.mm_hash)
             processed.append(cached.processed)
-        log.debug("processed %d images in %.1f ms", len(refs), (time.perf_counter() - started) * 1e3)
+        self._media_done("image", len(refs), started)
         return PromptMedia(refs, processed, hashes)
 
     def _process_videos(self, media: MediaAdapter, refs: list[VideoRef], media_options: render_pb2.MediaOptions,
@@ -261,8 +270,16 @@ class Renderer:
                     self.image_cache.put(key, cached)
             hashes.append(cached.mm_hash)
             processed.append(cached.processed)
-        log.debug("processed %d videos in %.1f ms", len(refs), (time.perf_counter() - started) * 1e3)
+        self._media_done("video", len(refs), started)
         return PromptMedia(refs, processed, hashes)
+
+    def _media_done(self, modality: str, count: int, started: float) -> None:
+        if not count:
+            return
+        seconds = time.perf_counter() - started
+        log.debug("processed %d %ss in %.1f ms", count, modality, seconds * 1e3)
+        if self.on_media_processed is not None:
+            self.on_media_processed(modality, count, seconds)
 
     def _decode_video(self, media: MediaAdapter, ref: VideoRef, encoded: list[tuple[bytes, str]],
                       settings: VideoSettings, hash_options: dict, with_tensors: bool,
@@ -338,7 +355,8 @@ class Renderer:
         if has_text:
             self.check_text_length(len(request.prompt), "prompt")
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            token_ids = self.encoder.encode(request.prompt, add_special_tokens=add_special)
+            with tracing.span("render.tokenize", characters=len(request.prompt)):
+                token_ids = self.encoder.encode(request.prompt, add_special_tokens=add_special)
             field = "prompt"
             if not token_ids:
                 raise InvalidArgument("prompt encodes to no tokens", reason="EMPTY_PROMPT", field="prompt")

@@ -11,12 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 from tito.config import ConfigError, server_fields_from_args
 from tito.errors import still_loading
 from tito.model_paths import resolve_model
-from tito.serving import RunningServer, run_until_signal, start_server
+from tito.serving import RunningServer, observability, run_until_signal, start_server
 from tito.v1 import render_pb2
 
 from tito_render.config import AUTO, NONE, REASONING_PARSERS, TOOL_PARSERS, RenderConfig
 from tito_render.media.features import Signer
 from tito_render.model import load_render_model
+from tito_render.observe import RenderMetrics
 from tito_render.renderer import Renderer, RenderLimits
 from tito_render.servicer import RenderServicer, add_to_server
 from tito_render.workers import WorkerPool
@@ -107,7 +108,8 @@ async def create_server(config: RenderConfig) -> RunningServer:
         servicer_slot.append(servicer)
         add_to_server(servicer, server)
 
-    running = await start_server(config, [SERVICE_NAME], register)
+    metrics = observability(config, "render")
+    running = await start_server(config, [SERVICE_NAME], register, metrics)
     running.add_cleanup(lambda: executor.shutdown(wait=False, cancel_futures=True))
     try:
         model = await asyncio.get_running_loop().run_in_executor(executor, load_render_model, config)
@@ -116,7 +118,7 @@ async def create_server(config: RenderConfig) -> RunningServer:
         raise
     renderer = Renderer(model, RenderLimits.from_config(config), signer)
     running.add_cleanup(renderer.encoder.close)
-    servicer_slot[0].attach(RenderServicer(renderer, executor))
+    servicer_slot[0].attach(RenderServicer(renderer, executor, RenderMetrics(metrics) if metrics else None))
     if signer:
         log.info("media items are signed (HMAC-SHA256, key id %r)", config.hmac_key_id)
     await running.set_serving()

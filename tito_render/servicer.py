@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
@@ -13,6 +15,7 @@ from tito.logs import bind_request_id, request_id_var
 from tito.v1 import render_pb2_grpc
 
 from tito_render.deadline import WATCHDOG
+from tito_render.observe import RenderMetrics
 from tito_render.renderer import Renderer, new_request_id
 
 
@@ -35,9 +38,12 @@ def has_media(request: Any) -> bool:
 
 
 class RenderServicer(render_pb2_grpc.RenderServiceServicer):
-    def __init__(self, renderer: Renderer, executor: Executor) -> None:
+    def __init__(self, renderer: Renderer, executor: Executor, metrics: RenderMetrics | None = None) -> None:
         self._renderer = renderer
         self._executor = executor
+        self._metrics = metrics
+        if metrics is not None:
+            renderer.on_media_processed = metrics.media_processed
 
     async def _run(self, fn: Callable[..., Any], *args: Any, inline: bool = False) -> Any:
         if inline:
@@ -52,7 +58,9 @@ class RenderServicer(render_pb2_grpc.RenderServiceServicer):
                 return fn(*args)
 
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+            # In the call's context: the spans the renderer opens are children of the RPC's span.
+            return await asyncio.get_running_loop().run_in_executor(self._executor, contextvars.copy_context().run,
+                                                                    call)
         except asyncio.CancelledError:
             WATCHDOG.expire(token)  # the caller went away: stop its template now, not at its deadline
             raise
@@ -75,18 +83,31 @@ class RenderServicer(render_pb2_grpc.RenderServiceServicer):
         # carrying a large image costs milliseconds.
         inline = (not has_media(request) and not request.HasField("chat_template")
                   and request.ByteSize() <= INLINE_MAX_REQUEST_BYTES)
-        return await self._run(self._renderer.render_chat, request, request_id, context.time_remaining(),
-                               inline=inline)
+        started = time.perf_counter()
+        response = await self._run(self._renderer.render_chat, request, request_id, context.time_remaining(),
+                                   inline=inline)
+        self._rendered("chat", started, len(response.generate_request.token_ids))
+        return response
 
     async def RenderCompletion(self, request, context):
         self._mark_worker(context)
         request_id = self._request_id(request)
-        return await self._run(self._renderer.render_completion, request, request_id,
-                               inline=request.ByteSize() <= INLINE_MAX_REQUEST_BYTES)
+        started = time.perf_counter()
+        response = await self._run(self._renderer.render_completion, request, request_id,
+                                   inline=request.ByteSize() <= INLINE_MAX_REQUEST_BYTES)
+        self._rendered("completion", started, len(response.generate_request.token_ids))
+        return response
 
     async def Tokenize(self, request, context):
-        return await self._run(self._renderer.tokenize, request,
-                               inline=request.ByteSize() <= INLINE_MAX_REQUEST_BYTES)
+        started = time.perf_counter()
+        response = await self._run(self._renderer.tokenize, request,
+                                   inline=request.ByteSize() <= INLINE_MAX_REQUEST_BYTES)
+        self._rendered("tokenize", started, len(response.token_ids))
+        return response
+
+    def _rendered(self, kind: str, started: float, tokens: int) -> None:
+        if self._metrics is not None:
+            self._metrics.rendered(kind, started, tokens)
 
     async def GetModelInfo(self, request, context):
         return self._renderer.model_info()

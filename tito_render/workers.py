@@ -73,6 +73,8 @@ def _worker_main(config: RenderConfig, index: int, ready: multiprocessing.Queue,
 async def _run_worker(config: RenderConfig, index: int, ready: multiprocessing.Queue) -> None:
     from tito_render.server import create_server  # the parent never loads a model
 
+    if config.metrics_port:  # one /metrics per worker process: worker i serves on metrics_port + i
+        config = dataclasses.replace(config, metrics_port=config.metrics_port + index)
     running = await create_server(config)
     log.info("worker %d (pid %d) serving on %s", index, os.getpid(), running.address)
     ready.put((index, os.getpid()))

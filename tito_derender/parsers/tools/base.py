@@ -50,6 +50,7 @@ class ToolParser:
         self.streaming = streaming
         self.accept_name = accept_name
         self.calls_made = 0
+        self.malformed_calls = 0  # calls that broke (or were cut off): their text went back to content
         self._events: list[Event] = []
 
     # -- the parser's interface
@@ -224,6 +225,7 @@ class JsonCall:
         """End a call that broke (or was cut off): close the arguments if the call is already
         out and return "", else return the raw text for content."""
         self.status = FAILED
+        self._parser.malformed_calls += 1
         if not self.name_sent:
             return self.raw_text()
         arguments = self._arguments_member()

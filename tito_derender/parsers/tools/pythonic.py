@@ -128,6 +128,7 @@ class PythonicToolParser(ToolParser):
             name, arguments = _parse_call(item.strip(), self.accept_name)
         except _Malformed:
             if item.strip():
+                self.malformed_calls += 1
                 self._held_items.append(item.strip())
             return
         self._arguments(self._start_call(name), arguments)
