@@ -1,10 +1,53 @@
 """Numbers and names the contract (proto/tito/v1/) documents, shared by every service that checks them."""
 
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from tito.errors import Violations
+
 #: `SamplingParams.top_logprobs` / `SamplingOptions.top_logprobs`: alternatives per position, 0..20.
 MAX_TOP_LOGPROBS = 20
 
 #: The ErrorInfo reason of an out-of-range sampling field, in render and engine alike.
 INVALID_SAMPLING_PARAMS = "INVALID_SAMPLING_PARAMS"
+
+
+@dataclass(frozen=True)
+class SamplingRange:
+    """The documented range of one sampling field (sampling.proto)."""
+
+    accepts: Callable[[float], bool]
+    expectation: str  # what the field must be, as error messages say it
+
+
+#: One table for render (request SamplingOptions) and engine (SamplingParams): the same field is
+#: refused the same way in both. NaN and infinities never pass. `n` is not here: its limit is each
+#: service's configuration.
+SAMPLING_RANGES: Mapping[str, SamplingRange] = {
+    "temperature": SamplingRange(lambda v: v >= 0, ">= 0 (0 = greedy)"),
+    "top_p": SamplingRange(lambda v: 0 < v <= 1, "in (0, 1]"),
+    "top_k": SamplingRange(lambda v: v >= -1, "-1 or 0 (both disable it) or a positive count"),
+    "min_p": SamplingRange(lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "repetition_penalty": SamplingRange(lambda v: v > 0, "> 0 (1 disables it)"),
+    "presence_penalty": SamplingRange(lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "frequency_penalty": SamplingRange(lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "top_logprobs": SamplingRange(lambda v: 0 <= v <= MAX_TOP_LOGPROBS, f"between 0 and {MAX_TOP_LOGPROBS}"),
+}
+
+
+def check_sampling_ranges(values: Mapping[str, float], violations: Violations, field_prefix: str) -> None:
+    """Add a violation `<field_prefix>.<name>` for each value outside its SAMPLING_RANGES range,
+    and for top_logprobs without logprobs (pass `logprobs` among `values`)."""
+    for name, value in values.items():
+        rule = SAMPLING_RANGES.get(name)
+        if rule is not None and not (math.isfinite(value) and rule.accepts(value)):
+            violations.add(f"{field_prefix}.{name}", f"{name}={value} is out of range: must be {rule.expectation}")
+    top_logprobs = values.get("top_logprobs", 0)
+    if 0 < top_logprobs <= MAX_TOP_LOGPROBS and not values.get("logprobs", False):
+        violations.add(f"{field_prefix}.top_logprobs", "top_logprobs needs logprobs=true")
 
 
 def _reason_names() -> frozenset[str]:

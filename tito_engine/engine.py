@@ -18,6 +18,7 @@ registry.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import threading
@@ -31,7 +32,7 @@ from tito.errors import Unavailable
 
 from tito_engine.admission import AdmittedRequest, KVCapacity
 from tito_engine.backend import LoadSnapshot, check_can_accept
-from tito_engine.core_messages import AbortRequest, AddRequest, EncodeItems, EncodeResult, StepBatch
+from tito_engine.core_messages import AbortRequest, AddRequest, CoreLoad, EncodeItems, EncodeResult, StepBatch
 from tito_engine.engine_core import CoreProcessSpec, ProcessCore, ThreadCore
 from tito_engine.features import CheckedFeatures
 from tito_engine.request import ChoiceOutput, FinishReason, Request, Usage
@@ -76,7 +77,7 @@ class Engine:
         self.on_core_restored: Callable[[], None] | None = None  # e.g. the server turns health SERVING again
         self._spec: CoreProcessSpec | None = None  # set for a child-process core: how to start a new one
         self._counted_before = LoadSnapshot(0, 0, 0)  # cumulative counters of cores that died
-        self._channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> _LoopChannel
+        self._dispatch = _Dispatcher()
         self._calls: dict[int, Callable[[Any], None]] = {}  # key -> callback of a pending core call (Encode)
 
     @classmethod
@@ -91,10 +92,8 @@ class Engine:
     # ---------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        if isinstance(self._core, ProcessCore):
-            self._core.start(self._on_batch, self._on_core_lost)
-        else:
-            self._core.start(self._on_batch)
+        lost = (self._on_core_lost,) if isinstance(self._core, ProcessCore) else ()
+        self._core.start(self._on_batch, *lost)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Abort everything still live and stop the core."""
@@ -191,11 +190,7 @@ class Engine:
 
     def load(self) -> LoadSnapshot:
         with self._lock:
-            snapshot = self._load
-            return LoadSnapshot(snapshot.running_requests, self._waiting_locked(), snapshot.finished_requests,
-                                snapshot.kv_blocks_total, snapshot.kv_blocks_used, snapshot.kv_block_size,
-                                snapshot.prefix_cache_hit_tokens, snapshot.encoder_cache_hits,
-                                snapshot.encoder_cache_misses)
+            return dataclasses.replace(self._load, waiting_requests=self._waiting_locked())
 
     # ---------------------------------------------------------------- async facade
 
@@ -234,13 +229,7 @@ class Engine:
         with self._lock:
             # Publish the load before delivering, so a caller who saw its stream end never reads
             # a load that still counts it.
-            before = self._counted_before  # "since start" counters survive a core restart
-            self._load = LoadSnapshot(core_load.running_requests, core_load.waiting_requests,
-                                      before.finished_requests + core_load.finished_requests, self._kv_blocks_total,
-                                      core_load.kv_blocks_used, self._block_size,
-                                      before.prefix_cache_hit_tokens + core_load.prefix_cache_hit_tokens,
-                                      before.encoder_cache_hits + core_load.encoder_cache_hits,
-                                      before.encoder_cache_misses + core_load.encoder_cache_misses)
+            self._load = _published_load(self._counted_before, core_load, self._kv_blocks_total, self._block_size)
             self._adds_seen = core_load.adds_seen
             ended = []
             calls = []
@@ -285,38 +274,58 @@ class Engine:
         self._dispatch([(request, error) for request in lost])
 
     def _restart_core(self) -> None:
-        """Start a new core process like the lost one, retrying with backoff until it runs."""
-        lost, delay = self._core, 0.5
-        lost.stop(1.0)  # its process is gone: this only closes the pipe
-        while True:
-            with self._lock:
-                if self._stopping:
-                    return
-            try:
-                core = ProcessCore(self._spec)
-            except Exception:  # noqa: BLE001 - keep trying: the service has nothing better to do
-                log.exception("starting a new engine core failed; retrying in %.1fs", delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 30.0)
-                continue
-            with self._lock:
-                if self._stopping:
-                    core.stop(5.0)
-                    return
-                self._core = core
-                self._submitted = self._adds_seen = 0  # the new core counts its "add"s from zero
-                self._load = LoadSnapshot(0, 0, self._counted_before.finished_requests, self._kv_blocks_total, 0,
-                                          self._block_size, self._counted_before.prefix_cache_hit_tokens,
-                                          self._counted_before.encoder_cache_hits,
-                                          self._counted_before.encoder_cache_misses)
-                self._core_lost = False
-            core.start(self._on_batch, self._on_core_lost)
-            log.info("a new engine core is serving")
-            if self.on_core_restored is not None:
-                self.on_core_restored()
+        """Start a new core process like the lost one (retrying with backoff) and serve with it."""
+        self._core.stop(1.0)  # its process is gone: this only closes the pipe
+        core = _start_core_with_backoff(self._spec, lambda: self._stopping)
+        if core is None:
             return
+        with self._lock:
+            if self._stopping:
+                core.stop(5.0)
+                return
+            self._core = core
+            self._submitted = self._adds_seen = 0  # the new core counts its "add"s from zero
+            self._load = _published_load(self._counted_before, CoreLoad(0, 0, 0, 0, 0), self._kv_blocks_total,
+                                         self._block_size)
+            self._core_lost = False
+        core.start(self._on_batch, self._on_core_lost)
+        log.info("a new engine core is serving")
+        if self.on_core_restored is not None:
+            self.on_core_restored()
 
-    def _dispatch(self, deliveries) -> None:
+
+def _start_core_with_backoff(spec: CoreProcessSpec, stopping: Callable[[], bool]) -> ProcessCore | None:
+    """A new core process, retrying with backoff until one starts; None once `stopping()`."""
+    delay = 0.5
+    while not stopping():
+        try:
+            return ProcessCore(spec)
+        except Exception:  # noqa: BLE001 - keep trying: the service has nothing better to do
+            log.exception("starting a new engine core failed; retrying in %.1fs", delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 30.0)
+    return None
+
+
+def _published_load(before: LoadSnapshot, core_load: CoreLoad, kv_blocks_total: int, block_size: int) -> LoadSnapshot:
+    """The load GetLoad reports: the core's counters, plus the "since start" counters of cores
+    that died before it (they survive a restart)."""
+    return LoadSnapshot(core_load.running_requests, core_load.waiting_requests,
+                        before.finished_requests + core_load.finished_requests, kv_blocks_total,
+                        core_load.kv_blocks_used, block_size,
+                        before.prefix_cache_hit_tokens + core_load.prefix_cache_hit_tokens,
+                        before.encoder_cache_hits + core_load.encoder_cache_hits,
+                        before.encoder_cache_misses + core_load.encoder_cache_misses)
+
+
+class _Dispatcher:
+    """Hands outputs to their requests: directly, or batched per event loop (one hand-over per
+    step per loop, through its _LoopChannel)."""
+
+    def __init__(self):
+        self._channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> _LoopChannel
+
+    def __call__(self, deliveries) -> None:
         by_loop: dict = {}
         for request, output in deliveries:
             if request.loop is not None:

@@ -7,10 +7,9 @@ model and surface as an INTERNAL error.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from tito.contract import INVALID_SAMPLING_PARAMS, MAX_TOP_LOGPROBS
+from tito.contract import INVALID_SAMPLING_PARAMS, check_sampling_ranges
 from tito.errors import InvalidArgument, Violations
 from tito.structured_output import validate as validate_structured_output
 
@@ -68,28 +67,15 @@ def resolve_sampling(raw: RawSamplingParams, prompt_len: int, limits: ModelLimit
         return f"sampling_params.{name}"
 
     temperature = 1.0 if raw.temperature is None else raw.temperature
-    if not math.isfinite(temperature) or temperature < 0:
-        violations.add(field("temperature"), f"must be a finite number >= 0, got {temperature}")
     top_p = 1.0 if raw.top_p is None else raw.top_p
-    if not (math.isfinite(top_p) and 0 < top_p <= 1):
-        violations.add(field("top_p"), f"must be in (0, 1], got {top_p}")
-    if raw.top_k < -1:
-        violations.add(field("top_k"), f"must be -1, 0 (both disable it) or a positive count, got {raw.top_k}")
-    if not (math.isfinite(raw.min_p) and 0 <= raw.min_p <= 1):
-        violations.add(field("min_p"), f"must be in [0, 1], got {raw.min_p}")
+    repetition_penalty = 1.0 if raw.repetition_penalty is None else raw.repetition_penalty
+    check_sampling_ranges({"temperature": temperature, "top_p": top_p, "top_k": raw.top_k, "min_p": raw.min_p,
+                           "repetition_penalty": repetition_penalty, "presence_penalty": raw.presence_penalty,
+                           "frequency_penalty": raw.frequency_penalty, "top_logprobs": raw.top_logprobs,
+                           "logprobs": raw.logprobs}, violations, "sampling_params")
     n = 1 if raw.n is None else raw.n
     if not 1 <= n <= limits.max_choices:
         violations.add(field("n"), f"must be between 1 and {limits.max_choices}, got {n}")
-    if raw.top_logprobs > MAX_TOP_LOGPROBS:
-        violations.add(field("top_logprobs"), f"must be at most {MAX_TOP_LOGPROBS}, got {raw.top_logprobs}")
-    elif raw.top_logprobs and not raw.logprobs:
-        violations.add(field("top_logprobs"), "needs logprobs=true")
-    repetition_penalty = 1.0 if raw.repetition_penalty is None else raw.repetition_penalty
-    if not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
-        violations.add(field("repetition_penalty"), f"must be > 0 (1 disables it), got {repetition_penalty}")
-    for name, value in (("presence_penalty", raw.presence_penalty), ("frequency_penalty", raw.frequency_penalty)):
-        if not (math.isfinite(value) and -2 <= value <= 2):
-            violations.add(field(name), f"must be in [-2, 2], got {value}")
     for position, token_id in enumerate(raw.stop_token_ids):
         if not 0 <= token_id < limits.vocab_size:
             violations.add(field(f"stop_token_ids[{position}]"),

@@ -12,11 +12,10 @@ else 1.0). The render README lists every field.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tito.contract import INVALID_SAMPLING_PARAMS, MAX_TOP_LOGPROBS
+from tito.contract import INVALID_SAMPLING_PARAMS, check_sampling_ranges
 from tito.errors import InvalidArgument, Violations
 from tito.v1 import chat_pb2, derender_pb2, render_pb2, sampling_pb2
 from tito_render.config import TOOL_PARSERS_NEEDING_SPECIAL_TOKENS
@@ -61,11 +60,6 @@ def _default_temperature(options: render_pb2.SamplingOptions, defaults: dict[str
     return float(defaults.get("temperature", TITO_DEFAULTS["temperature"]))
 
 
-def _check_float(violations: Violations, name: str, value: float, ok: bool, expectation: str) -> None:
-    if not math.isfinite(value) or not ok:
-        violations.add(f"sampling.{name}", f"{name}={value} is out of range: must be {expectation}")
-
-
 def check_context(limits: SamplingLimits) -> int:
     """Context tokens left for generation; the prompt must leave at least one."""
     remainder = limits.max_context_length - limits.prompt_tokens
@@ -85,21 +79,18 @@ def resolve_sampling(options: render_pb2.SamplingOptions,
     violations = Violations()
 
     temperature = options.temperature if options.HasField("temperature") else _default_temperature(options, defaults)
-    _check_float(violations, "temperature", temperature, temperature >= 0, ">= 0 (0 = greedy)")
     top_p = float(_pick(options, "top_p", defaults))
-    _check_float(violations, "top_p", top_p, 0 < top_p <= 1, "in (0, 1]")
     min_p = float(_pick(options, "min_p", defaults))
-    _check_float(violations, "min_p", min_p, 0 <= min_p <= 1, "in [0, 1]")
     repetition_penalty = float(_pick(options, "repetition_penalty", defaults))
-    _check_float(violations, "repetition_penalty", repetition_penalty, repetition_penalty > 0,
-                 "> 0 (1 disables it)")
     presence_penalty = float(_pick(options, "presence_penalty", defaults))
-    _check_float(violations, "presence_penalty", presence_penalty, -2 <= presence_penalty <= 2, "in [-2, 2]")
     frequency_penalty = float(_pick(options, "frequency_penalty", defaults))
-    _check_float(violations, "frequency_penalty", frequency_penalty, -2 <= frequency_penalty <= 2, "in [-2, 2]")
     top_k = int(_pick(options, "top_k", defaults))
-    if top_k < -1:
-        violations.add("sampling.top_k", f"top_k={top_k} is out of range: use 0 or -1 (disabled) or >= 1")
+    logprobs = options.logprobs if options.HasField("logprobs") else False
+    top_logprobs = options.top_logprobs if options.HasField("top_logprobs") else 0
+    check_sampling_ranges({"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+                           "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
+                           "frequency_penalty": frequency_penalty, "top_logprobs": top_logprobs,
+                           "logprobs": logprobs}, violations, "sampling")
     top_k = max(top_k, 0)  # -1 and 0 both mean "disabled"; emit the one documented default
 
     if options.HasField("max_tokens"):
@@ -121,12 +112,6 @@ def resolve_sampling(options: render_pb2.SamplingOptions,
     n = options.n if options.HasField("n") else int(TITO_DEFAULTS["n"])
     if not 1 <= n <= MAX_N:
         violations.add("sampling.n", f"n={n} must be between 1 and {MAX_N}")
-    logprobs = options.logprobs if options.HasField("logprobs") else False
-    top_logprobs = options.top_logprobs if options.HasField("top_logprobs") else 0
-    if top_logprobs > MAX_TOP_LOGPROBS:
-        violations.add("sampling.top_logprobs", f"top_logprobs={top_logprobs} must be <= {MAX_TOP_LOGPROBS}")
-    elif top_logprobs and not logprobs:
-        violations.add("sampling.top_logprobs", "top_logprobs needs logprobs=true")
 
     if len(options.stop) > MAX_STOP_STRINGS:
         violations.add("sampling.stop", f"{len(options.stop)} stop strings: at most {MAX_STOP_STRINGS}")
