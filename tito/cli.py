@@ -12,8 +12,10 @@ three services report SERVING, streams the answer as it arrives, and shuts them 
 from __future__ import annotations
 
 import argparse
+import atexit
 import asyncio
 import importlib
+import os
 import signal
 import subprocess
 import sys
@@ -22,8 +24,11 @@ import time
 from pathlib import Path
 
 from tito.config import DEFAULT_MAX_MESSAGE_BYTES, ConfigError
+from tito.env_flags import apply_env, document_env
 from tito.logs import LOG_LEVELS, setup_logging
 from tito.model_paths import DEFAULT_MODEL, resolve_model
+from tito.serving import check_can_listen
+from tito.startup import StartupPhases
 
 SERVICES = ("render", "engine", "derender")
 DEFAULT_ADDRESSES = {"render": "127.0.0.1:50051", "engine": "127.0.0.1:50052", "derender": "127.0.0.1:50053"}
@@ -65,8 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub = services.add_parser(name, help=f"run the {name} service")
         add_common_arguments(sub, name)
         _service_module(name).add_arguments(sub)
+        document_env(sub)
     everything = services.add_parser("all", help="run render, engine and derender as three processes")
     _add_all_arguments(everything)
+    document_env(everything)
 
     chat = commands.add_parser("chat", help="run one chat through render -> engine -> derender")
     chat.add_argument("text", help="the user message")
@@ -93,6 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def serve_parser(parser: argparse.ArgumentParser, service: str) -> argparse.ArgumentParser:
+    """The parser of `tito serve <service>` inside `parser` (from build_parser)."""
+    serve = _subcommands(parser)["serve"]
+    return _subcommands(serve)[service]
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
 def _add_all_arguments(parser: argparse.ArgumentParser) -> None:
     for name in SERVICES:
         parser.add_argument(f"--{name}-address", default=DEFAULT_ADDRESSES[name], help=f"{name} address")
@@ -104,18 +122,38 @@ def _add_all_arguments(parser: argparse.ArgumentParser) -> None:
 def serve_one(args: argparse.Namespace) -> int:
     module = _service_module(args.service)
     setup_logging(args.log_level, args.service)
+    phases = StartupPhases()
     try:
-        config = module.config_from_args(args)
-        config.validate()
+        with phases.phase("config"):
+            config = module.config_from_args(args)
+            config.validate()
     except ConfigError as exc:
         print(f"tito serve {args.service}: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(module.serve(config))
-    except ConfigError as exc:  # found while loading (e.g. a model directory that is not a model)
+        asyncio.run(module.serve(config, phases))
+    except ConfigError as exc:  # found while starting: a model that does not load, a port in use
         print(f"tito serve {args.service}: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def check_services(addresses: dict[str, str], model: str, device: str, log_level: str) -> None:
+    """What `tito serve all` checks before starting anything: each service's own command line
+    (with the environment it will inherit) gives a valid config, and its TCP port is free. Raises
+    ConfigError naming the service, so a mistake is one line rather than three failing processes."""
+    parser = build_parser()
+    for name in SERVICES:
+        argv = ["serve", name, "--address", addresses[name], "--model", model, "--device", device,
+                "--log-level", log_level]
+        args = parser.parse_args(argv)
+        args.vllm_args = []
+        try:
+            apply_env(parser, serve_parser(parser, name), argv, args, os.environ)
+            _service_module(name).config_from_args(args).validate()
+            check_can_listen(addresses[name])
+        except ConfigError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
 
 
 def spawn_all(addresses: dict[str, str], model: str, device: str, log_level: str,
@@ -147,6 +185,7 @@ def serve_all(args: argparse.Namespace) -> int:
     addresses = {name: getattr(args, f"{name}_address") for name in SERVICES}
     try:
         model = str(resolve_model(args.model))  # build a tiny model once, not in three processes
+        check_services(addresses, model, args.device, args.log_level)
     except ConfigError as exc:
         print(f"tito serve all: {exc}", file=sys.stderr)
         return 2
@@ -162,11 +201,11 @@ def serve_all(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, forward)
     try:
         while True:
-            for process in processes:
+            for name, process in zip(SERVICES, processes):
                 code = process.poll()
                 if code is not None:
                     if not stopping:
-                        print(f"tito serve all: a service exited with code {code}; stopping the others",
+                        print(f"tito serve all: {name} exited with code {code}; stopping the others",
                               file=sys.stderr)
                         stop_all(processes)
                     return 0 if stopping else (code or 1)
@@ -268,11 +307,29 @@ def main(argv: list[str] | None = None) -> int:
                      "takes them")
     args.vllm_args = passthrough
     if args.command == "serve":
+        try:
+            apply_env(parser, serve_parser(parser, args.service), argv, args, os.environ)
+        except ConfigError as exc:
+            print(f"tito serve {args.service}: {exc}", file=sys.stderr)
+            return 2
         return serve_all(args) if args.service == "all" else serve_one(args)
     if args.command == "chat":
         return chat(args)
     return 2
 
 
+def run() -> None:
+    """The `tito` program: `main()`, then exit without the interpreter's module teardown.
+
+    With torch and grpc loaded that teardown alone takes a second or more, which a stopping pod
+    would spend after its work is done. Exit handlers (atexit: logging, multiprocessing) still
+    run; only the freeing of every module, which the OS does faster, is skipped."""
+    code = main()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

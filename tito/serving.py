@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -93,6 +94,7 @@ async def start_server(
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = config.address
+    check_can_listen(address, config.reuse_port)  # before grpc tries: its own failure logs a C-core line
     credentials = server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file) \
         if config.tls_cert_file else None
 
@@ -102,8 +104,7 @@ async def start_server(
         except RuntimeError:  # grpc's "Failed to bind to address"
             port = 0
         if port == 0 and not where.startswith("unix:"):
-            raise ConfigError(f"--address {where}: cannot listen there (the port is in use, or the host is not "
-                              f"this machine's); pick another port (0 = any free one) or stop what listens there")
+            raise ConfigError(_cannot_listen(where))
         return port
 
     if address.startswith("unix:"):
@@ -123,6 +124,32 @@ async def start_server(
                                                ("bearer token", config.auth_token_file)) if on) or "plaintext"
     log.info("listening on %s (services: %s; %s)", dial, ", ".join(names), security)
     return RunningServer(server, dial, health_servicer, names, config.grace_seconds)
+
+
+def _cannot_listen(address: str) -> str:
+    return (f"--address {address}: cannot listen there (the port is in use, or the host is not this machine's); "
+            f"pick another port (0 = any free one) or stop what listens there")
+
+
+def check_can_listen(address: str, reuse_port: bool = False) -> None:
+    """ConfigError when a TCP `address` cannot be bound now (port taken, foreign host), for
+    supervisors that start servers in other processes and should fail with one line instead.
+    Unix sockets and port 0 always pass (start_server reports their failures)."""
+    if address.startswith("unix:"):
+        return
+    host, port = address.rsplit(":", 1)
+    if int(port) == 0:
+        return
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc does: TIME_WAIT is no obstacle
+        if reuse_port:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            probe.bind((host, int(port)))
+        except OSError:
+            raise ConfigError(_cannot_listen(address)) from None
 
 
 async def run_until_signal(running: RunningServer) -> None:

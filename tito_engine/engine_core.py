@@ -365,8 +365,11 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
         runner = ModelRunner(Path(spec.model_dir), model_id=spec.model_id, device=spec.device,
                              max_model_len=spec.max_model_len, kv_cache=spec.kv_cache, cpu_threads=spec.cpu_threads)
     except BaseException as exc:  # noqa: BLE001 - report why the engine could not start
-        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
-        return
+        try:
+            conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass  # the server stopped while the model was loading: nobody is left to tell
+        _exit_now(1)
     conn.send(("ready", runner.info, runner.cache.num_blocks, runner.cache.block_size, runner.mm_spec))
     core = EngineCore(runner, spec.max_running_sequences, spec.max_prefill_tokens, spec.prefix_caching,
                       spec.encoder_cache_bytes)
@@ -397,6 +400,16 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
         conn.send(("stopped",))
     except (BrokenPipeError, OSError):
         pass
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    """Leave without the interpreter's teardown: with torch and a model loaded it takes a second
+    or more, and this process holds nothing that needs it (the OS frees the memory and the pipe)."""
+    import os
+
+    logging.shutdown()
+    os._exit(code)
 
 
 class ProcessCore:

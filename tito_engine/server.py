@@ -10,6 +10,7 @@ import sys
 from tito.config import server_fields_from_args
 from tito.model_paths import resolve_model
 from tito.serving import RunningServer, run_until_signal, start_server
+from tito.startup import StartupPhases, loading_model
 from tito.v1 import engine_pb2_grpc
 
 from tito_engine.admission import Admission
@@ -158,15 +159,21 @@ def _build_backend(config: EngineConfig) -> EngineBackend:
                   encoder_cache_bytes=config.encoder_cache_bytes)
 
 
-async def create_server(config: EngineConfig) -> RunningServer:
+async def create_server(config: EngineConfig, phases: StartupPhases | None = None) -> RunningServer:
     """Start the server NOT_SERVING, load the model off the event loop, then turn SERVING."""
+    phases = phases or StartupPhases()
     config.validate()
     # The port is bound (health NOT_SERVING, calls answered UNAVAILABLE) while the model loads.
     servicer = EngineServicer()
-    running = await start_server(
-        config, [SERVICE_NAME], lambda server: engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server))
+    with phases.phase("bind"):
+        running = await start_server(
+            config, [SERVICE_NAME],
+            lambda server: engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server))
     try:
-        backend = await asyncio.to_thread(_build_backend, config)
+        with phases.phase("model load", "in the engine core process" if config.engine_process
+                          and config.backend == "native" else config.backend):
+            with loading_model(config.model):
+                backend = await asyncio.to_thread(_build_backend, config)
     except BaseException:
         await running.stop(0)
         raise
@@ -175,19 +182,21 @@ async def create_server(config: EngineConfig) -> RunningServer:
     # A dead model process cannot come back: tell load balancers to stop sending work here.
     backend.on_core_lost = lambda: asyncio.run_coroutine_threadsafe(running.set_not_serving(), loop)
     backend.on_core_restored = lambda: asyncio.run_coroutine_threadsafe(running.set_serving(), loop)
-    backend.start()
+    with phases.phase("core start"):
+        backend.start()
     running.add_cleanup(lambda: asyncio.to_thread(backend.stop))
     admission = Admission.for_backend(backend, feature_policy(config), config.max_choices_per_request)
     servicer.attach(backend, admission)
     await running.set_serving()
+    phases.serving()
     if config.hmac_key_file:
         log.info("media item tags are verified (key id %r); unsigned items are %s", config.hmac_key_id,
                  "refused" if config.require_signed_features else "accepted but not trusted for cache hits")
     return running
 
 
-async def serve(config: EngineConfig) -> None:
-    running = await create_server(config)
+async def serve(config: EngineConfig, phases: StartupPhases | None = None) -> None:
+    running = await create_server(config, phases)
     await run_until_signal(running)
 
 
