@@ -49,6 +49,9 @@ def add_common_arguments(parser: argparse.ArgumentParser, service: str) -> None:
                         help="largest gRPC message accepted or sent (default %(default)s)")
     parser.add_argument("--grace-seconds", type=float, default=10.0,
                         help="on SIGTERM, time given to in-flight calls before they are cancelled")
+    parser.add_argument("--health-address", default="",
+                        help="also serve the gRPC health service alone, in plaintext, here (host:port): for "
+                             "probes that speak neither TLS nor Unix sockets, e.g. Kubernetes grpc probes")
     security = parser.add_argument_group("who may call (docs/security.md)")
     security.add_argument("--tls-cert-file", default="", help="PEM certificate: serve TLS only (with --tls-key-file)")
     security.add_argument("--tls-key-file", default="", help="PEM private key of --tls-cert-file")
@@ -150,7 +153,11 @@ def check_services(addresses: dict[str, str], model: str, device: str, log_level
         args.vllm_args = []
         try:
             apply_env(parser, serve_parser(parser, name), argv, args, os.environ)
-            _service_module(name).config_from_args(args).validate()
+            config = _service_module(name).config_from_args(args)
+            config.validate()
+            if config.health_address:
+                raise ConfigError("TITO_HEALTH_ADDRESS would be the same for the three services: start them one "
+                                  "by one (tito serve render|engine|derender) to give each its own")
             check_can_listen(addresses[name])
         except ConfigError as exc:
             raise ConfigError(f"{name}: {exc}") from None

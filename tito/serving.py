@@ -3,7 +3,9 @@
 `start_server` builds a `grpc.aio` server with the error-mapping interceptor, message size
 limits, the standard health service (NOT_SERVING until the service says it is ready), server
 reflection, and binds a TCP `host:port` (port 0 picks a free one) or a `unix:` socket, with TLS
-(and mutual TLS) and a bearer-token check when configured (tito.security).
+(and mutual TLS) and a bearer-token check when configured (tito.security). With `health_address`
+a second, plaintext listener serves the same health status and nothing else (Kubernetes gRPC
+probes speak neither TLS nor Unix sockets).
 `run_until_signal` serves until SIGTERM/SIGINT, then enters graceful shutdown (health turns
 NOT_SERVING, new calls are refused) and gives in-flight calls `grace_seconds` to finish.
 """
@@ -119,19 +121,39 @@ async def start_server(
         port = bind(address)
         host = address.rsplit(":", 1)[0]
         dial = f"{host}:{port}"
+    health_only = await _start_health_listener(config, health_servicer) if config.health_address else None
     await server.start()
     security = ", ".join(part for part, on in (("TLS", credentials), ("mutual TLS", config.tls_client_ca_file),
                                                ("bearer token", config.auth_token_file)) if on) or "plaintext"
     log.info("listening on %s (services: %s; %s)", dial, ", ".join(names), security)
-    return RunningServer(server, dial, health_servicer, names, config.grace_seconds)
+    running = RunningServer(server, dial, health_servicer, names, config.grace_seconds)
+    if health_only is not None:
+        running.add_cleanup(lambda: health_only.stop(0))
+    return running
 
 
-def _cannot_listen(address: str) -> str:
-    return (f"--address {address}: cannot listen there (the port is in use, or the host is not this machine's); "
+async def _start_health_listener(config: ServerConfig, health_servicer) -> grpc.aio.Server:
+    """A plaintext server with only the health service (the same servicer: one status for both)."""
+    check_can_listen(config.health_address, config.reuse_port, "--health-address")
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if config.reuse_port else 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        port = server.add_insecure_port(config.health_address)
+    except RuntimeError:
+        port = 0
+    if port == 0 and not config.health_address.startswith("unix:"):
+        raise ConfigError(_cannot_listen(config.health_address, "--health-address"))
+    await server.start()
+    log.info("health service (plaintext, nothing else) on %s", config.health_address)
+    return server
+
+
+def _cannot_listen(address: str, flag: str = "--address") -> str:
+    return (f"{flag} {address}: cannot listen there (the port is in use, or the host is not this machine's); "
             f"pick another port (0 = any free one) or stop what listens there")
 
 
-def check_can_listen(address: str, reuse_port: bool = False) -> None:
+def check_can_listen(address: str, reuse_port: bool = False, flag: str = "--address") -> None:
     """ConfigError when a TCP `address` cannot be bound now (port taken, foreign host), for
     supervisors that start servers in other processes and should fail with one line instead.
     Unix sockets and port 0 always pass (start_server reports their failures)."""
@@ -149,7 +171,7 @@ def check_can_listen(address: str, reuse_port: bool = False) -> None:
         try:
             probe.bind((host, int(port)))
         except OSError:
-            raise ConfigError(_cannot_listen(address)) from None
+            raise ConfigError(_cannot_listen(address, flag)) from None
 
 
 async def run_until_signal(running: RunningServer) -> None:
