@@ -12,8 +12,8 @@ three services report SERVING, streams the answer as it arrives, and shuts them 
 from __future__ import annotations
 
 import argparse
-import atexit
 import asyncio
+import atexit
 import importlib
 import os
 import signal

@@ -46,8 +46,14 @@ def env_variables(parser: argparse.ArgumentParser) -> dict[str, str]:
     return {name: action.option_strings[0] for action, name in _settable(parser)}
 
 
+# The newline keeps the line short where a parser shows its description raw (the engine's).
+ENV_HELP = ("Every flag can also be set by the environment variable shown beside it, e.g. TITO_MODEL;\n"
+            "a flag on the command line wins (docs/deploy.md).")
+
+
 def document_env(parser: argparse.ArgumentParser) -> None:
-    """Append each flag's variable to its --help line."""
+    """Append each flag's variable to its --help line, and say so in the description."""
+    parser.description = f"{parser.description}\n\n{ENV_HELP}" if parser.description else ENV_HELP
     for action, name in _settable(parser):
         note = f"[env {name}]"
         action.help = f"{action.help} {note}" if action.help else note
