@@ -166,6 +166,8 @@ async def serve(config: RenderConfig, phases: StartupPhases | None = None) -> No
     # and build a tiny model once rather than in every worker.
     resolve_model(config.model)
     check_can_listen(config.address, reuse_port=True)
+    if config.health_address:
+        check_can_listen(config.health_address, reuse_port=True, flag="--health-address")
     code = await WorkerPool(config, workers).run()
     if code:
         sys.exit(code)
