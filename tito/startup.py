@@ -2,7 +2,8 @@
 
     start-up: config took 0.00s
     start-up: bind took 0.01s
-    start-up: model load took 4.20s
+    start-up: warm-up took 0.05s        (engine: one prefill and one decode step, before serving)
+    start-up: model load took 4.20s     (the engine's includes its warm-up)
     start-up: core start took 0.00s
     start-up: serving 4.23s after start-up began
 

@@ -358,7 +358,7 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
 
     from tito.logs import setup_logging
 
-    from tito_engine.model_runner import ModelRunner
+    from tito_engine.model_runner import ModelRunner, warm_up_or_warn
 
     setup_logging(spec.log_level, "engine")
     try:
@@ -370,6 +370,7 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
         except OSError:
             pass  # the server stopped while the model was loading: nobody is left to tell
         _exit_now(1)
+    warm_up_or_warn(runner)
     conn.send(("ready", runner.info, runner.cache.num_blocks, runner.cache.block_size, runner.mm_spec))
     core = EngineCore(runner, spec.max_running_sequences, spec.max_prefill_tokens, spec.prefix_caching,
                       spec.encoder_cache_bytes)

@@ -19,7 +19,7 @@ from tito_engine.config import EngineConfig
 from tito_engine.engine import Engine
 from tito_engine.engine_core import CoreProcessSpec
 from tito_engine.features import FeaturePolicy
-from tito_engine.model_runner import DEFAULT_BLOCK_SIZE, KVCacheSpec, ModelRunner
+from tito_engine.model_runner import DEFAULT_BLOCK_SIZE, KVCacheSpec, ModelRunner, warm_up_or_warn
 from tito_engine.servicer import EngineServicer
 
 SERVICE_NAME = "tito.v1.EngineService"
@@ -153,6 +153,7 @@ def _build_backend(config: EngineConfig) -> EngineBackend:
         return Engine.in_process(spec, max_waiting_requests=config.max_waiting_requests)
     runner = ModelRunner(model_dir, model_id=config.model, device=config.device,
                          max_model_len=config.max_model_len, kv_cache=kv_cache, cpu_threads=config.cpu_threads)
+    warm_up_or_warn(runner)
     return Engine(runner, max_running_requests=config.max_running_requests,
                   max_waiting_requests=config.max_waiting_requests,
                   max_prefill_tokens=config.max_prefill_tokens_per_step, prefix_caching=config.prefix_caching,

@@ -132,7 +132,7 @@ def test_an_idle_engine_stops_promptly_and_logs_its_start_up_phases(tiny_text_mo
     print(f"idle engine: SIGTERM to exit in {took:.2f}s")
     assert process.returncode == 0, stderr
     assert took < 3.0, f"an idle engine took {took:.2f}s to stop\n{stderr}"
-    for phase in ("config took", "bind took", "model load took", "core start took", "serving"):
+    for phase in ("config took", "bind took", "warm-up took", "model load took", "core start took", "serving"):
         assert f"start-up: {phase}" in stderr, stderr
 
 
