@@ -30,9 +30,11 @@ def test_the_health_listener_mirrors_the_server_and_serves_nothing_else(aio_serv
     health_address = f"127.0.0.1:{_free_port()}"
     config = ServerConfig(address=f"unix:{tmp_path / 'd.sock'}", health_address=health_address)
 
+    def register(server):
+        derender_pb2_grpc.add_DerenderServiceServicer_to_server(derender_pb2_grpc.DerenderServiceServicer(), server)
+
     async def make():
-        return await start_server(config, [SERVICE], lambda server: (
-            derender_pb2_grpc.add_DerenderServiceServicer_to_server(derender_pb2_grpc.DerenderServiceServicer(), server)))
+        return await start_server(config, [SERVICE], register)
 
     server = aio_server(make)
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
