@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import importlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -23,8 +25,11 @@ import time
 from pathlib import Path
 
 from tito.config import DEFAULT_MAX_MESSAGE_BYTES, ConfigError, add_observability_arguments
+from tito.env_flags import apply_env, document_env
 from tito.logs import LOG_LEVELS, setup_logging
 from tito.model_paths import DEFAULT_MODEL, resolve_model
+from tito.serving import check_can_listen
+from tito.startup import StartupPhases
 
 SERVICES = ("render", "engine", "derender")
 DEFAULT_ADDRESSES = {"render": "127.0.0.1:50051", "engine": "127.0.0.1:50052", "derender": "127.0.0.1:50053"}
@@ -45,6 +50,9 @@ def add_common_arguments(parser: argparse.ArgumentParser, service: str) -> None:
                         help="largest gRPC message accepted or sent (default %(default)s)")
     parser.add_argument("--grace-seconds", type=float, default=10.0,
                         help="on SIGTERM, time given to in-flight calls before they are cancelled")
+    parser.add_argument("--health-address", default="",
+                        help="also serve the gRPC health service alone, in plaintext, here (host:port): for "
+                             "probes that speak neither TLS nor Unix sockets, e.g. Kubernetes grpc probes")
     security = parser.add_argument_group("who may call (docs/security.md)")
     security.add_argument("--tls-cert-file", default="", help="PEM certificate: serve TLS only (with --tls-key-file)")
     security.add_argument("--tls-key-file", default="", help="PEM private key of --tls-cert-file")
@@ -67,8 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub = services.add_parser(name, help=f"run the {name} service")
         add_common_arguments(sub, name)
         _service_module(name).add_arguments(sub)
+        document_env(sub)
     everything = services.add_parser("all", help="run render, engine and derender as three processes")
     _add_all_arguments(everything)
+    document_env(everything)
 
     chat = commands.add_parser("chat", help="run one chat through render -> engine -> derender")
     chat.add_argument("text", help="the user message")
@@ -103,6 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def serve_parser(parser: argparse.ArgumentParser, service: str) -> argparse.ArgumentParser:
+    """The parser of `tito serve <service>` inside `parser` (from build_parser)."""
+    serve = _subcommands(parser)["serve"]
+    return _subcommands(serve)[service]
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
 def _add_all_arguments(parser: argparse.ArgumentParser) -> None:
     for name in SERVICES:
         parser.add_argument(f"--{name}-address", default=DEFAULT_ADDRESSES[name], help=f"{name} address")
@@ -114,18 +135,42 @@ def _add_all_arguments(parser: argparse.ArgumentParser) -> None:
 def serve_one(args: argparse.Namespace) -> int:
     module = _service_module(args.service)
     setup_logging(args.log_level, args.service)
+    phases = StartupPhases()
     try:
-        config = module.config_from_args(args)
-        config.validate()
+        with phases.phase("config"):
+            config = module.config_from_args(args)
+            config.validate()
     except ConfigError as exc:
         print(f"tito serve {args.service}: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(module.serve(config))
-    except ConfigError as exc:  # found while loading (e.g. a model directory that is not a model)
+        asyncio.run(module.serve(config, phases))
+    except ConfigError as exc:  # found while starting: a model that does not load, a port in use
         print(f"tito serve {args.service}: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def check_services(addresses: dict[str, str], model: str, device: str, log_level: str) -> None:
+    """What `tito serve all` checks before starting anything: each service's own command line
+    (with the environment it will inherit) gives a valid config, and its TCP port is free. Raises
+    ConfigError naming the service, so a mistake is one line rather than three failing processes."""
+    parser = build_parser()
+    for name in SERVICES:
+        argv = ["serve", name, "--address", addresses[name], "--model", model, "--device", device,
+                "--log-level", log_level]
+        args = parser.parse_args(argv)
+        args.vllm_args = []
+        try:
+            apply_env(parser, serve_parser(parser, name), argv, args, os.environ)
+            config = _service_module(name).config_from_args(args)
+            config.validate()
+            if config.health_address:
+                raise ConfigError("TITO_HEALTH_ADDRESS would be the same for the three services: start them one "
+                                  "by one (tito serve render|engine|derender) to give each its own")
+            check_can_listen(addresses[name])
+        except ConfigError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
 
 
 def spawn_all(addresses: dict[str, str], model: str, device: str, log_level: str,
@@ -157,6 +202,7 @@ def serve_all(args: argparse.Namespace) -> int:
     addresses = {name: getattr(args, f"{name}_address") for name in SERVICES}
     try:
         model = str(resolve_model(args.model))  # build a tiny model once, not in three processes
+        check_services(addresses, model, args.device, args.log_level)
     except ConfigError as exc:
         print(f"tito serve all: {exc}", file=sys.stderr)
         return 2
@@ -172,11 +218,11 @@ def serve_all(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, forward)
     try:
         while True:
-            for process in processes:
+            for name, process in zip(SERVICES, processes):
                 code = process.poll()
                 if code is not None:
                     if not stopping:
-                        print(f"tito serve all: a service exited with code {code}; stopping the others",
+                        print(f"tito serve all: {name} exited with code {code}; stopping the others",
                               file=sys.stderr)
                         stop_all(processes)
                     return 0 if stopping else (code or 1)
@@ -299,11 +345,29 @@ def main(argv: list[str] | None = None) -> int:
                      "takes them")
     args.vllm_args = passthrough
     if args.command == "serve":
+        try:
+            apply_env(parser, serve_parser(parser, args.service), argv, args, os.environ)
+        except ConfigError as exc:
+            print(f"tito serve {args.service}: {exc}", file=sys.stderr)
+            return 2
         return serve_all(args) if args.service == "all" else serve_one(args)
     if args.command == "chat":
         return chat(args)
     return 2
 
 
+def run() -> None:
+    """The `tito` program: `main()`, then exit without the interpreter's module teardown.
+
+    With torch and grpc loaded that teardown alone takes a second or more, which a stopping pod
+    would spend after its work is done. Exit handlers (atexit: logging, multiprocessing) still
+    run; only the freeing of every module, which the OS does faster, is skipped."""
+    code = main()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

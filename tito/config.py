@@ -53,9 +53,17 @@ class ServerConfig:
     metrics_port: int | None = None
     # OpenTelemetry tracing (tito.tracing): on with this flag or the standard OTEL_* variables.
     otel: bool = False
+    # A second, plaintext listener serving only the health service (Kubernetes gRPC probes speak
+    # neither TLS nor Unix sockets); "" = none.
+    health_address: str = ""
 
     def validate(self) -> None:
         validate_address(self.address)
+        if self.health_address:
+            validate_address(self.health_address, "health_address")
+            if self.health_address == self.address:
+                raise ConfigError(f"--health-address {self.health_address} is --address too: give the health "
+                                  f"listener a port of its own")
         if not 1024 <= self.max_message_bytes <= 2**31 - 1:
             raise ConfigError(
                 f"max_message_bytes={self.max_message_bytes} must be between 1024 and 2147483647 "
@@ -99,7 +107,7 @@ def server_fields_from_args(args) -> dict:
     """The `ServerConfig` fields every service takes from its command line (tito.cli's common flags)."""
     fields = {name: getattr(args, name) for name in (
         "address", "max_message_bytes", "grace_seconds", "log_level", "tls_cert_file", "tls_key_file",
-        "tls_client_ca_file", "auth_token_file", "auth_exempt_health")}
+        "tls_client_ca_file", "auth_token_file", "auth_exempt_health", "health_address")}
     fields["metrics_port"] = getattr(args, "metrics_port", None)
     fields["otel"] = getattr(args, "otel", False)
     return fields

@@ -41,9 +41,9 @@ def read_file(path: str, what: str) -> bytes:
 
 def read_token_file(path: str) -> str:
     """The bearer token in `path` (surrounding whitespace stripped; at least 16 characters)."""
-    token = read_file(path, "auth token file").decode("utf-8", "replace").strip()
+    token = read_file(path, "--auth-token-file").decode("utf-8", "replace").strip()
     if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
-        raise ConfigError(f"auth token file {path!r} must hold one token of at least {MIN_TOKEN_CHARS} characters "
+        raise ConfigError(f"--auth-token-file {path!r} must hold one token of at least {MIN_TOKEN_CHARS} characters "
                           f"without spaces (e.g. `openssl rand -hex 32 > {path}`)")
     return token
 

@@ -7,6 +7,8 @@ picks a free one) or a `unix:` socket, with TLS (and mutual TLS) and a bearer-to
 configured (tito.security).
 With `--metrics-port` or tracing on, an `ObservingInterceptor` (tito.grpc_observe) wraps every
 call first, and the server's /metrics endpoint starts and stops with it (`observability`).
+With `health_address` a second, plaintext listener serves the same health status and nothing else
+(Kubernetes gRPC probes speak neither TLS nor Unix sockets).
 `run_until_signal` serves until SIGTERM/SIGINT, then enters graceful shutdown (health turns
 NOT_SERVING, new calls are refused) and gives in-flight calls `grace_seconds` to finish.
 """
@@ -17,6 +19,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,6 +121,7 @@ async def start_server(
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection((*names, health.SERVICE_NAME), server)
     address = config.address
+    check_can_listen(address, config.reuse_port)  # before grpc tries: its own failure logs a C-core line
     credentials = server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file) \
         if config.tls_cert_file else None
 
@@ -127,8 +131,7 @@ async def start_server(
         except RuntimeError:  # grpc's "Failed to bind to address"
             port = 0
         if port == 0 and not where.startswith("unix:"):
-            raise ConfigError(f"--address {where}: cannot listen there (the port is in use, or the host is not "
-                              f"this machine's); pick another port (0 = any free one) or stop what listens there")
+            raise ConfigError(_cannot_listen(where))
         return port
 
     if address.startswith("unix:"):
@@ -143,6 +146,7 @@ async def start_server(
         port = bind(address)
         host = address.rsplit(":", 1)[0]
         dial = f"{host}:{port}"
+    health_only = await _start_health_listener(config, health_servicer) if config.health_address else None
     await server.start()
     running = RunningServer(server, dial, health_servicer, names, config.grace_seconds, metrics=metrics)
     if metrics is not None:
@@ -157,7 +161,51 @@ async def start_server(
     security = ", ".join(part for part, on in (("TLS", credentials), ("mutual TLS", config.tls_client_ca_file),
                                                ("bearer token", config.auth_token_file)) if on) or "plaintext"
     log.info("listening on %s (services: %s; %s)", dial, ", ".join(names), security)
+    if health_only is not None:
+        running.add_cleanup(lambda: health_only.stop(0))
     return running
+
+
+async def _start_health_listener(config: ServerConfig, health_servicer) -> grpc.aio.Server:
+    """A plaintext server with only the health service (the same servicer: one status for both)."""
+    check_can_listen(config.health_address, config.reuse_port, "--health-address")
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if config.reuse_port else 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        port = server.add_insecure_port(config.health_address)
+    except RuntimeError:
+        port = 0
+    if port == 0 and not config.health_address.startswith("unix:"):
+        raise ConfigError(_cannot_listen(config.health_address, "--health-address"))
+    await server.start()
+    log.info("health service (plaintext, nothing else) on %s", config.health_address)
+    return server
+
+
+def _cannot_listen(address: str, flag: str = "--address") -> str:
+    return (f"{flag} {address}: cannot listen there (the port is in use, or the host is not this machine's); "
+            f"pick another port (0 = any free one) or stop what listens there")
+
+
+def check_can_listen(address: str, reuse_port: bool = False, flag: str = "--address") -> None:
+    """ConfigError when a TCP `address` cannot be bound now (port taken, foreign host), for
+    supervisors that start servers in other processes and should fail with one line instead.
+    Unix sockets and port 0 always pass (start_server reports their failures)."""
+    if address.startswith("unix:"):
+        return
+    host, port = address.rsplit(":", 1)
+    if int(port) == 0:
+        return
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc does: TIME_WAIT is no obstacle
+        if reuse_port:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            probe.bind((host, int(port)))
+        except OSError:
+            raise ConfigError(_cannot_listen(address, flag)) from None
 
 
 async def run_until_signal(running: RunningServer) -> None:

@@ -94,8 +94,8 @@ def read_key_file(path: str) -> bytes:
     try:
         key = Path(path).read_bytes().strip()
     except OSError as exc:
-        raise ConfigError(f"hmac_key_file={path!r} cannot be read: {exc.strerror}") from exc
+        raise ConfigError(f"--hmac-key-file {path!r} cannot be read: {exc.strerror}") from None
     if len(key) < MIN_KEY_BYTES:
-        raise ConfigError(f"hmac_key_file={path!r} holds {len(key)} bytes: use a key of at least {MIN_KEY_BYTES} "
+        raise ConfigError(f"--hmac-key-file {path!r} holds {len(key)} bytes: use a key of at least {MIN_KEY_BYTES} "
                           f"bytes (e.g. `openssl rand -hex 32 > FILE`), the same file for render and engine")
     return key

@@ -11,6 +11,7 @@ from pathlib import Path
 from tito.config import server_fields_from_args
 from tito.model_paths import resolve_model
 from tito.serving import RunningServer, observability, run_until_signal, start_server
+from tito.startup import StartupPhases, loading_model
 from tito.v1 import derender_pb2_grpc
 from tito_derender.config import DerenderConfig
 from tito_derender.observe import DerenderMetrics
@@ -39,24 +40,27 @@ def config_from_args(args: argparse.Namespace) -> DerenderConfig:
     return config
 
 
-async def create_server(config: DerenderConfig) -> RunningServer:
+async def create_server(config: DerenderConfig, phases: StartupPhases | None = None) -> RunningServer:
     """Start NOT_SERVING, load the tokenizer off the event loop, then go SERVING.
 
     The servicer is registered before the tokenizer exists (grpc.aio takes services only before
     start); calls that arrive meanwhile get UNAVAILABLE, and health says NOT_SERVING.
     """
+    phases = phases or StartupPhases()
     config.validate()
     servicer = DerenderServicer()
     metrics = observability(config, "derender")
     if metrics is not None:
         servicer.metrics = DerenderMetrics(metrics, lambda: servicer.live_streams)
-    running = await start_server(
-        config, (SERVICE_NAME,),
-        lambda server: derender_pb2_grpc.add_DerenderServiceServicer_to_server(servicer, server), metrics)
+    with phases.phase("bind"):
+        running = await start_server(
+            config, (SERVICE_NAME,),
+            lambda server: derender_pb2_grpc.add_DerenderServiceServicer_to_server(servicer, server), metrics)
     running.derender_servicer = servicer  # for tests and operators: live stream count
     cache = Path(config.model_cache_dir) if config.model_cache_dir else None
     try:
-        tokenizer = await asyncio.to_thread(lambda: TextTokenizer.load(resolve_model(config.model, cache)))
+        with phases.phase("model load", "tokenizer"), loading_model(config.model):
+            tokenizer = await asyncio.to_thread(lambda: TextTokenizer.load(resolve_model(config.model, cache)))
     except BaseException:
         await running.stop(0)
         raise
@@ -64,11 +68,12 @@ async def create_server(config: DerenderConfig) -> RunningServer:
     log.info("derender ready: tokenizer of %s (vocab %d, %d special tokens)", config.model,
              tokenizer.vocab_size, len(tokenizer.special_ids))
     await running.set_serving()
+    phases.serving()
     return running
 
 
-async def serve(config: DerenderConfig) -> None:
-    running = await create_server(config)
+async def serve(config: DerenderConfig, phases: StartupPhases | None = None) -> None:
+    running = await create_server(config, phases)
     await run_until_signal(running)
 
 

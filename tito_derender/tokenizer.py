@@ -20,6 +20,10 @@ from typing import Any
 
 from tito.vocab import Vocabulary, read_model_config, vocabulary_of
 
+from tito.config import ConfigError
+
+#: Files one of which a model directory needs for its tokenizer to load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -74,6 +78,9 @@ class TextTokenizer:
     def load(cls, model_dir: Path | str) -> "TextTokenizer":
         from transformers import AutoTokenizer  # heavy import, only when a model is loaded
 
+        if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
+            # Without these transformers builds an empty tokenizer that decodes nothing.
+            raise ConfigError(f"--model {model_dir}: no tokenizer in it (expected one of {', '.join(TOKENIZER_FILES)})")
         return cls(AutoTokenizer.from_pretrained(str(model_dir)), read_model_config(Path(model_dir)))
 
     def decode(self, token_ids: Sequence[int]) -> str:

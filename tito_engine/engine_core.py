@@ -359,7 +359,7 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
 
     from tito.logs import setup_logging
 
-    from tito_engine.model_runner import ModelRunner
+    from tito_engine.model_runner import ModelRunner, warm_up_or_warn
 
     setup_logging(spec.log_level, "engine")
     try:
@@ -367,8 +367,12 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
                              max_model_len=spec.max_model_len, kv_cache=spec.kv_cache, cpu_threads=spec.cpu_threads,
                              exclude_padding_ids=spec.exclude_padding_ids)
     except BaseException as exc:  # noqa: BLE001 - report why the engine could not start
-        conn.send(CoreFailed(f"{type(exc).__name__}: {exc}"))
-        return
+        try:
+            conn.send(CoreFailed(f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass  # the server stopped while the model was loading: nobody is left to tell
+        _exit_now(1)
+    warm_up_or_warn(runner)
     conn.send(CoreReady(runner.info, runner.cache.num_blocks, runner.cache.block_size, runner.mm_spec))
     core = EngineCore(runner, spec.max_running_sequences, spec.max_prefill_tokens, spec.prefix_caching,
                       spec.encoder_cache_bytes)
@@ -399,6 +403,16 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
         conn.send(CoreStopped())
     except (BrokenPipeError, OSError):
         pass
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    """Leave without the interpreter's teardown: with torch and a model loaded it takes a second
+    or more, and this process holds nothing that needs it (the OS frees the memory and the pipe)."""
+    import os
+
+    logging.shutdown()
+    os._exit(code)
 
 
 class ProcessCore:

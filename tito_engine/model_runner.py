@@ -16,6 +16,7 @@ import torch
 
 from tito.config import ConfigError
 from tito.vocab import load_vocabulary
+from tito.startup import StartupPhases
 
 from tito_engine import constraints, vision
 from tito_engine.features import ModelMultimodalSpec, multimodal_spec_from_config
@@ -283,3 +284,28 @@ class ModelRunner:
             finished = self._token_masks.advance(matchers, [tokens[i] for i in plan.constrained])
             complete = frozenset(i for i, done in zip(plan.constrained, finished) if done)
         return SampledTokens(tokens, logprobs, complete)
+
+    def warm_up(self) -> None:
+        """A two-token prefill and a one-token decode through the real forward, before the first
+        request: first-call costs (allocations; on CUDA, library handles and kernel loads) are paid
+        here, not by a caller. The blocks are zeroed and freed again, so the cache is as it was."""
+        tokens = [token % self.info.vocab_size for token in (0, 1, 2)]
+        blocks = self.cache.allocator.allocate(-(-len(tokens) // self.cache.block_size))
+        try:
+            self.execute([RowInput(token_ids=tokens[:2], start=0, block_table=blocks, needs_logits=True)])
+            self.execute([RowInput(token_ids=tokens[2:], start=2, block_table=blocks, needs_logits=True)])
+        finally:
+            for keys, values in zip(self.cache.keys, self.cache.values):
+                keys[blocks] = 0  # padded slots are read under a mask: keep them zero
+                values[blocks] = 0
+            self.cache.allocator.release(blocks)
+
+
+def warm_up_or_warn(runner: ModelRunner) -> None:
+    """`runner.warm_up()`, logged as the start-up phase "warm-up". A failure is logged, not fatal:
+    the first request then pays the first-call costs (or meets the same error, as a status)."""
+    try:
+        with StartupPhases().phase("warm-up"):
+            runner.warm_up()
+    except Exception:  # noqa: BLE001 - serving without a warm-up beats not serving
+        log.warning("warm-up failed; serving without it", exc_info=True)

@@ -10,6 +10,7 @@ import sys
 from tito.config import server_fields_from_args
 from tito.model_paths import resolve_model
 from tito.serving import RunningServer, observability, run_until_signal, start_server
+from tito.startup import StartupPhases, loading_model
 from tito.v1 import engine_pb2_grpc
 
 from tito_engine.admission import Admission
@@ -18,7 +19,7 @@ from tito_engine.config import EngineConfig
 from tito_engine.engine import Engine
 from tito_engine.engine_core import CoreProcessSpec
 from tito_engine.features import FeaturePolicy
-from tito_engine.model_runner import DEFAULT_BLOCK_SIZE, KVCacheSpec, ModelRunner
+from tito_engine.model_runner import DEFAULT_BLOCK_SIZE, KVCacheSpec, ModelRunner, warm_up_or_warn
 from tito_engine.observe import EngineMetrics, RequestObserver
 from tito_engine.servicer import EngineServicer
 
@@ -160,24 +161,30 @@ def _build_backend(config: EngineConfig) -> EngineBackend:
     runner = ModelRunner(model_dir, model_id=config.model, device=config.device,
                          max_model_len=config.max_model_len, kv_cache=kv_cache, cpu_threads=config.cpu_threads,
                          exclude_padding_ids=config.excludes_padding_ids)
+    warm_up_or_warn(runner)
     return Engine(runner, max_running_requests=config.max_running_requests,
                   max_waiting_requests=config.max_waiting_requests,
                   max_prefill_tokens=config.max_prefill_tokens_per_step, prefix_caching=config.prefix_caching,
                   encoder_cache_bytes=config.encoder_cache_bytes)
 
 
-async def create_server(config: EngineConfig) -> RunningServer:
+async def create_server(config: EngineConfig, phases: StartupPhases | None = None) -> RunningServer:
     """Start the server NOT_SERVING, load the model off the event loop, then turn SERVING."""
+    phases = phases or StartupPhases()
     config.validate()
     # The port is bound (health NOT_SERVING, calls answered UNAVAILABLE) while the model loads.
     servicer = EngineServicer()
     metrics = observability(config, "engine")
     engine_metrics = EngineMetrics(metrics, servicer.load_now) if metrics is not None else None
-    running = await start_server(
-        config, [SERVICE_NAME], lambda server: engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server),
-        metrics)
+    with phases.phase("bind"):
+        running = await start_server(
+            config, [SERVICE_NAME],
+            lambda server: engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server), metrics)
     try:
-        backend = await asyncio.to_thread(_build_backend, config)
+        with phases.phase("model load", "in the engine core process" if config.engine_process
+                          and config.backend == "native" else config.backend):
+            with loading_model(config.model):
+                backend = await asyncio.to_thread(_build_backend, config)
     except BaseException:
         await running.stop(0)
         raise
@@ -186,20 +193,22 @@ async def create_server(config: EngineConfig) -> RunningServer:
     # A dead model process cannot come back: tell load balancers to stop sending work here.
     backend.on_core_lost = lambda: asyncio.run_coroutine_threadsafe(running.set_not_serving(), loop)
     backend.on_core_restored = lambda: asyncio.run_coroutine_threadsafe(running.set_serving(), loop)
-    backend.start()
+    with phases.phase("core start"):
+        backend.start()
     running.add_cleanup(lambda: asyncio.to_thread(backend.stop))
     admission = Admission.for_backend(backend, feature_policy(config), config.max_choices_per_request)
     observer = RequestObserver(engine_metrics)
     servicer.attach(backend, admission, observer if observer.active else None)
     await running.set_serving()
+    phases.serving()
     if config.hmac_key_file:
         log.info("media item tags are verified (key id %r); unsigned items are %s", config.hmac_key_id,
                  "refused" if config.require_signed_features else "accepted but not trusted for cache hits")
     return running
 
 
-async def serve(config: EngineConfig) -> None:
-    running = await create_server(config)
+async def serve(config: EngineConfig, phases: StartupPhases | None = None) -> None:
+    running = await create_server(config, phases)
     await run_until_signal(running)
 
 

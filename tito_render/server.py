@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from tito.config import ConfigError, server_fields_from_args
 from tito.errors import still_loading
 from tito.model_paths import resolve_model
-from tito.serving import RunningServer, observability, run_until_signal, start_server
+from tito.serving import RunningServer, check_can_listen, observability, run_until_signal, start_server
+from tito.startup import StartupPhases, loading_model
 from tito.v1 import render_pb2
 
 from tito_render.config import AUTO, NONE, REASONING_PARSERS, TOOL_PARSERS, RenderConfig
@@ -90,9 +91,10 @@ def config_from_args(args: argparse.Namespace) -> RenderConfig:
     return config
 
 
-async def create_server(config: RenderConfig) -> RunningServer:
+async def create_server(config: RenderConfig, phases: StartupPhases | None = None) -> RunningServer:
     """One render process: start NOT_SERVING, load the tokenizer and image processor off the loop,
     register, then go SERVING. (Several processes: `serve` with config.workers != 1.)"""
+    phases = phases or StartupPhases()
     config.validate()
     if config.resolved_workers() != 1:
         raise ConfigError(f"create_server runs one process (workers={config.workers}): use serve() to start "
@@ -109,10 +111,12 @@ async def create_server(config: RenderConfig) -> RunningServer:
         add_to_server(servicer, server)
 
     metrics = observability(config, "render")
-    running = await start_server(config, [SERVICE_NAME], register, metrics)
+    with phases.phase("bind"):
+        running = await start_server(config, [SERVICE_NAME], register, metrics)
     running.add_cleanup(lambda: executor.shutdown(wait=False, cancel_futures=True))
     try:
-        model = await asyncio.get_running_loop().run_in_executor(executor, load_render_model, config)
+        with phases.phase("model load", "tokenizer, chat template, media processors"), loading_model(config.model):
+            model = await asyncio.get_running_loop().run_in_executor(executor, load_render_model, config)
     except BaseException:
         await running.stop(0)
         raise
@@ -122,6 +126,7 @@ async def create_server(config: RenderConfig) -> RunningServer:
     if signer:
         log.info("media items are signed (HMAC-SHA256, key id %r)", config.hmac_key_id)
     await running.set_serving()
+    phases.serving()
     return running
 
 
@@ -152,19 +157,19 @@ class _LazyServicer(RenderServicer):
         return await self._ready().GetModelInfo(request, context)
 
 
-async def serve(config: RenderConfig) -> None:
+async def serve(config: RenderConfig, phases: StartupPhases | None = None) -> None:
     """Serve until SIGTERM/SIGINT: in this process (workers=1) or as a supervisor of worker processes."""
     workers = config.resolved_workers()
     if workers == 1:
-        running = await create_server(config)
+        running = await create_server(config, phases)
         await run_until_signal(running)
         return
-    try:
-        # Fail fast on a bad --model, and build a tiny model once rather than in every worker.
-        resolve_model(config.model)
-    except ConfigError as exc:
-        log.error("%s", exc)
-        sys.exit(2)
+    # Fail fast (ConfigError: one line, exit 2) on a bad --model or a port another program holds,
+    # and build a tiny model once rather than in every worker.
+    resolve_model(config.model)
+    check_can_listen(config.address, reuse_port=True)
+    if config.health_address:
+        check_can_listen(config.health_address, reuse_port=True, flag="--health-address")
     code = await WorkerPool(config, workers).run()
     if code:
         sys.exit(code)

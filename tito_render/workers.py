@@ -8,8 +8,9 @@ own calls, tensors included.
 The parent supervises: it starts the workers (spawned, each loads the model itself), waits until
 every one reports SERVING, forwards SIGTERM/SIGINT (each worker then shuts down gracefully), and
 when a worker that was serving dies, logs it and starts a replacement. A worker that fails
-*while starting* (bad model, port taken) stops the whole server with an error instead: a
-replacement would fail the same way.
+*while starting* stops the whole server with an error instead: a replacement would fail the same
+way. A configuration error (a model that does not load) travels back to the parent, which
+reports it as its own: one line, exit status 2, as with one process.
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ def _worker_main(config: RenderConfig, index: int, ready: multiprocessing.Queue,
     # The parent forwards SIGINT as SIGTERM; a terminal's Ctrl-C reaches every worker directly too.
     try:
         asyncio.run(_run_worker(config, index, ready))
-    except (ConfigError, OSError, RuntimeError) as exc:  # a bad model, a port taken (grpc: RuntimeError)
+    except ConfigError as exc:  # the parent reports it (one line for the operator, not one per worker)
+        ready.put(("failed", index, str(exc)))
+        raise SystemExit(2) from None
+    except (OSError, RuntimeError) as exc:  # e.g. a port taken after the parent checked (grpc: RuntimeError)
         log.error("worker %d failed: %s", index, exc)
         raise SystemExit(3) from None
     except Exception:  # noqa: BLE001 - reported, then the exit code tells the parent
@@ -77,7 +81,7 @@ async def _run_worker(config: RenderConfig, index: int, ready: multiprocessing.Q
         config = dataclasses.replace(config, metrics_port=config.metrics_port + index)
     running = await create_server(config)
     log.info("worker %d (pid %d) serving on %s", index, os.getpid(), running.address)
-    ready.put((index, os.getpid()))
+    ready.put(("serving", index, os.getpid()))
     await run_until_signal(running)
 
 
@@ -92,6 +96,7 @@ class WorkerPool:
         self._processes: dict[int, BaseProcess] = {}
         self._serving: set[int] = set()
         self._stopping = asyncio.Event()
+        self._config_error: str | None = None  # a worker's start-up ConfigError, reported by the parent
 
     def _start(self, index: int) -> None:
         process = self._context.Process(target=_worker_main, args=(self.config, index, self._ready, os.getpid()),
@@ -104,15 +109,20 @@ class WorkerPool:
     def _drain_ready(self) -> None:
         while True:
             try:
-                index, pid = self._ready.get_nowait()
+                kind, index, detail = self._ready.get_nowait()
             except queue.Empty:
                 return
+            if kind == "failed":
+                self._config_error = self._config_error or detail
+                continue
+            pid = detail
             process = self._processes.get(index)
             if process is not None and process.pid == pid:
                 self._serving.add(index)
 
     async def run(self) -> int:
-        """Serve until a signal (exit code 0) or a worker failing at start-up (exit code 1)."""
+        """Serve until a signal (exit code 0) or a worker failing at start-up (exit code 1; a
+        ConfigError, raised here after every worker has stopped, when the worker reported one)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopping.set)
@@ -138,6 +148,8 @@ class WorkerPool:
                     pass
         finally:
             await self.stop()
+        if self._config_error:
+            raise ConfigError(self._config_error)
         return code
 
     def _check_workers(self) -> bool:
@@ -152,8 +164,9 @@ class WorkerPool:
                           index, process.pid, process.exitcode)
                 self._start(index)
             else:
-                log.error("worker %d (pid %d) failed while starting (exit code %s); stopping the server",
-                          index, process.pid, process.exitcode)
+                if not self._config_error:  # a reported ConfigError is the server's one line (run)
+                    log.error("worker %d (pid %d) failed while starting (exit code %s); stopping the server",
+                              index, process.pid, process.exitcode)
                 return True
         return False
 

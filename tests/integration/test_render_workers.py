@@ -98,8 +98,22 @@ def test_two_workers_share_the_port_and_are_supervised(tiny_text_model):
     assert code == 0, "".join(server.lines)
 
 
-def test_worker_failing_at_start_stops_the_server():
-    with socket.socket() as taken:  # a listener without SO_REUSEPORT: the workers cannot bind
+def test_a_worker_that_cannot_load_the_model_stops_the_server_with_one_line(tmp_path):
+    # A directory that looks like a model to the supervisor (config.json) but does not load.
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    server = ServerProcess("--workers", "2", "--address", f"127.0.0.1:{free_port()}", "--model", str(tmp_path),
+                           "--log-level", "warning")
+    try:
+        code = server.process.wait(timeout=60)
+    finally:
+        server.stop()
+    server._reader.join(timeout=10)
+    assert code == 2
+    assert len(server.lines) == 1 and server.lines[0].startswith("tito serve render: "), server.lines
+
+
+def test_a_taken_port_is_one_line_before_any_worker_starts():
+    with socket.socket() as taken:  # a listener without SO_REUSEPORT: the workers could not bind
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         server = ServerProcess("--workers", "2", "--address", f"127.0.0.1:{taken.getsockname()[1]}")
@@ -107,8 +121,9 @@ def test_worker_failing_at_start_stops_the_server():
             code = server.process.wait(timeout=60)
         finally:
             server.stop()
-    assert code == 1
-    server.wait_for("failed while starting")
+    assert code == 2
+    problems = [line for line in server.lines if " INFO " not in line]
+    assert len(problems) == 1 and "cannot listen there" in problems[0], server.lines
 
 
 def test_workers_need_a_fixed_tcp_port():
