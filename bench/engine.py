@@ -32,7 +32,8 @@ generation_config.json, as tito's vllm backend pins it) and --enforce-eager. vLL
 for about a second after its last step, so every measurement starts after a 1.5 s pause. The HF
 baselines are not run in this mode. Prints the table for the four setups, the ratios
 tito-vllm-backend / AsyncLLM (target >= 0.90 at the top concurrency: tito's gRPC layer costs at most
-10%) and tito-vllm-backend / vLLM HTTP (target > 1) at each concurrency, and whether the greedy
+10%) and tito-vllm-backend / vLLM HTTP (target > 1) at each concurrency, tito native / AsyncLLM and
+tito native / vLLM HTTP (target >= 1.0, and >= 1.3 at concurrency 1), and whether the greedy
 tokens of the four setups agree in the first round.
 
 --constrained: one native engine server; the same prompts with no row, every other row and every
@@ -702,6 +703,14 @@ def print_vllm_ratios(rounds, concurrencies: list[int]) -> None:
     for concurrency in concurrencies:
         print_ratio(f"tito native / tito vllm backend, concurrency {concurrency}",
                     paired(rounds, concurrency, TITO_NATIVE, TITO_VLLM), None)
+    # The native engine against vLLM itself: at least even at the top concurrency, and well ahead
+    # (>= 1.3) at concurrency 1.
+    for concurrency in concurrencies:
+        bound = 1.3 if concurrency == 1 else 1.0
+        print_ratio(f"tito native / vLLM AsyncLLM, concurrency {concurrency}",
+                    paired(rounds, concurrency, TITO_NATIVE, ASYNCLLM), (">=", bound))
+        print_ratio(f"tito native / vLLM HTTP token-in, concurrency {concurrency}",
+                    paired(rounds, concurrency, TITO_NATIVE, VLLM_HTTP), (">=", bound))
 
 
 def agreement(results: dict[str, dict], names: list[str]) -> str:
