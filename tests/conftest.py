@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tito.demo_model import ensure_demo_model
 from tito.tiny_models import INTERLEAVED_VL_MODEL, TEXT_MODEL, TEXT_MODEL_D64, VL_MODEL, ensure_model
 
 
@@ -56,6 +57,12 @@ def tiny_vl_model(model_cache) -> Path:
 def tiny_interleaved_vl_model(model_cache) -> Path:
     """A tiny Gemma3: image spans interleave boundary tokens with soft tokens (is_embed masks)."""
     return ensure_model(INTERLEAVED_VL_MODEL, model_cache)
+
+
+@pytest.fixture(scope="session")
+def demo_model(model_cache) -> Path:
+    """tito-demo: the Qwen2-VL tito trains itself (once per session, seconds to a minute)."""
+    return ensure_demo_model(model_cache)
 
 
 class AioServer:
