@@ -6,8 +6,8 @@
     tito chat "Hello"                                                     a chat through all three
 
 `tito chat` without addresses starts `tito serve all` on private Unix sockets (on the trained demo
-model `tito-demo` unless --model says otherwise; with that model and no --image it attaches a
-generated red square), waits until the three services report SERVING, streams the answer as it
+model `tito-demo` unless --model says otherwise; with that model and neither --image nor --tools it
+attaches a generated red square), waits until the three services report SERVING, streams the answer as it
 arrives (reasoning as a "thinking:" section, tool calls as "tool call: name(arguments)" lines),
 and shuts them down again.
 """
@@ -77,12 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", help="an optional system message")
     chat.add_argument("--image", action="append", default=[], metavar="PATH",
                       help="attach an image file to the user message (repeatable; needs a vision model); "
-                           f"without it, the {DEFAULT_CHAT_MODEL} model started here gets a generated red square")
+                           f"without it (and without --tools), the {DEFAULT_CHAT_MODEL} model started here gets a "
+                           "generated red square")
     chat.add_argument("--no-image", action="store_true", help="send no image, not even the generated one")
     chat.add_argument("--tools", metavar="PATH",
                       help="offer the tools in this JSON file (a list of OpenAI-style tools, e.g. "
                            "docs/examples/weather_tool.json)")
-    chat.add_argument("--max-tokens", type=int, default=64)
+    chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--seed", type=int)
     chat.add_argument("--no-thinking", action="store_true", help="pass enable_thinking=false to the template")
@@ -283,7 +284,8 @@ def chat(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"tito chat: {exc}", file=sys.stderr)
             return 2
-        if args.model == DEFAULT_CHAT_MODEL and not args.image and not args.no_image:
+        # The quick start's picture; a chat with tools is about the tools, so it gets none.
+        if args.model == DEFAULT_CHAT_MODEL and not (args.image or args.no_image or tools):
             print("attaching a generated red square image (--image PATH for yours, --no-image for none)",
                   file=sys.stderr)
             images = [_generated_image()]
