@@ -52,3 +52,14 @@ def test_each_tool_call_gets_a_line_with_its_streamed_arguments():
 def test_plain_content_prints_as_before():
     assert _print([derender_pb2.ChatChunk(content="Hello there"), _finish()]) == (
         "Hello there\n[finish_reason=FINISH_REASON_STOP prompt_tokens=9 completion_tokens=4]\n")
+
+
+def test_tito_chat_refuses_a_tools_file_that_is_not_a_list_of_tools(tmp_path, capsys):
+    from tito.cli import main
+
+    bad = tmp_path / "tools.json"
+    bad.write_text('{"type": "function"}')
+    assert main(["chat", "hi", "--tools", str(bad)]) == 2
+    assert "expected a JSON list of tools" in capsys.readouterr().err
+    assert main(["chat", "hi", "--tools", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
