@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Quick start 1: start render, engine and derender on the embedded tiny model and stream a chat
-# through them. Extra arguments go to `tito chat` (e.g. --max-tokens 32 --temperature 0.7).
+# Quick start 1: start render, engine and derender on the embedded demo model (tito-demo, trained
+# offline on first use) and stream a chat with a generated red square image through them. Extra
+# arguments go to `tito chat` (e.g. --image photo.png, --no-thinking, --max-tokens 32).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh

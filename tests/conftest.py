@@ -24,6 +24,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 from tito.contract import ERROR_REASONS  # noqa: E402
+from tito.demo_model import ensure_demo_model  # noqa: E402
 from tito.errors import TitoError  # noqa: E402
 from tito.tiny_models import (INTERLEAVED_VL_MODEL, LLAMA_MODEL, PADDED_TEXT_MODEL,  # noqa: E402
                               QWEN2_5_VL_MODEL, QWEN3_MODEL, TEXT_MODEL, TEXT_MODEL_D64, VL_MODEL, ensure_model)
@@ -116,6 +117,12 @@ def tiny_qwen3_model(model_cache) -> Path:
 def tiny_qwen2_5_vl_model(model_cache) -> Path:
     """A tiny Qwen2.5-VL (windowed vision attention, video time axis in M-RoPE)."""
     return ensure_model(QWEN2_5_VL_MODEL, model_cache)
+
+
+@pytest.fixture(scope="session")
+def demo_model(model_cache) -> Path:
+    """tito-demo: the Qwen2-VL tito trains itself (once per session, seconds to a minute)."""
+    return ensure_demo_model(model_cache)
 
 
 class AioServer:

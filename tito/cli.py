@@ -5,8 +5,11 @@
     tito serve all [--model M] ...                                        the three, as processes
     tito chat "Hello"                                                     a chat through all three
 
-`tito chat` without addresses starts `tito serve all` on private Unix sockets, waits until the
-three services report SERVING, streams the answer as it arrives, and shuts them down again.
+`tito chat` without addresses starts `tito serve all` on private Unix sockets (on the trained demo
+model `tito-demo` unless --model says otherwise; with that model and neither --image nor --tools it
+attaches a generated red square), waits until the three services report SERVING, streams the answer as it
+arrives (reasoning as a "thinking:" section, tool calls as "tool call: name(arguments)" lines),
+and shuts them down again.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 from tito.config import DEFAULT_MAX_MESSAGE_BYTES, ConfigError, add_observability_arguments
 from tito.env_flags import apply_env, document_env
 from tito.logs import LOG_LEVELS, setup_logging
-from tito.model_paths import DEFAULT_MODEL, resolve_model
+from tito.model_paths import DEFAULT_CHAT_MODEL, DEFAULT_MODEL, resolve_model
 from tito.serving import check_can_listen
 from tito.startup import StartupPhases
 
@@ -84,8 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("text", help="the user message")
     chat.add_argument("--system", help="an optional system message")
     chat.add_argument("--image", action="append", default=[], metavar="PATH",
-                      help="attach an image file to the user message (repeatable; needs a vision model)")
-    chat.add_argument("--max-tokens", type=int, default=64)
+                      help="attach an image file to the user message (repeatable; needs a vision model); "
+                           f"without it (and without --tools), the {DEFAULT_CHAT_MODEL} model started here gets a "
+                           "generated red square")
+    chat.add_argument("--no-image", action="store_true", help="send no image, not even the generated one")
+    chat.add_argument("--tools", metavar="PATH",
+                      help="offer the tools in this JSON file (a list of OpenAI-style tools, e.g. "
+                           "docs/examples/weather_tool.json)")
+    chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--seed", type=int)
     chat.add_argument("--no-thinking", action="store_true", help="pass enable_thinking=false to the template")
@@ -97,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--render", help="render address; with --engine and --derender, use running services")
     chat.add_argument("--engine", help="engine address")
     chat.add_argument("--derender", help="derender address")
-    chat.add_argument("--model", default=DEFAULT_MODEL, help="model for the services `tito chat` starts itself")
+    chat.add_argument("--model", default=DEFAULT_CHAT_MODEL,
+                      help="model for the services `tito chat` starts itself (default %(default)s)")
     chat.add_argument("--device", default="auto")
     chat.add_argument("--timeout", type=float, default=300.0, help="deadline of each call, seconds")
     chat.add_argument("--otel", action="store_true",
@@ -231,49 +241,115 @@ def serve_all(args: argparse.Namespace) -> int:
         stop_all(processes)
 
 
-def chat(args: argparse.Namespace) -> int:
-    from google.protobuf import struct_pb2
+def _chat_tools(path: str | None) -> list:
+    """The --tools file as chat_pb2.Tool messages (ValueError with a readable message if it is not one)."""
+    from google.protobuf import json_format
 
-    from tito import tracing
-    from tito.pipeline import ChatPipeline, Endpoints, wait_until_serving
-    from tito.security import ClientSecurity
-    from tito.v1 import chat_pb2, engine_pb2, render_pb2
+    from tito.v1 import chat_pb2
 
-    missing = [path for path in args.image if not Path(path).is_file()]
-    if missing:
-        print(f"tito chat: --image {missing[0]}: no such file", file=sys.stderr)
-        return 2
-    response_format = render_pb2.ResponseFormat(type="json_object") if args.json else None
+    if not path:
+        return []
+    try:
+        tools = json.loads(Path(path).read_text(encoding="utf-8"))
+        if not isinstance(tools, list):
+            raise ValueError("expected a JSON list of tools")
+        return [json_format.ParseDict(tool, chat_pb2.Tool()) for tool in tools]
+    except (OSError, ValueError, json_format.ParseError) as exc:
+        raise ValueError(f"--tools {path}: {exc}") from exc
+
+
+def _generated_image() -> bytes:
+    """The quick start's image: a red square, as PNG."""
+    import io
+
+    from tito.demo_model import colour_image
+
+    buffer = io.BytesIO()
+    colour_image("red", 96, 96).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def _response_format(args: argparse.Namespace):
+    """--json / --json-schema FILE as a render ResponseFormat (None: free text); ValueError with a
+    readable message when the schema file is not a JSON object."""
+    from tito.v1 import render_pb2
+
     if args.json_schema:
         try:
             schema = json.loads(Path(args.json_schema).read_text())
         except (OSError, ValueError) as exc:
-            print(f"tito chat: --json-schema {args.json_schema}: {exc}", file=sys.stderr)
-            return 2
+            raise ValueError(f"--json-schema {args.json_schema}: {exc}") from exc
         if not isinstance(schema, dict):
-            print(f"tito chat: --json-schema {args.json_schema}: a JSON Schema is a JSON object", file=sys.stderr)
-            return 2
+            raise ValueError(f"--json-schema {args.json_schema}: a JSON Schema is a JSON object")
         response_format = render_pb2.ResponseFormat(type="json_schema")
         response_format.json_schema.name = Path(args.json_schema).stem
         response_format.json_schema.schema.update(schema)
+        return response_format
+    return render_pb2.ResponseFormat(type="json_object") if args.json else None
+
+
+def _chat_request(args: argparse.Namespace, images: list[bytes], tools: list, response_format=None):
+    from google.protobuf import struct_pb2
+
+    from tito.v1 import chat_pb2, render_pb2
+
+    messages = []
+    if args.system:
+        messages.append(chat_pb2.ChatMessage(role="system", content=args.system))
+    if images:
+        parts = [chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=data)) for data in images]
+        parts.append(chat_pb2.ContentPart(text=args.text))
+        messages.append(chat_pb2.ChatMessage(role="user", content_parts=parts))
+    else:
+        messages.append(chat_pb2.ChatMessage(role="user", content=args.text))
+    kwargs = struct_pb2.Struct()
+    if args.no_thinking:
+        kwargs.update({"enable_thinking": False})
+    sampling = render_pb2.SamplingOptions(max_tokens=args.max_tokens, temperature=args.temperature)
+    if args.seed is not None:
+        sampling.seed = args.seed
+    return render_pb2.RenderChatRequest(messages=messages, tools=tools, sampling=sampling,
+                                        chat_template_kwargs=kwargs, response_format=response_format)
+
+
+def _chat_usage_error(args: argparse.Namespace, security) -> str:
+    """Why the chat flags cannot work together ("" when they can)."""
+    missing = [path for path in args.image if not Path(path).is_file()]
+    if missing:
+        return f"--image {missing[0]}: no such file"
     given = [args.render, args.engine, args.derender]
     if any(given) and not all(given):
-        print("tito chat: give all of --render, --engine and --derender, or none to start them", file=sys.stderr)
-        return 2
-    security = ClientSecurity(ca_file=args.tls_ca_file, cert_file=args.tls_cert_file, key_file=args.tls_key_file,
-                              server_name=args.tls_server_name, token_file=args.auth_token_file)
+        return "give all of --render, --engine and --derender, or none to start them"
     try:
         security.validate()
     except ConfigError as exc:
-        print(f"tito chat: {exc}", file=sys.stderr)
+        return str(exc)
+    if security != type(security)() and not all(given):
+        return "TLS and token flags are for services started elsewhere (--render/--engine/--derender)"
+    return ""
+
+
+def chat(args: argparse.Namespace) -> int:
+    from tito import tracing
+    from tito.chat_output import ChatPrinter
+    from tito.pipeline import ChatPipeline, Endpoints, wait_until_serving
+    from tito.security import ClientSecurity
+
+    security = ClientSecurity(ca_file=args.tls_ca_file, cert_file=args.tls_cert_file, key_file=args.tls_key_file,
+                              server_name=args.tls_server_name, token_file=args.auth_token_file)
+    problem = _chat_usage_error(args, security)
+    try:
+        tools = _chat_tools(args.tools)
+        response_format = _response_format(args)
+    except ValueError as exc:
+        problem = problem or str(exc)
+    if problem:
+        print(f"tito chat: {problem}", file=sys.stderr)
         return 2
-    if security != ClientSecurity() and not all(given):
-        print("tito chat: TLS and token flags are for services started elsewhere (--render/--engine/--derender)",
-              file=sys.stderr)
-        return 2
+    images = [] if args.no_image else [Path(path).read_bytes() for path in args.image]
     processes: list[subprocess.Popen] = []
     tmp = None
-    if all(given):
+    if args.render:
         endpoints = Endpoints(args.render, args.engine, args.derender)
     else:
         tmp = tempfile.TemporaryDirectory(prefix="tito-")
@@ -284,6 +360,11 @@ def chat(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"tito chat: {exc}", file=sys.stderr)
             return 2
+        # The quick start's picture; a chat with tools is about the tools, so it gets none.
+        if args.model == DEFAULT_CHAT_MODEL and not (args.image or args.no_image or tools):
+            print("attaching a generated red square image (--image PATH for yours, --no-image for none)",
+                  file=sys.stderr)
+            images = [_generated_image()]
         processes = spawn_all(addresses, model, args.device, "warning",
                               {name: ["--otel"] for name in SERVICES} if args.otel else None)
         endpoints = Endpoints(**addresses)
@@ -291,35 +372,10 @@ def chat(args: argparse.Namespace) -> int:
         tracing.configure("chat", args.otel)
         for address in (endpoints.render, endpoints.engine, endpoints.derender):
             wait_until_serving(address, timeout=args.timeout, security=security)
-        messages = []
-        if args.system:
-            messages.append(chat_pb2.ChatMessage(role="system", content=args.system))
-        if args.image:
-            parts = [chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=Path(path).read_bytes()))
-                     for path in args.image]
-            parts.append(chat_pb2.ContentPart(text=args.text))
-            messages.append(chat_pb2.ChatMessage(role="user", content_parts=parts))
-        else:
-            messages.append(chat_pb2.ChatMessage(role="user", content=args.text))
-        kwargs = struct_pb2.Struct()
-        if args.no_thinking:
-            kwargs.update({"enable_thinking": False})
-        sampling = render_pb2.SamplingOptions(max_tokens=args.max_tokens, temperature=args.temperature)
-        if args.seed is not None:
-            sampling.seed = args.seed
-        request = render_pb2.RenderChatRequest(messages=messages, sampling=sampling, chat_template_kwargs=kwargs,
-                                               response_format=response_format)
+        printer = ChatPrinter(sys.stdout, color=sys.stdout.isatty())
         with ChatPipeline(endpoints, timeout=args.timeout, security=security) as pipeline:
-            for chunk in pipeline.stream_chat(request):
-                text = chunk.reasoning_content + chunk.content
-                for call in chunk.tool_calls:
-                    text += (f"[tool call {call.name}] " if call.name else "") + call.arguments
-                if text:
-                    print(text, end="", flush=True)
-                if chunk.finish_reason:
-                    usage = chunk.usage
-                    print(f"\n[finish_reason={engine_pb2.FinishReason.Name(chunk.finish_reason)} "
-                          f"prompt_tokens={usage.prompt_tokens} completion_tokens={usage.completion_tokens}]")
+            for chunk in pipeline.stream_chat(_chat_request(args, images, tools, response_format)):
+                printer.chunk(chunk)
         return 0
     except ConfigError as exc:  # tracing asked for but not installed
         print(f"tito chat: {exc}", file=sys.stderr)

@@ -1,7 +1,8 @@
 """Resolve a `--model` value to a local model directory. tito never downloads models.
 
 A value is either a path to a Hugging Face model directory (config.json, tokenizer files,
-safetensors weights) or the name of one of the tiny models tito builds itself offline.
+safetensors weights) or the name of one of the tiny models tito builds itself offline: the
+random-weight ones of `tito.tiny_models` or the trained `tito-demo` of `tito.demo_model`.
 """
 
 from __future__ import annotations
@@ -9,14 +10,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from tito.config import ConfigError
+from tito.demo_model import DEMO_MODEL, ensure_demo_model
 from tito.tiny_models import MODELS, TEXT_MODEL, ensure_model
 
+#: What `tito serve` loads without --model: the random-weight tiny Qwen2 (seconds to build).
 DEFAULT_MODEL = TEXT_MODEL
-TINY_MODELS = tuple(MODELS)
+#: What `tito chat` starts its own services on: the trained demo model, which answers sensibly.
+DEFAULT_CHAT_MODEL = DEMO_MODEL
+TINY_MODELS = (*MODELS, DEMO_MODEL)
 
 
 def resolve_model(spec: str, cache_dir: Path | None = None) -> Path:
     """Return the model directory for `spec`, building a tiny model on first use."""
+    if spec == DEMO_MODEL:
+        return ensure_demo_model(cache_dir)
     if spec in TINY_MODELS:
         return ensure_model(spec, cache_dir)
     path = Path(spec).expanduser()

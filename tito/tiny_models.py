@@ -585,9 +585,10 @@ def _train_backend_tokenizer(extra_special_tokens: tuple[str, ...] = ()):
     return tokenizer
 
 
-def _tokenizer_config() -> dict[str, Any]:
+def _tokenizer_config(added_token_ids: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """``tokenizer_config.json`` for the added tokens at ``added_token_ids`` (default: this module's)."""
     added_tokens_decoder = {}
-    for token, token_id in _added_token_ids().items():
+    for token, token_id in (added_token_ids or _added_token_ids()).items():
         added_tokens_decoder[str(token_id)] = {
             "content": token,
             "lstrip": False,
