@@ -34,11 +34,13 @@ def _string_constants(trees: dict[Path, ast.Module]) -> dict[str, str]:
     return constants
 
 
-def _reason_value(node: ast.expr, constants: dict[str, str]) -> str | None:
+def _reason_values(node: ast.expr, constants: dict[str, str]) -> list[str]:
+    if isinstance(node, ast.IfExp):  # reason="A" if ... else "B"
+        return _reason_values(node.body, constants) + _reason_values(node.orelse, constants)
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return node.value
+        return [node.value]
     name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
-    return constants.get(name)
+    return [constants[name]] if name in constants else []
 
 
 def raised_reasons() -> dict[str, str]:
@@ -62,9 +64,9 @@ def raised_reasons() -> dict[str, str]:
                 candidates += [default for argument, default in zip(arguments, defaults)
                                if argument.arg == "reason" and default is not None]
             for candidate in candidates:
-                reason = _reason_value(candidate, constants)
-                if reason is not None and reason.isupper():
-                    found.setdefault(reason, f"{where}:{node.lineno}")
+                for reason in _reason_values(candidate, constants):
+                    if reason.isupper():
+                        found.setdefault(reason, f"{where}:{node.lineno}")
     return found
 
 
