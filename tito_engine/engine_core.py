@@ -41,6 +41,7 @@ from tito_engine.core_messages import (AbortRequest, AddRequest, Command, CoreFa
 from tito_engine.encoder_cache import EncoderCache
 from tito_engine.features import CheckedFeatures, ValidatedFeatures, check_encoder_cache_enabled, resolve_cached
 from tito_engine.request import ChoiceOutput, Request
+from tito_engine.limits import SchedulerLimits
 from tito_engine.scheduler import Scheduler, run_step
 
 log = logging.getLogger(__name__)
@@ -53,10 +54,9 @@ class EngineStepError(RuntimeError):
 class EngineCore:
     """Applies commands and runs scheduler steps; `emit` receives each step's batch."""
 
-    def __init__(self, runner: Any, max_running_sequences: int, max_prefill_tokens: int,
-                 prefix_caching: bool = True, encoder_cache_bytes: int = 0):
+    def __init__(self, runner: Any, limits: SchedulerLimits, encoder_cache_bytes: int = 0):
         self.runner = runner
-        self.scheduler = Scheduler.for_runner(runner, max_running_sequences, max_prefill_tokens, prefix_caching)
+        self.scheduler = Scheduler.for_runner(runner, limits)
         self.requests: dict[int, Request] = {}
         self.adds_seen = 0
         self.early_aborts: dict[int, None] = {}  # aborts that overtook their add (insertion-ordered)
@@ -303,10 +303,8 @@ def _portable(error: BaseException) -> EngineStepError:
 class ThreadCore:
     """Hosts an EngineCore on a thread of this process (tests, or when a child process is unwanted)."""
 
-    def __init__(self, runner: Any, max_running_sequences: int, max_prefill_tokens: int,
-                 prefix_caching: bool = True, encoder_cache_bytes: int = 0):
-        self.core = EngineCore(runner, max_running_sequences, max_prefill_tokens, prefix_caching,
-                               encoder_cache_bytes)
+    def __init__(self, runner: Any, limits: SchedulerLimits, encoder_cache_bytes: int = 0):
+        self.core = EngineCore(runner, limits, encoder_cache_bytes)
         self.info = runner.info
         self.mm_spec = getattr(runner, "mm_spec", None)
         self.kv_blocks_total = runner.cache.num_blocks
@@ -346,12 +344,18 @@ class CoreProcessSpec:
     max_model_len: int | None
     kv_cache: Any  # model_runner.KVCacheSpec
     cpu_threads: int | None
-    max_running_sequences: int
-    max_prefill_tokens: int
+    limits: SchedulerLimits
     log_level: str = "info"
-    prefix_caching: bool = True
     encoder_cache_bytes: int = 0
     exclude_padding_ids: bool = True
+
+    @classmethod
+    def from_config(cls, config: Any, model_dir: str, kv_cache: Any) -> "CoreProcessSpec":
+        """The spec of an EngineConfig's core, its model resolved to `model_dir`."""
+        return cls(model_dir=model_dir, model_id=config.model, device=config.device,
+                   max_model_len=config.max_model_len, kv_cache=kv_cache, cpu_threads=config.cpu_threads,
+                   limits=config.scheduler_limits, log_level=config.log_level,
+                   encoder_cache_bytes=config.encoder_cache_bytes, exclude_padding_ids=config.excludes_padding_ids)
 
 
 def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
@@ -374,8 +378,7 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
         _exit_now(1)
     warm_up_or_warn(runner)
     conn.send(CoreReady(runner.info, runner.cache.num_blocks, runner.cache.block_size, runner.mm_spec))
-    core = EngineCore(runner, spec.max_running_sequences, spec.max_prefill_tokens, spec.prefix_caching,
-                      spec.encoder_cache_bytes)
+    core = EngineCore(runner, spec.limits, spec.encoder_cache_bytes)
 
     def receive() -> Any:
         try:
