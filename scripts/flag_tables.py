@@ -13,9 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tito.settings_docs import render_tables  # noqa: E402 - after the path of this checkout
-
-DOCUMENTS = ("tito_engine/README.md", "tito_render/README.md", "tito_derender/README.md", "docs/deploy.md")
+from tito.settings_docs import DOCUMENTS, render_tables  # noqa: E402 - after the path of this checkout
 
 
 def main() -> int:

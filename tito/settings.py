@@ -152,6 +152,13 @@ def _argparse_options(item: Declared) -> dict[str, Any]:
     return options
 
 
+def variable_of(flag: str) -> str:
+    """The TITO_* variable of a long flag (tito.env_flags' naming rule)."""
+    from tito.env_flags import ENV_PREFIX  # env_flags imports tito.config, which imports this module
+
+    return ENV_PREFIX + flag[2:].upper().replace("-", "_")
+
+
 def config_from_args(config_cls: type, args: argparse.Namespace, **fields: Any) -> Any:
     """`config_cls` built from a parsed command line: every field with a flag from `args` (its
     default when `args` lacks it), plus `fields` for those the command line does not give."""
@@ -160,7 +167,9 @@ def config_from_args(config_cls: type, args: argparse.Namespace, **fields: Any) 
         values[item.name] = getattr(args, item.name, item.default)
         old = getattr(args, DEPRECATED_PREFIX + item.name, None)
         if old is not None:
-            log.warning("%s is deprecated: use %s (same meaning)", item.setting.deprecated_flag, item.flag)
+            old_flag = item.setting.deprecated_flag
+            log.warning("%s (%s) is deprecated: use %s (%s), same meaning", old_flag, variable_of(old_flag),
+                        item.flag, variable_of(item.flag))
             values[item.name] = old
     values.update(fields)
     return config_cls(**values)

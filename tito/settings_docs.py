@@ -15,15 +15,11 @@ from __future__ import annotations
 import importlib
 import re
 
-from tito.env_flags import ENV_PREFIX
-from tito.settings import declared
+from tito.settings import declared, variable_of
 
+#: The documents with flag tables, relative to the repository root.
+DOCUMENTS = ("tito_engine/README.md", "tito_render/README.md", "tito_derender/README.md", "docs/deploy.md")
 _TABLE = re.compile(r"(<!-- flags: ([\w.]+)(?: (own|common))? -->\n)(.*?)(<!-- /flags -->)", re.S)
-
-
-def variable_of(flag: str) -> str:
-    """The TITO_* variable of a long flag (tito.env_flags' rule)."""
-    return ENV_PREFIX + flag[2:].upper().replace("-", "_")
 
 
 def markdown_table(config_cls: type, common: bool) -> str:

@@ -10,11 +10,10 @@ import pytest
 from tito import cli, settings
 from tito.config import ServerConfig
 from tito.env_flags import env_variables
-from tito.settings import DEPRECATED_PREFIX, declared
-from tito.settings_docs import render_tables, variable_of
+from tito.settings import DEPRECATED_PREFIX, declared, variable_of
+from tito.settings_docs import DOCUMENTS, render_tables
 
 ROOT = Path(__file__).resolve().parents[3]
-DOCUMENTS = ("tito_engine/README.md", "tito_render/README.md", "tito_derender/README.md", "docs/deploy.md")
 
 
 def service_parser(service: str):

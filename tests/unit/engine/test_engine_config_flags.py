@@ -13,7 +13,8 @@ from tito_engine.config import EngineConfig
 from tito_engine.limits import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_RUNNING_SEQUENCES, SchedulerLimits
 from tito_engine.server import config_from_args
 
-DEPRECATION = "--max-running-requests is deprecated: use --max-running-sequences"
+DEPRECATION = ("--max-running-requests (TITO_MAX_RUNNING_REQUESTS) is deprecated: use --max-running-sequences "
+               "(TITO_MAX_RUNNING_SEQUENCES), same meaning")
 
 
 def engine_config(argv: list[str], environ: dict[str, str] | None = None) -> EngineConfig:
@@ -41,7 +42,7 @@ def test_the_new_name_sets_the_limit_without_a_warning(caplog):
 def test_the_old_name_still_works_and_warns_once(argv, environ, caplog):
     with caplog.at_level(logging.WARNING):
         assert engine_config(argv, environ).max_running_sequences == 32
-    assert deprecations(caplog) == [f"{DEPRECATION} (same meaning)"]
+    assert deprecations(caplog) == [DEPRECATION]
 
 
 def test_both_names_on_the_command_line_is_one_clear_error(capsys):
