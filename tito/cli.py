@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tito.config import ConfigError
+from tito.config import ConfigError, ServerConfig
 from tito.env_flags import apply_env, document_env
 from tito.logs import LOG_LEVELS, setup_logging
 from tito.model_paths import DEFAULT_MODEL, resolve_model
@@ -113,9 +113,10 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 def _add_all_arguments(parser: argparse.ArgumentParser) -> None:
     for name in SERVICES:
         parser.add_argument(f"--{name}-address", default=DEFAULT_ADDRESSES[name], help=f"{name} address")
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="given to the three services (default %(default)s)")
+    parser.add_argument("--device", default="auto", help="the engine's (default %(default)s)")
+    parser.add_argument("--log-level", default=ServerConfig.log_level, choices=LOG_LEVELS,
+                        help="given to the three services (default %(default)s)")
 
 
 def serve_one(args: argparse.Namespace) -> int:

@@ -20,7 +20,9 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 @dataclass
 class EngineConfig(ServerConfig):
-    """What the engine serves and how much work it takes on at once."""
+    """What the engine serves and how much work it takes on at once. Each field with a flag
+    declares it here once (tito.settings: flag, --help, TITO_* variable, README table); the
+    defaults that other modules share live in tito_engine.limits."""
 
     model: str = model_setting(DEFAULT_MODEL, "the engine loads its weights")
     device: str = setting("auto", common=True, help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
