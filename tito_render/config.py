@@ -122,7 +122,8 @@ class RenderConfig(ServerConfig):
         if self.media_cache_mb < 0:
             raise ConfigError(f"media_cache_mb={self.media_cache_mb} must be >= 0 (0 = no cache)")
         if not 0 < self.max_template_seconds <= 3600:
-            raise ConfigError(f"max_template_seconds={self.max_template_seconds} must be in (0, 3600] (default 10)")
+            raise ConfigError(f"max_template_seconds={self.max_template_seconds} must be in (0, 3600] (default "
+                              f"{type(self).max_template_seconds})")
         if self.max_prompt_tokens < 0:
             raise ConfigError(f"max_prompt_tokens={self.max_prompt_tokens} must be >= 0 (0 = the context limit)")
         if self.hmac_key_id and not self.hmac_key_file:
