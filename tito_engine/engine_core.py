@@ -336,7 +336,8 @@ class ThreadCore:
 
 @dataclass(frozen=True)
 class CoreProcessSpec:
-    """Everything the child process needs to build its runner and core (picklable)."""
+    """Everything a core host needs to load its runner and build its core, taken from the
+    EngineConfig whole (`from_config`); picklable, for the child process."""
 
     model_dir: str
     model_id: str
@@ -357,19 +358,25 @@ class CoreProcessSpec:
                    limits=config.scheduler_limits, log_level=config.log_level,
                    encoder_cache_bytes=config.encoder_cache_bytes, exclude_padding_ids=config.excludes_padding_ids)
 
+    def load_runner(self) -> Any:
+        """Load the model this spec names (in whichever process hosts the core)."""
+        from pathlib import Path
+
+        from tito_engine.model_runner import ModelRunner
+
+        return ModelRunner(Path(self.model_dir), model_id=self.model_id, device=self.device,
+                           max_model_len=self.max_model_len, kv_cache=self.kv_cache, cpu_threads=self.cpu_threads,
+                           exclude_padding_ids=self.exclude_padding_ids)
+
 
 def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
-    from pathlib import Path
-
     from tito.logs import setup_logging
 
-    from tito_engine.model_runner import ModelRunner, warm_up_or_warn
+    from tito_engine.model_runner import warm_up_or_warn
 
     setup_logging(spec.log_level, "engine")
     try:
-        runner = ModelRunner(Path(spec.model_dir), model_id=spec.model_id, device=spec.device,
-                             max_model_len=spec.max_model_len, kv_cache=spec.kv_cache, cpu_threads=spec.cpu_threads,
-                             exclude_padding_ids=spec.exclude_padding_ids)
+        runner = spec.load_runner()
     except BaseException as exc:  # noqa: BLE001 - report why the engine could not start
         try:
             conn.send(CoreFailed(f"{type(exc).__name__}: {exc}"))

@@ -21,7 +21,7 @@ from tito_engine.engine import Engine
 from tito_engine.engine_core import CoreProcessSpec
 from tito_engine.features import FeaturePolicy
 from tito_engine.limits import DEFAULT_BLOCK_SIZE
-from tito_engine.model_runner import KVCacheSpec, ModelRunner, warm_up_or_warn
+from tito_engine.model_runner import KVCacheSpec, warm_up_or_warn
 from tito_engine.observe import EngineMetrics, RequestObserver
 from tito_engine.servicer import EngineServicer
 
@@ -79,15 +79,13 @@ def _build_backend(config: EngineConfig) -> EngineBackend:
                           max_waiting_requests=config.max_waiting_requests)
     kv_cache = KVCacheSpec(block_size=config.block_size or DEFAULT_BLOCK_SIZE, num_blocks=config.kv_blocks,
                            cache_bytes=config.kv_cache_bytes, memory_fraction=config.kv_memory_fraction)
+    spec = CoreProcessSpec.from_config(config, str(model_dir), kv_cache)
     if config.engine_process:
-        return Engine.in_process(CoreProcessSpec.from_config(config, str(model_dir), kv_cache),
-                                 max_waiting_requests=config.max_waiting_requests)
-    runner = ModelRunner(model_dir, model_id=config.model, device=config.device,
-                         max_model_len=config.max_model_len, kv_cache=kv_cache, cpu_threads=config.cpu_threads,
-                         exclude_padding_ids=config.excludes_padding_ids)
+        return Engine.in_process(spec, max_waiting_requests=config.max_waiting_requests)
+    runner = spec.load_runner()  # the same spec, loaded on a thread of this process
     warm_up_or_warn(runner)
-    return Engine(runner, limits=config.scheduler_limits, max_waiting_requests=config.max_waiting_requests,
-                  encoder_cache_bytes=config.encoder_cache_bytes)
+    return Engine(runner, limits=spec.limits, max_waiting_requests=config.max_waiting_requests,
+                  encoder_cache_bytes=spec.encoder_cache_bytes)
 
 
 async def create_server(config: EngineConfig, phases: StartupPhases | None = None) -> RunningServer:
