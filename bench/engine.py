@@ -74,6 +74,7 @@ import torch
 
 from tito.model_paths import resolve_model
 from tito.v1 import engine_pb2, engine_pb2_grpc, sampling_pb2
+from tito_engine.limits import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_RUNNING_SEQUENCES
 
 NUM_PROMPTS = 32
 WORDS = ("the engine schedules many streams in one batched forward and every step matters when the "
@@ -84,9 +85,9 @@ TITO_VLLM = "tito vllm backend over gRPC"
 ASYNCLLM = "vLLM AsyncLLM in-process"
 VLLM_HTTP = "vLLM HTTP token-in"
 VLLM_IDLE_S = 1.5  # vLLM's engine busy-polls ~1 s after its last step
-VLLM_MAX_NUM_SEQS = 64
+VLLM_MAX_NUM_SEQS = DEFAULT_MAX_RUNNING_SEQUENCES  # vLLM's max_num_seqs counts sequences, like tito's flag
 KV_CACHE_BYTES = 64 << 20
-MAX_BATCHED_TOKENS = 2048  # tito's --max-prefill-tokens-per-step default (vLLM's max_num_batched_tokens)
+MAX_BATCHED_TOKENS = DEFAULT_MAX_PREFILL_TOKENS  # tito's --max-prefill-tokens-per-step (vLLM's max_num_batched_tokens)
 START_TIMEOUT_S = 600  # several servers load at once on a small machine
 # vLLM engine arguments tito's engine sets from its own flags (tito_engine/vllm_args.py).
 TITO_SETS = {"model", "max_model_len", "max_num_seqs", "enable_prefix_caching", "max_num_batched_tokens",
@@ -155,14 +156,14 @@ class Settings:
     model_dir: str
     device: str
     prefix_caching: bool
-    max_running: int
+    max_running: int  # sequences (choices), tito's --max-running-sequences and vLLM's max_num_seqs
     max_model_len: int | None = None  # None: the model's own
     kv_cache_bytes: int | None = None  # None: tito's default
 
     def tito_flags(self, backend: str) -> list[str]:
         # The vllm backend refuses --device: vLLM runs where its build runs.
         flags = ["--device", self.device] if backend == "native" else []
-        flags += ["--model", self.model, "--max-running-requests", str(self.max_running),
+        flags += ["--model", self.model, "--max-running-sequences", str(self.max_running),
                  "--max-prefill-tokens-per-step", str(MAX_BATCHED_TOKENS),
                  "--prefix-caching" if self.prefix_caching else "--no-prefix-caching"]
         if self.max_model_len is not None:

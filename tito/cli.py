@@ -27,11 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from tito.config import DEFAULT_MAX_MESSAGE_BYTES, ConfigError, add_observability_arguments
+from tito.config import ConfigError, ServerConfig
 from tito.env_flags import apply_env, document_env
 from tito.logs import LOG_LEVELS, setup_logging
 from tito.model_paths import DEFAULT_CHAT_MODEL, DEFAULT_MODEL, resolve_model
 from tito.serving import check_can_listen
+from tito.settings import add_settings, declared
 from tito.startup import StartupPhases
 
 SERVICES = ("render", "engine", "derender")
@@ -43,29 +44,14 @@ def _service_module(name: str):
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, service: str) -> None:
-    parser.add_argument("--address", default=DEFAULT_ADDRESSES[service],
-                        help="host:port (port 0 = any free port) or unix:/path/to.sock (default %(default)s)")
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="local Hugging Face model directory, or a built-in tiny model name (default %(default)s)")
-    parser.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
-    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
-    parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
-                        help="largest gRPC message accepted or sent (default %(default)s)")
-    parser.add_argument("--grace-seconds", type=float, default=10.0,
-                        help="on SIGTERM, time given to in-flight calls before they are cancelled")
-    parser.add_argument("--health-address", default="",
-                        help="also serve the gRPC health service alone, in plaintext, here (host:port): for "
-                             "probes that speak neither TLS nor Unix sockets, e.g. Kubernetes grpc probes")
-    security = parser.add_argument_group("who may call (docs/security.md)")
-    security.add_argument("--tls-cert-file", default="", help="PEM certificate: serve TLS only (with --tls-key-file)")
-    security.add_argument("--tls-key-file", default="", help="PEM private key of --tls-cert-file")
-    security.add_argument("--tls-client-ca-file", default="",
-                          help="mutual TLS: require client certificates issued by this PEM CA")
-    security.add_argument("--auth-token-file", default="",
-                          help="require `authorization: Bearer <token>` on every call (token read from the file)")
-    security.add_argument("--auth-exempt-health", action=argparse.BooleanOptionalAction, default=True,
-                          help="let health checks and reflection through without the token (default: on)")
-    add_observability_arguments(parser)
+    """The flags every service shares (tito.config.ServerConfig and each config's --model, --device),
+    generated from the service's config class; `add_arguments` of its server module adds the rest."""
+    config_cls = _service_module(service).CONFIG
+    add_settings(parser, config_cls, common=True, defaults={"address": DEFAULT_ADDRESSES[service]})
+    if "device" not in {item.name for item in declared(config_cls)}:
+        # One command line for all three (`tito serve all`, Kubernetes variables): only the engine
+        # runs a model, so render and derender accept --device and have no use for it.
+        parser.add_argument("--device", default="auto", help="the engine's; render and derender run on the CPU")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,9 +123,10 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 def _add_all_arguments(parser: argparse.ArgumentParser) -> None:
     for name in SERVICES:
         parser.add_argument(f"--{name}-address", default=DEFAULT_ADDRESSES[name], help=f"{name} address")
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="given to the three services (default %(default)s)")
+    parser.add_argument("--device", default="auto", help="the engine's (default %(default)s)")
+    parser.add_argument("--log-level", default=ServerConfig.log_level, choices=LOG_LEVELS,
+                        help="given to the three services (default %(default)s)")
 
 
 def serve_one(args: argparse.Namespace) -> int:

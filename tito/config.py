@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from tito.logs import LOG_LEVELS
+from tito.settings import setting
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+SECURITY = "who may call (docs/security.md)"
+OBSERVABILITY = "observability (docs/metrics.md, docs/tracing.md)"
 _TCP_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
 
@@ -36,26 +40,41 @@ def validate_address(address: str, what: str = "address") -> None:
 @dataclass
 class ServerConfig:
     """What every tito server needs: where to listen, message limits, shutdown grace, logging, and
-    who may call (tito.security: TLS, mutual TLS, a bearer token)."""
+    who may call (tito.security: TLS, mutual TLS, a bearer token). Each field's flag, help and
+    default are declared here once (tito.settings); `tito.cli` adds them to every service."""
 
-    address: str = "127.0.0.1:0"
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    grace_seconds: float = 10.0
-    log_level: str = "info"
-    reuse_port: bool = False
-    tls_cert_file: str = ""  # PEM; with tls_key_file the server speaks TLS only
-    tls_key_file: str = ""
-    tls_client_ca_file: str = ""  # mutual TLS: clients need a certificate this CA issued
-    auth_token_file: str = ""  # calls need `authorization: Bearer <token>`
-    auth_exempt_health: bool = True  # health and reflection answer without the token
-    # Prometheus /metrics on this port (0: any free port), on the host of `address` (loopback for a
-    # unix socket); None: no metrics (nothing of prometheus_client is even imported).
-    metrics_port: int | None = None
-    # OpenTelemetry tracing (tito.tracing): on with this flag or the standard OTEL_* variables.
-    otel: bool = False
-    # A second, plaintext listener serving only the health service (Kubernetes gRPC probes speak
-    # neither TLS nor Unix sockets); "" = none.
-    health_address: str = ""
+    # Each service's command line defaults to its own port (tito.cli.DEFAULT_ADDRESSES).
+    address: str = setting("127.0.0.1:0", common=True,
+                           help="host:port (port 0 = any free port) or unix:/path/to.sock")
+    max_message_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, common=True,
+                                     help="largest gRPC message accepted or sent")
+    grace_seconds: float = setting(10.0, common=True,
+                                   help="on SIGTERM, time given to in-flight calls before they are cancelled")
+    log_level: str = setting("info", common=True, choices=LOG_LEVELS, help="log level")
+    reuse_port: bool = False  # set by render's worker pool, not a flag
+    tls_cert_file: str = setting("", common=True, group=SECURITY,
+                                 help="PEM certificate: serve TLS only (with --tls-key-file)")
+    tls_key_file: str = setting("", common=True, group=SECURITY, help="PEM private key of --tls-cert-file")
+    tls_client_ca_file: str = setting("", common=True, group=SECURITY,
+                                      help="mutual TLS: require client certificates issued by this PEM CA")
+    auth_token_file: str = setting("", common=True, group=SECURITY,
+                                   help="require `authorization: Bearer <token>` on every call (token read from "
+                                        "the file)")
+    auth_exempt_health: bool = setting(True, common=True, group=SECURITY,
+                                       help="let health checks and reflection through without the token")
+    # None: no metrics (nothing of prometheus_client is even imported).
+    metrics_port: int | None = setting(
+        None, type=int, common=True, group=OBSERVABILITY,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics, HOST being the --address host (127.0.0.1 "
+             "for a unix socket); 0 = any free port", default_text="no metrics")
+    otel: bool = setting(False, common=True, group=OBSERVABILITY,
+                         help="export OpenTelemetry traces (OTLP, configured by the OTEL_* variables); also on "
+                              "when OTEL_TRACES_EXPORTER or OTEL_EXPORTER_OTLP_ENDPOINT is set")
+    # Kubernetes gRPC probes speak neither TLS nor Unix sockets; "" = none.
+    health_address: str = setting("", common=True,
+                                  help="also serve the gRPC health service alone, in plaintext, here (host:port): "
+                                       "for probes that speak neither TLS nor Unix sockets, e.g. Kubernetes grpc "
+                                       "probes")
 
     def validate(self) -> None:
         validate_address(self.address)
@@ -92,22 +111,7 @@ class ServerConfig:
             read_token_file(self.auth_token_file)
 
 
-def add_observability_arguments(parser) -> None:
-    """--metrics-port and --otel (docs/metrics.md, docs/tracing.md), for every service."""
-    group = parser.add_argument_group("observability (docs/metrics.md, docs/tracing.md)")
-    group.add_argument("--metrics-port", type=int, default=None,
-                       help="serve Prometheus metrics at http://HOST:PORT/metrics, HOST being the --address host "
-                            "(127.0.0.1 for a unix socket); 0 = any free port; default: no metrics")
-    group.add_argument("--otel", action="store_true",
-                       help="export OpenTelemetry traces (OTLP, configured by the OTEL_* variables); also on when "
-                            "OTEL_TRACES_EXPORTER or OTEL_EXPORTER_OTLP_ENDPOINT is set")
-
-
-def server_fields_from_args(args) -> dict:
-    """The `ServerConfig` fields every service takes from its command line (tito.cli's common flags)."""
-    fields = {name: getattr(args, name) for name in (
-        "address", "max_message_bytes", "grace_seconds", "log_level", "tls_cert_file", "tls_key_file",
-        "tls_client_ca_file", "auth_token_file", "auth_exempt_health", "health_address")}
-    fields["metrics_port"] = getattr(args, "metrics_port", None)
-    fields["otel"] = getattr(args, "otel", False)
-    return fields
+def model_setting(default: str, what: str) -> Any:
+    """The `--model` field every service declares (`what`: what the service reads of it)."""
+    return setting(default, common=True,
+                   help=f"local Hugging Face model directory, or a built-in tiny model name ({what})")

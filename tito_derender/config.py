@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tito.config import ConfigError, ServerConfig
+from tito.config import ConfigError, ServerConfig, model_setting
+from tito.settings import setting
+from tito.tiny_models import TEXT_MODEL
 
 
 @dataclass
@@ -17,9 +19,10 @@ class DerenderConfig(ServerConfig):
 
     #: A local Hugging Face model directory or a tiny model name (see tito.model_paths). Only
     #: the tokenizer files are read.
-    model: str = "tiny-qwen2"
+    model: str = model_setting(TEXT_MODEL, "derender reads only its tokenizer")
     #: Where tiny models are built; None = tito's default cache.
-    model_cache_dir: str | None = None
+    model_cache_dir: str | None = setting(None, type=str, help="where tiny models are built",
+                                          default_text="tito's cache")
 
     def validate(self) -> None:
         super().validate()

@@ -8,9 +8,10 @@ import logging
 import sys
 from pathlib import Path
 
-from tito.config import server_fields_from_args
+from tito import settings
 from tito.model_paths import resolve_model
 from tito.serving import RunningServer, observability, run_until_signal, start_server
+from tito.settings import add_settings
 from tito.startup import StartupPhases, loading_model
 from tito.v1 import derender_pb2_grpc
 from tito_derender.config import DerenderConfig
@@ -23,19 +24,17 @@ SERVICE_NAME = "tito.v1.DerenderService"
 log = logging.getLogger(__name__)
 
 
+#: The typed config whose field declarations give this service's flags (tito.settings).
+CONFIG = DerenderConfig
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Derender-specific flags (none beyond the common ones yet: all output options arrive per
-    request in DerenderContext)."""
-    parser.add_argument("--model-cache-dir", default=None,
-                        help="where tiny models are built (default: tito's cache)")
+    """Derender's own flags (few: all output options arrive per request in DerenderContext)."""
+    add_settings(parser, DerenderConfig, common=False)
 
 
 def config_from_args(args: argparse.Namespace) -> DerenderConfig:
-    config = DerenderConfig(
-        **server_fields_from_args(args),
-        model=args.model,
-        model_cache_dir=getattr(args, "model_cache_dir", None),
-    )
+    config = settings.config_from_args(DerenderConfig, args)
     config.validate()
     return config
 

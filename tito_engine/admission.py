@@ -58,7 +58,7 @@ class Admission:
         """The admission of a started backend (its model info, media spec and KV capacity)."""
         info = backend.info
         limits = ModelLimits(vocab_size=info.vocab_size, max_context_length=info.max_context_length,
-                             max_choices=min(max_choices_per_request, backend.max_running_requests),
+                             max_choices=min(max_choices_per_request, backend.max_running_sequences),
                              modalities=frozenset(info.modalities))
         return cls(limits, backend.mm_spec, policy or FeaturePolicy(), backend.kv_capacity)
 

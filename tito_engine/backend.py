@@ -42,7 +42,7 @@ class EngineBackend(Protocol):
 
     info: ModelInfo  # GetModelInfo, and the limits admission checks against
     mm_spec: ModelMultimodalSpec | None  # media the model accepts (None: text only)
-    max_running_requests: int  # most choices advanced together
+    max_running_sequences: int  # most choices (sequences) advanced together
     kv_capacity: KVCapacity  # the whole KV cache: admission refuses what could never fit
     # Called (from any thread) when the model process died: the server turns health NOT_SERVING.
     on_core_lost: Callable[[], None] | None

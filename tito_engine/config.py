@@ -5,65 +5,101 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from tito.config import ConfigError, ServerConfig
+from tito.config import ConfigError, ServerConfig, model_setting
 from tito.model_paths import DEFAULT_MODEL
+from tito.settings import setting
 from tito.signing import read_key_file
 
+from tito_engine.limits import (DEFAULT_BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_MEMORY_FRACTION,
+                                DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_RUNNING_SEQUENCES,
+                                DEFAULT_MAX_WAITING_REQUESTS, SchedulerLimits)
+
+MEDIA = "media items"
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 @dataclass
 class EngineConfig(ServerConfig):
-    """What the engine serves and how much work it takes on at once."""
+    """What the engine serves and how much work it takes on at once. Each field with a flag
+    declares it here once (tito.settings: flag, --help, TITO_* variable, README table); the
+    defaults that other modules share live in tito_engine.limits."""
 
-    model: str = DEFAULT_MODEL
-    device: str = "auto"
-    # What runs the model: "native" (tito's own engine) or "vllm" (vLLM's AsyncLLM, installed with
-    # the vllm extra). Admission, the contract and the error model are the same for both.
-    backend: str = "native"
+    model: str = model_setting(DEFAULT_MODEL, "the engine loads its weights")
+    device: str = setting("auto", common=True, help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
+    # Admission, the contract and the error model are the same for both backends.
+    backend: str = setting("native", choices=("native", "vllm"),
+                           help="what runs the model: native (tito's engine) or vllm (vLLM's AsyncLLM; vLLM "
+                                "engine arguments go after `--`)")
     # vLLM engine arguments passed through unchanged (vllm backend only), in vLLM's own command-line
-    # form, e.g. ("--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.85").
+    # form, e.g. ("--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.85"): what follows
+    # `--` on the command line, not a flag of its own.
     vllm_args: tuple[str, ...] = ()
-    # Most choices (sequences) advanced together in one scheduler step.
-    max_running_requests: int = 64
-    # Most requests admitted but not yet running; beyond it Generate answers RESOURCE_EXHAUSTED.
-    max_waiting_requests: int = 1024
-    # Overrides the model's max_position_embeddings as the per-request context limit.
-    max_model_len: int | None = None
-    # Largest `n` (choices per request) accepted.
-    max_choices_per_request: int = 16
+    max_running_sequences: int = setting(
+        DEFAULT_MAX_RUNNING_SEQUENCES, deprecated_flag="--max-running-requests",
+        help="most choices (sequences) advanced together in one scheduler step: a request with n=4 holds 4 "
+             "(vllm: max_num_seqs)")
+    max_waiting_requests: int = setting(
+        DEFAULT_MAX_WAITING_REQUESTS,
+        help="most requests queued for a slot; beyond it Generate answers RESOURCE_EXHAUSTED")
+    max_model_len: int | None = setting(None, type=int, default_text="the model's max_position_embeddings",
+                                        help="per-request context limit (prompt + generated)")
+    max_choices_per_request: int = setting(16, help="largest n (choices per request) accepted")
     # Paged KV cache: tokens per block, and its size as blocks, bytes, or (CUDA) a fraction of the
-    # memory free after loading the weights. Default: 64 MiB on CPU, 0.5 of free memory on CUDA.
-    block_size: int | None = None  # None: the backend's default (native 16, vLLM per platform)
-    kv_blocks: int | None = None
-    kv_cache_bytes: int | None = None
-    kv_memory_fraction: float | None = None
-    # Prompt tokens computed per scheduler step, shared by all prefilling requests (chunked prefill).
-    max_prefill_tokens_per_step: int = 2048
-    # torch intra-op threads on CPU; None: one less than the machine's cores (at least 1).
-    cpu_threads: int | None = None
-    # Run the model and scheduler in a child process (True) or on a thread of the server process.
+    # memory free after loading the weights.
+    block_size: int | None = setting(None, type=int, default_text=f"native {DEFAULT_BLOCK_SIZE}, vLLM its platform's",
+                                     help="tokens per KV cache block")
+    kv_blocks: int | None = setting(None, type=int, exclusive="kv_size", help="KV cache size in blocks")
+    kv_cache_bytes: int | None = setting(None, type=int, exclusive="kv_size",
+                                         default_text=f"native on CPU {DEFAULT_CPU_KV_CACHE_BYTES >> 20} MiB; vllm: "
+                                                      f"kv_cache_memory_bytes",
+                                         help="KV cache size in bytes")
+    kv_memory_fraction: float | None = setting(
+        None, type=float, exclusive="kv_size", default_text=str(DEFAULT_CUDA_KV_MEMORY_FRACTION),
+        help="CUDA: fraction of the memory free after loading the model given to the KV cache")
+    max_prefill_tokens_per_step: int = setting(
+        DEFAULT_MAX_PREFILL_TOKENS,
+        help="prompt tokens computed per step across requests; longer prompts are prefilled in chunks beside "
+             "the running decodes (vllm: max_num_batched_tokens)")
+    cpu_threads: int | None = setting(None, type=int, default_text="cores - 1, at least 1",
+                                      help="torch intra-op threads when running on CPU")
     # The child keeps the forward's many small torch calls from contending for the GIL with gRPC.
-    engine_process: bool = True
-    # Reuse the K/V of full prompt blocks across requests with the same prefix (and cache_salt).
-    prefix_caching: bool = True
-    # Never sample padding ids (embedding rows the tokenizer has no token for; tito.vocab). None:
-    # the default, on for the native backend; the vllm backend samples every row as vLLM does and
-    # refuses an explicit True.
-    exclude_padding_ids: bool | None = None
+    engine_process: bool = setting(True, help="run the model and scheduler in a child process, away from the "
+                                              "gRPC threads (--no-engine-process: on a thread of this process)")
+    prefix_caching: bool = setting(True, help="reuse the KV of prompt blocks shared with earlier requests (same "
+                                              "tokens from the start and same cache_salt)")
+    # None: on for the native backend; the vllm backend samples every row as vLLM does and refuses
+    # an explicit True.
+    exclude_padding_ids: bool | None = setting(
+        None, type=bool, default_text="on (native backend)",
+        help="never sample padding ids (embedding rows the tokenizer has no token for, e.g. Qwen's "
+             "151669..151935); --no-exclude-padding-ids samples over every row as Hugging Face and vLLM do "
+             "(derender then decodes such ids as empty text)")
     # ---- media items (features.py admission)
-    # File holding the HMAC key shared with render ("" = tags are not checked); its id as render
-    # puts it in each item's auth_key_id.
-    hmac_key_file: str = ""
-    hmac_key_id: str = ""
-    # Refuse media items without a tag that verifies (needs hmac_key_file).
-    require_signed_features: bool = False
-    # Tensor bytes per item / per request, and items per request.
-    max_mm_item_bytes: int = 64 << 20
-    max_mm_request_bytes: int = 256 << 20
-    max_mm_items: int = 64
-    # Encoder outputs kept by content for reuse (and for Encode descriptors); 0 = no cache.
-    encoder_cache_bytes: int = 256 << 20
+    hmac_key_file: str = setting("", group=MEDIA,
+                                 help="file with the HMAC key render signs media items with (render "
+                                      "--hmac-key-file); tags present are then verified, and signed hashes may "
+                                      "key the encoder cache")
+    hmac_key_id: str = setting("", group=MEDIA, help="the key's id, as render puts it in auth_key_id")
+    require_signed_features: bool = setting(False, group=MEDIA,
+                                            help="refuse media items without a verifying tag (needs --hmac-key-file)")
+    max_mm_item_bytes: int = setting(64 << 20, group=MEDIA, default_text="64 MiB",
+                                     help="most tensor bytes in one media item")
+    max_mm_request_bytes: int = setting(256 << 20, group=MEDIA, default_text="256 MiB",
+                                        help="most tensor bytes in one request's media items")
+    max_mm_items: int = setting(64, group=MEDIA, help="most media items in one request")
+    # Kept by content for reuse (and for Encode descriptors).
+    encoder_cache_bytes: int = setting(256 << 20, group=MEDIA, default_text="256 MiB",
+                                       help="bytes of encoder outputs kept for reuse and Encode; 0 = none")
+
+    def __post_init__(self) -> None:
+        self.vllm_args = tuple(self.vllm_args)
+
+    @property
+    def scheduler_limits(self) -> SchedulerLimits:
+        """The scheduler's share of this config, as one object (see tito_engine.limits)."""
+        return SchedulerLimits(max_running_sequences=self.max_running_sequences,
+                               max_prefill_tokens=self.max_prefill_tokens_per_step,
+                               prefix_caching=self.prefix_caching)
 
     @property
     def excludes_padding_ids(self) -> bool:
@@ -86,17 +122,18 @@ class EngineConfig(ServerConfig):
             self._validate_vllm()
         elif self.vllm_args:
             raise ConfigError(f"vLLM engine arguments ({' '.join(self.vllm_args)}) need --backend vllm")
-        if not 1 <= self.max_running_requests <= 65536:
-            raise ConfigError(f"max_running_requests={self.max_running_requests} must be between 1 and 65536 "
-                              f"(default 64)")
+        if not 1 <= self.max_running_sequences <= 65536:
+            raise ConfigError(f"max_running_sequences={self.max_running_sequences} must be between 1 and 65536 "
+                              f"(default {DEFAULT_MAX_RUNNING_SEQUENCES})")
         if not 0 <= self.max_waiting_requests <= 1_000_000:
             raise ConfigError(f"max_waiting_requests={self.max_waiting_requests} must be between 0 and 1000000 "
-                              f"(default 1024)")
+                              f"(default {DEFAULT_MAX_WAITING_REQUESTS})")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len={self.max_model_len} must be >= 2 (or unset to use the "
                               f"model's max_position_embeddings)")
         if self.block_size is not None and not 1 <= self.block_size <= 1024:
-            raise ConfigError(f"block_size={self.block_size} must be between 1 and 1024 tokens (default 16)")
+            raise ConfigError(f"block_size={self.block_size} must be between 1 and 1024 tokens (default "
+                              f"{DEFAULT_BLOCK_SIZE})")
         sizes = [name for name in ("kv_blocks", "kv_cache_bytes", "kv_memory_fraction")
                  if getattr(self, name) is not None]
         if len(sizes) > 1:
@@ -110,13 +147,14 @@ class EngineConfig(ServerConfig):
             raise ConfigError(f"kv_memory_fraction={self.kv_memory_fraction} must be in (0, 1]")
         if self.max_prefill_tokens_per_step < 1:
             raise ConfigError(f"max_prefill_tokens_per_step={self.max_prefill_tokens_per_step} must be >= 1 "
-                              f"(default 2048)")
+                              f"(default {DEFAULT_MAX_PREFILL_TOKENS})")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads={self.cpu_threads} must be >= 1 (or unset for cores - 1)")
         self._validate_media()
-        if not 1 <= self.max_choices_per_request <= self.max_running_requests:
+        if not 1 <= self.max_choices_per_request <= self.max_running_sequences:
             raise ConfigError(f"max_choices_per_request={self.max_choices_per_request} must be between 1 "
-                              f"and max_running_requests ({self.max_running_requests})")
+                              f"and max_running_sequences ({self.max_running_sequences}): each choice is a "
+                              f"sequence")
 
     def _validate_vllm(self) -> None:
         """The vllm backend: tito flags with no vLLM meaning are refused, not silently ignored."""

@@ -36,7 +36,7 @@ from tito_engine.core_messages import AbortRequest, AddRequest, CoreLoad, Encode
 from tito_engine.engine_core import CoreProcessSpec, ProcessCore, ThreadCore
 from tito_engine.features import CheckedFeatures
 from tito_engine.request import ChoiceOutput, FinishReason, Request, Usage
-from tito_engine.scheduler import DEFAULT_MAX_PREFILL_TOKENS
+from tito_engine.limits import DEFAULT_MAX_WAITING_REQUESTS, SchedulerLimits
 
 log = logging.getLogger(__name__)
 
@@ -45,20 +45,19 @@ CORE_LOST_MESSAGE = "the engine's model process exited; a new one is starting: r
 
 
 class Engine:
-    def __init__(self, runner: Any = None, *, max_running_requests: int = 64,
-                 max_waiting_requests: int = 1024,
-                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, prefix_caching: bool = True, core: Any = None,
+    def __init__(self, runner: Any = None, *, limits: SchedulerLimits = SchedulerLimits(),
+                 max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS, core: Any = None,
                  encoder_cache_bytes: int = 0):
-        """`runner` hosts the core on a thread of this process; `core` passes a ready host instead.
+        """`runner` hosts the core on a thread of this process; `core` passes a ready host instead
+        (built with the same `limits`).
 
         `encoder_cache_bytes` sizes the thread-hosted core's encoder cache. Requests arrive
         admitted (admission.py): this class only queues, schedules and streams them.
         """
-        self._core = core if core is not None else ThreadCore(runner, max_running_requests, max_prefill_tokens,
-                                                              prefix_caching, encoder_cache_bytes)
+        self._core = core if core is not None else ThreadCore(runner, limits, encoder_cache_bytes)
         self.info = self._core.info
         self.mm_spec = getattr(self._core, "mm_spec", None)
-        self.max_running_requests = max_running_requests
+        self.max_running_sequences = limits.max_running_sequences
         self.max_waiting_requests = max_waiting_requests
         self._kv_blocks_total = self._core.kv_blocks_total
         self._block_size = self._core.block_size
@@ -84,8 +83,7 @@ class Engine:
     def in_process(cls, spec: CoreProcessSpec, *, max_waiting_requests: int = 1024) -> "Engine":
         """An engine whose core runs in a child process (loads the model there)."""
         core = ProcessCore(spec)
-        engine = cls(core=core, max_running_requests=spec.max_running_sequences,
-                     max_waiting_requests=max_waiting_requests, max_prefill_tokens=spec.max_prefill_tokens)
+        engine = cls(core=core, limits=spec.limits, max_waiting_requests=max_waiting_requests)
         engine._spec = spec
         return engine
 

@@ -41,6 +41,7 @@ from tito_engine.core_messages import (AbortRequest, AddRequest, Command, CoreFa
 from tito_engine.encoder_cache import EncoderCache
 from tito_engine.features import CheckedFeatures, ValidatedFeatures, check_encoder_cache_enabled, resolve_cached
 from tito_engine.request import ChoiceOutput, Request
+from tito_engine.limits import SchedulerLimits
 from tito_engine.scheduler import Scheduler, run_step
 
 log = logging.getLogger(__name__)
@@ -53,10 +54,9 @@ class EngineStepError(RuntimeError):
 class EngineCore:
     """Applies commands and runs scheduler steps; `emit` receives each step's batch."""
 
-    def __init__(self, runner: Any, max_running_sequences: int, max_prefill_tokens: int,
-                 prefix_caching: bool = True, encoder_cache_bytes: int = 0):
+    def __init__(self, runner: Any, limits: SchedulerLimits, encoder_cache_bytes: int = 0):
         self.runner = runner
-        self.scheduler = Scheduler.for_runner(runner, max_running_sequences, max_prefill_tokens, prefix_caching)
+        self.scheduler = Scheduler.for_runner(runner, limits)
         self.requests: dict[int, Request] = {}
         self.adds_seen = 0
         self.early_aborts: dict[int, None] = {}  # aborts that overtook their add (insertion-ordered)
@@ -303,10 +303,8 @@ def _portable(error: BaseException) -> EngineStepError:
 class ThreadCore:
     """Hosts an EngineCore on a thread of this process (tests, or when a child process is unwanted)."""
 
-    def __init__(self, runner: Any, max_running_sequences: int, max_prefill_tokens: int,
-                 prefix_caching: bool = True, encoder_cache_bytes: int = 0):
-        self.core = EngineCore(runner, max_running_sequences, max_prefill_tokens, prefix_caching,
-                               encoder_cache_bytes)
+    def __init__(self, runner: Any, limits: SchedulerLimits, encoder_cache_bytes: int = 0):
+        self.core = EngineCore(runner, limits, encoder_cache_bytes)
         self.info = runner.info
         self.mm_spec = getattr(runner, "mm_spec", None)
         self.kv_blocks_total = runner.cache.num_blocks
@@ -338,7 +336,8 @@ class ThreadCore:
 
 @dataclass(frozen=True)
 class CoreProcessSpec:
-    """Everything the child process needs to build its runner and core (picklable)."""
+    """Everything a core host needs to load its runner and build its core, taken from the
+    EngineConfig whole (`from_config`); picklable, for the child process."""
 
     model_dir: str
     model_id: str
@@ -346,26 +345,38 @@ class CoreProcessSpec:
     max_model_len: int | None
     kv_cache: Any  # model_runner.KVCacheSpec
     cpu_threads: int | None
-    max_running_sequences: int
-    max_prefill_tokens: int
+    limits: SchedulerLimits
     log_level: str = "info"
-    prefix_caching: bool = True
     encoder_cache_bytes: int = 0
     exclude_padding_ids: bool = True
 
+    @classmethod
+    def from_config(cls, config: Any, model_dir: str, kv_cache: Any) -> "CoreProcessSpec":
+        """The spec of an EngineConfig's core, its model resolved to `model_dir`."""
+        return cls(model_dir=model_dir, model_id=config.model, device=config.device,
+                   max_model_len=config.max_model_len, kv_cache=kv_cache, cpu_threads=config.cpu_threads,
+                   limits=config.scheduler_limits, log_level=config.log_level,
+                   encoder_cache_bytes=config.encoder_cache_bytes, exclude_padding_ids=config.excludes_padding_ids)
+
+    def load_runner(self) -> Any:
+        """Load the model this spec names (in whichever process hosts the core)."""
+        from pathlib import Path
+
+        from tito_engine.model_runner import ModelRunner
+
+        return ModelRunner(Path(self.model_dir), model_id=self.model_id, device=self.device,
+                           max_model_len=self.max_model_len, kv_cache=self.kv_cache, cpu_threads=self.cpu_threads,
+                           exclude_padding_ids=self.exclude_padding_ids)
+
 
 def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
-    from pathlib import Path
-
     from tito.logs import setup_logging
 
-    from tito_engine.model_runner import ModelRunner, warm_up_or_warn
+    from tito_engine.model_runner import warm_up_or_warn
 
     setup_logging(spec.log_level, "engine")
     try:
-        runner = ModelRunner(Path(spec.model_dir), model_id=spec.model_id, device=spec.device,
-                             max_model_len=spec.max_model_len, kv_cache=spec.kv_cache, cpu_threads=spec.cpu_threads,
-                             exclude_padding_ids=spec.exclude_padding_ids)
+        runner = spec.load_runner()
     except BaseException as exc:  # noqa: BLE001 - report why the engine could not start
         try:
             conn.send(CoreFailed(f"{type(exc).__name__}: {exc}"))
@@ -374,8 +385,7 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
         _exit_now(1)
     warm_up_or_warn(runner)
     conn.send(CoreReady(runner.info, runner.cache.num_blocks, runner.cache.block_size, runner.mm_spec))
-    core = EngineCore(runner, spec.max_running_sequences, spec.max_prefill_tokens, spec.prefix_caching,
-                      spec.encoder_cache_bytes)
+    core = EngineCore(runner, spec.limits, spec.encoder_cache_bytes)
 
     def receive() -> Any:
         try:

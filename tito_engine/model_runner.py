@@ -22,15 +22,13 @@ from tito_engine import constraints, vision
 from tito_engine.features import ModelMultimodalSpec, multimodal_spec_from_config
 from tito_engine.forward import BatchedDecoder, MultiModalPrefill, RowInput
 from tito_engine.kv_cache import KVLayout, PagedKVCache
+from tito_engine.limits import DEFAULT_BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_MEMORY_FRACTION
 from tito_engine.plan import SampledTokens, StepPlan
 from tito_engine.sampler import mask_logits, sample_batch
 
 log = logging.getLogger(__name__)
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-DEFAULT_BLOCK_SIZE = 16  # tokens per KV cache block
-DEFAULT_CPU_KV_CACHE_BYTES = 64 * 2**20
-DEFAULT_CUDA_KV_MEMORY_FRACTION = 0.5  # of the memory free after loading the weights
 
 
 @dataclass(frozen=True)

@@ -43,14 +43,15 @@ from typing import Any, Protocol
 
 from tito_engine import constraints
 from tito_engine.forward import RowInput, fit_chunk_end
+from tito_engine.kv_cache import PagedKVCache
 from tito_engine.kv_manager import KVCacheManager
+from tito_engine.limits import SchedulerLimits
 from tito_engine.plan import SampledTokens, StepPlan
 from tito_engine.request import ChoiceOutput, FinishReason, Request, Sequence
 from tito_engine.sampler import SampleRow, make_generator
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_PREFILL_TOKENS = 2048
 
 StepOutputs = list[tuple[Request, ChoiceOutput | BaseException]]
 
@@ -62,12 +63,12 @@ class StepRunner(Protocol):
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, eos_token_ids: frozenset[int] | tuple[int, ...], device: Any,
-                 max_running_sequences: int, max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS):
-        self.kv = kv
+    def __init__(self, cache: PagedKVCache, eos_token_ids: frozenset[int] | tuple[int, ...], device: Any,
+                 limits: SchedulerLimits = SchedulerLimits()):
+        self.kv = KVCacheManager(cache, limits.prefix_caching)
         self.device = device  # where seeded requests' generators live
-        self.max_running_sequences = max_running_sequences
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_running_sequences = limits.max_running_sequences
+        self.max_prefill_tokens = limits.max_prefill_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
@@ -77,11 +78,9 @@ class Scheduler:
         self._running_sequences = 0  # unfinished choices of running requests
 
     @classmethod
-    def for_runner(cls, runner: Any, max_running_sequences: int,
-                   max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, prefix_caching: bool = True) -> "Scheduler":
-        """A scheduler over `runner`'s KV cache, stopping at its model's EOS ids."""
-        return cls(KVCacheManager(runner.cache, prefix_caching), runner.info.eos_token_ids, runner.device,
-                   max_running_sequences, max_prefill_tokens)
+    def for_runner(cls, runner: Any, limits: SchedulerLimits) -> "Scheduler":
+        """A scheduler over `runner`'s KV cache within `limits`, stopping at its model's EOS ids."""
+        return cls(runner.cache, runner.info.eos_token_ids, runner.device, limits)
 
     # ---------------------------------------------------------------- queue management
 

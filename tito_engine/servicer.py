@@ -156,7 +156,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             dtype=info.dtype,
             device=info.device,
             model_fingerprint=info.fingerprint,
-            max_running_requests=self._engine.max_running_requests,
+            max_running_requests=self._engine.max_running_sequences,
             tokenizer_vocab_size=info.tokenizer_vocab_size or info.vocab_size,
             modalities=[engine_pb2.ModalityInfo(modality=_MODALITIES[name], placeholder_token=token,
                                                 placeholder_token_id=token_id)

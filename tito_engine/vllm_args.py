@@ -1,7 +1,7 @@
 """vLLM engine arguments for `tito serve engine --backend vllm`: tito's flags plus a pass-through.
 
-tito's engine flags that mean the same thing in vLLM are translated (`--max-running-requests` is
-vLLM's `max_num_seqs`, `--max-model-len`, `--prefix-caching`, `--block-size`,
+tito's engine flags that mean the same thing in vLLM are translated (`--max-running-sequences` is
+vLLM's `max_num_seqs`, which counts sequences too, `--max-model-len`, `--prefix-caching`, `--block-size`,
 `--max-prefill-tokens-per-step` is `max_num_batched_tokens`, `--kv-cache-bytes` is
 `kv_cache_memory_bytes`); every other vLLM engine argument passes through unchanged after `--` in
 vLLM's own command-line form (`-- --tensor-parallel-size 2 --gpu-memory-utilization 0.85`), parsed
@@ -22,7 +22,7 @@ TITO_FLAGS = {
     "model": "--model",
     "tokenizer": "--model",
     "max_model_len": "--max-model-len",
-    "max_num_seqs": "--max-running-requests",
+    "max_num_seqs": "--max-running-sequences",
     "enable_prefix_caching": "--prefix-caching / --no-prefix-caching",
     "block_size": "--block-size",
     "max_num_batched_tokens": "--max-prefill-tokens-per-step",
@@ -82,7 +82,7 @@ def build_engine_args(config: Any, model_dir: str) -> Any:
     engine_args.model = model_dir
     engine_args.tokenizer = model_dir
     engine_args.served_model_name = [config.model]
-    engine_args.max_num_seqs = config.max_running_requests
+    engine_args.max_num_seqs = config.max_running_sequences
     engine_args.enable_prefix_caching = config.prefix_caching
     engine_args.max_num_batched_tokens = config.max_prefill_tokens_per_step
     if config.max_model_len is not None:

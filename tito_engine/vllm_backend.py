@@ -113,7 +113,7 @@ class VllmEngine:
             vocab_size=model_config.get_vocab_size(),  # embedding rows, padding included
             max_context_length=model_config.max_model_len, dtype=str(model_config.dtype).removeprefix("torch."),
             device=_device_name(vllm_config), multimodal=model_config.is_multimodal_model)
-        self.max_running_requests = vllm_config.scheduler_config.max_num_seqs
+        self.max_running_sequences = vllm_config.scheduler_config.max_num_seqs
         self.max_waiting_requests = max_waiting_requests
         cache_config = vllm_config.cache_config
         self.kv_capacity = KVCapacity(
@@ -134,7 +134,7 @@ class VllmEngine:
         log.info("vLLM engine ready: %s on %s (%s), vocab %d, context %d, %d KV blocks x %d tokens, "
                  "max_num_seqs %d", model_id, self.info.device, self.info.dtype, self.info.vocab_size,
                  self.info.max_context_length, self.kv_capacity.blocks_total, self.kv_capacity.block_size,
-                 self.max_running_requests)
+                 self.max_running_sequences)
 
     # ---------------------------------------------------------------- lifecycle
 

@@ -6,8 +6,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from tito.config import ConfigError, ServerConfig
+from tito.config import ConfigError, ServerConfig, model_setting
+from tito.settings import setting
 from tito.signing import read_key_file
+from tito.tiny_models import TEXT_MODEL
 
 #: Reasoning parsers derender knows, plus "auto" (detect from the tokenizer) and "none".
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss")
@@ -24,6 +26,9 @@ AUTO = "auto"
 NONE = "none"
 
 MIB = 1024 * 1024
+MEDIA = "media"
+LIMITS = "request limits"
+SIGNING = "feature signing"
 
 
 def available_cpus() -> int:
@@ -39,52 +44,54 @@ class RenderConfig(ServerConfig):
     """What render needs beyond the common server settings."""
 
     #: A local Hugging Face model directory or a tiny model name (see tito.model_paths).
-    model: str = "tiny-qwen2"
+    model: str = model_setting(TEXT_MODEL, "render reads its tokenizer, chat template and processors")
     #: Context limit override; 0 = the model's own (config max_position_embeddings, else the
     #: tokenizer's model_max_length).
-    max_model_len: int = 0
-    #: Reasoning parser named in DerenderContext: "auto", "none", or one of REASONING_PARSERS.
-    reasoning_parser: str = AUTO
-    #: Tool-call parser named in DerenderContext: "auto", "none", or one of TOOL_PARSERS.
-    tool_parser: str = AUTO
-    #: Rendering processes behind the one address (SO_REUSEPORT); 0 = one per available CPU.
-    workers: int = 1
+    max_model_len: int = setting(0, help="context limit in tokens; 0 = the model's own")
+    reasoning_parser: str = setting(
+        AUTO, choices=(AUTO, NONE, *REASONING_PARSERS),
+        help="reasoning parser named in DerenderContext (auto: gpt_oss for harmony tokenizers, deepseek_r1 for "
+             "DeepSeek R1, else qwen3 when the tokenizer has <think>/</think>)")
+    tool_parser: str = setting(
+        AUTO, choices=(AUTO, NONE, *TOOL_PARSERS),
+        help="tool-call parser named in DerenderContext (auto: by the model family's tokens or template, see "
+             "tito_render/README.md; else hermes when the tokenizer has <tool_call>)")
+    workers: int = setting(1, help="render processes sharing the address with SO_REUSEPORT (needs a fixed TCP "
+                                   "port); 0 = one per available CPU")
 
     # ---- media sources
-    #: Directory local image files may be read from (file:// URLs and bare paths); "" = none.
-    media_dir: str = ""
-    #: Fetch http(s) image URLs (off by default: a render server that fetches URLs can be made to
-    #: reach internal hosts).
-    allow_remote_media: bool = False
-    #: Timeout of one remote fetch, seconds.
-    media_fetch_timeout: float = 10.0
+    media_dir: str = setting("", group=MEDIA, default_text="none",
+                             help="directory image files may be read from (file:// URLs, bare paths)")
+    #: Off by default: a render server that fetches URLs can be made to reach internal hosts.
+    allow_remote_media: bool = setting(False, group=MEDIA, help="fetch http(s) image URLs")
+    media_fetch_timeout: float = setting(10.0, group=MEDIA, help="seconds for one remote image fetch")
+    #: A chat resends its images every turn.
+    media_cache_mb: int = setting(256, group=MEDIA,
+                                  help="MiB of processed images each worker keeps for reuse, 0 = none")
 
     # ---- request limits
-    #: Largest encoded image (bytes), whatever its source.
-    max_image_bytes: int = 20 * MIB
-    #: Largest decoded image (width x height): decompression-bomb guard, checked from the header
-    #: before any pixel is decoded. Also caps the min/max_pixels a request may ask for.
-    max_image_pixels: int = 64_000_000
-    #: Decoded pixels of all images and video frames of one request together.
-    max_request_pixels: int = 128_000_000
-    #: Most images (and video frames) in one request.
-    max_images_per_request: int = 32
-    #: Most frames in one video part (each frame also counts toward max_images_per_request).
-    max_video_frames: int = 64
-    #: Most prompt tokens (media placeholders included); 0 = the context limit only.
-    max_prompt_tokens: int = 0
-    #: Seconds a chat template may run on one chat before it is stopped (TEMPLATE_TIMEOUT); a
-    #: call's own deadline, when sooner, applies instead.
-    max_template_seconds: float = 10.0
-    #: MiB of processed images each worker keeps for reuse (a chat resends its images every
-    #: turn); 0 = no cache.
-    media_cache_mb: int = 256
+    max_image_bytes: int = setting(20 * MIB, group=LIMITS, default_text="20 MiB",
+                                   help="largest encoded image, bytes, whatever its source")
+    #: Checked from the header before any pixel is decoded; also caps a request's min/max_pixels.
+    max_image_pixels: int = setting(64_000_000, group=LIMITS,
+                                    help="largest decoded image, width x height (decompression-bomb guard)")
+    max_request_pixels: int = setting(128_000_000, group=LIMITS,
+                                      help="decoded pixels of all images and video frames of one request "
+                                           "together, checked from each image's header before decoding")
+    max_images_per_request: int = setting(32, group=LIMITS,
+                                          help="most images in one request, video frames included")
+    max_video_frames: int = setting(64, group=LIMITS, help="most frames in one video part")
+    max_prompt_tokens: int = setting(0, group=LIMITS,
+                                     help="most prompt tokens, media placeholders included; 0 = the context limit")
+    #: TEMPLATE_TIMEOUT when exceeded.
+    max_template_seconds: float = setting(10.0, group=LIMITS,
+                                          help="run time of a chat template on one chat before it is stopped (a "
+                                               "call's own deadline, when sooner, applies instead)")
 
     # ---- feature signing
-    #: File holding the HMAC key shared with the engine; "" = items are not signed.
-    hmac_key_file: str = ""
-    #: Identifier of that key, put in each item's auth_key_id (key rotation).
-    hmac_key_id: str = ""
+    hmac_key_file: str = setting("", group=SIGNING, default_text="items are not signed",
+                                 help="file with the key shared with the engine; each media item gets an HMAC tag")
+    hmac_key_id: str = setting("", group=SIGNING, help="key identifier put in each item (key rotation)")
 
     def resolved_workers(self) -> int:
         return self.workers if self.workers > 0 else available_cpus()
@@ -115,7 +122,8 @@ class RenderConfig(ServerConfig):
         if self.media_cache_mb < 0:
             raise ConfigError(f"media_cache_mb={self.media_cache_mb} must be >= 0 (0 = no cache)")
         if not 0 < self.max_template_seconds <= 3600:
-            raise ConfigError(f"max_template_seconds={self.max_template_seconds} must be in (0, 3600] (default 10)")
+            raise ConfigError(f"max_template_seconds={self.max_template_seconds} must be in (0, 3600] (default "
+                              f"{type(self).max_template_seconds})")
         if self.max_prompt_tokens < 0:
             raise ConfigError(f"max_prompt_tokens={self.max_prompt_tokens} must be >= 0 (0 = the context limit)")
         if self.hmac_key_id and not self.hmac_key_file:

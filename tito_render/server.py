@@ -8,14 +8,16 @@ import logging
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from tito.config import ConfigError, server_fields_from_args
+from tito import settings
+from tito.config import ConfigError
 from tito.errors import still_loading
 from tito.model_paths import resolve_model
 from tito.serving import RunningServer, check_can_listen, observability, run_until_signal, start_server
+from tito.settings import add_settings
 from tito.startup import StartupPhases, loading_model
 from tito.v1 import render_pb2
 
-from tito_render.config import AUTO, NONE, REASONING_PARSERS, TOOL_PARSERS, RenderConfig
+from tito_render.config import RenderConfig
 from tito_render.media.features import Signer
 from tito_render.model import load_render_model
 from tito_render.observe import RenderMetrics
@@ -31,62 +33,17 @@ RENDER_THREADS = 4
 log = logging.getLogger(__name__)
 
 
+#: The typed config whose field declarations give this service's flags (tito.settings).
+CONFIG = RenderConfig
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Render's own flags (the common ones come from the tito CLI)."""
-    parser.add_argument("--max-model-len", type=int, default=0,
-                        help="context limit in tokens (default 0: the model's own)")
-    parser.add_argument("--reasoning-parser", default=AUTO, choices=(AUTO, NONE, *REASONING_PARSERS),
-                        help="reasoning parser named in DerenderContext (auto: gpt_oss for harmony tokenizers, "
-                             "deepseek_r1 for DeepSeek R1, else qwen3 when the tokenizer has <think>/</think>)")
-    parser.add_argument("--tool-parser", default=AUTO, choices=(AUTO, NONE, *TOOL_PARSERS),
-                        help="tool-call parser named in DerenderContext (auto: by the model family's tokens or "
-                             "template, see tito_render/README.md; else hermes when the tokenizer has <tool_call>)")
-    parser.add_argument("--workers", type=int, default=1,
-                        help="render processes sharing the address with SO_REUSEPORT (needs a fixed TCP port); "
-                             "0 = one per available CPU (default %(default)s)")
-    media = parser.add_argument_group("media")
-    media.add_argument("--media-dir", default="",
-                       help="directory image files may be read from (file:// URLs, bare paths); default: none")
-    media.add_argument("--allow-remote-media", action="store_true", help="fetch http(s) image URLs")
-    media.add_argument("--media-cache-mb", type=int, default=RenderConfig.media_cache_mb,
-                       help="MiB of processed images each worker keeps for reuse, 0 = none (default %(default)s)")
-    media.add_argument("--media-fetch-timeout", type=float, default=RenderConfig.media_fetch_timeout,
-                       help="seconds for one remote image fetch (default %(default)s)")
-    limits = parser.add_argument_group("request limits")
-    limits.add_argument("--max-image-bytes", type=int, default=RenderConfig.max_image_bytes,
-                        help="largest encoded image, bytes (default %(default)s)")
-    limits.add_argument("--max-image-pixels", type=int, default=RenderConfig.max_image_pixels,
-                        help="largest decoded image, width x height (decompression-bomb guard; default %(default)s)")
-    limits.add_argument("--max-request-pixels", type=int, default=RenderConfig.max_request_pixels,
-                        help="decoded pixels of all images and video frames of one request together, checked "
-                             "from each image's header before decoding (default %(default)s)")
-    limits.add_argument("--max-images-per-request", type=int, default=RenderConfig.max_images_per_request,
-                        help="most images in one request, video frames included (default %(default)s)")
-    limits.add_argument("--max-video-frames", type=int, default=RenderConfig.max_video_frames,
-                        help="most frames in one video part (default %(default)s)")
-    limits.add_argument("--max-prompt-tokens", type=int, default=0,
-                        help="most prompt tokens, media placeholders included (default 0: the context limit)")
-    limits.add_argument("--max-template-seconds", type=float, default=10.0,
-                        help="run time of a chat template on one chat before it is stopped (default 10; a call's "
-                             "own deadline, when sooner, applies instead)")
-    signing = parser.add_argument_group("feature signing")
-    signing.add_argument("--hmac-key-file", default="",
-                         help="file with the key shared with the engine; each media item gets an HMAC tag")
-    signing.add_argument("--hmac-key-id", default="", help="key identifier put in each item (key rotation)")
+    add_settings(parser, RenderConfig, common=False)
 
 
 def config_from_args(args: argparse.Namespace) -> RenderConfig:
-    config = RenderConfig(
-        **server_fields_from_args(args), model=args.model,
-        max_model_len=args.max_model_len, reasoning_parser=args.reasoning_parser,
-        tool_parser=args.tool_parser, workers=args.workers, media_dir=args.media_dir,
-        allow_remote_media=args.allow_remote_media, media_fetch_timeout=args.media_fetch_timeout,
-        media_cache_mb=args.media_cache_mb,
-        max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
-        max_request_pixels=args.max_request_pixels,
-        max_images_per_request=args.max_images_per_request, max_video_frames=args.max_video_frames,
-        max_prompt_tokens=args.max_prompt_tokens, max_template_seconds=args.max_template_seconds,
-        hmac_key_file=args.hmac_key_file, hmac_key_id=args.hmac_key_id)
+    config = settings.config_from_args(RenderConfig, args)
     config.validate()
     return config
 

@@ -37,7 +37,7 @@ WORDS = "sea sky river stone cloud garden lantern harbour meadow violin winter a
 @pytest.fixture(scope="module")
 def services(tiny_text_model, tmp_path_factory):
     # Room for the whole load at once: 256 streams run together instead of queueing.
-    extra = {"engine": ["--max-running-requests", "256", "--kv-cache-bytes", str(128 << 20)]}
+    extra = {"engine": ["--max-running-sequences", "256", "--kv-cache-bytes", str(128 << 20)]}
     with running_services(tiny_text_model, tmp_path_factory.mktemp("load-sockets"), "cpu", extra) as running:
         yield running
 

@@ -32,7 +32,7 @@ def hf_model(tiny_text_model):
 def server(module_aio_server, tiny_text_model):
     # 250 blocks of 16 tokens: room for ~60 streams of 64 tokens at once (more wait or are preempted);
     # 16 choices of 253 tokens (256 blocks) can never fit.
-    config = EngineConfig(model=str(tiny_text_model), device="cpu", max_running_requests=128,
+    config = EngineConfig(model=str(tiny_text_model), device="cpu", max_running_sequences=128,
                           max_model_len=256, kv_blocks=250, block_size=16, max_prefill_tokens_per_step=256)
     return module_aio_server(lambda: create_server(config))
 

@@ -176,7 +176,7 @@ def test_admission_errors_name_the_field_and_leave_the_engine_working(engine, hf
 
 
 def test_duplicate_id_full_queue_and_abort(engine):
-    stub, _ = engine(max_running_requests=1, max_waiting_requests=1, max_choices_per_request=1,
+    stub, _ = engine(max_running_sequences=1, max_waiting_requests=1, max_choices_per_request=1,
                      max_model_len=None)
     long_one = request(PROMPTS[0], request_id="long", max_tokens=LONG, ignore_eos=True)
     stream = stub.Generate(long_one, timeout=TIMEOUT)

@@ -9,6 +9,7 @@ from tito.errors import InvalidArgument
 from tito_engine.admission import Admission
 from tito_engine.config import EngineConfig
 from tito_engine.engine import Engine
+from tito_engine.limits import SchedulerLimits
 from tito_engine.model_runner import ModelRunner
 from tito_engine.request import FinishReason, GenerateInput, RawSamplingParams
 
@@ -20,7 +21,7 @@ def runner(tiny_text_model):
 
 @pytest.fixture
 def engine(runner):
-    engine = Engine(runner, max_running_requests=4)
+    engine = Engine(runner, limits=SchedulerLimits(max_running_sequences=4))
     engine.start()
     yield engine
     engine.stop()
@@ -96,7 +97,7 @@ def test_a_failing_forward_fails_its_batch_and_the_engine_carries_on(engine, run
     assert load.running_requests == 0 and load.kv_blocks_used == 0
 
 
-@pytest.mark.parametrize("overrides", [{"device": "tpu"}, {"max_running_requests": 0},
+@pytest.mark.parametrize("overrides", [{"device": "tpu"}, {"max_running_sequences": 0},
                                        {"max_model_len": 1}, {"max_choices_per_request": 100},
                                        {"max_waiting_requests": -1}])
 def test_config_rejects_bad_values(overrides):
@@ -147,7 +148,7 @@ def test_core_honours_an_abort_that_overtakes_its_add(runner):
     from tito_engine.engine_core import EngineCore
     from tito_engine.request import SamplingOptions
 
-    core = EngineCore(runner, max_running_sequences=4, max_prefill_tokens=64)
+    core = EngineCore(runner, SchedulerLimits(max_running_sequences=4, max_prefill_tokens=64))
     outputs = []
     core._apply(AbortRequest(9), outputs)
     assert outputs == []
@@ -160,7 +161,7 @@ def test_core_honours_an_abort_that_overtakes_its_add(runner):
 def test_core_refuses_a_command_it_does_not_know(runner):
     from tito_engine.engine_core import EngineCore
 
-    core = EngineCore(runner, max_running_sequences=4, max_prefill_tokens=64)
+    core = EngineCore(runner, SchedulerLimits(max_running_sequences=4, max_prefill_tokens=64))
     with pytest.raises(TypeError, match="unknown core command"):
         core._apply(("add", 1), [])
 

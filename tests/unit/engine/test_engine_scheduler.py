@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from tito_engine.limits import SchedulerLimits
 from tito_engine.model_runner import KVCacheSpec, ModelRunner
 from tito_engine.request import FinishReason, Request, SamplingOptions
 from tito_engine.scheduler import Scheduler, run_step
@@ -47,7 +48,7 @@ def hf_greedy(runner, prompt, max_new_tokens):
 
 def scheduler_over(runner, **settings) -> Scheduler:
     """A scheduler over `runner`'s cache, carrying the runner so `run_step` can execute its plans."""
-    scheduler = Scheduler.for_runner(runner, **settings)
+    scheduler = Scheduler.for_runner(runner, SchedulerLimits(**settings))
     scheduler.runner = runner
     return scheduler
 

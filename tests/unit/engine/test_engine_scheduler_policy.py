@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from tito_engine.kv_cache import KVLayout, PagedKVCache
-from tito_engine.kv_manager import KVCacheManager
+from tito_engine.limits import SchedulerLimits
 from tito_engine.plan import SampledTokens, StepPlan
 from tito_engine.request import FinishReason, Request, SamplingOptions
 from tito_engine.scheduler import Scheduler, run_step
@@ -49,7 +49,7 @@ class FakeRunner:
 
 
 def scheduler_with(runner: FakeRunner, max_running: int = 8, budget: int = 64, prefix_caching: bool = True):
-    return Scheduler(KVCacheManager(runner.cache, prefix_caching), {EOS}, "cpu", max_running, budget)
+    return Scheduler(runner.cache, {EOS}, "cpu", SchedulerLimits(max_running, budget, prefix_caching))
 
 
 def request(prompt: list[int], max_tokens: int = 6, **options) -> Request:

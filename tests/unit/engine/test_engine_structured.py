@@ -15,6 +15,7 @@ from tito.errors import InvalidArgument
 from tito_engine.admission import Admission
 from tito_engine.constraints import INVALID_STRUCTURED_OUTPUT, StructuredOutputSpec, validate
 from tito_engine.engine import Engine
+from tito_engine.limits import SchedulerLimits
 from tito_engine.model_runner import ModelRunner
 from tito_engine.request import FinishReason, GenerateInput, RawSamplingParams
 
@@ -34,7 +35,7 @@ def tokenizer(tiny_text_model):
 
 @pytest.fixture(scope="module")
 def engine(runner):
-    engine = Engine(runner, max_running_requests=32, max_waiting_requests=4096)
+    engine = Engine(runner, limits=SchedulerLimits(max_running_sequences=32), max_waiting_requests=4096)
     engine.start()
     yield engine
     engine.stop()
@@ -274,7 +275,7 @@ def test_choices_and_preempted_requests_keep_their_structure(tiny_text_model, to
     # mid-structure and recompute prompt + output before their matcher takes the next token.
     small = ModelRunner(tiny_text_model, model_id="tiny-qwen2", device="cpu", max_model_len=512,
                         kv_cache=KVCacheSpec(num_blocks=96, block_size=8))
-    engine = Engine(small, max_running_requests=16)
+    engine = Engine(small, limits=SchedulerLimits(max_running_sequences=16))
     engine.start()
     try:
         schemas = generated_schemas(12, seed=3)

@@ -18,7 +18,7 @@ def vllm_config(*vllm_args, **fields) -> EngineConfig:
 
 def test_tito_flags_translate_and_vllm_arguments_pass_through():
     config = vllm_config("--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.5", "--dtype", "bfloat16",
-                         "--kv-cache-dtype", "fp8", "--enforce-eager", max_running_requests=8, max_choices_per_request=4, max_model_len=512,
+                         "--kv-cache-dtype", "fp8", "--enforce-eager", max_running_sequences=8, max_choices_per_request=4, max_model_len=512,
                          prefix_caching=False, kv_cache_bytes=1 << 20, block_size=32, max_prefill_tokens_per_step=256)
     config.validate()
     args = build_engine_args(config, "/models/m")
@@ -33,7 +33,7 @@ def test_tito_flags_translate_and_vllm_arguments_pass_through():
 
 @pytest.mark.parametrize("vllm_args, message", [
     (("--max-model-len", "100"), "--max-model-len"),
-    (("--max-num-seqs", "4"), "--max-running-requests"),
+    (("--max-num-seqs", "4"), "--max-running-sequences"),
     (("--enable-prefix-caching",), "--prefix-caching"),
     (("--generation-config", "auto"), "render's resolved sampling"),
     (("--tensor-paralel-size", "2"), "unrecognized arguments"),

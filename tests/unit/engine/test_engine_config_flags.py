@@ -1,0 +1,95 @@
+"""--max-running-sequences (it counts choices) and its former name --max-running-requests."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tito import cli
+from tito.config import ConfigError
+from tito.env_flags import apply_env
+from tito_engine.config import EngineConfig
+from tito_engine.limits import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_RUNNING_SEQUENCES, SchedulerLimits
+from tito_engine.server import config_from_args
+
+DEPRECATION = ("--max-running-requests (TITO_MAX_RUNNING_REQUESTS) is deprecated: use --max-running-sequences "
+               "(TITO_MAX_RUNNING_SEQUENCES), same meaning")
+
+
+def engine_config(argv: list[str], environ: dict[str, str] | None = None) -> EngineConfig:
+    parser = cli.build_parser()
+    argv = ["serve", "engine", *argv]
+    args = parser.parse_args(argv)
+    apply_env(parser, cli.serve_parser(parser, "engine"), argv, args, environ or {})
+    return config_from_args(args)
+
+
+def deprecations(caplog) -> list[str]:
+    return [record.getMessage() for record in caplog.records if DEPRECATION in record.getMessage()]
+
+
+def test_the_new_name_sets_the_limit_without_a_warning(caplog):
+    with caplog.at_level(logging.WARNING):
+        assert engine_config(["--max-running-sequences", "32"]).max_running_sequences == 32
+        assert engine_config([], {"TITO_MAX_RUNNING_SEQUENCES": "48"}).max_running_sequences == 48
+        assert engine_config([]).max_running_sequences == DEFAULT_MAX_RUNNING_SEQUENCES
+    assert deprecations(caplog) == []
+
+
+@pytest.mark.parametrize(("argv", "environ"), [(["--max-running-requests", "32"], {}),
+                                               ([], {"TITO_MAX_RUNNING_REQUESTS": "32"})])
+def test_the_old_name_still_works_and_warns_once(argv, environ, caplog):
+    with caplog.at_level(logging.WARNING):
+        assert engine_config(argv, environ).max_running_sequences == 32
+    assert deprecations(caplog) == [DEPRECATION]
+
+
+def test_both_names_on_the_command_line_is_one_clear_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        engine_config(["--max-running-sequences", "32", "--max-running-requests", "24"])
+    assert exit_info.value.code == 2
+    assert "--max-running-requests: not allowed with argument --max-running-sequences" in capsys.readouterr().err
+
+
+def test_both_variables_is_one_clear_error():
+    with pytest.raises(ConfigError, match="TITO_MAX_RUNNING_SEQUENCES and TITO_MAX_RUNNING_REQUESTS cannot both"):
+        engine_config([], {"TITO_MAX_RUNNING_SEQUENCES": "32", "TITO_MAX_RUNNING_REQUESTS": "24"})
+
+
+def test_a_name_on_the_command_line_wins_over_the_other_names_variable(caplog):
+    with caplog.at_level(logging.WARNING):
+        assert engine_config(["--max-running-sequences", "32"],
+                             {"TITO_MAX_RUNNING_REQUESTS": "24"}).max_running_sequences == 32
+    assert deprecations(caplog) == []
+    assert engine_config(["--max-running-requests", "24"],
+                         {"TITO_MAX_RUNNING_SEQUENCES": "32"}).max_running_sequences == 24
+
+
+def test_validation_names_the_new_flag_and_counts_choices():
+    with pytest.raises(ConfigError, match="max_running_sequences=0 must be between 1 and 65536"):
+        EngineConfig(max_running_sequences=0).validate()
+    with pytest.raises(ConfigError, match="each choice is a sequence"):
+        EngineConfig(max_running_sequences=4, max_choices_per_request=8).validate()
+
+
+def test_the_scheduler_gets_its_settings_as_one_object():
+    config = engine_config(["--max-running-sequences", "32", "--max-prefill-tokens-per-step", "512",
+                            "--no-prefix-caching"])
+    assert config.scheduler_limits == SchedulerLimits(max_running_sequences=32, max_prefill_tokens=512,
+                                                      prefix_caching=False)
+    assert EngineConfig().scheduler_limits == SchedulerLimits()
+    assert SchedulerLimits().max_prefill_tokens == DEFAULT_MAX_PREFILL_TOKENS
+    assert EngineConfig.max_prefill_tokens_per_step == DEFAULT_MAX_PREFILL_TOKENS
+
+
+def test_the_core_process_spec_is_built_from_the_config_whole():
+    from tito_engine.engine_core import CoreProcessSpec
+
+    config = EngineConfig(model="tiny-qwen2", device="cpu", max_model_len=256, cpu_threads=2, encoder_cache_bytes=0,
+                          exclude_padding_ids=False, max_running_sequences=8, log_level="debug")
+    spec = CoreProcessSpec.from_config(config, "/models/m", kv_cache=None)
+    assert (spec.model_dir, spec.model_id, spec.device, spec.max_model_len, spec.cpu_threads) == (
+        "/models/m", "tiny-qwen2", "cpu", 256, 2)
+    assert (spec.limits, spec.log_level, spec.encoder_cache_bytes, spec.exclude_padding_ids) == (
+        config.scheduler_limits, "debug", 0, False)

@@ -1,0 +1,32 @@
+"""The scheduler's limits and the engine's defaults, each written once.
+
+`EngineConfig` declares its flags with these defaults; the engine server hands the scheduler one
+`SchedulerLimits` built from the config, so a setting travels as one object from the command line
+to the step loop (in this process or, pickled, to the engine core process).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Choices (sequences) advanced together in one step: a request with n=4 holds 4.
+DEFAULT_MAX_RUNNING_SEQUENCES = 64
+#: Requests admitted but not yet running; beyond it Generate answers RESOURCE_EXHAUSTED.
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+#: Prompt tokens computed per step, shared by all prefilling requests (chunked prefill).
+DEFAULT_MAX_PREFILL_TOKENS = 2048
+#: Tokens per KV cache block of the native engine.
+DEFAULT_BLOCK_SIZE = 16
+#: The native KV cache's size when no flag gives one: bytes on CPU, and on CUDA a fraction of the
+#: memory free after loading the weights.
+DEFAULT_CPU_KV_CACHE_BYTES = 64 * 2**20
+DEFAULT_CUDA_KV_MEMORY_FRACTION = 0.5
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """What the scheduler is allowed per step, and whether prompt blocks are shared."""
+
+    max_running_sequences: int = DEFAULT_MAX_RUNNING_SEQUENCES
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+    prefix_caching: bool = True
