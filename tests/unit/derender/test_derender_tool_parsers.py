@@ -205,6 +205,8 @@ def test_tool_markup_inside_reasoning_is_not_a_call(tiny_tokenizer):
 
 
 # -- property: any arguments, any split, streamed == complete ---------------------------------
+import keyword  # noqa: E402
+
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -213,7 +215,9 @@ _values = st.recursive(
     | st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=6),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
     max_leaves=8)
-_arguments = st.dictionaries(st.from_regex(r"[a-z_][a-z0-9_]{0,5}", fullmatch=True), _values, max_size=4)
+# Argument names are identifiers but not Python keywords: `f(or=1)` is no valid pythonic call.
+_arguments = st.dictionaries(st.from_regex(r"[a-z_][a-z0-9_]{0,5}", fullmatch=True).filter(
+    lambda name: not keyword.iskeyword(name)), _values, max_size=4)
 
 
 def _markup(parser_name: str, calls: list[tuple[str, dict]]) -> str:
