@@ -35,7 +35,7 @@ from tito_engine.backend import LoadSnapshot, check_can_accept
 from tito_engine.core_messages import AbortRequest, AddRequest, CoreLoad, EncodeItems, EncodeResult, StepBatch
 from tito_engine.engine_core import CoreProcessSpec, ProcessCore, ThreadCore
 from tito_engine.features import CheckedFeatures
-from tito_engine.request import ChoiceOutput, FinishReason, Request, Usage
+from tito_engine.request import ChoiceOutput, FinishReason, Submission, Usage
 from tito_engine.limits import DEFAULT_MAX_WAITING_REQUESTS, SchedulerLimits
 
 log = logging.getLogger(__name__)
@@ -64,8 +64,8 @@ class Engine:
         self.kv_capacity = KVCapacity(self._kv_blocks_total, self._block_size,
                                       how_to_grow="start the engine with more --kv-blocks / --kv-cache-bytes")
         self._lock = threading.Lock()
-        self._live: dict[str, Request] = {}  # request id -> request, until its last output
-        self._by_key: dict[int, Request] = {}
+        self._live: dict[str, Submission] = {}  # request id -> submission, until its last output
+        self._by_key: dict[int, Submission] = {}
         self._keys = itertools.count(1)
         self._submitted = 0  # "add" commands sent; the core reports how many it has taken
         self._load = LoadSnapshot(0, 0, 0, self._kv_blocks_total, 0, self._block_size)
@@ -102,26 +102,23 @@ class Engine:
     # ---------------------------------------------------------------- called from any thread
 
     def submit(self, admitted: AdmittedRequest, deliver: Deliver, loop: asyncio.AbstractEventLoop | None = None
-               ) -> Request:
+               ) -> Submission:
         """Enqueue an admitted request; raise a TitoError for a duplicate id or a full queue."""
-        checked = admitted.features  # media phase 2 (the encoder cache) runs in the core at "add"
-        options = admitted.options
+        arrival_time = time.monotonic()
         request_id = admitted.request_id or f"gen-{uuid.uuid4().hex}"
-        request = Request(request_id, list(admitted.token_ids), options, deliver)
-        request.has_media = bool(checked)
-        request.loop = loop
         with self._lock:
             check_can_accept(request_id, live=self._live, waiting=self._waiting_locked(),
                              max_waiting=self.max_waiting_requests, core_lost=self._core_lost, stopping=self._stopping)
-            request.key = next(self._keys)
-            self._live[request_id] = request
-            self._by_key[request.key] = request
+            submission = Submission(request_id, next(self._keys), admitted.options.n, deliver, loop)
+            self._live[request_id] = submission
+            self._by_key[submission.key] = submission
             self._submitted += 1
         # Sent outside the lock (a full pipe must not block the thread that delivers outputs);
-        # the core honours an abort that overtakes its add.
-        self._core.send(AddRequest(request.key, request_id, request.prompt_ids, options, checked or None,
-                                   request.arrival_time, admitted.cache_salt))
-        return request
+        # the core honours an abort that overtakes its add. Media phase 2 (the encoder cache)
+        # runs in the core at the add.
+        self._core.send(AddRequest(submission.key, request_id, list(admitted.token_ids), admitted.options,
+                                   admitted.features or None, arrival_time, admitted.cache_salt))
+        return submission
 
     async def encode(self, checked: CheckedFeatures) -> list[Any]:
         """The Encode RPC: run the encoder on admitted items, keep the outputs in the encoder
@@ -171,7 +168,7 @@ class Engine:
             self._core.send(AbortRequest(request.key))
         return [request.request_id for request in found]
 
-    def cancel(self, request: Request) -> None:
+    def cancel(self, request: Submission) -> None:
         """Drop one request (its caller went away); frees its slot at the next step."""
         with self._lock:
             live = self._by_key.get(request.key) is request
@@ -201,7 +198,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         request = self.submit(admitted, outputs.put_nowait, loop)
-        remaining = request.options.n
+        remaining = request.choices
         try:
             while remaining:
                 pending = [await outputs.get()]

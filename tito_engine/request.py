@@ -169,8 +169,25 @@ class Sequence:
         return self.finish_reason is not None
 
 
+@dataclass(eq=False)
+class Submission:
+    """The serving process's record of a request it sent to the engine core: where its outputs go.
+
+    The core keeps its own `Request` (choices, blocks, timings); the two share only the key the
+    server assigned and the request id."""
+
+    request_id: str
+    key: int
+    choices: int  # the request's n: its stream ends after this many finished choices
+    deliver: Callable[[ChoiceOutput | BaseException], None]
+    # When set (an asyncio loop), the engine batches this request's deliveries with others of the
+    # same loop into one call_soon_threadsafe per step.
+    loop: Any = None
+
+
 class Request:
-    """A validated request living in the engine; `deliver` receives its ChoiceOutputs."""
+    """A validated request in the engine core (the scheduler's unit): its choices, their KV blocks,
+    its timings."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], options: SamplingOptions,
                  deliver: Callable[[ChoiceOutput | BaseException], None], mm: Any = None):
