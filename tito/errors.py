@@ -8,6 +8,9 @@ handler is a bug in tito and becomes INTERNAL.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 #: Characters of a caller's string an error message repeats; the rest is elided.
 QUOTE_CHARS = 64
@@ -111,6 +114,29 @@ class Unavailable(TitoError):
 def still_loading(service: str) -> Unavailable:
     """The one answer of every service between binding its port and having its model loaded."""
     return Unavailable(f"{service} is still loading its model; retry shortly", reason="MODEL_LOADING")
+
+
+class LoadingGate(Generic[T]):
+    """What a service serves with once its model is loaded (a backend, a tokenizer, a renderer).
+    Every service binds its port first, so calls that come earlier get `still_loading`: the one
+    loading gate of all three services."""
+
+    def __init__(self, service: str, value: T | None = None):
+        self._service = service
+        self._value = value
+
+    def open(self, value: T) -> None:
+        self._value = value
+
+    @property
+    def is_open(self) -> bool:
+        return self._value is not None
+
+    def get(self) -> T:
+        """The loaded value, or UNAVAILABLE MODEL_LOADING while there is none yet."""
+        if self._value is None:
+            raise still_loading(self._service)
+        return self._value
 
 
 @dataclass

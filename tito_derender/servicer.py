@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from tito.errors import InvalidArgument, still_loading
+from tito.errors import InvalidArgument, LoadingGate
 from tito.logs import bind_request_id
 from tito.v1 import derender_pb2, derender_pb2_grpc
 from tito_derender.convert import (
@@ -24,19 +24,17 @@ log = logging.getLogger(__name__)
 
 class DerenderServicer(derender_pb2_grpc.DerenderServiceServicer):
     def __init__(self, tokenizer: TextTokenizer | None = None, metrics: DerenderMetrics | None = None) -> None:
-        self._tokenizer = tokenizer
+        self._tokenizer: LoadingGate[TextTokenizer] = LoadingGate("derender", tokenizer)
         #: Derender streams currently holding state (for operators and tests: drops release it).
         self.live_streams = 0
         self.metrics = metrics  # set by the server when it serves /metrics
 
     def set_tokenizer(self, tokenizer: TextTokenizer) -> None:
-        self._tokenizer = tokenizer
+        self._tokenizer.open(tokenizer)
 
     @property
     def tokenizer(self) -> TextTokenizer:
-        if self._tokenizer is None:
-            raise still_loading("derender")
-        return self._tokenizer
+        return self._tokenizer.get()
 
     async def Derender(self, request_iterator: AsyncIterator[derender_pb2.DerenderRequest],
                        context: grpc.aio.ServicerContext) -> AsyncIterator[derender_pb2.DerenderResponse]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tito.errors import still_loading
+from tito.errors import LoadingGate
 from tito.logs import bind_request_id
 from tito.structured_output import StructuredOutputSpec, spec_from_proto
 from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2, sampling_pb2
@@ -97,7 +97,7 @@ def output_to_proto(output: ChoiceOutput) -> engine_pb2.GenerateResponse:
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self):
-        self._backend: EngineBackend | None = None
+        self._backend: LoadingGate[EngineBackend] = LoadingGate("the engine")
         self._admission: Admission | None = None
         self._observer: RequestObserver | None = None
 
@@ -106,17 +106,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         `observer` measures and traces each Generate stream (None: metrics and tracing are off)."""
         self._admission = admission
         self._observer = observer
-        self._backend = backend
+        self._backend.open(backend)
 
     def load_now(self) -> LoadSnapshot | None:
         """The backend's load, or None while the model loads (for metrics read at scrape time)."""
-        return self._backend.load() if self._backend is not None else None
+        return self._backend.get().load() if self._backend.is_open else None
 
     @property
     def _engine(self) -> EngineBackend:
-        if self._backend is None:
-            raise still_loading("the engine")
-        return self._backend
+        return self._backend.get()
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context):
         if request.request_id:

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tito import settings
 from tito.config import ConfigError
-from tito.errors import still_loading
+from tito.errors import LoadingGate
 from tito.model_paths import resolve_model
 from tito.serving import RunningServer, check_can_listen, observability, run_until_signal, start_server
 from tito.settings import add_settings
@@ -91,15 +91,13 @@ class _LazyServicer(RenderServicer):
     """Answers UNAVAILABLE until the model is loaded, then delegates."""
 
     def __init__(self) -> None:  # noqa: D107 - no renderer yet
-        self._inner: RenderServicer | None = None
+        self._inner: LoadingGate[RenderServicer] = LoadingGate("render")
 
     def attach(self, inner: RenderServicer) -> None:
-        self._inner = inner
+        self._inner.open(inner)
 
     def _ready(self) -> RenderServicer:
-        if self._inner is None:
-            raise still_loading("render")
-        return self._inner
+        return self._inner.get()
 
     async def RenderChat(self, request, context):
         return await self._ready().RenderChat(request, context)
