@@ -51,8 +51,17 @@ def pipeline(tiny_text_model, module_aio_server):
 
 def chat(**fields) -> render_pb2.RenderChatRequest:
     fields.setdefault("sampling", render_pb2.SamplingOptions(max_tokens=200, temperature=1.0, seed=11))
+    fields.setdefault("chat_template_kwargs", no_thinking())
     return render_pb2.RenderChatRequest(
         messages=[chat_pb2.ChatMessage(role="user", content="What is the weather in Paris this week?")], **fields)
+
+
+def no_thinking() -> struct_pb2.Struct:
+    """The tiny model reasons by default (a Qwen3 template): these turns skip it, so the
+    constraint applies from the first token (reasoning turns: test_a_reasoning_turn_*)."""
+    kwargs = struct_pb2.Struct()
+    kwargs.update({"enable_thinking": False})
+    return kwargs
 
 
 def run(pipeline, request):
@@ -98,7 +107,8 @@ def test_a_strict_tool_calls_arguments_validate(pipeline, tool_choice):
     other = chat_pb2.Tool(type="function", function=chat_pb2.FunctionDefinition(
         name="get_time", parameters=struct({"type": "object", "properties": {}, "additionalProperties": False})))
     tools = [weather] if tool_choice.WhichOneof("choice") == "mode" else [weather, other]
-    _, calls, finish = run(pipeline, chat(tools=tools, tool_choice=tool_choice))
+    # parallel_tool_calls false: exactly one call (with it true a random model may go on calling)
+    _, calls, finish = run(pipeline, chat(tools=tools, tool_choice=tool_choice, parallel_tool_calls=False))
     assert finish == engine_pb2.FINISH_REASON_TOOL_CALLS
     assert [call["name"] for call in calls.values()] == ["get_weather"]
     jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER_PARAMS)

@@ -50,6 +50,9 @@ def struct(obj: dict) -> struct_pb2.Struct:
 
 
 def chat(**fields) -> render_pb2.RenderChatRequest:
+    """A turn without reasoning (the tiny model's Qwen3 template thinks by default): the
+    constraint applies from the first token."""
+    fields.setdefault("chat_template_kwargs", struct({"enable_thinking": False}))
     return render_pb2.RenderChatRequest(messages=[chat_pb2.ChatMessage(role="user", content="hi")], **fields)
 
 
