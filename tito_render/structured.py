@@ -36,7 +36,8 @@ from typing import Any
 from tito.errors import InvalidArgument
 from tito.structured_output import StructuredOutputSpec, spec_from_proto, validate
 from tito.v1 import chat_pb2, render_pb2, sampling_pb2
-from tito_render.tool_markup import CALL_JSON_MAX_WHITESPACE, MARKUPS, Format, ToolMarkup, calls_format
+from tito_render.tool_markup import (CALL_JSON_MAX_WHITESPACE, MARKUPS, Format, ToolMarkup, calls_format,
+                                    xml_grammar)
 
 INVALID_RESPONSE_FORMAT = "INVALID_RESPONSE_FORMAT"
 RESPONSE_FORMAT_TYPES = ("", "text", "json_object", "json_schema")
@@ -201,4 +202,8 @@ def _tool_calls(tools: list[dict[str, Any]], markup: ToolMarkup, names: list[str
     structural_tag = json.dumps({"type": "structural_tag", "format": _reasoning_then(
         reasoning, calls_format(markup, tags, parallel, triggered))})
     validate(StructuredOutputSpec("structural_tag", structural_tag), field=field)
+    if markup.xml_arguments:
+        grammar = xml_grammar(structural_tag, markup.bare_values)
+        validate(StructuredOutputSpec("grammar", grammar), field=field)
+        return sampling_pb2.StructuredOutput(grammar=grammar)
     return sampling_pb2.StructuredOutput(structural_tag=structural_tag)

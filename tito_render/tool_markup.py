@@ -37,6 +37,7 @@ calls); the grammar ends after the arguments and the stop token ends the turn.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -47,10 +48,7 @@ Format = dict[str, Any]
 
 
 def json_arguments(schema: Any, style: str = "json") -> Format:
-    arguments: Format = {"type": "json_schema", "json_schema": schema, "style": style}
-    if style == "json":
-        arguments["max_whitespace_cnt"] = CALL_JSON_MAX_WHITESPACE
-    return arguments
+    return {"type": "json_schema", "json_schema": schema, "style": style, "max_whitespace_cnt": CALL_JSON_MAX_WHITESPACE}
 
 
 @dataclass(frozen=True)
@@ -67,6 +65,11 @@ class ToolMarkup:
     trigger: str | None = None
     #: Whether a turn can hold more than one call.
     parallel: bool = True
+    #: XML-ish arguments: sent as an EBNF grammar whose optional whitespace is one newline
+    #: (xml_grammar), so values carry no whitespace the family's parser would keep.
+    xml_arguments: bool = False
+    #: The markers around an XML value that takes no whitespace at all (GLM's parser keeps it).
+    bare_values: tuple[str, str] | None = None
 
 
 def _tag(begin: str, content: Format, end: str) -> Format:
@@ -107,7 +110,7 @@ MARKUPS: dict[str, ToolMarkup] = {
     "qwen3_coder": ToolMarkup(
         call=lambda name, schema: _tag(f"<tool_call>\n<function={name}>\n", json_arguments(schema, "qwen_xml"),
                                        "\n</function>\n</tool_call>"),
-        separator="\n", trigger="<tool_call>"),
+        separator="\n", trigger="<tool_call>", xml_arguments=True),
     "deepseek_v3": ToolMarkup(
         call=lambda name, schema: _tag(f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n",
                                        json_arguments(schema), "\n```<｜tool▁call▁end｜>"),
@@ -120,7 +123,8 @@ MARKUPS: dict[str, ToolMarkup] = {
                           trigger="<|tool_calls_section_begin|>"),
     "glm45": ToolMarkup(
         call=lambda name, schema: _tag(f"<tool_call>{name}\n", json_arguments(schema, "glm_xml"), "</tool_call>"),
-        separator="\n", trigger="<tool_call>"),
+        separator="\n", trigger="<tool_call>", xml_arguments=True,
+        bare_values=("<arg_value>", "</arg_value>")),
     "gpt_oss": ToolMarkup(call=_harmony_call, parallel=False),
 }
 
@@ -162,3 +166,26 @@ def calls_format(markup: ToolMarkup, tags: list[Format], parallel: bool, trigger
         return {"type": "sequence", "elements": [{"type": "const_string", "value": begin}, calls,
                                                  {"type": "const_string", "value": end}]}
     return calls
+
+
+# xgrammar's optional whitespace (between XML parameters, around a value): any one of space, tab,
+# CR, LF. The families' parsers strip exactly the newline their templates write around a value
+# and keep any other whitespace as part of it (vLLM's do the same), so a `\r` or a space there
+# would change a value the grammar had checked (an enum "f" read as "\rf").
+_ANY_WHITESPACE = "[ \\n\\r\\t]"
+_NEWLINE = "[\\n]"
+
+
+def xml_grammar(structural_tag: str, bare_values: tuple[str, str] | None = None) -> str:
+    """The EBNF of a structural tag with XML-ish arguments, its optional whitespace one newline
+    (none at all next to the `bare_values` markers)."""
+    from tito.structured_output import StructuredOutputSpec, grammar_of
+
+    ebnf = str(grammar_of(StructuredOutputSpec("structural_tag", structural_tag)))
+    if bare_values is not None:
+        opening, closing = (json.dumps(marker) for marker in bare_values)
+        bare = set(re.findall(re.escape(opening) + r" (\w+)", ebnf)) | set(
+            re.findall(r"(\w+) " + re.escape(closing), ebnf))
+        for rule in bare:
+            ebnf = ebnf.replace(f'{rule} ::= ("" | ({_ANY_WHITESPACE}))', f'{rule} ::= ("")')
+    return ebnf.replace(_ANY_WHITESPACE, _NEWLINE)
