@@ -125,3 +125,22 @@ def test_a_bad_response_format_is_refused_by_render_naming_the_field(pipeline):
     details = error_details(caught.value)
     assert details["code"] == grpc.StatusCode.INVALID_ARGUMENT
     assert details["fields"] == ["response_format.json_schema.schema"]
+
+
+def reasoning_and_content(pipeline, request):
+    chunks = list(pipeline.stream_chat(request))
+    return ("".join(c.reasoning_content for c in chunks), "".join(c.content for c in chunks), chunks[-1].finish_reason)
+
+
+@pytest.mark.parametrize("seed", [4])
+def test_a_reasoning_turn_reasons_freely_then_its_content_validates(pipeline, seed):
+    """Thinking on (the tiny model's default): the schema applies only after </think>, as in vLLM.
+    A random-weight model writes </think> by chance; this seed makes it do so within max_tokens."""
+    response_format = render_pb2.ResponseFormat(type="json_schema", json_schema=render_pb2.JsonSchemaResponseFormat(
+        name="weather", schema=struct(WEATHER_PARAMS), strict=True))
+    request = chat(response_format=response_format, chat_template_kwargs=struct({"enable_thinking": True}),
+                   sampling=render_pb2.SamplingOptions(max_tokens=900, temperature=1.0, seed=seed))
+    reasoning, content, finish = reasoning_and_content(pipeline, request)
+    assert finish == engine_pb2.FINISH_REASON_STOP
+    assert reasoning.strip()
+    jsonschema.validate(json.loads(content), WEATHER_PARAMS)

@@ -97,14 +97,13 @@ def constraint_for(markup: str, tool_choice: chat_pb2.ToolChoice, parallel: bool
     return resolve_structured_output(request, tools_dicts(), tool_choice, markup, reasoning)
 
 
-def random_walk(compiler, tokenizer, stops, constraint, seed: int, favour: str | None = None,
-                max_steps: int = 1200) -> str:
-    """The text of a seeded random walk under the constraint's masks, to the grammar's end. A
-    stop token is taken 70% of the time it is allowed; `favour`, a token, a tenth of the time."""
+def random_walk(compiler, tokenizer, stops, constraint, seed: int, prefix: str = "", max_steps: int = 1200) -> str:
+    """The text of a seeded random walk under the constraint's masks, to the grammar's end, after
+    `prefix` (which the grammar must take). A stop token is taken 70% of the time it is allowed."""
     matcher = xgrammar.GrammarMatcher(compiler.compile_grammar(grammar_of(spec_from_proto(constraint))))
     bitmask = xgrammar.allocate_token_bitmask(1, len(tokenizer))
-    favoured = tokenizer.convert_tokens_to_ids(favour) if favour else None
-    rng, ids = random.Random(seed), []
+    rng, ids = random.Random(seed), tokenizer.encode(prefix, add_special_tokens=False) if prefix else []
+    assert all(matcher.accept_token(token) for token in ids), prefix
     for _ in range(max_steps):
         if matcher.is_terminated():
             break
@@ -115,8 +114,6 @@ def random_walk(compiler, tokenizer, stops, constraint, seed: int, favour: str |
         others = [token for token in allowed if token not in stops]
         if stop and (not others or rng.random() < 0.7):
             token = stop[0]
-        elif favoured in others and rng.random() < 0.1:
-            token = favoured
         else:
             token = rng.choice(others)
         assert matcher.accept_token(token)
@@ -125,9 +122,10 @@ def random_walk(compiler, tokenizer, stops, constraint, seed: int, favour: str |
     return tokenizer.decode([token for token in ids if token not in stops], skip_special_tokens=False)
 
 
-def parse(tool_parser: str, text: str, reasoning_parser: str = "") -> tuple[str, str, list[tuple[str, dict]]]:
+def parse(tool_parser: str, text: str, reasoning_parser: str = "",
+          prompt_opens: bool = False) -> tuple[str, str, list[tuple[str, dict]]]:
     """Content, reasoning and the (name, arguments) calls derender reads from `text`."""
-    stages = [REASONING_PARSERS[reasoning_parser]()] if reasoning_parser else []
+    stages = [REASONING_PARSERS[reasoning_parser](prompt_opens, None)] if reasoning_parser else []
     parser_class = TOOL_PARSERS[tool_parser]
     options = {"tools": SCHEMAS} if issubclass(parser_class, MarkupToolParser) else {}
     stages.append(ToolStage(parser_class(streaming=False, **options)))
@@ -261,25 +259,29 @@ def test_auto_with_strict_tools_constrains_only_after_the_trigger(tokenizers):
         assert constraint_for(markup, auto) is None
 
 
+REASONING = {  # what a reasoning model writes before its answer (R1's prompt opened <think>)
+    "qwen3": "<think>\nThe user wants the weather.\n</think>\n\n",
+    "deepseek_r1": "\nThe user wants the weather.\n</think>\n\n",
+    "gpt_oss": "<|channel|>analysis<|message|>The user wants the weather.<|end|><|start|>assistant",
+}
+
+
 @pytest.mark.parametrize("family, reasoning_parser, markup", [
     ("qwen3_coder", "qwen3", "qwen3_coder"), ("deepseek_r1", "deepseek_r1", "deepseek_v3"),
     ("glm45", "qwen3", "glm45"), ("gpt_oss", "gpt_oss", "gpt_oss")])
 def test_tool_calls_after_reasoning(tokenizers, family, reasoning_parser, markup):
     """Thinking on: free reasoning first, then the calls; derender puts the reasoning in
-    reasoning_content and the calls validate."""
+    reasoning_content and the calls validate. Calls right away (no reasoning) are refused."""
     _, tokenizer, stops, compiler = tokenizers(family)
-    opened = reasoning_parser == "deepseek_r1"  # R1's prompt opens <think>
+    opened = reasoning_parser == "deepseek_r1"
     constraint = constraint_for(markup, REQUIRED, parallel=False, reasoning=ReasoningStart(reasoning_parser, opened))
-    favour = "<|end|>" if family == "gpt_oss" else "</think>"
-    text = random_walk(compiler, tokenizer, stops, constraint, seed=3, favour=favour, max_steps=1500)
-    if opened:
-        text = "<think>" + text  # what the prompt holds, for the parser
-    content, reasoning, calls = parse(tool_parser=_parser_of(markup), text=text, reasoning_parser=reasoning_parser)
-    assert reasoning, text
-    assert content.strip() == ""
-    assert len(calls) == 1
-    assert_valid_calls(calls, set(SCHEMAS))
-
-
-def _parser_of(markup: str) -> str:
-    return {"deepseek_v31": "deepseek_v3"}.get(markup, markup)
+    for seed in (1, 2):
+        text = random_walk(compiler, tokenizer, stops, constraint, seed, prefix=REASONING[reasoning_parser])
+        content, reasoning, calls = parse(markup.split("_v31")[0], text, reasoning_parser, opened)
+        assert "weather" in reasoning, text
+        assert content.strip() == ""
+        assert len(calls) == 1
+        assert_valid_calls(calls, set(SCHEMAS))
+    if reasoning_parser == "qwen3":
+        assert not accepts(compiler, tokenizer, constraint, well_formed(markup))
+        assert not accepts(compiler, tokenizer, constraint, REASONING["qwen3"] + "Sure. " + well_formed(markup))
