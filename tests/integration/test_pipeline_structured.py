@@ -65,7 +65,10 @@ def no_thinking() -> struct_pb2.Struct:
 
 
 def run(pipeline, request):
-    chunks = list(pipeline.stream_chat(request))
+    return run_chunks(list(pipeline.stream_chat(request)))
+
+
+def run_chunks(chunks):
     content = "".join(chunk.content for chunk in chunks)
     calls: dict[int, dict] = {}
     for chunk in chunks:
@@ -144,3 +147,18 @@ def test_a_reasoning_turn_reasons_freely_then_its_content_validates(pipeline, se
     assert finish == engine_pb2.FINISH_REASON_STOP
     assert reasoning.strip()
     jsonschema.validate(json.loads(content), WEATHER_PARAMS)
+
+
+@pytest.mark.parametrize("seed", [4])
+def test_a_reasoning_turn_reasons_freely_then_calls_the_named_tool(pipeline, seed):
+    weather = chat_pb2.Tool(type="function", function=chat_pb2.FunctionDefinition(
+        name="get_weather", parameters=struct(WEATHER_PARAMS), strict=True))
+    request = chat(tools=[weather], tool_choice=chat_pb2.ToolChoice(function_name="get_weather"),
+                   chat_template_kwargs=struct({"enable_thinking": True}),
+                   sampling=render_pb2.SamplingOptions(max_tokens=700, temperature=1.0, seed=seed))
+    chunks = list(pipeline.stream_chat(request))
+    _, calls, finish = run_chunks(chunks)
+    assert finish == engine_pb2.FINISH_REASON_TOOL_CALLS
+    assert "".join(c.reasoning_content for c in chunks).strip()
+    assert [call["name"] for call in calls.values()] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER_PARAMS)
