@@ -184,8 +184,10 @@ class TokenMasks:
         """Feed each matcher its row's sampled token; True where the structure is now complete.
         Then start computing the next masks of the others."""
         done = []
-        for matcher, token, accepted in zip(matchers, tokens, self._batch.batch_accept_token(matchers, tokens)):
-            if not accepted:
+        # One accept_token per row: xgrammar's batch_accept_token returns its results through a
+        # container read item by item, which costs more than the 32 calls it replaces.
+        for matcher, token in zip(matchers, tokens):
+            if not matcher.accept_token(token):
                 # Only an all-masked row can sample a refused token; end it rather than emit garbage.
                 log.warning("a constrained row sampled token %d, which its grammar refuses; ending it", token)
                 done.append(True)

@@ -97,10 +97,21 @@ def constraint_for(markup: str, tool_choice: chat_pb2.ToolChoice, parallel: bool
     return resolve_structured_output(request, tools_dicts(), tool_choice, markup, reasoning)
 
 
+_COMPILED: dict[tuple[int, bytes], object] = {}
+
+
+def compiled(compiler, constraint):
+    """The engine's compile of `constraint` (cached: a compile costs more than a walk)."""
+    key = (id(compiler), constraint.SerializeToString())
+    if key not in _COMPILED:
+        _COMPILED[key] = compiler.compile_grammar(grammar_of(spec_from_proto(constraint)))
+    return _COMPILED[key]
+
+
 def random_walk(compiler, tokenizer, stops, constraint, seed: int, prefix: str = "", max_steps: int = 1200) -> str:
     """The text of a seeded random walk under the constraint's masks, to the grammar's end, after
     `prefix` (which the grammar must take). A stop token is taken 70% of the time it is allowed."""
-    matcher = xgrammar.GrammarMatcher(compiler.compile_grammar(grammar_of(spec_from_proto(constraint))))
+    matcher = xgrammar.GrammarMatcher(compiled(compiler, constraint))
     bitmask = xgrammar.allocate_token_bitmask(1, len(tokenizer))
     rng, ids = random.Random(seed), tokenizer.encode(prefix, add_special_tokens=False) if prefix else []
     assert all(matcher.accept_token(token) for token in ids), prefix
@@ -154,7 +165,7 @@ NAMED = chat_pb2.ToolChoice(function_name="search")
 
 
 @pytest.mark.parametrize("markup, tool_parser, family", MARKUPS)
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [1, 2])
 def test_required_calls_parse_and_validate(tokenizers, markup, tool_parser, family, seed):
     _, tokenizer, stops, compiler = tokenizers(family)
     text = random_walk(compiler, tokenizer, stops, constraint_for(markup, REQUIRED), seed)
@@ -211,7 +222,7 @@ def well_formed(markup: str, days: object = 3) -> str:
 
 
 def accepts(compiler, tokenizer, constraint, text: str) -> bool:
-    matcher = xgrammar.GrammarMatcher(compiler.compile_grammar(grammar_of(spec_from_proto(constraint))))
+    matcher = xgrammar.GrammarMatcher(compiled(compiler, constraint))
     ids = tokenizer.encode(text, add_special_tokens=False)
     return all(matcher.accept_token(token) for token in ids) and matcher.is_completed()
 
