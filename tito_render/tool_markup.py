@@ -48,7 +48,9 @@ Format = dict[str, Any]
 
 
 def json_arguments(schema: Any, style: str = "json") -> Format:
-    return {"type": "json_schema", "json_schema": schema, "style": style, "max_whitespace_cnt": CALL_JSON_MAX_WHITESPACE}
+    """A call's arguments under `schema`, as JSON or in one of xgrammar's XML styles."""
+    return {"type": "json_schema", "json_schema": schema, "style": style,
+            "max_whitespace_cnt": CALL_JSON_MAX_WHITESPACE}
 
 
 @dataclass(frozen=True)
