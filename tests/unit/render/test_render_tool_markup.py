@@ -296,3 +296,23 @@ def test_tool_calls_after_reasoning(tokenizers, family, reasoning_parser, markup
     if reasoning_parser == "qwen3":
         assert not accepts(compiler, tokenizer, constraint, well_formed(markup))
         assert not accepts(compiler, tokenizer, constraint, REASONING["qwen3"] + "Sure. " + well_formed(markup))
+
+
+@pytest.mark.parametrize("family, reasoning, before, after", [
+    ("gpt_oss", ReasoningStart("gpt_oss"), REASONING["gpt_oss"], "<|channel|>final<|message|>"),
+    ("gpt_oss", ReasoningStart("gpt_oss"), "", "<|channel|>final<|message|>"),  # the analysis is optional
+    ("qwen3_coder", ReasoningStart("qwen3"), REASONING["qwen3"], ""),
+    ("deepseek_r1", ReasoningStart("deepseek_r1", opened=True), REASONING["deepseek_r1"], ""),
+])
+def test_a_content_constraint_applies_after_the_reasoning(tokenizers, family, reasoning, before, after):
+    from tito_render.structured import after_reasoning
+    from tito.v1 import sampling_pb2
+
+    _, tokenizer, _, compiler = tokenizers(family)
+    constraint = after_reasoning(sampling_pb2.StructuredOutput(json_schema=json.dumps(WEATHER)), reasoning)
+    answer = json.dumps({"city": "Paris", "days": 3, "unit": "c"})
+    assert accepts(compiler, tokenizer, constraint, before + after + answer)
+    assert not accepts(compiler, tokenizer, constraint, before + after + answer.replace('"c"', '"k"'))
+    assert not accepts(compiler, tokenizer, constraint, before + after + "It is sunny.")
+    if after:
+        assert not accepts(compiler, tokenizer, constraint, before + answer)  # harmony: only in the final channel
