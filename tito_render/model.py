@@ -14,10 +14,10 @@ from tito.model_paths import resolve_model
 from tito.vocab import Vocabulary, vocabulary_of
 
 from tito_render.config import AUTO, NONE, RenderConfig
-from tito_render.tool_markup import markup_variant
 from tito_render.families import family_reasoning_parser, family_tool_parser, keeps_special_tokens
 from tito_render.media.processors import load_media_adapter
 from tito_render.template_compat import template_source
+from tito_render.tool_markup import markup_variant
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,6 @@ from tito_derender.parsers.tool_stage import ToolStage
 from tito_derender.parsers.tools.markup import MarkupToolParser
 from tito_render.config import RenderConfig
 from tito_render.model import load_render_model
-from tito_render.renderer import Renderer
 from tito_render.structured import ReasoningStart, resolve_structured_output
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
