@@ -133,6 +133,9 @@ class TokenMasks:
         self._ahead_rows: dict[int, int] = {}
         self._ahead: concurrent.futures.Future | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tito-masks")
+        import torch
+
+        self._bit_shifts = torch.arange(32, dtype=torch.int32)  # bit j of a mask word: token 32 * word + j
 
     def apply(self, logits: Any, rows: list[int], matchers: list[Any]) -> None:
         """In place: every token the matcher of row rows[j] cannot take gets -inf (one fill of the
@@ -149,19 +152,40 @@ class TokenMasks:
             else:
                 source.append(position)
                 target.append(row)
-        if source:
-            self._step_mask[target] = self._ahead_mask[source]
-        if missing:
-            self._batch.batch_fill_next_token_bitmask(missing, self._step_mask, missing_rows)
-        bitmask = self._step_mask
-        if logits.device.type != "cpu":
-            bitmask = bitmask[:logits.shape[0]].to(logits.device, non_blocking=True)
+        if not missing and source == target == list(range(logits.shape[0])):
+            bitmask = self._ahead_mask  # the usual step: the same rows in the same order, no copy
+        else:
+            bitmask = self._step_mask
+            if source:
+                bitmask[target] = self._ahead_mask[source]
+            if missing:
+                self._batch.batch_fill_next_token_bitmask(missing, bitmask, missing_rows)
+        if logits.device.type == "cpu":
+            self._apply_on_cpu(logits, bitmask, rows)
+            return
+        bitmask = bitmask[:logits.shape[0]].to(logits.device, non_blocking=True)
         self._xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self._vocab_size, indices=rows)
+
+    def _apply_on_cpu(self, logits: Any, bitmask: Any, rows: list[int]) -> None:
+        """The bitmask unpacked and applied with three torch operations: on CPU about 5x faster
+        than xgrammar's CPU kernel at batch 32 (whose per-call cost dominates small vocabularies)."""
+        import torch
+
+        every_row = rows == list(range(logits.shape[0]))
+        with torch.inference_mode():  # the forward's logits are inference tensors
+            target = logits if every_row else logits[rows]
+            masks = bitmask[:logits.shape[0]] if every_row else bitmask[rows]
+            allowed = (masks[:, :, None] >> self._bit_shifts) & 1
+            target.masked_fill_(allowed.view(target.shape[0], -1)[:, :target.shape[1]] == 0, float("-inf"))
+            if not every_row:
+                logits[torch.tensor(rows)] = target
 
     def advance(self, matchers: list[Any], tokens: list[int]) -> list[bool]:
         """Feed each matcher its row's sampled token; True where the structure is now complete.
         Then start computing the next masks of the others."""
         done = []
+        # One accept_token per row: xgrammar's batch_accept_token returns its results through a
+        # container read item by item, which costs more than the 32 calls it replaces.
         for matcher, token in zip(matchers, tokens):
             if not matcher.accept_token(token):
                 # Only an all-masked row can sample a refused token; end it rather than emit garbage.

@@ -17,6 +17,7 @@ from tito_render.config import AUTO, NONE, RenderConfig
 from tito_render.families import family_reasoning_parser, family_tool_parser, keeps_special_tokens
 from tito_render.media.processors import load_media_adapter
 from tito_render.template_compat import template_source
+from tito_render.tool_markup import markup_variant
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class RenderModel:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     reasoning_parser: str = ""
     tool_parser: str = ""
+    #: How this model writes tool calls (tool_markup.MARKUPS key; "" = the tool parser's name).
+    tool_markup: str = ""
     #: Media adapter (image processor + placeholder rules); None for a text-only model.
     media: Any = None
     #: Characters of the longest vocabulary entry: no token covers more text than this.
@@ -157,6 +160,7 @@ def load_render_model(config: RenderConfig) -> RenderModel:
     vocab = tokenizer.get_vocab()
     model = RenderModel(model_id=config.model, path=path, tokenizer=tokenizer, max_context_length=limit,
                         generation_defaults=defaults, reasoning_parser=reasoning, tool_parser=tool, media=media,
+                        tool_markup=markup_variant(tool, vocab, template),
                         longest_token_chars=max(map(len, vocab), default=1),
                         keep_special_tokens=keeps_special_tokens(tokenizer, reasoning, tool),
                         vocabulary=vocabulary_of(tokenizer, model_config))

@@ -35,7 +35,7 @@ from tito_render.messages import (ImageRef, VideoRef, collect_media, messages_to
                                   request_struct, tools_to_dicts)
 from tito_render.model import THINK_END, THINK_START, RenderModel
 from tito_render.sampling import SamplingLimits, keeps_special_tokens_for_tools, resolve_sampling
-from tito_render.structured import explicit_structured_output, resolve_structured_output
+from tito_render.structured import explicit_structured_output, reasoning_start, resolve_structured_output
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,9 @@ class Renderer:
             for p, h, offset in zip(processed, hashes, offsets):
                 build_item(p, h, offset, payload, self.signer, into=generate_request.mm_features.items.add())
         self.check_prompt_tokens(len(token_ids), "messages")
-        constraint = resolve_structured_output(request, tools, tool_choice, self.model.tool_parser)
+        reasoning = reasoning_start(self.model.reasoning_parser, _thinking_enabled(options, self.model), text)
+        constraint = resolve_structured_output(request, tools, tool_choice,
+                                               self.model.tool_markup or self.model.tool_parser, reasoning)
         self._finish(request_id or request.request_id, token_ids, request.sampling, request.cache_salt, "messages",
                      generate_request, context, constraint)
         context.tools.extend(request.tools)
@@ -191,9 +193,7 @@ class Renderer:
         if keeps_special_tokens_for_tools(context, request.sampling):
             context.text_options.skip_special_tokens = False
             generate_request.sampling_params.text_options.skip_special_tokens = False
-        enable_thinking = (options.template_kwargs or {}).get("enable_thinking")
-        context.thinking_enabled = (enable_thinking if isinstance(enable_thinking, bool)
-                                    else bool(self.model.reasoning_parser))
+        context.thinking_enabled = _thinking_enabled(options, self.model)
         context.prompt_opens_reasoning = bool(self.model.reasoning_parser) and ends_inside_reasoning(
             text, THINK_START, THINK_END)
         if request.return_prompt_text:
@@ -458,3 +458,9 @@ def _frames_key(encoded: list[tuple[bytes, str]]) -> bytes:
         digest.update(data)
     return digest.digest()
 
+
+
+def _thinking_enabled(options: ChatRenderOptions, model: RenderModel) -> bool:
+    """The template's enable_thinking switch when the request sets it, else: the model reasons."""
+    enable_thinking = (options.template_kwargs or {}).get("enable_thinking")
+    return enable_thinking if isinstance(enable_thinking, bool) else bool(model.reasoning_parser)

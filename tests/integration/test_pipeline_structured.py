@@ -51,12 +51,24 @@ def pipeline(tiny_text_model, module_aio_server):
 
 def chat(**fields) -> render_pb2.RenderChatRequest:
     fields.setdefault("sampling", render_pb2.SamplingOptions(max_tokens=200, temperature=1.0, seed=11))
+    fields.setdefault("chat_template_kwargs", no_thinking())
     return render_pb2.RenderChatRequest(
         messages=[chat_pb2.ChatMessage(role="user", content="What is the weather in Paris this week?")], **fields)
 
 
+def no_thinking() -> struct_pb2.Struct:
+    """The tiny model reasons by default (a Qwen3 template): these turns skip it, so the
+    constraint applies from the first token (reasoning turns: test_a_reasoning_turn_*)."""
+    kwargs = struct_pb2.Struct()
+    kwargs.update({"enable_thinking": False})
+    return kwargs
+
+
 def run(pipeline, request):
-    chunks = list(pipeline.stream_chat(request))
+    return run_chunks(list(pipeline.stream_chat(request)))
+
+
+def run_chunks(chunks):
     content = "".join(chunk.content for chunk in chunks)
     calls: dict[int, dict] = {}
     for chunk in chunks:
@@ -98,7 +110,8 @@ def test_a_strict_tool_calls_arguments_validate(pipeline, tool_choice):
     other = chat_pb2.Tool(type="function", function=chat_pb2.FunctionDefinition(
         name="get_time", parameters=struct({"type": "object", "properties": {}, "additionalProperties": False})))
     tools = [weather] if tool_choice.WhichOneof("choice") == "mode" else [weather, other]
-    _, calls, finish = run(pipeline, chat(tools=tools, tool_choice=tool_choice))
+    # parallel_tool_calls false: exactly one call (with it true a random model may go on calling)
+    _, calls, finish = run(pipeline, chat(tools=tools, tool_choice=tool_choice, parallel_tool_calls=False))
     assert finish == engine_pb2.FINISH_REASON_TOOL_CALLS
     assert [call["name"] for call in calls.values()] == ["get_weather"]
     jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER_PARAMS)
@@ -115,3 +128,37 @@ def test_a_bad_response_format_is_refused_by_render_naming_the_field(pipeline):
     details = error_details(caught.value)
     assert details["code"] == grpc.StatusCode.INVALID_ARGUMENT
     assert details["fields"] == ["response_format.json_schema.schema"]
+
+
+def reasoning_and_content(pipeline, request):
+    chunks = list(pipeline.stream_chat(request))
+    return ("".join(c.reasoning_content for c in chunks), "".join(c.content for c in chunks), chunks[-1].finish_reason)
+
+
+@pytest.mark.parametrize("seed", [4])
+def test_a_reasoning_turn_reasons_freely_then_its_content_validates(pipeline, seed):
+    """Thinking on (the tiny model's default): the schema applies only after </think>, as in vLLM.
+    A random-weight model writes </think> by chance; this seed makes it do so within max_tokens."""
+    response_format = render_pb2.ResponseFormat(type="json_schema", json_schema=render_pb2.JsonSchemaResponseFormat(
+        name="weather", schema=struct(WEATHER_PARAMS), strict=True))
+    request = chat(response_format=response_format, chat_template_kwargs=struct({"enable_thinking": True}),
+                   sampling=render_pb2.SamplingOptions(max_tokens=900, temperature=1.0, seed=seed))
+    reasoning, content, finish = reasoning_and_content(pipeline, request)
+    assert finish == engine_pb2.FINISH_REASON_STOP
+    assert reasoning.strip()
+    jsonschema.validate(json.loads(content), WEATHER_PARAMS)
+
+
+@pytest.mark.parametrize("seed", [4])
+def test_a_reasoning_turn_reasons_freely_then_calls_the_named_tool(pipeline, seed):
+    weather = chat_pb2.Tool(type="function", function=chat_pb2.FunctionDefinition(
+        name="get_weather", parameters=struct(WEATHER_PARAMS), strict=True))
+    request = chat(tools=[weather], tool_choice=chat_pb2.ToolChoice(function_name="get_weather"),
+                   chat_template_kwargs=struct({"enable_thinking": True}),
+                   sampling=render_pb2.SamplingOptions(max_tokens=700, temperature=1.0, seed=seed))
+    chunks = list(pipeline.stream_chat(request))
+    _, calls, finish = run_chunks(chunks)
+    assert finish == engine_pb2.FINISH_REASON_TOOL_CALLS
+    assert "".join(c.reasoning_content for c in chunks).strip()
+    assert [call["name"] for call in calls.values()] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER_PARAMS)

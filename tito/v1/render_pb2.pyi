@@ -87,7 +87,7 @@ class MediaOptions(_message.Message):
     def __init__(self, min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., processor_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class RenderChatRequest(_message.Message):
-    __slots__ = ("request_id", "messages", "tools", "tool_choice", "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "sampling", "mm_payload", "media_options", "cache_salt", "return_prompt_text", "response_format")
+    __slots__ = ("request_id", "messages", "tools", "tool_choice", "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "sampling", "mm_payload", "media_options", "cache_salt", "return_prompt_text", "response_format", "parallel_tool_calls")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class RenderChatRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     RETURN_PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[_chat_pb2.ChatMessage]
     tools: _containers.RepeatedCompositeFieldContainer[_chat_pb2.Tool]
@@ -116,7 +117,8 @@ class RenderChatRequest(_message.Message):
     cache_salt: str
     return_prompt_text: bool
     response_format: ResponseFormat
-    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_chat_pb2.ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[_chat_pb2.Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_chat_pb2.ToolChoice, _Mapping]] = ..., chat_template: _Optional[str] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., mm_payload: _Optional[_Union[_multimodal_pb2.MmPayload, str]] = ..., media_options: _Optional[_Union[MediaOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., return_prompt_text: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
+    parallel_tool_calls: bool
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_chat_pb2.ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[_chat_pb2.Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_chat_pb2.ToolChoice, _Mapping]] = ..., chat_template: _Optional[str] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., mm_payload: _Optional[_Union[_multimodal_pb2.MmPayload, str]] = ..., media_options: _Optional[_Union[MediaOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., return_prompt_text: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
 
 class RenderChatResponse(_message.Message):
     __slots__ = ("generate_request", "derender_context", "prompt_text")

@@ -315,3 +315,23 @@ def test_a_model_without_tokenizer_files_refuses_constrained_requests(tmp_path):
     error = GrammarCompiler(tmp_path, 1013, [1000]).submit(spec).exception(timeout=60)
     refused = compile_error(error, spec)
     assert isinstance(refused, FailedPrecondition) and refused.reason == "STRUCTURED_OUTPUT_UNAVAILABLE"
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 3], [2]])
+def test_masks_apply_like_xgrammars_kernel_on_the_constrained_rows_only(rows):
+    """TokenMasks applies the bitmask with torch on CPU: the same logits as xgrammar's kernel."""
+    import torch
+    import xgrammar
+
+    from tito_engine.constraints import TokenMasks
+
+    vocab = 1013  # not a multiple of 32: the last word's padding bits are ignored
+    generator = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, (vocab + 31) // 32), dtype=torch.int32, generator=generator)
+    logits = torch.randn(4, vocab, generator=generator)
+    expected = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(expected, bitmask, vocab_size=vocab, indices=rows)
+    TokenMasks(vocab)._apply_on_cpu(logits, bitmask, rows)
+    assert torch.equal(logits, expected)
+    untouched = [row for row in range(4) if row not in rows]
+    assert not torch.isinf(logits[untouched]).any()

@@ -50,6 +50,9 @@ def struct(obj: dict) -> struct_pb2.Struct:
 
 
 def chat(**fields) -> render_pb2.RenderChatRequest:
+    """A turn without reasoning (the tiny model's Qwen3 template thinks by default): the
+    constraint applies from the first token."""
+    fields.setdefault("chat_template_kwargs", struct({"enable_thinking": False}))
     return render_pb2.RenderChatRequest(messages=[chat_pb2.ChatMessage(role="user", content="hi")], **fields)
 
 
@@ -152,3 +155,26 @@ def test_a_tool_whose_parameters_cannot_compile_is_named(renderer):
     with pytest.raises(InvalidArgument) as caught:
         renderer.render_chat(chat(tools=[add_tool(), bad], tool_choice=chat_pb2.ToolChoice(function_name="f")))
     assert caught.value.violations[0].field == "tools[1].function.parameters"
+
+
+def test_with_thinking_on_the_constraint_starts_after_the_reasoning(renderer, matcher_for):
+    response_format = render_pb2.ResponseFormat(type="json_object")
+    thinking = constraint_of(renderer, chat(response_format=response_format,
+                                            chat_template_kwargs=struct({"enable_thinking": True})))
+    assert thinking.WhichOneof("constraint") == "structural_tag"
+    assert accepts(matcher_for(thinking), '<think>\nLet me see.\n</think>\n\n{"a": 1}')
+    assert not accepts(matcher_for(thinking), '{"a": 1}')
+    assert not accepts(matcher_for(thinking), "<think>\nLet me see.\n</think>\n\nSure.")
+    plain = constraint_of(renderer, chat(response_format=response_format))  # enable_thinking false
+    assert plain.WhichOneof("constraint") == "json_object"
+
+
+def test_reasoning_start_follows_the_prompt():
+    from tito_render.structured import ReasoningStart, reasoning_start
+
+    assert reasoning_start("qwen3", True, "<|im_start|>assistant\n") == ReasoningStart("qwen3")
+    assert reasoning_start("qwen3", True, "<|im_start|>assistant\n<think>\n") == ReasoningStart("qwen3", opened=True)
+    assert reasoning_start("qwen3", True, "assistant\n<think>\n\n</think>\n\n") is None  # the template closed it
+    assert reasoning_start("qwen3", False, "<|im_start|>assistant\n") is None
+    assert reasoning_start("", True, "<|im_start|>assistant\n") is None
+    assert reasoning_start("gpt_oss", True, "<|start|>assistant") == ReasoningStart("gpt_oss")
