@@ -11,7 +11,6 @@ DeepSeek tokenizers (not special ones, so the default skip_special_tokens keeps 
 
 from __future__ import annotations
 
-from tito_derender.parsers.tools.base import DONE, FAILED
 from tito_derender.parsers.tools.markup import WAIT, MarkupToolParser, ObjectArguments
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
@@ -74,14 +73,7 @@ class DeepSeekV3ToolParser(MarkupToolParser):
         return text
 
     def _object(self, text: str) -> str | None:
-        consumed = self._call.feed(text)
-        if self._call.status == DONE:
-            self._done()
-            self._state = self._v3_fence_close if self._fenced else self._call_end
-        text = text[consumed:]
-        if self._call is not None and self._call.status == FAILED:
-            return self._give_up(text)
-        return text
+        return self._feed_object(text, self._v3_fence_close if self._fenced else self._call_end)
 
     def _v3_fence_close(self, text: str) -> str | None:
         return self._expect(text, {FENCE_CLOSE: self._call_end})

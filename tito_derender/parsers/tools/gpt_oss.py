@@ -15,7 +15,6 @@ from __future__ import annotations
 import re
 
 from tito_derender.parsers.markers import partial_marker_length
-from tito_derender.parsers.tools.base import DONE, FAILED
 from tito_derender.parsers.tools.markup import WAIT, MarkupToolParser, ObjectArguments
 
 START = "<|start|>"
@@ -71,14 +70,7 @@ class GptOssToolParser(MarkupToolParser):
         return text
 
     def _object(self, text: str) -> str | None:
-        consumed = self._call.feed(text)
-        if self._call.status == DONE:
-            self._done()
-            self._state = self._message_end
-        text = text[consumed:]
-        if self._call is not None and self._call.status == FAILED:
-            return self._give_up(text)
-        return text
+        return self._feed_object(text, self._message_end)
 
     def _message_end(self, text: str) -> str | None:
         stripped = text.lstrip()

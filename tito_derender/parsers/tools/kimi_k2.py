@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 
-from tito_derender.parsers.tools.base import DONE, FAILED
 from tito_derender.parsers.tools.markup import WAIT, MarkupToolParser, ObjectArguments
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
@@ -66,14 +65,7 @@ class KimiK2ToolParser(MarkupToolParser):
         return text
 
     def _object(self, text: str) -> str | None:
-        consumed = self._call.feed(text)
-        if self._call.status == DONE:
-            self._done()
-            self._state = self._call_end
-        text = text[consumed:]
-        if self._call is not None and self._call.status == FAILED:
-            return self._give_up(text)
-        return text
+        return self._feed_object(text, self._call_end)
 
     def _call_end(self, text: str) -> str | None:
         return self._expect(text, {CALL_END: self._section})

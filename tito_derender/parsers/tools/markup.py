@@ -169,6 +169,18 @@ class MarkupToolParser(ToolParser):
         """The current call is complete: what follows up to the next call is closing markup."""
         self._call, self._raw, self._closing = None, "", True
 
+    def _feed_object(self, text: str, after: Callable[[str], str | None]) -> str | None:
+        """Feed the call's JSON-object arguments; once the object is complete, the parser goes on
+        in state `after` (the format's closing markup). Broken arguments give the call up."""
+        consumed = self._call.feed(text)
+        if self._call.status == DONE:
+            self._done()
+            self._state = after
+        text = text[consumed:]
+        if self._call is not None and self._call.status == FAILED:
+            return self._give_up(text)
+        return text
+
     def _give_up(self, text: str) -> str:
         """The markup is not (or no longer) a call: what was consumed goes back to content (or,
         if the call is already out, its arguments are closed) and `text` is read as content."""
