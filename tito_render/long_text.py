@@ -60,7 +60,12 @@ class LongTextEncoder:
             return self._pool
 
     def close(self) -> None:
+        """Stop the helper and wait for it to exit (at most the one encode it may be running).
+
+        Not waiting is a hang at exit: multiprocessing's exit handler joins every child, and when
+        it closes the pool's call queue before the pool's manager thread has sent the helper its
+        stop sentinel, the helper never learns it should exit."""
         with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False, cancel_futures=True)
-                self._pool = None
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)

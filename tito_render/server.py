@@ -78,7 +78,7 @@ async def create_server(config: RenderConfig, phases: StartupPhases | None = Non
         await running.stop(0)
         raise
     renderer = Renderer(model, RenderLimits.from_config(config), signer)
-    running.add_cleanup(renderer.encoder.close)
+    running.add_cleanup(lambda: asyncio.to_thread(renderer.encoder.close))  # off the loop: it waits
     servicer_slot[0].attach(RenderServicer(renderer, executor, RenderMetrics(metrics) if metrics else None))
     if signer:
         log.info("media items are signed (HMAC-SHA256, key id %r)", config.hmac_key_id)

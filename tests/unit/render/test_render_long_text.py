@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+
 from transformers import AutoTokenizer
 
 from tito_render.chat_template import encode_prompt_text
@@ -19,3 +21,13 @@ def test_long_text_gives_the_same_ids_as_in_process(tiny_text_model):
             assert encoder.encode(long, add_special) == encode_prompt_text(tokenizer, long, add_special)
     finally:
         encoder.close()
+
+
+def test_close_waits_for_the_helper_to_exit(tiny_text_model):
+    """At exit multiprocessing joins every child: a helper still alive after close() can hang it."""
+    encoder = LongTextEncoder(AutoTokenizer.from_pretrained(tiny_text_model), tiny_text_model)
+    encoder.encode("x" * (IN_PROCESS_CHARS + 1), False)  # starts the helper
+    assert len(multiprocessing.active_children()) == 1
+    encoder.close()
+    assert multiprocessing.active_children() == []
+    encoder.close()  # closing twice is harmless
