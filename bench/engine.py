@@ -4,6 +4,7 @@
     .venv/bin/python bench/engine.py --vllm [--model tiny-qwen2-d64] [--concurrency 1 32]
 
     .venv/bin/python bench/engine.py --constrained [--concurrency 32]
+    .venv/bin/python bench/engine.py --pipeline [--concurrency 1 32]
 
 Default run: starts the engine server as a subprocess on a Unix socket, sends the same 32 prompts
 of different lengths (greedy, ignore_eos, 64 new tokens each) at concurrency 1, 8 and 32 from a
@@ -35,6 +36,13 @@ tito-vllm-backend / AsyncLLM (target >= 0.90 at the top concurrency: tito's gRPC
 10%) and tito-vllm-backend / vLLM HTTP (target > 1) at each concurrency, tito native / AsyncLLM and
 tito native / vLLM HTTP (target >= 1.0, and >= 1.3 at concurrency 1), and whether the greedy
 tokens of the four setups agree in the first round.
+
+--pipeline: the native engine server, `tito serve render` and `tito serve derender` (Unix sockets,
+the same model as --vllm); the 32 prompts' words as user turns of chats, rendered once. Measures,
+paired, the engine alone on the rendered GenerateRequests (grpc.aio) and the same chats through
+render -> engine -> derender with tito's asyncio pipeline client (tito.pipeline.AsyncChatPipeline),
+greedy, ignore_eos. Prints both rows and the ratio pipeline / engine alone (target >= 0.9 at the top
+concurrency).
 
 --constrained: one native engine server; the same prompts with no row, every other row and every
 row under a JSON schema constraint (structured outputs: a typical response_format schema as the
@@ -73,7 +81,8 @@ import grpc
 import torch
 
 from tito.model_paths import resolve_model
-from tito.v1 import engine_pb2, engine_pb2_grpc, sampling_pb2
+from tito.pipeline import AsyncChatPipeline, Endpoints, wait_until_serving
+from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, render_pb2, render_pb2_grpc, sampling_pb2
 from tito_engine.limits import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_RUNNING_SEQUENCES
 
 NUM_PROMPTS = 32
@@ -84,6 +93,8 @@ TITO_NATIVE = "tito native over gRPC"
 TITO_VLLM = "tito vllm backend over gRPC"
 ASYNCLLM = "vLLM AsyncLLM in-process"
 VLLM_HTTP = "vLLM HTTP token-in"
+ENGINE_ALONE = "tito engine alone on the rendered ids"
+PIPELINE = "tito render -> engine -> derender"
 VLLM_IDLE_S = 1.5  # vLLM's engine busy-polls ~1 s after its last step
 VLLM_MAX_NUM_SEQS = DEFAULT_MAX_RUNNING_SEQUENCES  # vLLM's max_num_seqs counts sequences, like tito's flag
 KV_CACHE_BYTES = 64 << 20
@@ -397,6 +408,97 @@ class ConstrainedShare(Setup):
         cpu = process_tree_cpu_seconds(self.base.process.pid) - cpu_before
         result["tokens_per_cpu_s"] = new_tokens * len(prompts) / max(cpu, 1e-9)
         return result
+
+
+# --pipeline: the same chats rendered once, then through the engine alone and the whole pipeline.
+class RenderAndDerender(Setup):
+    """`tito serve render` and `tito serve derender` beside `engine`'s server; renders the chats
+    (one user turn per prompt's words) once it is ready, for the two measured setups."""
+    name = "render and derender servers"
+
+    def __init__(self, engine: TitoEngine, texts: list[str]):
+        super().__init__(engine.settings)
+        self.engine, self.texts = engine, texts
+        self.rendered: list[engine_pb2.GenerateRequest] = []
+
+    def chat(self, index: int, new_tokens: int) -> render_pb2.RenderChatRequest:
+        return render_pb2.RenderChatRequest(
+            messages=[chat_pb2.ChatMessage(role="user", content=self.texts[index])],
+            sampling=render_pb2.SamplingOptions(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+
+    async def start(self, tmp: str) -> None:
+        self.addresses = {name: f"unix:{os.path.join(tmp, f'{name}.sock')}" for name in ("render", "derender")}
+        self.processes = [
+            spawn([sys.executable, "-m", "tito.cli", "serve", name, "--address", address,
+                   "--model", self.settings.model, "--log-level", "warning"], os.path.join(tmp, f"{name}.log"))
+            for name, address in self.addresses.items()]
+        self.process = self.processes[0]
+
+    async def ready(self) -> None:
+        for address in self.addresses.values():
+            await asyncio.to_thread(wait_until_serving, address, timeout=START_TIMEOUT_S)
+        async with grpc.aio.insecure_channel(self.addresses["render"]) as channel:
+            stub = render_pb2_grpc.RenderServiceStub(channel)
+            self.rendered = [(await stub.RenderChat(self.chat(i, 1), timeout=60)).generate_request
+                             for i in range(len(self.texts))]
+
+    def endpoints(self) -> Endpoints:
+        return Endpoints(self.addresses["render"], self.engine.address, self.addresses["derender"])
+
+    async def stop(self) -> None:
+        for process in self.processes:
+            stop_process(process)
+
+
+class EngineOnRendered(Setup):
+    """The engine alone, given the rendered GenerateRequests (max_tokens set per measurement)."""
+    name = ENGINE_ALONE
+
+    def __init__(self, servers: RenderAndDerender):
+        super().__init__(servers.settings)
+        self.servers = servers
+
+    async def start(self, tmp: str) -> None:  # the engine and render setups run the servers
+        pass
+
+    async def ready(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    async def stream(self, index: int, new_tokens: int) -> AsyncIterator[list[int]]:
+        request = engine_pb2.GenerateRequest()
+        request.CopyFrom(self.servers.rendered[index])
+        request.sampling_params.max_tokens = new_tokens
+        async for response in self.servers.engine.stub.Generate(request, timeout=600):
+            yield list(response.token_ids)
+
+    async def run(self, prompts, new_tokens, concurrency):
+        return await measure(self.stream, prompts, new_tokens, concurrency)
+
+
+class WholePipeline(EngineOnRendered):
+    """The same chats through render -> engine -> derender with AsyncChatPipeline. Derender's
+    chunks carry text, not ids: each chunk with text counts as one token when it arrives, and the
+    final usage supplies the rest of the completion tokens (so tok/s and TTFT are exact)."""
+    name = PIPELINE
+
+    async def ready(self) -> None:
+        self.pipeline = AsyncChatPipeline(self.servers.endpoints(), timeout=600)
+
+    async def stop(self) -> None:
+        if getattr(self, "pipeline", None) is not None:
+            await self.pipeline.close()
+
+    async def stream(self, index: int, new_tokens: int) -> AsyncIterator[list[int]]:
+        seen = 0
+        async for chunk in self.pipeline.stream_chat(self.servers.chat(index, new_tokens)):
+            if chunk.content or chunk.reasoning_content:
+                seen += 1
+                yield [0]
+            if chunk.HasField("usage"):
+                yield [0] * (chunk.usage.completion_tokens - seen)
 
 
 def process_tree_cpu_seconds(pid: int) -> float:
@@ -777,6 +879,18 @@ def print_constrained_report(rounds, names: list[str]) -> None:
                         paired(rounds, concurrency, name, UNCONSTRAINED, "tokens_per_cpu_s"), target)
 
 
+def print_pipeline_report(rounds, concurrencies: list[int]) -> None:
+    print()
+    print_header()
+    print_setups(rounds, [ENGINE_ALONE, PIPELINE])
+    print()
+    print(f"paired rounds, tok/s ratio median [min-max] of {len(rounds)}:")
+    for concurrency in concurrencies:
+        print_ratio(f"pipeline / engine alone, concurrency {concurrency}",
+                    paired(rounds, concurrency, PIPELINE, ENGINE_ALONE),
+                    (">=", 0.90) if concurrency == max(concurrencies) else None)
+
+
 def print_vllm_report(rounds, concurrencies: list[int]) -> None:
     names = [TITO_NATIVE, TITO_VLLM, ASYNCLLM, VLLM_HTTP]
     print()
@@ -813,12 +927,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--constrained", action="store_true",
                         help="the native engine with no, half and every row under a JSON schema constraint "
                              "(structured outputs): tok/s ratios to unconstrained decoding")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="the same chats through render -> engine -> derender and through the engine "
+                             "alone: tok/s ratio pipeline / engine")
     parser.add_argument("--vllm-asyncllm-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.vllm_asyncllm_worker:
         asyncllm_worker()
         return
-    args.model = args.model or ("tiny-qwen2-d64" if args.vllm else "tiny-qwen2")
+    args.model = args.model or ("tiny-qwen2-d64" if args.vllm or args.pipeline else "tiny-qwen2")
 
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -834,7 +951,16 @@ def main(argv: list[str] | None = None) -> None:
           f"{'every setup' if args.vllm else 'engine'} prefix cache {'on' if args.prefix_caching else 'off'}",
           flush=True)
 
-    if args.constrained:
+    if args.pipeline:
+        settings = Settings(args.model, str(model_dir), args.device, args.prefix_caching,
+                            max_running=max(args.concurrency))
+        engine = TitoEngine(settings)
+        servers = RenderAndDerender(engine, [tokenizer.decode(prompt) for prompt in prompts])
+        measured = [EngineOnRendered(servers), WholePipeline(servers)]
+        rounds = asyncio.run(bench([engine, servers, *measured], list(range(len(prompts))), args, pause=0.0,
+                                   only=measured))
+        print_pipeline_report(rounds, args.concurrency)
+    elif args.constrained:
         settings = Settings(args.model, str(model_dir), args.device, args.prefix_caching,
                             max_running=max(args.concurrency))
         base = TitoEngine(settings)

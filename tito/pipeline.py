@@ -5,13 +5,17 @@ engine unchanged, and feed the derender stream its `DerenderContext` followed by
 message as it arrives. When derender ends a choice itself (a stop string matched) it sets
 `cancel_generation`, and the pipeline cancels the engine stream so the engine frees the slot.
 Every call carries a deadline.
+
+`ChatPipeline` is synchronous (a chat per thread); `AsyncChatPipeline` is the same on asyncio,
+for a router that serves many chats at once from one event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -118,6 +122,84 @@ class ChatPipeline:
         chunks = self.derender.Derender(derender_requests(), timeout=self.timeout, metadata=metadata)
         try:
             for reply in chunks:
+                if reply.chunk.cancel_generation:
+                    generation.cancel()
+                yield reply.chunk
+        except grpc.RpcError:
+            if engine_errors:
+                raise engine_errors[0] from None
+            raise
+        finally:
+            generation.cancel()
+            chunks.cancel()
+        if engine_errors:
+            raise engine_errors[0]
+
+
+class AsyncChatPipeline:
+    """`ChatPipeline` on asyncio (grpc.aio): many chats from one event loop, each a task.
+
+    Use it inside a running event loop (`async with AsyncChatPipeline(...) as pipeline`)."""
+
+    def __init__(self, endpoints: Endpoints, timeout: float = 300.0, max_message_bytes: int = 64 * 1024 * 1024,
+                 security: ClientSecurity = ClientSecurity()):
+        self.timeout = timeout
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        self._channels = [security.aio_channel(a, options=options)
+                          for a in (endpoints.render, endpoints.engine, endpoints.derender)]
+        self._metadata = security.call_metadata()
+        self.render = render_pb2_grpc.RenderServiceStub(self._channels[0])
+        self.engine = engine_pb2_grpc.EngineServiceStub(self._channels[1])
+        self.derender = derender_pb2_grpc.DerenderServiceStub(self._channels[2])
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+    async def __aenter__(self) -> "AsyncChatPipeline":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def stream_chat(self, request: render_pb2.RenderChatRequest) -> AsyncIterator[derender_pb2.ChatChunk]:
+        """Yield chat chunks as derender produces them (tracing as in `ChatPipeline.stream_chat`)."""
+        chat_span = tracing.begin_client_span("chat")
+        error: BaseException | None = None
+        try:
+            async for chunk in self._stream_chat(request, tracing.inject(self._metadata, parent=chat_span)):
+                yield chunk
+        except BaseException as exc:
+            error = exc if not isinstance(exc, (GeneratorExit, asyncio.CancelledError)) else None
+            raise
+        finally:
+            tracing.end_span(chat_span, error)
+
+    async def _stream_chat(self, request: render_pb2.RenderChatRequest,
+                           metadata) -> AsyncIterator[derender_pb2.ChatChunk]:
+        rendered = await self.render.RenderChat(request, timeout=self.timeout, metadata=metadata)
+        generation = self.engine.Generate(rendered.generate_request, timeout=self.timeout, metadata=metadata)
+        engine_errors: list[grpc.RpcError] = []
+
+        async def derender_requests():
+            # As in ChatPipeline: an engine error reaches the caller as the engine's status.
+            yield derender_pb2.DerenderRequest(context=rendered.derender_context)
+            try:
+                async for response in generation:
+                    yield derender_pb2.DerenderRequest(generate_response=response)
+            except asyncio.CancelledError:
+                # grpc.aio ends a stream this pipeline cancelled (derender asked it to) this way;
+                # the requests then simply end. Any other cancellation goes on.
+                if not generation.cancelled():
+                    raise
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.CANCELLED:
+                    engine_errors.append(exc)
+
+        chunks = self.derender.Derender(derender_requests(), timeout=self.timeout, metadata=metadata)
+        try:
+            async for reply in chunks:
                 if reply.chunk.cancel_generation:
                     generation.cancel()
                 yield reply.chunk

@@ -349,6 +349,7 @@ class CoreProcessSpec:
     log_level: str = "info"
     encoder_cache_bytes: int = 0
     exclude_padding_ids: bool = True
+    packed_linears: bool = True
 
     @classmethod
     def from_config(cls, config: Any, model_dir: str, kv_cache: Any) -> "CoreProcessSpec":
@@ -356,7 +357,8 @@ class CoreProcessSpec:
         return cls(model_dir=model_dir, model_id=config.model, device=config.device,
                    max_model_len=config.max_model_len, kv_cache=kv_cache, cpu_threads=config.cpu_threads,
                    limits=config.scheduler_limits, log_level=config.log_level,
-                   encoder_cache_bytes=config.encoder_cache_bytes, exclude_padding_ids=config.excludes_padding_ids)
+                   encoder_cache_bytes=config.encoder_cache_bytes, exclude_padding_ids=config.excludes_padding_ids,
+                   packed_linears=config.packs_linears)
 
     def load_runner(self) -> Any:
         """Load the model this spec names (in whichever process hosts the core)."""
@@ -366,7 +368,7 @@ class CoreProcessSpec:
 
         return ModelRunner(Path(self.model_dir), model_id=self.model_id, device=self.device,
                            max_model_len=self.max_model_len, kv_cache=self.kv_cache, cpu_threads=self.cpu_threads,
-                           exclude_padding_ids=self.exclude_padding_ids)
+                           exclude_padding_ids=self.exclude_padding_ids, packed_linears=self.packed_linears)
 
 
 def _child_main(spec: CoreProcessSpec, conn: Any) -> None:

@@ -25,10 +25,13 @@ where HF casts) so logits match HF's forward.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from tito_engine.linear import Linear
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +95,20 @@ def _bind_linears(layer_weights: Any, attn: Any, mlp: Any) -> None:
     """The projections every family shares: fused q/k/v and gate/up (sharing the HF modules'
     storage), the output and down projections, and the MLP activation."""
     projections = [attn.q_proj, attn.k_proj, attn.v_proj]
-    layer_weights.qkv_w, layer_weights.qkv_b = _fuse(projections, "weight"), _fuse(projections, "bias")
-    layer_weights.o_w, layer_weights.o_b = attn.o_proj.weight, attn.o_proj.bias
+    layer_weights.qkv = Linear(_fuse(projections, "weight"), _fuse(projections, "bias"))
+    layer_weights.o = Linear(attn.o_proj.weight, attn.o_proj.bias)
     gate_up = [mlp.gate_proj, mlp.up_proj]
-    layer_weights.gate_up_w, layer_weights.gate_up_b = _fuse(gate_up, "weight"), _fuse(gate_up, "bias")
+    layer_weights.gate_up = Linear(_fuse(gate_up, "weight"), _fuse(gate_up, "bias"))
     layer_weights.intermediate = mlp.gate_proj.weight.shape[0]
-    layer_weights.down_w, layer_weights.down_b = mlp.down_proj.weight, mlp.down_proj.bias
+    layer_weights.down = Linear(mlp.down_proj.weight, mlp.down_proj.bias)
     layer_weights.act = _act(mlp)
+
+
+def linears_of(family: Any) -> Iterator[Linear]:
+    """Every linear of a family's forward: each layer's four, then the LM head."""
+    for layer in family.layers:
+        yield from (layer.qkv, layer.o, layer.gate_up, layer.down)
+    yield family.lm_head
 
 
 def _layer_kinds(config: Any) -> tuple[list[int], int | None]:
@@ -171,18 +181,18 @@ class _PreNormLayer:
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = rms_norm(hidden, self.ln1_w, self.ln1_eps)
-        qkv = F.linear(x, self.qkv_w, self.qkv_b).view(hidden.shape[0], *self.shape)
+        qkv = self.qkv(x).view(hidden.shape[0], *self.shape)
         qk, v = qkv[:, :self.split], qkv[:, self.split:]
         if self.qk_norm_w is not None:
             qk = rms_norm(qk, self.qk_norm_w, self.qk_eps)
         return qk, v
 
     def finish(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        hidden = residual + F.linear(attn, self.o_w, self.o_b)
+        hidden = residual + self.o(attn)
         x = rms_norm(hidden, self.ln2_w, self.ln2_eps)
-        gate_up = F.linear(x, self.gate_up_w, self.gate_up_b)
+        gate_up = self.gate_up(x)
         inter = self.intermediate
-        return hidden + F.linear(self.act(gate_up[:, :inter]) * gate_up[:, inter:], self.down_w, self.down_b)
+        return hidden + self.down(self.act(gate_up[:, :inter]) * gate_up[:, inter:])
 
 
 class QwenFamily:
@@ -206,8 +216,7 @@ class QwenFamily:
                        for layer, kind in zip(text.layers, kinds)]
         self.embed_w = text.embed_tokens.weight
         self.norm_w, self.norm_eps = text.norm.weight, text.norm.variance_epsilon
-        self.lm_head_w = model.lm_head.weight  # the embedding itself when tied
-        self.lm_head_b = getattr(model.lm_head, "bias", None)
+        self.lm_head = Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None))  # the embedding when tied
         rotary = text.rotary_emb
         _check_rope_type(getattr(rotary, "rope_type", "default"))
         self.ropes = [(rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0)))]
@@ -218,7 +227,7 @@ class QwenFamily:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = rms_norm(hidden, self.norm_w, self.norm_eps)
-        return F.linear(hidden, self.lm_head_w, self.lm_head_b)
+        return self.lm_head(hidden)
 
     def default_bidirectional_spans(self, embed_positions: torch.Tensor | None) -> list[tuple[int, int]]:
         return []  # Qwen2-VL / Qwen2.5-VL attend causally over image tokens too
@@ -261,16 +270,16 @@ class _GemmaLayer:
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = gemma_rms_norm(hidden, self.ln_in, self.eps)
-        qkv = F.linear(x, self.qkv_w, self.qkv_b).view(hidden.shape[0], *self.shape)
+        qkv = self.qkv(x).view(hidden.shape[0], *self.shape)
         qk = gemma_rms_norm(qkv[:, :self.split], self.qk_norm, self.eps)
         return qk, qkv[:, self.split:]
 
     def finish(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        hidden = residual + gemma_rms_norm(F.linear(attn, self.o_w, self.o_b), self.ln_post_attn, self.eps)
+        hidden = residual + gemma_rms_norm(self.o(attn), self.ln_post_attn, self.eps)
         x = gemma_rms_norm(hidden, self.ln_pre_ff, self.eps)
-        gate_up = F.linear(x, self.gate_up_w)
+        gate_up = self.gate_up(x)
         inter = self.intermediate
-        x = F.linear(self.act(gate_up[:, :inter]) * gate_up[:, inter:], self.down_w)
+        x = self.down(self.act(gate_up[:, :inter]) * gate_up[:, inter:])
         return hidden + gemma_rms_norm(x, self.ln_post_ff, self.eps)
 
 
@@ -315,8 +324,7 @@ class Gemma3Family:
         self.embed_scale = (scale if scale is not None else torch.tensor(config.hidden_size ** 0.5)).to(
             self.embed_w.device, self.embed_w.dtype)
         self.norm_scale, self.norm_eps = 1.0 + text.norm.weight.detach().float(), text.norm.eps
-        self.lm_head_w = model.lm_head.weight
-        self.lm_head_b = getattr(model.lm_head, "bias", None)
+        self.lm_head = Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None))
         # Only the text-only causal LM soft-caps its logits in transformers 5.24.
         self.final_softcap = (getattr(config, "final_logit_softcapping", None)
                               if type(model).__name__ == "Gemma3ForCausalLM" else None)
@@ -326,7 +334,7 @@ class Gemma3Family:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = gemma_rms_norm(hidden, self.norm_scale, self.norm_eps)
-        logits = F.linear(hidden, self.lm_head_w, self.lm_head_b)
+        logits = self.lm_head(hidden)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

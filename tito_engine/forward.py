@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 from tito_engine.attention import PagedAttention
-from tito_engine.families import default_bidirectional_spans, family_for, spans_of_runs, text_model_of
+from tito_engine.families import default_bidirectional_spans, family_for, linears_of, spans_of_runs, text_model_of
 from tito_engine.kv_cache import PagedKVCache
+from tito_engine.linear import pack_linears
 
 __all__ = ["BatchedDecoder", "MultiModalPrefill", "RowInput", "chunk_boundaries_ok", "fit_chunk_end",
            "text_model_of"]
@@ -137,8 +138,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class BatchedDecoder:
     """The batched forward over a paged cache for one loaded model (any family in families.py)."""
 
-    def __init__(self, model: Any, cache: PagedKVCache, max_positions: int):
+    def __init__(self, model: Any, cache: PagedKVCache, max_positions: int, packed_linears: bool = False):
+        """`packed_linears`: on CPU, run the linears on oneDNN-packed copies of their weights
+        (linear.py: faster from a few rows a step on, the weights held twice)."""
         self.family = family = family_for(model)
+        self.packed_linear_bytes = pack_linears(linears_of(family)) if packed_linears else 0
         self.cache = cache
         self.device = cache.device
         self.dtype = model.dtype

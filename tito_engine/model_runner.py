@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from tito.vocab import load_vocabulary
 from tito.startup import StartupPhases
 
 from tito_engine import constraints, vision
+from tito_engine.cpu_runtime import keep_freed_memory, set_cpu_threads
 from tito_engine.features import ModelMultimodalSpec, multimodal_spec_from_config
 from tito_engine.forward import BatchedDecoder, MultiModalPrefill, RowInput
 from tito_engine.kv_cache import KVLayout, PagedKVCache
@@ -128,20 +128,6 @@ class KVCacheSpec:
     memory_fraction: float | None = None
 
 
-def default_cpu_threads() -> int:
-    """One core less than the machine has: the gRPC threads need one, and intra-op threads that
-    wait for a busy core spin (measured on 2 cores with the tiny model: a step took ~10x longer
-    with 2 torch threads than with 1 while the event loop was busy)."""
-    return max(1, (os.cpu_count() or 2) - 1)
-
-
-def set_cpu_threads(threads: int | None) -> None:
-    threads = threads or default_cpu_threads()
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-        log.info("torch intra-op threads: %d", threads)
-
-
 def token_text(model_dir: Path, token_id: int) -> str:
     """The text of an added (special) token from tokenizer.json, "" when it cannot be found."""
     path = model_dir / "tokenizer.json"
@@ -181,12 +167,14 @@ class ModelRunner:
 
     def __init__(self, model_dir: Path, *, model_id: str, device: str = "auto",
                  max_model_len: int | None = None, kv_cache: KVCacheSpec | None = None,
-                 cpu_threads: int | None = None, exclude_padding_ids: bool = True):
+                 cpu_threads: int | None = None, exclude_padding_ids: bool = True, packed_linears: bool = True):
         self.model_dir = model_dir  # structured outputs read the tokenizer from here (constraints.py)
         self.device = choose_device(device)
         self.dtype = choose_dtype(self.device)
         if self.device.type == "cpu":
             set_cpu_threads(cpu_threads)
+            if keep_freed_memory():
+                log.debug("glibc malloc keeps freed memory for the next step (cpu_runtime.keep_freed_memory)")
         from transformers.utils import logging as hf_logging
 
         bar_was_enabled = hf_logging.is_progress_bar_enabled()
@@ -213,7 +201,8 @@ class ModelRunner:
         self._token_masks: constraints.TokenMasks | None = None  # built by the first constrained step
         self.cache = self._make_cache(text_config, kv_cache or KVCacheSpec())
         try:
-            self.decoder = BatchedDecoder(self.model, self.cache, max_positions=self.info.max_context_length)
+            self.decoder = BatchedDecoder(self.model, self.cache, max_positions=self.info.max_context_length,
+                                          packed_linears=packed_linears and self.device.type == "cpu")
         except ValueError as exc:  # an architecture (or a setting of one) the native forward does not run
             raise ConfigError(f"{model_id}: {exc}") from exc
         log.info("loaded %s on %s (%s): vocab %s%s, context %d, eos %s, fingerprint %s; KV cache %d blocks x %d "
@@ -223,6 +212,9 @@ class ModelRunner:
                  self.info.max_context_length, list(self.info.eos_token_ids), self.info.fingerprint,
                  self.cache.num_blocks, self.cache.block_size,
                  self.cache.capacity_tokens * self.cache.layout.bytes_per_token / 2**20)
+        if self.decoder.packed_linear_bytes:
+            log.info("linears run on oneDNN-packed weights (%.1f MiB more; --no-cpu-packed-linears holds one copy)",
+                     self.decoder.packed_linear_bytes / 2**20)
 
     def _make_cache(self, text_config: Any, spec: KVCacheSpec) -> PagedKVCache:
         heads = text_config.num_attention_heads

@@ -211,7 +211,7 @@ def test_llama_family_uses_llama3_scaled_rotary(llama):
     plain = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
     # The fastest frequencies are kept, the slowest divided by the factor (8), some in between.
     assert torch.equal(inv_freq[:3], plain[:3]) and torch.allclose(inv_freq[-3:], plain[-3:] / 8)
-    assert all(layer.qkv_b is None and layer.gate_up_b is None for layer in family.layers)
+    assert all(layer.qkv.bias is None and layer.gate_up.bias is None for layer in family.layers)
 
 
 def test_mistral_window_applies_to_every_layer(mistral, mistral_window8):
@@ -225,7 +225,7 @@ def test_qwen3_family_norms_q_and_k_per_head(qwen3):
     assert isinstance(family, Qwen3Family) and family.name == "qwen3"
     assert family.head_dim == 32 != qwen3.config.hidden_size // qwen3.config.num_attention_heads
     layer = family.layers[0]
-    assert layer.qk_norm_w.shape == (4 + 2, 32) and layer.qkv_b is None
+    assert layer.qk_norm_w.shape == (4 + 2, 32) and layer.qkv.bias is None
     # Without the q/k norms the logits differ: the norms are not a no-op on this model.
     decoder = make_decoder(qwen3)
     prompt = text_prompt(7, 9)
