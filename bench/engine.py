@@ -1,7 +1,7 @@
 """Engine throughput over gRPC against Hugging Face generate, or against vLLM, in one run.
 
     .venv/bin/python bench/engine.py [--model tiny-qwen2] [--device cpu] [--new-tokens 64]
-    .venv/bin/python bench/engine.py --vllm [--model tiny-qwen2-d64] [--concurrency 1 32]
+    .venv/bin/python bench/engine.py --vllm [--model tiny-qwen2-h256] [--concurrency 1 32]
 
     .venv/bin/python bench/engine.py --constrained [--concurrency 32]
     .venv/bin/python bench/engine.py --pipeline [--concurrency 1 32]
@@ -14,9 +14,9 @@ aggregate output tokens/s per row, TTFT and time-per-output-token percentiles, a
 the issue asks for at concurrency 32.
 
 --vllm: the same prompts, sampling and concurrencies on four setups instead, all on one model
-(default tiny-qwen2-d64: vLLM's CPU attention needs head_dim >= 32), float32, the same prefix
-caching, 64 MiB of KV cache, max_num_seqs 64 (or the top concurrency), 2048 prompt tokens per step
-and the model's max_position_embeddings as context limit:
+(default tiny-qwen2-h256: hidden 256, 4 layers, head_dim 64; vLLM's CPU attention needs head_dim
+>= 32), float32, the same prefix caching, 64 MiB of KV cache, max_num_seqs 64 (or the top
+concurrency), 2048 prompt tokens per step and the model's max_position_embeddings as context limit:
   - tito native over gRPC:        `python -m tito_engine.server` (tito's engine), grpc.aio client;
   - tito vllm backend over gRPC:  the same server with `--backend vllm` (vLLM's AsyncLLM behind
                                   tito's EngineService), the same client;
@@ -81,6 +81,7 @@ import grpc
 import torch
 
 from tito.model_paths import resolve_model
+from tito.tiny_models import BENCH_TEXT_MODEL
 from tito.pipeline import AsyncChatPipeline, Endpoints, wait_until_serving
 from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, render_pb2, render_pb2_grpc, sampling_pb2
 from tito_engine.limits import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_RUNNING_SEQUENCES
@@ -912,7 +913,9 @@ def model_max_len(model_dir: Path) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="default: tiny-qwen2, or tiny-qwen2-d64 with --vllm")
+    parser.add_argument("--model", default=None,
+                        help="default: tiny-qwen2, or tiny-qwen2-h256 (hidden 256, 4 layers, head_dim 64) with --vllm "
+                             "or --pipeline")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
@@ -935,7 +938,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.vllm_asyncllm_worker:
         asyncllm_worker()
         return
-    args.model = args.model or ("tiny-qwen2-d64" if args.vllm or args.pipeline else "tiny-qwen2")
+    args.model = args.model or (BENCH_TEXT_MODEL if args.vllm or args.pipeline else "tiny-qwen2")
 
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging

@@ -28,6 +28,10 @@ Eight models are available:
     (head_dim 64), intermediate size 256 and (VL) ``mrope_section`` ``[8, 12, 12]``: vLLM's CPU
     attention refuses head_dim 16, so these are the ones both engine backends load.
 
+``tiny-qwen2-h256`` (:data:`BENCH_TEXT_MODEL`)
+    The text model at the engine benchmarks' size: hidden 256, 4 layers, 4 heads / 2 KV heads
+    (head_dim 64), intermediate 1024; big enough that a step's arithmetic, not Python, dominates.
+
 ``tiny-gemma3`` (:data:`INTERLEAVED_VL_MODEL`, :func:`build_interleaved_vl_model`)
     ``Gemma3ForConditionalGeneration``, the *interleaved-span* VL model: an
     image's placeholder span mixes boundary tokens with the positions that take
@@ -186,6 +190,7 @@ __all__ = [
     "TEXT_MODEL",
     "VL_MODEL",
     "PADDED_TEXT_MODEL",
+    "BENCH_TEXT_MODEL",
     "PADDED_VOCAB_ROWS",
     "INTERLEAVED_VL_MODEL",
     "MODELS",
@@ -225,8 +230,13 @@ QWEN2_5_VL_MODEL = "tiny-qwen2.5-vl"
 #: tiny-qwen2 with a padded embedding (PADDED_VOCAB_ROWS rows for the same 1013-entry tokenizer),
 #: as real checkpoints have (Qwen: 151,936 rows, 151,669 tokens): ids 1013..1087 are padding ids.
 PADDED_TEXT_MODEL = "tiny-qwen2-padded"
+#: The engine benchmarks' model (bench/engine.py --vllm / --pipeline): the Qwen2 layout at hidden
+#: 256, 4 layers, 4 heads / 2 KV heads (head_dim 64, as vLLM's CPU attention needs), intermediate 1024.
+BENCH_TEXT_MODEL = "tiny-qwen2-h256"
+BENCH_TEXT_SHAPE = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
+                    "num_attention_heads": 4, "num_key_value_heads": 2}
 MODELS = (TEXT_MODEL, VL_MODEL, INTERLEAVED_VL_MODEL, TEXT_MODEL_D64, VL_MODEL_D64, LLAMA_MODEL, QWEN3_MODEL,
-          QWEN2_5_VL_MODEL, PADDED_TEXT_MODEL)
+          QWEN2_5_VL_MODEL, PADDED_TEXT_MODEL, BENCH_TEXT_MODEL)
 
 #: Bump whenever the produced bytes change, so cached copies are rebuilt.
 VERSION = "v1"
@@ -760,16 +770,18 @@ def _create_model(model_cls, config):
     return model
 
 
-def build_text_model(out_dir: Path, head_dim: int = 16, vocab_rows: int | None = None) -> Path:
+def build_text_model(out_dir: Path, head_dim: int = 16, vocab_rows: int | None = None,
+                     shape: dict[str, int] | None = None) -> Path:
     """Write the tokenizer, a tiny random ``Qwen2ForCausalLM`` and its generation config.
     ``vocab_rows`` pads the embedding and LM head past the tokenizer (rows the tokenizer does
-    not name: padding ids); the weights of every parameter are seeded by its name alone."""
+    not name: padding ids); ``shape`` overrides sizes of the text settings (hidden size, layers,
+    heads); the weights of every parameter are seeded by its name alone."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     out_dir = Path(out_dir)
     build_tokenizer(out_dir)
     config = Qwen2Config(
-        **_text_settings(head_dim, vocab_rows),
+        **{**_text_settings(head_dim, vocab_rows), **(shape or {})},
         tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         dtype="float32",
@@ -1109,7 +1121,8 @@ _BUILDERS = {TEXT_MODEL: build_text_model, VL_MODEL: build_vl_model, INTERLEAVED
              TEXT_MODEL_D64: functools.partial(build_text_model, head_dim=64),
              VL_MODEL_D64: functools.partial(build_vl_model, head_dim=64),
              LLAMA_MODEL: build_llama_model, QWEN3_MODEL: build_qwen3_model, QWEN2_5_VL_MODEL: build_qwen2_5_vl_model,
-             PADDED_TEXT_MODEL: functools.partial(build_text_model, vocab_rows=PADDED_VOCAB_ROWS)}
+             PADDED_TEXT_MODEL: functools.partial(build_text_model, vocab_rows=PADDED_VOCAB_ROWS),
+             BENCH_TEXT_MODEL: functools.partial(build_text_model, head_dim=64, shape=BENCH_TEXT_SHAPE)}
 
 
 # --------------------------------------------------------------------------- cache

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import datetime
 from pathlib import Path
 
@@ -15,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tito.config import ConfigError
 from tito.grpc_errors import error_details
-from tito.pipeline import ChatPipeline, Endpoints
+from tito.pipeline import AsyncChatPipeline, ChatPipeline, Endpoints
 from tito.security import ClientSecurity
 from tito.v1 import chat_pb2, derender_pb2, derender_pb2_grpc, engine_pb2, engine_pb2_grpc, render_pb2
 from tito_derender.config import DerenderConfig
@@ -146,11 +148,20 @@ def test_a_chat_through_three_services_with_tls_and_a_token(aio_server, tiny_tex
                aio_server(lambda: create_derender(DerenderConfig(**secured)))]
     endpoints = Endpoints(*(_localhost(server.address) for server in servers))
     security = ClientSecurity(ca_file=pki["ca"], token_file=pki["token"])
+    request = render_pb2.RenderChatRequest(messages=[chat_pb2.ChatMessage(role="user", content="Hello")],
+                                           sampling=render_pb2.SamplingOptions(max_tokens=6, temperature=0.0))
     with ChatPipeline(endpoints, timeout=60, security=security) as pipeline:
-        chunks = list(pipeline.stream_chat(render_pb2.RenderChatRequest(
-            messages=[chat_pb2.ChatMessage(role="user", content="Hello")],
-            sampling=render_pb2.SamplingOptions(max_tokens=6, temperature=0.0))))
+        chunks = list(pipeline.stream_chat(request))
     assert chunks[-1].finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED
+
+    async def async_chat(security: ClientSecurity) -> list:
+        async with AsyncChatPipeline(endpoints, timeout=60, security=security) as pipeline:
+            return [chunk async for chunk in pipeline.stream_chat(request)]
+
+    assert asyncio.run(async_chat(security)) == chunks  # TLS, and the token on each call
+    with pytest.raises(grpc.RpcError) as exc:
+        asyncio.run(async_chat(ClientSecurity(ca_file=pki["ca"])))
+    assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 @pytest.mark.parametrize("fields, message", [
