@@ -80,10 +80,12 @@ from pathlib import Path
 import grpc
 import torch
 
+from tito.cpu_affinity import allowed_cpus, format_cpu_list, run_on
 from tito.model_paths import resolve_model
 from tito.tiny_models import BENCH_TEXT_MODEL
 from tito.pipeline import AsyncChatPipeline, Endpoints, wait_until_serving
 from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, render_pb2, render_pb2_grpc, sampling_pb2
+from tito_engine.cpu_runtime import core_cpu_plan
 from tito_engine.limits import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_RUNNING_SEQUENCES
 
 NUM_PROMPTS = 32
@@ -101,6 +103,10 @@ VLLM_MAX_NUM_SEQS = DEFAULT_MAX_RUNNING_SEQUENCES  # vLLM's max_num_seqs counts 
 KV_CACHE_BYTES = 64 << 20
 MAX_BATCHED_TOKENS = DEFAULT_MAX_PREFILL_TOKENS  # tito's --max-prefill-tokens-per-step (vLLM's max_num_batched_tokens)
 START_TIMEOUT_S = 600  # several servers load at once on a small machine
+ALL_CPUS = allowed_cpus()
+# The CPUs tito's engine core takes by default (--core-cpus auto) and the ones it leaves: the
+# client (this process, a router's stand-in) and render / derender run on the latter.
+CORE_CPUS, OTHER_CPUS = core_cpu_plan("auto", "", None)
 # vLLM engine arguments tito's engine sets from its own flags (tito_engine/vllm_args.py).
 TITO_SETS = {"model", "max_model_len", "max_num_seqs", "enable_prefix_caching", "max_num_batched_tokens",
              "kv_cache_memory_bytes", "generation_config"}
@@ -235,10 +241,12 @@ def vllm_env() -> dict[str, str]:
 
 
 def spawn(command: list[str], log_path: str, **kwargs) -> subprocess.Popen:
-    """Start `command` in its own session (its children can be stopped with it), output to `log_path`."""
+    """Start `command` in its own session (its children can be stopped with it), output to `log_path`,
+    on every CPU this script started with (this process itself may since have moved: client_cpus)."""
     log_file = open(log_path, "w+b")  # noqa: SIM115 (closed in stop_process)
     kwargs.setdefault("stdout", log_file)
-    process = subprocess.Popen(command, stderr=log_file, start_new_session=True, **kwargs)
+    process = subprocess.Popen(command, stderr=log_file, start_new_session=True,
+                               preexec_fn=lambda: os.sched_setaffinity(0, ALL_CPUS), **kwargs)
     process.log_file = log_file
     return process
 
@@ -411,6 +419,19 @@ class ConstrainedShare(Setup):
         return result
 
 
+def other_cpus_flag() -> list[str]:
+    """`--cpu-affinity` off the engine core's CPUs, as its README asks of co-located services."""
+    return ["--cpu-affinity", format_cpu_list(OTHER_CPUS)] if OTHER_CPUS else []
+
+
+def keep_client_off_the_core() -> None:
+    """Run this process (the client) where the engine core is not, as a co-located router should."""
+    if OTHER_CPUS:
+        run_on(OTHER_CPUS)
+        print(f"client on CPUs {format_cpu_list(OTHER_CPUS)}; tito's engine core on {format_cpu_list(CORE_CPUS)}",
+              flush=True)
+
+
 # --pipeline: the same chats rendered once, then through the engine alone and the whole pipeline.
 class RenderAndDerender(Setup):
     """`tito serve render` and `tito serve derender` beside `engine`'s server; renders the chats
@@ -431,7 +452,8 @@ class RenderAndDerender(Setup):
         self.addresses = {name: f"unix:{os.path.join(tmp, f'{name}.sock')}" for name in ("render", "derender")}
         self.processes = [
             spawn([sys.executable, "-m", "tito.cli", "serve", name, "--address", address,
-                   "--model", self.settings.model, "--log-level", "warning"], os.path.join(tmp, f"{name}.log"))
+                   "--model", self.settings.model, "--log-level", "warning", *other_cpus_flag()],
+                  os.path.join(tmp, f"{name}.log"))
             for name, address in self.addresses.items()]
         self.process = self.processes[0]
 
@@ -677,11 +699,14 @@ async def bench(setups: list[Setup], prompts, args, pause: float,
                 after_top: Callable[[], dict] | None = None,
                 only: list[Setup] | None = None) -> list[dict[int, dict[str, dict]]]:
     """Start every setup (all at once), warm each up, run the paired rounds (over `only` when
-    given: setups that share another's server), stop them all."""
+    given: setups that share another's server), stop them all. The client keeps off the engine
+    core's CPUs, except beside the HF baselines (`after_top`), which run in this process."""
     with tempfile.TemporaryDirectory() as tmp:
         try:
             for setup in setups:
                 await setup.start(tmp)
+            if after_top is None:
+                keep_client_off_the_core()
             for setup in setups:
                 await setup.ready()
             measured = only or setups

@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from tito.cpu_affinity import parse_cpu_list, run_on
 from tito.config import ConfigError, ServerConfig
 from tito.env_flags import apply_env, document_env
 from tito.logs import LOG_LEVELS, setup_logging
@@ -140,6 +141,8 @@ def serve_one(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"tito serve {args.service}: {exc}", file=sys.stderr)
         return 2
+    if config.cpu_affinity:  # before any thread starts: they inherit it
+        run_on(parse_cpu_list(config.cpu_affinity))
     try:
         asyncio.run(module.serve(config, phases))
     except ConfigError as exc:  # found while starting: a model that does not load, a port in use

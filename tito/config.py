@@ -70,6 +70,10 @@ class ServerConfig:
     otel: bool = setting(False, common=True, group=OBSERVABILITY,
                          help="export OpenTelemetry traces (OTLP, configured by the OTEL_* variables); also on "
                               "when OTEL_TRACES_EXPORTER or OTEL_EXPORTER_OTLP_ENDPOINT is set")
+    cpu_affinity: str = setting("", common=True,
+                                help="Linux: run this service's process on these CPUs only, e.g. 0-3,6 (keep render, "
+                                     "derender and a router off the engine core's CPUs: tito_engine/README.md); "
+                                     "default: any", default_text="any CPU")
     # Kubernetes gRPC probes speak neither TLS nor Unix sockets; "" = none.
     health_address: str = setting("", common=True,
                                   help="also serve the gRPC health service alone, in plaintext, here (host:port): "
@@ -92,6 +96,10 @@ class ServerConfig:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port={self.metrics_port} must be a TCP port, 0-65535 (0 = any free port); "
                               f"leave --metrics-port out for no metrics")
+        if self.cpu_affinity:
+            from tito.cpu_affinity import check_cpus, parse_cpu_list
+
+            check_cpus(parse_cpu_list(self.cpu_affinity), "--cpu-affinity")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"log_level={self.log_level!r} must be one of {', '.join(LOG_LEVELS)}")
         self._validate_security()

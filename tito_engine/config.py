@@ -62,6 +62,10 @@ class EngineConfig(ServerConfig):
              "the running decodes (vllm: max_num_batched_tokens)")
     cpu_threads: int | None = setting(None, type=int, default_text="cores - 1, at least 1",
                                       help="torch intra-op threads when running on CPU")
+    core_cpus: str = setting(
+        "auto", help="on CPU, the CPUs of the engine core process: auto = the last --cpu-threads of this process's "
+                     "CPUs (--cpu-affinity), the server keeping the others, when any are left; a list such as 2-7; "
+                     "none = wherever the OS puts it")
     # None: on for the native backend on CPU; the vllm backend refuses the flag either way.
     cpu_packed_linears: bool | None = setting(
         None, type=bool, default_text="on (native backend)",
@@ -105,6 +109,16 @@ class EngineConfig(ServerConfig):
         return SchedulerLimits(max_running_sequences=self.max_running_sequences,
                                max_prefill_tokens=self.max_prefill_tokens_per_step,
                                prefix_caching=self.prefix_caching)
+
+    def core_cpu_plan(self) -> tuple[frozenset[int] | None, frozenset[int] | None]:
+        """(the core process's CPUs, the serving process's CPUs); None where nothing is pinned:
+        only the native backend on CPU with its core in a child process pins anything."""
+        from tito_engine.cpu_runtime import core_cpu_plan
+        from tito_engine.model_runner import choose_device
+
+        if self.backend != "native" or not self.engine_process or choose_device(self.device).type != "cpu":
+            return None, None
+        return core_cpu_plan(self.core_cpus, self.cpu_affinity, self.cpu_threads)
 
     @property
     def packs_linears(self) -> bool:
@@ -160,6 +174,10 @@ class EngineConfig(ServerConfig):
                               f"(default {DEFAULT_MAX_PREFILL_TOKENS})")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads={self.cpu_threads} must be >= 1 (or unset for cores - 1)")
+        if self.core_cpus not in ("auto", "none"):
+            from tito.cpu_affinity import check_cpus, parse_cpu_list
+
+            check_cpus(parse_cpu_list(self.core_cpus, "--core-cpus"), "--core-cpus")
         self._validate_media()
         if not 1 <= self.max_choices_per_request <= self.max_running_sequences:
             raise ConfigError(f"max_choices_per_request={self.max_choices_per_request} must be between 1 "
@@ -175,6 +193,9 @@ class EngineConfig(ServerConfig):
                 raise ConfigError(f"{flag} applies to the native backend only; with --backend vllm size the KV "
                                   f"cache with --kv-cache-bytes or pass vLLM's own arguments after `--` (e.g. "
                                   f"-- --gpu-memory-utilization 0.85)")
+        if self.core_cpus not in ("auto", "none"):
+            raise ConfigError("--core-cpus applies to the native backend only (vLLM binds its own worker threads: "
+                              "VLLM_CPU_OMP_THREADS_BIND); drop the flag")
         if self.cpu_packed_linears is not None:
             raise ConfigError("--cpu-packed-linears / --no-cpu-packed-linears apply to the native backend only "
                               "(vLLM chooses its own CPU kernels); drop the flag")

@@ -6,6 +6,7 @@ Both are process-wide, so they are set once, where the model is loaded (ModelRun
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import platform
@@ -54,3 +55,26 @@ def keep_freed_memory() -> bool:
         return False
     return bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)) and bool(
         mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+
+
+@functools.lru_cache(maxsize=None)
+def core_cpu_plan(core_cpus: str, cpu_affinity: str, cpu_threads: int | None
+                  ) -> tuple[frozenset[int] | None, frozenset[int] | None]:
+    """(the engine core's CPUs, the serving process's CPUs) for `--core-cpus`, within
+    `--cpu-affinity` (default: the CPUs this process may use); None where nothing is pinned.
+    Worked out once per process (cached): the server pins itself by it before it starts the core,
+    which must then get the CPUs of the same plan, not a plan of what the server has left.
+
+    auto: the core takes the last of them, as many as its torch threads (`--cpu-threads`, default
+    all but one), and the server the rest; nothing is pinned when that leaves the server none.
+    A list: the core runs there, the server on the others (or, when none are left, where it is)."""
+    from tito.cpu_affinity import allowed_cpus, parse_cpu_list, split_for_core
+
+    if core_cpus == "none":
+        return None, None
+    base = parse_cpu_list(cpu_affinity) if cpu_affinity else allowed_cpus()
+    if core_cpus == "auto":
+        split = split_for_core(cpu_threads or max(1, len(base) - 1), base)
+        return split if split is not None else (None, None)
+    core = parse_cpu_list(core_cpus, "--core-cpus")
+    return core, (base - core) or None

@@ -350,6 +350,7 @@ class CoreProcessSpec:
     encoder_cache_bytes: int = 0
     exclude_padding_ids: bool = True
     packed_linears: bool = True
+    cpus: frozenset[int] | None = None  # the CPUs the core process runs on (EngineConfig.core_cpu_plan)
 
     @classmethod
     def from_config(cls, config: Any, model_dir: str, kv_cache: Any) -> "CoreProcessSpec":
@@ -358,7 +359,7 @@ class CoreProcessSpec:
                    max_model_len=config.max_model_len, kv_cache=kv_cache, cpu_threads=config.cpu_threads,
                    limits=config.scheduler_limits, log_level=config.log_level,
                    encoder_cache_bytes=config.encoder_cache_bytes, exclude_padding_ids=config.excludes_padding_ids,
-                   packed_linears=config.packs_linears)
+                   packed_linears=config.packs_linears, cpus=config.core_cpu_plan()[0])
 
     def load_runner(self) -> Any:
         """Load the model this spec names (in whichever process hosts the core)."""
@@ -377,6 +378,11 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
     from tito_engine.model_runner import warm_up_or_warn
 
     setup_logging(spec.log_level, "engine")
+    if spec.cpus is not None:  # before torch starts its threads: they inherit it
+        from tito.cpu_affinity import format_cpu_list, run_on
+
+        run_on(spec.cpus)
+        logging.getLogger(__name__).info("engine core process on CPUs %s", format_cpu_list(spec.cpus))
     try:
         runner = spec.load_runner()
     except BaseException as exc:  # noqa: BLE001 - report why the engine could not start

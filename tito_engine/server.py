@@ -128,6 +128,13 @@ async def create_server(config: EngineConfig, phases: StartupPhases | None = Non
 
 
 async def serve(config: EngineConfig, phases: StartupPhases | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, this process on the CPUs the engine core leaves (--core-cpus)."""
+    _, server_cpus = config.core_cpu_plan()
+    if server_cpus is not None:
+        from tito.cpu_affinity import format_cpu_list, run_on
+
+        run_on(server_cpus)
+        log.info("engine server process on CPUs %s", format_cpu_list(server_cpus))
     running = await create_server(config, phases)
     await run_until_signal(running)
 

@@ -1,0 +1,57 @@
+"""`tito serve engine` on CPU (a process, read from /proc): the engine core runs on the last CPU,
+the server (every thread of it) on the others; `--core-cpus none` pins nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tito.cpu_affinity import allowed_cpus, format_cpu_list
+from tito.pipeline import wait_until_serving
+
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(len(allowed_cpus()) < 2 or not Path("/proc/self/task").is_dir(),
+                                 reason="needs Linux and at least 2 CPUs")]
+
+
+def cpus_of_every_thread(pid: int) -> set[str]:
+    lists = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for line in (task / "status").read_text().splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                lists.add(line.split(":", 1)[1].strip())
+    return lists
+
+
+def core_pid(server_pid: int) -> int:
+    children = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if (entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == server_pid
+                    and b"resource_tracker" not in (entry / "cmdline").read_bytes()):  # multiprocessing's helper
+                children.append(int(entry.name))
+        except OSError:  # a process that ended meanwhile
+            pass
+    assert len(children) == 1, children
+    return children[0]
+
+
+@pytest.mark.parametrize("flags, core, server", [
+    ([], format_cpu_list({max(allowed_cpus())}), format_cpu_list(allowed_cpus() - {max(allowed_cpus())})),
+    (["--core-cpus", "none"], format_cpu_list(allowed_cpus()), format_cpu_list(allowed_cpus())),
+])
+def test_the_engine_core_gets_cpus_of_its_own(tiny_text_model, tmp_path, flags, core, server):
+    address = f"unix:{tmp_path / 'engine.sock'}"
+    process = subprocess.Popen([sys.executable, "-m", "tito.cli", "serve", "engine", "--address", address,
+                                "--model", str(tiny_text_model), "--device", "cpu", "--cpu-threads", "1",
+                                "--log-level", "warning", *flags])
+    try:
+        wait_until_serving(address, timeout=120)
+        assert cpus_of_every_thread(process.pid) == {server}
+        assert cpus_of_every_thread(core_pid(process.pid)) == {core}
+    finally:
+        process.terminate()
+        process.wait(30)
