@@ -62,6 +62,11 @@ def wait_until_serving(address: str, service: str = "", timeout: float = 120.0,
     raise TimeoutError(f"{address} did not become SERVING within {timeout:.0f}s (last status: {last})")
 
 
+def _message_limits(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes)]
+
+
 class ChatPipeline:
     """Synchronous client running chats through the three services."""
 
@@ -69,8 +74,7 @@ class ChatPipeline:
                  security: ClientSecurity = ClientSecurity()):
         """`security`: TLS / mutual TLS / bearer token for all three services (tito.security)."""
         self.timeout = timeout
-        options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
+        options = _message_limits(max_message_bytes)
         self._channels = [security.channel(a, options=options)
                           for a in (endpoints.render, endpoints.engine, endpoints.derender)]
         self.render = render_pb2_grpc.RenderServiceStub(self._channels[0])
@@ -144,8 +148,7 @@ class AsyncChatPipeline:
     def __init__(self, endpoints: Endpoints, timeout: float = 300.0, max_message_bytes: int = 64 * 1024 * 1024,
                  security: ClientSecurity = ClientSecurity()):
         self.timeout = timeout
-        options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
+        options = _message_limits(max_message_bytes)
         self._channels = [security.aio_channel(a, options=options)
                           for a in (endpoints.render, endpoints.engine, endpoints.derender)]
         self._metadata = security.call_metadata()
