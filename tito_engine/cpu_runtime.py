@@ -70,7 +70,7 @@ def core_cpu_plan(core_cpus: str, cpu_affinity: str, cpu_threads: int | None
     A list: the core runs there, the server on the others (or, when none are left, where it is)."""
     from tito.cpu_affinity import allowed_cpus, parse_cpu_list, split_for_core
 
-    if core_cpus == "none":
+    if core_cpus == "none" or not hasattr(os, "sched_setaffinity"):  # no affinity on this OS: nothing to pin
         return None, None
     base = parse_cpu_list(cpu_affinity) if cpu_affinity else allowed_cpus()
     if core_cpus == "auto":

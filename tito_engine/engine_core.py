@@ -382,7 +382,7 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
         from tito.cpu_affinity import format_cpu_list, run_on
 
         run_on(spec.cpus)
-        logging.getLogger(__name__).info("engine core process on CPUs %s", format_cpu_list(spec.cpus))
+        log.info("engine core process on CPUs %s", format_cpu_list(spec.cpus))
     try:
         runner = spec.load_runner()
     except BaseException as exc:  # noqa: BLE001 - report why the engine could not start

@@ -41,3 +41,12 @@ def test_engine_cpu_settings_are_checked_at_start_up():
         EngineConfig(backend="vllm", core_cpus="0").validate()
     assert EngineConfig(backend="vllm").core_cpu_plan() == (None, None)
     assert EngineConfig(engine_process=False).core_cpu_plan() == (None, None)
+
+
+def test_nothing_is_pinned_where_the_os_has_no_cpu_affinity(monkeypatch):
+    monkeypatch.delattr("os.sched_setaffinity")
+    core_cpu_plan.cache_clear()  # worked out once per process: forget this test's answer afterwards too
+    try:
+        assert core_cpu_plan("auto", "", None) == (None, None)
+    finally:
+        core_cpu_plan.cache_clear()
