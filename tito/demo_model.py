@@ -529,19 +529,10 @@ def build_demo_model(out_dir: Path) -> Path:
 
 
 def _save(model, out_dir: Path, ids: dict[str, int]) -> None:
+    """The tiny models' checkpoint layout (tiny_models._save_model), with the demo's generation config."""
     import os
 
-    from transformers.utils import logging as hf_logging
-
-    bar_was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(out_dir, safe_serialization=True)
-    finally:
-        if bar_was_enabled:
-            hf_logging.enable_progress_bar()
-    config_path = out_dir / "config.json"
-    tiny_models._write_json(config_path, tiny_models._read_json(config_path))
+    tiny_models._save_model(model, out_dir)
     tiny_models._write_json(out_dir / "generation_config.json", {
         "bos_token_id": ids[PAD_TOKEN], "do_sample": False, "eos_token_id": [ids[EOS_TOKEN], ids[PAD_TOKEN]],
         "pad_token_id": ids[PAD_TOKEN]})
