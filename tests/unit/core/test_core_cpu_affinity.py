@@ -50,3 +50,13 @@ def test_nothing_is_pinned_where_the_os_has_no_cpu_affinity(monkeypatch):
         assert core_cpu_plan("auto", "", None) == (None, None)
     finally:
         core_cpu_plan.cache_clear()
+
+
+def test_packed_linears_are_a_native_setting_passed_to_the_core():
+    from tito_engine.engine_core import CoreProcessSpec
+
+    assert EngineConfig().packs_linears and not EngineConfig(cpu_packed_linears=False).packs_linears
+    spec = CoreProcessSpec.from_config(EngineConfig(cpu_packed_linears=False), "dir", None)
+    assert spec.packed_linears is False
+    with pytest.raises(ConfigError, match="--cpu-packed-linears / --no-cpu-packed-linears apply to the native"):
+        EngineConfig(backend="vllm", cpu_packed_linears=False).validate()
