@@ -22,14 +22,15 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY tito ./tito
-COPY tito_render ./tito_render
-COPY tito_engine ./tito_engine
-COPY tito_derender ./tito_derender
+COPY services ./services
+COPY clients/python ./clients/python
+COPY cli ./cli
+COPY models ./models
 RUN pip install . \
  && python -c "import tito_engine.server, tito_render.server, tito_derender.server"
 # The default model (a tiny one tito builds offline, deterministically) is built now, so the image
 # serves out of the box on a read-only file system.
-RUN TITO_CACHE_DIR=/opt/tito-models python -c "from tito.tiny_models import ensure_model; ensure_model('tiny-qwen2')"
+RUN TITO_CACHE_DIR=/opt/tito-models python -c "from tito_models.tiny import ensure_model; ensure_model('tiny-qwen2')"
 
 # ---------------------------------------------------------------- runtime: no compilers, no sources
 FROM ${PYTHON_IMAGE}

@@ -33,7 +33,7 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tito.tiny_models import TEXT_MODEL, ensure_model  # noqa: E402
+from tito_models.tiny import TEXT_MODEL, ensure_model  # noqa: E402
 from tito.v1 import chat_pb2, derender_pb2, derender_pb2_grpc, engine_pb2  # noqa: E402
 from tito_derender.config import DerenderConfig  # noqa: E402
 from tito_derender.convert import context_from_proto, output_from_proto  # noqa: E402

@@ -40,7 +40,7 @@ tokens of the four setups agree in the first round.
 --pipeline: the native engine server, `tito serve render` and `tito serve derender` (Unix sockets,
 the same model as --vllm); the 32 prompts' words as user turns of chats, rendered once. Measures,
 paired, the engine alone on the rendered GenerateRequests (grpc.aio) and the same chats through
-render -> engine -> derender with tito's asyncio pipeline client (tito.pipeline.AsyncChatPipeline),
+render -> engine -> derender with tito's asyncio pipeline client (tito_client.pipeline.AsyncChatPipeline),
 greedy, ignore_eos. Prints both rows and the ratio pipeline / engine alone (target >= 0.9 at the top
 concurrency).
 
@@ -81,11 +81,11 @@ import grpc
 import torch
 
 from tito.cpu_affinity import allowed_cpus, format_cpu_list, run_on
-from tito.model_paths import resolve_model
-from tito.tiny_models import BENCH_TEXT_MODEL
-from tito.pipeline import AsyncChatPipeline, Endpoints, wait_until_serving
+from tito_models.paths import resolve_model
+from tito_models.tiny import BENCH_TEXT_MODEL
+from tito_client.pipeline import AsyncChatPipeline, Endpoints, wait_until_serving
 from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, render_pb2, render_pb2_grpc, sampling_pb2
-from tito_engine.cpu_runtime import core_cpu_plan
+from tito_engine.model.cpu_runtime import core_cpu_plan
 from tito_engine.limits import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_RUNNING_SEQUENCES
 
 NUM_PROMPTS = 32
@@ -107,7 +107,7 @@ ALL_CPUS = allowed_cpus()
 # The CPUs tito's engine core takes by default (--core-cpus auto) and the ones it leaves: the
 # client (this process, a router's stand-in) and render / derender run on the latter.
 CORE_CPUS, OTHER_CPUS = core_cpu_plan("auto", "", None)
-# vLLM engine arguments tito's engine sets from its own flags (tito_engine/vllm_args.py).
+# vLLM engine arguments tito's engine sets from its own flags (services/engine/tito_engine/vllm/args.py).
 TITO_SETS = {"model", "max_model_len", "max_num_seqs", "enable_prefix_caching", "max_num_batched_tokens",
              "kv_cache_memory_bytes", "generation_config"}
 
@@ -451,7 +451,7 @@ class RenderAndDerender(Setup):
     async def start(self, tmp: str) -> None:
         self.addresses = {name: f"unix:{os.path.join(tmp, f'{name}.sock')}" for name in ("render", "derender")}
         self.processes = [
-            spawn([sys.executable, "-m", "tito.cli", "serve", name, "--address", address,
+            spawn([sys.executable, "-m", "tito_cli", "serve", name, "--address", address,
                    "--model", self.settings.model, "--log-level", "warning", *other_cpus_flag()],
                   os.path.join(tmp, f"{name}.log"))
             for name, address in self.addresses.items()]

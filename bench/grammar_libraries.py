@@ -38,7 +38,7 @@ BATCH = 32
 def _tokenizer():
     from transformers import AutoTokenizer
 
-    from tito.tiny_models import TEXT_MODEL, ensure_model
+    from tito_models.tiny import TEXT_MODEL, ensure_model
 
     return AutoTokenizer.from_pretrained(str(ensure_model(TEXT_MODEL)))
 

@@ -45,8 +45,8 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tito.pipeline import wait_until_serving  # noqa: E402
-from tito.tiny_models import TEXT_MODEL, ensure_model  # noqa: E402
+from tito_client.pipeline import wait_until_serving  # noqa: E402
+from tito_models.tiny import TEXT_MODEL, ensure_model  # noqa: E402
 from tito.v1 import (chat_pb2, engine_pb2, engine_pb2_grpc, render_pb2, render_pb2_grpc,  # noqa: E402
                      sampling_pb2)
 
@@ -86,7 +86,7 @@ def start_service(service: str, model: str, address: str, extra: list[str], coll
     if "--otel" not in extra:  # the endpoint variable alone would turn tracing on
         del environ["OTEL_EXPORTER_OTLP_ENDPOINT"]
     own = ["--no-engine-process", "--device", "cpu", "--cpu-threads", "1"] if service == "engine" else []
-    command = [sys.executable, "-m", "tito.cli", "serve", service, "--address", address, "--model", model,
+    command = [sys.executable, "-m", "tito_cli", "serve", service, "--address", address, "--model", model,
                "--log-level", "warning", *own, *extra]
     return subprocess.Popen(command, env=environ, stdout=subprocess.DEVNULL)
 
@@ -138,7 +138,7 @@ def main() -> int:
 async def observer_cost(messages: int = 32, repeats: int = 3000) -> None:
     """The engine's RequestObserver (metrics on) around a stream of `messages` outputs, in process."""
     from tito.metrics import ServiceMetrics
-    from tito_engine.observe import EngineMetrics, RequestObserver
+    from tito_engine.service.observe import EngineMetrics, RequestObserver
     from tito_engine.request import ChoiceOutput, FinishReason, RequestTimings, Usage
 
     observer = RequestObserver(EngineMetrics(ServiceMetrics("engine"), lambda: None))

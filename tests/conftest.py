@@ -23,10 +23,11 @@ import pytest
 # not in the runtime package; test modules import it by module name.
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
+from source_tree import PACKAGE_ROOTS  # noqa: E402
 from tito.contract import ERROR_REASONS  # noqa: E402
-from tito.demo_model import ensure_demo_model  # noqa: E402
+from tito_models.demo import ensure_demo_model  # noqa: E402
 from tito.errors import TitoError  # noqa: E402
-from tito.tiny_models import (INTERLEAVED_VL_MODEL, LLAMA_MODEL, PADDED_TEXT_MODEL,  # noqa: E402
+from tito_models.tiny import (INTERLEAVED_VL_MODEL, LLAMA_MODEL, PADDED_TEXT_MODEL,  # noqa: E402
                               QWEN2_5_VL_MODEL, QWEN3_MODEL, TEXT_MODEL, TEXT_MODEL_D64, VL_MODEL, ensure_model)
 
 # Every error reason raised in this test process, so the session can fail if one is missing from
@@ -36,8 +37,7 @@ _RAISED_REASONS: set[str] = set()
 _original_error_init = TitoError.__init__
 
 
-_PACKAGE_DIRS = tuple(str(Path(__file__).resolve().parents[1] / name) + os.sep
-                      for name in ("tito", "tito_render", "tito_engine", "tito_derender"))
+_PACKAGE_DIRS = tuple(str(root) + os.sep for root in PACKAGE_ROOTS.values())
 
 
 def _recording_error_init(self, message, *, reason, **kwargs):

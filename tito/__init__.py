@@ -1,8 +1,9 @@
-"""tito: token-in/token-out LLM serving as three gRPC services (render, engine, derender).
+"""tito's common runtime: what the three services share and nothing else.
 
-This package holds the contract's generated stubs (`tito.v1`) and the small core the three
-services share: tensor codec, errors and their gRPC mapping, server bootstrap, config and
-logging helpers, the tiny model builder, and the `tito` command.
+The contract's generated stubs (`tito.v1`), the tensor codec, errors and their one gRPC mapping,
+server bootstrap (health, reflection, limits, shutdown), typed settings, security, metrics,
+tracing and logging. It imports no service, client or model builder: those sit above it
+(services/, clients/python/, cli/, models/).
 """
 
 __version__ = "0.1.0"

@@ -41,9 +41,9 @@ def validate_address(address: str, what: str = "address") -> None:
 class ServerConfig:
     """What every tito server needs: where to listen, message limits, shutdown grace, logging, and
     who may call (tito.security: TLS, mutual TLS, a bearer token). Each field's flag, help and
-    default are declared here once (tito.settings); `tito.cli` adds them to every service."""
+    default are declared here once (tito.settings); `tito_cli.main` adds them to every service."""
 
-    # Each service's command line defaults to its own port (tito.cli.DEFAULT_ADDRESSES).
+    # Each service's command line defaults to its own port (tito_cli.main.DEFAULT_ADDRESSES).
     address: str = setting("127.0.0.1:0", common=True,
                            help="host:port (port 0 = any free port) or unix:/path/to.sock")
     max_message_bytes: int = setting(DEFAULT_MAX_MESSAGE_BYTES, common=True,
@@ -72,7 +72,7 @@ class ServerConfig:
                               "when OTEL_TRACES_EXPORTER or OTEL_EXPORTER_OTLP_ENDPOINT is set")
     cpu_affinity: str = setting("", common=True,
                                 help="Linux: run this service's process on these CPUs only, e.g. 0-3,6 (keep render, "
-                                     "derender and a router off the engine core's CPUs: tito_engine/README.md); "
+                                     "derender and a router off the engine core's CPUs: services/engine/README.md); "
                                      "default: any", default_text="any CPU")
     # Kubernetes gRPC probes speak neither TLS nor Unix sockets; "" = none.
     health_address: str = setting("", common=True,

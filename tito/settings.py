@@ -51,7 +51,7 @@ class Setting:
     exclusive: str | None = None
     default_text: str | None = None
     metavar: str | None = None
-    #: Common to every service: `tito.cli.add_common_arguments` adds it, the service's own
+    #: Common to every service: `tito_cli.main.add_common_arguments` adds it, the service's own
     #: `add_arguments` does not.
     common: bool = False
     deprecated_flag: str | None = None

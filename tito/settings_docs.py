@@ -18,7 +18,7 @@ import re
 from tito.settings import declared, variable_of
 
 #: The documents with flag tables, relative to the repository root.
-DOCUMENTS = ("tito_engine/README.md", "tito_render/README.md", "tito_derender/README.md", "docs/deploy.md")
+DOCUMENTS = ("services/engine/README.md", "services/render/README.md", "services/derender/README.md", "docs/deploy.md")
 _TABLE = re.compile(r"(<!-- flags: ([\w.]+)(?: (own|common))? -->\n)(.*?)(<!-- /flags -->)", re.S)
 
 

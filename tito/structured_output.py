@@ -8,7 +8,7 @@ INVALID_STRUCTURED_OUTPUT, the field, and the grammar compiler's own message.
 
 The grammar is xgrammar's (imported lazily: only constrained requests pay for it). Building it
 needs no tokenizer, so checking is cheap; the engine compiles it against its vocabulary later
-(tito_engine/constraints.py).
+(services/engine/tito_engine/model/constraints.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tito.pipeline import ChatPipeline, Endpoints
+from tito_client.pipeline import ChatPipeline, Endpoints
 from tito.v1 import derender_pb2, engine_pb2, render_pb2
 
 

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tito.cli import SERVICES, spawn_all, stop_all
-from tito.pipeline import wait_until_serving
+from tito_cli.main import SERVICES, spawn_all, stop_all
+from tito_client.pipeline import wait_until_serving
 
 
 @contextmanager

@@ -15,8 +15,8 @@ import sys
 import pytest
 from google.protobuf import json_format
 
-from tito import demo_model as demo
-from tito.pipeline import ChatPipeline, Endpoints
+from tito_models import demo
+from tito_client.pipeline import ChatPipeline, Endpoints
 from tito.v1 import chat_pb2, engine_pb2, render_pb2
 
 from service_processes import running_services
@@ -108,7 +108,7 @@ def test_tito_chat_prints_thinking_and_tool_calls_distinctly(services, tmp_path)
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps([demo.WEATHER_TOOL]))
     result = subprocess.run(
-        [sys.executable, "-m", "tito.cli", "chat", "What is the weather in Paris?", "--tools", str(tools),
+        [sys.executable, "-m", "tito_cli", "chat", "What is the weather in Paris?", "--tools", str(tools),
          "--render", services["render"], "--engine", services["engine"], "--derender", services["derender"]],
         capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -121,7 +121,7 @@ def test_tito_chat_prints_thinking_and_tool_calls_distinctly(services, tmp_path)
 def test_quick_start_chat_answers_about_its_generated_image(demo_model, model_cache):
     """`tito chat "Hello! What can you do?"` as the README runs it: its own services, tito-demo, a red square."""
     env = dict(os.environ, TITO_CACHE_DIR=str(model_cache))  # the session's build, not a second one
-    result = subprocess.run([sys.executable, "-m", "tito.cli", "chat", "Hello! What can you do?"],
+    result = subprocess.run([sys.executable, "-m", "tito_cli", "chat", "Hello! What can you do?"],
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
     assert "red square" in result.stderr

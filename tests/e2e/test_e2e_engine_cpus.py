@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tito.cpu_affinity import allowed_cpus, format_cpu_list
-from tito.pipeline import wait_until_serving
+from tito_client.pipeline import wait_until_serving
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(len(allowed_cpus()) < 2 or not Path("/proc/self/task").is_dir(),
@@ -45,7 +45,7 @@ def core_pid(server_pid: int) -> int:
 ])
 def test_the_engine_core_gets_cpus_of_its_own(tiny_text_model, tmp_path, flags, core, server):
     address = f"unix:{tmp_path / 'engine.sock'}"
-    process = subprocess.Popen([sys.executable, "-m", "tito.cli", "serve", "engine", "--address", address,
+    process = subprocess.Popen([sys.executable, "-m", "tito_cli", "serve", "engine", "--address", address,
                                 "--model", str(tiny_text_model), "--device", "cpu", "--cpu-threads", "1",
                                 "--log-level", "warning", *flags])
     try:

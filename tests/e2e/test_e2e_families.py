@@ -15,7 +15,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from tito import tensors
-from tito.pipeline import ChatPipeline, Endpoints
+from tito_client.pipeline import ChatPipeline, Endpoints
 from tito.v1 import chat_pb2, derender_pb2, multimodal_pb2, render_pb2
 
 from chat_checks import assert_chat_is_hf_greedy

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tito.cli import SERVICES
+from tito_cli.main import SERVICES
 from tito.v1 import (chat_pb2, derender_pb2, derender_pb2_grpc, engine_pb2, engine_pb2_grpc, render_pb2,
                      render_pb2_grpc)
 

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from tito.pipeline import ChatPipeline, Endpoints
+from tito_client.pipeline import ChatPipeline, Endpoints
 from tito.v1 import chat_pb2, render_pb2
 
 from service_processes import running_services

@@ -18,7 +18,7 @@ from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from tito import tensors
 from tito.grpc_errors import error_details
-from tito.pipeline import ChatPipeline, Endpoints
+from tito_client.pipeline import ChatPipeline, Endpoints
 from tito.v1 import chat_pb2, engine_pb2, render_pb2
 
 from service_processes import running_services
@@ -109,7 +109,7 @@ def test_engine_refuses_tampered_features_and_keeps_serving(services):
 
 def _tito_chat(services, *extra: str) -> str:
     result = subprocess.run(
-        [sys.executable, "-m", "tito.cli", "chat", "What colour is this?", *extra, "--max-tokens", "8",
+        [sys.executable, "-m", "tito_cli", "chat", "What colour is this?", *extra, "--max-tokens", "8",
          "--render", services["render"], "--engine", services["engine"], "--derender", services["derender"]],
         capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

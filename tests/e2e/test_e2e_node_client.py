@@ -13,7 +13,7 @@ import subprocess
 import pytest
 from PIL import Image
 
-from tito.pipeline import ChatPipeline, Endpoints
+from tito_client.pipeline import ChatPipeline, Endpoints
 from tito.v1 import chat_pb2, render_pb2
 
 from node_project import NODE_DIR, ensure_installed, run_tool

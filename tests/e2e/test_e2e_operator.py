@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tito.pipeline import wait_until_serving
+from tito_client.pipeline import wait_until_serving
 from tito.v1 import engine_pb2, engine_pb2_grpc
 
 pytestmark = pytest.mark.e2e
@@ -26,7 +26,7 @@ FORMS = ("render", "engine", "derender", "all")
 
 def serve(form: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> tuple[int, list[str]]:
     """Run `tito serve FORM ARGS` to its exit; its status and its stderr lines other than log lines."""
-    command = [sys.executable, "-m", "tito.cli", "serve", form, "--log-level", "warning", *args]
+    command = [sys.executable, "-m", "tito_cli", "serve", form, "--log-level", "warning", *args]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                             env={**os.environ, **(env or {})})
     return result.returncode, [line for line in result.stderr.splitlines() if line.strip()]
@@ -112,7 +112,7 @@ def test_a_bad_variable_is_one_line_naming_it():
 
 
 def _start_engine(model: Path, address: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tito.cli", "serve", "engine", "--address", address,
+    return subprocess.Popen([sys.executable, "-m", "tito_cli", "serve", "engine", "--address", address,
                              "--model", str(model), "--log-level", "info", *args],
                             stderr=subprocess.PIPE, text=True)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tito.pipeline import wait_until_serving
+from tito_client.pipeline import wait_until_serving
 
 pytestmark = pytest.mark.e2e
 
@@ -50,7 +50,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def ports(tiny_text_model):
     ports = {name: _free_port() for name in README_PORTS}
-    process = subprocess.Popen([sys.executable, "-m", "tito.cli", "serve", "all", "--model", str(tiny_text_model),
+    process = subprocess.Popen([sys.executable, "-m", "tito_cli", "serve", "all", "--model", str(tiny_text_model),
                                 "--log-level", "warning",
                                 *(f"--{name}-address=127.0.0.1:{port}" for name, port in ports.items())], cwd=ROOT)
     try:

@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from tito.grpc_errors import error_details
-from tito.pipeline import wait_until_serving
+from tito_client.pipeline import wait_until_serving
 from tito.v1 import chat_pb2, render_pb2, render_pb2_grpc
 from tito_render.server import RENDER_THREADS
 
@@ -33,7 +33,7 @@ RUNAWAY = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{
 @pytest.fixture(scope="module")
 def render_process(tiny_text_model, tmp_path_factory):
     address = f"unix:{tmp_path_factory.mktemp('render') / 'render.sock'}"
-    process = subprocess.Popen([sys.executable, "-m", "tito.cli", "serve", "render", "--address", address,
+    process = subprocess.Popen([sys.executable, "-m", "tito_cli", "serve", "render", "--address", address,
                                 "--model", str(tiny_text_model), "--log-level", "warning",
                                 "--max-template-seconds", "2"])
     try:

@@ -9,7 +9,7 @@ import sys
 import grpc
 import pytest
 
-from tito.pipeline import ChatPipeline, Endpoints, wait_until_serving
+from tito_client.pipeline import ChatPipeline, Endpoints, wait_until_serving
 from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, render_pb2
 
 from chat_checks import assert_chat_is_hf_greedy
@@ -63,7 +63,7 @@ def test_engine_rejects_out_of_vocab_then_serves(services):
 def test_tito_chat_command_prints_a_streamed_answer(services):
     addresses, _ = services
     result = subprocess.run(
-        [sys.executable, "-m", "tito.cli", "chat", "Hello there", "--max-tokens", "12",
+        [sys.executable, "-m", "tito_cli", "chat", "Hello there", "--max-tokens", "12",
          "--render", addresses["render"], "--engine", addresses["engine"], "--derender", addresses["derender"]],
         capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -86,7 +86,7 @@ def test_tito_chat_json_schema_answers_with_json_that_validates(services, tmp_pa
     result = subprocess.run(
         # Thinking off: with it on, the structure starts after the reasoning, which a random model
         # may never close.
-        [sys.executable, "-m", "tito.cli", "chat", "Weather?", "--max-tokens", "120", "--no-thinking",
+        [sys.executable, "-m", "tito_cli", "chat", "Weather?", "--max-tokens", "120", "--no-thinking",
          "--json-schema", str(schema_file), "--render", addresses["render"], "--engine", addresses["engine"],
          "--derender", addresses["derender"]],
         capture_output=True, text=True, timeout=120)
@@ -98,7 +98,7 @@ def test_tito_chat_json_schema_answers_with_json_that_validates(services, tmp_pa
 
 def test_sigterm_shuts_down_gracefully(tiny_text_model, tmp_path):
     address = f"unix:{tmp_path / 'derender.sock'}"
-    process = subprocess.Popen([sys.executable, "-m", "tito.cli", "serve", "derender", "--address", address,
+    process = subprocess.Popen([sys.executable, "-m", "tito_cli", "serve", "derender", "--address", address,
                                 "--model", str(tiny_text_model), "--log-level", "info"],
                                stderr=subprocess.PIPE, text=True)
     try:

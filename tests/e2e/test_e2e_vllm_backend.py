@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tito.cli import SERVICES, stop_all
+from tito_cli.main import SERVICES, stop_all
 from tito.v1 import chat_pb2
 
 from chat_checks import assert_chat_is_hf_greedy

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tito.config import ConfigError
 from tito.grpc_errors import error_details
-from tito.pipeline import AsyncChatPipeline, ChatPipeline, Endpoints
+from tito_client.pipeline import AsyncChatPipeline, ChatPipeline, Endpoints
 from tito.security import ClientSecurity
 from tito.v1 import chat_pb2, derender_pb2, derender_pb2_grpc, engine_pb2, engine_pb2_grpc, render_pb2
 from tito_derender.config import DerenderConfig

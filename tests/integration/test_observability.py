@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from tito import tracing
-from tito.pipeline import ChatPipeline, Endpoints
+from tito_client.pipeline import ChatPipeline, Endpoints
 from tito.v1 import chat_pb2, derender_pb2, derender_pb2_grpc, engine_pb2, render_pb2, render_pb2_grpc
 from tito_derender.config import DerenderConfig
 from tito_derender.server import create_server as create_derender

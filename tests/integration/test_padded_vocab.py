@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from tito.pipeline import ChatPipeline, Endpoints
-from tito.tiny_models import PADDED_VOCAB_ROWS
+from tito_client.pipeline import ChatPipeline, Endpoints
+from tito_models.tiny import PADDED_VOCAB_ROWS
 from tito.v1 import chat_pb2, engine_pb2, render_pb2
 from tito_derender.config import DerenderConfig
 from tito_derender.server import create_server as create_derender

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from tito.grpc_errors import error_details
-from tito.pipeline import AsyncChatPipeline, ChatPipeline, Endpoints
+from tito_client.pipeline import AsyncChatPipeline, ChatPipeline, Endpoints
 from tito.v1 import chat_pb2, derender_pb2, engine_pb2, engine_pb2_grpc, render_pb2
 from tito_derender.config import DerenderConfig
 from tito_derender.server import create_server as create_derender

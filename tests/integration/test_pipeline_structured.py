@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 from google.protobuf import struct_pb2
 
-from tito.pipeline import ChatPipeline, Endpoints
+from tito_client.pipeline import ChatPipeline, Endpoints
 from tito.v1 import chat_pb2, engine_pb2, render_pb2
 from tito_derender.config import DerenderConfig
 from tito_derender.server import create_server as create_derender

@@ -26,11 +26,11 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m tito.cli serve render ...` with its stderr collected line by line."""
+    """`python -m tito_cli serve render ...` with its stderr collected line by line."""
 
     def __init__(self, *args: str) -> None:
         self.lines: list[str] = []
-        self.process = subprocess.Popen([sys.executable, "-m", "tito.cli", "serve", "render", *args],
+        self.process = subprocess.Popen([sys.executable, "-m", "tito_cli", "serve", "render", *args],
                                         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -127,7 +127,7 @@ def test_a_taken_port_is_one_line_before_any_worker_starts():
 
 
 def test_workers_need_a_fixed_tcp_port():
-    result = subprocess.run([sys.executable, "-m", "tito.cli", "serve", "render", "--workers", "2",
+    result = subprocess.run([sys.executable, "-m", "tito_cli", "serve", "render", "--workers", "2",
                              "--address", "127.0.0.1:0"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "fixed port" in result.stderr
 

@@ -1,6 +1,6 @@
 """Offline tokenizers of the model families with their own tool-call markup, for tests.
 
-Each is the tiny models' byte-level BPE (:func:`tito.tiny_models.train_bpe`: ids 0..999) plus the
+Each is the tiny models' byte-level BPE (:func:`tito_models.tiny.train_bpe`: ids 0..999) plus the
 family's real added tokens, in the family's order and with its special / not-special flags, and
 the family's real chat template (:mod:`tito_render.templates`). The ids of the added tokens are
 not the real ones (they start at 1000; the real vocabularies are 100k+ tokens), but their text
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tito.tiny_models import _write_text, build_cached, train_bpe
+from tito_models.tiny import _write_text, build_cached, train_bpe
 
 #: Bump whenever the produced bytes change, so cached copies are rebuilt.
 VERSION = "v1"

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tito.tiny_models import (IMAGE_BEGIN_TOKEN, IMAGE_END_TOKEN, IMAGE_SOFT_TOKEN, INTERLEAVED_SPAN_SEPARATOR,
+from tito_models.tiny import (IMAGE_BEGIN_TOKEN, IMAGE_END_TOKEN, IMAGE_SOFT_TOKEN, INTERLEAVED_SPAN_SEPARATOR,
                               INTERLEAVED_TOKENS_PER_IMAGE, _interleaved_token_ids)
 
 

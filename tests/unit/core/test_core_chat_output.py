@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from tito.chat_output import DIM, RESET, ChatPrinter
+from tito_client.chat_output import DIM, RESET, ChatPrinter
 from tito.v1 import derender_pb2, engine_pb2
 
 
@@ -55,7 +55,7 @@ def test_plain_content_prints_as_before():
 
 
 def test_tito_chat_refuses_a_tools_file_that_is_not_a_list_of_tools(tmp_path, capsys):
-    from tito.cli import main
+    from tito_cli.main import main
 
     bad = tmp_path / "tools.json"
     bad.write_text('{"type": "function"}')

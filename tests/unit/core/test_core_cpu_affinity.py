@@ -7,7 +7,7 @@ import pytest
 from tito.config import ConfigError
 from tito.cpu_affinity import format_cpu_list, parse_cpu_list, split_for_core
 from tito_engine.config import EngineConfig
-from tito_engine.cpu_runtime import core_cpu_plan
+from tito_engine.model.cpu_runtime import core_cpu_plan
 
 
 def test_cpu_lists_read_and_write_as_the_kernel_writes_them():
@@ -53,7 +53,7 @@ def test_nothing_is_pinned_where_the_os_has_no_cpu_affinity(monkeypatch):
 
 
 def test_packed_linears_are_a_native_setting_passed_to_the_core():
-    from tito_engine.engine_core import CoreProcessSpec
+    from tito_engine.core.engine_core import CoreProcessSpec
 
     assert EngineConfig().packs_linears and not EngineConfig(cpu_packed_linears=False).packs_linears
     spec = CoreProcessSpec.from_config(EngineConfig(cpu_packed_linears=False), "dir", None)

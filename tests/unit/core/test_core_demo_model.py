@@ -10,8 +10,8 @@ import json
 import pytest
 from google.protobuf import json_format
 
-from tito import demo_model as demo
-from tito.model_paths import TINY_MODELS, resolve_model
+from tito_models import demo
+from tito_models.paths import TINY_MODELS, resolve_model
 from tito.v1 import chat_pb2, render_pb2
 
 

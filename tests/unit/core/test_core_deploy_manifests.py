@@ -15,14 +15,14 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tito import cli
+from tito_cli import main as cli
 from tito.env_flags import apply_env, env_variables
 
 REPO = Path(__file__).resolve().parents[3]
 KUBERNETES = REPO / "deploy" / "kubernetes"
 KUBERNETES_VERSION = "1.33.0"  # native sidecars and gRPC probes are GA; keep docs/deploy.md in step
 KUSTOMIZATIONS = sorted(path.parent for path in KUBERNETES.rglob("kustomization.yaml"))
-#: TITO_* variables that are not flags (read by tito.tiny_models: where tiny models are built).
+#: TITO_* variables that are not flags (read by tito_models.tiny: where tiny models are built).
 NON_FLAG_VARIABLES = {"TITO_CACHE_DIR"}
 _KNOWN_KEYS = {"apiVersion", "kind", "resources", "images", "patches"}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tito import cli
+from tito_cli import main as cli
 from tito.config import ConfigError
 from tito.env_flags import apply_env, env_variables
 

@@ -11,15 +11,13 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from source_tree import PACKAGE_ROOTS, ROOT
 from tito.contract import ERROR_REASONS
-
-ROOT = Path(__file__).resolve().parents[3]
-PACKAGES = ("tito", "tito_render", "tito_engine", "tito_derender")
 
 
 def _sources() -> dict[Path, ast.Module]:
     return {path: ast.parse(path.read_text())
-            for package in PACKAGES for path in (ROOT / package).rglob("*.py")
+            for root in PACKAGE_ROOTS.values() for path in root.rglob("*.py")
             if "v1" not in path.relative_to(ROOT).parts}
 
 

@@ -79,7 +79,7 @@ def test_a_caller_request_id_cannot_forge_or_bloat_log_lines():
 
 def test_every_service_answers_still_loading_the_same_way():
     from tito_derender.servicer import DerenderServicer
-    from tito_engine.servicer import EngineServicer
+    from tito_engine.service.servicer import EngineServicer
     from tito_render.server import _LazyServicer
 
     for not_ready in (lambda: DerenderServicer().tokenizer, lambda: EngineServicer()._engine,

@@ -59,7 +59,7 @@ def test_with_both_off_neither_library_is_imported():
     """The servers, the pipeline client and the domain modules import neither prometheus_client
     nor opentelemetry until metrics or tracing is turned on."""
     code = ("import sys\n"
-            "import tito.serving, tito.pipeline, tito.cli\n"
+            "import tito.serving, tito_client.pipeline, tito_cli.main\n"
             "import tito_render.server, tito_engine.server, tito_derender.server\n"
             "loaded = sorted(name for name in sys.modules if name.split('.')[0] in "
             "('prometheus_client', 'opentelemetry'))\n"

@@ -2,27 +2,20 @@
 (a wheel) carries the same code the tests ran against."""
 
 import tomllib
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+from source_tree import PACKAGE_ROOTS, ROOT
 
-
-# Every top-level package lives in the folder named after it (no package-dir mapping), so the
-# folder a file sits in says what imports it.
-TOP_LEVEL = ("tito", "tito_render", "tito_engine", "tito_derender")
+TOP_LEVEL = tuple(PACKAGE_ROOTS)
 
 
-def _declared() -> set[str]:
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert "package-dir" not in config, "packages live in folders named after them"
-    return set(config["packages"])
+def _config() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
 
 
 def test_every_package_directory_is_declared():
-    packages = _declared()
-    roots = {name: ROOT / name for name in TOP_LEVEL}
+    packages = set(_config()["packages"])
     found = set()
-    for name, root in roots.items():
+    for name, root in PACKAGE_ROOTS.items():
         for init in root.rglob("__init__.py"):
             if "__pycache__" in init.parts:
                 continue
@@ -36,8 +29,15 @@ def test_one_import_style():
     relative = [
         f"{path.relative_to(ROOT)}:{number}"
         for name in TOP_LEVEL
-        for path in (ROOT / name).rglob("*.py")
+        for path in PACKAGE_ROOTS[name].rglob("*.py")
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if line.lstrip().startswith("from .")
     ]
     assert not relative, relative
+
+
+def test_each_top_level_package_is_mapped_to_its_folder():
+    """The wheel takes each package from the folder the tree keeps it in (services/, clients/, ...)."""
+    mapping = _config().get("package-dir", {})
+    for name, root in PACKAGE_ROOTS.items():
+        assert ROOT / mapping.get(name, name) == root, name

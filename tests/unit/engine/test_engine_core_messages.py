@@ -6,7 +6,7 @@ import pickle
 import pytest
 
 from tito.errors import InvalidArgument
-from tito_engine.core_messages import (AbortRequest, AddRequest, CoreFailed, CoreLoad, CoreStopped, EncodeResult,
+from tito_engine.core.messages import (AbortRequest, AddRequest, CoreFailed, CoreLoad, CoreStopped, EncodeResult,
                                        StepBatch, StopCore)
 from tito_engine.request import ChoiceOutput, SamplingOptions
 

@@ -12,7 +12,7 @@ import pytest
 # In a fresh process: the allocator's state in this test process depends on every earlier test.
 FREE_THEN_KEEPCOST = textwrap.dedent("""
     import ctypes, sys
-    from tito_engine.cpu_runtime import keep_freed_memory
+    from tito_engine.model.cpu_runtime import keep_freed_memory
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in (

@@ -19,10 +19,10 @@ from transformers import AutoConfig
 
 from tito import signing, tensors
 from tito.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, TitoError
-from tito.tiny_models import INTERLEAVED_VL_MODEL, TEXT_MODEL, ensure_model
+from tito_models.tiny import INTERLEAVED_VL_MODEL, TEXT_MODEL, ensure_model
 from tito.v1 import multimodal_pb2, tensor_pb2
-from tito_engine.encoder_cache import CacheKey, EncoderCache
-from tito_engine.features import (
+from tito_engine.multimodal.encoder_cache import CacheKey, EncoderCache
+from tito_engine.multimodal.features import (
     FeaturePolicy,
     content_digest,
     multimodal_spec_from_config,

@@ -8,9 +8,9 @@ positions, each equal to HF's language model given the same inputs_embeds and po
 import pytest
 import torch
 
-from tito_engine.forward import MultiModalPrefill, RowInput
-from tito_engine.kv_cache import BlockAllocator, blocks_for_tokens
-from tito_engine.model_runner import KVCacheSpec, ModelRunner
+from tito_engine.model.forward import MultiModalPrefill, RowInput
+from tito_engine.model.kv_cache import BlockAllocator, blocks_for_tokens
+from tito_engine.model.runner import KVCacheSpec, ModelRunner
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
@@ -125,8 +125,8 @@ def test_qwen2_sliding_window_layers_equal_hf(tiny_text_model):
     # same masks the Gemma3 family uses; prefill in chunks longer than the window, then decode.
     from transformers import AutoConfig, Qwen2ForCausalLM
 
-    from tito_engine.forward import BatchedDecoder
-    from tito_engine.kv_cache import KVLayout, PagedKVCache
+    from tito_engine.model.forward import BatchedDecoder
+    from tito_engine.model.kv_cache import KVLayout, PagedKVCache
 
     config = AutoConfig.from_pretrained(tiny_text_model)
     config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 6, 1

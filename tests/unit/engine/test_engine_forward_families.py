@@ -18,10 +18,10 @@ import torch
 from transformers import (AutoModelForCausalLM, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2_5_VLForConditionalGeneration)
 
-from tito_engine import vision
-from tito_engine.families import FULL, SLIDING, Qwen3Family, QwenFamily, family_for
-from tito_engine.forward import BatchedDecoder, MultiModalPrefill, RowInput
-from tito_engine.kv_cache import KVLayout, PagedKVCache
+from tito_engine.multimodal import vision
+from tito_engine.model.families import FULL, SLIDING, Qwen3Family, QwenFamily, family_for
+from tito_engine.model.forward import BatchedDecoder, MultiModalPrefill, RowInput
+from tito_engine.model.kv_cache import KVLayout, PagedKVCache
 
 ATOL = 1e-5
 BLOCK = 4

@@ -18,10 +18,10 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 
-from tito_engine import vision
-from tito_engine.families import FULL, SLIDING, Gemma3Family, QwenFamily, spans_of_runs
-from tito_engine.forward import BatchedDecoder, MultiModalPrefill, RowInput, chunk_boundaries_ok, fit_chunk_end
-from tito_engine.kv_cache import KVLayout, PagedKVCache
+from tito_engine.multimodal import vision
+from tito_engine.model.families import FULL, SLIDING, Gemma3Family, QwenFamily, spans_of_runs
+from tito_engine.model.forward import BatchedDecoder, MultiModalPrefill, RowInput, chunk_boundaries_ok, fit_chunk_end
+from tito_engine.model.kv_cache import KVLayout, PagedKVCache
 
 BOI, EOI, SOFT = 1013, 1014, 1015
 ATOL = 1e-5

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tito_engine.linear import PACKED_MIN_MACS, Linear, can_pack, pack_linears
+from tito_engine.model.linear import PACKED_MIN_MACS, Linear, can_pack, pack_linears
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.empty(1)), reason="this torch build has no packed linears")
 
@@ -37,8 +37,8 @@ def test_an_unpacked_linear_is_f_linear():
 
 
 def test_the_forward_gives_the_same_greedy_tokens_packed_or_not(tiny_text_model_d64):
-    from tito_engine.forward import RowInput
-    from tito_engine.model_runner import ModelRunner
+    from tito_engine.model.forward import RowInput
+    from tito_engine.model.runner import ModelRunner
 
     runners = [ModelRunner(tiny_text_model_d64, model_id="m", device="cpu", packed_linears=packed)
                for packed in (False, True)]

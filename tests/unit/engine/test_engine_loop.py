@@ -6,11 +6,11 @@ import pytest
 
 from tito.config import ConfigError
 from tito.errors import InvalidArgument
-from tito_engine.admission import Admission
+from tito_engine.service.admission import Admission
 from tito_engine.config import EngineConfig
-from tito_engine.engine import Engine
+from tito_engine.core.engine import Engine
 from tito_engine.limits import SchedulerLimits
-from tito_engine.model_runner import ModelRunner
+from tito_engine.model.runner import ModelRunner
 from tito_engine.request import FinishReason, GenerateInput, RawSamplingParams
 
 
@@ -131,7 +131,7 @@ def test_an_unexpected_engine_error_fails_live_requests_and_the_engine_recovers(
 
 
 def test_outputs_that_piled_up_are_merged_per_choice():
-    from tito_engine.engine import _merge_per_choice
+    from tito_engine.core.engine import _merge_per_choice
     from tito_engine.request import ChoiceOutput, Usage
 
     items = [ChoiceOutput(0, (1,)), ChoiceOutput(1, (7,)), ChoiceOutput(0, (2,)),
@@ -144,8 +144,8 @@ def test_outputs_that_piled_up_are_merged_per_choice():
 
 
 def test_core_honours_an_abort_that_overtakes_its_add(runner):
-    from tito_engine.core_messages import AbortRequest, AddRequest
-    from tito_engine.engine_core import EngineCore
+    from tito_engine.core.messages import AbortRequest, AddRequest
+    from tito_engine.core.engine_core import EngineCore
     from tito_engine.request import SamplingOptions
 
     core = EngineCore(runner, SchedulerLimits(max_running_sequences=4, max_prefill_tokens=64))
@@ -159,7 +159,7 @@ def test_core_honours_an_abort_that_overtakes_its_add(runner):
 
 
 def test_core_refuses_a_command_it_does_not_know(runner):
-    from tito_engine.engine_core import EngineCore
+    from tito_engine.core.engine_core import EngineCore
 
     core = EngineCore(runner, SchedulerLimits(max_running_sequences=4, max_prefill_tokens=64))
     with pytest.raises(TypeError, match="unknown core command"):
@@ -173,7 +173,7 @@ def test_load_reports_kv_blocks(engine, runner):
 
 
 def test_loop_channel_hands_over_once_in_flight_and_drops_for_closed_loops():
-    from tito_engine.engine import _LoopChannel
+    from tito_engine.core.engine import _LoopChannel
 
     loop = asyncio.new_event_loop()
     got = []

@@ -16,11 +16,11 @@ from tito.config import ConfigError
 from tito.errors import FailedPrecondition, FieldViolation, InvalidArgument
 from tito.v1 import chat_pb2, engine_pb2, multimodal_pb2, render_pb2
 from tito_engine.config import EngineConfig
-from tito_engine.engine import Engine
-from tito_engine.features import FeaturePolicy, resolve_cached, validate_mm_features, validate_structure
-from tito_engine.model_runner import KVCacheSpec, ModelRunner
-from tito_engine.admission import Admission
-from tito_engine.servicer import generate_input_from_proto
+from tito_engine.core.engine import Engine
+from tito_engine.multimodal.features import FeaturePolicy, resolve_cached, validate_mm_features, validate_structure
+from tito_engine.model.runner import KVCacheSpec, ModelRunner
+from tito_engine.service.admission import Admission
+from tito_engine.service.servicer import generate_input_from_proto
 from tito_render.config import RenderConfig
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from tito_engine.observe import RequestObserver
+from tito_engine.service.observe import RequestObserver
 from tito_engine.request import ChoiceOutput, FinishReason, RequestTimings, Usage
-from tito_engine.vllm_inputs import request_timings
+from tito_engine.vllm.inputs import request_timings
 
 
 class _Recorder:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tito.tiny_models import PADDED_VOCAB_ROWS
-from tito_engine.model_runner import ModelRunner, padding_mask
+from tito_models.tiny import PADDED_VOCAB_ROWS
+from tito_engine.model.runner import ModelRunner, padding_mask
 from tito_engine.request import SamplingOptions, Sequence
-from tito_engine.sampler import SampleRow, make_generator, mask_logits, sample_batch
+from tito_engine.model.sampler import SampleRow, make_generator, mask_logits, sample_batch
 
 TOKENS = 1013
 

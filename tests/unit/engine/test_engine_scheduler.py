@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tito_engine.limits import SchedulerLimits
-from tito_engine.model_runner import KVCacheSpec, ModelRunner
+from tito_engine.model.runner import KVCacheSpec, ModelRunner
 from tito_engine.request import FinishReason, Request, SamplingOptions
-from tito_engine.scheduler import Scheduler, run_step
+from tito_engine.scheduling.scheduler import Scheduler, run_step
 
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300, 400, 500, 17], [42]]
 
@@ -313,7 +313,7 @@ def test_prefix_cache_under_eviction_pressure(tiny_cache_runner):
 def test_each_finished_request_logs_one_line_with_its_timings(runner, caplog):
     scheduler = scheduler_over(runner, max_running_sequences=8)
     request = make(PROMPTS[1], max_tokens=5, ignore_eos=True)
-    with caplog.at_level("INFO", logger="tito_engine.scheduler"):
+    with caplog.at_level("INFO", logger="tito_engine.scheduling.scheduler"):
         run(scheduler, [request])
     lines = [record for record in caplog.records if record.getMessage().startswith("finished:")]
     assert len(lines) == 1 and lines[0].request_id == "r"

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from tito_engine.kv_cache import KVLayout, PagedKVCache
+from tito_engine.model.kv_cache import KVLayout, PagedKVCache
 from tito_engine.limits import SchedulerLimits
-from tito_engine.plan import SampledTokens, StepPlan
+from tito_engine.scheduling.plan import SampledTokens, StepPlan
 from tito_engine.request import FinishReason, Request, SamplingOptions
-from tito_engine.scheduler import Scheduler, run_step
+from tito_engine.scheduling.scheduler import Scheduler, run_step
 
 EOS = 1
 

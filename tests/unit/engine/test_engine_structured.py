@@ -12,11 +12,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from tito.errors import InvalidArgument
-from tito_engine.admission import Admission
-from tito_engine.constraints import INVALID_STRUCTURED_OUTPUT, StructuredOutputSpec, validate
-from tito_engine.engine import Engine
+from tito_engine.service.admission import Admission
+from tito_engine.model.constraints import INVALID_STRUCTURED_OUTPUT, StructuredOutputSpec, validate
+from tito_engine.core.engine import Engine
 from tito_engine.limits import SchedulerLimits
-from tito_engine.model_runner import ModelRunner
+from tito_engine.model.runner import ModelRunner
 from tito_engine.request import FinishReason, GenerateInput, RawSamplingParams
 
 MAX_TOKENS = 256
@@ -215,7 +215,7 @@ def test_invalid_constraints_are_refused_with_the_compilers_message(engine, spec
 
 
 def test_a_compile_failure_in_the_core_is_refused_before_scheduling(engine, monkeypatch):
-    import tito_engine.constraints as constraints
+    import tito_engine.model.constraints as constraints
 
     spec = StructuredOutputSpec("regex", "[0-9]{3}")
     admitted = Admission.for_backend(engine).admit(request(spec))
@@ -238,7 +238,7 @@ def test_a_compile_failure_in_the_core_is_refused_before_scheduling(engine, monk
 def test_a_request_aborted_while_its_grammar_compiles_ends_with_abort(engine, monkeypatch):
     import threading
 
-    import tito_engine.constraints as constraints
+    import tito_engine.model.constraints as constraints
 
     release = threading.Event()
     real = constraints.grammar_of
@@ -269,7 +269,7 @@ def test_a_request_aborted_while_its_grammar_compiles_ends_with_abort(engine, mo
 
 
 def test_choices_and_preempted_requests_keep_their_structure(tiny_text_model, tokenizer):
-    from tito_engine.model_runner import KVCacheSpec
+    from tito_engine.model.runner import KVCacheSpec
 
     # 96 blocks of 8 tokens: 14 choices of ~100 tokens each cannot all stay; some are preempted
     # mid-structure and recompute prompt + output before their matcher takes the next token.
@@ -309,7 +309,7 @@ def test_choices_and_preempted_requests_keep_their_structure(tiny_text_model, to
 
 def test_a_model_without_tokenizer_files_refuses_constrained_requests(tmp_path):
     from tito.errors import FailedPrecondition
-    from tito_engine.constraints import GrammarCompiler, compile_error
+    from tito_engine.model.constraints import GrammarCompiler, compile_error
 
     spec = StructuredOutputSpec("regex", "[a-z]")
     error = GrammarCompiler(tmp_path, 1013, [1000]).submit(spec).exception(timeout=60)
@@ -323,7 +323,7 @@ def test_masks_apply_like_xgrammars_kernel_on_the_constrained_rows_only(rows):
     import torch
     import xgrammar
 
-    from tito_engine.constraints import TokenMasks
+    from tito_engine.model.constraints import TokenMasks
 
     vocab = 1013  # not a multiple of 32: the last word's padding bits are ignored
     generator = torch.Generator().manual_seed(0)

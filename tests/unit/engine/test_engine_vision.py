@@ -16,10 +16,10 @@ from transformers import AutoImageProcessor, Gemma3ForConditionalGeneration, Gen
     Qwen2VLForConditionalGeneration
 
 from tito import tensors
-from tito.tiny_models import INTERLEAVED_VL_MODEL, ensure_model
+from tito_models.tiny import INTERLEAVED_VL_MODEL, ensure_model
 from tito.v1 import multimodal_pb2
-from tito_engine import vision
-from tito_engine.features import FeaturePolicy, multimodal_spec_from_config, validate_mm_features
+from tito_engine.multimodal import vision
+from tito_engine.multimodal.features import FeaturePolicy, multimodal_spec_from_config, validate_mm_features
 
 IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 1005, 1006, 1003, 1004
 BOI, EOI, SOFT = 1013, 1014, 1015
@@ -164,7 +164,7 @@ def test_greedy_reference_decode_equals_generate(qwen, qwen_eos, layout):
 
 def test_cached_rows_give_the_same_logits(qwen):
     """Rows pinned from the encoder cache (a metadata-only item) drive the prefill just like fresh ones."""
-    from tito_engine.encoder_cache import EncoderCache
+    from tito_engine.multimodal.encoder_cache import EncoderCache
 
     ids, features, pixels = qwen_request(TWO_IMAGES)
     spec = multimodal_spec_from_config(qwen.config, "tiny")
@@ -230,7 +230,7 @@ def test_prefill_media_is_the_sparse_form_of_the_dense_prefill(qwen, layout):
     positions, delta = vision.mrope_positions(ids, items, qwen.config)
     assert torch.equal(media["mrope_positions"], positions) and media["rope_delta"] == delta
     try:  # the batched runner's container, when its module is importable in this tree
-        from tito_engine.forward import MultiModalPrefill
+        from tito_engine.model.forward import MultiModalPrefill
     except Exception:  # noqa: BLE001 - another engineer's module, possibly mid-rewrite
         return
     assert MultiModalPrefill(**media).rope_delta == delta

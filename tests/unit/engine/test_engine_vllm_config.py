@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tito.cli import main as tito_main
+from tito_cli.main import main as tito_main
 from tito.config import ConfigError
 from tito_engine.config import EngineConfig
-from tito_engine.vllm_args import build_engine_args
+from tito_engine.vllm.args import build_engine_args
 
 pytestmark = pytest.mark.vllm
 

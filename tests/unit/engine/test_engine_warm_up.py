@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tito_engine.model_runner import KVCacheSpec, ModelRunner
+from tito_engine.model.runner import KVCacheSpec, ModelRunner
 
 
 @pytest.mark.parametrize("block_size", [16, 1])

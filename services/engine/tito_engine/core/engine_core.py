@@ -1,0 +1,497 @@
+"""The engine core: the loop that owns the model runner and the scheduler.
+
+It runs either on a thread of the serving process or alone in a child process. The child process
+is what the server uses: a forward pass is dozens of small torch calls, each of which hands the GIL
+back and forth with the gRPC event loop when both share a process; measured on 2 cores with the tiny
+model, that contention halved throughput. In its own process the core keeps a core to itself and
+talks to the server through one pipe: commands in, one batch of outputs per step out.
+
+Commands and answers are the typed messages of `core_messages.py`. Media arrive as
+`features.CheckedFeatures` (phase 1 of media admission, done in the server). The core owns the
+encoder cache, so phase 2 happens here at AddRequest: cache hits, EC
+descriptors, MM_TENSORS_REQUIRED. A refusal goes back as the request's only output: the
+TitoError itself (it pickles whole: code, reason, field), before the request was ever scheduled. Admitted media requests are encoded before the next step, all new items of
+the requests that arrived together in one encoder call per modality (an item already in the
+encoder cache is not encoded again), and their `forward.MultiModalPrefill` is attached to the
+request: n > 1 forks and preemption-recompute reuse it, so the encoder never runs twice for them.
+EncodeItems (the Encode RPC) resolves, encodes what is not cached, stores, and answers with one
+`EncoderCacheDescriptor` per item. Out: one `StepBatch` per step.
+A request with a structured-output constraint (options.structured_output, plain strings) is
+parked at AddRequest while a worker thread compiles its grammar (constraints.GrammarCompiler,
+cached by the constraint's hash), and queued once it has it, so the step loop never compiles; a
+constraint that fails to compile is refused like a media request, never scheduled.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tito.errors import TitoError
+
+from tito_engine.model.constraints import GrammarCompiler, compile_error
+from tito_engine.core.messages import (AbortRequest, AddRequest, Command, CoreFailed, CoreLoad, CoreReady,
+                                       CoreStopped, EncodeItems, EncodeResult, StepBatch, StopCore)
+from tito_engine.multimodal.encoder_cache import EncoderCache
+from tito_engine.multimodal.features import CheckedFeatures, ValidatedFeatures, check_encoder_cache_enabled, resolve_cached
+from tito_engine.request import ChoiceOutput, Request
+from tito_engine.limits import SchedulerLimits
+from tito_engine.scheduling.scheduler import Scheduler, run_step
+
+log = logging.getLogger(__name__)
+
+
+class EngineStepError(RuntimeError):
+    """An unexpected error in the engine core, carried to the request's stream (picklable)."""
+
+
+class EngineCore:
+    """Applies commands and runs scheduler steps; `emit` receives each step's batch."""
+
+    def __init__(self, runner: Any, limits: SchedulerLimits, encoder_cache_bytes: int = 0):
+        self.runner = runner
+        self.scheduler = Scheduler.for_runner(runner, limits)
+        self.requests: dict[int, Request] = {}
+        self.adds_seen = 0
+        self.early_aborts: dict[int, None] = {}  # aborts that overtook their add (insertion-ordered)
+        # Encoder outputs by content (features.py decides the keys); None: the engine keeps none.
+        self.encoder_cache: EncoderCache | None = None
+        if encoder_cache_bytes > 0 and getattr(runner, "mm_spec", None) is not None:
+            self.encoder_cache = EncoderCache(max_bytes=encoder_cache_bytes,
+                                              store_id=f"engine-{uuid.uuid4().hex[:16]}",
+                                              model_fingerprint=runner.info.fingerprint)
+        self._to_encode: list[tuple[Request, ValidatedFeatures]] = []  # added, not yet encoded
+        self.grammars = GrammarCompiler(getattr(runner, "model_dir", None), runner.info.vocab_size,
+                                        runner.info.eos_token_ids)
+        self._compiling: dict[int, tuple[Request, concurrent.futures.Future]] = {}  # key -> parked request
+
+    def load(self) -> CoreLoad:
+        scheduler = self.scheduler
+        stats = self.encoder_cache.stats() if self.encoder_cache is not None else None
+        waiting = len(scheduler.waiting) + len(self._compiling)  # parked while their grammar compiles
+        return CoreLoad(scheduler.num_running_sequences(), waiting, scheduler.finished_requests,
+                        scheduler.kv_blocks_used(), self.adds_seen, scheduler.prefix_cache_hit_tokens,
+                        stats.hits if stats else 0, stats.misses if stats else 0)
+
+    def run(self, receive: Callable[[], Any], receive_ready: Callable[[], list], emit: Callable[[StepBatch], None]) -> None:
+        """Serve until a StopCore command; `receive` blocks, `receive_ready` drains without blocking."""
+        while True:
+            try:
+                if self._serve(receive, receive_ready, emit):
+                    return
+            except Exception as exc:  # noqa: BLE001 - keep serving; fail only what was in flight
+                log.exception("engine step failed; failing the requests in flight")
+                emit(StepBatch(self._fail_all(exc), self.load()))
+
+    def _serve(self, receive, receive_ready, emit) -> bool:
+        scheduler = self.scheduler
+        while True:
+            # Block when idle; otherwise take whatever arrived and run a step. While grammars
+            # compile with nothing else to do, wait on them a moment instead of on the pipe.
+            if self._compiling and not scheduler.has_work():
+                concurrent.futures.wait([future for _, future in self._compiling.values()], timeout=0.005,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+                commands = receive_ready()
+            else:
+                commands = ([receive()] if not scheduler.has_work() else []) + receive_ready()
+            outputs: list = []
+            for command in commands:
+                if isinstance(command, StopCore):
+                    outputs.extend(self._abort_all())
+                    emit(StepBatch(outputs, self.load()))
+                    return True
+                self._apply(command, outputs)
+            if self._compiling:
+                self._queue_compiled(outputs)
+            if self._to_encode:
+                self._encode_new_media(outputs)
+            stepped = scheduler.has_work()
+            if stepped:
+                for request, output in run_step(scheduler, self.runner):
+                    outputs.append(self._out(request, output))
+            if outputs or commands or stepped:
+                emit(StepBatch(outputs, self.load()))
+
+    def _apply(self, command: Command, outputs: list) -> None:
+        match command:
+            case AddRequest():
+                self._add(command, outputs)
+            case EncodeItems(key=key, features=checked):
+                try:
+                    outputs.append((key, self._encode_request(checked), True))
+                except Exception as error:  # noqa: BLE001 - fails this Encode call only, never the generations
+                    outputs.append((key, _refusal_or_bug(error), True))
+            case AbortRequest(key=key):
+                request = self.requests.get(key)
+                if request is not None:
+                    outputs.extend(self._abort(request))
+                else:
+                    # Either finished already or its add is still behind this abort; remember a bounded few.
+                    self.early_aborts[key] = None
+                    if len(self.early_aborts) > 4096:
+                        del self.early_aborts[next(iter(self.early_aborts))]
+            case _:
+                raise TypeError(f"unknown core command {command!r}")
+
+    def _add(self, command: AddRequest, outputs: list) -> None:
+        key = command.key
+        self.adds_seen += 1
+        validated = None
+        if command.features:
+            try:
+                validated = resolve_cached(command.features, self.encoder_cache)
+            except Exception as error:  # noqa: BLE001 - refused before scheduling; only this request
+                self.early_aborts.pop(key, None)
+                outputs.append((key, _refusal_or_bug(error), True))
+                return
+        request = Request(command.request_id, command.prompt_ids, command.options, None)
+        request.arrival_time = command.arrival_time
+        request.cache_salt = command.cache_salt
+        request.key = key
+        request.has_media = validated is not None
+        self.requests[key] = request
+        if validated is not None:
+            self._to_encode.append((request, validated))
+        if command.options.structured_output is not None:
+            self._compiling[key] = (request, self.grammars.submit(command.options.structured_output))
+        else:
+            self.scheduler.add(request)
+        if key in self.early_aborts:
+            del self.early_aborts[key]
+            self._to_encode = [(r, v) for r, v in self._to_encode if r is not request]
+            outputs.extend(self._abort(request))
+
+    def _abort(self, request: Request) -> list:
+        if self._compiling.pop(request.key, None) is not None:
+            self.scheduler.add(request)  # so that the scheduler ends its choices with ABORT like any other
+        return [self._out(request, output) for output in self.scheduler.abort(request)]
+
+    # ------------------------------------------------------------------ structured outputs
+
+    def _queue_compiled(self, outputs: list) -> None:
+        """Queue the parked requests whose grammar is compiled; refuse those whose compile failed."""
+        for key, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[key]
+            error = future.exception()
+            if error is not None:
+                self.requests.pop(key, None)
+                self._to_encode = [(r, v) for r, v in self._to_encode if r is not request]
+                outputs.append((key, _refusal_or_bug(compile_error(error, request.options.structured_output)), True))
+                continue
+            request.grammar = future.result()
+            self.scheduler.add(request)
+
+    # ------------------------------------------------------------------ media
+
+    def _run_encoder(self, features: list[ValidatedFeatures]) -> dict[int, Any]:
+        """Encode every item of `features` that needs it, in one encoder call per modality; store
+        the outputs in the encoder cache. Returns rows by id(item). Items with the same cache key
+        are encoded once."""
+        unique: dict[Any, Any] = {}
+        for validated in features:
+            for item in validated.to_encode:
+                unique.setdefault(item.cache_key if item.cache_key is not None else id(item), item)
+        if not unique:
+            return {}
+        encoded = self.runner.encode(list(unique.values()))
+        rows_by_key: dict[Any, Any] = {}
+        for group_key, item, rows in zip(unique, unique.values(), encoded):
+            rows = rows.detach().clone()  # one tensor per item: the cache accounts its own bytes
+            if self.encoder_cache is not None and item.cache_key is not None:
+                self.encoder_cache.put(item.cache_key, rows)
+            rows_by_key[group_key] = rows
+        return {id(item): rows_by_key[item.cache_key if item.cache_key is not None else id(item)]
+                for validated in features for item in validated.to_encode}
+
+    def _encode_new_media(self, outputs: list) -> None:
+        """Encode the media of the requests added since the last step and attach their prefill."""
+        pending = [(request, validated) for request, validated in self._to_encode
+                   if self.requests.get(request.key) is request and not request.failed]
+        self._to_encode = []
+        if not pending:
+            return
+        try:
+            rows = self._run_encoder([validated for _, validated in pending])
+        except Exception as exc:  # noqa: BLE001 - fail the requests it was encoding for, serve the rest
+            encoding = [request for request, validated in pending if validated.to_encode]
+            log.exception("the encoder failed; failing the %d requests whose media it was encoding", len(encoding))
+            for request in encoding:
+                self._fail_waiting(request, exc, outputs)
+            pending = [(request, validated) for request, validated in pending if not validated.to_encode]
+            rows = {}
+        for request, validated in pending:
+            try:
+                items_with_rows = [(item, item.encoder_rows if item.encoder_rows is not None else rows[id(item)])
+                                   for item in validated.items]
+                request.mm = self.runner.multimodal_prefill(request.prompt_ids, items_with_rows)
+            except Exception as exc:  # noqa: BLE001
+                log.exception("building the multimodal prefill failed", extra={"request_id": request.request_id})
+                self._fail_waiting(request, exc, outputs)
+
+    def _fail_waiting(self, request: Request, error: BaseException, outputs: list) -> None:
+        request.failed = True  # the scheduler drops failed requests from its queue
+        if request in self.scheduler.waiting:
+            self.scheduler.waiting.remove(request)
+        self.requests.pop(request.key, None)
+        outputs.append((request.key, _portable(error), True))
+
+    def _encode_request(self, checked: CheckedFeatures) -> EncodeResult:
+        """The Encode RPC in the core: resolve, encode what is missing, store, describe."""
+        cache = check_encoder_cache_enabled(self.encoder_cache)
+        validated = resolve_cached(checked, cache)
+        self._run_encoder([validated])
+        return EncodeResult(tuple(cache.descriptor_for(item.cache_key).SerializeToString()
+                                  for item in validated.items))
+
+    def _out(self, request: Request, output: Any) -> tuple[int, Any, bool]:
+        if isinstance(output, BaseException):
+            output = _portable(output)
+            request.failed = True
+        finished = request.failed or request.finished
+        if finished:
+            self.requests.pop(request.key, None)
+            if isinstance(output, ChoiceOutput):
+                output.timings = request.timings()  # the server derives latencies and spans from them
+        return request.key, output, finished
+
+    def _abort_all(self) -> list:
+        outputs = []
+        for request in list(self.requests.values()):
+            outputs.extend(self._abort(request))
+            self.requests.pop(request.key, None)
+        return outputs
+
+    def _fail_all(self, error: BaseException) -> list:
+        """After an unexpected error: end every request with it and free its state."""
+        portable = _portable(error)
+        outputs = []
+        for request in list(self.requests.values()):
+            request.failed = True
+            self.scheduler.abort(request)  # frees the KV; the caller sees the error, not an ABORT
+            outputs.append((request.key, portable, True))
+        self.requests.clear()
+        self._compiling.clear()
+        return outputs
+
+
+def _refusal_or_bug(error: Exception) -> Exception:
+    """A caller's mistake crosses the pipe as itself (TitoErrors pickle whole: same code, reason,
+    field for the caller); anything else is a bug in tito, logged here and carried as an
+    EngineStepError (INTERNAL)."""
+    if isinstance(error, TitoError):
+        return error
+    log.exception("media admission or encoding failed unexpectedly")
+    return _portable(error)
+
+
+def _portable(error: BaseException) -> EngineStepError:
+    if isinstance(error, EngineStepError):
+        return error
+    return EngineStepError(f"{type(error).__name__}: {error}")
+
+
+# ------------------------------------------------------------------------------------ hosting
+
+class ThreadCore:
+    """Hosts an EngineCore on a thread of this process (tests, or when a child process is unwanted)."""
+
+    def __init__(self, runner: Any, limits: SchedulerLimits, encoder_cache_bytes: int = 0):
+        self.core = EngineCore(runner, limits, encoder_cache_bytes)
+        self.info = runner.info
+        self.mm_spec = getattr(runner, "mm_spec", None)
+        self.kv_blocks_total = runner.cache.num_blocks
+        self.block_size = runner.cache.block_size
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def start(self, on_batch: Callable[[StepBatch], None]) -> None:
+        def drain() -> list:
+            items = []
+            while True:
+                try:
+                    items.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    return items
+
+        self._thread = threading.Thread(target=self.core.run, args=(self._inbox.get, drain, on_batch),
+                                        name="tito-engine", daemon=True)
+        self._thread.start()
+
+    def send(self, command: Command) -> None:
+        self._inbox.put(command)
+
+    def stop(self, timeout: float) -> None:
+        self._inbox.put(StopCore())
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+@dataclass(frozen=True)
+class CoreProcessSpec:
+    """Everything a core host needs to load its runner and build its core, taken from the
+    EngineConfig whole (`from_config`); picklable, for the child process."""
+
+    model_dir: str
+    model_id: str
+    device: str
+    max_model_len: int | None
+    kv_cache: Any  # model_runner.KVCacheSpec
+    cpu_threads: int | None
+    limits: SchedulerLimits
+    log_level: str = "info"
+    encoder_cache_bytes: int = 0
+    exclude_padding_ids: bool = True
+    packed_linears: bool = True
+    cpus: frozenset[int] | None = None  # the CPUs the core process runs on (EngineConfig.core_cpu_plan)
+
+    @classmethod
+    def from_config(cls, config: Any, model_dir: str, kv_cache: Any) -> "CoreProcessSpec":
+        """The spec of an EngineConfig's core, its model resolved to `model_dir`."""
+        return cls(model_dir=model_dir, model_id=config.model, device=config.device,
+                   max_model_len=config.max_model_len, kv_cache=kv_cache, cpu_threads=config.cpu_threads,
+                   limits=config.scheduler_limits, log_level=config.log_level,
+                   encoder_cache_bytes=config.encoder_cache_bytes, exclude_padding_ids=config.excludes_padding_ids,
+                   packed_linears=config.packs_linears, cpus=config.core_cpu_plan()[0])
+
+    def load_runner(self) -> Any:
+        """Load the model this spec names (in whichever process hosts the core)."""
+        from pathlib import Path
+
+        from tito_engine.model.runner import ModelRunner
+
+        return ModelRunner(Path(self.model_dir), model_id=self.model_id, device=self.device,
+                           max_model_len=self.max_model_len, kv_cache=self.kv_cache, cpu_threads=self.cpu_threads,
+                           exclude_padding_ids=self.exclude_padding_ids, packed_linears=self.packed_linears)
+
+
+def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
+    from tito.logs import setup_logging
+
+    from tito_engine.model.runner import warm_up_or_warn
+
+    setup_logging(spec.log_level, "engine")
+    if spec.cpus is not None:  # before torch starts its threads: they inherit it
+        from tito.cpu_affinity import format_cpu_list, run_on
+
+        run_on(spec.cpus)
+        log.info("engine core process on CPUs %s", format_cpu_list(spec.cpus))
+    try:
+        runner = spec.load_runner()
+    except BaseException as exc:  # noqa: BLE001 - report why the engine could not start
+        try:
+            conn.send(CoreFailed(f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass  # the server stopped while the model was loading: nobody is left to tell
+        _exit_now(1)
+    warm_up_or_warn(runner)
+    conn.send(CoreReady(runner.info, runner.cache.num_blocks, runner.cache.block_size, runner.mm_spec))
+    core = EngineCore(runner, spec.limits, spec.encoder_cache_bytes)
+
+    def receive() -> Any:
+        try:
+            return conn.recv()
+        except (EOFError, OSError):  # the server process is gone: stop (aborting what is left)
+            return StopCore()
+
+    def drain() -> list:
+        items = []
+        try:
+            while conn.poll():
+                items.append(conn.recv())
+        except (EOFError, OSError):
+            items.append(StopCore())
+        return items
+
+    def emit(batch: StepBatch) -> None:
+        try:
+            conn.send(batch)
+        except (BrokenPipeError, OSError):
+            raise SystemExit(0) from None  # nobody to serve any more
+
+    core.run(receive, drain, emit)
+    try:
+        conn.send(CoreStopped())
+    except (BrokenPipeError, OSError):
+        pass
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    """Leave without the interpreter's teardown: with torch and a model loaded it takes a second
+    or more, and this process holds nothing that needs it (the OS frees the memory and the pipe)."""
+    import os
+
+    logging.shutdown()
+    os._exit(code)
+
+
+class ProcessCore:
+    """Hosts an EngineCore in a child process; one receiver thread here turns its batches into calls."""
+
+    def __init__(self, spec: CoreProcessSpec, start_timeout: float = 300.0):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")  # never fork a process that holds gRPC threads
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(target=_child_main, args=(spec, child_conn), name="tito-engine-core",
+                                        daemon=True)
+        self._process.start()
+        child_conn.close()
+        self._send_lock = threading.Lock()
+        self._receiver: threading.Thread | None = None
+        if not self._conn.poll(start_timeout):
+            self._process.kill()
+            raise RuntimeError("the engine core process did not start in time")
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            message = CoreFailed(f"the engine core process exited with code {self._process.exitcode}")
+        if not isinstance(message, CoreReady):
+            self._process.join(5)
+            from tito.config import ConfigError
+
+            raise ConfigError(f"the engine core could not start: {message.reason}")
+        self.info, self.kv_blocks_total = message.info, message.kv_blocks_total
+        self.block_size, self.mm_spec = message.block_size, message.mm_spec
+
+    def start(self, on_batch: Callable[[StepBatch], None], on_lost: Callable[[], None] | None = None) -> None:
+        def receive() -> None:
+            while True:
+                try:
+                    message = self._conn.recv()
+                except (EOFError, OSError):
+                    if on_lost is not None:
+                        on_lost()
+                    return
+                if isinstance(message, StepBatch):
+                    on_batch(message)
+                elif isinstance(message, CoreStopped):
+                    return
+
+        self._receiver = threading.Thread(target=receive, name="tito-engine-receiver", daemon=True)
+        self._receiver.start()
+
+    def send(self, command: Command) -> None:
+        with self._send_lock:
+            try:
+                self._conn.send(command)
+            except (OSError, ValueError):
+                pass  # the child is gone; the receiver reports it
+
+    def stop(self, timeout: float) -> None:
+        self.send(StopCore())
+        if self._receiver is not None:
+            self._receiver.join(timeout)
+        self._process.join(timeout)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5)
+        self._conn.close()

@@ -1,0 +1,114 @@
+"""What crosses the pipe between the engine server and its core: one frozen dataclass per kind.
+
+The core dispatches commands by type (`match`), the server dispatches what comes back the same
+way, so neither side unpacks tuples by position. Every class pickles (the core may run in a child
+process); domain errors travel inside outputs as themselves (tito.errors pickles whole).
+
+Server -> core: `AddRequest`, `AbortRequest`, `EncodeItems`, `StopCore`.
+Core -> server: `CoreReady` or `CoreFailed` once at start-up (child process only), then one
+`StepBatch` per step or per batch of commands that produced outputs, and `CoreStopped` last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tito_engine.multimodal.features import CheckedFeatures
+from tito_engine.request import SamplingOptions
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    """Schedule a request. Keys are integers the server assigns per submission, so a late abort
+    never hits a reused request id."""
+
+    key: int
+    request_id: str
+    prompt_ids: list[int]
+    options: SamplingOptions
+    #: Phase 1 of media admission (done in the server); phase 2 (the encoder cache) runs at add.
+    features: CheckedFeatures | None
+    #: time.monotonic() at submission: one clock for both processes on Linux, so queue time and
+    #: TTFT include the trip to the core.
+    arrival_time: float
+    cache_salt: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    """Stop a request (it may not have arrived yet: the core remembers a bounded few)."""
+
+    key: int
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeItems:
+    """The Encode RPC: encode admitted items into the encoder cache; answered under `key`."""
+
+    key: int
+    features: CheckedFeatures
+
+
+@dataclass(frozen=True, slots=True)
+class StopCore:
+    """Abort everything in flight, answer with a last batch, and exit the loop."""
+
+
+Command = AddRequest | AbortRequest | EncodeItems | StopCore
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeResult:
+    """The Encode RPC's answer: one serialized tito.v1.EncoderCacheDescriptor per item."""
+
+    descriptors: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CoreLoad:
+    """The core's counters after a step (GetLoad's source)."""
+
+    running_requests: int
+    waiting_requests: int
+    finished_requests: int
+    kv_blocks_used: int
+    adds_seen: int  # AddRequests taken so far: the server counts the rest as waiting
+    prefix_cache_hit_tokens: int = 0
+    encoder_cache_hits: int = 0
+    encoder_cache_misses: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    """One step's outputs and the load after it.
+
+    `outputs` holds (key, output, request_finished) triples, where output is a ChoiceOutput, an
+    EncodeResult, a TitoError (the caller's mistake, found in the core) or an EngineStepError (a
+    bug). Triples rather than objects: a step at concurrency 32 carries 32 of them, and pickling
+    tuples costs a fraction of pickling instances."""
+
+    outputs: list[tuple[int, Any, bool]]
+    load: CoreLoad
+
+
+@dataclass(frozen=True, slots=True)
+class CoreReady:
+    """The child process loaded the model: what the server needs to describe it and plan KV."""
+
+    info: Any  # model_runner.ModelInfo
+    kv_blocks_total: int
+    block_size: int
+    mm_spec: Any  # features.ModelMultimodalSpec | None
+
+
+@dataclass(frozen=True, slots=True)
+class CoreFailed:
+    """The child process could not start; `reason` is one line for the operator."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class CoreStopped:
+    """The core loop has ended after a StopCore."""

@@ -1,0 +1,198 @@
+"""Attention over the paged KV cache for one batched step.
+
+Decode rows (one query each) attend in one padded `scaled_dot_product_attention` call, or two
+when their context lengths differ a lot (`_decode_groups`: less gathered padding); each prefill
+chunk attends on its own, over its own K/V when it starts the prompt, else over the blocks of its
+table. Masks are additive floats built once per step (SDPA on CPU converts a bool one on every
+call): full causal, sliding window (a query at p attends to keys in (p - window, p]), and
+bidirectional spans inside a prefill chunk (Gemma3 image soft tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from tito_engine.model.families import SLIDING
+from tito_engine.model.kv_cache import PagedKVCache
+
+
+@dataclass
+class AttentionPlan:
+    """How every layer of one step attends (built once per step)."""
+
+    num_tokens: int
+    whole_batch_decodes: bool  # every row decodes one token
+    decode_groups: list = field(default_factory=list)  # (packed index or None, blocks, rows, masks by kind)
+    prefill_specs: list = field(default_factory=list)  # (offset, count, blocks or None, masks by kind)
+
+
+class PagedAttention:
+    def __init__(self, cache: PagedKVCache, family: Any, arange: Callable[[int], torch.Tensor],
+                 prepare_prefill: Callable[[Any], Any]):
+        self.cache = cache
+        self.device = cache.device
+        self.block_size = cache.block_size
+        self.dtype = cache.keys[0].dtype
+        self.num_heads, self.num_kv_heads, self.head_dim = family.num_heads, family.num_kv_heads, family.head_dim
+        self.scaling = family.scaling
+        self._has_sliding = any(layer.kind == SLIDING for layer in family.layers)
+        self._range = arange  # arange(count) on the device, cached by the decoder
+        self._prepare_prefill = prepare_prefill  # resolves a prefill's bidirectional spans
+
+    def plan(self, rows: list, offsets: list[int], decode_rows: list[int], prefill_rows: list[int],
+             window: int | None) -> AttentionPlan:
+        """How every layer of this step attends: decode rows (one token each) in one or two
+        gathered groups, prefill chunks one by one. `offsets[i]`: row i's first packed token."""
+        num_tokens = offsets[-1] + len(rows[-1].token_ids) if rows else 0
+        plan = AttentionPlan(num_tokens=num_tokens, whole_batch_decodes=not prefill_rows)
+        plan.decode_groups = self._decode_groups(rows, decode_rows, offsets, whole_batch=not prefill_rows,
+                                                 window=window)
+        plan.prefill_specs = [self._prefill_spec(rows[i], offsets[i], window) for i in prefill_rows]
+        return plan
+
+    def attend(self, plan: AttentionPlan, layer_index: int, kind: int, q: torch.Tensor,
+                      k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One layer's attention output [T, heads * hd] for the step's packed queries."""
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        key_cache, value_cache = self.cache.keys[layer_index], self.cache.values[layer_index]
+        groups = plan.decode_groups
+        if plan.whole_batch_decodes and len(groups) == 1 and groups[0][0] is None:  # every row decodes, one group
+            _, blocks, count, masks = groups[0]
+            return self._attend_decode(q, key_cache, value_cache, blocks, count, masks[kind])
+        attn = torch.empty((plan.num_tokens, heads * head_dim), dtype=q.dtype, device=self.device)
+        for index, blocks, count, masks in groups:
+            out = self._attend_decode(q.index_select(0, index), key_cache, value_cache, blocks, count, masks[kind])
+            attn.index_copy_(0, index, out)
+        for offset, count, blocks, masks in plan.prefill_specs:
+            q_rows = q[offset:offset + count].transpose(0, 1)[None]  # [1, heads, count, hd]
+            mask = masks[kind]
+            if blocks is None:  # a prompt's first chunk: this step's K/V only
+                out = F.scaled_dot_product_attention(
+                    q_rows, k[offset:offset + count].transpose(0, 1)[None],
+                    v[offset:offset + count].transpose(0, 1)[None], attn_mask=mask,
+                    is_causal=mask is None, scale=self.scaling, enable_gqa=kv_heads != heads).transpose(1, 2)
+            else:
+                out = self._attend(q_rows, key_cache, value_cache, blocks, 1, mask)
+            attn[offset:offset + count] = out[0].reshape(count, heads * head_dim)
+        return attn
+
+    def _row_spans(self, row: Any, end: int) -> list[tuple[int, int]]:
+        """The row's bidirectional spans clipped to the part of this chunk where they matter:
+        at least two positions inside [row.start, end) (a query and a later key)."""
+        if row.mm is None:
+            return []
+        spans = self._prepare_prefill(row.mm).bidirectional_spans
+        clipped = []
+        for s, e in spans or ():
+            s, e = max(s, row.start), min(e, end)
+            if e - s >= 2:
+                clipped.append((s, e))
+        return clipped
+
+    def _prefill_spec(self, row: Any, offset: int, window: int | None):
+        """(offset, count, block ids or None for "this chunk's own K/V", masks by kind); a mask of
+        None means plain causal over the chunk's own K/V (SDPA's is_causal)."""
+        device, block_size = self.device, self.block_size
+        count = len(row.token_ids)
+        end = row.start + count
+        spans = self._row_spans(row, end)
+        slides = window is not None and end > window and self._has_sliding
+        if row.start == 0 and not spans and not slides:
+            return offset, count, None, (None, None)
+        blocks = None
+        if row.start == 0:
+            key_pos = self._range(count)  # the chunk's own K/V: key index == position
+        else:
+            num_blocks = -(-end // block_size)
+            blocks = torch.tensor(row.block_table[:num_blocks], dtype=torch.long, device=device)
+            key_pos = self._range(num_blocks * block_size)
+        query_pos = self._range(end)[row.start:]
+        allowed = key_pos[None, :] <= query_pos[:, None]
+        for s, e in spans:  # both in [row.start, end): bidirectional within the span
+            allowed[s - row.start:e - row.start, s:e] = True
+        full = self._additive(allowed)
+        sliding = full
+        if slides:
+            sliding = self._additive(allowed & (key_pos[None, :] > query_pos[:, None] - window))
+        if row.start == 0 and not spans:
+            full = None  # causal on its own K/V
+        return offset, count, blocks, (full, sliding)
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """[Q, K] bool -> [1, 1, Q, K] additive float mask (SDPA on CPU converts a bool one per call)."""
+        mask = torch.zeros((1, 1, *allowed.shape), dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~allowed[None, None], float("-inf"))
+
+    def _decode_groups(self, rows: list, decode_rows: list[int], offsets: list[int],
+                       whole_batch: bool, window: int | None = None
+                       ) -> list[tuple[torch.Tensor | None, torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]]]:
+        """The one-token rows as one or two attention groups: (token index or None, block ids,
+        rows, masks by kind over the gathered slots). Rows are padded to their group's longest
+        context, so when lengths differ a lot, short and long rows attend separately (less
+        gathered padding)."""
+        if not decode_rows:
+            return []
+        block_size, device = self.block_size, self.device
+        lengths = [rows[i].start + 1 for i in decode_rows]
+        count = len(decode_rows)
+        groups = [list(range(count))]
+        if count >= 8:
+            order = sorted(range(count), key=lengths.__getitem__)
+            blocks_sorted = [-(-lengths[j] // block_size) for j in order]
+            whole = count * blocks_sorted[-1]
+            best, split = whole, 0
+            for cut in range(1, count):
+                cost = cut * blocks_sorted[cut - 1] + (count - cut) * blocks_sorted[-1]
+                if cost < best:
+                    best, split = cost, cut
+            if split and best < 0.75 * whole:  # worth a second attention call
+                groups = [order[:split], order[split:]]
+        slides = window is not None and self._has_sliding
+        result = []
+        for members in groups:
+            max_blocks = -(-max(lengths[j] for j in members) // block_size)
+            padded = []
+            for j in members:
+                table = rows[decode_rows[j]].block_table[:max_blocks]
+                padded.extend(table)
+                if len(table) < max_blocks:
+                    padded.extend([0] * (max_blocks - len(table)))
+            blocks = torch.tensor(padded, dtype=torch.long, device=device)
+            length_tensor = torch.tensor([lengths[j] for j in members], dtype=torch.long, device=device)
+            pos = self._range(max_blocks * block_size)
+            # An additive float mask: SDPA on CPU converts a bool one on every call.
+            mask = torch.zeros((len(members), 1, 1, max_blocks * block_size), dtype=self.dtype, device=device)
+            mask.masked_fill_(pos[None, None, None, :] >= length_tensor[:, None, None, None], float("-inf"))
+            masks = (mask, mask)
+            if slides:  # the query sits at length - 1: keys at or before length - 1 - window fall out
+                outside = pos[None, None, None, :] <= (length_tensor - 1 - window)[:, None, None, None]
+                masks = (mask, mask.masked_fill(outside, float("-inf")))
+            index = None
+            if not (whole_batch and len(groups) == 1):
+                index = torch.tensor([offsets[decode_rows[j]] for j in members], dtype=torch.long, device=device)
+            result.append((index, blocks, len(members), masks))
+        return result
+
+    def _attend_decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       blocks: torch.Tensor, batch: int, mask: torch.Tensor) -> torch.Tensor:
+        """One query per row, q [B, heads, hd] -> [B, heads * hd]. The query heads sharing a KV head
+        are folded into the query-length axis ([B, kv_heads, group, hd]): exact for one position,
+        and SDPA then reads each K/V once instead of repeating it per group (measured ~25% faster)."""
+        kv_heads, head_dim = self.num_kv_heads, self.head_dim
+        keys = key_cache.index_select(0, blocks).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
+        values = value_cache.index_select(0, blocks).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
+        grouped = q.reshape(batch, kv_heads, self.num_heads // kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=self.scaling)
+        return out.reshape(batch, self.num_heads * head_dim)
+
+    def _attend(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, blocks: torch.Tensor,
+                batch: int, mask: torch.Tensor) -> torch.Tensor:
+        """q [B, heads, Q, hd] against the K/V of `blocks` ([B * blocks per row]) under mask [B, 1, Q, L]."""
+        keys = key_cache.index_select(0, blocks).view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        values = value_cache.index_select(0, blocks).view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
+                                              enable_gqa=self.num_kv_heads != self.num_heads).transpose(1, 2)

@@ -1,0 +1,303 @@
+"""Owns the model: loading, identity (fingerprint, limits, EOS ids), the paged KV cache and the
+batched forward (forward.BatchedDecoder) the scheduler calls once per step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tito.config import ConfigError
+from tito.vocab import load_vocabulary
+from tito.startup import StartupPhases
+
+from tito_engine.model import constraints
+
+from tito_engine.multimodal import vision
+from tito_engine.model.cpu_runtime import keep_freed_memory, set_cpu_threads
+from tito_engine.multimodal.features import ModelMultimodalSpec, multimodal_spec_from_config
+from tito_engine.model.forward import BatchedDecoder, MultiModalPrefill, RowInput
+from tito_engine.model.kv_cache import KVLayout, PagedKVCache
+from tito_engine.limits import DEFAULT_BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_MEMORY_FRACTION
+from tito_engine.scheduling.plan import SampledTokens, StepPlan
+from tito_engine.model.sampler import mask_logits, sample_batch
+
+log = logging.getLogger(__name__)
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    vocab_size: int  # embedding rows: valid token ids are [0, vocab_size) (tito.vocab)
+    max_context_length: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+    device: str
+    fingerprint: str
+    modalities: tuple[str, ...] = ()
+    # (modality, placeholder token text, placeholder token id) per accepted modality.
+    placeholders: tuple[tuple[str, str, int], ...] = ()
+    model_family: str = ""  # config.model_type, e.g. "qwen2", "llama", "qwen3", "qwen2_5_vl", "gemma3"
+    tokenizer_vocab_size: int = 0  # the tokenizer's entries (0: unknown, take vocab_size)
+    padding_ids: tuple[int, ...] = ()  # valid ids the tokenizer does not name (tito.vocab)
+
+
+def choose_device(spec: str) -> torch.device:
+    """`auto` takes CUDA when present, else CPU; an explicit CUDA device must exist."""
+    if spec == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={spec!r} but CUDA is not available here; use --device cpu or auto")
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"device={spec!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
+        device = torch.device("cuda", index)
+    return device
+
+
+def choose_dtype(device: torch.device) -> torch.dtype:
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """sha256 over config.json and the weight files' names and sizes (cheap, stable identity)."""
+    digest = hashlib.sha256()
+    config_path = model_dir / "config.json"
+    digest.update(config_path.read_bytes() if config_path.is_file() else b"")
+    for path in sorted(model_dir.iterdir()):
+        if path.is_file() and path.name.endswith(_WEIGHT_SUFFIXES):
+            digest.update(f"\0{path.name}\0{path.stat().st_size}".encode())
+    return digest.hexdigest()[:16]
+
+
+def describe_model(model_dir: Path, config: Any, *, model_id: str, vocab_size: int, max_context_length: int,
+                   dtype: str, device: str, multimodal: bool = True) -> tuple[ModelInfo, ModelMultimodalSpec | None]:
+    """The model's identity and the media it takes, as every backend reports them (GetModelInfo) and
+    admits them (features.py). `multimodal=False`: the backend serves the model as text only."""
+    fingerprint = model_fingerprint(model_dir)
+    vocabulary = load_vocabulary(model_dir, vocab_size)
+    mm_spec = multimodal_spec_from_config(config, fingerprint) if multimodal else None
+    media = mm_spec.modalities if mm_spec is not None else {}
+    info = ModelInfo(
+        model_id=model_id, vocab_size=vocab_size, max_context_length=max_context_length,
+        eos_token_ids=eos_token_ids(model_dir, config), dtype=dtype, device=device, fingerprint=fingerprint,
+        modalities=tuple(media),
+        placeholders=tuple((name, token_text(model_dir, spec.placeholder_token_id), spec.placeholder_token_id)
+                           for name, spec in media.items()),
+        model_family=getattr(config, "model_type", ""),
+        tokenizer_vocab_size=vocabulary.tokenizer_vocab_size, padding_ids=vocabulary.padding_ids)
+    return info, mm_spec
+
+
+def eos_token_ids(model_dir: Path, config: Any) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (int or list) plus the model config's, in order."""
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, int) and item not in ids:
+                ids.append(item)
+
+    generation_config = model_dir / "generation_config.json"
+    if generation_config.is_file():
+        add(json.loads(generation_config.read_text()).get("eos_token_id"))
+    add(getattr(config, "eos_token_id", None))
+    text_config = getattr(config, "text_config", None)
+    if text_config is not None:
+        add(getattr(text_config, "eos_token_id", None))
+    return tuple(ids)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """How big the paged KV cache is: explicit blocks, a byte budget, or a memory fraction (CUDA)."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_blocks: int | None = None
+    cache_bytes: int | None = None
+    memory_fraction: float | None = None
+
+
+def token_text(model_dir: Path, token_id: int) -> str:
+    """The text of an added (special) token from tokenizer.json, "" when it cannot be found."""
+    path = model_dir / "tokenizer.json"
+    try:
+        added = json.loads(path.read_text()).get("added_tokens", [])
+    except (OSError, ValueError):
+        return ""
+    return next((token.get("content", "") for token in added if token.get("id") == token_id), "")
+
+
+def _describe_vocab(info: ModelInfo) -> str:
+    if not info.padding_ids:
+        return str(info.vocab_size)
+    return f"{info.vocab_size} ({info.tokenizer_vocab_size} tokenizer entries, {len(info.padding_ids)} padding ids)"
+
+
+def padding_mask(padding_ids: tuple[int, ...], device: torch.device | str) -> torch.Tensor | None:
+    """The columns sampler.mask_logits sets to -inf: the padding ids as one index tensor on the
+    model's device, built once; None when there are none."""
+    if not padding_ids:
+        return None
+    return torch.tensor(padding_ids, dtype=torch.long, device=device)
+
+
+def _load_model(model_dir: Path, dtype: torch.dtype) -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(model_dir)
+    # Vision-language models (Qwen2-VL, Qwen2.5-VL, Gemma3) load as image-text-to-text; the engine drives
+    # their text model.
+    loader = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    return loader.from_pretrained(model_dir, dtype=dtype)
+
+
+class ModelRunner:
+    """Loads a causal LM, sizes its paged KV cache and runs one batched forward per step."""
+
+    def __init__(self, model_dir: Path, *, model_id: str, device: str = "auto",
+                 max_model_len: int | None = None, kv_cache: KVCacheSpec | None = None,
+                 cpu_threads: int | None = None, exclude_padding_ids: bool = True, packed_linears: bool = True):
+        self.model_dir = model_dir  # structured outputs read the tokenizer from here (constraints.py)
+        self.device = choose_device(device)
+        self.dtype = choose_dtype(self.device)
+        if self.device.type == "cpu":
+            set_cpu_threads(cpu_threads)
+            if keep_freed_memory():
+                log.debug("glibc malloc keeps freed memory for the next step (cpu_runtime.keep_freed_memory)")
+        from transformers.utils import logging as hf_logging
+
+        bar_was_enabled = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # a progress bar per load is noise in server logs
+        try:
+            self.model = _load_model(model_dir, self.dtype).to(self.device).eval()
+        finally:
+            if bar_was_enabled:
+                hf_logging.enable_progress_bar()
+        config = self.model.config
+        text_config = getattr(config, "text_config", None) or config
+        vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        model_max = int(getattr(text_config, "max_position_embeddings", 0) or 0) or 2048
+        if max_model_len is not None and max_model_len > model_max:
+            log.warning("max_model_len=%d exceeds the model's max_position_embeddings=%d; quality may "
+                        "degrade past it", max_model_len, model_max)
+        # What media the model takes and how (features.py admission); None for text-only models.
+        self.info, self.mm_spec = describe_model(
+            model_dir, config, model_id=model_id, vocab_size=vocab_size, max_context_length=max_model_len or model_max,
+            dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
+        #: Logit columns set to -inf every step (sampler.mask_logits) when padding ids are
+        #: excluded; None when they are not or the model has none (then it costs nothing).
+        self.logits_mask = padding_mask(self.info.padding_ids, self.device) if exclude_padding_ids else None
+        self._token_masks: constraints.TokenMasks | None = None  # built by the first constrained step
+        self.cache = self._make_cache(text_config, kv_cache or KVCacheSpec())
+        try:
+            self.decoder = BatchedDecoder(self.model, self.cache, max_positions=self.info.max_context_length,
+                                          packed_linears=packed_linears and self.device.type == "cpu")
+        except ValueError as exc:  # an architecture (or a setting of one) the native forward does not run
+            raise ConfigError(f"{model_id}: {exc}") from exc
+        log.info("loaded %s on %s (%s): vocab %s%s, context %d, eos %s, fingerprint %s; KV cache %d blocks x %d "
+                 "tokens (%.1f MiB)", model_id, self.info.device, self.info.dtype,
+                 _describe_vocab(self.info),
+                 " (padding ids excluded from sampling)" if self.logits_mask is not None else "",
+                 self.info.max_context_length, list(self.info.eos_token_ids), self.info.fingerprint,
+                 self.cache.num_blocks, self.cache.block_size,
+                 self.cache.capacity_tokens * self.cache.layout.bytes_per_token / 2**20)
+        if self.decoder.packed_linear_bytes:
+            log.info("linears run on oneDNN-packed weights (%.1f MiB more; --no-cpu-packed-linears holds one copy)",
+                     self.decoder.packed_linear_bytes / 2**20)
+
+    def _make_cache(self, text_config: Any, spec: KVCacheSpec) -> PagedKVCache:
+        heads = text_config.num_attention_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+        layout = KVLayout(num_layers=text_config.num_hidden_layers, kv_heads=text_config.num_key_value_heads,
+                          head_dim=head_dim, dtype=self.dtype)
+        if spec.num_blocks is not None:
+            num_blocks = spec.num_blocks
+        else:
+            budget = spec.cache_bytes
+            if budget is None and self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * (spec.memory_fraction or DEFAULT_CUDA_KV_MEMORY_FRACTION))
+            if budget is None:
+                budget = DEFAULT_CPU_KV_CACHE_BYTES
+            num_blocks = layout.blocks_for_bytes(budget, spec.block_size)
+        if num_blocks < 1:
+            raise ConfigError(f"the KV cache budget holds no block of {spec.block_size} tokens "
+                              f"({layout.bytes_per_token} bytes per token); raise --kv-cache-bytes or --kv-blocks")
+        return PagedKVCache(layout, num_blocks, spec.block_size, self.device)
+
+    def encode(self, items: list) -> list[torch.Tensor]:
+        """Encoder rows per validated item (features.ValidatedItem), one encoder call per modality."""
+        return vision.encode_items(self.model, items)
+
+    def multimodal_prefill(self, token_ids: list[int], items_with_rows: list) -> MultiModalPrefill:
+        """The forward's multimodal input for a prompt: encoder rows at their positions, M-RoPE
+        positions (Qwen2-VL), bidirectional spans (Gemma3: each image's run of soft tokens)."""
+        return MultiModalPrefill.for_model(self.model.config,
+                                           **vision.prefill_media(token_ids, items_with_rows, self.model.config))
+
+    def execute(self, rows: list[RowInput]) -> torch.Tensor:
+        """One batched forward over the step's rows; logits [rows needing logits, vocab] (float32)."""
+        return self.decoder.forward(rows)
+
+    def run(self, plan: StepPlan) -> SampledTokens:
+        """Execute a scheduler plan: one batched forward, then one batched sampling call (argmax
+        alone when every target is plain greedy). Constrained targets are masked by their
+        grammars first, in one apply, and their matchers take the sampled tokens after."""
+        logits = self.decoder.forward(plan.rows)
+        if plan.logit_rows != list(range(logits.shape[0])):
+            logits = logits[plan.logit_rows]  # forking choices read their parent's row
+        raw_logits = logits = mask_logits(logits, self.logits_mask)
+        matchers = [plan.targets[i][1].matcher for i in plan.constrained]
+        if matchers:
+            if self._token_masks is None:
+                self._token_masks = constraints.TokenMasks(logits.shape[-1])
+            if any(sample.options.wants_logprobs for sample in plan.samples):
+                logits = logits.clone()  # logprobs are those of the distribution before the grammar
+            self._token_masks.apply(logits, plan.constrained, matchers)
+        if plan.plain_greedy:
+            tokens, logprobs = logits.max(dim=-1).indices.tolist(), None  # max: faster than argmax on CPU
+        else:
+            tokens, logprobs = sample_batch(logits, plan.samples, raw_logits=raw_logits)
+        complete: frozenset[int] = frozenset()
+        if matchers:
+            finished = self._token_masks.advance(matchers, [tokens[i] for i in plan.constrained])
+            complete = frozenset(i for i, done in zip(plan.constrained, finished) if done)
+        return SampledTokens(tokens, logprobs, complete)
+
+    def warm_up(self) -> None:
+        """A two-token prefill and a one-token decode through the real forward, before the first
+        request: first-call costs (allocations; on CUDA, library handles and kernel loads) are paid
+        here, not by a caller. The blocks are zeroed and freed again, so the cache is as it was."""
+        tokens = [token % self.info.vocab_size for token in (0, 1, 2)]
+        blocks = self.cache.allocator.allocate(-(-len(tokens) // self.cache.block_size))
+        try:
+            self.execute([RowInput(token_ids=tokens[:2], start=0, block_table=blocks, needs_logits=True)])
+            self.execute([RowInput(token_ids=tokens[2:], start=2, block_table=blocks, needs_logits=True)])
+        finally:
+            for keys, values in zip(self.cache.keys, self.cache.values):
+                keys[blocks] = 0  # padded slots are read under a mask: keep them zero
+                values[blocks] = 0
+            self.cache.allocator.release(blocks)
+
+
+def warm_up_or_warn(runner: ModelRunner) -> None:
+    """`runner.warm_up()`, logged as the start-up phase "warm-up". A failure is logged, not fatal:
+    the first request then pays the first-call costs (or meets the same error, as a status)."""
+    try:
+        with StartupPhases().phase("warm-up"):
+            runner.warm_up()
+    except Exception:  # noqa: BLE001 - serving without a warm-up beats not serving
+        log.warning("warm-up failed; serving without it", exc_info=True)

@@ -1,0 +1,1 @@
+"""Media items: admission of MultiModalFeatures, the vision encoders and the encoder cache."""

@@ -1,0 +1,150 @@
+"""Engine server: factory, CLI flags and entry point. gRPC wiring only; the work is in engine.py."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from tito import settings
+from tito_models.paths import resolve_model
+from tito.serving import RunningServer, observability, run_until_signal, start_server
+from tito.settings import add_settings
+from tito.startup import StartupPhases, loading_model
+from tito.v1 import engine_pb2_grpc
+
+from tito_engine.service.admission import Admission
+from tito_engine.service.backend import EngineBackend
+from tito_engine.config import EngineConfig
+from tito_engine.core.engine import Engine
+from tito_engine.core.engine_core import CoreProcessSpec
+from tito_engine.multimodal.features import FeaturePolicy
+from tito_engine.limits import DEFAULT_BLOCK_SIZE
+from tito_engine.model.runner import KVCacheSpec, warm_up_or_warn
+from tito_engine.service.observe import EngineMetrics, RequestObserver
+from tito_engine.service.servicer import EngineServicer
+
+SERVICE_NAME = "tito.v1.EngineService"
+
+log = logging.getLogger(__name__)
+
+
+VLLM_ARGS_HELP = """\
+backends:
+  --backend native (default) runs tito's own continuous-batching engine. --backend vllm serves the
+  same EngineService with vLLM's AsyncLLM (install: bash scripts/bootstrap.sh --vllm). tito's flags
+  that vLLM shares are translated: --max-running-sequences (max_num_seqs), --max-model-len,
+  --prefix-caching, --block-size, --max-prefill-tokens-per-step (max_num_batched_tokens),
+  --kv-cache-bytes (kv_cache_memory_bytes). Every other vLLM engine argument goes after `--`, in
+  vLLM's own form (see `vllm serve --help`), e.g.
+    tito serve engine --backend vllm --model /models/Qwen2.5-7B-Instruct -- \\
+        --tensor-parallel-size 2 --gpu-memory-utilization 0.85 --dtype bfloat16 \\
+        --kv-cache-dtype fp8 --quantization fp8 --enforce-eager
+"""
+
+
+#: The typed config whose field declarations give this service's flags (tito.settings).
+CONFIG = EngineConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine-only flags (the tito CLI adds --address, --model, --device and the other common ones)."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = VLLM_ARGS_HELP
+    add_settings(parser, EngineConfig, common=False)
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The config of a parsed command line; what follows `--` is vLLM's (args.vllm_args)."""
+    config = settings.config_from_args(EngineConfig, args, vllm_args=tuple(getattr(args, "vllm_args", ())))
+    config.validate()
+    return config
+
+
+def feature_policy(config: EngineConfig) -> FeaturePolicy:
+    key = config.read_hmac_key()
+    return FeaturePolicy(max_item_bytes=config.max_mm_item_bytes, max_request_bytes=config.max_mm_request_bytes,
+                         max_items=config.max_mm_items, signing_keys={config.hmac_key_id: key} if key else {},
+                         require_signed_features=config.require_signed_features)
+
+
+def _build_backend(config: EngineConfig) -> EngineBackend:
+    model_dir = resolve_model(config.model)
+    if config.backend == "vllm":
+        from tito_engine.vllm.backend import VllmEngine
+        from tito_engine.vllm.args import build_engine_args
+
+        return VllmEngine(build_engine_args(config, str(model_dir)), model_dir, model_id=config.model,
+                          max_waiting_requests=config.max_waiting_requests)
+    kv_cache = KVCacheSpec(block_size=config.block_size or DEFAULT_BLOCK_SIZE, num_blocks=config.kv_blocks,
+                           cache_bytes=config.kv_cache_bytes, memory_fraction=config.kv_memory_fraction)
+    spec = CoreProcessSpec.from_config(config, str(model_dir), kv_cache)
+    if config.engine_process:
+        return Engine.in_process(spec, max_waiting_requests=config.max_waiting_requests)
+    runner = spec.load_runner()  # the same spec, loaded on a thread of this process
+    warm_up_or_warn(runner)
+    return Engine(runner, limits=spec.limits, max_waiting_requests=config.max_waiting_requests,
+                  encoder_cache_bytes=spec.encoder_cache_bytes)
+
+
+async def create_server(config: EngineConfig, phases: StartupPhases | None = None) -> RunningServer:
+    """Start the server NOT_SERVING, load the model off the event loop, then turn SERVING."""
+    phases = phases or StartupPhases()
+    config.validate()
+    # The port is bound (health NOT_SERVING, calls answered UNAVAILABLE) while the model loads.
+    servicer = EngineServicer()
+    metrics = observability(config, "engine")
+    engine_metrics = EngineMetrics(metrics, servicer.load_now) if metrics is not None else None
+    with phases.phase("bind"):
+        running = await start_server(
+            config, [SERVICE_NAME],
+            lambda server: engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server), metrics)
+    try:
+        with phases.phase("model load", "in the engine core process" if config.engine_process
+                          and config.backend == "native" else config.backend):
+            with loading_model(config.model):
+                backend = await asyncio.to_thread(_build_backend, config)
+    except BaseException:
+        await running.stop(0)
+        raise
+    loop = asyncio.get_running_loop()
+
+    # A dead model process cannot come back: tell load balancers to stop sending work here.
+    backend.on_core_lost = lambda: asyncio.run_coroutine_threadsafe(running.set_not_serving(), loop)
+    backend.on_core_restored = lambda: asyncio.run_coroutine_threadsafe(running.set_serving(), loop)
+    with phases.phase("core start"):
+        backend.start()
+    running.add_cleanup(lambda: asyncio.to_thread(backend.stop))
+    admission = Admission.for_backend(backend, feature_policy(config), config.max_choices_per_request)
+    observer = RequestObserver(engine_metrics)
+    servicer.attach(backend, admission, observer if observer.active else None)
+    await running.set_serving()
+    phases.serving()
+    if config.hmac_key_file:
+        log.info("media item tags are verified (key id %r); unsigned items are %s", config.hmac_key_id,
+                 "refused" if config.require_signed_features else "accepted but not trusted for cache hits")
+    return running
+
+
+async def serve(config: EngineConfig, phases: StartupPhases | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, this process on the CPUs the engine core leaves (--core-cpus)."""
+    _, server_cpus = config.core_cpu_plan()
+    if server_cpus is not None:
+        from tito.cpu_affinity import format_cpu_list, run_on
+
+        run_on(server_cpus)
+        log.info("engine server process on CPUs %s", format_cpu_list(server_cpus))
+    running = await create_server(config, phases)
+    await run_until_signal(running)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m tito_engine.server ...`): exactly `tito serve engine ...`."""
+    from tito_cli.main import main as tito_main
+
+    return tito_main(["serve", "engine", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

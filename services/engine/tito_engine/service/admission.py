@@ -1,0 +1,86 @@
+"""Admission: every check a Generate or Encode request passes before it reaches a backend.
+
+Both backends (the native engine and vLLM) sit behind this one path, so they refuse the same
+requests with the same code, reason and field: token ids and the context limit, sampling ranges
+(validation.py), the KV cache's capacity, and phase 1 of media admission (features.py: structure,
+tensors, limits, HMAC signatures, model layout, placeholder tokens). What is left to a backend is
+what only it can know: whether a metadata-only item is in its cache (FAILED_PRECONDITION
+MM_TENSORS_REQUIRED either way), and its own queue limits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tito.errors import ResourceExhausted
+
+from tito_engine.multimodal.features import (CheckedFeatures, FeaturePolicy, ModelMultimodalSpec, validate_encode_structure,
+                       validate_structure)
+from tito_engine.model.kv_cache import blocks_for_tokens
+from tito_engine.request import GenerateInput, SamplingOptions
+from tito_engine.service.validation import ModelLimits, validate_generate
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """The whole KV cache of a backend: a request needing more than this could never run."""
+
+    blocks_total: int
+    block_size: int
+    how_to_grow: str = "give the engine a bigger KV cache"  # the flags that do it, for error messages
+
+
+@dataclass(frozen=True)
+class AdmittedRequest:
+    """A Generate request that passed admission: what a backend schedules."""
+
+    request_id: str  # "" when the caller sent none: the backend assigns one
+    token_ids: list[int]
+    options: SamplingOptions
+    features: CheckedFeatures  # empty for text prompts
+    cache_salt: str = ""
+
+
+class Admission:
+    """The checks of one loaded model under one engine configuration."""
+
+    def __init__(self, limits: ModelLimits, mm_spec: ModelMultimodalSpec | None, policy: FeaturePolicy,
+                 kv_capacity: KVCapacity):
+        self.limits = limits
+        self.mm_spec = mm_spec
+        self.policy = policy
+        self.kv_capacity = kv_capacity
+
+    @classmethod
+    def for_backend(cls, backend: Any, policy: FeaturePolicy | None = None,
+                    max_choices_per_request: int = 16) -> "Admission":
+        """The admission of a started backend (its model info, media spec and KV capacity)."""
+        info = backend.info
+        limits = ModelLimits(vocab_size=info.vocab_size, max_context_length=info.max_context_length,
+                             max_choices=min(max_choices_per_request, backend.max_running_sequences),
+                             modalities=frozenset(info.modalities))
+        return cls(limits, backend.mm_spec, policy or FeaturePolicy(), backend.kv_capacity)
+
+    def admit(self, generate: GenerateInput) -> AdmittedRequest:
+        """Check `generate`; raise a TitoError naming the field for a caller's mistake."""
+        options = validate_generate(generate, self.limits)
+        self._check_fits_kv_cache(len(generate.token_ids), options.max_tokens, options.n)
+        # Also for text-only requests: a stray placeholder token id is refused here.
+        checked = validate_structure(generate.token_ids, generate.mm_features, self.mm_spec, self.policy)
+        return AdmittedRequest(generate.request_id, list(generate.token_ids), options, checked, generate.cache_salt)
+
+    def admit_encode(self, features: Any) -> CheckedFeatures:
+        """Check an Encode request's items (tito.v1.MultiModalFeatures or None)."""
+        return validate_encode_structure(features, self.mm_spec, self.policy)
+
+    def _check_fits_kv_cache(self, prompt_len: int, max_tokens: int, n: int) -> None:
+        """Refuse what could never run even with the whole KV cache to itself (else it would thrash)."""
+        capacity = self.kv_capacity
+        need = n * blocks_for_tokens(prompt_len + max_tokens, capacity.block_size)
+        if need > capacity.blocks_total:
+            raise ResourceExhausted(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) x n ({n}) needs {need} KV blocks of "
+                f"{capacity.block_size} tokens but the engine has {capacity.blocks_total} in all; send a smaller "
+                f"max_tokens or n, or {capacity.how_to_grow}",
+                reason="KV_CACHE_TOO_SMALL", field="sampling_params.max_tokens")

@@ -1,0 +1,89 @@
+"""The seam between the engine service and what runs the model.
+
+Two backends implement it: `native` (engine.Engine, tito's own continuous batching) and `vllm`
+(vllm_backend.VllmEngine, vLLM's AsyncLLM). The servicer admits every request (admission.py)
+before it reaches either, so both refuse the same requests the same way; a backend only queues,
+schedules, generates and reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Container
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tito.errors import InvalidArgument, ResourceExhausted, Unavailable
+
+from tito_engine.service.admission import AdmittedRequest, KVCapacity
+from tito_engine.multimodal.features import CheckedFeatures, ModelMultimodalSpec
+from tito_engine.model.runner import ModelInfo
+from tito_engine.request import ChoiceOutput
+
+BACKENDS = ("native", "vllm")
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """GetLoad's answer (tito.v1.GetLoadResponse), whichever backend measured it."""
+
+    running_requests: int
+    waiting_requests: int
+    finished_requests: int
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_block_size: int = 0
+    prefix_cache_hit_tokens: int = 0
+    encoder_cache_hits: int = 0
+    encoder_cache_misses: int = 0
+
+
+class EngineBackend(Protocol):
+    """What the servicer needs from an engine."""
+
+    info: ModelInfo  # GetModelInfo, and the limits admission checks against
+    mm_spec: ModelMultimodalSpec | None  # media the model accepts (None: text only)
+    max_running_sequences: int  # most choices (sequences) advanced together
+    kv_capacity: KVCapacity  # the whole KV cache: admission refuses what could never fit
+    # Called (from any thread) when the model process died: the server turns health NOT_SERVING.
+    on_core_lost: Callable[[], None] | None
+    # Called (from any thread) when a new model process serves again: health turns SERVING.
+    on_core_restored: Callable[[], None] | None
+
+    def start(self) -> None:
+        """Start serving (the model is loaded by the constructor)."""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort what is live and release the model."""
+
+    def generate(self, request: AdmittedRequest) -> AsyncIterator[ChoiceOutput]:
+        """Stream the request's outputs; closing the iterator early aborts the request.
+
+        Raises a TitoError (before the first output) for what only the backend can refuse: a
+        duplicate live request id, a full queue, a metadata-only item it does not hold.
+        """
+
+    async def encode(self, features: CheckedFeatures) -> list[Any]:
+        """Encode admitted items into the encoder cache; one tito.v1.EncoderCacheDescriptor each."""
+
+    def abort(self, request_ids: list[str]) -> list[str]:
+        """Abort live requests by id (their streams end with ABORT); return the ids found."""
+
+    def load(self) -> LoadSnapshot:
+        """The current load."""
+
+
+def check_can_accept(request_id: str, *, live: Container[str], waiting: int, max_waiting: int, core_lost: bool,
+                     stopping: bool) -> None:
+    """The refusals every backend makes at submission, in the same words: a dead model process,
+    shutdown, a duplicate live id, a full waiting queue."""
+    if core_lost:
+        raise Unavailable("the engine's model process exited; retry shortly or on another replica",
+                          reason="ENGINE_CORE_LOST")
+    if stopping:
+        raise Unavailable("the engine is shutting down; retry on another replica", reason="SHUTTING_DOWN")
+    if request_id in live:
+        raise InvalidArgument(f"request_id {request_id!r} is already live; ids must be unique among running "
+                              f"requests", reason="DUPLICATE_REQUEST_ID", field="request_id")
+    if waiting >= max_waiting:
+        raise ResourceExhausted(f"the engine's waiting queue is full ({max_waiting} requests); retry later",
+                                reason="QUEUE_FULL")

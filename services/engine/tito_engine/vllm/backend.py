@@ -1,0 +1,274 @@
+"""The vllm backend: tito's EngineService served by vLLM's AsyncLLM in the engine process.
+
+vLLM brings its kernels, tensor/pipeline/data parallelism and multi-node executor; tito keeps the
+contract. Requests arrive admitted (admission.py, the same checks as the native engine), become
+vLLM inputs (vllm_inputs.py: token ids, sampling parameters with the contract's semantics,
+media items), and their outputs come back as the same ChoiceOutputs the native engine streams.
+
+What vLLM raises for a caller's mistake maps into tito's error model here (one place); anything
+else is a bug and stays INTERNAL. GetLoad comes from vLLM's scheduler statistics (a stat logger
+vLLM calls after every step) bounded by what tito knows is live, so an idle engine reads 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from tito.config import ConfigError
+from tito.errors import FailedPrecondition, InvalidArgument, TitoError, Unavailable
+
+from tito_engine.service.admission import AdmittedRequest, KVCapacity
+from tito_engine.service.backend import LoadSnapshot, check_can_accept
+from tito_engine.multimodal.features import CheckedFeatures
+from tito_engine.model.runner import describe_model
+from tito_engine.request import ChoiceOutput
+from tito_engine.vllm.inputs import MediaConverter, OutputConverter, engine_input, sampling_params
+
+log = logging.getLogger(__name__)
+
+
+class _SchedulerStats:
+    """The latest scheduler statistics vLLM reported (running, waiting, KV use, prefix hits)."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+        self.kv_cache_usage = 0.0
+        self.prefix_cache_hit_tokens = 0
+
+    def factory(self) -> Callable[..., Any]:
+        """A vLLM StatLoggerFactory whose loggers feed this object."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        stats = self
+
+        class _Tap(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0):
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+                if scheduler_stats is None:
+                    return
+                stats.running = scheduler_stats.num_running_reqs
+                stats.waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
+                stats.kv_cache_usage = scheduler_stats.kv_cache_usage
+                stats.prefix_cache_hit_tokens += scheduler_stats.prefix_cache_stats.hits
+
+            def log_engine_initialized(self):
+                pass
+
+        return _Tap
+
+
+def _first_reason(exc: Exception) -> str:
+    """One line saying why vLLM refused to start (pydantic config errors carry it in errors())."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            return str(errors()[0]["msg"])
+        except Exception:  # noqa: BLE001 - not pydantic's after all
+            pass
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def _device_name(vllm_config: Any) -> str:
+    from vllm.platforms import current_platform
+
+    parallel = vllm_config.parallel_config
+    device = current_platform.device_type
+    return device if parallel.world_size == 1 else f"{device} x{parallel.world_size}"
+
+
+class VllmEngine:
+    """An EngineBackend over vLLM's AsyncLLM (see backend.EngineBackend). It may be built off the
+    event loop (the model loads meanwhile); `start()` and every call after run on the serving loop,
+    where AsyncLLM starts its output handler."""
+
+    def __init__(self, engine_args: Any, model_dir: Path, *, model_id: str, max_waiting_requests: int = 1024):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._stats = _SchedulerStats()
+        try:
+            self._llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=[self._stats.factory()])
+        except Exception as exc:  # noqa: BLE001 - vLLM reports a model it cannot serve in many ways
+            raise ConfigError(f"vLLM could not start on --model {model_id}: {_first_reason(exc)} (vLLM's log "
+                              f"above has the details)") from exc
+        # What vLLM's own engine processes do once started: read its environment variables once,
+        # not at every lookup (its per-token statistics consult several of them).
+        from vllm.envs import enable_envs_cache
+
+        enable_envs_cache()
+        vllm_config = self._llm.vllm_config
+        model_config = vllm_config.model_config
+        hf_config = model_config.hf_config
+        self.info, self.mm_spec = describe_model(
+            Path(model_dir), hf_config, model_id=model_id,
+            vocab_size=model_config.get_vocab_size(),  # embedding rows, padding included
+            max_context_length=model_config.max_model_len, dtype=str(model_config.dtype).removeprefix("torch."),
+            device=_device_name(vllm_config), multimodal=model_config.is_multimodal_model)
+        self.max_running_sequences = vllm_config.scheduler_config.max_num_seqs
+        self.max_waiting_requests = max_waiting_requests
+        cache_config = vllm_config.cache_config
+        self.kv_capacity = KVCapacity(
+            int(cache_config.num_gpu_blocks or 0), int(cache_config.block_size),
+            how_to_grow="give vLLM more KV cache memory (--kv-cache-bytes, or -- --gpu-memory-utilization)")
+        self.on_core_lost: Callable[[], None] | None = None
+        # vLLM's engine core does not come back once dead: this replica must be restarted.
+        self.on_core_restored: Callable[[], None] | None = None
+        self._lock = threading.Lock()
+        self._live: dict[str, int] = {}  # request id -> choices (n), until its stream ends
+        self._finished = 0
+        self._mm_hits = 0
+        self._mm_misses = 0
+        self._media: MediaConverter | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task] = set()  # aborts in flight (the loop only keeps weak references)
+        self._stopping = False
+        log.info("vLLM engine ready: %s on %s (%s), vocab %d, context %d, %d KV blocks x %d tokens, "
+                 "max_num_seqs %d", model_id, self.info.device, self.info.dtype, self.info.vocab_size,
+                 self.info.max_context_length, self.kv_capacity.blocks_total, self.kv_capacity.block_size,
+                 self.max_running_sequences)
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._spawn(self._watch_core())
+
+    def _spawn(self, coroutine) -> None:
+        task = self._loop.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _watch_core(self) -> None:
+        """Tell the server when vLLM's engine core died (health turns NOT_SERVING)."""
+        while not self._stopping:
+            try:
+                await self._llm.check_health()
+            except Exception:  # noqa: BLE001 - vLLM raises EngineDeadError (or worse) once its core is gone
+                pass
+            if self._llm.errored:
+                log.error("vLLM's engine core died; this replica must be restarted")
+                if self.on_core_lost is not None:
+                    self.on_core_lost()
+                return
+            await asyncio.sleep(1.0)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Shut vLLM down (from any thread; the server calls it off its event loop)."""
+        self._stopping = True  # the watchdog sees it within a second and returns
+        self._llm.shutdown(timeout=timeout)
+
+    # ---------------------------------------------------------------- requests
+
+    def _register(self, request_id: str, n: int) -> None:
+        with self._lock:
+            check_can_accept(request_id, live=self._live, waiting=self._waiting_locked(),
+                             max_waiting=self.max_waiting_requests, core_lost=self._llm.errored,
+                             stopping=self._stopping)
+            self._live[request_id] = n
+
+    async def generate(self, request: AdmittedRequest) -> AsyncIterator[ChoiceOutput]:
+        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+        # Registered first: a request refused here (duplicate id, full queue) must not have touched
+        # vLLM's multimodal cache bookkeeping in _engine_input.
+        self._register(request_id, request.options.n)
+        converter = OutputConverter(request.options, len(request.token_ids))
+        finished = False
+        stream = None
+        try:
+            try:
+                prompt = self._engine_input(request)
+                params = sampling_params(request.options, self.info.eos_token_ids)
+                stream = self._llm.generate(prompt, params, request_id)
+                async for output in stream:
+                    for choice in converter.convert(output):
+                        yield choice
+                finished = True
+            except TitoError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped in one place; a bug re-raises as is
+                raise _map_vllm_error(exc) from exc
+        finally:
+            with self._lock:
+                self._live.pop(request_id, None)
+                if finished:
+                    self._finished += 1
+            if stream is not None and not finished:
+                await stream.aclose()  # vLLM aborts the request when its generator is closed early
+
+    def _engine_input(self, request: AdmittedRequest) -> Any:
+        if request.features and self._media is None:
+            self._media = MediaConverter.for_llm(self._llm)  # built on first use: it loads the HF processor
+        prompt, hits, misses = engine_input(request, self._media)
+        with self._lock:
+            self._mm_hits += hits
+            self._mm_misses += misses
+        return prompt
+
+    async def encode(self, features: CheckedFeatures) -> list[Any]:
+        raise FailedPrecondition(
+            "Encode is not available on the vllm backend: vLLM keeps encoder outputs inside its engine "
+            "core and hands out no descriptors for them; send Generate with mm_payload TENSORS (vLLM caches "
+            "the items by mm_hash and reuses them for later requests)", reason="ENCODE_UNSUPPORTED")
+
+    def abort(self, request_ids: list[str]) -> list[str]:
+        with self._lock:
+            found = [request_id for request_id in request_ids if request_id in self._live]
+        if found:
+            # The streams end with a final ABORT output that vLLM's output processor produces.
+            self._spawn(self._llm.abort(found))
+        return found
+
+    # ---------------------------------------------------------------- load
+
+    def _waiting_locked(self) -> int:
+        live_choices = sum(self._live.values())
+        return max(0, live_choices - min(self._stats.running, live_choices))
+
+    def load(self) -> LoadSnapshot:
+        with self._lock:
+            live_choices = sum(self._live.values())
+            running = min(self._stats.running, live_choices)
+            total = self.kv_capacity.blocks_total
+            return LoadSnapshot(
+                running_requests=running,
+                waiting_requests=live_choices - running,
+                finished_requests=self._finished,
+                kv_blocks_total=total,
+                kv_blocks_used=round(self._stats.kv_cache_usage * total) if live_choices else 0,
+                kv_block_size=self.kv_capacity.block_size,
+                prefix_cache_hit_tokens=self._stats.prefix_cache_hit_tokens,
+                encoder_cache_hits=self._mm_hits,
+                encoder_cache_misses=self._mm_misses,
+            )
+
+
+def _map_vllm_error(exc: Exception) -> Exception:
+    """vLLM's exceptions in tito's error model: a caller's mistake keeps its field; a bug stays a bug."""
+    from vllm.exceptions import VLLMValidationError
+    from vllm.multimodal.cache.base import MultiModalCacheMissError
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    cause = exc.__cause__ if isinstance(exc, EngineGenerateError) and exc.__cause__ is not None else exc
+    if isinstance(cause, MultiModalCacheMissError):
+        return FailedPrecondition(f"vLLM no longer holds media items {cause.mm_hashes} that were sent without "
+                                  f"tensors; re-render the request with mm_payload TENSORS",
+                                  reason="MM_TENSORS_REQUIRED", field="mm_features.items")
+    if isinstance(cause, EngineDeadError):
+        return Unavailable("vLLM's engine core exited; this replica must be restarted", reason="ENGINE_CORE_LOST")
+    if isinstance(cause, VLLMValidationError):
+        parameter = getattr(cause, "parameter", None)
+        field = f"sampling_params.{parameter}" if parameter else None
+        return InvalidArgument(f"vLLM refused the request: {cause}", reason="INVALID_SAMPLING_PARAMS"
+                               if field else "INVALID_REQUEST", field=field)
+    if isinstance(cause, ValueError) and "context length" in str(cause):
+        return InvalidArgument(f"vLLM refused the request: {cause}", reason="PROMPT_TOO_LONG", field="token_ids")
+    return exc
