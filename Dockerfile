@@ -26,7 +26,7 @@ COPY services ./services
 COPY clients/python ./clients/python
 COPY cli ./cli
 COPY models ./models
-RUN pip install . \
+RUN pip install ".[all]" \
  && python -c "import tito_engine.server, tito_render.server, tito_derender.server"
 # The default model (a tiny one tito builds offline, deterministically) is built now, so the image
 # serves out of the box on a read-only file system.

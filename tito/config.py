@@ -11,17 +11,18 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from tito import security
+from tito.cpu_affinity import check_cpus, parse_cpu_list
+from tito.errors import ConfigError
 from tito.logs import LOG_LEVELS
 from tito.settings import setting
+
+__all__ = ["ConfigError", "ServerConfig", "model_setting", "validate_address"]
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 SECURITY = "who may call (docs/security.md)"
 OBSERVABILITY = "observability (docs/metrics.md, docs/tracing.md)"
 _TCP_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
-
-
-class ConfigError(ValueError):
-    """A configuration value is wrong; the message says how to fix it."""
 
 
 def validate_address(address: str, what: str = "address") -> None:
@@ -97,16 +98,12 @@ class ServerConfig:
             raise ConfigError(f"metrics_port={self.metrics_port} must be a TCP port, 0-65535 (0 = any free port); "
                               f"leave --metrics-port out for no metrics")
         if self.cpu_affinity:
-            from tito.cpu_affinity import check_cpus, parse_cpu_list
-
             check_cpus(parse_cpu_list(self.cpu_affinity), "--cpu-affinity")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"log_level={self.log_level!r} must be one of {', '.join(LOG_LEVELS)}")
         self._validate_security()
 
     def _validate_security(self) -> None:
-        from tito.security import read_file, read_token_file
-
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ConfigError("TLS needs both --tls-cert-file and --tls-key-file (PEM files)")
         if self.tls_client_ca_file and not self.tls_cert_file:
@@ -114,9 +111,9 @@ class ServerConfig:
                               "--tls-key-file too")
         for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
             if getattr(self, name):
-                read_file(getattr(self, name), f"--{name.replace('_', '-')}")
+                security.read_file(getattr(self, name), f"--{name.replace('_', '-')}")
         if self.auth_token_file:
-            read_token_file(self.auth_token_file)
+            security.read_token_file(self.auth_token_file)
 
 
 def model_setting(default: str, what: str) -> Any:

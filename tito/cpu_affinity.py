@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 
-from tito.config import ConfigError
+from tito.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -19,11 +19,16 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterable, Mapping, Sequence
 
-from tito.config import ConfigError
+from tito.errors import ConfigError
 
 ENV_PREFIX = "TITO_"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+
+
+def variable_of(flag: str) -> str:
+    """The TITO_* variable of a long flag: `--max-model-len` is `TITO_MAX_MODEL_LEN`."""
+    return ENV_PREFIX + flag[2:].upper().replace("-", "_")
 
 
 def env_name(action: argparse.Action) -> str | None:
@@ -31,7 +36,7 @@ def env_name(action: argparse.Action) -> str | None:
     longs = [option for option in action.option_strings if option.startswith("--")]
     if not longs or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
         return None
-    return ENV_PREFIX + longs[0][2:].upper().replace("-", "_")
+    return variable_of(longs[0])
 
 
 def _settable(parser: argparse.ArgumentParser) -> Iterable[tuple[argparse.Action, str]]:

@@ -24,6 +24,11 @@ def quoted(text: str, limit: int = QUOTE_CHARS) -> str:
     return f"{text[:limit]!r}... ({len(text)} characters)"
 
 
+class ConfigError(ValueError):
+    """A start-up configuration value is wrong; the message says how to fix it. (Not a TitoError:
+    it never reaches a caller; the CLI prints it as one line and exits with status 2.)"""
+
+
 @dataclass(frozen=True)
 class FieldViolation:
     """One offending request field: a dotted path (e.g. "messages[2].role") and what is wrong."""

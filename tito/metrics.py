@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.exposition import start_http_server
 
+from tito.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 PREFIX = "tito_"
@@ -69,8 +71,6 @@ class ServiceMetrics:
 
     def serve(self, host: str, port: int) -> str:
         """Serve GET /metrics on host:port (0 = any free port) from a daemon thread; return host:port."""
-        from tito.config import ConfigError
-
         try:
             self._http, self._http_thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:

@@ -24,8 +24,9 @@ from pathlib import Path
 import grpc
 from grpc_status import rpc_status
 
-from tito.config import ConfigError
+from tito.errors import ConfigError
 from tito.errors import Unauthenticated
+from tito.grpc_errors import status_for
 
 # Methods a token is not asked for (when auth_exempt_health is on).
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -82,8 +83,6 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
 def _refusing(handler: grpc.RpcMethodHandler, error: Unauthenticated) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` that only answers `error`."""
-    from tito.grpc_errors import status_for
-
     status = rpc_status.to_status(status_for(error))
 
     async def refuse(_request, context):

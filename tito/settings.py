@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tito.env_flags import variable_of
+
 log = logging.getLogger(__name__)
 
 #: The dataclass field metadata key that holds a field's `Setting`.
@@ -151,12 +153,6 @@ def _argparse_options(item: Declared) -> dict[str, Any]:
         options["metavar"] = item.setting.metavar
     return options
 
-
-def variable_of(flag: str) -> str:
-    """The TITO_* variable of a long flag (tito.env_flags' naming rule)."""
-    from tito.env_flags import ENV_PREFIX  # env_flags imports tito.config, which imports this module
-
-    return ENV_PREFIX + flag[2:].upper().replace("-", "_")
 
 
 def config_from_args(config_cls: type, args: argparse.Namespace, **fields: Any) -> Any:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import importlib
 import re
 
-from tito.settings import declared, variable_of
+from tito.env_flags import variable_of
+from tito.settings import declared
 
 #: The documents with flag tables, relative to the repository root.
 DOCUMENTS = ("services/engine/README.md", "services/render/README.md", "services/derender/README.md", "docs/deploy.md")

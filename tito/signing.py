@@ -19,6 +19,7 @@ import hmac
 import struct
 from pathlib import Path
 
+from tito.errors import ConfigError
 from tito.v1 import multimodal_pb2
 
 _DOMAIN = b"tito.v1.MultiModalItem/hmac-sha256\x00"
@@ -89,8 +90,6 @@ MIN_KEY_BYTES = 16
 def read_key_file(path: str) -> bytes:
     """Read a shared HMAC key the way render and engine both must: the file's bytes without
     surrounding whitespace (so `openssl rand -hex 32 > FILE` works), at least MIN_KEY_BYTES long."""
-    from tito.config import ConfigError
-
     try:
         key = Path(path).read_bytes().strip()
     except OSError as exc:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from tito.config import ConfigError
+from tito.errors import ConfigError
 
 log = logging.getLogger("tito.startup")
 

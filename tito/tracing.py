@@ -23,6 +23,8 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from tito.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 _tracer: Any = None  # an opentelemetry Tracer while tracing is on
@@ -55,8 +57,6 @@ def configure(service: str, flag: bool = False) -> bool:
     global _provider
     if enabled() or not wanted(flag):
         return enabled()
-    from tito.config import ConfigError
-
     try:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider

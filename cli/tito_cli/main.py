@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from tito.cpu_affinity import parse_cpu_list, run_on
@@ -55,18 +56,23 @@ def add_common_arguments(parser: argparse.ArgumentParser, service: str) -> None:
         parser.add_argument("--device", default="auto", help="the engine's; render and derender run on the CPU")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(services: Iterable[str] = SERVICES) -> argparse.ArgumentParser:
+    """The `tito` command line, with the flags of `services` (each imports its service's server
+    module for them: `tito serve derender` builds only derender's, so it never loads the engine's
+    torch or render's image stack)."""
+    wanted = set(services)
     parser = argparse.ArgumentParser(prog="tito", description="token-in/token-out LLM serving over gRPC")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run a service")
-    services = serve.add_subparsers(dest="service", required=True)
+    service_parsers = serve.add_subparsers(dest="service", required=True)
     for name in SERVICES:
-        sub = services.add_parser(name, help=f"run the {name} service")
-        add_common_arguments(sub, name)
-        _service_module(name).add_arguments(sub)
-        document_env(sub)
-    everything = services.add_parser("all", help="run render, engine and derender as three processes")
+        sub = service_parsers.add_parser(name, help=f"run the {name} service")
+        if name in wanted:
+            add_common_arguments(sub, name)
+            _service_module(name).add_arguments(sub)
+            document_env(sub)
+    everything = service_parsers.add_parser("all", help="run render, engine and derender as three processes")
     _add_all_arguments(everything)
     document_env(everything)
 
@@ -384,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         split = argv.index("--")
         argv, passthrough = argv[:split], argv[split + 1:]
-    parser = build_parser()
+    parser = build_parser(_services_asked_for(argv))
     args = parser.parse_args(argv)
     if passthrough and not (args.command == "serve" and args.service == "engine"):
         parser.error("arguments after `--` are vLLM engine arguments; only `tito serve engine --backend vllm` "
@@ -400,6 +406,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "chat":
         return chat(args)
     return 2
+
+
+def _services_asked_for(argv: list[str]) -> tuple[str, ...]:
+    """The service whose flags `argv` needs (`tito serve engine ...`: the engine); none otherwise
+    (`tito serve all` and `tito chat` check each service's flags themselves, in `check_services`)."""
+    if len(argv) >= 2 and argv[0] == "serve" and argv[1] in SERVICES:
+        return (argv[1],)
+    return ()
 
 
 def run() -> None:

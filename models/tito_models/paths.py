@@ -22,10 +22,14 @@ TINY_MODELS = (*MODELS, DEMO_MODEL)
 
 def resolve_model(spec: str, cache_dir: Path | None = None) -> Path:
     """Return the model directory for `spec`, building a tiny model on first use."""
-    if spec == DEMO_MODEL:
-        return ensure_demo_model(cache_dir)
     if spec in TINY_MODELS:
-        return ensure_model(spec, cache_dir)
+        try:
+            return ensure_demo_model(cache_dir) if spec == DEMO_MODEL else ensure_model(spec, cache_dir)
+        except ImportError as exc:  # a service installed alone (e.g. tito[derender]) cannot build one
+            raise ConfigError(
+                f"--model {spec}: building this tiny model needs {exc.name or 'torch'}, which is not installed "
+                f"(pip install 'tito[models]'); or pass the directory of a model built elsewhere, e.g. by "
+                f"`python -m tito_models.tiny DIR --model {spec}`") from None
     path = Path(spec).expanduser()
     if (path / "config.json").is_file() or (path / "tokenizer.json").is_file():
         return path

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import sys
 from pathlib import Path
 
 from tito import settings
@@ -74,14 +73,3 @@ async def create_server(config: DerenderConfig, phases: StartupPhases | None = N
 async def serve(config: DerenderConfig, phases: StartupPhases | None = None) -> None:
     running = await create_server(config, phases)
     await run_until_signal(running)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (`python -m tito_derender.server ...`): exactly `tito serve derender ...`."""
-    from tito_cli.main import main as tito_main
-
-    return tito_main(["serve", "derender", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import sys
 
 from tito import settings
 from tito_models.paths import resolve_model
@@ -137,14 +136,3 @@ async def serve(config: EngineConfig, phases: StartupPhases | None = None) -> No
         log.info("engine server process on CPUs %s", format_cpu_list(server_cpus))
     running = await create_server(config, phases)
     await run_until_signal(running)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (`python -m tito_engine.server ...`): exactly `tito serve engine ...`."""
-    from tito_cli.main import main as tito_main
-
-    return tito_main(["serve", "engine", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -125,17 +125,6 @@ async def serve(config: RenderConfig, phases: StartupPhases | None = None) -> No
     check_can_listen(config.address, reuse_port=True)
     if config.health_address:
         check_can_listen(config.health_address, reuse_port=True, flag="--health-address")
-    code = await WorkerPool(config, workers).run()
+    code = await WorkerPool(config, workers, create_server).run()
     if code:
         sys.exit(code)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (`python -m tito_render.server ...`): exactly `tito serve render ...`."""
-    from tito_cli.main import main as tito_main
-
-    return tito_main(["serve", "render", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

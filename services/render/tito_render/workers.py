@@ -25,6 +25,9 @@ import signal
 import time
 from multiprocessing.process import BaseProcess
 
+from collections.abc import Awaitable, Callable
+from typing import Any
+
 from tito.config import ConfigError
 from tito.logs import setup_logging
 from tito.serving import run_until_signal
@@ -32,6 +35,10 @@ from tito.serving import run_until_signal
 from tito_render.config import RenderConfig
 
 log = logging.getLogger(__name__)
+
+#: What a worker runs: the render server's factory (`tito_render.server.create_server`), given by the
+#: server that owns the pool (spawned workers import it by name, so it must be a module-level function).
+ServerFactory = Callable[[RenderConfig], Awaitable[Any]]
 
 #: Seconds a stopping worker gets beyond the grace period before it is killed.
 KILL_MARGIN_SECONDS = 10.0
@@ -56,13 +63,14 @@ def _exit_with_parent(parent_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _worker_main(config: RenderConfig, index: int, ready: multiprocessing.Queue, parent_pid: int) -> None:
+def _worker_main(config: RenderConfig, index: int, ready: multiprocessing.Queue, parent_pid: int,
+                 create_server: ServerFactory) -> None:
     """Entry point of one worker process."""
     setup_logging(config.log_level, f"render[w{index} pid {os.getpid()}]")
     _exit_with_parent(parent_pid)
     # The parent forwards SIGINT as SIGTERM; a terminal's Ctrl-C reaches every worker directly too.
     try:
-        asyncio.run(_run_worker(config, index, ready))
+        asyncio.run(_run_worker(config, index, ready, create_server))
     except ConfigError as exc:  # the parent reports it (one line for the operator, not one per worker)
         ready.put(("failed", index, str(exc)))
         raise SystemExit(2) from None
@@ -74,9 +82,8 @@ def _worker_main(config: RenderConfig, index: int, ready: multiprocessing.Queue,
         raise SystemExit(3) from None
 
 
-async def _run_worker(config: RenderConfig, index: int, ready: multiprocessing.Queue) -> None:
-    from tito_render.server import create_server  # the parent never loads a model
-
+async def _run_worker(config: RenderConfig, index: int, ready: multiprocessing.Queue,
+                      create_server: ServerFactory) -> None:
     if config.metrics_port:  # one /metrics per worker process: worker i serves on metrics_port + i
         config = dataclasses.replace(config, metrics_port=config.metrics_port + index)
     running = await create_server(config)
@@ -88,9 +95,10 @@ async def _run_worker(config: RenderConfig, index: int, ready: multiprocessing.Q
 class WorkerPool:
     """Start, supervise and stop the worker processes of one render server."""
 
-    def __init__(self, config: RenderConfig, count: int) -> None:
+    def __init__(self, config: RenderConfig, count: int, create_server: ServerFactory) -> None:
         self.config = worker_config(config)
         self.count = count
+        self.create_server = create_server  # runs in each worker; the parent never loads a model
         self._context = multiprocessing.get_context("spawn")  # no fork of a threaded parent
         self._ready: multiprocessing.Queue = self._context.Queue()
         self._processes: dict[int, BaseProcess] = {}
@@ -99,7 +107,7 @@ class WorkerPool:
         self._config_error: str | None = None  # a worker's start-up ConfigError, reported by the parent
 
     def _start(self, index: int) -> None:
-        process = self._context.Process(target=_worker_main, args=(self.config, index, self._ready, os.getpid()),
+        process = self._context.Process(target=_worker_main, args=(self.config, index, self._ready, os.getpid(), self.create_server),
                                         name=f"render-worker-{index}", daemon=False)
         process.start()
         self._processes[index] = process

@@ -12,7 +12,8 @@ from tito import settings
 from tito_cli import main as cli
 from tito.config import ServerConfig
 from tito.env_flags import env_variables
-from tito.settings import DEPRECATED_PREFIX, declared, variable_of
+from tito.env_flags import variable_of
+from tito.settings import DEPRECATED_PREFIX, declared
 from tito.settings_docs import DOCUMENTS, render_tables
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -3,6 +3,8 @@ the tokenizer does not name), and the tiny model with a padded vocabulary."""
 
 from __future__ import annotations
 
+import shutil
+
 import json
 import random
 
@@ -88,6 +90,10 @@ def test_real_qwen_vocabulary_with_its_padded_embedding(tmp_path):
     vocabulary = vocabulary_of(hf, {"vocab_size": QWEN_EMBEDDING_ROWS})
     assert (vocabulary.vocab_size, vocabulary.tokenizer_vocab_size) == (151936, 151669)
     assert vocabulary.padding_ids == tuple(range(151669, 151936))
-    tokenizer = TextTokenizer(hf, {"vocab_size": QWEN_EMBEDDING_ROWS})
+    model_dir = tmp_path / "qwen-rows"  # the tokenizer beside a config.json with the padded embedding
+    shutil.copytree(ensure_real_vocab_tokenizer(), model_dir)
+    (model_dir / "config.json").write_text(json.dumps({"vocab_size": QWEN_EMBEDDING_ROWS}))
+    tokenizer = TextTokenizer.load(model_dir)
+    assert tokenizer.vocabulary == vocabulary
     ids = hf.encode("Hello 你好") + [151700, 151935] + hf.encode(" world")
     assert detokenize(tokenizer, ids) == hf.decode(ids, skip_special_tokens=True) == "Hello 你好 world"

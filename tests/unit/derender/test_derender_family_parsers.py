@@ -350,6 +350,7 @@ from tito_derender.detokenizer import TextOptions  # noqa: E402
 from tito_derender.domain import EngineOutput, FinishReason, RequestContext, ToolChoiceMode  # noqa: E402
 from tito_derender.stream import DerenderStream  # noqa: E402
 from tito_derender.tokenizer import TextTokenizer  # noqa: E402
+from hf_reference import hf_of
 
 FAMILY_OF_PARSER = {"qwen3_coder": "qwen3_coder", "deepseek_v3": "deepseek_v31", "kimi_k2": "kimi_k2",
                     "glm45": "glm45", "gpt_oss": "gpt_oss"}
@@ -381,10 +382,10 @@ def family_context(parser_name, reasoning=""):
 @pytest.mark.parametrize("parser_name,text,content,calls", CASES)
 def test_family_table_one_token_per_engine_message(family_tokenizers, parser_name, text, content, calls):
     tokenizer = family_tokenizers[parser_name]
-    ids = tokenizer.hf.encode(text, add_special_tokens=False)
+    ids = hf_of(tokenizer).encode(text, add_special_tokens=False)
     for marker in ("<tool_call>", "<｜tool▁sep｜>", "<|tool_call_begin|>", "<arg_key>", "<|message|>"):
         if marker in text:  # the family's markers are single tokens of its tokenizer
-            assert tokenizer.hf.convert_tokens_to_ids(marker) in ids
+            assert hf_of(tokenizer).convert_tokens_to_ids(marker) in ids
     for streaming in (True, False):
         got_content, _, deltas = stream_ids(tokenizer, family_context(parser_name), ids, streaming)
         assert got_content == content
@@ -394,7 +395,7 @@ def test_family_table_one_token_per_engine_message(family_tokenizers, parser_nam
 @pytest.mark.parametrize("parser_name,text", MALFORMED)
 def test_family_malformed_one_token_per_engine_message(family_tokenizers, parser_name, text):
     tokenizer = family_tokenizers[parser_name]
-    ids = tokenizer.hf.encode(text, add_special_tokens=False)
+    ids = hf_of(tokenizer).encode(text, add_special_tokens=False)
     content, _, deltas = stream_ids(tokenizer, family_context(parser_name), ids, streaming=False)
     assert (content, deltas) == (text, [])
     _, _, deltas = stream_ids(tokenizer, family_context(parser_name), ids)
@@ -405,7 +406,7 @@ def test_family_malformed_one_token_per_engine_message(family_tokenizers, parser
 @pytest.mark.parametrize("text,content,reasoning,calls", HARMONY)
 def test_harmony_one_token_per_engine_message(family_tokenizers, text, content, reasoning, calls):
     tokenizer = family_tokenizers["gpt_oss"]
-    ids = tokenizer.hf.encode(text, add_special_tokens=False)
+    ids = hf_of(tokenizer).encode(text, add_special_tokens=False)
     for streaming in (True, False):
         got = stream_ids(tokenizer, family_context("gpt_oss", reasoning="gpt_oss"), ids, streaming)
         assert got[:2] == (content, reasoning)
@@ -430,10 +431,10 @@ _FUZZ_REASONING = {"qwen3_coder": "qwen3", "deepseek_v3": "deepseek_r1", "kimi_k
 @pytest.mark.parametrize("parser_name", sorted(_FUZZ_MARKUP))
 def test_family_fuzzed_outputs_never_fail(family_tokenizers, parser_name):
     tokenizer = family_tokenizers[parser_name]
-    pieces = [tokenizer.hf.encode(m, add_special_tokens=False) for m in _FUZZ_MARKUP[parser_name]]
+    pieces = [hf_of(tokenizer).encode(m, add_special_tokens=False) for m in _FUZZ_MARKUP[parser_name]]
 
     @settings(max_examples=40, deadline=None, database=None)
-    @given(groups=st.lists(st.one_of(st.sampled_from(pieces), st.lists(st.integers(0, len(tokenizer.hf) - 1),
+    @given(groups=st.lists(st.one_of(st.sampled_from(pieces), st.lists(st.integers(0, len(hf_of(tokenizer)) - 1),
                                                                        max_size=2)), max_size=25),
            streaming=st.booleans())
     def check(groups, streaming):
@@ -467,5 +468,5 @@ def test_harmony_structure_is_parsed_even_with_thinking_off(family_tokenizers):
     text = "<|channel|>analysis<|message|>hmm<|end|><|start|>assistant<|channel|>final<|message|>Hi!<|return|>"
     tokenizer = family_tokenizers["gpt_oss"]
     ctx = RequestContext(reasoning_parser="gpt_oss", thinking_enabled=False, text=TextOptions(skip_special_tokens=False))
-    content, reasoning, _ = stream_ids(tokenizer, ctx, tokenizer.hf.encode(text, add_special_tokens=False))
+    content, reasoning, _ = stream_ids(tokenizer, ctx, hf_of(tokenizer).encode(text, add_special_tokens=False))
     assert (content, reasoning) == ("Hi!", "hmm")

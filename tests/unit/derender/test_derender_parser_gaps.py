@@ -24,6 +24,7 @@ from tito_derender.full import derender_full
 from tito_derender.parsers import TOOL_PARSERS, needs_special_tokens
 from tito_derender.stream import DerenderStream
 from tito_derender.tokenizer import TextTokenizer
+from hf_reference import hf_of
 
 MISTRAL_SPECIAL_TOKENS = ["[TOOL_CALLS]", "[ARGS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]"]
 
@@ -33,7 +34,7 @@ def with_mistral_tokens(source, directory) -> TextTokenizer:
     hf.add_special_tokens({"additional_special_tokens": MISTRAL_SPECIAL_TOKENS})
     hf.save_pretrained(str(directory))
     tokenizer = TextTokenizer.load(directory)
-    assert tokenizer.is_special(tokenizer.hf.convert_tokens_to_ids("[TOOL_CALLS]"))
+    assert tokenizer.is_special(hf_of(tokenizer).convert_tokens_to_ids("[TOOL_CALLS]"))
     return tokenizer
 
 
@@ -43,7 +44,7 @@ def mistral_tokenizer(request, tiny_text_model, tmp_path_factory) -> TextTokeniz
     directory = tmp_path_factory.mktemp("mistral")
     if request.param == "byte-level":
         return with_mistral_tokens(tiny_text_model, directory)
-    return with_mistral_tokens(request.getfixturevalue("metaspace_tokenizer").hf.name_or_path, directory)
+    return with_mistral_tokens(hf_of(request.getfixturevalue("metaspace_tokenizer")).name_or_path, directory)
 
 
 def id_chunkings(ids: list[int]):
@@ -82,7 +83,7 @@ def complete(tokenizer, ctx, ids, finish=FinishReason.STOP):
 
 
 def check_case(tokenizer, ctx, text, expected, finish=FinishReason.STOP, compare_complete=True):
-    ids = tokenizer.hf.encode(text, add_special_tokens=False)
+    ids = hf_of(tokenizer).encode(text, add_special_tokens=False)
     if compare_complete:
         assert complete(tokenizer, ctx, ids, finish) == expected
     for name, chunks in id_chunkings(ids):
@@ -123,19 +124,19 @@ def mistral_context(**fields) -> RequestContext:
 
 @pytest.mark.parametrize("text,content,calls", MISTRAL, ids=[case[0][:40] for case in MISTRAL])
 def test_mistral_both_forms(mistral_tokenizer, text, content, calls):
-    assert mistral_tokenizer.hf.convert_tokens_to_ids("[TOOL_CALLS]") in mistral_tokenizer.hf.encode(
+    assert hf_of(mistral_tokenizer).convert_tokens_to_ids("[TOOL_CALLS]") in hf_of(mistral_tokenizer).encode(
         "x[TOOL_CALLS]y", add_special_tokens=False)
     check_case(mistral_tokenizer, mistral_context(), text, (content, "", calls))
 
 
 def test_mistral_v11_arguments_stream_in_fragments_and_a_cut_call_is_closed(mistral_tokenizer):
     text = '[TOOL_CALLS]get_weather{"city": "Paris", "note": "a long argument value"}'
-    ids = mistral_tokenizer.hf.encode(text, add_special_tokens=False)
+    ids = hf_of(mistral_tokenizer).encode(text, add_special_tokens=False)
     stream = DerenderStream(mistral_tokenizer, mistral_context())
     deltas = [d for i in ids for c in stream.feed(EngineOutput(index=0, token_ids=(i,))) for d in c.tool_calls]
     assert deltas[0].name == "get_weather" and len([d for d in deltas if d.arguments]) > 5
     # Cut off: streamed, the call is out and its arguments are closed; complete, it is content.
-    cut = mistral_tokenizer.hf.encode('[TOOL_CALLS]get_weather{"city": "Par', add_special_tokens=False)
+    cut = hf_of(mistral_tokenizer).encode('[TOOL_CALLS]get_weather{"city": "Par', add_special_tokens=False)
     for _, chunks in id_chunkings(cut):
         assert streamed(mistral_tokenizer, mistral_context(), chunks, FinishReason.LENGTH) == (
             "", "", [("get_weather", {"city": "Par"})])
@@ -198,7 +199,7 @@ def test_qwen3_reasoning_ends_at_a_tool_call_without_think_end(tiny_tokenizer, f
 
 def test_qwen3_cut_off_inside_a_call_without_think_end(tiny_tokenizer):
     text = '<think>Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os'
-    ids = tiny_tokenizer.hf.encode(text, add_special_tokens=False)
+    ids = hf_of(tiny_tokenizer).encode(text, add_special_tokens=False)
     results = {name: streamed(tiny_tokenizer, qwen3_context(), chunks, FinishReason.LENGTH)
                for name, chunks in id_chunkings(ids)}
     assert set(map(repr, results.values())) == {repr(("", "Checking.\n", [("get_weather", {"city": "Os"})]))}
@@ -208,12 +209,12 @@ def test_qwen3_cut_off_inside_a_call_without_think_end(tiny_tokenizer):
 
 def test_held_call_text_reaches_the_client_once_decided(tiny_tokenizer):
     """While a call inside the reasoning is undecided nothing of it is sent; then all of it is."""
-    ids = tiny_tokenizer.hf.encode(f"<think>maybe {CALL}", add_special_tokens=False)
+    ids = hf_of(tiny_tokenizer).encode(f"<think>maybe {CALL}", add_special_tokens=False)
     stream = DerenderStream(tiny_tokenizer, qwen3_context())
     sent = "".join(c.reasoning_content + c.content for i in ids
                    for c in stream.feed(EngineOutput(index=0, token_ids=(i,))))
     assert sent == "maybe "
-    more = tiny_tokenizer.hf.encode(" so.", add_special_tokens=False)
+    more = hf_of(tiny_tokenizer).encode(" so.", add_special_tokens=False)
     rest = stream.feed(EngineOutput(index=0, token_ids=tuple(more)))
     assert "".join(c.reasoning_content for c in rest) == f"{CALL} so."
 
@@ -258,12 +259,12 @@ def test_pythonic_good_calls_survive_bad_ones(tiny_tokenizer, text, content, cal
 
 def test_pythonic_sends_a_call_only_once_it_is_known_valid(tiny_tokenizer):
     text = '[get_weather(city="Paris", days=[1, 2]), bad(1)'
-    ids = tiny_tokenizer.hf.encode(text, add_special_tokens=False)
+    ids = hf_of(tiny_tokenizer).encode(text, add_special_tokens=False)
     stream = DerenderStream(tiny_tokenizer, pythonic_context())
     seen = []
     for position, token_id in enumerate(ids):
         chunks = stream.feed(EngineOutput(index=0, token_ids=(token_id,)))
-        seen += [(tiny_tokenizer.hf.decode(ids[:position + 1]), d) for c in chunks for d in c.tool_calls]
+        seen += [(hf_of(tiny_tokenizer).decode(ids[:position + 1]), d) for c in chunks for d in c.tool_calls]
     # The first delta arrives with the "," that ends the item, never earlier; "bad" never comes.
     assert [d.name for _, d in seen if d.name] == ["get_weather"]
     assert all(prefix.rstrip().endswith(",") for prefix, _ in seen)

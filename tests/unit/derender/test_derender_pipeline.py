@@ -17,7 +17,7 @@ from tito_derender.stream import DerenderStream
 
 
 def test_logprobs_carry_token_text_and_bytes_even_for_partial_characters(tiny_tokenizer):
-    ids = tiny_tokenizer.hf.encode("é ok", add_special_tokens=False)
+    ids = hf_of(tiny_tokenizer).encode("é ok", add_special_tokens=False)
     positions = tuple(PositionLogprobs(sampled=TokenLogprob(i, -0.5, 1),
                                        top=(TokenLogprob(i, -0.5, 1), TokenLogprob(5, -2.0, 2))) for i in ids)
     stream = DerenderStream(tiny_tokenizer, RequestContext(logprobs=True))
@@ -28,7 +28,7 @@ def test_logprobs_carry_token_text_and_bytes_even_for_partial_characters(tiny_to
     entries = [entry for chunk in chunks for entry in chunk.logprobs]
     assert [e.token_id for e in entries] == ids  # every token once, in order
     assert b"".join(e.bytes for e in entries) == "é ok".encode()
-    assert all(e.token == tiny_tokenizer.hf.decode([e.token_id]) for e in entries)
+    assert all(e.token == hf_of(tiny_tokenizer).decode([e.token_id]) for e in entries)
     assert all(len(e.top_logprobs) == 2 and e.top_logprobs[1].token_id == 5 for e in entries)
     # A chunk carries the logprobs of the tokens whose text it brings: none are lost while text waits.
     for chunk in chunks:
@@ -62,8 +62,8 @@ AGENT_CONTEXT = RequestContext(reasoning_parser="qwen3", tool_parser="hermes", t
 
 
 def test_two_choices_each_with_its_own_parser_state(tiny_tokenizer):
-    a = tiny_tokenizer.hf.encode(AGENT, add_special_tokens=False)
-    b = tiny_tokenizer.hf.encode("<think>short</think>Just text.", add_special_tokens=False)
+    a = hf_of(tiny_tokenizer).encode(AGENT, add_special_tokens=False)
+    b = hf_of(tiny_tokenizer).encode("<think>short</think>Just text.", add_special_tokens=False)
     stream = DerenderStream(tiny_tokenizer, AGENT_CONTEXT)
     chunks = []
     for step in range(max(len(a), len(b))):
@@ -85,8 +85,8 @@ def test_two_choices_each_with_its_own_parser_state(tiny_tokenizer):
 
 
 def test_full_fills_tool_calls_reasoning_and_content(tiny_tokenizer):
-    a = tiny_tokenizer.hf.encode(AGENT, add_special_tokens=False)
-    broken = tiny_tokenizer.hf.encode('<tool_call>{"name": "get_weather", "arguments": {"city": ',
+    a = hf_of(tiny_tokenizer).encode(AGENT, add_special_tokens=False)
+    broken = hf_of(tiny_tokenizer).encode('<tool_call>{"name": "get_weather", "arguments": {"city": ',
                                       add_special_tokens=False)
     choices, usage = derender_full(tiny_tokenizer, AGENT_CONTEXT, [
         EngineOutput(index=0, token_ids=tuple(a[:7])), EngineOutput(index=1, token_ids=tuple(broken)),
@@ -115,6 +115,7 @@ def test_spaces_between_special_tokens_default_false_when_absent():
 # -- fuzz: whatever a (random) model emits, derender answers with chunks, never an error --------
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from hf_reference import hf_of
 
 _MARKUP = ["<think>", "</think>", "<tool_call>", "</tool_call>", '{"name": "get_weather", "arguments": {',
            '"city": "Oslo"', "}", "}}", "[", "]", "(", ")", ",", ":", '"', "\n", " STOP ", "日本", "🎉"]
@@ -122,7 +123,7 @@ _MARKUP = ["<think>", "</think>", "<tool_call>", "</tool_call>", '{"name": "get_
 
 @pytest.mark.parametrize("tool_parser", ["hermes", "llama3_json", "mistral", "pythonic"])
 def test_fuzzed_outputs_never_fail(tiny_tokenizer, tool_parser):
-    pieces = [tiny_tokenizer.hf.encode(m, add_special_tokens=False) for m in _MARKUP]
+    pieces = [hf_of(tiny_tokenizer).encode(m, add_special_tokens=False) for m in _MARKUP]
 
     @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(groups=st.lists(st.one_of(st.sampled_from(pieces), st.lists(st.integers(0, tiny_tokenizer.vocab_size - 1),

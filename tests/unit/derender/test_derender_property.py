@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from tito_derender.detokenizer import TextOptions
 from tito_derender.domain import EngineOutput, FinishReason, RequestContext
 from tito_derender.stream import DerenderStream
+from hf_reference import hf_of
 
 TEXTS = ["Hello world", "日本語のテキスト", "café au lait", "emoji 🎉🚀 done", " leading  spaces\tand\n",
          "mixed 日本 café 🎉 end", "<think>hmm</think> ok", "a<|im_end|>b", "über naïve façade", "12345 !?"]
@@ -32,14 +33,14 @@ def token_sequences(draw, tokenizer):
             # other ids, plus characters spelled in byte tokens.
             base = base.filter(lambda i: i not in tokenizer.byte_fallback_ids)
             spelled = st.characters(codec="utf-8", min_codepoint=0x80).map(
-                lambda ch: [tokenizer.hf.convert_tokens_to_ids(f"<0x{b:02X}>") for b in ch.encode("utf-8")])
+                lambda ch: [hf_of(tokenizer).convert_tokens_to_ids(f"<0x{b:02X}>") for b in ch.encode("utf-8")])
             base = st.one_of(base.map(lambda i: [i]), spelled)
         else:
             base = base.map(lambda i: [i])
         pool = st.one_of(base, st.sampled_from(special).map(lambda i: [i])) if special else base
         return [i for group in draw(st.lists(pool, min_size=0, max_size=30)) for i in group]
     text = "".join(draw(st.lists(st.sampled_from(TEXTS), min_size=1, max_size=4)))
-    return tokenizer.hf.encode(text, add_special_tokens=False)
+    return hf_of(tokenizer).encode(text, add_special_tokens=False)
 
 
 @st.composite
@@ -80,7 +81,7 @@ def test_streamed_content_equals_decode(tokenizer_name, request):
         pieces = data.draw(chunkings(ids), label="pieces")
         skip = data.draw(st.booleans(), label="skip_special_tokens")
         chunks = streamed_content(tokenizer, pieces, skip)
-        expected = tokenizer.hf.decode(ids, skip_special_tokens=skip)
+        expected = hf_of(tokenizer).decode(ids, skip_special_tokens=skip)
         assert "".join(c.content for c in chunks) == expected
         # Half characters are never sent mid-stream: a U+FFFD appears only where decode has one.
         if "\ufffd" not in expected:
@@ -94,8 +95,8 @@ def test_prompt_tail_gives_the_first_token_its_leading_space(tokenizer_name, req
     tokenizer = request.getfixturevalue(tokenizer_name)
     for prompt, output in [("Hello", " world"), ("say café", " 🎉 ok"), ("The quick", " brown fox"),
                            ("x", " 日本")]:
-        prompt_ids = tokenizer.hf.encode(prompt, add_special_tokens=False)
-        all_ids = tokenizer.hf.encode(prompt + output, add_special_tokens=False)
+        prompt_ids = hf_of(tokenizer).encode(prompt, add_special_tokens=False)
+        all_ids = hf_of(tokenizer).encode(prompt + output, add_special_tokens=False)
         assert all_ids[:len(prompt_ids)] == prompt_ids, (prompt, output)
         output_ids = all_ids[len(prompt_ids):]
         stream = DerenderStream(tokenizer, RequestContext(prompt_tail_token_ids=tuple(prompt_ids[-4:])))
@@ -103,6 +104,6 @@ def test_prompt_tail_gives_the_first_token_its_leading_space(tokenizer_name, req
         for token_id in output_ids:
             chunks += stream.feed(EngineOutput(index=0, token_ids=(token_id,)))
         chunks += stream.feed(EngineOutput(index=0, finish_reason=FinishReason.STOP))
-        full = tokenizer.hf.decode(all_ids)
-        assert "".join(c.content for c in chunks) == full[len(tokenizer.hf.decode(prompt_ids)):]
+        full = hf_of(tokenizer).decode(all_ids)
+        assert "".join(c.content for c in chunks) == full[len(hf_of(tokenizer).decode(prompt_ids)):]
         assert chunks[0].content.startswith(" "), (tokenizer_name, prompt, chunks[0])

@@ -11,6 +11,7 @@ from tito_derender.domain import EngineOutput, FinishReason, OutputDelta, Reques
 from tito_derender.parsers import reasoning_parser_for
 from tito_derender.parsers.reasoning import ThinkReasoningParser
 from tito_derender.stream import DerenderStream
+from hf_reference import hf_of
 
 
 def split(text: str, sizes) -> list[str]:
@@ -68,7 +69,7 @@ def test_thinking_off_or_no_parser_means_no_reasoning_stage():
 
 def test_stream_with_tokens_and_thinking_off(tiny_tokenizer):
     text = "<think>hidden?</think>shown"
-    ids = tiny_tokenizer.hf.encode(text, add_special_tokens=False)
+    ids = hf_of(tiny_tokenizer).encode(text, add_special_tokens=False)
     for thinking, reasoning, content in ((True, "hidden?", "shown"), (False, "", text)):
         stream = DerenderStream(tiny_tokenizer, RequestContext(reasoning_parser="qwen3", thinking_enabled=thinking))
         chunks = []

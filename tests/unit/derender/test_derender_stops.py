@@ -8,6 +8,7 @@ import pytest
 from tito_derender.domain import EngineOutput, FinishReason, RequestContext
 from tito_derender.stops import StopMatch, StopStringMatcher
 from tito_derender.stream import DerenderStream
+from hf_reference import hf_of
 
 
 def run(stops, pieces, include=False):
@@ -70,7 +71,7 @@ def tokenizer(tiny_tokenizer):
 
 
 def test_stream_cancels_and_ignores_later_messages(tokenizer):
-    ids = tokenizer.hf.encode("Sure. The answer is 42. Done and then more text", add_special_tokens=False)
+    ids = hf_of(tokenizer).encode("Sure. The answer is 42. Done and then more text", add_special_tokens=False)
     stream = DerenderStream(tokenizer, RequestContext(stop=("Done",), prompt_tokens=5))
     chunks = []
     for token_id in ids:
@@ -88,7 +89,7 @@ def test_stream_cancels_and_ignores_later_messages(tokenizer):
 
 
 def test_stop_in_the_engines_last_message_needs_no_cancel(tokenizer):
-    ids = tokenizer.hf.encode("abc STOP xyz", add_special_tokens=False)
+    ids = hf_of(tokenizer).encode("abc STOP xyz", add_special_tokens=False)
     stream = DerenderStream(tokenizer, RequestContext(stop=("STOP",), include_stop_str_in_output=True))
     [chunk] = stream.feed(EngineOutput(index=0, token_ids=tuple(ids), finish_reason=FinishReason.LENGTH))
     assert (chunk.content, chunk.finish_reason, chunk.matched_stop) == ("abc STOP", FinishReason.STOP, "STOP")
@@ -96,7 +97,7 @@ def test_stop_in_the_engines_last_message_needs_no_cancel(tokenizer):
 
 
 def test_stop_strings_apply_inside_reasoning(tokenizer):
-    ids = tokenizer.hf.encode("<think>I think STOP here</think>answer", add_special_tokens=False)
+    ids = hf_of(tokenizer).encode("<think>I think STOP here</think>answer", add_special_tokens=False)
     context = RequestContext(stop=("STOP",), reasoning_parser="qwen3", thinking_enabled=True)
     stream = DerenderStream(tokenizer, context)
     chunks = []
@@ -109,8 +110,8 @@ def test_stop_strings_apply_inside_reasoning(tokenizer):
 
 def test_n2_one_choice_stops_the_other_goes_on(tokenizer):
     stream = DerenderStream(tokenizer, RequestContext(stop=("halt",), n=2))
-    a = tokenizer.hf.encode("we halt now", add_special_tokens=False)
-    b = tokenizer.hf.encode("we continue", add_special_tokens=False)
+    a = hf_of(tokenizer).encode("we halt now", add_special_tokens=False)
+    b = hf_of(tokenizer).encode("we continue", add_special_tokens=False)
     chunks = stream.feed(EngineOutput(index=0, token_ids=tuple(a)))
     chunks += stream.feed(EngineOutput(index=1, token_ids=tuple(b)))
     chunks += stream.feed(EngineOutput(index=0, token_ids=tuple(a)))  # ignored

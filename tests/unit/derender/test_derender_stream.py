@@ -12,6 +12,7 @@ from tito_derender.domain import EngineOutput, EngineUsage, FinishReason, Reques
 from tito_derender.full import derender_full
 from tito_derender.stream import DerenderStream
 from tito_derender.tokenizer import TextTokenizer
+from hf_reference import hf_of
 
 
 @pytest.fixture(scope="module")
@@ -20,12 +21,12 @@ def tokenizer(tiny_text_model) -> TextTokenizer:
 
 
 def encode(tokenizer, text):
-    return tokenizer.hf.encode(text, add_special_tokens=False)
+    return hf_of(tokenizer).encode(text, add_special_tokens=False)
 
 
 def test_chunks_role_first_no_empty_chunks_and_final_with_usage(tokenizer):
     ids = encode(tokenizer, "🎉 is nice")
-    im_end = tokenizer.hf.convert_tokens_to_ids("<|im_end|>")
+    im_end = hf_of(tokenizer).convert_tokens_to_ids("<|im_end|>")
     stream = DerenderStream(tokenizer, RequestContext(prompt_tokens=11))
     chunks = []
     for token_id in ids:

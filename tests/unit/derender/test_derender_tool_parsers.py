@@ -173,7 +173,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</t
 def stream_text(tokenizer, ctx, text, finish=FinishReason.STOP):
     stream = DerenderStream(tokenizer, ctx)
     chunks = []
-    for token_id in tokenizer.hf.encode(text, add_special_tokens=False):
+    for token_id in hf_of(tokenizer).encode(text, add_special_tokens=False):
         chunks += stream.feed(EngineOutput(index=0, token_ids=(token_id,)))
     chunks += stream.feed(EngineOutput(index=0, finish_reason=finish))
     return chunks
@@ -209,6 +209,7 @@ import keyword  # noqa: E402
 
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from hf_reference import hf_of
 
 _values = st.recursive(
     st.none() | st.booleans() | st.integers(-1000, 1000) | st.floats(-1e6, 1e6, allow_nan=False)

@@ -22,13 +22,8 @@ from tito.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceE
 from tito_models.tiny import INTERLEAVED_VL_MODEL, TEXT_MODEL, ensure_model
 from tito.v1 import multimodal_pb2, tensor_pb2
 from tito_engine.multimodal.encoder_cache import CacheKey, EncoderCache
-from tito_engine.multimodal.features import (
-    FeaturePolicy,
-    content_digest,
-    multimodal_spec_from_config,
-    validate_encode_request,
-    validate_mm_features,
-)
+from tito_engine.multimodal.features import FeaturePolicy, content_digest, validate_encode_request, validate_mm_features
+from tito_engine.multimodal.specs import multimodal_spec_from_config
 
 Dtype = tensor_pb2.Dtype
 FINGERPRINT = "fp-test-0001"

@@ -8,8 +8,9 @@ positions, each equal to HF's language model given the same inputs_embeds and po
 import pytest
 import torch
 
-from tito_engine.model.forward import MultiModalPrefill, RowInput
-from tito_engine.model.kv_cache import BlockAllocator, blocks_for_tokens
+from tito_engine.model.forward import MultiModalPrefill
+from tito_engine.scheduling.blocks import BlockAllocator, blocks_for_tokens
+from tito_engine.scheduling.plan import RowInput
 from tito_engine.model.runner import KVCacheSpec, ModelRunner
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]

@@ -20,7 +20,8 @@ from transformers import (AutoModelForCausalLM, LlamaForCausalLM, MistralConfig,
 
 from tito_engine.multimodal import vision
 from tito_engine.model.families import FULL, SLIDING, Qwen3Family, QwenFamily, family_for
-from tito_engine.model.forward import BatchedDecoder, MultiModalPrefill, RowInput
+from tito_engine.model.forward import BatchedDecoder, MultiModalPrefill
+from tito_engine.scheduling.plan import RowInput
 from tito_engine.model.kv_cache import KVLayout, PagedKVCache
 
 ATOL = 1e-5

@@ -20,7 +20,9 @@ from transformers import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 
 from tito_engine.multimodal import vision
 from tito_engine.model.families import FULL, SLIDING, Gemma3Family, QwenFamily, spans_of_runs
-from tito_engine.model.forward import BatchedDecoder, MultiModalPrefill, RowInput, chunk_boundaries_ok, fit_chunk_end
+from tito_engine.model.forward import BatchedDecoder, MultiModalPrefill
+from tito_engine.scheduling.plan import RowInput
+from tito_engine.scheduling.spans import chunk_boundaries_ok, fit_chunk_end
 from tito_engine.model.kv_cache import KVLayout, PagedKVCache
 
 BOI, EOI, SOFT = 1013, 1014, 1015

@@ -37,7 +37,7 @@ def test_an_unpacked_linear_is_f_linear():
 
 
 def test_the_forward_gives_the_same_greedy_tokens_packed_or_not(tiny_text_model_d64):
-    from tito_engine.model.forward import RowInput
+    from tito_engine.scheduling.plan import RowInput
     from tito_engine.model.runner import ModelRunner
 
     runners = [ModelRunner(tiny_text_model_d64, model_id="m", device="cpu", packed_linears=packed)

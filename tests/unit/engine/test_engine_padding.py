@@ -10,7 +10,8 @@ import torch
 from tito_models.tiny import PADDED_VOCAB_ROWS
 from tito_engine.model.runner import ModelRunner, padding_mask
 from tito_engine.request import SamplingOptions, Sequence
-from tito_engine.model.sampler import SampleRow, make_generator, mask_logits, sample_batch
+from tito_engine.model.sampler import make_generator, mask_logits, sample_batch
+from tito_engine.scheduling.plan import SampleRow
 
 TOKENS = 1013
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tito_engine.request import SamplingOptions, Sequence
-from tito_engine.model.sampler import SampleRow, make_generator, sample_batch
+from tito_engine.model.sampler import make_generator, sample_batch
+from tito_engine.scheduling.plan import SampleRow
 
 VOCAB = 200
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from tito_engine.model.choices import ModelChoiceState
 from tito_engine.model.kv_cache import KVLayout, PagedKVCache
 from tito_engine.limits import SchedulerLimits
 from tito_engine.scheduling.plan import SampledTokens, StepPlan
@@ -29,6 +30,7 @@ class FakeRunner:
     def __init__(self, num_blocks: int, block_size: int):
         layout = KVLayout(num_layers=1, kv_heads=1, head_dim=1, dtype=torch.float64)
         self.cache = PagedKVCache(layout, num_blocks, block_size, torch.device("cpu"))
+        self.choice_state = ModelChoiceState(torch.device("cpu"))
         self.plans: list[StepPlan] = []
 
     def _slot(self, table: list[int], position: int) -> tuple[int, int]:
@@ -49,7 +51,7 @@ class FakeRunner:
 
 
 def scheduler_with(runner: FakeRunner, max_running: int = 8, budget: int = 64, prefix_caching: bool = True):
-    return Scheduler(runner.cache, {EOS}, "cpu", SchedulerLimits(max_running, budget, prefix_caching))
+    return Scheduler(runner.cache, {EOS}, runner.choice_state, SchedulerLimits(max_running, budget, prefix_caching))
 
 
 def request(prompt: list[int], max_tokens: int = 6, **options) -> Request:

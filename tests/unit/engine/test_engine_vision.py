@@ -19,7 +19,8 @@ from tito import tensors
 from tito_models.tiny import INTERLEAVED_VL_MODEL, ensure_model
 from tito.v1 import multimodal_pb2
 from tito_engine.multimodal import vision
-from tito_engine.multimodal.features import FeaturePolicy, multimodal_spec_from_config, validate_mm_features
+from tito_engine.multimodal.features import FeaturePolicy, validate_mm_features
+from tito_engine.multimodal.specs import multimodal_spec_from_config
 
 IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 1005, 1006, 1003, 1004
 BOI, EOI, SOFT = 1013, 1014, 1015

@@ -10,7 +10,8 @@ import pytest
 from tito import tensors
 from tito.errors import FailedPrecondition
 from tito.v1 import multimodal_pb2
-from tito_engine.multimodal.features import CheckedItem, ItemLayout, content_digest
+from tito_engine.multimodal.features import CheckedItem, content_digest
+from tito_engine.multimodal.specs import ItemLayout
 from tito_engine.request import FinishReason, SamplingOptions
 from tito_engine.vllm.inputs import MediaConverter, OutputConverter, item_hf_inputs, sampling_params
 

@@ -25,6 +25,7 @@ from tito_render.config import RenderConfig
 from tito_render.model import detect_parsers, load_render_model
 from tito_render.renderer import Renderer
 from tito_render.templates import chat_template
+from hf_reference import hf_of
 
 # gpt-oss's template prints every parameter's description: give each one.
 PARAMS = {"properties": {"city": {"description": "City name", "type": "string"},
@@ -169,7 +170,7 @@ def test_assistant_turn_parses_back_into_the_same_call(family):
     tokenizer = TextTokenizer.load(directory)
     stream = DerenderStream(tokenizer, context_from_proto(prompt.derender_context))
     chunks = []
-    for token_id in tokenizer.hf.encode(output, add_special_tokens=False):
+    for token_id in hf_of(tokenizer).encode(output, add_special_tokens=False):
         chunks += stream.feed(EngineOutput(index=0, token_ids=(token_id,)))
     chunks += stream.feed(EngineOutput(index=0, finish_reason=FinishReason.STOP))
     calls: dict[int, list[str]] = {}

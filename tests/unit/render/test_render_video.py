@@ -395,7 +395,9 @@ def test_gemma3_video_is_unsupported_modality(tiny_interleaved_vl_model):
 def test_engine_admits_the_item_and_the_model_runs_forward(qwen, tiny_vl_model):
     from transformers import AutoConfig, Qwen2VLForConditionalGeneration
 
-    from tito_engine.multimodal.features import FeaturePolicy, multimodal_spec_from_config, validate_mm_features
+    from tito_engine.multimodal.features import FeaturePolicy, validate_mm_features
+
+    from tito_engine.multimodal.specs import multimodal_spec_from_config
 
     frames = frames_of(3, 84, 112)
     response = qwen.render_chat(chat(text_part("Watch:"), video_part(frames), text_part("ok?")))

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tito_engine.multimodal.features import CheckedFeatures
+from tito_engine.model_info import ModelInfo
+from tito_engine.multimodal.specs import ModelMultimodalSpec
 from tito_engine.request import SamplingOptions
 
 
@@ -96,10 +98,10 @@ class StepBatch:
 class CoreReady:
     """The child process loaded the model: what the server needs to describe it and plan KV."""
 
-    info: Any  # model_runner.ModelInfo
+    info: ModelInfo
     kv_blocks_total: int
     block_size: int
-    mm_spec: Any  # features.ModelMultimodalSpec | None
+    mm_spec: ModelMultimodalSpec | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ Multimodal prefill (`MultiModalPrefill`): encoder rows replace placeholder embed
 and Qwen2.5-VL take explicit 3-D rotary positions (decode positions `cache_len + rope_delta`);
 Gemma3 attends bidirectionally inside each image's run of soft tokens (`bidirectional_spans`). A
 span's bidirectional attention is exact only when one prefill chunk holds the whole span: a
-scheduler must cut chunks with `chunk_boundaries_ok` / `fit_chunk_end`. If a chunk does split a
+scheduler must cut chunks with `scheduling.spans.chunk_boundaries_ok` / `fit_chunk_end`. If a chunk does split a
 span, a query attends to later positions of its span only within its own chunk (the later ones do
 not exist yet), which differs from HF's full-prompt forward.
 """
@@ -33,9 +33,9 @@ from tito_engine.model.attention import PagedAttention
 from tito_engine.model.families import default_bidirectional_spans, family_for, linears_of, spans_of_runs, text_model_of
 from tito_engine.model.kv_cache import PagedKVCache
 from tito_engine.model.linear import pack_linears
+from tito_engine.scheduling.plan import RowInput
 
-__all__ = ["BatchedDecoder", "MultiModalPrefill", "RowInput", "chunk_boundaries_ok", "fit_chunk_end",
-           "text_model_of"]
+__all__ = ["BatchedDecoder", "MultiModalPrefill", "text_model_of"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,13 @@ class MultiModalPrefill:
     rope_delta: int = 0
     bidirectional_spans: list[tuple[int, int]] | None = None
 
+    def chunk_spans(self) -> list[tuple[int, int]]:
+        """The spans a scheduler must not split. Unresolved (None): every run of embed positions,
+        which is never wrong (for models without bidirectional spans it only constrains chunking)."""
+        if self.bidirectional_spans is not None:
+            return list(self.bidirectional_spans)
+        return spans_of_runs(self.embed_positions)
+
     @classmethod
     def from_dense(cls, dense: torch.Tensor, mask: torch.Tensor, **kwargs) -> "MultiModalPrefill":
         """From a dense `[prompt_len, hidden]` tensor and a bool mask of the positions it overrides."""
@@ -76,43 +83,6 @@ class MultiModalPrefill:
         if prefill.bidirectional_spans is None:
             prefill.bidirectional_spans = default_bidirectional_spans(config, prefill.embed_positions)
         return prefill
-
-
-def _known_spans(prefill: MultiModalPrefill | None) -> list[tuple[int, int]]:
-    """The spans a scheduler must not split. Unresolved (None): every run of embed positions,
-    which is never wrong (for models without bidirectional spans it only constrains chunking)."""
-    if prefill is None:
-        return []
-    if prefill.bidirectional_spans is not None:
-        return list(prefill.bidirectional_spans)
-    return spans_of_runs(prefill.embed_positions)
-
-
-def chunk_boundaries_ok(prefill: MultiModalPrefill | None, start: int, end: int) -> bool:
-    """Whether the prefill chunk [start, end) splits no bidirectional span (needed for exactness)."""
-    return not any(s < cut < e for s, e in _known_spans(prefill) for cut in (start, end))
-
-
-def fit_chunk_end(prefill: MultiModalPrefill | None, start: int, end: int) -> int:
-    """The chunk end a scheduler should use instead of `end` (the budget's end) for a chunk at
-    `start`: `end` itself when it cuts no span, else the start of the span it would cut; when that
-    span begins at (or before) `start`, the span's end: the whole span in one chunk, over budget
-    (the caller either accepts the overshoot or defers the row to a later step)."""
-    for s, e in _known_spans(prefill):
-        if s < end < e:
-            return s if s > start else e
-    return end
-
-
-@dataclass
-class RowInput:
-    """One sequence's work in a step: compute K/V for `token_ids` at positions start.."""
-
-    token_ids: list[int]
-    start: int  # tokens of this sequence already in the KV cache
-    block_table: list[int]  # covers at least start + len(token_ids) tokens
-    needs_logits: bool  # sample after this row (its chunk reaches the end of the known tokens)
-    mm: MultiModalPrefill | None = None
 
 
 @dataclass

@@ -20,11 +20,11 @@ bans, temperature and filters), with the sampled token's 1-based rank.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
 
 import torch
 
-from tito_engine.request import PositionLogprobs, SamplingOptions, Sequence, TokenLogprob
+from tito_engine.request import PositionLogprobs, TokenLogprob
+from tito_engine.scheduling.plan import SampleRow
 
 _SEED_MASK = 2**64 - 1
 
@@ -35,16 +35,6 @@ def make_generator(seed: int | None, choice_index: int, device: torch.device | s
     base = secrets.randbits(63) if seed is None else seed
     generator.manual_seed((base + choice_index) & _SEED_MASK)
     return generator
-
-
-@dataclass
-class SampleRow:
-    """One row of the step's logits and whose choice it decides."""
-
-    options: SamplingOptions
-    seq: Sequence
-    prompt_ids: list[int]
-    banned: frozenset[int] = frozenset()  # EOS/stop ids while min_tokens is not reached
 
 
 def mask_logits(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -7,12 +7,12 @@ All block arithmetic lives here, so the policy code reads as policy.
 
 from __future__ import annotations
 
-from tito_engine.model.kv_cache import BlockAllocator, PagedKVCache, blocks_for_tokens, prefix_block_hashes
+from tito_engine.scheduling.blocks import BlockAllocator, KVBlocks, blocks_for_tokens, prefix_block_hashes
 from tito_engine.request import Request, Sequence
 
 
 class KVCacheManager:
-    def __init__(self, cache: PagedKVCache, prefix_caching: bool = True):
+    def __init__(self, cache: KVBlocks, prefix_caching: bool = True):
         self.cache = cache
         self.allocator: BlockAllocator = cache.allocator
         self.block_size = cache.block_size

@@ -10,9 +10,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tito_engine.model.forward import RowInput
-from tito_engine.request import PositionLogprobs, Request, Sequence
-from tito_engine.model.sampler import SampleRow
+from tito_engine.request import PositionLogprobs, Request, SamplingOptions, Sequence
+from tito_engine.scheduling.spans import PrefillMedia
+
+
+@dataclass
+class RowInput:
+    """One sequence's work in a step: compute K/V for `token_ids` at positions start.."""
+
+    token_ids: list[int]
+    start: int  # tokens of this sequence already in the KV cache
+    block_table: list[int]  # covers at least start + len(token_ids) tokens
+    needs_logits: bool  # sample after this row (its chunk reaches the end of the known tokens)
+    mm: PrefillMedia | None = None  # model.forward.MultiModalPrefill
+
+
+@dataclass
+class SampleRow:
+    """One row of the step's logits and whose choice it decides."""
+
+    options: SamplingOptions
+    seq: Sequence
+    prompt_ids: list[int]
+    banned: frozenset[int] = frozenset()  # EOS/stop ids while min_tokens is not reached
+
+
 
 
 @dataclass

@@ -41,14 +41,12 @@ import time
 from collections import deque
 from typing import Any, Protocol
 
-from tito_engine.model import constraints
-from tito_engine.model.forward import RowInput, fit_chunk_end
-from tito_engine.model.kv_cache import PagedKVCache
-from tito_engine.scheduling.kv_manager import KVCacheManager
 from tito_engine.limits import SchedulerLimits
-from tito_engine.scheduling.plan import SampledTokens, StepPlan
 from tito_engine.request import ChoiceOutput, FinishReason, Request, Sequence
-from tito_engine.model.sampler import SampleRow, make_generator
+from tito_engine.scheduling.blocks import KVBlocks
+from tito_engine.scheduling.kv_manager import KVCacheManager
+from tito_engine.scheduling.plan import RowInput, SampledTokens, SampleRow, StepPlan
+from tito_engine.scheduling.spans import fit_chunk_end
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +60,22 @@ class StepRunner(Protocol):
     def run(self, plan: StepPlan) -> SampledTokens: ...
 
 
+class ChoiceState(Protocol):
+    """What a new choice gets from the model side (`tito_engine.model.choices.ModelChoiceState`):
+    the scheduler decides when a choice starts, never how its generator or matcher are built."""
+
+    def new_generator(self, seed: int, index: int) -> Any:
+        """The random generator of choice `index` of a request seeded with `seed`."""
+
+    def new_matcher(self, grammar: Any) -> Any:
+        """A matcher at the start of a compiled structured-output grammar."""
+
+
 class Scheduler:
-    def __init__(self, cache: PagedKVCache, eos_token_ids: frozenset[int] | tuple[int, ...], device: Any,
+    def __init__(self, cache: KVBlocks, eos_token_ids: frozenset[int] | tuple[int, ...], choice_state: ChoiceState,
                  limits: SchedulerLimits = SchedulerLimits()):
         self.kv = KVCacheManager(cache, limits.prefix_caching)
-        self.device = device  # where seeded requests' generators live
+        self.choice_state = choice_state
         self.max_running_sequences = limits.max_running_sequences
         self.max_prefill_tokens = limits.max_prefill_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -80,7 +89,7 @@ class Scheduler:
     @classmethod
     def for_runner(cls, runner: Any, limits: SchedulerLimits) -> "Scheduler":
         """A scheduler over `runner`'s KV cache within `limits`, stopping at its model's EOS ids."""
-        return cls(runner.cache, runner.info.eos_token_ids, runner.device, limits)
+        return cls(runner.cache, runner.info.eos_token_ids, runner.choice_state, limits)
 
     # ---------------------------------------------------------------- queue management
 
@@ -209,7 +218,7 @@ class Scheduler:
                 continue
             fresh = not request.sequences
             if fresh:
-                _create_sequences(request, self.device)
+                _create_sequences(request, self.choice_state)
             open_seqs = request.unfinished()
             if self._running_sequences + len(open_seqs) > self.max_running_sequences:
                 break
@@ -331,16 +340,16 @@ def _sample_row(request: Request, seq: Sequence, eos_token_ids: frozenset[int]) 
     return SampleRow(options, seq, request.prompt_ids, banned)
 
 
-def _create_sequences(request: Request, device: Any) -> None:
+def _create_sequences(request: Request, choice_state: ChoiceState) -> None:
     """The request's choices; choice 0 prefills, the others wait to fork from it."""
     options = request.options
     request.sequences = []
     for index in range(options.n):
-        generator = make_generator(options.seed, index, device) if options.seed is not None else None
+        generator = choice_state.new_generator(options.seed, index) if options.seed is not None else None
         seq = Sequence(index, generator)
         seq.awaiting_fork = index > 0
         if request.grammar is not None:
-            seq.matcher = constraints.new_matcher(request.grammar)
+            seq.matcher = choice_state.new_matcher(request.grammar)
         request.sequences.append(seq)
 
 
@@ -376,7 +385,7 @@ def _final_output(request: Request, seq: Sequence) -> ChoiceOutput:
 
 def _chunk(request: Request, start: int, count: int) -> int:
     """The prefill chunk length from `start` within `count` (the budget), moved so it splits no
-    bidirectional span of the prompt (forward.fit_chunk_end); 0: wait for the next step."""
+    bidirectional span of the prompt (spans.fit_chunk_end); 0: wait for the next step."""
     if request.mm is None or count <= 0 or not request.mm.bidirectional_spans:
         return count
     return fit_chunk_end(request.mm, start, start + count) - start

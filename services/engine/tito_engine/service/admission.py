@@ -15,9 +15,10 @@ from typing import Any
 
 from tito.errors import ResourceExhausted
 
-from tito_engine.multimodal.features import (CheckedFeatures, FeaturePolicy, ModelMultimodalSpec, validate_encode_structure,
-                       validate_structure)
-from tito_engine.model.kv_cache import blocks_for_tokens
+from tito_engine.multimodal.features import CheckedFeatures, FeaturePolicy, validate_encode_structure, validate_structure
+
+from tito_engine.multimodal.specs import ModelMultimodalSpec
+from tito_engine.scheduling.blocks import blocks_for_tokens
 from tito_engine.request import GenerateInput, SamplingOptions
 from tito_engine.service.validation import ModelLimits, validate_generate
 

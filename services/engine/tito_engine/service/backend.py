@@ -15,8 +15,9 @@ from typing import Any, Protocol
 from tito.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 from tito_engine.service.admission import AdmittedRequest, KVCapacity
-from tito_engine.multimodal.features import CheckedFeatures, ModelMultimodalSpec
-from tito_engine.model.runner import ModelInfo
+from tito_engine.multimodal.features import CheckedFeatures
+from tito_engine.multimodal.specs import ModelMultimodalSpec
+from tito_engine.model_info import ModelInfo
 from tito_engine.request import ChoiceOutput
 
 BACKENDS = ("native", "vllm")

@@ -26,7 +26,7 @@ from tito.errors import FailedPrecondition, InvalidArgument, TitoError, Unavaila
 from tito_engine.service.admission import AdmittedRequest, KVCapacity
 from tito_engine.service.backend import LoadSnapshot, check_can_accept
 from tito_engine.multimodal.features import CheckedFeatures
-from tito_engine.model.runner import describe_model
+from tito_engine.model_info import describe_model
 from tito_engine.request import ChoiceOutput
 from tito_engine.vllm.inputs import MediaConverter, OutputConverter, engine_input, sampling_params
 

@@ -1,0 +1,137 @@
+"""Block arithmetic of the paged KV cache, torch-free: the pool of block ids with reference counts
+and the prefix cache (`BlockAllocator`), chained prefix-block digests, and what the scheduler needs
+of the storage (`KVBlocks`; the torch storage is `tito_engine.model.kv_cache.PagedKVCache`).
+
+Sequences own lists of block ids (their block tables); a block shared by the choices of one
+request (the prompt's full blocks after a fork) carries a reference count and returns to the pool
+when the last owner lets go.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from array import array
+from collections import OrderedDict
+from typing import Protocol
+
+
+class KVBlocks(Protocol):
+    """The KV storage as the scheduler sees it: its block pool and one copy operation."""
+
+    num_blocks: int
+    block_size: int
+    allocator: "BlockAllocator"
+
+    def copy_block(self, source: int, target: int) -> None:
+        """Copy one block's K/V in every layer (copy-on-write of a partial block at fork)."""
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    return math.ceil(num_tokens / block_size)
+
+
+class BlockAllocator:
+    """A pool of block ids with reference counts and a prefix cache. Engine thread only (no locks).
+
+    Prefix cache: a full block of prompt tokens can be registered under a hash of everything
+    before and in it (`prefix_block_hashes`). When its last owner releases it, the block keeps its
+    K/V and its hash and waits in an LRU of evictable blocks; a later request whose prompt starts
+    the same takes it back instead of recomputing. Evictable blocks count as free: `allocate`
+    evicts the least recently used when the plain free list is empty.
+    """
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        # Pop from the end: recently freed blocks are reused first (warm in cache).
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._refs = [0] * num_blocks
+        self._by_hash: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._by_hash)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > self.num_free:
+            raise MemoryError(f"asked for {count} KV blocks, {self.num_free} free")  # callers check first
+        blocks = []
+        for _ in range(count):
+            if self._free:
+                block = self._free.pop()
+            else:
+                block, _ = self._evictable.popitem(last=False)
+                del self._by_hash[self._hash_of.pop(block)]
+            self._refs[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self._refs[block] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._hash_of:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+            elif self._refs[block] < 0:  # a double free would hand one block to two sequences
+                raise AssertionError(f"KV block {block} released more often than taken")
+
+    # ---------------------------------------------------------------- prefix cache
+
+    def peek_prefix(self, hashes: list[bytes]) -> tuple[int, int]:
+        """(blocks of the longest cached prefix of `hashes`, how many of them are evictable now)."""
+        hits = evictable = 0
+        for digest in hashes:
+            block = self._by_hash.get(digest)
+            if block is None:
+                break
+            hits += 1
+            evictable += self._refs[block] == 0
+        return hits, evictable
+
+    def take_prefix(self, hashes: list[bytes]) -> list[int]:
+        """Take a reference on each block of the longest cached prefix of `hashes`."""
+        blocks = []
+        for digest in hashes:
+            block = self._by_hash.get(digest)
+            if block is None:
+                break
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+            blocks.append(block)
+        return blocks
+
+    def register(self, block: int, digest: bytes) -> None:
+        """Record that `block` holds the full prefix block `digest` (first writer wins)."""
+        if digest not in self._by_hash and block not in self._hash_of:
+            self._by_hash[digest] = block
+            self._hash_of[block] = digest
+
+
+def prefix_block_hashes(token_ids: list[int], block_size: int, salt: str = "") -> list[bytes]:
+    """Chained digests of the full blocks of `token_ids`: each covers the salt and every token up to
+    the end of its block, so equal digests mean equal K/V (same tokens at the same positions).
+    sha256, not Python's hash: a crafted collision must not let one tenant read another's K/V."""
+    digests = []
+    previous = hashlib.sha256(b"tito-prefix\0" + salt.encode()).digest()
+    for end in range(block_size, len(token_ids) + 1, block_size):
+        chunk = array("I", token_ids[end - block_size:end]).tobytes()
+        previous = hashlib.sha256(previous + chunk).digest()
+        digests.append(previous)
+    return digests

@@ -1,0 +1,216 @@
+"""The tree's import map: which package may import which, no cycles, and the engine's layers.
+
+Every `import` of the project's own modules counts, at module level or inside a function (a
+function-level import still ties the two modules together; hiding a cycle behind one is the
+thing this test exists to catch). Imports under `if TYPE_CHECKING:` are annotations only and do
+not count.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from source_tree import PACKAGE_ROOTS
+
+#: Which top-level packages each one may import (besides itself). The runtime is the ground floor;
+#: a service never imports another service, the client or the command; the command sits on top.
+ALLOWED = {
+    "tito": set(),
+    "tito_models": {"tito"},
+    "tito_render": {"tito", "tito_models"},
+    "tito_engine": {"tito", "tito_models"},
+    "tito_derender": {"tito", "tito_models"},
+    "tito_client": {"tito"},
+    "tito_cli": set(PACKAGE_ROOTS),
+}
+
+#: The engine's layers, top first (services/engine/README.md, "Layers"): a module may import its own
+#: layer and the layers below it. The service layer is the port both backends plug into.
+ENGINE_LAYERS = (
+    ("entry", ("tito_engine.server", "tito_engine.config")),
+    ("backends", ("tito_engine.core", "tito_engine.vllm")),
+    ("service", ("tito_engine.service",)),
+    ("model execution", ("tito_engine.model",)),
+    ("model identity", ("tito_engine.model_info",)),
+    ("multimodal", ("tito_engine.multimodal",)),
+    ("scheduling", ("tito_engine.scheduling",)),
+    ("shared types", ("tito_engine.request", "tito_engine.limits", "tito_engine")),
+)
+
+#: Layers that must not import torch (or anything that needs it), so either side of a seam can use them.
+TORCH_FREE = ("tito_engine.scheduling", "tito_engine.request", "tito_engine.limits", "tito_engine.model_info",
+              "tito_engine.multimodal.specs")
+
+
+def _module_name(package: str, root: Path, path: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join((package, *parts))
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.Module, module: str, is_package: bool, module_level: bool = False) -> set[str]:
+    """The absolute names `tree` imports (for `from X import y`: X.y when that is a module, else X);
+    `module_level`: only what importing the module runs (not imports inside functions)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if module_level and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module if is_package else module.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    package = package.rpartition(".")[0]
+                base = f"{package}.{base}" if base else package
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _sources() -> dict[str, tuple[ast.Module, bool]]:
+    sources: dict[str, tuple[ast.Module, bool]] = {}
+    for package, root in PACKAGE_ROOTS.items():
+        for path in root.rglob("*.py"):
+            if "__pycache__" in path.parts or "v1" in path.relative_to(root).parts:
+                continue
+            sources[_module_name(package, root, path)] = (ast.parse(path.read_text()), path.name == "__init__.py")
+    return sources
+
+
+SOURCES = _sources()
+
+
+def _graph(module_level: bool = False) -> dict[str, set[str]]:
+    return {module: {name for name in _imports(tree, module, is_package, module_level)
+                     if name in SOURCES and name != module}
+            for module, (tree, is_package) in SOURCES.items()}
+
+
+GRAPH = _graph()
+
+
+def _top(module: str) -> str:
+    return module.split(".")[0]
+
+
+def test_packages_import_only_what_sits_below_them():
+    wrong = sorted(f"{module} imports {target}" for module, targets in GRAPH.items() for target in targets
+                   if _top(target) != _top(module) and _top(target) not in ALLOWED[_top(module)])
+    assert not wrong, wrong
+
+
+def test_no_import_cycles():
+    """Tarjan's strongly connected components over the whole tree: every component is one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = 0
+
+    def connect(node: str) -> None:
+        nonlocal counter
+        index[node] = low[node] = counter
+        counter += 1
+        stack.append(node)
+        on_stack.add(node)
+        for target in GRAPH[node]:
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(GRAPH):
+        if node not in index:
+            connect(node)
+    # A package's __init__ importing its own submodule is not a cycle of two concerns: ignore it.
+    cycles = [c for c in cycles if not (len(c) == 2 and c[1].startswith(c[0] + "."))]
+    assert not cycles, cycles
+
+
+def _engine_layer(module: str) -> int:
+    best = None
+    for rank, (_, prefixes) in enumerate(ENGINE_LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (rank, len(prefix))
+    assert best is not None, module
+    return best[0]
+
+
+def test_engine_layers_import_only_downwards():
+    upward = []
+    for module, targets in GRAPH.items():
+        if _top(module) != "tito_engine":
+            continue
+        for target in targets:
+            if _top(target) == "tito_engine" and _engine_layer(target) < _engine_layer(module):
+                upward.append(f"{module} ({ENGINE_LAYERS[_engine_layer(module)][0]}) imports {target} "
+                              f"({ENGINE_LAYERS[_engine_layer(target)][0]})")
+    assert not upward, sorted(upward)
+
+
+@pytest.mark.parametrize("prefix", TORCH_FREE)
+def test_torch_free_layers_reach_no_torch_module(prefix):
+    """Importing these modules imports no module of the tree that imports torch when imported
+    (a function that imports torch lazily, as tito.tensors.to_torch does, is not reached)."""
+    torch_modules = {module for module, (tree, is_package) in SOURCES.items()
+                     if any(name == "torch" or name.startswith("torch.")
+                            for name in _imports(tree, module, is_package, module_level=True))}
+    loaded = _graph(module_level=True)
+    start = [module for module in loaded if module == prefix or module.startswith(prefix + ".")]
+    assert start, prefix
+    seen, todo = set(), list(start)
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        todo.extend(loaded[module])
+    assert not seen & torch_modules, sorted(seen & torch_modules)
+
+
+def test_the_engine_readme_layer_table_names_every_folder():
+    """The README's layer table and the package's folders agree."""
+    readme = (PACKAGE_ROOTS["tito_engine"].parent / "README.md").read_text()
+    table = readme[readme.index("## Layers"):].split("\n## ")[0]
+    folders = {path.name for path in PACKAGE_ROOTS["tito_engine"].iterdir()
+               if path.is_dir() and (path / "__init__.py").is_file()}
+    for folder in folders:
+        assert f"`{folder}/`" in table, folder
+    named = {name for _, prefixes in ENGINE_LAYERS for prefix in prefixes
+             for name in [prefix.removeprefix("tito_engine.")] if "." not in name and name != "tito_engine"}
+    assert folders <= named | {"server", "config"}, folders - named
