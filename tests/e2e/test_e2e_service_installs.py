@@ -75,7 +75,7 @@ def derender_venv(tmp_path_factory) -> Path:
     home = tmp_path_factory.mktemp("derender-venv")
     venv.EnvBuilder(with_pip=True).create(home)
     python = home / "bin" / "python"
-    install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+    install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check",
                               f"{ROOT}[derender]"], capture_output=True, text=True, timeout=1200)
     assert install.returncode == 0, install.stderr[-3000:]
     return home
