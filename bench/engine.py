@@ -5,6 +5,7 @@
 
     .venv/bin/python bench/engine.py --constrained [--concurrency 32]
     .venv/bin/python bench/engine.py --pipeline [--concurrency 1 32]
+    .venv/bin/python bench/engine.py --shape qwen2.5-0.5b [--checkpoints float32 bfloat16] [--repeats 2]
 
 Default run: starts the engine server as a subprocess on a Unix socket, sends the same 32 prompts
 of different lengths (greedy, ignore_eos, 64 new tokens each) at concurrency 1, 8 and 32 from a
@@ -37,12 +38,25 @@ tito-vllm-backend / AsyncLLM (target >= 0.90 at the top concurrency: tito's gRPC
 tito native / vLLM HTTP (target >= 1.0, and >= 1.3 at concurrency 1), and whether the greedy
 tokens of the four setups agree in the first round.
 
---pipeline: the native engine server, `tito serve render` and `tito serve derender` (Unix sockets,
-the same model as --vllm); the 32 prompts' words as user turns of chats, rendered once. Measures,
+--pipeline: `tito serve all` as a user starts it (Unix sockets, the same model as --vllm, its own
+default CPU placement: render and derender off the engine core's CPUs); the 32 prompts' words as
+user turns of chats, rendered once. Measures,
 paired, the engine alone on the rendered GenerateRequests (grpc.aio) and the same chats through
 render -> engine -> derender with tito's asyncio pipeline client (tito_client.pipeline.AsyncChatPipeline),
 greedy, ignore_eos. Prints both rows and the ratio pipeline / engine alone (target >= 0.9 at the top
 concurrency).
+
+--shape NAME: a real model's shape with random weights and Qwen's real vocabulary
+(tito_models.real_shape; qwen2.5-0.5b: 494 M parameters), one checkpoint dtype after the other
+(--checkpoints, default float32 then bfloat16): tito native, vLLM AsyncLLM and `vllm serve`, each at
+its default dtype (auto: the checkpoint's, as each side chooses) and CPU placement, 1 GiB of KV cache
+on every side, max_model_len 4096. Workloads: the 32 short prompts at each --concurrency (at most
+4 x concurrency of them: one token costs ~0.1-0.3 s here), then for the last checkpoint 1,024-token
+prompts at concurrency 1 and at the top one, and the decode stall: 8 requests decoding 128 tokens
+each while 4 prompts of 1,024 tokens arrive, the running ones' TPOT before and while those prefill
+(chunked beside them) and the longest gap. Prints each checkpoint's table and the paired ratios
+tito / AsyncLLM with the issue's targets (tok/s >= 1.2 at the top concurrency, >= 1.0 at 1 and
+for the long prompts; TTFT and TPOT p50 no higher than AsyncLLM's). Default 2 rounds.
 
 --constrained: one native engine server; the same prompts with no row, every other row and every
 row under a JSON schema constraint (structured outputs: a typical response_format schema as the
@@ -879,7 +893,8 @@ def print_header() -> None:
 def print_row(label: str, result: dict) -> None:
     ttft = "/".join(f"{percentile(result['ttft'], q):.1f}" for q in (0.5, 0.9, 0.99))
     tpot = "/".join(f"{percentile(result['tpot'], q):.2f}" for q in (0.5, 0.9, 0.99))
-    print(f"{label:<44}{result['tok_s']:>10.0f}{ttft:>26}{tpot:>26}")
+    rate = f"{result['tok_s']:.0f}" if result["tok_s"] >= 100 else f"{result['tok_s']:.1f}"
+    print(f"{label:<44}{rate:>10}{ttft:>26}{tpot:>26}")
 
 
 def print_setups(rounds, names: list[str]) -> None:

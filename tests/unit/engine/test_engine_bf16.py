@@ -142,3 +142,23 @@ def test_packed_bf16_linears_hold_one_copy_of_a_large_weight():
     for rows in (1, 3):  # every row count takes the packed weight
         got = linear(x[:rows])
         assert (got.float() - expected[:rows].float()).norm() / expected[:rows].float().norm() < 1e-2
+
+
+def test_dtype_is_a_flag_and_a_variable_that_reaches_the_core(capsys):
+    from tito_cli import main as cli
+    from tito.env_flags import apply_env
+    from tito_engine.core.engine_core import CoreProcessSpec
+    from tito_engine.server import config_from_args
+
+    parser = cli.build_parser()
+    for argv, environ, expected in ((["--dtype", "bfloat16"], {}, "bfloat16"), ([], {"TITO_DTYPE": "float32"}, "float32"),
+                                    ([], {}, "auto")):
+        argv = ["serve", "engine", *argv]
+        args = parser.parse_args(argv)
+        apply_env(parser, cli.serve_parser(parser, "engine"), argv, args, environ)
+        config = config_from_args(args)
+        assert config.dtype == expected
+        assert CoreProcessSpec.from_config(config, "dir", None).dtype == expected
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "engine", "--dtype", "int8"])
+    assert "invalid choice: 'int8'" in capsys.readouterr().err
