@@ -9,8 +9,9 @@ ms), but costs about 10 us more per call: a one-row decode over a small matrix i
 In bfloat16 (AMX / AVX512-BF16 kernels) the packed layout is as fast or faster at every row count
 measured (a 151,936 x 896 output layer: 46 against 65 ms at 1 row, even at 32).
 
-So a small weight keeps both and each call picks by the work (`PACKED_MIN_MACS`); a weight large
-enough that even one row takes the packed path keeps only the packed copy (`release_plain`: the
+So a small float32 weight keeps both and each call picks by the work (`PACKED_MIN_MACS`); a weight
+large enough that even one row takes the packed path, and every bfloat16 weight (F.linear goes
+through oneDNN there too, at the same cost per call), keeps only the packed copy (`release_plain`: the
 plain one, and the Hugging Face module's view of it, are freed), so a real-size model is held
 once. An output layer tied to the embedding cannot give its plain copy up (the embedding reads
 rows of it): it is packed in float32 only, where the packed path is much faster (32 rows of
@@ -59,7 +60,10 @@ class Linear:
         """Keep a copy of the weight in oneDNN's layout; its size in bytes."""
         out_features, in_features = self.shape
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-        self._packed_min_rows = max(1, -(-PACKED_MIN_MACS // (out_features * in_features)))
+        # Half precision: F.linear runs oneDNN too (its call costs the same), packed is never slower.
+        self._packed_min_rows = 1
+        if self.weight.dtype == torch.float32:
+            self._packed_min_rows = max(1, -(-PACKED_MIN_MACS // (out_features * in_features)))
         return self.weight.numel() * self.weight.element_size()
 
     def release_plain(self) -> int:
