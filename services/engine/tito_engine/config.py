@@ -80,8 +80,9 @@ class EngineConfig(ServerConfig):
     # None: on for the native backend on CPU; the vllm backend refuses the flag either way.
     cpu_packed_linears: bool | None = setting(
         None, type=bool, default_text="on (native backend)",
-        help="on CPU, run the linear layers on oneDNN-packed copies of their weights (about 2x faster from a "
-             "few rows a step on; the linear weights are held twice); --no-cpu-packed-linears holds one copy")
+        help="on CPU, run the linear layers on oneDNN-packed weights (about 2x faster from a few rows a step on; "
+             "large and bf16 weights are held packed only, small float32 ones twice); --no-cpu-packed-linears "
+             "keeps the plain weights")
     # The child keeps the forward's many small torch calls from contending for the GIL with gRPC.
     engine_process: bool = setting(True, help="run the model and scheduler in a child process, away from the "
                                               "gRPC threads (--no-engine-process: on a thread of this process)")
