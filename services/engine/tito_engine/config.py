@@ -159,6 +159,10 @@ class EngineConfig(ServerConfig):
             raise ConfigError("model must name a local model directory or a tiny model (e.g. tiny-qwen2)")
         if not _DEVICE.match(self.device):
             raise ConfigError(f"device={self.device!r} must be auto, cpu, cuda or cuda:N (e.g. cuda:0)")
+        if self.dtype != "auto" and self.backend == "native":  # a dtype the device lacks: refused before loading
+            from tito_engine.model.runner import choose_device, choose_dtype
+
+            choose_dtype(choose_device(self.device), self.dtype)
         if self.backend not in ("native", "vllm"):
             raise ConfigError(f"backend={self.backend!r} must be native (tito's own engine, the default) or vllm")
         if self.backend == "vllm":

@@ -162,3 +162,13 @@ def test_dtype_is_a_flag_and_a_variable_that_reaches_the_core(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "engine", "--dtype", "int8"])
     assert "invalid choice: 'int8'" in capsys.readouterr().err
+
+
+def test_a_dtype_the_cpu_lacks_is_refused_at_start_up(monkeypatch):
+    import tito_engine.model.runner as runner_module
+    from tito_engine.config import EngineConfig
+
+    monkeypatch.setattr(runner_module, "cpu_supports", lambda dtype: dtype == torch.float32)
+    with pytest.raises(ConfigError, match="--dtype float16: this CPU has no float16 instructions"):
+        EngineConfig(device="cpu", dtype="float16").validate()
+    EngineConfig(device="cpu", dtype="float32").validate()
