@@ -37,3 +37,18 @@ def test_grouped_decode_rows_get_the_logits_they_get_alone(tiny_text_model_d64):
     alone = torch.cat([runner.execute([row]) for row in rows])
     torch.testing.assert_close(together, alone, atol=1e-4, rtol=0)  # float32 rounding of other paddings
     assert torch.equal(together.argmax(-1), alone.argmax(-1))
+
+
+def test_rows_of_one_group_keep_their_order(tiny_text_model):
+    """Rows out of length order that attend in one call: each row's output stays its own."""
+    runner = ModelRunner(tiny_text_model, model_id="m", device="cpu")
+    block = runner.cache.block_size
+    rows = []
+    for i, length in enumerate([9, 3, 7, 5, 8, 4]):
+        prompt = [(13 * i + 5 * j) % 900 + 5 for j in range(length)]
+        table = runner.cache.allocator.allocate(-(-(length + 1) // block))
+        runner.execute([RowInput(prompt, 0, table, True)])
+        rows.append(RowInput([7 + i], length, table, True))
+    together = runner.execute(rows)
+    alone = torch.cat([runner.execute([row]) for row in rows])
+    torch.testing.assert_close(together, alone, atol=1e-4, rtol=0)

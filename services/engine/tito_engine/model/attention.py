@@ -177,7 +177,8 @@ class PagedAttention:
         groups = [list(range(count))]
         if count >= 4:
             order = sorted(range(count), key=lengths.__getitem__)
-            groups = [[order[j] for j in part]
+            # Each group in row order: a single group is the whole batch, its output rows in place.
+            groups = [sorted(order[j] for j in part)
                       for part in split_by_context([-(-lengths[j] // block_size) for j in order], self._group_cost)]
         slides = window is not None and self._has_sliding
         result = []
