@@ -5,6 +5,7 @@
 
     .venv/bin/python bench/engine.py --constrained [--concurrency 32]
     .venv/bin/python bench/engine.py --pipeline [--concurrency 1 32]
+    .venv/bin/python bench/engine.py --shape qwen2.5-0.5b [--checkpoints float32 bfloat16] [--repeats 2]
 
 Default run: starts the engine server as a subprocess on a Unix socket, sends the same 32 prompts
 of different lengths (greedy, ignore_eos, 64 new tokens each) at concurrency 1, 8 and 32 from a
@@ -37,12 +38,25 @@ tito-vllm-backend / AsyncLLM (target >= 0.90 at the top concurrency: tito's gRPC
 tito native / vLLM HTTP (target >= 1.0, and >= 1.3 at concurrency 1), and whether the greedy
 tokens of the four setups agree in the first round.
 
---pipeline: the native engine server, `tito serve render` and `tito serve derender` (Unix sockets,
-the same model as --vllm); the 32 prompts' words as user turns of chats, rendered once. Measures,
+--pipeline: `tito serve all` as a user starts it (Unix sockets, the same model as --vllm, its own
+default CPU placement: render and derender off the engine core's CPUs); the 32 prompts' words as
+user turns of chats, rendered once. Measures,
 paired, the engine alone on the rendered GenerateRequests (grpc.aio) and the same chats through
 render -> engine -> derender with tito's asyncio pipeline client (tito_client.pipeline.AsyncChatPipeline),
 greedy, ignore_eos. Prints both rows and the ratio pipeline / engine alone (target >= 0.9 at the top
 concurrency).
+
+--shape NAME: a real model's shape with random weights and Qwen's real vocabulary
+(tito_models.real_shape; qwen2.5-0.5b: 494 M parameters), one checkpoint dtype after the other
+(--checkpoints, default float32 then bfloat16): tito native, vLLM AsyncLLM and `vllm serve`, each at
+its default dtype (auto: the checkpoint's, as each side chooses) and CPU placement, 1 GiB of KV cache
+on every side, max_model_len 4096. Workloads: the 32 short prompts at each --concurrency (at most
+4 x concurrency of them: one token costs ~0.1-0.3 s here), then for the last checkpoint 1,024-token
+prompts at concurrency 1 and at the top one, and the decode stall: 8 requests decoding 128 tokens
+each while 4 prompts of 1,024 tokens arrive, the running ones' TPOT before and while those prefill
+(chunked beside them) and the longest gap. Prints each checkpoint's table and the paired ratios
+tito / AsyncLLM with the issue's targets (tok/s >= 1.2 at the top concurrency, >= 1.0 at 1 and
+for the long prompts; TTFT and TPOT p50 no higher than AsyncLLM's). Default 2 rounds.
 
 --constrained: one native engine server; the same prompts with no row, every other row and every
 row under a JSON schema constraint (structured outputs: a typical response_format schema as the
@@ -85,7 +99,7 @@ from tito_models.paths import resolve_model
 from tito_models.tiny import BENCH_TEXT_MODEL
 from tito_client.pipeline import AsyncChatPipeline, Endpoints, wait_until_serving
 from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, render_pb2, render_pb2_grpc, sampling_pb2
-from tito_engine.model.cpu_runtime import core_cpu_plan
+from tito_engine.config import EngineConfig
 from tito_engine.limits import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_RUNNING_SEQUENCES
 
 NUM_PROMPTS = 32
@@ -104,12 +118,9 @@ KV_CACHE_BYTES = 64 << 20
 MAX_BATCHED_TOKENS = DEFAULT_MAX_PREFILL_TOKENS  # tito's --max-prefill-tokens-per-step (vLLM's max_num_batched_tokens)
 START_TIMEOUT_S = 600  # several servers load at once on a small machine
 ALL_CPUS = allowed_cpus()
-# The CPUs tito's engine core takes by default (--core-cpus auto) and the ones it leaves: the
-# client (this process, a router's stand-in) and render / derender run on the latter.
-CORE_CPUS, OTHER_CPUS = core_cpu_plan("auto", "", None)
 # vLLM engine arguments tito's engine sets from its own flags (services/engine/tito_engine/vllm/args.py).
 TITO_SETS = {"model", "max_model_len", "max_num_seqs", "enable_prefix_caching", "max_num_batched_tokens",
-             "kv_cache_memory_bytes", "generation_config"}
+             "kv_cache_memory_bytes", "generation_config", "dtype"}
 
 
 def make_prompts(tokenizer, count: int) -> list[list[int]]:
@@ -165,6 +176,54 @@ async def measure(stream: Stream, prompts: list[list[int]], new_tokens: int, con
             "outputs": [r[0] for r in results]}
 
 
+async def measure_stall(stream: Stream, running: list[list[int]], running_tokens: int, long_prompts: list[list[int]],
+                        long_tokens: int) -> dict:
+    """Decode stall: `running` requests decode (`running_tokens` each); once every one of them streams,
+    the `long_prompts` arrive at once. Returns the running requests' time per output token (ms, p50
+    of each chunk's gap over its tokens) before the long prompts came and while they prefilled (until
+    the last one's first token), the longest gap a running request saw meanwhile, and the long
+    prompts' TTFTs (ms)."""
+    arrivals: list[list[tuple[float, int]]] = [[] for _ in running]
+    all_streaming = asyncio.Event()
+    started = set()
+
+    async def decode(index: int, prompt: list[int]) -> None:
+        async for chunk in stream(prompt, running_tokens):
+            if chunk:
+                arrivals[index].append((time.perf_counter(), len(chunk)))
+                if index not in started and len(arrivals[index]) >= 3:
+                    started.add(index)
+                    if len(started) == len(running):
+                        all_streaming.set()
+
+    async def long_one(prompt: list[int]) -> float:
+        began = time.perf_counter()
+        first = None
+        async for chunk in stream(prompt, long_tokens):
+            if chunk and first is None:
+                first = time.perf_counter()
+        return first - began
+
+    decodes = [asyncio.create_task(decode(i, p)) for i, p in enumerate(running)]
+    await all_streaming.wait()
+    launched = time.perf_counter()
+    ttfts = await asyncio.gather(*(long_one(p) for p in long_prompts))
+    prefilled = launched + max(ttfts)
+    await asyncio.gather(*decodes)
+    before, during, longest = [], [], 0.0
+    for chunks in arrivals:
+        for (previous, _), (now, count) in zip(chunks, chunks[1:]):
+            per_token = (now - previous) / count * 1000
+            if now <= launched:
+                before.append(per_token)
+            elif previous >= launched and now <= prefilled:
+                during.append(per_token)
+            if now > launched and previous < prefilled:
+                longest = max(longest, (now - previous) * 1000)
+    return {"tpot_before": percentile(before, 0.5), "tpot_during": percentile(during, 0.5),
+            "max_gap": longest, "long_ttft": [t * 1000 for t in ttfts]}
+
+
 # ------------------------------------------------------------------------------ setups
 
 @dataclass(frozen=True)
@@ -177,10 +236,13 @@ class Settings:
     max_running: int  # sequences (choices), tito's --max-running-sequences and vLLM's max_num_seqs
     max_model_len: int | None = None  # None: the model's own
     kv_cache_bytes: int | None = None  # None: tito's default
+    dtype: str | None = "float32"  # None: each side's default (auto: the checkpoint's, as each chooses)
 
     def tito_flags(self, backend: str) -> list[str]:
         # The vllm backend refuses --device: vLLM runs where its build runs.
         flags = ["--device", self.device] if backend == "native" else []
+        if self.dtype is not None:
+            flags += ["--dtype", self.dtype]
         flags += ["--model", self.model, "--max-running-sequences", str(self.max_running),
                  "--max-prefill-tokens-per-step", str(MAX_BATCHED_TOKENS),
                  "--prefix-caching" if self.prefix_caching else "--no-prefix-caching"]
@@ -192,7 +254,7 @@ class Settings:
 
     def vllm_engine_args(self) -> dict:
         """vLLM AsyncEngineArgs for the vLLM setups (tito's vllm backend gets the same, see TitoEngine)."""
-        return {"model": self.model_dir, "dtype": "float32", "enforce_eager": True,
+        return {"model": self.model_dir, "dtype": self.dtype or "auto", "enforce_eager": True,
                 "max_model_len": self.max_model_len, "enable_prefix_caching": self.prefix_caching,
                 "max_num_seqs": self.max_running, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
                 "gpu_memory_utilization": 0.1, "kv_cache_memory_bytes": self.kv_cache_bytes or KV_CACHE_BYTES,
@@ -297,6 +359,9 @@ class Setup:
 
     async def run(self, prompts: list[list[int]], new_tokens: int, concurrency: int) -> dict:
         raise NotImplementedError
+
+    async def stall(self, experiment: dict) -> dict:
+        return await measure_stall(self.stream, **experiment)
 
     async def check_idle(self) -> None:
         """After the last round: nothing left running."""
@@ -419,28 +484,31 @@ class ConstrainedShare(Setup):
         return result
 
 
-def other_cpus_flag() -> list[str]:
-    """`--cpu-affinity` off the engine core's CPUs, as its README asks of co-located services."""
-    return ["--cpu-affinity", format_cpu_list(OTHER_CPUS)] if OTHER_CPUS else []
+def engine_cpus(settings: Settings) -> tuple[frozenset[int] | None, frozenset[int] | None]:
+    """The CPUs tito's engine core takes by default for this model (--core-cpus auto, chosen from its
+    work) and the ones it leaves (None: not pinned): the client (this process, a router's stand-in)
+    and render / derender run on the latter."""
+    return EngineConfig(model=settings.model, device=settings.device).core_cpu_plan()
 
 
-def keep_client_off_the_core() -> None:
+def keep_client_off_the_core(settings: Settings) -> None:
     """Run this process (the client) where the engine core is not, as a co-located router should."""
-    if OTHER_CPUS:
-        run_on(OTHER_CPUS)
-        print(f"client on CPUs {format_cpu_list(OTHER_CPUS)}; tito's engine core on {format_cpu_list(CORE_CPUS)}",
-              flush=True)
+    core, others = engine_cpus(settings)
+    if others:
+        run_on(others)
+        print(f"client on CPUs {format_cpu_list(others)}; tito's engine core on {format_cpu_list(core)}", flush=True)
 
 
 # --pipeline: the same chats rendered once, then through the engine alone and the whole pipeline.
-class RenderAndDerender(Setup):
-    """`tito serve render` and `tito serve derender` beside `engine`'s server; renders the chats
-    (one user turn per prompt's words) once it is ready, for the two measured setups."""
-    name = "render and derender servers"
+class ServeAll(Setup):
+    """`tito serve all` as a user starts it (on Unix sockets; CPU placement its own default: render
+    and derender off the engine core's CPUs); renders the chats (one user turn per prompt's words)
+    once it is ready, for the two measured setups."""
+    name = "tito serve all"
 
-    def __init__(self, engine: TitoEngine, texts: list[str]):
-        super().__init__(engine.settings)
-        self.engine, self.texts = engine, texts
+    def __init__(self, settings: Settings, texts: list[str]):
+        super().__init__(settings)
+        self.texts = texts
         self.rendered: list[engine_pb2.GenerateRequest] = []
 
     def chat(self, index: int, new_tokens: int) -> render_pb2.RenderChatRequest:
@@ -449,35 +517,42 @@ class RenderAndDerender(Setup):
             sampling=render_pb2.SamplingOptions(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
 
     async def start(self, tmp: str) -> None:
-        self.addresses = {name: f"unix:{os.path.join(tmp, f'{name}.sock')}" for name in ("render", "derender")}
-        self.processes = [
-            spawn([sys.executable, "-m", "tito_cli", "serve", name, "--address", address,
-                   "--model", self.settings.model, "--log-level", "warning", *other_cpus_flag()],
-                  os.path.join(tmp, f"{name}.log"))
-            for name, address in self.addresses.items()]
-        self.process = self.processes[0]
+        self.addresses = {name: f"unix:{os.path.join(tmp, f'{name}.sock')}" for name in ("render", "engine", "derender")}
+        flags = [flag for name, address in self.addresses.items() for flag in (f"--{name}-address", address)]
+        env = {**os.environ, "TITO_PREFIX_CACHING": str(self.settings.prefix_caching).lower(),
+               "TITO_MAX_RUNNING_SEQUENCES": str(self.settings.max_running)}
+        self.process = spawn([sys.executable, "-m", "tito_cli", "serve", "all", "--model", self.settings.model,
+                              "--device", self.settings.device, "--log-level", "warning", *flags],
+                             os.path.join(tmp, "serve-all.log"), env=env)
 
     async def ready(self) -> None:
         for address in self.addresses.values():
             await asyncio.to_thread(wait_until_serving, address, timeout=START_TIMEOUT_S)
+        self.channel = grpc.aio.insecure_channel(self.addresses["engine"])
+        self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         async with grpc.aio.insecure_channel(self.addresses["render"]) as channel:
             stub = render_pb2_grpc.RenderServiceStub(channel)
             self.rendered = [(await stub.RenderChat(self.chat(i, 1), timeout=60)).generate_request
                              for i in range(len(self.texts))]
 
     def endpoints(self) -> Endpoints:
-        return Endpoints(self.addresses["render"], self.engine.address, self.addresses["derender"])
+        return Endpoints(**self.addresses)
+
+    async def check_idle(self) -> None:
+        load = await self.stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=10)
+        assert load.running_requests == 0 and load.kv_blocks_used == 0, (self.name, load)
 
     async def stop(self) -> None:
-        for process in self.processes:
-            stop_process(process)
+        if getattr(self, "channel", None) is not None:
+            await self.channel.close()
+        await super().stop()
 
 
 class EngineOnRendered(Setup):
     """The engine alone, given the rendered GenerateRequests (max_tokens set per measurement)."""
     name = ENGINE_ALONE
 
-    def __init__(self, servers: RenderAndDerender):
+    def __init__(self, servers: ServeAll):
         super().__init__(servers.settings)
         self.servers = servers
 
@@ -494,7 +569,7 @@ class EngineOnRendered(Setup):
         request = engine_pb2.GenerateRequest()
         request.CopyFrom(self.servers.rendered[index])
         request.sampling_params.max_tokens = new_tokens
-        async for response in self.servers.engine.stub.Generate(request, timeout=600):
+        async for response in self.servers.stub.Generate(request, timeout=600):
             yield list(response.token_ids)
 
     async def run(self, prompts, new_tokens, concurrency):
@@ -569,11 +644,16 @@ class AsyncLLMWorker(Setup):
         reply = await asyncio.wait_for(asyncio.to_thread(self._reply), START_TIMEOUT_S)
         assert reply == {"ready": True}, reply
 
-    async def run(self, prompts, new_tokens, concurrency):
-        request = {"prompts": prompts, "new_tokens": new_tokens, "concurrency": concurrency}
+    async def _ask(self, request: dict) -> dict:
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         return await asyncio.to_thread(self._reply)
+
+    async def run(self, prompts, new_tokens, concurrency):
+        return await self._ask({"prompts": prompts, "new_tokens": new_tokens, "concurrency": concurrency})
+
+    async def stall(self, experiment: dict) -> dict:
+        return await self._ask({"stall": experiment})
 
     async def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -667,7 +747,10 @@ async def serve_asyncllm(replies) -> None:
         replies.write(json.dumps({"ready": True}) + "\n")
         while line := await asyncio.to_thread(sys.stdin.readline):
             request = json.loads(line)
-            result = await measure(stream, request["prompts"], request["new_tokens"], request["concurrency"])
+            if "stall" in request:
+                result = await measure_stall(stream, **request["stall"])
+            else:
+                result = await measure(stream, request["prompts"], request["new_tokens"], request["concurrency"])
             replies.write(json.dumps(result) + "\n")
     finally:
         llm.shutdown()
@@ -676,20 +759,32 @@ async def serve_asyncllm(replies) -> None:
 
 # ------------------------------------------------------------------------------ paired rounds
 
-async def paired_rounds(setups: list[Setup], prompts, args, pause: float,
-                        after_top: Callable[[], dict] | None) -> list[dict[int, dict[str, dict]]]:
-    """`repeats` rounds of {concurrency: {setup name: result}}; each concurrency runs every setup
-    back to back (order rotating by round), then `after_top()` (stored as HF) at the top one."""
+def concurrency_workloads(prompts, args) -> list[dict]:
+    """One workload per --concurrency value, keyed by it: every prompt, --new-tokens each."""
+    return [{"key": c, "prompts": prompts, "new_tokens": args.new_tokens, "concurrency": c}
+            for c in sorted(args.concurrency)]
+
+
+async def run_workload(setup: Setup, workload: dict) -> dict:
+    if "stall" in workload:
+        return await setup.stall(workload["stall"])
+    return await setup.run(workload["prompts"], workload["new_tokens"], workload["concurrency"])
+
+
+async def paired_rounds(setups: list[Setup], workloads: list[dict], repeats: int, pause: float,
+                        after_top: Callable[[], dict] | None) -> list[dict]:
+    """`repeats` rounds of {workload key: {setup name: result}}; each workload runs every setup
+    back to back (order rotating by round), then `after_top()` (stored as HF) after the last one."""
     rounds = []
-    for index in range(args.repeats):
+    for index in range(repeats):
         order = setups[index % len(setups):] + setups[:index % len(setups)]
-        results: dict[int, dict[str, dict]] = {}
-        for concurrency in args.concurrency:
-            per_setup = results.setdefault(concurrency, {})
+        results: dict = {}
+        for workload in workloads:
+            per_setup = results.setdefault(workload["key"], {})
             for setup in order:
                 await asyncio.sleep(pause)
-                per_setup[setup.name] = await setup.run(prompts, args.new_tokens, concurrency)
-            if after_top is not None and concurrency == max(args.concurrency):
+                per_setup[setup.name] = await run_workload(setup, workload)
+            if after_top is not None and workload is workloads[-1]:
                 per_setup[HF] = after_top()
         rounds.append(results)
     return rounds
@@ -697,7 +792,7 @@ async def paired_rounds(setups: list[Setup], prompts, args, pause: float,
 
 async def bench(setups: list[Setup], prompts, args, pause: float,
                 after_top: Callable[[], dict] | None = None,
-                only: list[Setup] | None = None) -> list[dict[int, dict[str, dict]]]:
+                only: list[Setup] | None = None, workloads: list[dict] | None = None) -> list[dict]:
     """Start every setup (all at once), warm each up, run the paired rounds (over `only` when
     given: setups that share another's server), stop them all. The client keeps off the engine
     core's CPUs, except beside the HF baselines (`after_top`), which run in this process."""
@@ -706,13 +801,14 @@ async def bench(setups: list[Setup], prompts, args, pause: float,
             for setup in setups:
                 await setup.start(tmp)
             if after_top is None:
-                keep_client_off_the_core()
+                keep_client_off_the_core(setups[0].settings)
             for setup in setups:
                 await setup.ready()
             measured = only or setups
             for setup in measured:
                 await setup.run(prompts[:8], 8, 8)  # warm up
-            rounds = await paired_rounds(measured, prompts, args, pause, after_top)
+            rounds = await paired_rounds(measured, workloads or concurrency_workloads(prompts, args), args.repeats,
+                                         pause, after_top)
             await asyncio.sleep(pause)
             for setup in setups:
                 await setup.check_idle()
@@ -797,7 +893,8 @@ def print_header() -> None:
 def print_row(label: str, result: dict) -> None:
     ttft = "/".join(f"{percentile(result['ttft'], q):.1f}" for q in (0.5, 0.9, 0.99))
     tpot = "/".join(f"{percentile(result['tpot'], q):.2f}" for q in (0.5, 0.9, 0.99))
-    print(f"{label:<44}{result['tok_s']:>10.0f}{ttft:>26}{tpot:>26}")
+    rate = f"{result['tok_s']:.0f}" if result["tok_s"] >= 100 else f"{result['tok_s']:.1f}"
+    print(f"{label:<44}{rate:>10}{ttft:>26}{tpot:>26}")
 
 
 def print_setups(rounds, names: list[str]) -> None:
@@ -860,8 +957,9 @@ def agreement(results: dict[str, dict], names: list[str]) -> str:
 
 
 def print_agreement(first_round: dict[int, dict[str, dict]], names: list[str]) -> None:
-    for concurrency, results in first_round.items():
-        print(f"greedy tokens, round 1, concurrency {concurrency}: {agreement(results, names)}")
+    for key, results in first_round.items():
+        label = key if isinstance(key, str) else f"concurrency {key}"
+        print(f"greedy tokens, round 1, {label}: {agreement(results, names)}")
 
 
 def print_default_report(rounds) -> None:
@@ -928,6 +1026,107 @@ def print_vllm_report(rounds, concurrencies: list[int]) -> None:
     print_agreement(rounds[0], names)
 
 
+# ------------------------------------------------------------------------------ --shape: a real model's size
+
+SHAPE_KV_CACHE_BYTES = 1 << 30  # both sides; vLLM reserves most of the machine without one
+SHAPE_MAX_MODEL_LEN = 4096
+LONG_PROMPT_TOKENS = 1024
+CHECKPOINTS = ("float32", "bfloat16")
+
+
+def prompts_for(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    """The prompts a concurrency runs in --shape mode: four waves of it (at most all): at one token
+    per ~0.1-0.3 s a real-size model would spend minutes on 32 prompts one at a time."""
+    return prompts[:min(len(prompts), 4 * concurrency)]
+
+
+def long_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
+    """`count` different prompts of exactly `length` tokens."""
+    text = " ".join(WORDS[(j * 5 + j // 7) % len(WORDS)] for j in range(length * 2))
+    ids = tokenizer(text)["input_ids"]
+    return [(ids[i * 3:] + ids)[:length] for i in range(count)]
+
+
+def shape_workloads(prompts, long, args, with_long: bool) -> list[dict]:
+    workloads = [{"key": f"c={c}", "prompts": prompts_for(prompts, c), "new_tokens": args.new_tokens,
+                  "concurrency": c} for c in sorted(args.concurrency)]
+    if with_long:
+        for c in (1, max(args.concurrency)):
+            workloads.append({"key": f"1k prompts c={c}", "prompts": prompts_for(long, c),
+                              "new_tokens": args.new_tokens, "concurrency": c})
+        workloads.append({"key": "decode stall", "stall": {
+            "running": prompts[:8], "running_tokens": 128, "long_prompts": long[:4], "long_tokens": 4}})
+    return workloads
+
+
+def print_shape_report(checkpoint: str, rounds: list[dict], names: list[str], concurrencies: list[int]) -> None:
+    print(f"\n=== {checkpoint} checkpoint, each side's default dtype; best round of {len(rounds)} ===")
+    print_header()
+    for key, results in rounds[0].items():
+        if key == "decode stall":
+            continue
+        for name in names:
+            best = max((r[key][name] for r in rounds), key=lambda result: result["tok_s"])
+            print_row(f"{name}, {key}", best)
+    print(f"paired rounds, median [min-max] of {len(rounds)} (tito native / {ASYNCLLM}):")
+    top = max(concurrencies)
+    for key in rounds[0]:
+        if key == "decode stall":
+            continue
+        short_bound = 1.2 if key == f"c={top}" else 1.0 if key == "c=1" or key.startswith("1k") else None
+        print_ratio(f"tok/s, {key}", paired(rounds, key, TITO_NATIVE, ASYNCLLM),
+                    (">=", short_bound) if short_bound else None)
+        if key == f"c={top}" or key.startswith("1k"):
+            for metric, label in (("ttft", "TTFT p50"), ("tpot", "TPOT p50")):
+                ratios = [percentile(r[key][TITO_NATIVE][metric], 0.5) / percentile(r[key][ASYNCLLM][metric], 0.5)
+                          for r in rounds]
+                # "<= vLLM's": the inverse ratio at least 1.
+                print_ratio(f"{label} vLLM / tito, {key}", [1 / x for x in ratios], (">=", 1.0))
+        if VLLM_HTTP in rounds[0][key]:
+            print_ratio(f"tok/s vs {VLLM_HTTP}, {key}", paired(rounds, key, TITO_NATIVE, VLLM_HTTP), None)
+    if "decode stall" in rounds[0]:
+        print("decode TPOT of 8 running requests (128 tokens each) while 4 prompts of "
+              f"{LONG_PROMPT_TOKENS} tokens prefill, median of rounds:")
+        for name in names:
+            if name not in rounds[0]["decode stall"]:
+                continue
+            stalls = [r["decode stall"][name] for r in rounds]
+            pick = {k: statistics.median(x[k] for x in stalls) for k in ("tpot_before", "tpot_during", "max_gap")}
+            ttft = statistics.median(percentile(x["long_ttft"], 0.5) for x in stalls)
+            print(f"  {name:<40} TPOT before {pick['tpot_before']:.1f} ms, during prefill {pick['tpot_during']:.1f} ms, "
+                  f"longest gap {pick['max_gap']:.0f} ms; long prompts' TTFT p50 {ttft:.0f} ms")
+    print_agreement({key: value for key, value in rounds[0].items() if key != "decode stall"}, names)
+
+
+def run_shape(args) -> None:
+    """--shape: the issue's table, one checkpoint dtype at a time (both would not fit in memory
+    beside each other on a small machine), each side at its default dtype and CPU placement."""
+    from transformers import AutoTokenizer
+
+    from tito_models.real_shape import ensure_shaped_model, shaped_model_name
+
+    for checkpoint in args.checkpoints:
+        name = shaped_model_name(args.shape, checkpoint)
+        model_dir = ensure_shaped_model(args.shape, checkpoint)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        prompts = make_prompts(tokenizer, NUM_PROMPTS)
+        long = long_prompts(tokenizer, NUM_PROMPTS, LONG_PROMPT_TOKENS)
+        lengths = [len(p) for p in prompts]
+        print(f"\n{name}: {len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens, {args.new_tokens} new "
+              f"tokens, greedy, prefix caching {'on' if args.prefix_caching else 'off'}, "
+              f"{SHAPE_KV_CACHE_BYTES >> 20} MiB KV cache on every side", flush=True)
+        settings = Settings(name, str(model_dir), args.device, args.prefix_caching,
+                            max_running=max(VLLM_MAX_NUM_SEQS, *args.concurrency), max_model_len=SHAPE_MAX_MODEL_LEN,
+                            kv_cache_bytes=SHAPE_KV_CACHE_BYTES, dtype=None)
+        setups = [TitoEngine(settings, "native"), AsyncLLMWorker(settings)]
+        if not args.no_vllm_serve:
+            setups.append(VllmHttp(settings))
+        with_long = checkpoint == args.checkpoints[-1] and not args.no_long_prompts
+        rounds = asyncio.run(bench(setups, prompts, args, pause=VLLM_IDLE_S,
+                                   workloads=shape_workloads(prompts, long, args, with_long)))
+        print_shape_report(checkpoint, rounds, [setup.name for setup in setups], args.concurrency)
+
+
 # ------------------------------------------------------------------------------ main
 
 def model_max_len(model_dir: Path) -> int:
@@ -958,10 +1157,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pipeline", action="store_true",
                         help="the same chats through render -> engine -> derender and through the engine "
                              "alone: tok/s ratio pipeline / engine")
+    parser.add_argument("--shape", default=None,
+                        help="a real model's shape with random weights (tito_models.real_shape, e.g. qwen2.5-0.5b): "
+                             "tito native against vLLM AsyncLLM and vllm serve, per checkpoint dtype, each side's "
+                             "default dtype and CPU placement, plus 1k-token prompts and the decode stall")
+    parser.add_argument("--checkpoints", nargs="+", choices=CHECKPOINTS, default=list(CHECKPOINTS),
+                        help="--shape: the checkpoint dtypes measured (the last also runs the long prompts)")
+    parser.add_argument("--no-vllm-serve", action="store_true", help="--shape: leave vllm serve out")
+    parser.add_argument("--no-long-prompts", action="store_true", help="--shape: leave the 1k-token rows out")
     parser.add_argument("--vllm-asyncllm-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.vllm_asyncllm_worker:
         asyncllm_worker()
+        return
+    if args.shape:
+        if args.repeats == parser.get_default("repeats"):
+            args.repeats = 2  # a round of the whole table takes ~10 minutes on 2 cores
+        run_shape(args)
         return
     args.model = args.model or (BENCH_TEXT_MODEL if args.vllm or args.pipeline else "tiny-qwen2")
 
@@ -982,11 +1194,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.pipeline:
         settings = Settings(args.model, str(model_dir), args.device, args.prefix_caching,
                             max_running=max(args.concurrency))
-        engine = TitoEngine(settings)
-        servers = RenderAndDerender(engine, [tokenizer.decode(prompt) for prompt in prompts])
+        servers = ServeAll(settings, [tokenizer.decode(prompt) for prompt in prompts])
         measured = [EngineOnRendered(servers), WholePipeline(servers)]
-        rounds = asyncio.run(bench([engine, servers, *measured], list(range(len(prompts))), args, pause=0.0,
-                                   only=measured))
+        rounds = asyncio.run(bench([servers, *measured], list(range(len(prompts))), args, pause=0.0, only=measured))
         print_pipeline_report(rounds, args.concurrency)
     elif args.constrained:
         settings = Settings(args.model, str(model_dir), args.device, args.prefix_caching,

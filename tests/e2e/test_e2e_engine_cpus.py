@@ -55,3 +55,40 @@ def test_the_engine_core_gets_cpus_of_its_own(tiny_text_model, tmp_path, flags, 
     finally:
         process.terminate()
         process.wait(30)
+
+
+def children_by_service(parent_pid: int) -> dict[str, int]:
+    """`tito serve all`'s three service processes, by the service each runs."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != parent_pid:
+                continue
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # a process that ended meanwhile
+            continue
+        if b"serve" in argv:
+            found[argv[argv.index(b"serve") + 1].decode()] = int(entry.name)
+    return found
+
+
+def test_serve_all_keeps_render_and_derender_off_the_engine_core(tiny_text_model, tmp_path):
+    """As a user starts it, with no placement flag: the engine core on the last CPU, render, derender
+    and the engine's server on the others (a tiny model: the core keeps a CPU to itself)."""
+    addresses = {name: f"unix:{tmp_path / f'{name}.sock'}" for name in ("render", "engine", "derender")}
+    flags = [flag for name, address in addresses.items() for flag in (f"--{name}-address", address)]
+    process = subprocess.Popen([sys.executable, "-m", "tito_cli", "serve", "all", "--model", str(tiny_text_model),
+                                "--device", "cpu", "--log-level", "warning", *flags])
+    core = format_cpu_list({max(allowed_cpus())})
+    others = format_cpu_list(allowed_cpus() - {max(allowed_cpus())})
+    try:
+        for address in addresses.values():
+            wait_until_serving(address, timeout=180)
+        services = children_by_service(process.pid)
+        assert set(services) == {"render", "engine", "derender"}
+        for name in ("render", "derender", "engine"):
+            assert cpus_of_every_thread(services[name]) == {others}, name
+        assert cpus_of_every_thread(core_pid(services["engine"])) == {core}
+    finally:
+        process.terminate()
+        process.wait(60)

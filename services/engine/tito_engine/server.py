@@ -35,10 +35,10 @@ backends:
   same EngineService with vLLM's AsyncLLM (install: bash scripts/bootstrap.sh --vllm). tito's flags
   that vLLM shares are translated: --max-running-sequences (max_num_seqs), --max-model-len,
   --prefix-caching, --block-size, --max-prefill-tokens-per-step (max_num_batched_tokens),
-  --kv-cache-bytes (kv_cache_memory_bytes). Every other vLLM engine argument goes after `--`, in
-  vLLM's own form (see `vllm serve --help`), e.g.
-    tito serve engine --backend vllm --model /models/Qwen2.5-7B-Instruct -- \\
-        --tensor-parallel-size 2 --gpu-memory-utilization 0.85 --dtype bfloat16 \\
+  --kv-cache-bytes (kv_cache_memory_bytes), --dtype (dtype). Every other vLLM engine argument
+  goes after `--`, in vLLM's own form (see `vllm serve --help`), e.g.
+    tito serve engine --backend vllm --model /models/Qwen2.5-7B-Instruct --dtype bfloat16 -- \\
+        --tensor-parallel-size 2 --gpu-memory-utilization 0.85 \\
         --kv-cache-dtype fp8 --quantization fp8 --enforce-eager
 """
 
@@ -128,11 +128,12 @@ async def create_server(config: EngineConfig, phases: StartupPhases | None = Non
 
 async def serve(config: EngineConfig, phases: StartupPhases | None = None) -> None:
     """Serve until SIGTERM/SIGINT, this process on the CPUs the engine core leaves (--core-cpus)."""
-    _, server_cpus = config.core_cpu_plan()
-    if server_cpus is not None:
-        from tito.cpu_affinity import format_cpu_list, run_on
+    plan = config.cpu_plan()
+    if plan is not None:
+        log.info("engine on CPU: %s", plan.describe())
+        if plan.server_cpus is not None:
+            from tito.cpu_affinity import run_on
 
-        run_on(server_cpus)
-        log.info("engine server process on CPUs %s", format_cpu_list(server_cpus))
+            run_on(plan.server_cpus)
     running = await create_server(config, phases)
     await run_until_signal(running)

@@ -7,7 +7,15 @@ import pytest
 from tito.config import ConfigError
 from tito.cpu_affinity import format_cpu_list, parse_cpu_list, split_for_core
 from tito_engine.config import EngineConfig
-from tito_engine.model.cpu_runtime import core_cpu_plan
+from tito_engine.model.cpu_runtime import forward_dominates, forward_macs_per_token, plan_cpus
+
+TINY = 4_200_000  # multiply-adds per token of tiny-qwen2-h256
+REAL = 494_000_000  # Qwen2.5-0.5B's shape
+
+
+def placement(*args):
+    plan = plan_cpus(*args)
+    return plan.threads, plan.core_cpus, plan.server_cpus
 
 
 def test_cpu_lists_read_and_write_as_the_kernel_writes_them():
@@ -24,12 +32,28 @@ def test_the_core_takes_the_last_cpus_and_leaves_the_server_the_rest():
     assert split_for_core(1, frozenset({0, 1})) == ({1}, {0})
     assert split_for_core(3, frozenset(range(8))) == ({5, 6, 7}, {0, 1, 2, 3, 4})
     assert split_for_core(2, frozenset({4, 9})) is None  # nothing left for the server: no pinning
-    assert core_cpu_plan("auto", "2-5", None) == ({3, 4, 5}, {2})  # threads default: all but one
-    assert core_cpu_plan("auto", "2-5", 2) == ({4, 5}, {2, 3})
-    assert core_cpu_plan("auto", "3", None) == (None, None)  # one CPU: nothing to split
-    assert core_cpu_plan("none", "", None) == (None, None)
-    assert core_cpu_plan("1", "0-1", None) == ({1}, {0})
-    assert core_cpu_plan("0-1", "0-1", None) == ({0, 1}, None)  # the server stays where it is
+    # A tiny model: the server's per-token work is near the forward's; it keeps a CPU.
+    assert placement("auto", "2-5", None, TINY) == (3, {3, 4, 5}, {2})
+    assert placement("auto", "2-5", 2, TINY) == (2, {4, 5}, {2, 3})  # --cpu-threads decides
+    assert placement("auto", "3", None, TINY) == (1, None, None)  # one CPU: nothing to split
+    assert placement("none", "", 1, TINY) == (1, None, None)
+    assert placement("1", "0-1", None, TINY) == (1, {1}, {0})
+    assert placement("0-1", "0-1", None, TINY) == (2, {0, 1}, None)  # the server stays where it is
+    # A real-size model: the forward dominates, the core computes on every CPU, nothing is pinned.
+    assert placement("auto", "0-1", None, REAL) == (2, None, None)
+    assert placement("auto", "2-9", None, REAL) == (8, None, None)
+    assert placement("auto", "0-1", 1, REAL) == (1, {1}, {0})  # still overridable
+    assert placement("2-5", "0-7", None, REAL) == (4, {2, 3, 4, 5}, {0, 1, 6, 7})
+    assert placement("auto", "0-1", None, REAL, False) == (2, None, None)  # a core on a thread: no pinning
+    assert "every CPU computes" in plan_cpus("auto", "0-1", None, REAL).reason
+
+
+def test_the_work_of_a_token_comes_from_the_config(tiny_text_model, tmp_path):
+    # tiny-qwen2: 2 layers of hidden 64 (4 / 2 heads of 16, intermediate 128), 1013 output rows.
+    per_layer = 64 * (4 + 2 * 2) * 16 + 64 * 64 + 3 * 64 * 128
+    assert forward_macs_per_token(tiny_text_model) == 2 * per_layer + 64 * 1013
+    assert forward_macs_per_token(tmp_path) == 0  # no config: unknown, the tiny-model plan
+    assert not forward_dominates(TINY) and forward_dominates(REAL) and not forward_dominates(0)
 
 
 def test_engine_cpu_settings_are_checked_at_start_up():
@@ -39,17 +63,18 @@ def test_engine_cpu_settings_are_checked_at_start_up():
         EngineConfig(cpu_affinity="99999").validate()
     with pytest.raises(ConfigError, match="--core-cpus applies to the native backend only"):
         EngineConfig(backend="vllm", core_cpus="0").validate()
-    assert EngineConfig(backend="vllm").core_cpu_plan() == (None, None)
-    assert EngineConfig(engine_process=False).core_cpu_plan() == (None, None)
+    assert EngineConfig(backend="vllm").cpu_plan() is None
+    assert EngineConfig(engine_process=False, device="cpu").core_cpu_plan() == (None, None)
+    assert EngineConfig(engine_process=False, device="cpu", cpu_threads=3).cpu_plan().threads == 3
 
 
 def test_nothing_is_pinned_where_the_os_has_no_cpu_affinity(monkeypatch):
     monkeypatch.delattr("os.sched_setaffinity")
-    core_cpu_plan.cache_clear()  # worked out once per process: forget this test's answer afterwards too
+    plan_cpus.cache_clear()  # worked out once per process: forget this test's answer afterwards too
     try:
-        assert core_cpu_plan("auto", "", None) == (None, None)
+        assert placement("auto", "", 1, TINY) == (1, None, None)
     finally:
-        core_cpu_plan.cache_clear()
+        plan_cpus.cache_clear()
 
 
 def test_packed_linears_are_a_native_setting_passed_to_the_core():

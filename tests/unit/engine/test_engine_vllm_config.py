@@ -31,6 +31,14 @@ def test_tito_flags_translate_and_vllm_arguments_pass_through():
     assert args.generation_config == "vllm" and args.disable_log_stats is False
 
 
+def test_dtype_is_tito_s_flag_or_vllm_s_but_not_both():
+    args = build_engine_args(vllm_config(dtype="bfloat16"), "/models/m")
+    assert args.dtype == "bfloat16"
+    assert build_engine_args(vllm_config(), "/models/m").dtype == "auto"  # both sides' default
+    with pytest.raises(ConfigError, match="--dtype is given twice"):
+        vllm_config("--dtype", "float32", dtype="bfloat16").validate()
+
+
 @pytest.mark.parametrize("vllm_args, message", [
     (("--max-model-len", "100"), "--max-model-len"),
     (("--max-num-seqs", "4"), "--max-running-sequences"),

@@ -350,16 +350,20 @@ class CoreProcessSpec:
     encoder_cache_bytes: int = 0
     exclude_padding_ids: bool = True
     packed_linears: bool = True
-    cpus: frozenset[int] | None = None  # the CPUs the core process runs on (EngineConfig.core_cpu_plan)
+    cpus: frozenset[int] | None = None  # the CPUs the core process runs on (EngineConfig.cpu_plan)
+    dtype: str = "auto"
 
     @classmethod
     def from_config(cls, config: Any, model_dir: str, kv_cache: Any) -> "CoreProcessSpec":
         """The spec of an EngineConfig's core, its model resolved to `model_dir`."""
+        plan = config.cpu_plan()
         return cls(model_dir=model_dir, model_id=config.model, device=config.device,
-                   max_model_len=config.max_model_len, kv_cache=kv_cache, cpu_threads=config.cpu_threads,
+                   max_model_len=config.max_model_len, kv_cache=kv_cache,
+                   cpu_threads=plan.threads if plan is not None else None,
                    limits=config.scheduler_limits, log_level=config.log_level,
                    encoder_cache_bytes=config.encoder_cache_bytes, exclude_padding_ids=config.excludes_padding_ids,
-                   packed_linears=config.packs_linears, cpus=config.core_cpu_plan()[0])
+                   packed_linears=config.packs_linears, cpus=plan.core_cpus if plan is not None else None,
+                   dtype=config.dtype)
 
     def load_runner(self) -> Any:
         """Load the model this spec names (in whichever process hosts the core)."""
@@ -369,7 +373,8 @@ class CoreProcessSpec:
 
         return ModelRunner(Path(self.model_dir), model_id=self.model_id, device=self.device,
                            max_model_len=self.max_model_len, kv_cache=self.kv_cache, cpu_threads=self.cpu_threads,
-                           exclude_padding_ids=self.exclude_padding_ids, packed_linears=self.packed_linears)
+                           exclude_padding_ids=self.exclude_padding_ids, packed_linears=self.packed_linears,
+                           dtype=self.dtype)
 
 
 def _child_main(spec: CoreProcessSpec, conn: Any) -> None:

@@ -1,7 +1,8 @@
 """Attention over the paged KV cache for one batched step.
 
-Decode rows (one query each) attend in one padded `scaled_dot_product_attention` call, or two
-when their context lengths differ a lot (`_decode_groups`: less gathered padding); each prefill
+Decode rows (one query each) attend in one padded `scaled_dot_product_attention` call, or a few
+when their context lengths differ (`split_by_context`: rows of similar length share a call, so the
+K/V a step gathers follows each row's own context, not the longest row's); each prefill
 chunk attends on its own, over its own K/V when it starts the prompt, else over the blocks of its
 table. Masks are additive floats built once per step (SDPA on CPU converts a bool one on every
 call): full causal, sliding window (a query at p attends to keys in (p - window, p]), and
@@ -18,6 +19,36 @@ import torch.nn.functional as F
 
 from tito_engine.model.families import SLIDING
 from tito_engine.model.kv_cache import PagedKVCache
+
+
+#: Fixed cost of one more decode attention call per layer (an index_select of K and V and an SDPA),
+#: and the rate the gather copies at, to weigh a call against the padding it saves.
+GROUP_CALL_SECONDS = 40e-6
+GATHER_BYTES_PER_SECOND = 7e9
+#: Most decode groups per step (each costs a call per layer).
+MAX_DECODE_GROUPS = 4
+
+
+def split_by_context(blocks: list[int], call_cost: int, max_groups: int = MAX_DECODE_GROUPS) -> list[list[int]]:
+    """Partition rows sorted by context (`blocks`: each row's blocks, ascending) into at most
+    `max_groups` runs of consecutive rows, each padded to its longest row, so that the blocks
+    gathered plus `call_cost` per group is least; greedy: the run with the most padding to save
+    is split at its best cut while a cut saves more than a call costs. O(rows) per cut."""
+    runs = [(0, len(blocks))]
+    while len(runs) < max_groups:
+        best = None  # (saving, run index, cut)
+        for index, (start, end) in enumerate(runs):
+            whole = (end - start) * blocks[end - 1]
+            for cut in range(start + 1, end):
+                saving = whole - ((cut - start) * blocks[cut - 1] + (end - cut) * blocks[end - 1])
+                if saving > call_cost and (best is None or saving > best[0]):
+                    best = (saving, index, cut)
+        if best is None:
+            break
+        _, index, cut = best
+        start, end = runs[index]
+        runs[index:index + 1] = [(start, cut), (cut, end)]
+    return [list(range(start, end)) for start, end in runs]
 
 
 @dataclass
@@ -41,6 +72,10 @@ class PagedAttention:
         self.scaling = family.scaling
         self._has_sliding = any(layer.kind == SLIDING for layer in family.layers)
         self._range = arange  # arange(count) on the device, cached by the decoder
+        # What one more attention call per layer costs, in gathered block-rows (one block of K and V
+        # for one row): ~40 us of call overhead against the gather's ~7 GB/s of one core.
+        block_bytes = 2 * cache.block_size * self.num_kv_heads * self.head_dim * cache.keys[0].element_size()
+        self._group_cost = max(1, (GROUP_CALL_SECONDS * GATHER_BYTES_PER_SECOND) // block_bytes)
         self._prepare_prefill = prepare_prefill  # resolves a prefill's bidirectional spans
 
     def plan(self, rows: list, offsets: list[int], decode_rows: list[int], prefill_rows: list[int],
@@ -130,27 +165,21 @@ class PagedAttention:
     def _decode_groups(self, rows: list, decode_rows: list[int], offsets: list[int],
                        whole_batch: bool, window: int | None = None
                        ) -> list[tuple[torch.Tensor | None, torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]]]:
-        """The one-token rows as one or two attention groups: (token index or None, block ids,
-        rows, masks by kind over the gathered slots). Rows are padded to their group's longest
-        context, so when lengths differ a lot, short and long rows attend separately (less
-        gathered padding)."""
+        """The one-token rows as attention groups of similar contexts: (token index or None, block
+        ids, rows, masks by kind over the gathered slots). Rows are padded to their group's longest
+        context, so rows of very different lengths attend in separate calls (`split_by_context`):
+        what a step gathers grows with each row's own context, not with the longest row's."""
         if not decode_rows:
             return []
         block_size, device = self.block_size, self.device
         lengths = [rows[i].start + 1 for i in decode_rows]
         count = len(decode_rows)
         groups = [list(range(count))]
-        if count >= 8:
+        if count >= 4:
             order = sorted(range(count), key=lengths.__getitem__)
-            blocks_sorted = [-(-lengths[j] // block_size) for j in order]
-            whole = count * blocks_sorted[-1]
-            best, split = whole, 0
-            for cut in range(1, count):
-                cost = cut * blocks_sorted[cut - 1] + (count - cut) * blocks_sorted[-1]
-                if cost < best:
-                    best, split = cost, cut
-            if split and best < 0.75 * whole:  # worth a second attention call
-                groups = [order[:split], order[split:]]
+            # Each group in row order: a single group is the whole batch, its output rows in place.
+            groups = [sorted(order[j] for j in part)
+                      for part in split_by_context([-(-lengths[j] // block_size) for j in order], self._group_cost)]
         slides = window is not None and self._has_sliding
         result = []
         for members in groups:

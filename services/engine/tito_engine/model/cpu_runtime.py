@@ -1,15 +1,20 @@
-"""How the engine's process runs on CPU: torch's intra-op threads and the C allocator's settings.
+"""How the engine's processes run on CPU: torch's intra-op threads, the CPUs of the core and the
+server (`plan_cpus`, chosen from the model's work), and the C allocator's settings.
 
-Both are process-wide, so they are set once, where the model is loaded (ModelRunner).
+Threads and the allocator are process-wide, so they are set once, where the model is loaded
+(ModelRunner); the placement is worked out in the server before the core process starts.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import logging
 import os
 import platform
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -24,15 +29,7 @@ TRIM_THRESHOLD_BYTES = 64 << 20
 MMAP_THRESHOLD_BYTES = 32 << 20
 
 
-def default_cpu_threads() -> int:
-    """One core less than the machine has: the gRPC threads need one, and intra-op threads that
-    wait for a busy core spin (measured on 2 cores with the tiny model: a step took ~10x longer
-    with 2 torch threads than with 1 while the event loop was busy)."""
-    return max(1, (os.cpu_count() or 2) - 1)
-
-
-def set_cpu_threads(threads: int | None) -> None:
-    threads = threads or default_cpu_threads()
+def set_cpu_threads(threads: int) -> None:
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
         log.info("torch intra-op threads: %d", threads)
@@ -57,24 +54,105 @@ def keep_freed_memory() -> bool:
         mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
 
 
-@functools.lru_cache(maxsize=None)
-def core_cpu_plan(core_cpus: str, cpu_affinity: str, cpu_threads: int | None
-                  ) -> tuple[frozenset[int] | None, frozenset[int] | None]:
-    """(the engine core's CPUs, the serving process's CPUs) for `--core-cpus`, within
-    `--cpu-affinity` (default: the CPUs this process may use); None where nothing is pinned.
-    Worked out once per process (cached): the server pins itself by it before it starts the core,
-    which must then get the CPUs of the same plan, not a plan of what the server has left.
+#: CPU time the serving side spends per streamed token: the engine server's stream message,
+#: derender and a client or router beside it (measured on 2 cores: ~330 us per token over the
+#: three services, ~0.1 ms of it in the engine server).
+SERVER_CPU_PER_TOKEN_S = 300e-6
+#: Multiply-adds per second one core does in a step's matmuls, the order of magnitude only (fp32
+#: AVX-512 here measured 40-60 G; bf16 with AMX more, but then memory traffic bounds a decode).
+CPU_MACS_PER_S = 50e9
+#: The core takes every CPU when a token's forward costs this many times the server's per-token
+#: work: a second thread then speeds the step almost 2x (measured on 2 cores, Qwen2.5-0.5B's shape:
+#: a 32-row decode step 671 -> 332 ms in float32, 455 -> 238 ms in bfloat16) while the server,
+#: sharing a CPU, needs a few percent of it. Below it (a tiny model: ~4 M multiply-adds a token
+#: against ~0.3 ms of serving work) the server gets a CPU of its own, since intra-op threads that
+#: wait for a busy CPU spin (a step took ~10x longer with 2 torch threads while the event loop ran).
+FORWARD_DOMINATES = 8
 
-    auto: the core takes the last of them, as many as its torch threads (`--cpu-threads`, default
-    all but one), and the server the rest; nothing is pinned when that leaves the server none.
-    A list: the core runs there, the server on the others (or, when none are left, where it is)."""
+
+def forward_macs_per_token(model_dir: Path) -> int:
+    """Multiply-adds of one token's forward through the linears and the output layer, from the
+    model's config.json (text part); 0 when it cannot be read. The same count for every family
+    (q/k/v, o, gate/up/down per layer; head dims as configured)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    text = config.get("text_config") or config
+    try:
+        hidden, layers = int(text["hidden_size"]), int(text["num_hidden_layers"])
+        heads = int(text["num_attention_heads"])
+        kv_heads = int(text.get("num_key_value_heads") or heads)
+        head_dim = int(text.get("head_dim") or hidden // heads)
+        intermediate = int(text["intermediate_size"])
+        vocab = int(text.get("vocab_size") or config.get("vocab_size") or 0)
+    except (KeyError, TypeError, ValueError):
+        return 0
+    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * intermediate
+    return layers * per_layer + hidden * vocab
+
+
+def forward_dominates(macs_per_token: int) -> bool:
+    """Whether a token's forward costs FORWARD_DOMINATES times the server's work on it or more."""
+    return macs_per_token / CPU_MACS_PER_S >= FORWARD_DOMINATES * SERVER_CPU_PER_TOKEN_S
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """How the engine uses the CPUs: torch intra-op threads of the process that runs the model,
+    the CPUs of the engine core process and of the serving process (None: not pinned), and why."""
+
+    threads: int
+    core_cpus: frozenset[int] | None
+    server_cpus: frozenset[int] | None
+    reason: str
+
+    def describe(self) -> str:
+        from tito.cpu_affinity import format_cpu_list
+
+        where = (f"core on CPUs {format_cpu_list(self.core_cpus)}" if self.core_cpus is not None
+                 else "core not pinned")
+        if self.server_cpus is not None:
+            where += f", server on CPUs {format_cpu_list(self.server_cpus)}"
+        return f"{self.threads} torch thread(s), {where} ({self.reason})"
+
+
+@functools.lru_cache(maxsize=None)
+def plan_cpus(core_cpus: str, cpu_affinity: str, cpu_threads: int | None, macs_per_token: int,
+              pin: bool = True) -> CpuPlan:
+    """The CpuPlan for `--core-cpus`, `--cpu-threads`, within `--cpu-affinity` (default: the CPUs
+    this process may use), for a model whose token costs `macs_per_token`; `pin=False` (the core
+    on a thread of the server, or no affinity call on this OS): threads only. Worked out once per
+    process (cached): the server pins itself by it before it starts the core, which must then get
+    the CPUs of the same plan, not a plan of what the server has left.
+
+    Threads (unless --cpu-threads): every CPU when the forward dominates (`forward_dominates`),
+    else all but one, left to the server (and, with a list, the CPUs of the list).
+    auto: the core takes the last `threads` CPUs and the server the rest; when that leaves the
+    server none, nothing is pinned (the core then shares every CPU with the server, whose work is
+    small beside the forward's). A list: the core runs there, the server on the others (or, when
+    none are left, where it is). none: nothing is pinned."""
     from tito.cpu_affinity import allowed_cpus, parse_cpu_list, split_for_core
 
-    if core_cpus == "none" or not hasattr(os, "sched_setaffinity"):  # no affinity on this OS: nothing to pin
-        return None, None
+    pin = pin and hasattr(os, "sched_setaffinity")
     base = parse_cpu_list(cpu_affinity) if cpu_affinity else allowed_cpus()
-    if core_cpus == "auto":
-        split = split_for_core(cpu_threads or max(1, len(base) - 1), base)
-        return split if split is not None else (None, None)
-    core = parse_cpu_list(core_cpus, "--core-cpus")
-    return core, (base - core) or None
+    listed = parse_cpu_list(core_cpus, "--core-cpus") if pin and core_cpus not in ("auto", "none") else None
+    room = len(listed) if listed is not None else len(base)
+    if cpu_threads:
+        threads, reason = cpu_threads, "--cpu-threads"
+    elif forward_dominates(macs_per_token):
+        threads = room
+        reason = (f"a token's forward is ~{macs_per_token / 1e6:.0f} M multiply-adds, over {FORWARD_DOMINATES}x the "
+                  f"server's per-token work: every CPU computes")
+    else:
+        threads = max(1, room - 1) if listed is None else room
+        reason = (f"a token's forward is ~{macs_per_token / 1e6:.1f} M multiply-adds, near the server's per-token "
+                  f"work: a CPU stays the server's" if listed is None else "--core-cpus")
+    if not pin or core_cpus == "none":
+        return CpuPlan(threads, None, None, reason)
+    if listed is not None:
+        return CpuPlan(threads, listed, (base - listed) or None, reason)
+    split = split_for_core(threads, base)
+    if split is None:
+        return CpuPlan(threads, None, None, reason)
+    return CpuPlan(threads, *split, reason)

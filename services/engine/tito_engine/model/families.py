@@ -95,20 +95,30 @@ def _bind_linears(layer_weights: Any, attn: Any, mlp: Any) -> None:
     """The projections every family shares: fused q/k/v and gate/up (sharing the HF modules'
     storage), the output and down projections, and the MLP activation."""
     projections = [attn.q_proj, attn.k_proj, attn.v_proj]
-    layer_weights.qkv = Linear(_fuse(projections, "weight"), _fuse(projections, "bias"))
-    layer_weights.o = Linear(attn.o_proj.weight, attn.o_proj.bias)
+    layer_weights.qkv = Linear(_fuse(projections, "weight"), _fuse(projections, "bias"), sources=projections)
+    layer_weights.o = Linear(attn.o_proj.weight, attn.o_proj.bias, sources=[attn.o_proj])
     gate_up = [mlp.gate_proj, mlp.up_proj]
-    layer_weights.gate_up = Linear(_fuse(gate_up, "weight"), _fuse(gate_up, "bias"))
     layer_weights.intermediate = mlp.gate_proj.weight.shape[0]
-    layer_weights.down = Linear(mlp.down_proj.weight, mlp.down_proj.bias)
+    layer_weights.gate_up = Linear(_fuse(gate_up, "weight"), _fuse(gate_up, "bias"), sources=gate_up)
+    layer_weights.down = Linear(mlp.down_proj.weight, mlp.down_proj.bias, sources=[mlp.down_proj])
     layer_weights.act = _act(mlp)
 
 
+def output_layer(model: Any, embedding: torch.Tensor) -> tuple[Linear, bool]:
+    """The LM head as a Linear, and whether it is tied to the embedding (then its weight is the
+    embedding's and cannot be freed: linear.release_plain leaves it alone)."""
+    head = model.lm_head
+    tied = head.weight.data_ptr() == embedding.data_ptr()
+    return Linear(head.weight, getattr(head, "bias", None), sources=() if tied else (head,)), tied
+
+
 def linears_of(family: Any) -> Iterator[Linear]:
-    """Every linear of a family's forward: each layer's four, then the LM head."""
+    """Every linear of a family's forward worth packing: each layer's four, then the LM head unless it
+    is tied to the embedding in half precision (linear.py: one copy does as well there)."""
     for layer in family.layers:
         yield from (layer.qkv, layer.o, layer.gate_up, layer.down)
-    yield family.lm_head
+    if not family.lm_head_tied or family.embed_w.dtype == torch.float32:
+        yield family.lm_head
 
 
 def _layer_kinds(config: Any) -> tuple[list[int], int | None]:
@@ -216,7 +226,7 @@ class QwenFamily:
                        for layer, kind in zip(text.layers, kinds)]
         self.embed_w = text.embed_tokens.weight
         self.norm_w, self.norm_eps = text.norm.weight, text.norm.variance_epsilon
-        self.lm_head = Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None))  # the embedding when tied
+        self.lm_head, self.lm_head_tied = output_layer(model, self.embed_w)
         rotary = text.rotary_emb
         _check_rope_type(getattr(rotary, "rope_type", "default"))
         self.ropes = [(rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0)))]
@@ -324,7 +334,7 @@ class Gemma3Family:
         self.embed_scale = (scale if scale is not None else torch.tensor(config.hidden_size ** 0.5)).to(
             self.embed_w.device, self.embed_w.dtype)
         self.norm_scale, self.norm_eps = 1.0 + text.norm.weight.detach().float(), text.norm.eps
-        self.lm_head = Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None))
+        self.lm_head, self.lm_head_tied = output_layer(model, self.embed_w)
         # Only the text-only causal LM soft-caps its logits in transformers 5.24.
         self.final_softcap = (getattr(config, "final_logit_softcapping", None)
                               if type(model).__name__ == "Gemma3ForCausalLM" else None)

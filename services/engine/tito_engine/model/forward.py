@@ -108,11 +108,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class BatchedDecoder:
     """The batched forward over a paged cache for one loaded model (any family in families.py)."""
 
-    def __init__(self, model: Any, cache: PagedKVCache, max_positions: int, packed_linears: bool = False):
+    def __init__(self, model: Any, cache: PagedKVCache, max_positions: int, packed_linears: bool = False,
+                 release_plain_weights: bool = False):
         """`packed_linears`: on CPU, run the linears on oneDNN-packed copies of their weights
-        (linear.py: faster from a few rows a step on, the weights held twice)."""
+        (linear.py: faster from a few rows a step on). `release_plain_weights`: free the plain
+        weights the packed ones replace for every call (the HF model's text linears then hold no
+        data: only this decoder may run it)."""
         self.family = family = family_for(model)
-        self.packed_linear_bytes = pack_linears(linears_of(family)) if packed_linears else 0
+        self.packed_linear_bytes, self.released_weight_bytes = (
+            pack_linears(linears_of(family), release_plain_weights) if packed_linears else (0, 0))
         self.cache = cache
         self.device = cache.device
         self.dtype = model.dtype

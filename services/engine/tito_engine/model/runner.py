@@ -4,6 +4,7 @@ batched forward (forward.BatchedDecoder) the scheduler calls once per step.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from tito_engine.model_info import ModelInfo, describe_model
 from tito_engine.model.choices import ModelChoiceState
 
 from tito_engine.multimodal import vision
-from tito_engine.model.cpu_runtime import keep_freed_memory, set_cpu_threads
+from tito_engine.model.cpu_runtime import forward_macs_per_token, keep_freed_memory, plan_cpus, set_cpu_threads
 from tito_engine.model.forward import BatchedDecoder, MultiModalPrefill
 from tito_engine.model.kv_cache import KVLayout, PagedKVCache
 from tito_engine.limits import DEFAULT_BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_MEMORY_FRACTION
@@ -44,10 +45,66 @@ def choose_device(spec: str) -> torch.device:
     return device
 
 
-def choose_dtype(device: torch.device) -> torch.dtype:
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
+#: `--dtype` values and the torch dtypes they name ("auto" picks one of them, see choose_dtype).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def checkpoint_dtype(model_dir: Path) -> torch.dtype:
+    """The dtype the checkpoint is stored in (config.json `dtype`, or the older `torch_dtype`;
+    float32 when it names none)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return torch.float32
+    text_config = config.get("text_config") or {}
+    name = config.get("dtype") or config.get("torch_dtype") or text_config.get("dtype") or text_config.get(
+        "torch_dtype")
+    return DTYPES.get(str(name), torch.float32)
+
+
+def cpu_supports(dtype: torch.dtype) -> bool:
+    """Whether this CPU computes `dtype` natively (oneDNN's bf16 / fp16 kernels: AVX512-BF16 or
+    AMX for bfloat16, AVX512-FP16 or AMX-FP16 for float16); float32 always."""
+    if dtype == torch.float32:
+        return True
+    if not torch.backends.mkldnn.is_available():
+        return False
+    probe = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
+    check = getattr(torch.ops.mkldnn, probe, None)
+    try:
+        return bool(check()) if check is not None else False
+    except RuntimeError:
+        return False
+
+
+def choose_dtype(device: torch.device, requested: str = "auto", stored: torch.dtype = torch.float32
+                 ) -> tuple[torch.dtype, str]:
+    """The compute dtype for `--dtype` and why, as vLLM's `auto` chooses: the checkpoint's own
+    dtype (`stored`) where the device computes it natively; on CPU float32 otherwise (a half
+    checkpoint on a CPU without bf16 / fp16 instructions would be emulated, several times slower);
+    on CUDA a float32 checkpoint runs in bfloat16 where the GPU has it (half the memory and
+    traffic, tensor cores), float16 checkpoints in float16. An explicit dtype the device cannot
+    compute natively is refused (ConfigError) rather than run emulated."""
+    if requested != "auto":
+        dtype = DTYPES[requested]
+        if device.type == "cpu" and not cpu_supports(dtype):
+            raise ConfigError(f"--dtype {requested}: this CPU has no {requested} instructions (oneDNN reports none); "
+                              f"use --dtype float32, or auto")
+        if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise ConfigError("--dtype bfloat16: this GPU has no bfloat16 support; use --dtype float16 or float32")
+        return dtype, "--dtype"
+    stored_name = str(stored).removeprefix("torch.")
+    if device.type == "cuda":
+        if stored == torch.float16 or (stored == torch.bfloat16 and not torch.cuda.is_bf16_supported()):
+            return torch.float16, f"auto: the checkpoint is {stored_name}"
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, f"auto: the checkpoint is {stored_name}, the GPU computes bfloat16"
+        return torch.float32, f"auto: the checkpoint is {stored_name}"
+    if stored != torch.float32 and cpu_supports(stored):
+        return stored, f"auto: the checkpoint is {stored_name}, the CPU computes it natively"
+    if stored != torch.float32:
+        return torch.float32, f"auto: the checkpoint is {stored_name}, but this CPU has no {stored_name} instructions"
+    return torch.float32, "auto: the checkpoint is float32"
 
 
 @dataclass(frozen=True)
@@ -89,12 +146,13 @@ class ModelRunner:
 
     def __init__(self, model_dir: Path, *, model_id: str, device: str = "auto",
                  max_model_len: int | None = None, kv_cache: KVCacheSpec | None = None,
-                 cpu_threads: int | None = None, exclude_padding_ids: bool = True, packed_linears: bool = True):
+                 cpu_threads: int | None = None, exclude_padding_ids: bool = True, packed_linears: bool = True,
+                 dtype: str = "auto"):
         self.model_dir = model_dir  # structured outputs read the tokenizer from here (constraints.py)
         self.device = choose_device(device)
-        self.dtype = choose_dtype(self.device)
-        if self.device.type == "cpu":
-            set_cpu_threads(cpu_threads)
+        self.dtype, dtype_reason = choose_dtype(self.device, dtype, checkpoint_dtype(model_dir))
+        if self.device.type == "cpu":  # unset: chosen from the model's work, as the engine's plan does
+            set_cpu_threads(cpu_threads or plan_cpus("none", "", None, forward_macs_per_token(model_dir)).threads)
             if keep_freed_memory():
                 log.debug("glibc malloc keeps freed memory for the next step (cpu_runtime.keep_freed_memory)")
         from transformers.utils import logging as hf_logging
@@ -125,19 +183,22 @@ class ModelRunner:
         self.choice_state = ModelChoiceState(self.device)
         try:
             self.decoder = BatchedDecoder(self.model, self.cache, max_positions=self.info.max_context_length,
-                                          packed_linears=packed_linears and self.device.type == "cpu")
+                                          packed_linears=packed_linears and self.device.type == "cpu",
+                                          release_plain_weights=True)
         except ValueError as exc:  # an architecture (or a setting of one) the native forward does not run
             raise ConfigError(f"{model_id}: {exc}") from exc
-        log.info("loaded %s on %s (%s): vocab %s%s, context %d, eos %s, fingerprint %s; KV cache %d blocks x %d "
-                 "tokens (%.1f MiB)", model_id, self.info.device, self.info.dtype,
+        log.info("loaded %s on %s (%s, %s): vocab %s%s, context %d, eos %s, fingerprint %s; KV cache %d blocks x %d "
+                 "tokens (%.1f MiB)", model_id, self.info.device, self.info.dtype, dtype_reason,
                  _describe_vocab(self.info),
                  " (padding ids excluded from sampling)" if self.logits_mask is not None else "",
                  self.info.max_context_length, list(self.info.eos_token_ids), self.info.fingerprint,
                  self.cache.num_blocks, self.cache.block_size,
                  self.cache.capacity_tokens * self.cache.layout.bytes_per_token / 2**20)
         if self.decoder.packed_linear_bytes:
-            log.info("linears run on oneDNN-packed weights (%.1f MiB more; --no-cpu-packed-linears holds one copy)",
-                     self.decoder.packed_linear_bytes / 2**20)
+            extra = self.decoder.packed_linear_bytes - self.decoder.released_weight_bytes
+            log.info("linears run on oneDNN-packed weights (%.1f MiB packed, %.1f MiB of it held twice; "
+                     "--no-cpu-packed-linears holds one copy)", self.decoder.packed_linear_bytes / 2**20,
+                     extra / 2**20)
 
     def _make_cache(self, text_config: Any, spec: KVCacheSpec) -> PagedKVCache:
         heads = text_config.num_attention_heads

@@ -3,7 +3,8 @@
 tito's engine flags that mean the same thing in vLLM are translated (`--max-running-sequences` is
 vLLM's `max_num_seqs`, which counts sequences too, `--max-model-len`, `--prefix-caching`, `--block-size`,
 `--max-prefill-tokens-per-step` is `max_num_batched_tokens`, `--kv-cache-bytes` is
-`kv_cache_memory_bytes`); every other vLLM engine argument passes through unchanged after `--` in
+`kv_cache_memory_bytes`, `--dtype` is `dtype`, which vLLM's own `--dtype` after `--` may still set
+while tito's is auto); every other vLLM engine argument passes through unchanged after `--` in
 vLLM's own command-line form (`-- --tensor-parallel-size 2 --gpu-memory-utilization 0.85`), parsed
 by vLLM's own parser so its names, defaults and help (`vllm serve --help`) apply. Giving one value
 both ways is refused, so there is one place each setting is written.
@@ -67,12 +68,15 @@ def _parse(vllm_args: Sequence[str]) -> tuple[Any, argparse.Namespace, set[str]]
     return engine_args_cls, namespace, given
 
 
-def check_vllm_args(vllm_args: Sequence[str]) -> None:
-    """Parse the pass-through arguments now (start-up), so a typo fails before the model loads."""
+def check_vllm_args(vllm_args: Sequence[str], dtype: str = "auto") -> None:
+    """Parse the pass-through arguments now (start-up), so a typo fails before the model loads.
+    `dtype`: tito's --dtype; vLLM's own --dtype after `--` is accepted only while tito's is auto."""
     _, _, given = _parse(vllm_args)
     for name in sorted(given & TITO_FLAGS.keys()):
         raise ConfigError(f"vLLM argument {name!r} after `--` is set by tito's {TITO_FLAGS[name]}; give it "
                           f"once, with the tito flag")
+    if dtype != "auto" and "dtype" in given:
+        raise ConfigError(f"--dtype is given twice (tito's --dtype {dtype} and vLLM's after `--`); give it once")
 
 
 def build_engine_args(config: Any, model_dir: str) -> Any:
@@ -91,6 +95,8 @@ def build_engine_args(config: Any, model_dir: str) -> Any:
         engine_args.block_size = config.block_size
     if config.kv_cache_bytes is not None:
         engine_args.kv_cache_memory_bytes = config.kv_cache_bytes
+    if config.dtype != "auto":  # auto is vLLM's default too: the checkpoint's dtype
+        engine_args.dtype = config.dtype
     engine_args.generation_config = "vllm"
     engine_args.disable_log_stats = False
     return engine_args
