@@ -189,15 +189,12 @@ class Request:
     """A validated request in the engine core (the scheduler's unit): its choices, their KV blocks,
     its timings."""
 
-    def __init__(self, request_id: str, prompt_ids: list[int], options: SamplingOptions,
-                 deliver: Callable[[ChoiceOutput | BaseException], None], mm: Any = None):
+    def __init__(self, request_id: str, prompt_ids: list[int], options: SamplingOptions, mm: Any = None):
+        # Outputs leave the core in step batches (core/messages.py StepBatch); the serving side's
+        # Submission holds the stream that receives them.
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.options = options
-        self.deliver = deliver
-        # When set (an asyncio loop), the engine batches this request's deliveries with others of
-        # the same loop into one call_soon_threadsafe per step.
-        self.loop: Any = None
         self.mm = mm  # forward.MultiModalPrefill for multimodal prompts (attached by the core after encoding)
         self.has_media = mm is not None  # media items: kept out of the prefix cache
         self.sequences: list[Sequence] = []

@@ -29,11 +29,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tito.errors import Unavailable
+from tito.supervision import retry
 
 from tito_engine.service.admission import AdmittedRequest, KVCapacity
 from tito_engine.service.backend import LoadSnapshot, check_can_accept
 from tito_engine.core.messages import AbortRequest, AddRequest, CoreLoad, EncodeItems, EncodeResult, StepBatch
 from tito_engine.core.engine_core import CoreProcessSpec, ProcessCore, ThreadCore
+from tito_engine.core.seams import CoreHost, CoreRunner
 from tito_engine.multimodal.features import CheckedFeatures
 from tito_engine.request import ChoiceOutput, FinishReason, Submission, Usage
 from tito_engine.limits import DEFAULT_MAX_WAITING_REQUESTS, SchedulerLimits
@@ -45,8 +47,8 @@ CORE_LOST_MESSAGE = "the engine's model process exited; a new one is starting: r
 
 
 class Engine:
-    def __init__(self, runner: Any = None, *, limits: SchedulerLimits = SchedulerLimits(),
-                 max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS, core: Any = None,
+    def __init__(self, runner: CoreRunner | None = None, *, limits: SchedulerLimits = SchedulerLimits(),
+                 max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS, core: CoreHost | None = None,
                  encoder_cache_bytes: int = 0):
         """`runner` hosts the core on a thread of this process; `core` passes a ready host instead
         (built with the same `limits`).
@@ -54,9 +56,11 @@ class Engine:
         `encoder_cache_bytes` sizes the thread-hosted core's encoder cache. Requests arrive
         admitted (admission.py): this class only queues, schedules and streams them.
         """
-        self._core = core if core is not None else ThreadCore(runner, limits, encoder_cache_bytes)
+        if core is None and runner is None:
+            raise ValueError("Engine needs a runner (hosted on a thread here) or a ready core host")
+        self._core: CoreHost = core if core is not None else ThreadCore(runner, limits, encoder_cache_bytes)
         self.info = self._core.info
-        self.mm_spec = getattr(self._core, "mm_spec", None)
+        self.mm_spec = self._core.mm_spec
         self.max_running_sequences = limits.max_running_sequences
         self.max_waiting_requests = max_waiting_requests
         self._kv_blocks_total = self._core.kv_blocks_total
@@ -90,8 +94,7 @@ class Engine:
     # ---------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        lost = (self._on_core_lost,) if isinstance(self._core, ProcessCore) else ()
-        self._core.start(self._on_batch, *lost)
+        self._core.start(self._on_batch, self._on_core_lost)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Abort everything still live and stop the core."""
@@ -291,15 +294,7 @@ class Engine:
 
 def _start_core_with_backoff(spec: CoreProcessSpec, stopping: Callable[[], bool]) -> ProcessCore | None:
     """A new core process, retrying with backoff until one starts; None once `stopping()`."""
-    delay = 0.5
-    while not stopping():
-        try:
-            return ProcessCore(spec)
-        except Exception:  # noqa: BLE001 - keep trying: the service has nothing better to do
-            log.exception("starting a new engine core failed; retrying in %.1fs", delay)
-            time.sleep(delay)
-            delay = min(delay * 2, 30.0)
-    return None
+    return retry(lambda: ProcessCore(spec), stopping, "a new engine core")
 
 
 def _published_load(before: LoadSnapshot, core_load: CoreLoad, kv_blocks_total: int, block_size: int) -> LoadSnapshot:

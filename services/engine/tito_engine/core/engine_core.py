@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
 import uuid
@@ -33,9 +34,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tito.errors import TitoError
+from tito.errors import ConfigError, TitoError
+from tito.supervision import ChildProcess, spawn_context, stop_children
 
 from tito_engine.model.constraints import GrammarCompiler, compile_error
+from tito_engine.core.seams import CoreRunner
 from tito_engine.core.messages import (AbortRequest, AddRequest, Command, CoreFailed, CoreLoad, CoreReady,
                                        CoreStopped, EncodeItems, EncodeResult, StepBatch, StopCore)
 from tito_engine.multimodal.encoder_cache import EncoderCache
@@ -54,7 +57,7 @@ class EngineStepError(RuntimeError):
 class EngineCore:
     """Applies commands and runs scheduler steps; `emit` receives each step's batch."""
 
-    def __init__(self, runner: Any, limits: SchedulerLimits, encoder_cache_bytes: int = 0):
+    def __init__(self, runner: CoreRunner, limits: SchedulerLimits, encoder_cache_bytes: int = 0):
         self.runner = runner
         self.scheduler = Scheduler.for_runner(runner, limits)
         self.requests: dict[int, Request] = {}
@@ -150,7 +153,7 @@ class EngineCore:
                 self.early_aborts.pop(key, None)
                 outputs.append((key, _refusal_or_bug(error), True))
                 return
-        request = Request(command.request_id, command.prompt_ids, command.options, None)
+        request = Request(command.request_id, command.prompt_ids, command.options)
         request.arrival_time = command.arrival_time
         request.cache_salt = command.cache_salt
         request.key = key
@@ -303,7 +306,7 @@ def _portable(error: BaseException) -> EngineStepError:
 class ThreadCore:
     """Hosts an EngineCore on a thread of this process (tests, or when a child process is unwanted)."""
 
-    def __init__(self, runner: Any, limits: SchedulerLimits, encoder_cache_bytes: int = 0):
+    def __init__(self, runner: CoreRunner, limits: SchedulerLimits, encoder_cache_bytes: int = 0):
         self.core = EngineCore(runner, limits, encoder_cache_bytes)
         self.info = runner.info
         self.mm_spec = getattr(runner, "mm_spec", None)
@@ -312,7 +315,8 @@ class ThreadCore:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def start(self, on_batch: Callable[[StepBatch], None]) -> None:
+    def start(self, on_batch: Callable[[StepBatch], None], on_lost: Callable[[], None] | None = None) -> None:
+        """Run the core on a thread (`on_lost` is never called: the thread lives as long as this process)."""
         def drain() -> list:
             items = []
             while True:
@@ -378,6 +382,9 @@ class CoreProcessSpec:
 
 
 def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
+    # No exit_with_parent here: the kernel's parent-death signal follows the *thread* that started
+    # the child, and cores are started from short-lived threads (a restart); the child ends at the
+    # pipe's EOF instead (receive below), which comes however the server ends.
     from tito.logs import setup_logging
 
     from tito_engine.model.runner import warm_up_or_warn
@@ -432,8 +439,6 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
 def _exit_now(code: int) -> None:
     """Leave without the interpreter's teardown: with torch and a model loaded it takes a second
     or more, and this process holds nothing that needs it (the OS frees the memory and the pipe)."""
-    import os
-
     logging.shutdown()
     os._exit(code)
 
@@ -442,12 +447,10 @@ class ProcessCore:
     """Hosts an EngineCore in a child process; one receiver thread here turns its batches into calls."""
 
     def __init__(self, spec: CoreProcessSpec, start_timeout: float = 300.0):
-        import multiprocessing
-
-        context = multiprocessing.get_context("spawn")  # never fork a process that holds gRPC threads
+        context = spawn_context()  # never fork a process that holds gRPC threads
         self._conn, child_conn = context.Pipe()
-        self._process = context.Process(target=_child_main, args=(spec, child_conn), name="tito-engine-core",
-                                        daemon=True)
+        self._process = context.Process(target=_child_main, args=(spec, child_conn),
+                                        name="tito-engine-core", daemon=True)
         self._process.start()
         child_conn.close()
         self._send_lock = threading.Lock()
@@ -461,8 +464,6 @@ class ProcessCore:
             message = CoreFailed(f"the engine core process exited with code {self._process.exitcode}")
         if not isinstance(message, CoreReady):
             self._process.join(5)
-            from tito.config import ConfigError
-
             raise ConfigError(f"the engine core could not start: {message.reason}")
         self.info, self.kv_blocks_total = message.info, message.kv_blocks_total
         self.block_size, self.mm_spec = message.block_size, message.mm_spec
@@ -495,8 +496,7 @@ class ProcessCore:
         self.send(StopCore())
         if self._receiver is not None:
             self._receiver.join(timeout)
-        self._process.join(timeout)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(5)
+        # StopCore asked it to stop; what is still running after `timeout` is killed.
+        stop_children([ChildProcess("the engine core", self._process)], timeout, ask=lambda _child: None,
+                      kill_margin=0)
         self._conn.close()
