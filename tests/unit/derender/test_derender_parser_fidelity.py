@@ -85,3 +85,37 @@ TYPED_CASES = [Case(parser, markup("f", v=raw, s="kept"), typed_tools(schema), "
 @pytest.mark.parametrize("case", TYPED_CASES, ids=case_id)
 def test_values_are_typed_by_anyof_oneof_nullable_ref_and_enum_schemas(tokenizers, case):
     check_case(case, tokenizers)
+
+
+# -- 2. gpt_oss output that ends inside a harmony header: nothing of a header is content --------
+
+WEATHER = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}},
+           "search": {"type": "object", "properties": {"query": {"type": "string"}}}}
+ANALYSIS = "<|channel|>analysis<|message|>Let me think.<|end|>"
+
+
+def harmony(text, content="", reasoning="Let me think.", calls=(), label=""):
+    from tito_derender.domain import FinishReason
+    return Case("gpt_oss", text, WEATHER, content, list(calls), reasoning=reasoning, reasoning_parser="gpt_oss",
+                finish=FinishReason.LENGTH, label=label)
+
+
+TRUNCATED_HEADERS = [
+    harmony(ANALYSIS + "<|start|>assistant<|channel|>final", label="final-channel"),
+    harmony(ANALYSIS + "<|start|>assistant<|channel|>fin", label="channel-name-cut"),
+    harmony(ANALYSIS + "<|start|>assistant", label="role"),
+    harmony(ANALYSIS + "<|start|>", label="start"),
+    harmony(ANALYSIS + "<|start|>assistant to=functions.get_weather<|channel|>commentary json", label="call-header"),
+    harmony(ANALYSIS + "<|start|>assistant<|channel|>commentary to=functions.search <|constrain|>json",
+            label="call-header-constrain"),
+    harmony("<|channel|>final", reasoning="", label="first-header"),
+    harmony("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final<|message|>Hi!<|end|>"
+            "<|start|>assistant<|channel|>", content="Hi!", reasoning="a", label="after-an-answer"),
+    harmony(ANALYSIS + '<|start|>assistant to=functions.search<|channel|>commentary json<|message|>{"query": "x"}'
+            "<|call|><|start|>assistant<|channel|>fi", calls=[("search", {"query": "x"})], label="after-a-call"),
+]
+
+
+@pytest.mark.parametrize("case", TRUNCATED_HEADERS, ids=case_id)
+def test_output_ending_inside_a_harmony_header_keeps_no_header_text(tokenizers, case):
+    check_case(case, tokenizers)
