@@ -119,3 +119,83 @@ TRUNCATED_HEADERS = [
 @pytest.mark.parametrize("case", TRUNCATED_HEADERS, ids=case_id)
 def test_output_ending_inside_a_harmony_header_keeps_no_header_text(tokenizers, case):
     check_case(case, tokenizers)
+
+
+# -- 3. a call's name: a valid function name, and one of the tools -----------------------------
+
+DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+K_BEGIN, K_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+K_CALL, K_ARGS, K_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+TEMPLATE_NAME = "{{ tc.name }}"
+# A tool the caller named so: among the tools, but still no function name.
+ODD_TOOLS = dict(WEATHER, **{TEMPLATE_NAME: {"type": "object", "properties": {}}})
+
+
+def ds(name, arguments="{}"):
+    return f"{DS_CALL}{name}{DS_SEP}{arguments}{DS_CALL_END}"
+
+
+def kimi(call_id, arguments="{}"):
+    return f"{K_CALL}{call_id}{K_ARGS}{arguments}{K_CALL_END}"
+
+
+def oss(name, arguments="{}"):
+    return f"<|start|>assistant to=functions.{name}<|channel|>commentary json<|message|>{arguments}<|call|>"
+
+
+def markup_of(parser: str, name: str) -> str:
+    """One call to `name` (no arguments) in `parser`'s format."""
+    return {"hermes": f'<tool_call>\n{{"name": "{name}", "arguments": {{}}}}\n</tool_call>',
+            "llama3_json": f'{{"name": "{name}", "parameters": {{}}}}',
+            "mistral": f'[TOOL_CALLS][{{"name": "{name}", "arguments": {{}}}}]',
+            "pythonic": f"[{name}()]",
+            "qwen3_coder": coder(name), "glm45": glm(name),
+            "deepseek_v3": DS_BEGIN + ds(name) + DS_END,
+            "kimi_k2": K_BEGIN + kimi(f"functions.{name}:0") + K_END,
+            "gpt_oss": oss(name)}[parser]
+
+
+ALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "glm45", "deepseek_v3", "kimi_k2",
+               "gpt_oss")
+BAD_NAMES = {"not-among-tools": ("get_time", WEATHER), "template-text": (TEMPLATE_NAME, ODD_TOOLS),
+             "leading-digit": ("9lives", dict(WEATHER, **{"9lives": {}}))}
+SECTION_ENDS = {"deepseek_v3": DS_END, "kimi_k2": K_END}
+
+
+def refused_content(parser: str, name: str) -> str:
+    """The text a call that is not a call leaves as content: all of it, but for the end of a
+    DeepSeek / Kimi section, which is read as such (the calls after a refused one are parsed)."""
+    text = markup_of(parser, name)
+    if parser == "kimi_k2" and " " in name:  # an id cannot hold spaces: the section is malformed, all content
+        return text
+    return text.removesuffix(SECTION_ENDS.get(parser, "\0"))
+
+
+NAME_CASES = [Case(parser, markup_of(parser, name), tools, refused_content(parser, name), [], label=label)
+              for parser in ALL_PARSERS for label, (name, tools) in BAD_NAMES.items()
+              # pythonic's grammar has no name with spaces or a leading digit: not a call either way
+              if not (parser == "pythonic" and label != "not-among-tools")]
+NAME_CASES += [Case(parser, markup_of(parser, "get_weather"), WEATHER, "", [("get_weather", {})], label="known")
+               for parser in ALL_PARSERS]
+NAME_CASES += [
+    # streamed, a broken header used to send this as a name: "get_weather\n<parameter=city"
+    Case("qwen3_coder", "<tool_call>\n<function=get_weather\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+         "</tool_call>", WEATHER,
+         "<tool_call>\n<function=get_weather\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>", [],
+         label="broken-header"),
+    Case("glm45", "<tool_call>get weather now\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
+         WEATHER, "<tool_call>get weather now\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
+         [], label="spaces"),
+    # in a section, the calls beside a bad one are still calls
+    Case("deepseek_v3", DS_BEGIN + ds("get_time") + ds("search", '{"query": "x"}') + DS_END, WEATHER,
+         DS_BEGIN + DS_CALL + "get_time" + DS_SEP + "{}" + DS_CALL_END, [("search", {"query": "x"})], label="section"),
+    Case("kimi_k2", K_BEGIN + kimi("functions.get_time:0") + kimi("functions.search:1", '{"query": "x"}') + K_END,
+         WEATHER, K_BEGIN + K_CALL + "functions.get_time:0" + K_ARGS + "{}" + K_CALL_END, [("search", {"query": "x"})],
+         label="section"),
+]
+
+
+@pytest.mark.parametrize("case", NAME_CASES, ids=case_id)
+def test_a_call_names_a_valid_function_among_the_tools(tokenizers, case):
+    check_case(case, tokenizers)

@@ -247,7 +247,8 @@ PYTHONIC = [
 
 
 def pythonic_context(**fields) -> RequestContext:
-    base = dict(tool_parser="pythonic", tool_names=("get_weather", "get_time"), tool_choice=ToolChoiceMode.AUTO)
+    base = dict(tool_parser="pythonic", tool_names=("get_weather", "get_time", "tools.get_time"),
+                tool_choice=ToolChoiceMode.AUTO)
     base.update(fields)
     return RequestContext(**base)
 

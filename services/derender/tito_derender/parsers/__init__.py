@@ -96,7 +96,7 @@ def tool_stage_for(context: RequestContext, streaming: bool = True) -> ToolStage
     else:
         accept = lambda name: True  # noqa: E731
     parser_class = TOOL_PARSERS[context.tool_parser]
-    options = {"streaming": streaming, "accept_name": accept}
+    options = {"streaming": streaming, "accept_name": accept, "tool_names": context.tool_names}
     if issubclass(parser_class, MarkupToolParser):
         options["tools"] = dict(context.tool_schemas)
     return ToolStage(parser_class(**options))

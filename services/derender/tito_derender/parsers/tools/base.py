@@ -17,8 +17,9 @@ caller never sees a repaired call: anything malformed is content.
 from __future__ import annotations
 
 import json
+import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import ClassVar
 
 from tito_derender.domain import ToolCallDelta
@@ -28,6 +29,22 @@ from tito_derender.parsers.tools.json_scan import JsonLexer, is_json_object
 Event = str | ToolCallDelta
 NAME_KEYS = ("name",)
 ARGUMENT_KEYS = ("arguments", "parameters")
+
+
+#: Longest function name a call may carry.
+MAX_FUNCTION_NAME_CHARS = 256
+# Characters no function name holds: whitespace, controls, quotes and the brackets of markup and
+# templates (`{{ tc.name }}`, `get_weather\n<parameter=city`, `f(x)`).
+_NOT_IN_NAMES = re.compile(r"[\s\x00-\x1f\x7f<>{}\[\]()\"'`,;=\\]")
+
+
+def valid_function_name(name: str) -> bool:
+    """A name a function can have: 1 to MAX_FUNCTION_NAME_CHARS characters, none of them
+    whitespace, a control character, a quote or markup / template punctuation, and not starting
+    with a digit. Letters of any script, digits, `_`, `-`, `.`, `:` and `/` are fine (OpenAI's
+    names, namespaced MCP tools)."""
+    return (0 < len(name) <= MAX_FUNCTION_NAME_CHARS and not name[0].isdigit()
+            and _NOT_IN_NAMES.search(name) is None and is_utf8(name))
 
 
 def new_call_id() -> str:
@@ -46,12 +63,21 @@ class ToolParser:
     #: its reasoning first is still parsed.
     call_markers: ClassVar[tuple[str, str] | None] = None
 
-    def __init__(self, *, streaming: bool = True, accept_name: Callable[[str], bool] = lambda name: True) -> None:
+    def __init__(self, *, streaming: bool = True, accept_name: Callable[[str], bool] = lambda name: True,
+                 tool_names: Collection[str] = ()) -> None:
         self.streaming = streaming
-        self.accept_name = accept_name
+        self._accept = accept_name
+        self.tool_names = frozenset(tool_names)
         self.calls_made = 0
         self.malformed_calls = 0  # calls that broke (or were cut off): their text went back to content
         self._events: list[Event] = []
+
+    def accept_name(self, name: str) -> bool:
+        """Whether a call to `name` is a call: a valid function name (`valid_function_name`),
+        one of the request's tools when they are given, and one the request accepts (a named
+        tool_choice accepts only its function). Markup calling anything else is not a call."""
+        return (valid_function_name(name) and (not self.tool_names or name in self.tool_names)
+                and self._accept(name))
 
     # -- the parser's interface
     def feed(self, text: str) -> list[Event]:
