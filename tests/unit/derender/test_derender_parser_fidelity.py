@@ -199,3 +199,29 @@ NAME_CASES += [
 @pytest.mark.parametrize("case", NAME_CASES, ids=case_id)
 def test_a_call_names_a_valid_function_among_the_tools(tokenizers, case):
     check_case(case, tokenizers)
+
+
+# -- 4. kimi_k2 ids that are only the call counter ----------------------------------------------
+
+ONE_TOOL = {"get_weather": WEATHER["get_weather"]}
+BARE_IDS = [
+    Case("kimi_k2", K_BEGIN + kimi("0", '{"city": "Oslo"}') + K_END, ONE_TOOL, "", [("get_weather", {"city": "Oslo"})],
+         ids=["0"], label="one-tool"),
+    Case("kimi_k2", K_BEGIN + kimi(" 3 ", '{"city": "Oslo"}') + K_END, ONE_TOOL, "",
+         [("get_weather", {"city": "Oslo"})], ids=["3"], label="spaced"),
+    Case("kimi_k2", K_BEGIN + kimi("0", '{"query": "x"}') + K_END, WEATHER, "", [("search", {"query": "x"})],
+         tool_choice="search", ids=["0"], label="named-choice"),
+    Case("kimi_k2", K_BEGIN + kimi("0", '{"city": "Oslo"}') + K_END, WEATHER,
+         K_BEGIN + kimi("0", '{"city": "Oslo"}'), [], label="ambiguous"),
+    Case("kimi_k2", K_BEGIN + kimi("0", '{"city": "Oslo"}') + kimi("functions.search:1", '{"query": "x"}') + K_END,
+         WEATHER, K_BEGIN + kimi("0", '{"city": "Oslo"}'), [("search", {"query": "x"})], ids=["functions.search:1"],
+         label="ambiguous-then-named"),
+    Case("kimi_k2", K_BEGIN + kimi("functions.get_weather:0", '{"city": "A"}') + kimi("1", '{"city": "B"}') + K_END,
+         ONE_TOOL, "", [("get_weather", {"city": "A"}), ("get_weather", {"city": "B"})],
+         ids=["functions.get_weather:0", "1"], label="after-a-full-id"),
+]
+
+
+@pytest.mark.parametrize("case", BARE_IDS, ids=case_id)
+def test_kimi_bare_counter_ids_call_the_only_tool_or_nothing(tokenizers, case):
+    check_case(case, tokenizers)
