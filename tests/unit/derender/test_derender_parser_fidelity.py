@@ -225,3 +225,52 @@ BARE_IDS = [
 @pytest.mark.parametrize("case", BARE_IDS, ids=case_id)
 def test_kimi_bare_counter_ids_call_the_only_tool_or_nothing(tokenizers, case):
     check_case(case, tokenizers)
+
+
+# -- 5. a call opened while the reasoning is still open ends the reasoning ---------------------
+
+CALL_OF = {  # parser -> (one call to get_weather(city=Oslo), one to search(query=x))
+    "hermes": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+               '<tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n</tool_call>'),
+    "qwen3_coder": (coder("get_weather", city="Oslo"), coder("search", query="x")),
+    "glm45": (glm("get_weather", city="Oslo"), glm("search", query="x")),
+    "deepseek_v3": (DS_BEGIN + ds("get_weather", '{"city": "Oslo"}') + DS_END,
+                    DS_BEGIN + ds("search", '{"query": "x"}') + DS_END),
+    "kimi_k2": (K_BEGIN + kimi("functions.get_weather:0", '{"city": "Oslo"}') + K_END,
+                K_BEGIN + kimi("functions.search:1", '{"query": "x"}') + K_END),
+}
+REASONING_OF = {"hermes": ("qwen3",), "qwen3_coder": ("qwen3",), "glm45": ("qwen3",), "kimi_k2": ("qwen3",),
+                "deepseek_v3": ("qwen3", "deepseek_r1")}
+OSLO, QUERY = ("get_weather", {"city": "Oslo"}), ("search", {"query": "x"})
+
+
+def reasoning_cases(parser: str, reasoning_parser: str) -> list[Case]:
+    call, other = CALL_OF[parser]
+    opened = reasoning_parser == "deepseek_r1"  # R1's output starts as reasoning
+    think = "" if opened else "<think>"
+
+    def case(text, content, reasoning, calls, label, prompt_opens=False):
+        return Case(parser, text, WEATHER, content, calls, reasoning=reasoning, reasoning_parser=reasoning_parser,
+                    prompt_opens_reasoning=prompt_opens, label=f"{reasoning_parser}-{label}")
+
+    cases = [
+        case(think + "Let me check the weather.\n\n" + call, "", "Let me check the weather.\n\n", [OSLO], "one-call"),
+        case(think + "Two lookups." + call + "\n" + other, "", "Two lookups.", [OSLO, QUERY], "two-calls"),
+        case(think + "Maybe " + call + " or not.</think>It is sunny.", "It is sunny.",
+             "Maybe " + call + " or not.", [], "thinking-about-a-call"),
+        case(think + "Hmm " + call + "</think>Done.", "Done.", "Hmm " + call, [], "closed-after-the-call"),
+        case(think + "Hmm " + call + " more thought", "", "Hmm " + call + " more thought", [], "text-after-the-call"),
+    ]
+    if not opened:
+        cases.append(case("I need the weather.\n" + call, "", "I need the weather.\n", [OSLO], "prompt-opened",
+                          prompt_opens=True))
+    return cases
+
+
+REASONING_CASES = [case for parser, names in REASONING_OF.items() for name in names
+                   for case in reasoning_cases(parser, name)]
+
+
+@pytest.mark.parametrize("case", REASONING_CASES, ids=case_id)
+def test_a_call_opened_inside_the_reasoning_ends_it(tokenizers, case):
+    check_case(case, tokenizers)

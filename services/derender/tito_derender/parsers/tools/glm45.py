@@ -25,6 +25,9 @@ VALUE_END = "</arg_value>"
 
 
 class Glm45ToolParser(MarkupToolParser):
+    #: A call opened inside the reasoning may end it (see ToolParser.call_markers).
+    call_markers = (START, END)
+
     def __init__(self, **options) -> None:
         super().__init__(**options)
         self._key = ""

@@ -32,6 +32,9 @@ def function_name(call_id: str) -> str | None:
 
 
 class KimiK2ToolParser(MarkupToolParser):
+    #: A call opened inside the reasoning may end it (see ToolParser.call_markers).
+    call_markers = (SECTION_BEGIN, SECTION_END)
+
     def __init__(self, **options) -> None:
         super().__init__(**options)
         self._call_id = ""

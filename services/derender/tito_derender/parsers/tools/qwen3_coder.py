@@ -38,6 +38,9 @@ def strip_one_newline(value: str) -> str:
 
 
 class Qwen3CoderToolParser(MarkupToolParser):
+    #: A call opened inside the reasoning may end it (see ToolParser.call_markers).
+    call_markers = (START, END)
+
     #: How a parameter missing from the schema is typed (see markup.typed_value).
     unknown_parameters = "string"
 
