@@ -274,3 +274,77 @@ REASONING_CASES = [case for parser, names in REASONING_OF.items() for name in na
 @pytest.mark.parametrize("case", REASONING_CASES, ids=case_id)
 def test_a_call_opened_inside_the_reasoning_ends_it(tokenizers, case):
     check_case(case, tokenizers)
+
+
+# -- 6. values that hold markup themselves (code, XML, HTML a tool writes) ---------------------
+
+FILES = {"write_file": {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"},
+                                                          "mode": {"type": "integer"}}}}
+MARKUP_VALUES = [
+    ("parameter-open", 'print("<parameter=city>")'),
+    ("parameter-close", "x = '</parameter>' + y"),
+    ("parameter-close-then-line", "a</parameter>\nb"),
+    ("parameter-close-last", "ends with </parameter>"),
+    ("tool-call-open", "<tool_call> is the marker"),
+    ("tool-call-close", "then </tool_call> and more"),
+    ("function-close", "end </function> here"),
+    ("function-open", "<function=evil>\nbody"),
+    ("html", "<html>\n<body>\n<p>Hi</p>\n</body>\n</html>\n"),
+    ("arg-markers", "<arg_key>k</arg_key>\n<arg_value>v</arg_value> and </arg_value> text"),
+    ("xml-call-in-prose", "Qwen writes <parameter=k>\nv\n</parameter> then more"),
+]
+
+
+def markup_value_cases() -> list[Case]:
+    cases = []
+    for label, value in MARKUP_VALUES:
+        arguments = {"path": "a.txt", "content": value, "mode": 420}
+        cases.append(Case("qwen3_coder", coder("write_file", path="a.txt", content=value, mode="420"), FILES, "",
+                          [("write_file", arguments)], label=label))
+        if "</arg_value>\n<arg_key>" not in value and "</arg_value></tool_call>" not in value:
+            cases.append(Case("glm45", glm("write_file", path="a.txt", content=value, mode="420"), FILES, "",
+                              [("write_file", arguments)], label=label))
+    # two calls, the first writing markup: the second is still its own call
+    value = "<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\nmore"
+    cases.append(Case("qwen3_coder", coder("write_file", content=value) + "\n" + coder("write_file", path="b"), FILES,
+                      "", [("write_file", {"content": value}), ("write_file", {"path": "b"})], label="two-calls"))
+    cases.append(Case("glm45", glm("write_file", content=value) + "\n" + glm("write_file", path="b"), FILES, "",
+                      [("write_file", {"content": value}), ("write_file", {"path": "b"})], label="two-calls"))
+    # the JSON formats carry markup in JSON strings
+    content = "a </tool_call> <｜tool▁call▁end｜> <|tool_call_end|> <|call|> b"
+    arguments = '{"content": ' + __import__("json").dumps(content, ensure_ascii=False) + "}"
+    cases += [
+        Case("hermes", f'<tool_call>\n{{"name": "write_file", "arguments": {arguments}}}\n</tool_call>', FILES, "",
+             [("write_file", {"content": content})], label="json-string"),
+        Case("deepseek_v3", DS_BEGIN + ds("write_file", arguments) + DS_END, FILES, "",
+             [("write_file", {"content": content})], label="json-string"),
+        Case("kimi_k2", K_BEGIN + kimi("functions.write_file:0", arguments) + K_END, FILES, "",
+             [("write_file", {"content": content})], label="json-string"),
+        Case("gpt_oss", oss("write_file", arguments), FILES, "", [("write_file", {"content": content})],
+             label="json-string"),
+    ]
+    return cases
+
+
+@pytest.mark.parametrize("case", markup_value_cases(), ids=case_id)
+def test_a_value_that_holds_markup_is_kept_whole(tokenizers, case):
+    check_case(case, tokenizers)
+
+
+DROPPED_CLOSES = [
+    # models that drop `</parameter>` (and `</tool_call>`): still one parameter per `<parameter=`
+    Case("qwen3_coder", "<tool_call>\n<function=write_file>\n<parameter=path>\na.txt\n<parameter=mode>\n7\n"
+         "</function>\n</tool_call>", FILES, "", [("write_file", {"path": "a.txt", "mode": 7})], label="no-closes"),
+    Case("qwen3_coder", "<tool_call>\n<function=write_file>\n<parameter=path>\na.txt\n</function>", FILES, "",
+         [("write_file", {"path": "a.txt"})], label="no-closes-at-the-end"),
+    Case("qwen3_coder", "<tool_call>\n<function=write_file>\n<parameter=path>\na.txt\n</parameter>\n</function>",
+         FILES, "", [("write_file", {"path": "a.txt"})], label="no-tool-call-close"),
+    Case("qwen3_coder", "<tool_call>\n<function=write_file>\n<parameter=path>\na\n</parameter>\n\n"
+         "<parameter=mode>\n1\n</parameter>\n\n</function>\n\n</tool_call>", FILES, "",
+         [("write_file", {"path": "a", "mode": 1})], label="blank-lines"),
+]
+
+
+@pytest.mark.parametrize("case", DROPPED_CLOSES, ids=case_id)
+def test_dropped_closing_markers_still_end_values(tokenizers, case):
+    check_case(case, tokenizers)

@@ -48,7 +48,8 @@ class MarkupToolParser(ToolParser):
         self._raw = ""  # markup consumed for the current call while its name is not out
         self._call: ObjectArguments | KeyValueArguments | None = None
         self._closing = False  # after a complete call, before the next one begins
-        self._parts: list[str] = []  # a value gathered so far (see _collect)
+        self._parts: list[str] = []  # a value gathered so far (see _scan_value)
+        self._pending = ""  # the value's text from a possible closing marker on (see _scan_value)
         self._state: Callable[[str], str | None] = self._content_state
 
     # -- the parser's interface
@@ -148,22 +149,45 @@ class MarkupToolParser(ToolParser):
         self._raw, self._closing, self._state = "", True, state
         return text[position + len(end):]
 
-    def _collect(self, text: str, *markers: str) -> tuple[str, str, int] | None:
-        """A value running up to the first of `markers`, gathered over any number of feeds with
-        each character read once: (value, marker, characters of `text` before the marker), or
-        None when the marker has not come yet (the text is taken, but for what may be the start
-        of a marker, which is held)."""
-        split = self._until(text, *markers)
-        if split is None:
-            keep = max(partial_marker_length(text, marker) for marker in markers)
-            self._parts.append(text[:len(text) - keep])
-            self._consume(text, len(text) - keep)
-            self._held = text[len(text) - keep:]
-            return None
-        before, marker, _ = split
-        value = "".join(self._parts) + before
-        self._parts = []
-        return value, marker, len(before)
+    def _scan_value(self, text: str, closers: Mapping[str, tuple[str, ...]]) -> tuple[str, str, str] | None:
+        """A value that may itself hold markup (code, XML, HTML a tool writes to a file), gathered
+        over any number of feeds. It ends at a closing marker (a key of `closers`) only where,
+        after optional whitespace, one of that marker's followers comes next (`</parameter>` then
+        `<parameter=` or `</function>`): a closing marker followed by anything else is part of
+        the value. Returns (value, the closing marker, the text from the follower on, to read
+        next), or None when the end has not come yet; all of `text` is taken then (a possible
+        end is kept in `_pending`, at most a marker, whitespace and a follower long), so each
+        character is scanned a bounded number of times."""
+        buffer = self._pending + text
+        self._pending = ""
+        self._consume(text, len(text))
+        position = 0
+        while True:
+            found = [(index, marker) for marker in closers if (index := buffer.find(marker, position)) >= 0]
+            if not found:
+                keep = max(partial_marker_length(buffer[position:], marker) for marker in closers)
+                self._parts.append(buffer[position:len(buffer) - keep])
+                self._pending = buffer[len(buffer) - keep:]
+                return None
+            index, marker = min(found)
+            after = buffer[index + len(marker):]
+            stripped = after.lstrip()
+            followers = closers[marker]
+            follower = next((f for f in followers if stripped.startswith(f)), None)
+            if follower is not None:
+                value = "".join(self._parts) + buffer[position:index]
+                self._parts = []
+                rest = stripped
+                if not self._closing and rest:
+                    self._raw = self._raw[:len(self._raw) - len(rest)]  # read again by the next state
+                return value, marker, rest
+            maybe = not stripped or any(f.startswith(stripped) for f in followers)
+            if maybe and len(after) - len(stripped) <= MAX_HEADER_CHARS:
+                self._parts.append(buffer[position:index])
+                self._pending = buffer[index:]  # wait: whitespace, or the start of a follower
+                return None
+            self._parts.append(buffer[position:index + 1])  # part of the value: look further on
+            position = index + 1
 
     def _done(self) -> None:
         """The current call is complete: what follows up to the next call is closing markup."""
@@ -190,7 +214,7 @@ class MarkupToolParser(ToolParser):
         elif self._closing:
             raw = ""
         self._call, self._raw, self._closing, self._state = None, "", False, self._content_state
-        self._parts = []
+        self._parts, self._pending = [], ""
         self._content(raw)
         return text
 
