@@ -17,8 +17,8 @@ from typing import Any
 
 from tito.contract import INVALID_SAMPLING_PARAMS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, check_sampling_ranges
 from tito.errors import InvalidArgument, Violations
+from tito.parsers import TOOL_PARSERS_NEEDING_SPECIAL_TOKENS
 from tito.v1 import chat_pb2, derender_pb2, render_pb2, sampling_pb2
-from tito_render.config import TOOL_PARSERS_NEEDING_SPECIAL_TOKENS
 
 MAX_N = 128
 

@@ -55,9 +55,6 @@ def new_call_id() -> str:
 class ToolParser:
     """Base: event output and call bookkeeping. Subclasses implement `feed` and `finish`."""
 
-    #: True when the markup is made of special tokens (Mistral's `[TOOL_CALLS]`): the text must
-    #: keep them, so render defaults skip_special_tokens to false for the requests it parses.
-    needs_special_tokens: ClassVar[bool] = False
     #: (start, end) markup around each call, for parsers whose calls have both. A call found
     #: inside the reasoning may end it (reasoning.py), so a call the model opens without closing
     #: its reasoning first is still parsed.

@@ -83,3 +83,7 @@ class DeepSeekV3ToolParser(MarkupToolParser):
 
     def _call_end(self, text: str) -> str | None:
         return self._expect(text, {CALL_END: self._section})
+
+
+#: The parser of this format (tito.parsers finds it here by the format name).
+PARSER = DeepSeekV3ToolParser

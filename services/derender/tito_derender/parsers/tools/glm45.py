@@ -81,3 +81,7 @@ class Glm45ToolParser(MarkupToolParser):
         self._done()
         self._state = self._content_state
         return text
+
+
+#: The parser of this format (tito.parsers finds it here by the format name).
+PARSER = Glm45ToolParser

@@ -87,3 +87,7 @@ class KimiK2ToolParser(MarkupToolParser):
 
     def _call_end(self, text: str) -> str | None:
         return self._expect(text, {CALL_END: self._section})
+
+
+#: The parser of this format (tito.parsers finds it here by the format name).
+PARSER = KimiK2ToolParser

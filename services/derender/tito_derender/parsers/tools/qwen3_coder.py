@@ -140,3 +140,7 @@ class Qwen3CoderToolParser(MarkupToolParser):
         self._state = self._content_state  # a forgotten </tool_call>: the rest is content
         self._closing = False
         return stripped
+
+
+#: The parser of this format (tito.parsers finds it here by the format name).
+PARSER = Qwen3CoderToolParser
