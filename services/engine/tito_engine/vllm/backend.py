@@ -23,6 +23,7 @@ from typing import Any
 from tito.config import ConfigError
 from tito.errors import FailedPrecondition, InvalidArgument, TitoError, Unavailable
 
+from tito_engine.kv_events import KvEventLog
 from tito_engine.service.admission import AdmittedRequest, KVCapacity
 from tito_engine.service.backend import LoadSnapshot, check_can_accept
 from tito_engine.multimodal.features import CheckedFeatures
@@ -91,8 +92,11 @@ class VllmEngine:
     event loop (the model loads meanwhile); `start()` and every call after run on the serving loop,
     where AsyncLLM starts its output handler."""
 
-    def __init__(self, engine_args: Any, model_dir: Path, *, model_id: str, max_waiting_requests: int = 1024):
+    def __init__(self, engine_args: Any, model_dir: Path, *, model_id: str, max_waiting_requests: int = 1024,
+                 kv_event_buffer: int = 10_000):
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.kv_events = KvEventLog(kv_event_buffer)
 
         self._stats = _SchedulerStats()
         try:
@@ -165,6 +169,7 @@ class VllmEngine:
         """Shut vLLM down (from any thread; the server calls it off its event loop)."""
         self._stopping = True  # the watchdog sees it within a second and returns
         self._llm.shutdown(timeout=timeout)
+        self.kv_events.close()
 
     # ---------------------------------------------------------------- requests
 
@@ -218,6 +223,9 @@ class VllmEngine:
             "Encode is not available on the vllm backend: vLLM keeps encoder outputs inside its engine "
             "core and hands out no descriptors for them; send Generate with mm_payload TENSORS (vLLM caches "
             "the items by mm_hash and reuses them for later requests)", reason="ENCODE_UNSUPPORTED")
+
+    async def reset_prefix_cache(self) -> None:
+        await self._llm.reset_prefix_cache()
 
     def abort(self, request_ids: list[str]) -> list[str]:
         with self._lock:
