@@ -59,8 +59,8 @@ class BlockKeys:
 class BlockStored:
     """Consecutive full blocks of one prompt that the cache now holds."""
 
-    block_hashes: tuple[bytes, ...]
-    parent_block_hash: bytes | None
+    block_hashes: tuple[bytes | int, ...]  # tito: 32-byte digests; relayed from vLLM: its ids (64-bit ints)
+    parent_block_hash: bytes | int | None
     token_ids: tuple[int, ...]  # block_size per block, concatenated
     block_size: int
     extra_keys: tuple[BlockKeys | None, ...] | None = None  # one per block; None: no block has any
@@ -72,7 +72,7 @@ class BlockStored:
 class BlockRemoved:
     """Blocks the cache no longer holds."""
 
-    block_hashes: tuple[bytes, ...]
+    block_hashes: tuple[bytes | int, ...]
     medium: str | None = None
 
 

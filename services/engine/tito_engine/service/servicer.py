@@ -96,6 +96,11 @@ def output_to_proto(output: ChoiceOutput) -> engine_pb2.GenerateResponse:
     return response
 
 
+def _block_id(digest: bytes | int) -> bytes:
+    # vLLM's ids are 64-bit integers by default: their 8 bytes, big-endian.
+    return digest if isinstance(digest, bytes) else digest.to_bytes(8, "big")
+
+
 def kv_batch_to_proto(batch: KvEventBatch) -> engine_pb2.SubscribeKvEventsResponse:
     response = engine_pb2.SubscribeKvEventsResponse(sequence=batch.sequence, timestamp=batch.timestamp)
     if batch.data_parallel_rank is not None:
@@ -104,9 +109,9 @@ def kv_batch_to_proto(batch: KvEventBatch) -> engine_pb2.SubscribeKvEventsRespon
         entry = response.events.add()
         if isinstance(event, BlockStored):
             stored = entry.block_stored
-            stored.block_hashes.extend(event.block_hashes)
+            stored.block_hashes.extend(_block_id(digest) for digest in event.block_hashes)
             if event.parent_block_hash is not None:
-                stored.parent_block_hash = event.parent_block_hash
+                stored.parent_block_hash = _block_id(event.parent_block_hash)
             stored.token_ids.extend(event.token_ids)
             stored.block_size = event.block_size
             for keys in event.extra_keys or ():
@@ -118,7 +123,7 @@ def kv_batch_to_proto(batch: KvEventBatch) -> engine_pb2.SubscribeKvEventsRespon
             stored.medium = event.medium or ""
             stored.lora_name = event.lora_name or ""
         elif isinstance(event, BlockRemoved):
-            entry.block_removed.block_hashes.extend(event.block_hashes)
+            entry.block_removed.block_hashes.extend(_block_id(digest) for digest in event.block_hashes)
             entry.block_removed.medium = event.medium or ""
         elif isinstance(event, AllBlocksCleared):
             entry.all_blocks_cleared.SetInParent()
