@@ -185,11 +185,12 @@ class AsyncChatPipeline:
         self.engine = engine_pb2_grpc.EngineServiceStub(self._channels[1])
         self.derender = derender_pb2_grpc.DerenderServiceStub(self._channels[2])
         self._engines: dict[str, engine_pb2_grpc.EngineServiceStub] = {}
+        self.last_engine: str | None = None  # where the latest chat went (with a router)
 
     def _engine_for(self, request) -> tuple[engine_pb2_grpc.EngineServiceStub, str | None]:
         if self.router is None:
             return self.engine, None
-        address = self.router.pick(request).address
+        address = self.last_engine = self.router.pick(request).address
         stub = self._engines.get(address)
         if stub is None:
             channel = self._security.aio_channel(address, options=self._options)
