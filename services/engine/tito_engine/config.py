@@ -12,6 +12,7 @@ from tito.signing import read_key_file
 
 from typing import TYPE_CHECKING
 
+from tito_engine.kv_events import DEFAULT_KV_EVENT_BUFFER
 from tito_engine.limits import (DEFAULT_BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_MEMORY_FRACTION,
                                 DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_RUNNING_SEQUENCES,
                                 DEFAULT_MAX_WAITING_REQUESTS, SchedulerLimits)
@@ -88,6 +89,20 @@ class EngineConfig(ServerConfig):
                                               "gRPC threads (--no-engine-process: on a thread of this process)")
     prefix_caching: bool = setting(True, help="reuse the KV of prompt blocks shared with earlier requests (same "
                                               "tokens from the start and same cache_salt)")
+    kv_events_buffer: int = setting(
+        DEFAULT_KV_EVENT_BUFFER, help="KV event batches kept for replay (SubscribeKvEvents start_sequence, the ZMQ "
+                                      "replay endpoint); a subscriber further behind must resync")
+    kv_events_endpoint: str = setting(
+        "", help="also publish KV events on ZMQ in vLLM's framing (topic, 8-byte big-endian sequence, msgpack "
+                 "KVEventBatch), e.g. tcp://*:5557; * binds loopback unless --kv-events-public; empty: none")
+    kv_events_replay_endpoint: str = setting(
+        "", help="ZMQ ROUTER endpoint answering vLLM-style replay requests (an 8-byte start sequence), e.g. "
+                 "tcp://*:5558; needs --kv-events-endpoint")
+    kv_events_topic: str = setting("", help="topic frame of every published KV events message (vLLM's default: empty)")
+    kv_events_public: bool = setting(False, help="bind tcp://*:PORT KV events endpoints on every interface instead "
+                                                 "of loopback (the events carry prompt tokens: docs/security.md)")
+    kv_events_int_hashes: bool = setting(True, help="publish block hashes on ZMQ as 64-bit integers, as vLLM does by "
+                                                    "default (--no-kv-events-int-hashes: the engine's 32-byte ids)")
     # None: on for the native backend; the vllm backend samples every row as vLLM does and refuses
     # an explicit True.
     exclude_padding_ids: bool | None = setting(
@@ -202,6 +217,17 @@ class EngineConfig(ServerConfig):
 
             check_cpus(parse_cpu_list(self.core_cpus, "--core-cpus"), "--core-cpus")
         self._validate_media()
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ConfigError("kv_events_replay_endpoint needs kv_events_endpoint too (e.g. --kv-events-endpoint "
+                              "tcp://*:5557 --kv-events-replay-endpoint tcp://*:5558)")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(f"{name}={value!r} must be a ZMQ endpoint: tcp://HOST:PORT (e.g. tcp://*:5557), "
+                                  f"ipc://PATH or inproc://NAME")
+        if not 1 <= self.kv_events_buffer <= 10_000_000:
+            raise ConfigError(f"kv_events_buffer={self.kv_events_buffer} must be between 1 and 10000000 batches "
+                              f"(default {DEFAULT_KV_EVENT_BUFFER})")
         if not 1 <= self.max_choices_per_request <= self.max_running_sequences:
             raise ConfigError(f"max_choices_per_request={self.max_choices_per_request} must be between 1 "
                               f"and max_running_sequences ({self.max_running_sequences}): each choice is a "

@@ -29,6 +29,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,11 +41,13 @@ from tito.supervision import ChildProcess, spawn_context, stop_children
 from tito_engine.model.constraints import GrammarCompiler, compile_error
 from tito_engine.core.seams import CoreRunner
 from tito_engine.core.messages import (AbortRequest, AddRequest, Command, CoreFailed, CoreLoad, CoreReady,
-                                       CoreStopped, EncodeItems, EncodeResult, StepBatch, StopCore)
+                                       CoreStopped, EncodeItems, EncodeResult, PrefixCacheReset, ResetPrefixCache,
+                                       StepBatch, StopCore)
 from tito_engine.multimodal.encoder_cache import EncoderCache
 from tito_engine.multimodal.features import CheckedFeatures, ValidatedFeatures, check_encoder_cache_enabled, resolve_cached
 from tito_engine.request import ChoiceOutput, Request
 from tito_engine.limits import SchedulerLimits
+from tito_engine.scheduling.blocks import BlockMedia
 from tito_engine.scheduling.scheduler import Scheduler, run_step
 
 log = logging.getLogger(__name__)
@@ -60,6 +63,7 @@ class EngineCore:
     def __init__(self, runner: CoreRunner, limits: SchedulerLimits, encoder_cache_bytes: int = 0):
         self.runner = runner
         self.scheduler = Scheduler.for_runner(runner, limits)
+        self.scheduler.kv.take_events()  # record the prefix cache's KV events from here on
         self.requests: dict[int, Request] = {}
         self.adds_seen = 0
         self.early_aborts: dict[int, None] = {}  # aborts that overtook their add (insertion-ordered)
@@ -90,7 +94,7 @@ class EngineCore:
                     return
             except Exception as exc:  # noqa: BLE001 - keep serving; fail only what was in flight
                 log.exception("engine step failed; failing the requests in flight")
-                emit(StepBatch(self._fail_all(exc), self.load()))
+                emit(self._batch(self._fail_all(exc)))
 
     def _serve(self, receive, receive_ready, emit) -> bool:
         scheduler = self.scheduler
@@ -107,7 +111,7 @@ class EngineCore:
             for command in commands:
                 if isinstance(command, StopCore):
                     outputs.extend(self._abort_all())
-                    emit(StepBatch(outputs, self.load()))
+                    emit(self._batch(outputs))
                     return True
                 self._apply(command, outputs)
             if self._compiling:
@@ -118,8 +122,14 @@ class EngineCore:
             if stepped:
                 for request, output in run_step(scheduler, self.runner):
                     outputs.append(self._out(request, output))
-            if outputs or commands or stepped:
-                emit(StepBatch(outputs, self.load()))
+            batch = self._batch(outputs)
+            if outputs or commands or stepped or batch.kv_events:
+                emit(batch)
+
+    def _batch(self, outputs: list) -> StepBatch:
+        """The step's outputs, the load after it and the KV events it caused."""
+        events = tuple(self.scheduler.kv.take_events())
+        return StepBatch(outputs, self.load(), events, time.time() if events else 0.0)
 
     def _apply(self, command: Command, outputs: list) -> None:
         match command:
@@ -130,6 +140,9 @@ class EngineCore:
                     outputs.append((key, self._encode_request(checked), True))
                 except Exception as error:  # noqa: BLE001 - fails this Encode call only, never the generations
                     outputs.append((key, _refusal_or_bug(error), True))
+            case ResetPrefixCache(key=key):
+                self.scheduler.kv.clear_prefix_cache()
+                outputs.append((key, PrefixCacheReset(), True))
             case AbortRequest(key=key):
                 request = self.requests.get(key)
                 if request is not None:
@@ -158,6 +171,9 @@ class EngineCore:
         request.cache_salt = command.cache_salt
         request.key = key
         request.has_media = validated is not None
+        if validated is not None and all(item.content_id for item in validated.items):
+            request.prefix_media = tuple(BlockMedia(item.offset, item.length, item.content_id, item.mm_hash)
+                                         for item in validated.items)
         self.requests[key] = request
         if validated is not None:
             self._to_encode.append((request, validated))
