@@ -149,7 +149,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "kv_blocks_total", "kv_blocks_used", "kv_block_size", "encoder_cache_hits", "encoder_cache_misses", "prefix_cache_hit_tokens", "finished_requests")
+    __slots__ = ("running_requests", "waiting_requests", "kv_blocks_total", "kv_blocks_used", "kv_block_size", "encoder_cache_hits", "encoder_cache_misses", "prefix_cache_hit_tokens", "finished_requests", "encoded_items", "encoder_store_loads")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,8 @@ class GetLoadResponse(_message.Message):
     ENCODER_CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_STORE_LOADS_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     kv_blocks_total: int
@@ -168,7 +170,9 @@ class GetLoadResponse(_message.Message):
     encoder_cache_misses: int
     prefix_cache_hit_tokens: int
     finished_requests: int
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., encoder_cache_hits: _Optional[int] = ..., encoder_cache_misses: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ...) -> None: ...
+    encoded_items: int
+    encoder_store_loads: int
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., encoder_cache_hits: _Optional[int] = ..., encoder_cache_misses: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., encoded_items: _Optional[int] = ..., encoder_store_loads: _Optional[int] = ...) -> None: ...
 
 class SubscribeKvEventsRequest(_message.Message):
     __slots__ = ("start_sequence",)

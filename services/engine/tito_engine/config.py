@@ -126,6 +126,15 @@ class EngineConfig(ServerConfig):
     # Kept by content for reuse (and for Encode descriptors).
     encoder_cache_bytes: int = setting(256 << 20, group=MEDIA, default_text="256 MiB",
                                        help="bytes of encoder outputs kept for reuse and Encode; 0 = none")
+    # Encoder outputs shared between engines (multimodal/encoder_store.py): Encode writes, Generate loads.
+    encoder_store_dir: str = setting("", group=MEDIA,
+                                     help="directory shared with other engines of the same model (local disk, NFS, "
+                                          "a Kubernetes shared volume) where Encode writes encoder outputs and "
+                                          "Generate loads them by descriptor instead of running the encoder; "
+                                          "unset = none (native backend)")
+    encoder_store_bytes: int = setting(1 << 30, group=MEDIA, default_text="1 GiB",
+                                       help="most bytes the shared encoder store holds, across every engine "
+                                            "writing to it (least recently used entries are evicted)")
 
     def __post_init__(self) -> None:
         self.vllm_args = tuple(self.vllm_args)
@@ -278,3 +287,29 @@ class EngineConfig(ServerConfig):
                               f"{self.max_mm_request_bytes}: one item could never fit a request")
         if self.encoder_cache_bytes < 0:
             raise ConfigError(f"encoder_cache_bytes={self.encoder_cache_bytes} must be >= 0 (0 = no encoder cache)")
+        self._validate_encoder_store()
+
+    def _validate_encoder_store(self) -> None:
+        if self.encoder_store_bytes < 1 << 20:
+            raise ConfigError(f"encoder_store_bytes={self.encoder_store_bytes} must be at least 1 MiB (1048576; "
+                              f"default 1 GiB)")
+        if not self.encoder_store_dir:
+            return
+        if self.backend != "native":
+            raise ConfigError("--encoder-store-dir applies to the native backend only (vLLM keeps encoder outputs "
+                              "inside its engine core); drop the flag or use --backend native")
+        if self.encoder_cache_bytes == 0:
+            raise ConfigError("--encoder-store-dir needs an encoder cache to load stored outputs into: give "
+                              "--encoder-cache-bytes > 0 (default 256 MiB)")
+        from pathlib import Path
+
+        path = Path(self.encoder_store_dir)
+        existing = path if path.exists() else next((p for p in path.parents if p.exists()), None)
+        if existing is None or not existing.is_dir():
+            raise ConfigError(f"--encoder-store-dir {self.encoder_store_dir!r} is not a directory (give the "
+                              f"directory every engine of this model mounts, e.g. /shared/tito-ec)")
+        import os
+
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"--encoder-store-dir {self.encoder_store_dir!r}: {existing} is not writable by this "
+                              f"process; the engine writes Encode's outputs there")

@@ -85,7 +85,8 @@ def _build_backend(config: EngineConfig) -> EngineBackend:
     runner = spec.load_runner()  # the same spec, loaded on a thread of this process
     warm_up_or_warn(runner)
     return Engine(runner, limits=spec.limits, max_waiting_requests=config.max_waiting_requests,
-                  encoder_cache_bytes=spec.encoder_cache_bytes, kv_event_buffer=config.kv_events_buffer)
+                  encoder_cache_bytes=spec.encoder_cache_bytes, encoder_store_dir=spec.encoder_store_dir,
+                  encoder_store_bytes=spec.encoder_store_bytes, kv_event_buffer=config.kv_events_buffer)
 
 
 async def create_server(config: EngineConfig, phases: StartupPhases | None = None) -> RunningServer:

@@ -51,16 +51,19 @@ CORE_LOST_MESSAGE = "the engine's model process exited; a new one is starting: r
 class Engine:
     def __init__(self, runner: CoreRunner | None = None, *, limits: SchedulerLimits = SchedulerLimits(),
                  max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS, core: CoreHost | None = None,
-                 encoder_cache_bytes: int = 0, kv_event_buffer: int = DEFAULT_KV_EVENT_BUFFER):
+                 encoder_cache_bytes: int = 0, encoder_store_dir: str = "", encoder_store_bytes: int = 0,
+                 kv_event_buffer: int = DEFAULT_KV_EVENT_BUFFER):
         """`runner` hosts the core on a thread of this process; `core` passes a ready host instead
         (built with the same `limits`). `kv_event_buffer`: KV event batches kept for replay.
 
-        `encoder_cache_bytes` sizes the thread-hosted core's encoder cache. Requests arrive
+        `encoder_cache_bytes` sizes the thread-hosted core's encoder cache; `encoder_store_dir`
+        (bounded by `encoder_store_bytes`) is the shared encoder store it writes Encode's outputs to. Requests arrive
         admitted (admission.py): this class only queues, schedules and streams them.
         """
         if core is None and runner is None:
             raise ValueError("Engine needs a runner (hosted on a thread here) or a ready core host")
-        self._core: CoreHost = core if core is not None else ThreadCore(runner, limits, encoder_cache_bytes)
+        self._core: CoreHost = core if core is not None else ThreadCore(runner, limits, encoder_cache_bytes,
+                                                                        encoder_store_dir, encoder_store_bytes)
         self.info = self._core.info
         self.mm_spec = self._core.mm_spec
         self.max_running_sequences = limits.max_running_sequences
@@ -326,7 +329,9 @@ def _published_load(before: LoadSnapshot, core_load: CoreLoad, kv_blocks_total: 
                         core_load.kv_blocks_used, block_size,
                         before.prefix_cache_hit_tokens + core_load.prefix_cache_hit_tokens,
                         before.encoder_cache_hits + core_load.encoder_cache_hits,
-                        before.encoder_cache_misses + core_load.encoder_cache_misses)
+                        before.encoder_cache_misses + core_load.encoder_cache_misses,
+                        before.encoded_items + core_load.encoded_items,
+                        before.encoder_store_loads + core_load.encoder_store_loads)
 
 
 class _Dispatcher:

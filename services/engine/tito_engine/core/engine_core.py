@@ -43,8 +43,14 @@ from tito_engine.core.seams import CoreRunner
 from tito_engine.core.messages import (AbortRequest, AddRequest, Command, CoreFailed, CoreLoad, CoreReady,
                                        CoreStopped, EncodeItems, EncodeResult, PrefixCacheReset, ResetPrefixCache,
                                        StepBatch, StopCore)
-from tito_engine.multimodal.encoder_cache import EncoderCache
-from tito_engine.multimodal.features import CheckedFeatures, ValidatedFeatures, check_encoder_cache_enabled, resolve_cached
+from tito import tensors
+from tito.errors import Unavailable
+from tito.v1 import multimodal_pb2
+
+from tito_engine.multimodal.encoder_cache import CacheKey, EncoderCache
+from tito_engine.multimodal.encoder_store import EntryCorrupt, EntryMissing, SharedEncoderStore
+from tito_engine.multimodal.features import (EC_STORE_UNAVAILABLE, CheckedFeatures, ValidatedFeatures,
+                                             check_encoder_cache_enabled, resolve_cached)
 from tito_engine.request import ChoiceOutput, Request
 from tito_engine.limits import SchedulerLimits
 from tito_engine.scheduling.blocks import BlockMedia
@@ -60,7 +66,8 @@ class EngineStepError(RuntimeError):
 class EngineCore:
     """Applies commands and runs scheduler steps; `emit` receives each step's batch."""
 
-    def __init__(self, runner: CoreRunner, limits: SchedulerLimits, encoder_cache_bytes: int = 0):
+    def __init__(self, runner: CoreRunner, limits: SchedulerLimits, encoder_cache_bytes: int = 0,
+                 encoder_store_dir: str = "", encoder_store_bytes: int = 0):
         self.runner = runner
         self.scheduler = Scheduler.for_runner(runner, limits)
         self.scheduler.kv.take_events()  # record the prefix cache's KV events from here on
@@ -73,6 +80,16 @@ class EngineCore:
             self.encoder_cache = EncoderCache(max_bytes=encoder_cache_bytes,
                                               store_id=f"engine-{uuid.uuid4().hex[:16]}",
                                               model_fingerprint=runner.info.fingerprint)
+        # Encoder outputs shared with other engines through a directory (Encode writes, Generate reads).
+        self.encoder_store: SharedEncoderStore | None = None
+        if encoder_store_dir and self.encoder_cache is not None:
+            try:
+                self.encoder_store = SharedEncoderStore(encoder_store_dir, max_bytes=encoder_store_bytes,
+                                                        model_fingerprint=runner.info.fingerprint)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"--encoder-store-dir {encoder_store_dir!r} cannot be used: {exc}") from None
+        self.encoded_items = 0  # items the encoder ran on
+        self.store_loads = 0  # items whose output came from the shared store
         self._to_encode: list[tuple[Request, ValidatedFeatures]] = []  # added, not yet encoded
         self.grammars = GrammarCompiler(getattr(runner, "model_dir", None), runner.info.vocab_size,
                                         runner.info.eos_token_ids)
@@ -84,7 +101,8 @@ class EngineCore:
         waiting = len(scheduler.waiting) + len(self._compiling)  # parked while their grammar compiles
         return CoreLoad(scheduler.num_running_sequences(), waiting, scheduler.finished_requests,
                         scheduler.kv_blocks_used(), self.adds_seen, scheduler.prefix_cache_hit_tokens,
-                        stats.hits if stats else 0, stats.misses if stats else 0)
+                        stats.hits if stats else 0, stats.misses if stats else 0, self.encoded_items,
+                        self.store_loads)
 
     def run(self, receive: Callable[[], Any], receive_ready: Callable[[], list], emit: Callable[[StepBatch], None]) -> None:
         """Serve until a StopCore command; `receive` blocks, `receive_ready` drains without blocking."""
@@ -161,7 +179,7 @@ class EngineCore:
         validated = None
         if command.features:
             try:
-                validated = resolve_cached(command.features, self.encoder_cache)
+                validated = self._resolve(command.features)
             except Exception as error:  # noqa: BLE001 - refused before scheduling; only this request
                 self.early_aborts.pop(key, None)
                 outputs.append((key, _refusal_or_bug(error), True))
@@ -221,6 +239,7 @@ class EngineCore:
         if not unique:
             return {}
         encoded = self.runner.encode(list(unique.values()))
+        self.encoded_items += len(unique)
         rows_by_key: dict[Any, Any] = {}
         for group_key, item, rows in zip(unique, unique.values(), encoded):
             rows = rows.detach().clone()  # one tensor per item: the cache accounts its own bytes
@@ -262,13 +281,45 @@ class EngineCore:
         self.requests.pop(request.key, None)
         outputs.append((request.key, _portable(error), True))
 
+    def _resolve(self, checked: CheckedFeatures) -> ValidatedFeatures:
+        validated = resolve_cached(checked, self.encoder_cache, self.encoder_store)
+        self.store_loads += sum(1 for item in validated.items if item.from_store)
+        return validated
+
     def _encode_request(self, checked: CheckedFeatures) -> EncodeResult:
-        """The Encode RPC in the core: resolve, encode what is missing, store, describe."""
+        """The Encode RPC in the core: resolve, encode what is missing, store, describe (the
+        shared store's descriptor when the engine has one, else this engine's own)."""
         cache = check_encoder_cache_enabled(self.encoder_cache)
-        validated = resolve_cached(checked, cache)
+        validated = self._resolve(checked)
         self._run_encoder([validated])
-        return EncodeResult(tuple(cache.descriptor_for(item.cache_key).SerializeToString()
-                                  for item in validated.items))
+        descriptors = []
+        for item in validated.items:
+            descriptor = self._store_output(item.cache_key) if self.encoder_store is not None else None
+            descriptors.append(descriptor if descriptor is not None else cache.descriptor_for(item.cache_key))
+        return EncodeResult(tuple(descriptor.SerializeToString() for descriptor in descriptors))
+
+    def _store_output(self, key: CacheKey) -> multimodal_pb2.EncoderCacheDescriptor | None:
+        """Write `key`'s cached output to the shared store (kept when there already) and describe
+        the entry there; None when it exceeds the store's bound (the local descriptor serves)."""
+        store = self.encoder_store
+        try:
+            try:
+                header = store.header(key.text)
+            except (EntryMissing, EntryCorrupt):
+                entry = self.encoder_cache.peek(key)
+                if entry is None:  # larger than the whole encoder cache: not kept anywhere
+                    return None
+                wire = tensors.from_torch(entry.rows)
+                header = store.put(key.text, wire.dtype, tuple(wire.shape), wire.data)
+        except OSError as exc:
+            log.error("the shared encoder store at %s cannot be written: %s", store.root, exc)
+            raise Unavailable(f"the shared encoder store cannot be written ({exc.strerror or exc}); retry on "
+                              f"another replica", reason=EC_STORE_UNAVAILABLE) from None
+        if header is None:
+            return None
+        return multimodal_pb2.EncoderCacheDescriptor(
+            store_id=store.store_id, uri=store.uri, key=key.text, dtype=header.dtype, shape=list(header.shape),
+            byte_size=header.byte_size, checksum=header.checksum, model_fingerprint=header.model_fingerprint)
 
     def _out(self, request: Request, output: Any) -> tuple[int, Any, bool]:
         if isinstance(output, BaseException):
@@ -322,8 +373,9 @@ def _portable(error: BaseException) -> EngineStepError:
 class ThreadCore:
     """Hosts an EngineCore on a thread of this process (tests, or when a child process is unwanted)."""
 
-    def __init__(self, runner: CoreRunner, limits: SchedulerLimits, encoder_cache_bytes: int = 0):
-        self.core = EngineCore(runner, limits, encoder_cache_bytes)
+    def __init__(self, runner: CoreRunner, limits: SchedulerLimits, encoder_cache_bytes: int = 0,
+                 encoder_store_dir: str = "", encoder_store_bytes: int = 0):
+        self.core = EngineCore(runner, limits, encoder_cache_bytes, encoder_store_dir, encoder_store_bytes)
         self.info = runner.info
         self.mm_spec = getattr(runner, "mm_spec", None)
         self.kv_blocks_total = runner.cache.num_blocks
@@ -372,6 +424,8 @@ class CoreProcessSpec:
     packed_linears: bool = True
     cpus: frozenset[int] | None = None  # the CPUs the core process runs on (EngineConfig.cpu_plan)
     dtype: str = "auto"
+    encoder_store_dir: str = ""  # the shared encoder store's directory ("" = none)
+    encoder_store_bytes: int = 0
 
     @classmethod
     def from_config(cls, config: Any, model_dir: str, kv_cache: Any) -> "CoreProcessSpec":
@@ -383,7 +437,8 @@ class CoreProcessSpec:
                    limits=config.scheduler_limits, log_level=config.log_level,
                    encoder_cache_bytes=config.encoder_cache_bytes, exclude_padding_ids=config.excludes_padding_ids,
                    packed_linears=config.packs_linears, cpus=plan.core_cpus if plan is not None else None,
-                   dtype=config.dtype)
+                   dtype=config.dtype, encoder_store_dir=config.encoder_store_dir,
+                   encoder_store_bytes=config.encoder_store_bytes)
 
     def load_runner(self) -> Any:
         """Load the model this spec names (in whichever process hosts the core)."""
@@ -420,8 +475,13 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
             pass  # the server stopped while the model was loading: nobody is left to tell
         _exit_now(1)
     warm_up_or_warn(runner)
+    try:
+        core = EngineCore(runner, spec.limits, spec.encoder_cache_bytes, spec.encoder_store_dir,
+                          spec.encoder_store_bytes)
+    except ConfigError as exc:  # the shared encoder store's directory
+        conn.send(CoreFailed(str(exc)))
+        _exit_now(1)
     conn.send(CoreReady(runner.info, runner.cache.num_blocks, runner.cache.block_size, runner.mm_spec))
-    core = EngineCore(runner, spec.limits, spec.encoder_cache_bytes)
 
     def receive() -> Any:
         try:

@@ -37,6 +37,8 @@ class LoadSnapshot:
     prefix_cache_hit_tokens: int = 0
     encoder_cache_hits: int = 0
     encoder_cache_misses: int = 0
+    encoded_items: int = 0  # media items the encoder ran on since start
+    encoder_store_loads: int = 0  # media items loaded from the shared encoder store since start
 
 
 class EngineBackend(Protocol):

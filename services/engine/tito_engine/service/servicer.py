@@ -176,7 +176,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             bind_request_id(request.request_id)
         backend = self._engine
         features = request.mm_features if request.HasField("mm_features") else None
-        return engine_pb2.EncodeResponse(descriptors=await backend.encode(self._admission.admit_encode(features)))
+        descriptors = await backend.encode(self._admission.admit_encode(features))
+        return engine_pb2.EncodeResponse(descriptors=self._admission.sign_descriptors(descriptors))
 
     async def Abort(self, request: engine_pb2.AbortRequest, context):
         return engine_pb2.AbortResponse(aborted_request_ids=self._engine.abort(list(request.request_ids)))
@@ -210,6 +211,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             prefix_cache_hit_tokens=load.prefix_cache_hit_tokens,
             encoder_cache_hits=load.encoder_cache_hits,
             encoder_cache_misses=load.encoder_cache_misses,
+            encoded_items=load.encoded_items,
+            encoder_store_loads=load.encoder_store_loads,
         )
 
     async def SubscribeKvEvents(self, request: engine_pb2.SubscribeKvEventsRequest, context):
