@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from tito_cli.main import main as tito_main
 from tito.config import ConfigError
 from tito_engine.config import EngineConfig
+from tito_engine.model.runner import DTYPES, choose_dtype
 from tito_engine.vllm.args import build_engine_args
 
 pytestmark = pytest.mark.vllm
@@ -34,9 +38,29 @@ def test_tito_flags_translate_and_vllm_arguments_pass_through():
 def test_dtype_is_tito_s_flag_or_vllm_s_but_not_both():
     args = build_engine_args(vllm_config(dtype="bfloat16"), "/models/m")
     assert args.dtype == "bfloat16"
-    assert build_engine_args(vllm_config(), "/models/m").dtype == "auto"  # both sides' default
     with pytest.raises(ConfigError, match="--dtype is given twice"):
         vllm_config("--dtype", "float32", dtype="bfloat16").validate()
+
+
+def _checkpoint(tmp_path, dtype):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "dtype": dtype}))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("stored", ["float32", "bfloat16", "float16"])
+def test_auto_is_the_native_engine_s_rule_not_vllm_s(tmp_path, stored):
+    # vLLM's own `auto` downcasts a float32 checkpoint to bfloat16 on CPU; tito's keeps float32, so
+    # vLLM is handed the dtype the native engine computes the same checkpoint in.
+    expected, _ = choose_dtype(torch.device("cpu"), "auto", DTYPES[stored])
+    args = build_engine_args(vllm_config(), _checkpoint(tmp_path, stored))
+    assert args.dtype == str(expected).removeprefix("torch.")
+    if stored == "float32":
+        assert args.dtype == "float32"
+
+
+def test_vllm_s_own_dtype_after_the_double_dash_is_kept(tmp_path):
+    args = build_engine_args(vllm_config("--dtype", "bfloat16"), _checkpoint(tmp_path, "float32"))
+    assert args.dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("vllm_args, message", [

@@ -8,15 +8,27 @@ while tito's is auto); every other vLLM engine argument passes through unchanged
 vLLM's own command-line form (`-- --tensor-parallel-size 2 --gpu-memory-utilization 0.85`), parsed
 by vLLM's own parser so its names, defaults and help (`vllm serve --help`) apply. Giving one value
 both ways is refused, so there is one place each setting is written.
+
+`--dtype auto` means what it means for the native engine (model/runner.choose_dtype), on either
+backend: vLLM is handed the resolved dtype, never its own `auto`. The two rules differ on CPU:
+vLLM's `auto` downcasts a float32 checkpoint to bfloat16 (its first supported dtype), while
+tito's keeps float32 there, so left to vLLM the same `--model` computed in a different dtype on
+each backend and greedy tokens parted within a few steps. On CUDA the rules agree (a float32
+checkpoint runs in bfloat16, float16 and bfloat16 ones as stored) and vLLM's `auto` is kept, so
+the parent process never initialises CUDA before vLLM starts its workers.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from tito.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 # vLLM EngineArgs field -> the tito flag that sets it.
 TITO_FLAGS = {
@@ -79,9 +91,27 @@ def check_vllm_args(vllm_args: Sequence[str], dtype: str = "auto") -> None:
         raise ConfigError(f"--dtype is given twice (tito's --dtype {dtype} and vLLM's after `--`); give it once")
 
 
+def resolve_dtype(dtype: str, model_dir: str) -> tuple[str, str]:
+    """(the dtype vLLM is given, why) for tito's --dtype: an explicit one as is; `auto` by the
+    native engine's rule on vLLM's CPU platform, and vLLM's own `auto` (the same rule there) on
+    CUDA."""
+    if dtype != "auto":
+        return dtype, "--dtype"
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return "auto", "auto: vLLM's rule on GPUs, the same as tito's"
+    import torch
+
+    from tito_engine.model.runner import checkpoint_dtype, choose_dtype
+
+    chosen, why = choose_dtype(torch.device("cpu"), "auto", checkpoint_dtype(Path(model_dir)))
+    return str(chosen).removeprefix("torch."), why
+
+
 def build_engine_args(config: Any, model_dir: str) -> Any:
     """vLLM's AsyncEngineArgs for an EngineConfig (backend vllm) serving `model_dir`."""
-    engine_args_cls, namespace, _ = _parse(config.vllm_args)
+    engine_args_cls, namespace, given = _parse(config.vllm_args)
     engine_args = engine_args_cls.from_cli_args(namespace)
     engine_args.model = model_dir
     engine_args.tokenizer = model_dir
@@ -95,8 +125,9 @@ def build_engine_args(config: Any, model_dir: str) -> Any:
         engine_args.block_size = config.block_size
     if config.kv_cache_bytes is not None:
         engine_args.kv_cache_memory_bytes = config.kv_cache_bytes
-    if config.dtype != "auto":  # auto is vLLM's default too: the checkpoint's dtype
-        engine_args.dtype = config.dtype
+    if "dtype" not in given:  # vLLM's own --dtype after `--` (tito's is auto then) is taken as given
+        engine_args.dtype, why = resolve_dtype(config.dtype, model_dir)
+        log.info("vLLM computes in %s (%s)", engine_args.dtype, why)
     engine_args.generation_config = "vllm"
     engine_args.disable_log_stats = False
     return engine_args
