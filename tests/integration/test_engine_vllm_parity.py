@@ -24,7 +24,7 @@ from engine_calls import collect, request
 
 pytestmark = pytest.mark.vllm
 
-TIMEOUT = 300
+TIMEOUT = 600  # a vLLM start-up on a busy 2-core machine
 NEW_TOKENS = 12
 KV_BYTES = 32 << 20
 CONCURRENCY = 32
@@ -97,7 +97,8 @@ def stubs(module_aio_server, tiny_text_model_d64):
                              vllm_args=("--enforce-eager",)),
     }
     return {name: engine_pb2_grpc.EngineServiceStub(
-        module_aio_server(lambda config=config: create_server(config)).channel()) for name, config in configs.items()}
+        module_aio_server(lambda config=config: create_server(config), timeout=TIMEOUT).channel())
+        for name, config in configs.items()}
 
 
 @pytest.fixture(scope="module")
