@@ -107,13 +107,21 @@ def hf_video_size(video_processor_class, frames: int, height: int, width: int, s
     return chosen["size"]
 
 
+def pil_image_processor(renderer: Renderer):
+    """The model's image processor on HF's PIL backend (what render's video math reproduces; where
+    torchvision imports, AutoImageProcessor picks the torchvision backend instead)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(**renderer.model.media.image_processor.to_dict())
+
+
 def hf_reference(renderer: Renderer, frames: list[Image.Image], video_processor_class, monkeypatch):
     """HF's video computation: the size Qwen3VLVideoProcessor.resize chooses, the model's image
     processor (PIL backend) resizing, rescaling and normalizing each frame to it, then
     Qwen3VLVideoProcessor.patchify (HF's code) padding the frames and laying out the patches."""
     from transformers.image_utils import SizeDict
 
-    processor = renderer.model.media.image_processor
+    processor = pil_image_processor(renderer)
     settings = renderer.model.media.video
     with monkeypatch.context() as patch:
         height, width = hf_video_size(video_processor_class, len(frames), frames[0].height, frames[0].width,
