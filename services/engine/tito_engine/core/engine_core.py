@@ -26,20 +26,25 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tito.errors import TitoError
+from tito.errors import ConfigError, TitoError
+from tito.supervision import ChildProcess, spawn_context, stop_children
 
 from tito_engine.model.constraints import GrammarCompiler, compile_error
+from tito_engine.core.seams import CoreRunner
 from tito_engine.core.messages import (AbortRequest, AddRequest, Command, CoreFailed, CoreLoad, CoreReady,
-                                       CoreStopped, EncodeItems, EncodeResult, StepBatch, StopCore)
+                                       CoreStopped, EncodeItems, EncodeResult, PrefixCacheReset, ResetPrefixCache,
+                                       StepBatch, StopCore)
 from tito import tensors
-from tito.errors import ConfigError, Unavailable
+from tito.errors import Unavailable
 from tito.v1 import multimodal_pb2
 
 from tito_engine.multimodal.encoder_cache import CacheKey, EncoderCache
@@ -48,6 +53,7 @@ from tito_engine.multimodal.features import (EC_STORE_UNAVAILABLE, CheckedFeatur
                                              check_encoder_cache_enabled, resolve_cached)
 from tito_engine.request import ChoiceOutput, Request
 from tito_engine.limits import SchedulerLimits
+from tito_engine.scheduling.blocks import BlockMedia
 from tito_engine.scheduling.scheduler import Scheduler, run_step
 
 log = logging.getLogger(__name__)
@@ -60,10 +66,11 @@ class EngineStepError(RuntimeError):
 class EngineCore:
     """Applies commands and runs scheduler steps; `emit` receives each step's batch."""
 
-    def __init__(self, runner: Any, limits: SchedulerLimits, encoder_cache_bytes: int = 0,
+    def __init__(self, runner: CoreRunner, limits: SchedulerLimits, encoder_cache_bytes: int = 0,
                  encoder_store_dir: str = "", encoder_store_bytes: int = 0):
         self.runner = runner
         self.scheduler = Scheduler.for_runner(runner, limits)
+        self.scheduler.kv.take_events()  # record the prefix cache's KV events from here on
         self.requests: dict[int, Request] = {}
         self.adds_seen = 0
         self.early_aborts: dict[int, None] = {}  # aborts that overtook their add (insertion-ordered)
@@ -105,7 +112,7 @@ class EngineCore:
                     return
             except Exception as exc:  # noqa: BLE001 - keep serving; fail only what was in flight
                 log.exception("engine step failed; failing the requests in flight")
-                emit(StepBatch(self._fail_all(exc), self.load()))
+                emit(self._batch(self._fail_all(exc)))
 
     def _serve(self, receive, receive_ready, emit) -> bool:
         scheduler = self.scheduler
@@ -122,7 +129,7 @@ class EngineCore:
             for command in commands:
                 if isinstance(command, StopCore):
                     outputs.extend(self._abort_all())
-                    emit(StepBatch(outputs, self.load()))
+                    emit(self._batch(outputs))
                     return True
                 self._apply(command, outputs)
             if self._compiling:
@@ -133,8 +140,14 @@ class EngineCore:
             if stepped:
                 for request, output in run_step(scheduler, self.runner):
                     outputs.append(self._out(request, output))
-            if outputs or commands or stepped:
-                emit(StepBatch(outputs, self.load()))
+            batch = self._batch(outputs)
+            if outputs or commands or stepped or batch.kv_events:
+                emit(batch)
+
+    def _batch(self, outputs: list) -> StepBatch:
+        """The step's outputs, the load after it and the KV events it caused."""
+        events = tuple(self.scheduler.kv.take_events())
+        return StepBatch(outputs, self.load(), events, time.time() if events else 0.0)
 
     def _apply(self, command: Command, outputs: list) -> None:
         match command:
@@ -145,6 +158,9 @@ class EngineCore:
                     outputs.append((key, self._encode_request(checked), True))
                 except Exception as error:  # noqa: BLE001 - fails this Encode call only, never the generations
                     outputs.append((key, _refusal_or_bug(error), True))
+            case ResetPrefixCache(key=key):
+                self.scheduler.kv.clear_prefix_cache()
+                outputs.append((key, PrefixCacheReset(), True))
             case AbortRequest(key=key):
                 request = self.requests.get(key)
                 if request is not None:
@@ -168,11 +184,14 @@ class EngineCore:
                 self.early_aborts.pop(key, None)
                 outputs.append((key, _refusal_or_bug(error), True))
                 return
-        request = Request(command.request_id, command.prompt_ids, command.options, None)
+        request = Request(command.request_id, command.prompt_ids, command.options)
         request.arrival_time = command.arrival_time
         request.cache_salt = command.cache_salt
         request.key = key
         request.has_media = validated is not None
+        if validated is not None and all(item.content_id for item in validated.items):
+            request.prefix_media = tuple(BlockMedia(item.offset, item.length, item.content_id, item.mm_hash)
+                                         for item in validated.items)
         self.requests[key] = request
         if validated is not None:
             self._to_encode.append((request, validated))
@@ -354,7 +373,7 @@ def _portable(error: BaseException) -> EngineStepError:
 class ThreadCore:
     """Hosts an EngineCore on a thread of this process (tests, or when a child process is unwanted)."""
 
-    def __init__(self, runner: Any, limits: SchedulerLimits, encoder_cache_bytes: int = 0,
+    def __init__(self, runner: CoreRunner, limits: SchedulerLimits, encoder_cache_bytes: int = 0,
                  encoder_store_dir: str = "", encoder_store_bytes: int = 0):
         self.core = EngineCore(runner, limits, encoder_cache_bytes, encoder_store_dir, encoder_store_bytes)
         self.info = runner.info
@@ -364,7 +383,8 @@ class ThreadCore:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def start(self, on_batch: Callable[[StepBatch], None]) -> None:
+    def start(self, on_batch: Callable[[StepBatch], None], on_lost: Callable[[], None] | None = None) -> None:
+        """Run the core on a thread (`on_lost` is never called: the thread lives as long as this process)."""
         def drain() -> list:
             items = []
             while True:
@@ -433,6 +453,9 @@ class CoreProcessSpec:
 
 
 def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
+    # No exit_with_parent here: the kernel's parent-death signal follows the *thread* that started
+    # the child, and cores are started from short-lived threads (a restart); the child ends at the
+    # pipe's EOF instead (receive below), which comes however the server ends.
     from tito.logs import setup_logging
 
     from tito_engine.model.runner import warm_up_or_warn
@@ -492,8 +515,6 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
 def _exit_now(code: int) -> None:
     """Leave without the interpreter's teardown: with torch and a model loaded it takes a second
     or more, and this process holds nothing that needs it (the OS frees the memory and the pipe)."""
-    import os
-
     logging.shutdown()
     os._exit(code)
 
@@ -502,12 +523,10 @@ class ProcessCore:
     """Hosts an EngineCore in a child process; one receiver thread here turns its batches into calls."""
 
     def __init__(self, spec: CoreProcessSpec, start_timeout: float = 300.0):
-        import multiprocessing
-
-        context = multiprocessing.get_context("spawn")  # never fork a process that holds gRPC threads
+        context = spawn_context()  # never fork a process that holds gRPC threads
         self._conn, child_conn = context.Pipe()
-        self._process = context.Process(target=_child_main, args=(spec, child_conn), name="tito-engine-core",
-                                        daemon=True)
+        self._process = context.Process(target=_child_main, args=(spec, child_conn),
+                                        name="tito-engine-core", daemon=True)
         self._process.start()
         child_conn.close()
         self._send_lock = threading.Lock()
@@ -521,8 +540,6 @@ class ProcessCore:
             message = CoreFailed(f"the engine core process exited with code {self._process.exitcode}")
         if not isinstance(message, CoreReady):
             self._process.join(5)
-            from tito.config import ConfigError
-
             raise ConfigError(f"the engine core could not start: {message.reason}")
         self.info, self.kv_blocks_total = message.info, message.kv_blocks_total
         self.block_size, self.mm_spec = message.block_size, message.mm_spec
@@ -555,8 +572,7 @@ class ProcessCore:
         self.send(StopCore())
         if self._receiver is not None:
             self._receiver.join(timeout)
-        self._process.join(timeout)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(5)
+        # StopCore asked it to stop; what is still running after `timeout` is killed.
+        stop_children([ChildProcess("the engine core", self._process)], timeout, ask=lambda _child: None,
+                      kill_margin=0)
         self._conn.close()

@@ -450,6 +450,16 @@ def _check_embed_layout(item, modality_spec, layout: ItemLayout, embed_positions
         raise InvalidArgument(f"{path}.placeholder.is_embed: this model's positions (M-RoPE) need the embed "
                               f"positions to form one contiguous run", reason="MM_EMBEDS_NOT_CONTIGUOUS",
                               field=f"{path}.placeholder.is_embed")
+    if getattr(modality_spec, "runs_per_frame", False) and layout.grid_thw is not None:
+        frames = layout.grid_thw[0]
+        per_frame = len(embed_positions) // frames
+        for frame in range(frames):
+            run = embed_positions[frame * per_frame:(frame + 1) * per_frame]
+            if run[-1] - run[0] + 1 != per_frame:
+                raise InvalidArgument(f"{path}.placeholder.is_embed: this model's positions (M-RoPE) need the "
+                                      f"embed positions of each of the {frames} frames to form one contiguous run "
+                                      f"of {per_frame}; frame {frame}'s does not", reason="MM_EMBEDS_NOT_CONTIGUOUS",
+                                      field=f"{path}.placeholder.is_embed")
 
 
 def _check_placeholder_tokens(token_ids: Sequence[int], modality_spec, embed_positions, path: str) -> None:
