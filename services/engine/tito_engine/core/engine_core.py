@@ -15,7 +15,10 @@ the requests that arrived together in one encoder call per modality (an item alr
 encoder cache is not encoded again), and their `forward.MultiModalPrefill` is attached to the
 request: n > 1 forks and preemption-recompute reuse it, so the encoder never runs twice for them.
 EncodeItems (the Encode RPC) resolves, encodes what is not cached, stores, and answers with one
-`EncoderCacheDescriptor` per item. Out: one `StepBatch` per step.
+`EncoderCacheDescriptor` per item: of the shared encoder store (`--encoder-store-dir`,
+multimodal/encoder_store.py), written here, when the engine has one; else of its own cache.
+Phase 2 reads that store too (descriptors of other engines, trusted hashes the local cache
+misses) and keeps what it loads in the encoder cache. Out: one `StepBatch` per step.
 A request with a structured-output constraint (options.structured_output, plain strings) is
 parked at AddRequest while a worker thread compiles its grammar (constraints.GrammarCompiler,
 cached by the constraint's hash), and queued once it has it, so the step loop never compiles; a
