@@ -36,10 +36,11 @@ Rules, in the order they are checked (first violation wins):
 5. Token ids: every embed position holds the modality's placeholder token id, and no placeholder
    token id appears anywhere else (the ids and the features would disagree: HF models scatter
    encoder rows into *every* placeholder token, so a stray one would shift all rows).
-6. Per item, resolution (the only step that touches the encoder cache): an EC descriptor must be
-   this engine's own (store_id, uri, model_fingerprint), name exactly the item's cache key, and
-   match the cached entry's checksum, dtype, shape and size; otherwise it is rejected as forged
-   and never dereferenced. An item without kwargs needs a resolvable descriptor or a cache hit
+6. Per item, resolution (the only step that touches the encoder cache and the shared store;
+   resolution.py): an EC descriptor must be this engine's own or its shared store's (store_id,
+   uri, model_fingerprint), name exactly the item's cache key, and match the entry's checksum,
+   dtype, shape and size; otherwise it is refused (see trust.py) and never dereferenced. An
+   item without kwargs needs a resolvable descriptor or a cache hit
    by its key, else FAILED_PRECONDITION `MM_TENSORS_REQUIRED` (re-render with mm_payload TENSORS).
 
 The trust model (which `mm_hash` may key the encoder cache) is `trust.py`'s docstring; rule 6

@@ -22,9 +22,18 @@ something bound to the item's content:
   an unsigned item without tensors cannot claim a cache hit or use a descriptor at all
   (FAILED_PRECONDITION `MM_TENSORS_REQUIRED`).
 
-EC descriptors are resolved only against this engine's own encoder cache or the shared encoder
-store it was given (`--encoder-store-dir`; resolution.py); a descriptor naming another store, another model, a key other than the item's cache key, or a checksum other
-than the cached entry's is rejected (INVALID_ARGUMENT `EC_DESCRIPTOR_INVALID`) without being read.
+EC descriptors name either this engine's own encoder cache (`engine://<store_id>`) or the shared
+encoder store (`ecdir://<store_id>`, `--encoder-store-dir`, encoder_store.py) the engine shares
+with others. A descriptor naming another store, another model, a key other than the item's cache
+key, or a checksum other than the entry's is rejected without being read (INVALID_ARGUMENT
+`EC_DESCRIPTOR_INVALID`; for the shared store: another model is `EC_MODEL_MISMATCH`, other
+contents under the right key `EC_DESCRIPTOR_STALE`, a missing entry `EC_ENTRY_EVICTED`, a file
+that fails verification `EC_ENTRY_CORRUPT`; an item that still has kwargs is encoded instead).
+With signing keys, a descriptor may carry its own tag, made by the engine that answered Encode
+(`tito.signing.sign_descriptor`): render signs items before they are encoded, so the item's tag
+then covers the item without the descriptor, the descriptor's tag the descriptor (its key names
+the signed mm_hash, so it cannot be moved to another item). A bad descriptor tag is refused
+(`EC_DESCRIPTOR_INVALID`, field `...ec_descriptor.auth_tag`).
 A cache hit pins the entry's rows into the `ValidatedItem`, so a later eviction cannot make an
 admitted request fail.
 """
