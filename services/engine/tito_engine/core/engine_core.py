@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tito.config import ConfigError
 from tito.errors import TitoError
 
 from tito_engine.model.constraints import GrammarCompiler, compile_error
@@ -392,7 +393,8 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
         runner = spec.load_runner()
     except BaseException as exc:  # noqa: BLE001 - report why the engine could not start
         try:
-            conn.send(CoreFailed(f"{type(exc).__name__}: {exc}"))
+            conn.send(CoreFailed(str(exc), config_error=True) if isinstance(exc, ConfigError)
+                      else CoreFailed(f"{type(exc).__name__}: {exc}"))
         except OSError:
             pass  # the server stopped while the model was loading: nobody is left to tell
         _exit_now(1)
@@ -461,8 +463,8 @@ class ProcessCore:
             message = CoreFailed(f"the engine core process exited with code {self._process.exitcode}")
         if not isinstance(message, CoreReady):
             self._process.join(5)
-            from tito.config import ConfigError
-
+            if message.config_error:
+                raise ConfigError(message.reason)
             raise ConfigError(f"the engine core could not start: {message.reason}")
         self.info, self.kv_blocks_total = message.info, message.kv_blocks_total
         self.block_size, self.mm_spec = message.block_size, message.mm_spec
