@@ -55,6 +55,7 @@ TITO_FLAGS = {
     # applies no defaults of its own, so vLLM's generation_config is pinned to "vllm".
     "generation_config": "render's resolved sampling parameters",
     "disable_log_stats": "GetLoad (it reads vLLM's scheduler statistics)",
+    "kv_events_config": "tito's KV events (SubscribeKvEvents; --kv-events-endpoint publishes them on ZMQ)",
 }
 
 
@@ -222,4 +223,8 @@ def build_engine_args(config: Any, model_dir: str) -> Any:
         log.info("vLLM KV cache: %s", budget.describe(kv_bytes_per_token(model_dir, dtype)))
     engine_args.generation_config = "vllm"
     engine_args.disable_log_stats = False
+    if config.prefix_caching:  # vLLM's own KV events, relayed into SubscribeKvEvents (vllm/kv_relay.py)
+        from tito_engine.vllm.kv_relay import events_config, private_endpoints
+
+        engine_args.kv_events_config = events_config(*private_endpoints())
     return engine_args
