@@ -355,7 +355,10 @@ def load_media_adapter(model_dir: Path, tokenizer: Any) -> MediaAdapter | None:
         return None
     from transformers import AutoImageProcessor
 
-    image_processor = AutoImageProcessor.from_pretrained(str(model_dir))
+    # The PIL backend, also where torchvision is installed (transformers would then pick its
+    # torchvision backend, whose resize gives other pixels): render's tensors stay the same on every
+    # install, and its video path (video.py) reuses this processor's PIL steps.
+    image_processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
     adapter = adapter_class(image_processor, tokenizer, _read_json(model_dir / "config.json"),
                             _read_json(model_dir / "processor_config.json"))
     if isinstance(adapter, Qwen2VLAdapter) and adapter.video_marker:
