@@ -2,7 +2,8 @@
 
     tito serve render|engine|derender [--address ADDR] [--model M] ...   one service
     tito serve engine --backend vllm --model DIR [-- VLLM_ENGINE_ARGS]    the engine on vLLM
-    tito serve all [--model M] ...                                        the three, as processes
+    tito serve all [--model M] [--gateway-address ADDR] ...               the three (and the gateway), as processes
+    tito serve gateway [--address ADDR] [--engine-address A,B] ...        the OpenAI-compatible HTTP gateway
     tito chat "Hello"                                                     a chat through all three
 
 `tito chat` without addresses starts `tito serve all` on private Unix sockets (on the trained demo
@@ -38,7 +39,10 @@ from tito.settings import add_settings, declared
 from tito.startup import StartupPhases
 
 SERVICES = ("render", "engine", "derender")
-DEFAULT_ADDRESSES = {"render": "127.0.0.1:50051", "engine": "127.0.0.1:50052", "derender": "127.0.0.1:50053"}
+#: The OpenAI-compatible HTTP gateway over the three (tito_gateway): `tito serve gateway`.
+GATEWAY = "gateway"
+DEFAULT_ADDRESSES = {"render": "127.0.0.1:50051", "engine": "127.0.0.1:50052", "derender": "127.0.0.1:50053",
+                     GATEWAY: "127.0.0.1:8000"}
 
 
 def _service_module(name: str):
@@ -66,13 +70,15 @@ def build_parser(services: Iterable[str] = SERVICES) -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run a service")
     service_parsers = serve.add_subparsers(dest="service", required=True)
-    for name in SERVICES:
-        sub = service_parsers.add_parser(name, help=f"run the {name} service")
+    for name in (*SERVICES, GATEWAY):
+        sub = service_parsers.add_parser(name, help=f"run the {name} service" if name != GATEWAY else
+                                         "run the OpenAI-compatible HTTP gateway over render, engine and derender")
         if name in wanted:
             add_common_arguments(sub, name)
             _service_module(name).add_arguments(sub)
             document_env(sub)
-    everything = service_parsers.add_parser("all", help="run render, engine and derender as three processes")
+    everything = service_parsers.add_parser("all", help="run render, engine and derender as three processes (and "
+                                                        "the HTTP gateway with --gateway-address)")
     _add_all_arguments(everything)
     document_env(everything)
 
@@ -130,6 +136,9 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 def _add_all_arguments(parser: argparse.ArgumentParser) -> None:
     for name in SERVICES:
         parser.add_argument(f"--{name}-address", default=DEFAULT_ADDRESSES[name], help=f"{name} address")
+    parser.add_argument("--gateway-address", default="",
+                        help="also start the OpenAI-compatible HTTP gateway (tito serve gateway) here, host:port or "
+                             "unix:/path, over the three (default: no gateway)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="given to the three services (default %(default)s)")
     parser.add_argument("--device", default="auto", help="the engine's (default %(default)s)")
     parser.add_argument("--log-level", default=ServerConfig.log_level, choices=LOG_LEVELS,
@@ -210,6 +219,30 @@ def spawn_all(addresses: dict[str, str], model: str, device: str, log_level: str
     return processes
 
 
+def gateway_argv(address: str, addresses: dict[str, str], log_level: str, extra: list[str] = ()) -> list[str]:
+    """`tito serve gateway` on `address` over the three services at `addresses`."""
+    return ["serve", GATEWAY, "--address", address, "--render-address", addresses["render"],
+            "--engine-address", addresses["engine"], "--derender-address", addresses["derender"],
+            "--log-level", log_level, *extra]
+
+
+def check_gateway(address: str, addresses: dict[str, str], log_level: str) -> None:
+    """The gateway's command line (with the environment) gives a valid config and its port is free."""
+    parser = build_parser((GATEWAY,))
+    argv = gateway_argv(address, addresses, log_level)
+    args = parser.parse_args(argv)
+    try:
+        apply_env(parser, serve_parser(parser, GATEWAY), argv, args, os.environ)
+        _service_module(GATEWAY).config_from_args(args).validate()
+        check_can_listen(address)
+    except ConfigError as exc:
+        raise ConfigError(f"gateway: {exc}") from None
+
+
+def spawn_gateway(address: str, addresses: dict[str, str], log_level: str, extra: list[str] = ()) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tito_cli", *gateway_argv(address, addresses, log_level, extra)])
+
+
 def stop_all(processes: list[subprocess.Popen], timeout: float = 30.0) -> None:
     for process in processes:
         if process.poll() is None:
@@ -227,11 +260,17 @@ def serve_all(args: argparse.Namespace) -> int:
     try:
         model = str(resolve_model(args.model))  # build a tiny model once, not in three processes
         configs = check_services(addresses, model, args.device, args.log_level)
+        if args.gateway_address:
+            check_gateway(args.gateway_address, addresses, args.log_level)
     except ConfigError as exc:
         print(f"tito serve all: {exc}", file=sys.stderr)
         return 2
     beside = beside_engine_flags(configs["engine"])
+    names = list(SERVICES)
     processes = spawn_all(addresses, model, args.device, args.log_level, {"render": beside, "derender": beside})
+    if args.gateway_address:
+        names.append(GATEWAY)
+        processes.append(spawn_gateway(args.gateway_address, addresses, args.log_level, beside))
     stopping = False
 
     def forward(signum, _frame):
@@ -243,7 +282,7 @@ def serve_all(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, forward)
     try:
         while True:
-            for name, process in zip(SERVICES, processes):
+            for name, process in zip(names, processes):
                 code = process.poll()
                 if code is not None:
                     if not stopping:
@@ -430,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
 def _services_asked_for(argv: list[str]) -> tuple[str, ...]:
     """The service whose flags `argv` needs (`tito serve engine ...`: the engine); none otherwise
     (`tito serve all` and `tito chat` check each service's flags themselves, in `check_services`)."""
-    if len(argv) >= 2 and argv[0] == "serve" and argv[1] in SERVICES:
+    if len(argv) >= 2 and argv[0] == "serve" and argv[1] in (*SERVICES, GATEWAY):
         return (argv[1],)
     return ()
 

@@ -167,11 +167,39 @@ class AsyncChatPipeline:
         await self.close()
 
     async def stream_chat(self, request: render_pb2.RenderChatRequest) -> AsyncIterator[derender_pb2.ChatChunk]:
-        """Yield chat chunks as derender produces them (tracing as in `ChatPipeline.stream_chat`)."""
-        chat_span = tracing.begin_client_span("chat")
+        """Yield chat chunks as derender produces them (tracing as in `ChatPipeline.stream_chat`;
+        the span carries the request's id)."""
+        async for chunk in self._traced("chat", request, self.render.RenderChat):
+            yield chunk
+
+    async def stream_completion(self, request: render_pb2.RenderCompletionRequest
+                                ) -> AsyncIterator[derender_pb2.ChatChunk]:
+        """A raw prompt (text or token ids) through RenderCompletion -> engine -> derender: chunks
+        as for a chat, with the text in `content` (a completion has no parsers)."""
+        async for chunk in self._traced("completion", request, self.render.RenderCompletion):
+            yield chunk
+
+    async def check_health(self, timeout: float = 2.0) -> dict[str, str]:
+        """Each service's health status name ("SERVING", "NOT_SERVING", or the gRPC code of a
+        failed check), by service: render, engine, derender."""
+        async def one(channel) -> str:
+            try:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+                return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as exc:
+                return exc.code().name
+        states = await asyncio.gather(*(one(channel) for channel in self._channels))
+        return dict(zip(("render", "engine", "derender"), states))
+
+    async def _traced(self, name: str, request, render_call) -> AsyncIterator[derender_pb2.ChatChunk]:
+        chat_span = tracing.begin_client_span(name, **({"tito.request_id": request.request_id}
+                                                       if request.request_id else {}))
         error: BaseException | None = None
         try:
-            async for chunk in self._stream_chat(request, tracing.inject(self._metadata, parent=chat_span)):
+            metadata = tracing.inject(self._metadata, parent=chat_span)
+            rendered = await render_call(request, timeout=self.timeout, metadata=metadata)
+            async for chunk in self._stream_rendered(rendered, metadata):
                 yield chunk
         except BaseException as exc:
             error = exc if not isinstance(exc, (GeneratorExit, asyncio.CancelledError)) else None
@@ -179,9 +207,7 @@ class AsyncChatPipeline:
         finally:
             tracing.end_span(chat_span, error)
 
-    async def _stream_chat(self, request: render_pb2.RenderChatRequest,
-                           metadata) -> AsyncIterator[derender_pb2.ChatChunk]:
-        rendered = await self.render.RenderChat(request, timeout=self.timeout, metadata=metadata)
+    async def _stream_rendered(self, rendered, metadata) -> AsyncIterator[derender_pb2.ChatChunk]:
         generation = self.engine.Generate(rendered.generate_request, timeout=self.timeout, metadata=metadata)
         engine_errors: list[grpc.RpcError] = []
 
