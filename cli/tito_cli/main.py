@@ -60,7 +60,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, service: str) -> None:
         parser.add_argument("--device", default="auto", help="the engine's; render and derender run on the CPU")
 
 
-def build_parser(services: Iterable[str] = SERVICES) -> argparse.ArgumentParser:
+def build_parser(services: Iterable[str] = (*SERVICES, GATEWAY)) -> argparse.ArgumentParser:
     """The `tito` command line, with the flags of `services` (each imports its service's server
     module for them: `tito serve derender` builds only derender's, so it never loads the engine's
     torch or render's image stack)."""

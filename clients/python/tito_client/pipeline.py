@@ -67,6 +67,15 @@ def _message_limits(max_message_bytes: int) -> list[tuple[str, int]]:
             ("grpc.max_send_message_length", max_message_bytes)]
 
 
+def _channel_options(address: str, max_message_bytes: int) -> list[tuple[str, object]]:
+    """A channel's options: the message limits, and for a `dns:///name:port` target (a headless
+    Service: one address per replica) gRPC's round_robin over every address it resolves to."""
+    options: list[tuple[str, object]] = list(_message_limits(max_message_bytes))
+    if address.startswith("dns:"):
+        options.append(("grpc.lb_policy_name", "round_robin"))
+    return options
+
+
 class ChatPipeline:
     """Synchronous client running chats through the three services."""
 
@@ -146,11 +155,14 @@ class AsyncChatPipeline:
     Use it inside a running event loop (`async with AsyncChatPipeline(...) as pipeline`)."""
 
     def __init__(self, endpoints: Endpoints, timeout: float = 300.0, max_message_bytes: int = 64 * 1024 * 1024,
-                 security: ClientSecurity = ClientSecurity()):
+                 security: ClientSecurity = ClientSecurity(), sidecar_security: ClientSecurity | None = None):
+        """`sidecar_security`: the TLS for render and derender when it differs from the engine's
+        (plaintext Unix-socket sidecars beside TLS engines); the token is `security`'s for all."""
         self.timeout = timeout
-        options = _message_limits(max_message_bytes)
-        self._channels = [security.aio_channel(a, options=options)
-                          for a in (endpoints.render, endpoints.engine, endpoints.derender)]
+        beside = security if sidecar_security is None else sidecar_security
+        self._channels = [side.aio_channel(a, options=_channel_options(a, max_message_bytes))
+                          for side, a in ((beside, endpoints.render), (security, endpoints.engine),
+                                          (beside, endpoints.derender))]
         self._metadata = security.call_metadata()
         self.render = render_pb2_grpc.RenderServiceStub(self._channels[0])
         self.engine = engine_pb2_grpc.EngineServiceStub(self._channels[1])

@@ -24,10 +24,12 @@ class GatewayConfig(ServerConfig):
     render_address: str = setting("127.0.0.1:50051", group=UPSTREAM, help="render's address (host:port or unix:/path)")
     engine_address: str = setting("127.0.0.1:50052", group=UPSTREAM,
                                   help="engine address, or several separated by commas: each request goes to the "
-                                       "one with the fewest requests in flight")
+                                       "one with the fewest requests in flight; dns:///name:port (e.g. a headless "
+                                       "Service) spreads calls over every address the name resolves to")
     derender_address: str = setting("127.0.0.1:50053", group=UPSTREAM, help="derender's address")
     upstream_tls_ca_file: str = setting("", group=UPSTREAM,
-                                        help="PEM CA that issued the services' certificates (TLS to them on)")
+                                        help="PEM CA that issued the services' certificates (TLS to them on; Unix "
+                                             "sockets stay plaintext)")
     upstream_tls_server_name: str = setting("", group=UPSTREAM,
                                             help="name in the services' certificates, when it differs from the host")
     upstream_timeout: float = setting(600.0, group=UPSTREAM, help="deadline of each call to the services, seconds")
@@ -58,7 +60,10 @@ class GatewayConfig(ServerConfig):
             raise ConfigError("--engine-address is empty: give one engine address (host:port or unix:/path), "
                               "or several separated by commas")
         for address in engines:
-            validate_address(address, "--engine-address")
+            if address.startswith("dns:"):
+                validate_address(address.removeprefix("dns:").lstrip("/"), "--engine-address (after dns:///)")
+            else:
+                validate_address(address, "--engine-address")
         if self.metrics_port is not None:
             raise ConfigError("the gateway serves /metrics on its own --address: leave --metrics-port out")
         if self.health_address:

@@ -81,12 +81,13 @@ class GuardedProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if not self._in_request:
             self._header_bytes += len(data)
-            if self._header_bytes > MAX_HEADER_BYTES:
-                self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\nconnection: close\r\n"
-                                     b"content-length: 0\r\n\r\n")
-                self.transport.close()
-                return
         super().data_received(data)
+        # Still no complete headers after this data (bytes that completed them and went on into
+        # the body do not count): past the bound, the connection is refused.
+        if not self._in_request and self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\nconnection: close\r\n"
+                                 b"content-length: 0\r\n\r\n")
+            self.transport.close()
 
     def on_headers_complete(self) -> None:
         self._in_request = True

@@ -17,9 +17,15 @@ class Upstream:
 
     def __init__(self, render: str, engines: list[str], derender: str, timeout: float,
                  security: ClientSecurity, max_message_bytes: int):
+        """`security`: TLS and token for every TCP address; Unix sockets (sidecars in the same pod)
+        are reached in plaintext, with the token."""
         self.addresses = list(engines)
+        plain = ClientSecurity(token_file=security.token_file)
+        sidecars = plain if render.startswith("unix:") and derender.startswith("unix:") else security
         self.pipelines = [AsyncChatPipeline(Endpoints(render, engine, derender), timeout=timeout,
-                                            max_message_bytes=max_message_bytes, security=security)
+                                            max_message_bytes=max_message_bytes,
+                                            security=plain if engine.startswith("unix:") else security,
+                                            sidecar_security=sidecars)
                           for engine in engines]
         self.in_flight = [0] * len(engines)
         self._turn = itertools.count()
