@@ -52,7 +52,7 @@ def error_response(error: HttpError, headers: dict[str, str] | None = None) -> R
 
 
 class Gateway:
-    """The gateway's state: upstream pipelines, limits, the served model, metrics."""
+    """The gateway's state: the upstream pipeline, limits, the served model, metrics."""
 
     def __init__(self, upstream: Upstream, *, served_model_name: str = "", token: str = "",
                  auth_exempt_health: bool = True, max_body_bytes: int = 32 * 1024 * 1024,
@@ -121,7 +121,7 @@ class Gateway:
 
     async def model_info(self) -> render_pb2.RenderServiceGetModelInfoResponse:
         if self._model_info is None:
-            pipeline = self.upstream.pipelines[0]
+            pipeline = self.upstream.pipeline
             self._model_info = await pipeline.render.GetModelInfo(render_pb2.RenderServiceGetModelInfoRequest(),
                                                                   timeout=10.0, metadata=pipeline._metadata)
         return self._model_info
@@ -180,9 +180,8 @@ class Gateway:
         assembled = openai_out.Assembled()
 
         async def collect() -> None:
-            async with self.upstream.pipeline() as pipeline:
-                async for chunk in method(pipeline)(call.request):
-                    assembled.add(chunk)
+            async for chunk in method(self.upstream.pipeline)(call.request):
+                assembled.add(chunk)
 
         work = asyncio.ensure_future(collect())
         gone = asyncio.ensure_future(_disconnected(request))
@@ -210,23 +209,19 @@ class Gateway:
         else:
             shape = openai_out.CompletionStream(response_id, call.model, call.stream.include_usage,
                                                 call.logprobs is not None)
-        context = self.upstream.pipeline()
-        pipeline = await context.__aenter__()
-        chunks = method(pipeline)(call.request)
+        chunks = method(self.upstream.pipeline)(call.request)
         try:
             first = await anext(chunks)  # errors before the first chunk are HTTP statuses
-        except BaseException as exc:
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
             await chunks.aclose()
-            await context.__aexit__(None, None, None)
-            if isinstance(exc, StopAsyncIteration):
-                first = None
-            else:
-                raise
+            raise
         self.metrics.ttft.labels(endpoint).observe(time.monotonic() - started)
-        return StreamingResponse(self._events(endpoint, shape, first, chunks, context, started),
+        return StreamingResponse(self._events(endpoint, shape, first, chunks, started),
                                  media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
 
-    async def _events(self, endpoint: str, shape, first, chunks: AsyncIterator, context, started: float
+    async def _events(self, endpoint: str, shape, first, chunks: AsyncIterator, started: float
                       ) -> AsyncIterator[bytes]:
         status = "200"
         try:
@@ -255,7 +250,6 @@ class Gateway:
                 await chunks.aclose()
             except BaseException:  # noqa: BLE001 - already cancelled or failed; nothing left to free
                 pass
-            await context.__aexit__(None, None, None)
             self._release()
             self._count_finished(endpoint, status, started, shape.usage.usage if status == "200" else None)
 

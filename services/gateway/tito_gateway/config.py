@@ -23,9 +23,12 @@ class GatewayConfig(ServerConfig):
 
     render_address: str = setting("127.0.0.1:50051", group=UPSTREAM, help="render's address (host:port or unix:/path)")
     engine_address: str = setting("127.0.0.1:50052", group=UPSTREAM,
-                                  help="engine address, or several separated by commas: each request goes to the "
-                                       "one with the fewest requests in flight; dns:///name:port (e.g. a headless "
-                                       "Service) spreads calls over every address the name resolves to")
+                                  help="engine address, or several separated by commas, or dns:///name:port (e.g. a "
+                                       "headless Service: every address it resolves to): see --routing-policy")
+    routing_policy: str = setting("cache_aware", group=UPSTREAM, choices=("cache_aware", "least_load", "round_robin"),
+                                  help="with several engines (or a dns:/// target): how each request's engine is "
+                                       "chosen (tito_client.routing: cache_aware = the longest cached prefix, then "
+                                       "the least load)")
     derender_address: str = setting("127.0.0.1:50053", group=UPSTREAM, help="derender's address")
     upstream_tls_ca_file: str = setting("", group=UPSTREAM,
                                         help="PEM CA that issued the services' certificates (TLS to them on; Unix "
@@ -59,6 +62,9 @@ class GatewayConfig(ServerConfig):
         if not engines:
             raise ConfigError("--engine-address is empty: give one engine address (host:port or unix:/path), "
                               "or several separated by commas")
+        if len(engines) > 1 and any(address.startswith("dns:") for address in engines):
+            raise ConfigError("--engine-address: a dns:/// target stands alone (it names every engine); give "
+                              "either it or a comma-separated list of host:port")
         for address in engines:
             if address.startswith("dns:"):
                 validate_address(address.removeprefix("dns:").lstrip("/"), "--engine-address (after dns:///)")

@@ -21,6 +21,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from tito.errors import TitoError
+from tito_client.routing import NoEngineAvailable
 
 log = logging.getLogger(__name__)
 
@@ -112,5 +113,7 @@ def from_exception(error: BaseException) -> HttpError:
         return from_tito(error)
     if isinstance(error, grpc.RpcError):
         return from_rpc(error)
+    if isinstance(error, NoEngineAvailable):  # the router knows no reachable engine right now
+        return HttpError(503, str(error), UPSTREAM_ERROR)
     log.exception("unexpected error in the gateway", exc_info=error)
     return HttpError(500, "internal error in the gateway; its log has the details", INTERNAL_ERROR)

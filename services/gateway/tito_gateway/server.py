@@ -159,7 +159,8 @@ async def create_server(config: GatewayConfig, phases: StartupPhases | None = No
     check_can_listen(config.address)
     token = read_token_file(config.auth_token_file) if config.auth_token_file else ""
     upstream = Upstream(config.render_address, config.engine_addresses(), config.derender_address,
-                        config.upstream_timeout, config.upstream_security(), config.max_message_bytes)
+                        config.upstream_timeout, config.upstream_security(), config.max_message_bytes,
+                        config.routing_policy)
     gateway = Gateway(upstream, served_model_name=config.served_model_name, token=token,
                       auth_exempt_health=config.auth_exempt_health, max_body_bytes=config.max_body_bytes,
                       max_concurrent_requests=config.max_concurrent_requests, body_timeout=config.idle_timeout)

@@ -1,60 +1,47 @@
-"""The services behind the gateway: one AsyncChatPipeline per engine (render and derender shared
-by address), and the choice of engine for each request: the one with the fewest requests in flight
-from this gateway (ties in turn). Cache-aware routing (prefix KV and encoder outputs) plugs in here."""
+"""The services behind the gateway: one AsyncChatPipeline, and with several engines (a list, or a
+`dns:///name:port` target such as a headless Service) tito_client's `EngineRouter` choosing the
+engine of each request: cache-aware by default (the engine that holds the longest prefix of the
+rendered tokens, from every engine's KV events), or least_load / round_robin."""
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-
 from tito.security import ClientSecurity
+from tito.v1 import engine_pb2
 from tito_client.pipeline import AsyncChatPipeline, Endpoints
+from tito_client.routing import EngineRouter, NoEngineAvailable
 
 
 class Upstream:
-    """The pipelines, by engine; use inside a running event loop."""
+    """The pipeline and, for several engines, its router; use inside a running event loop."""
 
     def __init__(self, render: str, engines: list[str], derender: str, timeout: float,
-                 security: ClientSecurity, max_message_bytes: int):
+                 security: ClientSecurity, max_message_bytes: int, policy: str = "cache_aware"):
         """`security`: TLS and token for every TCP address; Unix sockets (sidecars in the same pod)
         are reached in plaintext, with the token."""
         self.addresses = list(engines)
         plain = ClientSecurity(token_file=security.token_file)
         sidecars = plain if render.startswith("unix:") and derender.startswith("unix:") else security
-        self.pipelines = [AsyncChatPipeline(Endpoints(render, engine, derender), timeout=timeout,
-                                            max_message_bytes=max_message_bytes,
-                                            security=plain if engine.startswith("unix:") else security,
-                                            sidecar_security=sidecars)
-                          for engine in engines]
-        self.in_flight = [0] * len(engines)
-        self._turn = itertools.count()
+        engine_security = plain if len(engines) == 1 and engines[0].startswith("unix:") else security
+        routed = len(engines) > 1 or engines[0].startswith("dns:")
+        self.router = EngineRouter(engines if len(engines) > 1 else engines[0], policy=policy,
+                                   security=engine_security).start() if routed else None
+        self.pipeline = AsyncChatPipeline(Endpoints(render, engines[0], derender), timeout=timeout,
+                                          max_message_bytes=max_message_bytes, security=engine_security,
+                                          router=self.router, sidecar_security=sidecars)
 
     async def close(self) -> None:
-        for pipeline in self.pipelines:
-            await pipeline.close()
-
-    def pick(self) -> int:
-        """The engine with the fewest requests in flight; among equals, the next in turn."""
-        low = min(self.in_flight)
-        candidates = [i for i, count in enumerate(self.in_flight) if count == low]
-        return candidates[next(self._turn) % len(candidates)]
-
-    @asynccontextmanager
-    async def pipeline(self) -> AsyncIterator[AsyncChatPipeline]:
-        index = self.pick()
-        self.in_flight[index] += 1
-        try:
-            yield self.pipelines[index]
-        finally:
-            self.in_flight[index] -= 1
+        await self.pipeline.close()
+        if self.router is not None:
+            self.router.close()
 
     async def health(self) -> dict[str, str]:
-        """Each service's health: render, derender and every engine (by address when several)."""
-        states: dict[str, str] = {}
-        for i, pipeline in enumerate(self.pipelines):
-            found = await pipeline.check_health()
-            if i == 0:
-                states["render"], states["derender"] = found["render"], found["derender"]
-            states["engine" if len(self.pipelines) == 1 else f"engine {self.addresses[i]}"] = found["engine"]
+        """Each service's health: render, engine, derender (with a router, the engine is SERVING
+        while the router knows a reachable engine)."""
+        states = await self.pipeline.check_health()
+        if self.router is not None:
+            try:
+                self.router.pick(engine_pb2.GenerateRequest())
+                states["engine"] = "SERVING"
+            except NoEngineAvailable:
+                states["engine"] = "NOT_SERVING"
         return states
