@@ -98,5 +98,9 @@ def build_engine_args(config: Any, model_dir: str) -> Any:
     if config.dtype != "auto":  # auto is vLLM's default too: the checkpoint's dtype
         engine_args.dtype = config.dtype
     engine_args.generation_config = "vllm"
+    # tito's media items carry the processor's normalized pixel values (render ran the whole image
+    # processor); vLLM 0.32 would otherwise expect raw uint8 patches for the Qwen-VL families and
+    # normalize them again on the device.
+    engine_args.mm_device_do_normalize = False
     engine_args.disable_log_stats = False
     return engine_args
