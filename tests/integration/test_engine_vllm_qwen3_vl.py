@@ -1,7 +1,9 @@
 """Qwen3-VL through `--backend vllm`: the items render makes (images; videos whose span interleaves
 timestamp text with the frames) become vLLM's pre-processed Qwen3-VL input, and vLLM's greedy
 tokens equal the native engine's for the same rendered requests (image, video, image + video);
-one video's ids with another video's features answer like the other video on both backends.
+one video's ids with another video's features answer like the other video on both backends; a
+METADATA request after a TENSORS one is served from vLLM's multimodal cache (render signs the items,
+so the engine trusts their hashes).
 """
 
 from __future__ import annotations
@@ -12,16 +14,18 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, render_pb2
+from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, multimodal_pb2, render_pb2
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
 from tito_render.config import RenderConfig
+from tito_render.media.features import Signer
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
 
 pytestmark = pytest.mark.vllm
 
 TIMEOUT = 180
+KEY, KEY_ID = b"qwen3-vl-vllm-test-key-0123456789", "k1"
 VLLM_ARGS = ("--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.05")
 
 
@@ -47,18 +51,21 @@ def text(value: str) -> chat_pb2.ContentPart:
 
 @pytest.fixture(scope="module")
 def renderer(tiny_qwen3_vl_model) -> Renderer:
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_qwen3_vl_model))))
+    return Renderer(load_render_model(RenderConfig(model=str(tiny_qwen3_vl_model))), signer=Signer(KEY, KEY_ID))
 
 
-def render(renderer: Renderer, *parts, max_tokens: int = 16) -> engine_pb2.GenerateRequest:
+def render(renderer: Renderer, *parts, max_tokens: int = 16,
+           payload: int = multimodal_pb2.MM_PAYLOAD_TENSORS) -> engine_pb2.GenerateRequest:
     return renderer.render_chat(render_pb2.RenderChatRequest(
-        messages=[chat_pb2.ChatMessage(role="user", content_parts=list(parts))],
+        messages=[chat_pb2.ChatMessage(role="user", content_parts=list(parts))], mm_payload=payload,
         sampling=render_pb2.SamplingOptions(max_tokens=max_tokens, temperature=0.0))).generate_request
 
 
 @pytest.fixture(scope="module")
-def stubs(module_aio_server, tiny_qwen3_vl_model):
-    common = dict(model=str(tiny_qwen3_vl_model), max_model_len=1024)
+def stubs(module_aio_server, tiny_qwen3_vl_model, tmp_path_factory):
+    key_file = tmp_path_factory.mktemp("keys") / "hmac.key"
+    key_file.write_bytes(KEY + b"\n")
+    common = dict(model=str(tiny_qwen3_vl_model), max_model_len=1024, hmac_key_file=str(key_file), hmac_key_id=KEY_ID)
     configs = {
         "native": EngineConfig(device="cpu", engine_process=False, **common),
         "vllm": EngineConfig(backend="vllm", kv_cache_bytes=32 << 20, vllm_args=VLLM_ARGS, **common),
@@ -101,3 +108,17 @@ def test_another_videos_features_answer_like_that_video_on_both_backends(stubs, 
         expected_a, expected_b = generate(stubs[backend], a), generate(stubs[backend], b)
         assert expected_a != expected_b
         assert generate(stubs[backend], swapped) == expected_b
+
+
+def test_metadata_after_tensors_is_served_from_vllms_cache(stubs, renderer):
+    parts = (text("Seen before:"), video(3, 2.0, seed=303), image(64, 96, seed=304), text("Again."))
+    with_tensors = render(renderer, *parts, max_tokens=12)
+    expected = generate(stubs["native"], with_tensors)
+    assert generate(stubs["vllm"], with_tensors) == expected
+    metadata_only = render(renderer, *parts, max_tokens=12, payload=multimodal_pb2.MM_PAYLOAD_METADATA)
+    assert all(not item.kwargs for item in metadata_only.mm_features.items)
+    before = stubs["vllm"].GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT)
+    assert generate(stubs["vllm"], metadata_only) == expected
+    after = stubs["vllm"].GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT)
+    assert after.encoder_cache_hits - before.encoder_cache_hits == 2
+    assert after.encoder_cache_misses == before.encoder_cache_misses
