@@ -147,10 +147,10 @@ class AioServer:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="aio-server")
         self.running = None
 
-    def start(self) -> "AioServer":
+    def start(self, timeout: float = 120) -> "AioServer":
         self._thread.start()
         try:
-            self.running = asyncio.run_coroutine_threadsafe(self._factory(), self._loop).result(timeout=120)
+            self.running = asyncio.run_coroutine_threadsafe(self._factory(), self._loop).result(timeout=timeout)
         except BaseException:
             self.stop()  # nothing started: do not leave the loop's thread behind
             raise
@@ -184,8 +184,8 @@ def _server_starter():
     """A `start(factory) -> AioServer` function and the list of servers it started."""
     started: list[AioServer] = []
 
-    def start(factory):
-        server = AioServer(factory).start()
+    def start(factory, timeout: float = 120):
+        server = AioServer(factory).start(timeout)
         started.append(server)
         return server
 

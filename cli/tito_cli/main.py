@@ -36,6 +36,7 @@ from tito_models.paths import DEFAULT_CHAT_MODEL, DEFAULT_MODEL, resolve_model
 from tito.serving import check_can_listen
 from tito.settings import add_settings, declared
 from tito.startup import StartupPhases
+from tito.supervision import ChildProcess, Supervisor, stop_children
 
 SERVICES = ("render", "engine", "derender")
 DEFAULT_ADDRESSES = {"render": "127.0.0.1:50051", "engine": "127.0.0.1:50052", "derender": "127.0.0.1:50053"}
@@ -197,29 +198,26 @@ def beside_engine_flags(engine_config) -> list[str]:
     return ["--cpu-affinity", format_cpu_list(others)] if core is not None and others else []
 
 
+def service_commands(addresses: dict[str, str], model: str, device: str, log_level: str,
+                     extra_args: dict[str, list[str]] | None = None) -> dict[str, list[str]]:
+    """The command line of each service for `spawn_all`; `extra_args` adds flags, by service name."""
+    return {name: [sys.executable, "-m", "tito_cli", "serve", name, "--address", addresses[name],
+                   "--model", model, "--device", device, "--log-level", log_level,
+                   *(extra_args or {}).get(name, [])] for name in SERVICES}
+
+
 def spawn_all(addresses: dict[str, str], model: str, device: str, log_level: str,
               extra_args: dict[str, list[str]] | None = None) -> list[subprocess.Popen]:
     """Start the three services as separate processes (each could run on its own machine);
     `extra_args` adds service-specific flags, by service name."""
-    processes = []
-    for name in SERVICES:
-        command = [sys.executable, "-m", "tito_cli", "serve", name, "--address", addresses[name],
-                   "--model", model, "--device", device, "--log-level", log_level,
-                   *(extra_args or {}).get(name, [])]
-        processes.append(subprocess.Popen(command))
-    return processes
+    return [subprocess.Popen(command)
+            for command in service_commands(addresses, model, device, log_level, extra_args).values()]
 
 
 def stop_all(processes: list[subprocess.Popen], timeout: float = 30.0) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-    for process in processes:
-        try:
-            process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    """SIGTERM each process, wait up to `timeout` seconds for all, then kill what is left."""
+    stop_children([ChildProcess(f"tito {' '.join(map(str, p.args[3:5]))}", p) for p in processes], timeout,
+                  kill_margin=0)
 
 
 def serve_all(args: argparse.Namespace) -> int:
@@ -231,29 +229,32 @@ def serve_all(args: argparse.Namespace) -> int:
         print(f"tito serve all: {exc}", file=sys.stderr)
         return 2
     beside = beside_engine_flags(configs["engine"])
-    processes = spawn_all(addresses, model, args.device, args.log_level, {"render": beside, "derender": beside})
+    commands = service_commands(addresses, model, args.device, args.log_level,
+                                {"render": beside, "derender": beside})
+    # One service ending ends them all (restart=False): each service restarts its own children, so
+    # a service that exits has a reason its operator must see, not a replacement that hides it.
+    supervisor = Supervisor(restart=False)
     stopping = False
 
     def forward(signum, _frame):
         nonlocal stopping
         stopping = True
-        stop_all(processes)
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     try:
-        while True:
-            for name, process in zip(SERVICES, processes):
-                code = process.poll()
-                if code is not None:
-                    if not stopping:
-                        print(f"tito serve all: {name} exited with code {code}; stopping the others",
-                              file=sys.stderr)
-                        stop_all(processes)
-                    return 0 if stopping else (code or 1)
+        for name, command in commands.items():
+            supervisor.start(name, lambda name=name, command=command: ChildProcess(name, subprocess.Popen(command)))
+        while not stopping:
+            ended = supervisor.check()
+            if ended is not None:
+                print(f"tito serve all: {ended.name} exited with code {ended.exit_code}; stopping the others",
+                      file=sys.stderr)
+                return ended.exit_code or 1
             time.sleep(0.2)
+        return 0
     finally:
-        stop_all(processes)
+        supervisor.stop(30.0, kill_margin=0)
 
 
 def _chat_tools(path: str | None) -> list:

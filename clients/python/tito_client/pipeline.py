@@ -7,7 +7,10 @@ message as it arrives. When derender ends a choice itself (a stop string matched
 Every call carries a deadline.
 
 `ChatPipeline` is synchronous (a chat per thread); `AsyncChatPipeline` is the same on asyncio,
-for a router that serves many chats at once from one event loop.
+for a router that serves many chats at once from one event loop. Either takes an
+`routing.EngineRouter` to spread chats over several engines (cache-aware by default): each
+rendered request goes to the engine the router picks, and an engine that fails with UNAVAILABLE
+is left out of later picks at once.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tito import tracing
 from tito.security import ClientSecurity
+from tito_client.routing import EngineRouter
 from tito.v1 import (
     derender_pb2,
     derender_pb2_grpc,
@@ -71,15 +75,31 @@ class ChatPipeline:
     """Synchronous client running chats through the three services."""
 
     def __init__(self, endpoints: Endpoints, timeout: float = 300.0, max_message_bytes: int = 64 * 1024 * 1024,
-                 security: ClientSecurity = ClientSecurity()):
-        """`security`: TLS / mutual TLS / bearer token for all three services (tito.security)."""
+                 security: ClientSecurity = ClientSecurity(), router: EngineRouter | None = None):
+        """`security`: TLS / mutual TLS / bearer token for all three services (tito.security).
+        `router`: pick an engine per chat among its engines (endpoints.engine is then unused)."""
         self.timeout = timeout
         options = _message_limits(max_message_bytes)
+        self._security, self._options, self.router = security, options, router
         self._channels = [security.channel(a, options=options)
                           for a in (endpoints.render, endpoints.engine, endpoints.derender)]
         self.render = render_pb2_grpc.RenderServiceStub(self._channels[0])
         self.engine = engine_pb2_grpc.EngineServiceStub(self._channels[1])
         self.derender = derender_pb2_grpc.DerenderServiceStub(self._channels[2])
+        self._engines: dict[str, engine_pb2_grpc.EngineServiceStub] = {}
+        self.last_engine: str | None = None  # where the latest chat went (with a router)
+
+    def _engine_for(self, request) -> tuple[engine_pb2_grpc.EngineServiceStub, str | None]:
+        if self.router is None:
+            return self.engine, None
+        address = self.router.pick(request).address
+        stub = self._engines.get(address)
+        if stub is None:
+            channel = self._security.channel(address, options=self._options)
+            self._channels.append(channel)
+            stub = self._engines[address] = engine_pb2_grpc.EngineServiceStub(channel)
+        self.last_engine = address
+        return stub, address
 
     def close(self) -> None:
         for channel in self._channels:
@@ -108,7 +128,15 @@ class ChatPipeline:
 
     def _stream_chat(self, request: render_pb2.RenderChatRequest, metadata) -> Iterator[derender_pb2.ChatChunk]:
         rendered = self.render.RenderChat(request, timeout=self.timeout, metadata=metadata)
-        generation = self.engine.Generate(rendered.generate_request, timeout=self.timeout, metadata=metadata)
+        engine, address = self._engine_for(rendered.generate_request)
+        if address is None:
+            yield from self._generate(rendered, engine, metadata)
+            return
+        with self.router.track(address):
+            yield from self._generate(rendered, engine, metadata)
+
+    def _generate(self, rendered, engine, metadata) -> Iterator[derender_pb2.ChatChunk]:
+        generation = engine.Generate(rendered.generate_request, timeout=self.timeout, metadata=metadata)
 
         engine_errors: list[grpc.RpcError] = []
 
@@ -146,15 +174,29 @@ class AsyncChatPipeline:
     Use it inside a running event loop (`async with AsyncChatPipeline(...) as pipeline`)."""
 
     def __init__(self, endpoints: Endpoints, timeout: float = 300.0, max_message_bytes: int = 64 * 1024 * 1024,
-                 security: ClientSecurity = ClientSecurity()):
+                 security: ClientSecurity = ClientSecurity(), router: EngineRouter | None = None):
         self.timeout = timeout
         options = _message_limits(max_message_bytes)
+        self._security, self._options, self.router = security, options, router
         self._channels = [security.aio_channel(a, options=options)
                           for a in (endpoints.render, endpoints.engine, endpoints.derender)]
         self._metadata = security.call_metadata()
         self.render = render_pb2_grpc.RenderServiceStub(self._channels[0])
         self.engine = engine_pb2_grpc.EngineServiceStub(self._channels[1])
         self.derender = derender_pb2_grpc.DerenderServiceStub(self._channels[2])
+        self._engines: dict[str, engine_pb2_grpc.EngineServiceStub] = {}
+        self.last_engine: str | None = None  # where the latest chat went (with a router)
+
+    def _engine_for(self, request) -> tuple[engine_pb2_grpc.EngineServiceStub, str | None]:
+        if self.router is None:
+            return self.engine, None
+        address = self.last_engine = self.router.pick(request).address
+        stub = self._engines.get(address)
+        if stub is None:
+            channel = self._security.aio_channel(address, options=self._options)
+            self._channels.append(channel)
+            stub = self._engines[address] = engine_pb2_grpc.EngineServiceStub(channel)
+        return stub, address
 
     async def close(self) -> None:
         for channel in self._channels:
@@ -182,7 +224,17 @@ class AsyncChatPipeline:
     async def _stream_chat(self, request: render_pb2.RenderChatRequest,
                            metadata) -> AsyncIterator[derender_pb2.ChatChunk]:
         rendered = await self.render.RenderChat(request, timeout=self.timeout, metadata=metadata)
-        generation = self.engine.Generate(rendered.generate_request, timeout=self.timeout, metadata=metadata)
+        engine, address = self._engine_for(rendered.generate_request)
+        if address is None:
+            async for chunk in self._generate(rendered, engine, metadata):
+                yield chunk
+            return
+        with self.router.track(address):
+            async for chunk in self._generate(rendered, engine, metadata):
+                yield chunk
+
+    async def _generate(self, rendered, engine, metadata) -> AsyncIterator[derender_pb2.ChatChunk]:
+        generation = engine.Generate(rendered.generate_request, timeout=self.timeout, metadata=metadata)
         engine_errors: list[grpc.RpcError] = []
 
         async def derender_requests():

@@ -81,10 +81,11 @@ from dataclasses import dataclass, field
 import torch
 
 from tito import signing, tensors
-from tito.errors import FailedPrecondition, FieldViolation, InvalidArgument, ResourceExhausted
-from tito.v1 import multimodal_pb2
+from tito.errors import FailedPrecondition, FieldViolation, InvalidArgument, ResourceExhausted, Unavailable
+from tito.v1 import multimodal_pb2, tensor_pb2
 
 from tito_engine.multimodal.encoder_cache import CacheEntry, CacheKey, EncoderCache
+from tito_engine.multimodal.encoder_store import EntryCorrupt, EntryMissing, SharedEncoderStore
 from tito_engine.multimodal.specs import TENSORS_REQUIRED, ItemLayout, ModelMultimodalSpec, tensor_path
 
 _MM_HASH = re.compile(r"[0-9a-f]{16,128}")
@@ -97,6 +98,11 @@ MODALITY_NAMES: dict[int, str] = {
 
 SIGNATURE_INVALID = "MM_SIGNATURE_INVALID"
 EC_DESCRIPTOR_INVALID = "EC_DESCRIPTOR_INVALID"
+EC_DESCRIPTOR_STALE = "EC_DESCRIPTOR_STALE"
+EC_ENTRY_EVICTED = "EC_ENTRY_EVICTED"
+EC_MODEL_MISMATCH = "EC_MODEL_MISMATCH"
+EC_ENTRY_CORRUPT = "EC_ENTRY_CORRUPT"
+EC_STORE_UNAVAILABLE = "EC_STORE_UNAVAILABLE"
 
 
 # ---------------------------------------------------------------------------- policy and results
@@ -147,6 +153,8 @@ class ValidatedItem:
     encoder_rows: torch.Tensor | None = None
     # Qwen2.5-VL videos: seconds per temporal grid step (spaces M-RoPE's time axis); None elsewhere.
     second_per_grid_ts: float | None = None
+    # The encoder output was loaded from the shared encoder store (a descriptor, or a key hit there).
+    from_store: bool = False
 
     @property
     def needs_encoder(self) -> bool:
@@ -238,10 +246,14 @@ def validate_structure(
     return CheckedFeatures(tuple(checked), total_bytes)
 
 
-def resolve_cached(checked: CheckedFeatures, cache: EncoderCache | None) -> ValidatedFeatures:
+def resolve_cached(checked: CheckedFeatures, cache: EncoderCache | None,
+                   store: SharedEncoderStore | None = None) -> ValidatedFeatures:
     """Phase 2 (rule 6), where the encoder cache lives (the engine core): cache hits, EC
-    descriptors, MM_TENSORS_REQUIRED; decodes the encoder inputs of the items still to encode."""
-    return ValidatedFeatures(tuple(_resolve(c, index, cache) for index, c in enumerate(checked.items)),
+    descriptors (this engine's own, or the shared `store`'s), MM_TENSORS_REQUIRED; decodes the
+    encoder inputs of the items still to encode. An output loaded from `store` goes into `cache`."""
+    if store is not None and cache is None:
+        raise ValueError("a shared encoder store needs an encoder cache to load into")
+    return ValidatedFeatures(tuple(_resolve(c, index, cache, store) for index, c in enumerate(checked.items)),
                              checked.total_bytes)
 
 
@@ -408,7 +420,13 @@ def _check_signature(item, policy: FeaturePolicy, path: str) -> bool:
                               f"not have", reason=SIGNATURE_INVALID, field=field_path)
     if not signing.verify_item(item, policy.signing_keys):
         raise InvalidArgument(f"{field_path} does not verify: the item was changed after render signed it, or "
-                              f"was signed with another key", reason=SIGNATURE_INVALID, field=field_path)
+                              f"was signed with another key (an EC descriptor added after render signed the item "
+                              f"must carry the encoding engine's own auth_tag)", reason=SIGNATURE_INVALID,
+                              field=field_path)
+    if item.HasField("ec_descriptor") and item.ec_descriptor.auth_tag \
+            and not signing.verify_descriptor(item.ec_descriptor, policy.signing_keys):
+        raise _forged(path, "auth_tag", "the descriptor's tag does not verify: it was changed after the encoding "
+                                        "engine signed it, or signed with a key this engine does not have")
     return True
 
 
@@ -483,15 +501,23 @@ def _content_id(c: CheckedItem) -> str | None:
     return None
 
 
-def _resolve(c: CheckedItem, index: int, cache: EncoderCache | None) -> ValidatedItem:
+def _resolve(c: CheckedItem, index: int, cache: EncoderCache | None,
+             store: SharedEncoderStore | None = None) -> ValidatedItem:
     item, path = c.item, c.path
     content_id = _content_id(c)
     key = cache.key_for(content_id) if cache is not None and content_id is not None else None
     entry: CacheEntry | None = None
+    from_store = False
     if item.HasField("ec_descriptor"):
-        entry = _resolve_descriptor(c, key, cache)
+        if store is not None and item.ec_descriptor.store_id == store.store_id:
+            entry, from_store = _resolve_shared_descriptor(c, key, cache, store)
+        else:
+            entry = _resolve_descriptor(c, key, cache, store)
     elif key is not None:
         entry = cache.get(key)
+        if entry is None and store is not None:  # another engine may have encoded it: the shared store
+            entry = _load_from_store(c, key, cache, store, quiet=True)
+            from_store = entry is not None
     if entry is None and not item.kwargs:
         if not c.trusted_hash:
             why = ("it is unsigned, and this engine only lets signed items (or items with tensors) use its "
@@ -499,7 +525,8 @@ def _resolve(c: CheckedItem, index: int, cache: EncoderCache | None) -> Validate
         elif item.HasField("ec_descriptor"):
             why = "its EC descriptor's entry is no longer in this engine's encoder cache"
         else:
-            why = "its encoder output is not in this engine's encoder cache"
+            why = "its encoder output is not in this engine's encoder cache" + (
+                " nor in the shared encoder store" if store is not None else "")
         raise FailedPrecondition(f"{path} has no kwargs (tensors) and {why}; re-render the request with "
                                  f"mm_payload TENSORS", reason=TENSORS_REQUIRED, field=f"{path}.kwargs")
     if entry is not None and (entry.rows.ndim != 2 or entry.rows.shape[0] != c.layout.num_rows):
@@ -516,7 +543,7 @@ def _resolve(c: CheckedItem, index: int, cache: EncoderCache | None) -> Validate
         grid_thw=c.layout.grid_thw, second_per_grid_ts=c.layout.second_per_grid_ts, content_id=content_id,
         cache_key=key, signed=c.signed,
         encoder_inputs=encoder_inputs,
-        encoder_rows=entry.rows if entry is not None else None)
+        encoder_rows=entry.rows if entry is not None else None, from_store=from_store)
 
 
 def _forged(path: str, part: str, message: str) -> InvalidArgument:
@@ -525,13 +552,16 @@ def _forged(path: str, part: str, message: str) -> InvalidArgument:
                            field=field_path)
 
 
-def _resolve_descriptor(c: CheckedItem, key: CacheKey | None, cache: EncoderCache | None) -> CacheEntry | None:
+def _resolve_descriptor(c: CheckedItem, key: CacheKey | None, cache: EncoderCache | None,
+                        store: SharedEncoderStore | None = None) -> CacheEntry | None:
     """The cached entry a descriptor names, after checking every claim it makes (never trusting it)."""
     ec, path = c.item.ec_descriptor, c.path
     if cache is None or ec.store_id != cache.store_id:
         ours = repr(cache.store_id) if cache is not None else "none (this engine keeps no encoder cache)"
-        raise _forged(path, "store_id", f"store {ec.store_id!r} is not this engine's encoder cache ({ours}); "
-                                        f"only local descriptors are supported")
+        shared = (f" or the shared encoder store ({store.store_id!r})" if store is not None else
+                  "; a descriptor of a shared store (ecdir-...) needs --encoder-store-dir on the same directory "
+                  "as the engine that answered Encode")
+        raise _forged(path, "store_id", f"store {ec.store_id!r} is not this engine's encoder cache ({ours}){shared}")
     if ec.uri != cache.uri:
         raise _forged(path, "uri", f"uri {ec.uri!r} does not match this engine's store ({cache.uri!r})")
     if ec.model_fingerprint != cache.model_fingerprint:
@@ -551,3 +581,82 @@ def _resolve_descriptor(c: CheckedItem, key: CacheKey | None, cache: EncoderCach
         raise _forged(path, "shape", f"dtype/shape/byte_size ({ec.dtype}, "
                                      f"{list(ec.shape)}, {ec.byte_size}) do not match the cached entry's")
     return entry
+
+
+def _resolve_shared_descriptor(c: CheckedItem, key: CacheKey | None, cache: EncoderCache,
+                               store: SharedEncoderStore) -> tuple[CacheEntry | None, bool]:
+    """(entry, loaded from the store) for a descriptor of the shared encoder store, after checking
+    every claim it makes against the store's own file: forged (EC_DESCRIPTOR_INVALID), another
+    model (EC_MODEL_MISMATCH), stale (EC_DESCRIPTOR_STALE), evicted (EC_ENTRY_EVICTED) or
+    tampered on disk (EC_ENTRY_CORRUPT). An item that still carries kwargs is encoded instead of
+    refused when the store cannot serve it (evicted, stale, corrupt)."""
+    ec, path = c.item.ec_descriptor, c.path
+    if ec.uri != store.uri:
+        raise _forged(path, "uri", f"uri {ec.uri!r} does not match the shared encoder store's ({store.uri!r})")
+    if ec.model_fingerprint != store.model_fingerprint:
+        field_path = f"{path}.ec_descriptor.model_fingerprint"
+        raise InvalidArgument(f"{field_path}: the descriptor holds the encoder output of model "
+                              f"{ec.model_fingerprint!r}, and this engine serves {store.model_fingerprint!r}; call "
+                              f"Encode on an engine of this model", reason=EC_MODEL_MISMATCH, field=field_path)
+    if key is None:
+        return None, False  # an untrusted metadata-only item: the caller reports MM_TENSORS_REQUIRED
+    if ec.key != key.text:
+        raise _forged(path, "key", f"key {ec.key!r} is not this item's cache key {key.text!r} (it must name the "
+                                   f"item's own content)")
+    entry = cache.get(key)
+    if entry is not None and entry.checksum == ec.checksum:
+        _check_descriptor_fields(ec, entry, path)
+        return entry, False
+    entry = _load_from_store(c, key, cache, store, quiet=False, expected=ec)
+    return entry, entry is not None
+
+
+def _check_descriptor_fields(ec, entry: CacheEntry, path: str) -> None:
+    if ec.dtype != entry.dtype or tuple(ec.shape) != entry.shape or ec.byte_size != entry.byte_size:
+        raise _forged(path, "shape", f"dtype/shape/byte_size ({ec.dtype}, {list(ec.shape)}, {ec.byte_size}) do "
+                                     f"not match the stored entry's")
+
+
+def _load_from_store(c: CheckedItem, key: CacheKey, cache: EncoderCache, store: SharedEncoderStore, *,
+                     quiet: bool, expected=None) -> CacheEntry | None:
+    """The store's entry for `key`, loaded into `cache`. `quiet` (a lookup by key, no descriptor):
+    None when the store cannot serve it. With a descriptor (`expected`): its refusal, unless the
+    item carries kwargs to encode instead (None then)."""
+    path = c.path
+    field_path = f"{path}.ec_descriptor"
+    fallback = quiet or bool(c.item.kwargs)
+    try:
+        header, data = store.get(key.text)
+    except EntryMissing:
+        if fallback:
+            return None
+        raise FailedPrecondition(f"{field_path}: the shared encoder store no longer holds this entry (evicted, or "
+                                 f"never written there); call Encode again, or resend the item with mm_payload "
+                                 f"TENSORS", reason=EC_ENTRY_EVICTED, field=field_path) from None
+    except EntryCorrupt as exc:
+        if fallback:
+            return None
+        raise FailedPrecondition(f"{field_path}: {exc}; call Encode again, or resend the item with mm_payload "
+                                 f"TENSORS", reason=EC_ENTRY_CORRUPT, field=field_path) from None
+    except OSError as exc:
+        raise Unavailable(f"the shared encoder store cannot be read ({exc.strerror or exc}); resend the item with "
+                          f"mm_payload TENSORS or retry on another replica", reason=EC_STORE_UNAVAILABLE) from None
+    if expected is not None:
+        if header.checksum != expected.checksum:
+            if fallback:
+                return None
+            raise FailedPrecondition(f"{field_path}.checksum: the shared encoder store's entry for this key is not "
+                                     f"the one the descriptor describes (re-encoded or rewritten since it was "
+                                     f"issued); call Encode again", reason=EC_DESCRIPTOR_STALE,
+                                     field=f"{field_path}.checksum")
+        if expected.dtype != header.dtype or tuple(expected.shape) != header.shape \
+                or expected.byte_size != header.byte_size:
+            raise _forged(path, "shape", f"dtype/shape/byte_size ({expected.dtype}, {list(expected.shape)}, "
+                                         f"{expected.byte_size}) do not match the stored entry's")
+    if len(header.shape) != 2 or header.shape[0] != c.layout.num_rows:
+        raise InvalidArgument(f"{path}: the stored encoder output for this item has shape {list(header.shape)}, "
+                              f"but its metadata says {c.layout.num_rows} rows; the hash and metadata disagree",
+                              reason="MM_METADATA_MISMATCH", field=f"{path}.metadata")
+    rows = tensors.to_torch(tensor_pb2.Tensor(dtype=header.dtype, shape=list(header.shape), data=data),
+                            field_path).clone()
+    return cache.put_verified(key, rows, checksum=header.checksum, dtype=header.dtype, byte_size=header.byte_size)

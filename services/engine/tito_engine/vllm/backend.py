@@ -23,6 +23,7 @@ from typing import Any
 from tito.config import ConfigError
 from tito.errors import FailedPrecondition, InvalidArgument, TitoError, Unavailable
 
+from tito_engine.kv_events import KvEventLog
 from tito_engine.service.admission import AdmittedRequest, KVCapacity
 from tito_engine.service.backend import LoadSnapshot, check_can_accept
 from tito_engine.multimodal.features import CheckedFeatures
@@ -91,8 +92,12 @@ class VllmEngine:
     event loop (the model loads meanwhile); `start()` and every call after run on the serving loop,
     where AsyncLLM starts its output handler."""
 
-    def __init__(self, engine_args: Any, model_dir: Path, *, model_id: str, max_waiting_requests: int = 1024):
+    def __init__(self, engine_args: Any, model_dir: Path, *, model_id: str, max_waiting_requests: int = 1024,
+                 kv_event_buffer: int = 10_000):
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.kv_events = KvEventLog(kv_event_buffer)
+        self._kv_relay = None
 
         self._stats = _SchedulerStats()
         try:
@@ -106,6 +111,11 @@ class VllmEngine:
 
         enable_envs_cache()
         vllm_config = self._llm.vllm_config
+        events_config = vllm_config.kv_events_config
+        if events_config is not None and events_config.enable_kv_cache_events:
+            from tito_engine.vllm.kv_relay import VllmKvEventRelay
+
+            self._kv_relay = VllmKvEventRelay(self.kv_events, events_config.endpoint, events_config.replay_endpoint)
         model_config = vllm_config.model_config
         hf_config = model_config.hf_config
         self.info, self.mm_spec = describe_model(
@@ -141,6 +151,8 @@ class VllmEngine:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._spawn(self._watch_core())
+        if self._kv_relay is not None:
+            self._kv_relay.start()
 
     def _spawn(self, coroutine) -> None:
         task = self._loop.create_task(coroutine)
@@ -165,6 +177,9 @@ class VllmEngine:
         """Shut vLLM down (from any thread; the server calls it off its event loop)."""
         self._stopping = True  # the watchdog sees it within a second and returns
         self._llm.shutdown(timeout=timeout)
+        if self._kv_relay is not None:
+            self._kv_relay.stop()
+        self.kv_events.close()
 
     # ---------------------------------------------------------------- requests
 
@@ -218,6 +233,14 @@ class VllmEngine:
             "Encode is not available on the vllm backend: vLLM keeps encoder outputs inside its engine "
             "core and hands out no descriptors for them; send Generate with mm_payload TENSORS (vLLM caches "
             "the items by mm_hash and reuses them for later requests)", reason="ENCODE_UNSUPPORTED")
+
+    async def reset_prefix_cache(self) -> None:
+        """vLLM empties its prefix cache only while no request holds blocks; its AllBlocksCleared
+        event is published with its next scheduler step."""
+        if not await self._llm.reset_prefix_cache():
+            raise FailedPrecondition("vLLM resets its prefix cache only while no request holds KV blocks; retry "
+                                     "when the engine is idle (GetLoad running_requests 0)",
+                                     reason="PREFIX_CACHE_BUSY")
 
     def abort(self, request_ids: list[str]) -> list[str]:
         with self._lock:
