@@ -226,6 +226,51 @@ def test_second_per_grid_ts_in_kwargs_must_agree_and_qwen2_vl_has_none(qwen2_5_s
             image_features, qwen2_5_spec)
 
 
+@pytest.fixture(scope="module")
+def qwen3_vl_spec(tiny_qwen3_vl_model):
+    return multimodal_spec_from_config(AutoConfig.from_pretrained(tiny_qwen3_vl_model), FINGERPRINT)
+
+
+def qwen3_video(frame_runs=(4, 4, 4), gap=3):
+    """A Qwen3-VL video span: per frame, `gap` timestamp tokens, <vs>, the frame's pads, <ve>;
+    is_embed true at the pads. Grid (3, 4, 4): 3 frames of 4 rows, 16-pixel patches."""
+    ids, mask = [5, 6, VISION_START], []
+    offset = len(ids)
+    for run in frame_runs:
+        ids += [27] * gap + [VISION_START] + [VIDEO_PAD] * run + [VISION_END]
+        mask += [False] * (gap + 1) + [True] * run + [False]
+    ids += [VISION_END, 8]
+    item = multimodal_pb2.MultiModalItem(
+        modality=multimodal_pb2.MODALITY_VIDEO, mm_hash=hash_of(9),
+        placeholder=multimodal_pb2.PlaceholderRange(offset=offset, length=len(mask), is_embed=mask))
+    pixels = np.random.default_rng(9).standard_normal((48, 3 * 2 * 16 * 16), dtype=np.float32)
+    item.kwargs["pixel_values_videos"].CopyFrom(tensors.from_numpy(pixels))
+    item.metadata["video_grid_thw"].CopyFrom(grid_tensor((3, 4, 4)))
+    return ids, multimodal_pb2.MultiModalFeatures(items=[item])
+
+
+def test_qwen3_vl_video_embeds_one_run_per_frame(qwen3_vl_spec):
+    assert qwen3_vl_spec.uses_mrope and not qwen3_vl_spec.modalities["video"].contiguous_embeds
+    assert qwen3_vl_spec.modalities["image"].contiguous_embeds  # an image stays one run
+    ids, features = qwen3_video()
+    (item,) = validate_mm_features(ids, features, qwen3_vl_spec, OPEN).items
+    assert item.num_rows == 12 and len(item.embed_positions) == 12
+    assert all(ids[p] == VIDEO_PAD for p in item.embed_positions)
+    # A frame whose pads are split by text breaks the per-frame runs M-RoPE needs.
+    ids, features = qwen3_video(frame_runs=(4, 4, 4))
+    mask = list(features.items[0].placeholder.is_embed)
+    first = mask.index(True)
+    ids[features.items[0].placeholder.offset + first + 1] = 27
+    mask[first + 1] = False
+    last = len(mask) - 1 - mask[::-1].index(True)
+    ids[features.items[0].placeholder.offset + last + 1] = VIDEO_PAD  # the row moves past the frame's end
+    mask[last + 1] = True
+    features.items[0].placeholder.ClearField("is_embed")
+    features.items[0].placeholder.is_embed.extend(mask)
+    rejects(InvalidArgument, "MM_EMBEDS_NOT_CONTIGUOUS", "mm_features.items[0].placeholder.is_embed", ids, features,
+            qwen3_vl_spec)
+
+
 # ---------------------------------------------------------------------------- structure
 
 

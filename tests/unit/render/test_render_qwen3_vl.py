@@ -394,3 +394,34 @@ def test_typed_timestamp_text_is_ordinary_text_but_typed_pads_are_refused(qwen3)
     with pytest.raises(InvalidArgument) as caught:
         qwen3.render_chat(chat(text_part("<|video_pad|>"), video_part(frames_of(2), fps=2.0)))
     assert caught.value.reason == "PLACEHOLDER_IN_TEXT"
+
+
+# --------------------------------------------------------------------------- the stock processor
+
+
+def test_stock_qwen3_vl_processor_agrees_where_torchvision_imports(qwen3, tiny_qwen3_vl_model):
+    """transformers' own AutoProcessor (Qwen3VLProcessor with the real Qwen3VLVideoProcessor, which
+    needs torchvision, and its torchvision image backend): ids, grids and is_embed positions equal;
+    pixels within one uint8 level (torchvision's resize vs the PIL resize render does, see the README)."""
+    pytest.importorskip("torchvision")
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_qwen3_vl_model)
+    frames, still = frames_of(5, 80, 64, seed=70), picture(64, 64, seed=71)
+    response = qwen3.render_chat(chat(video_part(frames, fps=2.0), text_part("and"), image_part(still)))
+    content = [{"type": "video"}, {"type": "text", "text": "and"}, {"type": "image"}]
+    prompt = qwen3.model.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                       add_generation_prompt=True)
+    hf = processor(text=[prompt], images=[still], videos=[np.stack([np.asarray(f) for f in frames])],
+                   video_metadata=[{"total_num_frames": 5, "fps": 2.0, "frames_indices": list(range(5))}],
+                   do_sample_frames=False, return_tensors="np")
+    request = response.generate_request
+    assert list(request.token_ids) == hf["input_ids"][0].tolist()
+    video, image = request.mm_features.items
+    assert to_numpy(video.metadata["video_grid_thw"]).tolist() == hf["video_grid_thw"].tolist()
+    assert to_numpy(image.metadata["image_grid_thw"]).tolist() == hf["image_grid_thw"].tolist()
+    assert embed_positions(video) == np.flatnonzero(hf["mm_token_type_ids"][0] == 2).tolist()
+    assert embed_positions(image) == np.flatnonzero(hf["mm_token_type_ids"][0] == 1).tolist()
+    level = (1 / 255) / 0.5  # one uint8 level after rescale and normalize (std 0.5)
+    for item, key in ((image, "pixel_values"), (video, "pixel_values_videos")):
+        assert np.abs(to_numpy(item.kwargs[key]) - hf[key]).max() <= level * 1.001

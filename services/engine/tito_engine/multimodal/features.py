@@ -31,7 +31,7 @@ Rules, in the order they are checked (first violation wins):
    `second_per_grid_ts`, one positive float, default 1.0); the number of encoder output
    rows the item produces (Qwen2-VL: prod(grid_thw) // spatial_merge_size**2, Gemma3: fixed)
    equals its number of embed positions; for M-RoPE models the embed positions are one
-   contiguous run; when kwargs are present they have plausible shapes and dtypes (Qwen2-VL
+   contiguous run (a Qwen3-VL video: one run per frame, the timestamp text between); when kwargs are present they have plausible shapes and dtypes (Qwen2-VL
    `pixel_values` [prod(grid_thw), C*T*P*P] floating point).
 5. Token ids: every embed position holds the modality's placeholder token id, and no placeholder
    token id appears anywhere else (the ids and the features would disagree: HF models scatter

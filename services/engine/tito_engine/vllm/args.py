@@ -222,6 +222,10 @@ def build_engine_args(config: Any, model_dir: str) -> Any:
         engine_args.kv_cache_memory_bytes = budget.bytes
         log.info("vLLM KV cache: %s", budget.describe(kv_bytes_per_token(model_dir, dtype)))
     engine_args.generation_config = "vllm"
+    # tito's media items carry the processor's normalized pixel values (render ran the whole image
+    # processor); vLLM 0.32 would otherwise expect raw uint8 patches for the Qwen-VL families and
+    # normalize them again on the device.
+    engine_args.mm_device_do_normalize = False
     engine_args.disable_log_stats = False
     if config.prefix_caching:  # vLLM's own KV events, relayed into SubscribeKvEvents (vllm/kv_relay.py)
         from tito_engine.vllm.kv_relay import events_config, private_endpoints
