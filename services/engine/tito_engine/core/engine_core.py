@@ -49,8 +49,8 @@ from tito.v1 import multimodal_pb2
 
 from tito_engine.multimodal.encoder_cache import CacheKey, EncoderCache
 from tito_engine.multimodal.encoder_store import EntryCorrupt, EntryMissing, SharedEncoderStore
-from tito_engine.multimodal.features import (EC_STORE_UNAVAILABLE, CheckedFeatures, ValidatedFeatures,
-                                             check_encoder_cache_enabled, resolve_cached)
+from tito_engine.multimodal.items import EC_STORE_UNAVAILABLE, CheckedFeatures, ValidatedFeatures
+from tito_engine.multimodal.resolution import check_encoder_cache_enabled, resolve_cached
 from tito_engine.request import ChoiceOutput, Request
 from tito_engine.limits import SchedulerLimits
 from tito_engine.scheduling.blocks import BlockMedia
