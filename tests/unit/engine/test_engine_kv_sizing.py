@@ -10,7 +10,7 @@ import torch
 from tito.config import ConfigError
 from tito_engine.kv_sizing import (DEFAULT_KV_MEMORY_FRACTION, KV_MEMORY_RESERVE_BYTES, available_host_memory,
                                    kv_budget)
-from tito_engine.model.runner import KVCacheSpec, ModelRunner
+from tito_engine.model.runner import KVCacheSpec, ModelRunner, choose_dtype
 from tito_models.real_shape import SHAPES
 
 GIB = 1 << 30
@@ -54,11 +54,14 @@ def test_available_memory_reads_meminfo_and_a_cgroup_limit(tmp_path):
 def test_this_machine_gives_the_0_5b_shape_32_contexts_of_2048_tokens():
     shape = SHAPES["qwen2.5-0.5b"]
     head_dim = shape["hidden_size"] // shape["num_attention_heads"]
-    per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 2  # bf16: 12,288 bytes
-    weights = 494_000_000 * 2  # what loading the bf16 checkpoint takes from the free memory
+    # The bf16 checkpoint computes (and caches) in bf16 where this CPU has it, else in float32.
+    compute, _ = choose_dtype(torch.device("cpu"), "auto", torch.bfloat16)
+    itemsize = torch.empty((), dtype=compute).element_size()
+    per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * itemsize
+    weights = 494_000_000 * itemsize  # what loading the checkpoint takes from the free memory
     budget = kv_budget(available_host_memory() - weights, per_token, max_sequences=64,
                        context_length=shape["max_position_embeddings"])
-    assert per_token == 12_288
+    assert per_token == 6_144 * itemsize  # 12,288 bytes in bf16, 24,576 in float32
     assert budget.bytes // per_token >= 32 * 2048, budget.describe(per_token)
 
 
