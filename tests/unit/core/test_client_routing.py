@@ -91,6 +91,7 @@ class ScriptedEngine(engine_pb2_grpc.EngineServiceServicer):
         self.feeds: list[queue.Queue] = []
         self.lock = threading.Lock()
         self.oldest = 0
+        self.down = False  # GetLoad fails
 
     def push(self, batch):
         with self.lock:
@@ -105,6 +106,8 @@ class ScriptedEngine(engine_pb2_grpc.EngineServiceServicer):
             self.feeds = []
 
     def GetLoad(self, request, context):
+        if self.down:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "down")
         return engine_pb2.GetLoadResponse(running_requests=self.load, kv_block_size=BLOCK)
 
     def SubscribeKvEvents(self, request, context):
@@ -172,6 +175,7 @@ def test_cache_aware_picks_the_longest_prefix_then_the_least_load(engines):
     with EngineRouter([a, b, c], load_interval=0.02) as router:
         chat = generate_request(system + [1, 2, 3])
         wait_for(lambda: router.pick(chat).matched_blocks == 3, "engine a's events indexed")
+        wait_for(lambda: router.status()[c]["cached_blocks"] == 1, "engine c's events indexed")
         assert router.pick(chat).address == a  # longest prefix, though the busiest
         assert router.pick(generate_request(system[:4] + [9] * 8)).address == c  # 1 block each: c is less loaded
         assert router.pick(generate_request([7] * 12)).address == b  # cold: least loaded
@@ -226,9 +230,11 @@ def test_engines_come_and_go_with_dns_and_unreachable_ones_are_left_out(engines)
         resolved["addresses"] = [b]
         wait_for(lambda: router.addresses() == [b], "a left")
         assert router.pick(generate_request([1] * 8)).address == b
-        router.mark_unreachable(b)  # e.g. a Generate failed with UNAVAILABLE
+        engine_b.down = True
+        router.mark_unreachable(b)  # e.g. a Generate failed with UNAVAILABLE; GetLoad fails too
         with pytest.raises(NoEngineAvailable):
             router.pick(generate_request([1] * 8))
+        engine_b.down = False
         wait_for(lambda: router.status()[b]["reachable"], "b answered GetLoad again")
         assert router.pick(generate_request([1] * 8)).address == b
 
