@@ -32,6 +32,10 @@ TITO_FLAGS = {
     # applies no defaults of its own, so vLLM's generation_config is pinned to "vllm".
     "generation_config": "render's resolved sampling parameters",
     "disable_log_stats": "GetLoad (it reads vLLM's scheduler statistics)",
+    # Render sends pixel values already rescaled and normalized (the model's own image processor);
+    # vLLM would otherwise normalize them once more inside the model (its processor then hands
+    # the model raw uint8 pixels), and every image would read as another.
+    "mm_device_do_normalize": "render (pixel values arrive normalized)",
 }
 
 
@@ -99,4 +103,5 @@ def build_engine_args(config: Any, model_dir: str) -> Any:
         engine_args.dtype = config.dtype
     engine_args.generation_config = "vllm"
     engine_args.disable_log_stats = False
+    engine_args.mm_device_do_normalize = False
     return engine_args
