@@ -28,7 +28,8 @@ from tito.contract import ERROR_REASONS  # noqa: E402
 from tito_models.demo import ensure_demo_model  # noqa: E402
 from tito.errors import TitoError  # noqa: E402
 from tito_models.tiny import (INTERLEAVED_VL_MODEL, LLAMA_MODEL, PADDED_TEXT_MODEL,  # noqa: E402
-                              QWEN2_5_VL_MODEL, QWEN3_MODEL, TEXT_MODEL, TEXT_MODEL_D64, VL_MODEL, ensure_model)
+                              QWEN2_5_VL_MODEL, QWEN3_MODEL, QWEN3_VL_MODEL, TEXT_MODEL, TEXT_MODEL_D64, VL_MODEL,
+                              ensure_model)
 
 # Every error reason raised in this test process, so the session can fail if one is missing from
 # the contract's ErrorReason enum (the static scan in test_core_error_reasons.py cannot see
@@ -126,6 +127,12 @@ def tiny_qwen2_5_vl_model(model_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_vl_model(model_cache) -> Path:
+    """A tiny Qwen3-VL (interleaved M-RoPE, DeepStack, timestamped video spans; head_dim 64)."""
+    return ensure_model(QWEN3_VL_MODEL, model_cache)
+
+
+@pytest.fixture(scope="session")
 def demo_model(model_cache) -> Path:
     """tito-demo: the Qwen2-VL tito trains itself (once per session, seconds to a minute)."""
     return ensure_demo_model(model_cache)
@@ -140,10 +147,10 @@ class AioServer:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="aio-server")
         self.running = None
 
-    def start(self) -> "AioServer":
+    def start(self, timeout: float = 120) -> "AioServer":
         self._thread.start()
         try:
-            self.running = asyncio.run_coroutine_threadsafe(self._factory(), self._loop).result(timeout=120)
+            self.running = asyncio.run_coroutine_threadsafe(self._factory(), self._loop).result(timeout=timeout)
         except BaseException:
             self.stop()  # nothing started: do not leave the loop's thread behind
             raise
@@ -177,8 +184,8 @@ def _server_starter():
     """A `start(factory) -> AioServer` function and the list of servers it started."""
     started: list[AioServer] = []
 
-    def start(factory):
-        server = AioServer(factory).start()
+    def start(factory, timeout: float = 120):
+        server = AioServer(factory).start(timeout)
         started.append(server)
         return server
 

@@ -14,6 +14,14 @@ MAX_TOP_LOGPROBS = 20
 #: The ErrorInfo reason of an out-of-range sampling field, in render and engine alike.
 INVALID_SAMPLING_PARAMS = "INVALID_SAMPLING_PARAMS"
 
+#: Stop strings (`OutputTextOptions.stop`): at most this many per request, each at most
+#: MAX_STOP_STRING_CHARS characters. Derender matches every stop string against each piece of
+#: output, so the bound is what keeps its per-token cost bounded. Render refuses more
+#: (INVALID_SAMPLING_PARAMS on `sampling.stop`), derender refuses a context with more
+#: (STOP_STRINGS_TOO_LARGE on `context.text_options.stop`).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+
 
 @dataclass(frozen=True)
 class SamplingRange:

@@ -98,6 +98,12 @@ class NotFound(TitoError):
     code_name = "NOT_FOUND"
 
 
+class OutOfRange(TitoError):
+    """A position the caller named (e.g. a sequence number) lies outside what the server holds."""
+
+    code_name = "OUT_OF_RANGE"
+
+
 class Unimplemented(TitoError):
     """The contract defines this capability but this server does not provide it yet."""
 

@@ -224,9 +224,10 @@ def wrap_handler(handler: grpc.RpcMethodHandler, wrap: Callable[[Callable, bool]
 
 
 def error_details(error: grpc.RpcError) -> dict:
-    """Client-side helper: decode an RpcError's rich status into {reason, fields, message}."""
+    """Client-side helper: decode an RpcError's rich status into {code, message, reason, fields,
+    metadata} (metadata: ErrorInfo's)."""
     status = rpc_status.from_call(error)
-    result = {"code": error.code(), "message": error.details(), "reason": None, "fields": []}
+    result = {"code": error.code(), "message": error.details(), "reason": None, "fields": [], "metadata": {}}
     if status is None:
         return result
     for detail in status.details:
@@ -234,6 +235,7 @@ def error_details(error: grpc.RpcError) -> dict:
             info = error_details_pb2.ErrorInfo()
             detail.Unpack(info)
             result["reason"] = info.reason
+            result["metadata"] = dict(info.metadata)
         elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
             bad = error_details_pb2.BadRequest()
             detail.Unpack(bad)

@@ -47,6 +47,15 @@ class RunningServer:
     grace_seconds: float
     cleanups: list[Callable[[], object]] = field(default_factory=list)
     metrics: Any = None  # tito.metrics.ServiceMetrics when serving /metrics (its .address: host:port)
+    # Other endpoints the service listens on, by name (e.g. the engine's "kv_events" ZMQ address).
+    endpoints: dict[str, str] = field(default_factory=dict)
+    # Run when shutdown begins, before in-flight calls are waited for (e.g. ending endless streams).
+    closers: list[Callable[[], object]] = field(default_factory=list)
+
+    def add_closer(self, closer: Callable[[], object]) -> None:
+        """Run `closer` (sync) as shutdown begins, so calls that never end by themselves (event
+        subscriptions) end now instead of holding the grace period."""
+        self.closers.append(closer)
 
     def add_cleanup(self, cleanup: Callable[[], object]) -> None:
         """Run `cleanup` (sync or async) after the server has stopped, e.g. to free a model."""
@@ -65,6 +74,8 @@ class RunningServer:
     async def stop(self, grace: float | None = None) -> None:
         """Graceful shutdown: health NOT_SERVING, refuse new calls, let in-flight ones finish."""
         await self.health.enter_graceful_shutdown()
+        for closer in self.closers:
+            closer()
         await self.server.stop(self.grace_seconds if grace is None else grace)
         for cleanup in reversed(self.cleanups):
             result = cleanup()

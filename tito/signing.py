@@ -23,6 +23,7 @@ from tito.errors import ConfigError
 from tito.v1 import multimodal_pb2
 
 _DOMAIN = b"tito.v1.MultiModalItem/hmac-sha256\x00"
+_DESCRIPTOR_DOMAIN = b"tito.v1.EncoderCacheDescriptor/hmac-sha256\x00"
 
 
 def _blob(value: bytes) -> bytes:
@@ -44,8 +45,17 @@ def _tensors(tensors) -> bytes:
     return b"".join(out)
 
 
-def signed_bytes(item: multimodal_pb2.MultiModalItem) -> bytes:
-    """The canonical bytes an item's tag covers (everything but auth_tag and auth_key_id)."""
+def _descriptor_bytes(ec: multimodal_pb2.EncoderCacheDescriptor) -> bytes:
+    return b"".join([_text(ec.store_id), _text(ec.uri), _text(ec.key), struct.pack("<I", ec.dtype),
+                     struct.pack("<Q", len(ec.shape)) + struct.pack(f"<{len(ec.shape)}q", *ec.shape),
+                     struct.pack("<Q", ec.byte_size), _text(ec.checksum), _text(ec.model_fingerprint)])
+
+
+def signed_bytes(item: multimodal_pb2.MultiModalItem, *, with_descriptor: bool = True) -> bytes:
+    """The canonical bytes an item's tag covers (everything but auth_tag and auth_key_id).
+
+    `with_descriptor=False`: the bytes of the item as if it had no EC descriptor (what render
+    signed before an engine's signed descriptor was attached, see `verify_item`)."""
     placeholder = item.placeholder
     parts = [
         _DOMAIN,
@@ -56,18 +66,15 @@ def signed_bytes(item: multimodal_pb2.MultiModalItem) -> bytes:
         _tensors(item.kwargs),
         _tensors(item.metadata),
     ]
-    if item.HasField("ec_descriptor"):
-        ec = item.ec_descriptor
-        parts += [b"\x01", _text(ec.store_id), _text(ec.uri), _text(ec.key), struct.pack("<I", ec.dtype),
-                  struct.pack("<Q", len(ec.shape)) + struct.pack(f"<{len(ec.shape)}q", *ec.shape),
-                  struct.pack("<Q", ec.byte_size), _text(ec.checksum), _text(ec.model_fingerprint)]
+    if with_descriptor and item.HasField("ec_descriptor"):
+        parts += [b"\x01", _descriptor_bytes(item.ec_descriptor)]
     else:
         parts.append(b"\x00")
     return b"".join(parts)
 
 
-def compute_tag(item: multimodal_pb2.MultiModalItem, key: bytes) -> bytes:
-    return hmac.new(key, signed_bytes(item), hashlib.sha256).digest()
+def compute_tag(item: multimodal_pb2.MultiModalItem, key: bytes, *, with_descriptor: bool = True) -> bytes:
+    return hmac.new(key, signed_bytes(item, with_descriptor=with_descriptor), hashlib.sha256).digest()
 
 
 def sign_item(item: multimodal_pb2.MultiModalItem, key: bytes, key_id: str = "") -> None:
@@ -77,11 +84,38 @@ def sign_item(item: multimodal_pb2.MultiModalItem, key: bytes, key_id: str = "")
 
 
 def verify_item(item: multimodal_pb2.MultiModalItem, keys: dict[str, bytes]) -> bool:
-    """True when the item's tag was made by one of `keys` (by auth_key_id) over its current content."""
+    """True when the item's tag was made by one of `keys` (by auth_key_id) over its current content.
+
+    An item whose EC descriptor carries its own tag (signed by the engine that answered Encode,
+    `sign_descriptor`) also verifies when its tag covers the item without the descriptor: render
+    signs an item before any engine has encoded it, and a router attaches the descriptor later.
+    The descriptor's own tag is checked apart (`verify_descriptor`); it binds the descriptor's
+    key, which names the item's mm_hash, so it cannot be moved to another item's content."""
     key = keys.get(item.auth_key_id)
     if key is None or len(item.auth_tag) != hashlib.sha256().digest_size:
         return False
-    return hmac.compare_digest(item.auth_tag, compute_tag(item, key))
+    if hmac.compare_digest(item.auth_tag, compute_tag(item, key)):
+        return True
+    return bool(item.HasField("ec_descriptor") and item.ec_descriptor.auth_tag) and \
+        hmac.compare_digest(item.auth_tag, compute_tag(item, key, with_descriptor=False))
+
+
+def descriptor_tag(descriptor: multimodal_pb2.EncoderCacheDescriptor, key: bytes) -> bytes:
+    return hmac.new(key, _DESCRIPTOR_DOMAIN + _descriptor_bytes(descriptor), hashlib.sha256).digest()
+
+
+def sign_descriptor(descriptor: multimodal_pb2.EncoderCacheDescriptor, key: bytes, key_id: str = "") -> None:
+    """Set the descriptor's auth_tag (and auth_key_id) in place (the engine that answers Encode)."""
+    descriptor.auth_key_id = key_id
+    descriptor.auth_tag = descriptor_tag(descriptor, key)
+
+
+def verify_descriptor(descriptor: multimodal_pb2.EncoderCacheDescriptor, keys: dict[str, bytes]) -> bool:
+    """True when the descriptor's tag was made by one of `keys` (by auth_key_id) over its fields."""
+    key = keys.get(descriptor.auth_key_id)
+    if key is None or len(descriptor.auth_tag) != hashlib.sha256().digest_size:
+        return False
+    return hmac.compare_digest(descriptor.auth_tag, descriptor_tag(descriptor, key))
 
 
 MIN_KEY_BYTES = 16

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from tito.errors import InvalidArgument
+from tito.json_text import check_json_depth
 
 INVALID_STRUCTURED_OUTPUT = "INVALID_STRUCTURED_OUTPUT"
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -121,6 +122,8 @@ def validate(spec: StructuredOutputSpec, field: str | None = None) -> None:
 
 
 def _check(spec: StructuredOutputSpec, field: str) -> None:
+    if spec.kind in ("json_schema", "structural_tag"):
+        check_json_depth(spec.value, field)  # before anything parses (and recurses into) it
     if spec.kind == "choice":
         choices = json.loads(spec.value)
         if not choices:

@@ -1,13 +1,13 @@
 """Deterministic, offline builder for tiny Hugging Face model directories.
 
-The models built here are random-weight toys (Qwen2, Qwen2-VL, Gemma3, Llama, Qwen3, Qwen2.5-VL) used by the tests and
+The models built here are random-weight toys (Qwen2, Qwen2-VL, Gemma3, Llama, Qwen3, Qwen2.5-VL, Qwen3-VL) used by the tests and
 as the default model of ``tito serve``.  Nothing is downloaded: the tokenizer is
 trained from a corpus embedded in this module and the weights come from
 private generators seeded per parameter name (normal(0, 0.2) for matrices, so
 greedy output is varied), so every build writes byte-identical files.  Only
 ``tokenizers``, ``torch`` and ``transformers`` are needed, imported lazily.
 
-Eight models are available:
+Eleven models are available:
 
 ``tiny-qwen2`` (:data:`TEXT_MODEL`, :func:`build_text_model`)
     ``Qwen2ForCausalLM``: hidden size 64, 2 layers, 4 attention heads / 2 KV
@@ -97,7 +97,18 @@ Eight models are available:
     [1]; hidden 32, 2 heads, gated SiLU MLP 64, RMSNorm, merger to 64), ``tokens_per_second`` 2,
     and ``tiny-qwen2-vl``'s image processor config (``processor_class`` ``Qwen2_5_VLProcessor``).
 
-These three use the shared tokenizer, chat template and generation config unchanged.
+``tiny-qwen3-vl`` (:data:`QWEN3_VL_MODEL`, :func:`build_qwen3_vl_model`)
+    ``Qwen3VLForConditionalGeneration``: a Qwen3 text part (q/k RMSNorm, no bias) at hidden 64,
+    3 layers, 1 head / 1 KV head, head_dim 64 (so vLLM's CPU attention takes it), interleaved
+    M-RoPE ``mrope_section`` [12, 10, 10]; a 2-block vision tower (hidden 32, 16-pixel patches, a
+    learned 8 x 8 position grid) with DeepStack mergers on blocks 0 and 1, whose outputs are added
+    to decoder layers 0 and 1 at the image/video positions. ``preprocessor_config.json``
+    (``Qwen2VLImageProcessorFast`` settings, patch 16, mean = std = 0.5, 4..64 merged tokens per
+    image) and ``video_preprocessor_config.json`` (``Qwen3VLVideoProcessor``: 4096..131072 pixels
+    over all frames, no frame sampling). Its chat template is the shared one, which renders image
+    and video parts as Qwen3-VL's does (``<|vision_start|><|image_pad|><|vision_end|>``, ``<|vision_start|><|video_pad|><|vision_end|>``).
+
+These four use the shared tokenizer, chat template and generation config unchanged.
 
 The directories share one tokenizer (:func:`build_tokenizer`): a byte-level
 BPE with the Qwen2 pre-tokenizer regex, NFC normalisation and a ~1000 token
@@ -208,6 +219,8 @@ __all__ = [
     "LLAMA_MODEL",
     "QWEN3_MODEL",
     "QWEN2_5_VL_MODEL",
+    "QWEN3_VL_MODEL",
+    "build_qwen3_vl_model",
     "build_interleaved_vl_tokenizer",
     "INTERLEAVED_VL_CHAT_TEMPLATE",
     "INTERLEAVED_VL_SPECIAL_TOKENS",
@@ -227,6 +240,7 @@ VL_MODEL_D64 = "tiny-qwen2-vl-d64"
 LLAMA_MODEL = "tiny-llama"
 QWEN3_MODEL = "tiny-qwen3"
 QWEN2_5_VL_MODEL = "tiny-qwen2.5-vl"
+QWEN3_VL_MODEL = "tiny-qwen3-vl"
 #: tiny-qwen2 with a padded embedding (PADDED_VOCAB_ROWS rows for the same 1013-entry tokenizer),
 #: as real checkpoints have (Qwen: 151,936 rows, 151,669 tokens): ids 1013..1087 are padding ids.
 PADDED_TEXT_MODEL = "tiny-qwen2-padded"
@@ -236,7 +250,7 @@ BENCH_TEXT_MODEL = "tiny-qwen2-h256"
 BENCH_TEXT_SHAPE = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
                     "num_attention_heads": 4, "num_key_value_heads": 2}
 MODELS = (TEXT_MODEL, VL_MODEL, INTERLEAVED_VL_MODEL, TEXT_MODEL_D64, VL_MODEL_D64, LLAMA_MODEL, QWEN3_MODEL,
-          QWEN2_5_VL_MODEL, PADDED_TEXT_MODEL, BENCH_TEXT_MODEL)
+          QWEN2_5_VL_MODEL, QWEN3_VL_MODEL, PADDED_TEXT_MODEL, BENCH_TEXT_MODEL)
 
 #: Bump whenever the produced bytes change, so cached copies are rebuilt.
 VERSION = "v1"
@@ -959,6 +973,123 @@ def build_qwen2_5_vl_model(out_dir: Path) -> Path:
     return out_dir
 
 
+#: Qwen3-VL's M-RoPE sections for head_dim 64 (Qwen3-VL's [24, 20, 20] for head_dim 128, halved
+#: and rounded so they sum to 32), interleaved (t, h, w, t, h, w, ...) across the rotary dims.
+QWEN3_VL_MROPE_SECTION = [12, 10, 10]
+#: The vision blocks whose outputs DeepStack adds to the first decoder layers (one per layer).
+QWEN3_VL_DEEPSTACK_INDEXES = [0, 1]
+QWEN3_VL_PATCH_SIZE = 16
+
+
+def _qwen3_vl_image_processor_config() -> dict[str, Any]:
+    # Qwen3-VL ships Qwen2VLImageProcessorFast settings with 16-pixel patches and mean = std = 0.5;
+    # AutoImageProcessor gives the PIL backend here. Bounds keep images tiny (4..64 merged tokens).
+    min_pixels, max_pixels = 32 * 32 * 4, 32 * 32 * 64
+    return {
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "image_std": [0.5, 0.5, 0.5],
+        "merge_size": 2,
+        "patch_size": QWEN3_VL_PATCH_SIZE,
+        "processor_class": "Qwen3VLProcessor",
+        "resample": 3,
+        "rescale_factor": 0.00392156862745098,
+        "size": {"longest_edge": max_pixels, "shortest_edge": min_pixels},
+        "temporal_patch_size": 2,
+    }
+
+
+def _qwen3_vl_video_processor_config() -> dict[str, Any]:
+    # Qwen3VLVideoProcessor: the pixel budget covers the whole (temporally padded) video, so a
+    # longer video gets smaller frames; 4 frames of 64 x 64 stay within it.
+    return {
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "do_sample_frames": False,
+        "fps": 2,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "merge_size": 2,
+        "patch_size": QWEN3_VL_PATCH_SIZE,
+        "processor_class": "Qwen3VLProcessor",
+        "resample": 3,
+        "rescale_factor": 0.00392156862745098,
+        "size": {"longest_edge": 32 * 32 * 128, "shortest_edge": 32 * 32 * 4},
+        "temporal_patch_size": 2,
+        "video_processor_type": "Qwen3VLVideoProcessor",
+    }
+
+
+def build_qwen3_vl_model(out_dir: Path) -> Path:
+    """Write the tokenizer, a tiny random ``Qwen3VLForConditionalGeneration`` and its image and
+    video processor configs (``preprocessor_config.json``, ``video_preprocessor_config.json``).
+
+    Text part: Qwen3 (per-head q/k RMSNorm, no bias) at hidden 64, 3 layers, 1 head / 1 KV head,
+    head_dim 64 (vLLM's CPU attention takes it), interleaved M-RoPE ``mrope_section``
+    :data:`QWEN3_VL_MROPE_SECTION`. Vision tower: 2 blocks, hidden 32, 2 heads, GELU-tanh MLP 64,
+    16-pixel patches, temporal patch 2, spatial merge 2, a learned 8 x 8 position grid
+    (``num_position_embeddings`` 64, bilinearly resampled per image), merger to 64, and DeepStack
+    mergers on blocks :data:`QWEN3_VL_DEEPSTACK_INDEXES` (their outputs are added to the hidden
+    states of decoder layers 0 and 1 at the image positions; layer 2 gets none).
+    """
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    out_dir = Path(out_dir)
+    build_tokenizer(out_dir)
+    ids = _added_token_ids()
+    text_config = dict(
+        _text_settings(head_dim=64),
+        # hidden 64 with one head of 64: logits small enough (|logit| < 5) that float32 noise
+        # stays well inside the 1e-5 the engine's per-step logits are held to against HF.
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        num_hidden_layers=3,
+        head_dim=64,
+        attention_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": QWEN3_VL_MROPE_SECTION,
+                         "mrope_interleaved": True},
+    )
+    del text_config["use_sliding_window"]
+    vision_config = {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "hidden_act": "gelu_pytorch_tanh",
+        "in_channels": 3,
+        "patch_size": QWEN3_VL_PATCH_SIZE,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 64,
+        "deepstack_visual_indexes": list(QWEN3_VL_DEEPSTACK_INDEXES),
+        "out_hidden_size": text_config["hidden_size"],
+        "initializer_range": INITIALIZER_RANGE,
+    }
+    config = Qwen3VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    config.architectures = ["Qwen3VLForConditionalGeneration"]
+    _save_model(_create_model(Qwen3VLForConditionalGeneration, config), out_dir)
+    _write_json(out_dir / "preprocessor_config.json", _qwen3_vl_image_processor_config())
+    _write_json(out_dir / "video_preprocessor_config.json", _qwen3_vl_video_processor_config())
+    return out_dir
+
+
 # --------------------------------------------------------------------------- interleaved-span VL model (Gemma3)
 
 IMAGE_BEGIN_TOKEN = "<start_of_image>"
@@ -1121,6 +1252,7 @@ _BUILDERS = {TEXT_MODEL: build_text_model, VL_MODEL: build_vl_model, INTERLEAVED
              TEXT_MODEL_D64: functools.partial(build_text_model, head_dim=64),
              VL_MODEL_D64: functools.partial(build_vl_model, head_dim=64),
              LLAMA_MODEL: build_llama_model, QWEN3_MODEL: build_qwen3_model, QWEN2_5_VL_MODEL: build_qwen2_5_vl_model,
+             QWEN3_VL_MODEL: build_qwen3_vl_model,
              PADDED_TEXT_MODEL: functools.partial(build_text_model, vocab_rows=PADDED_VOCAB_ROWS),
              BENCH_TEXT_MODEL: functools.partial(build_text_model, head_dim=64, shape=BENCH_TEXT_SHAPE)}
 

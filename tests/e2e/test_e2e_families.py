@@ -1,6 +1,6 @@
 """End to end on the newer families: `tito serve render|engine|derender` as processes on tiny
-Llama, Qwen3 and Qwen2.5-VL models. A chat (with an image, or a video, for Qwen2.5-VL) goes through
-ChatPipeline; the engine's tokens are HF `generate`'s greedy tokens for the rendered request and
+Llama, Qwen3, Qwen2.5-VL and Qwen3-VL models. A chat (with an image, or a video, for the VL models) goes
+through ChatPipeline; the engine's tokens are HF `generate`'s greedy tokens for the rendered request and
 the streamed text is their decoding."""
 
 from __future__ import annotations
@@ -100,4 +100,67 @@ def test_media_chat_streams_the_text_of_hf_greedy_tokens(vl_services, tiny_qwen2
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2_5_vl_model)
     assert "".join(c.content for c in chunks) == tokenizer.decode(engine_tokens, skip_special_tokens=True)
     assert chunks[-1].usage.completion_tokens == len(engine_tokens)
+    assert chunks[-1].usage.prompt_tokens == len(rendered.generate_request.token_ids)
+
+
+# --------------------------------------------------------------------------- Qwen3-VL
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl_services(tiny_qwen3_vl_model, tmp_path_factory):
+    """Render signs media items, the engine requires signed features."""
+    directory = tmp_path_factory.mktemp("qwen3_vl-e2e")
+    key_file = directory / "hmac.key"
+    key_file.write_text("e2e-shared-key-0123456789abcdef\n")
+    extra = {"render": ["--hmac-key-file", str(key_file), "--workers", "1"],
+             "engine": ["--hmac-key-file", str(key_file), "--require-signed-features"], "derender": []}
+    with running_services(tiny_qwen3_vl_model, directory, "auto", extra) as (addresses, _):
+        yield addresses
+
+
+def qwen3_vl_hf_greedy(model, generate_request) -> list[int]:
+    """mm_token_type_ids at exactly the is_embed positions (a video span's timestamps are text)."""
+    ids = torch.tensor([list(generate_request.token_ids)])
+    types = torch.zeros_like(ids)
+    inputs: dict = {}
+    for item in generate_request.mm_features.items:
+        mask = list(item.placeholder.is_embed) or [True] * item.placeholder.length
+        video = item.modality == multimodal_pb2.MODALITY_VIDEO
+        for k, on in enumerate(mask):
+            types[0, item.placeholder.offset + k] = (2 if video else 1) if on else 0
+        if video:
+            inputs.update(pixel_values_videos=tensors.to_torch(item.kwargs["pixel_values_videos"]),
+                          video_grid_thw=tensors.to_torch(item.metadata["video_grid_thw"]).reshape(-1, 3))
+        else:
+            inputs.update(pixel_values=tensors.to_torch(item.kwargs["pixel_values"]),
+                          image_grid_thw=tensors.to_torch(item.metadata["image_grid_thw"]).reshape(-1, 3))
+    with torch.inference_mode():
+        output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types,
+                                do_sample=False, max_new_tokens=MAX_TOKENS, **inputs)
+    return output[0, ids.shape[1]:].tolist()
+
+
+QWEN3_VL_VIDEO = chat_pb2.ContentPart(video=chat_pb2.VideoFrames(
+    frames=[chat_pb2.ImageSource(url=data_url(80, 64, seed=30 + k)) for k in range(5)], fps=2.0))
+QWEN3_VL_IMAGE = chat_pb2.ContentPart(image=chat_pb2.ImageSource(url=data_url(100, 70, seed=4)))
+
+
+@pytest.mark.parametrize("media", [QWEN3_VL_IMAGE, QWEN3_VL_VIDEO], ids=["image", "video"])
+def test_qwen3_vl_chat_through_the_three_services_is_hf_greedy(qwen3_vl_services, tiny_qwen3_vl_model, media):
+    request = render_pb2.RenderChatRequest(
+        messages=[chat_pb2.ChatMessage(role="user", content_parts=[chat_pb2.ContentPart(text="What is this?"), media])],
+        sampling=render_pb2.SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0))
+    with ChatPipeline(Endpoints(**qwen3_vl_services), timeout=120) as pipeline:
+        rendered = pipeline.render.RenderChat(request, timeout=60)
+        (item,) = rendered.generate_request.mm_features.items
+        assert item.auth_tag and item.kwargs  # signed, with tensors
+        if item.modality == multimodal_pb2.MODALITY_VIDEO:  # timestamps inside the span
+            assert sum(item.placeholder.is_embed) < len(item.placeholder.is_embed) == item.placeholder.length
+        chunks = list(pipeline.stream_chat(request))
+    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_vl_model, dtype=torch.float32).eval()
+    expected = qwen3_vl_hf_greedy(model, rendered.generate_request)
+    assert len(set(expected)) > 1
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_vl_model)
+    assert "".join(c.content for c in chunks) == tokenizer.decode(expected, skip_special_tokens=True)
+    assert chunks[-1].usage.completion_tokens == len(expected)
     assert chunks[-1].usage.prompt_tokens == len(rendered.generate_request.token_ids)

@@ -122,6 +122,11 @@ def test_a_bearer_token_is_checked_before_any_work(aio_server, tiny_text_model, 
                 list(engine_pb2_grpc.EngineServiceStub(channel).Generate(good, timeout=TIMEOUT))
             details = error_details(exc.value)
             assert (details["code"], details["reason"]) == (grpc.StatusCode.UNAUTHENTICATED, reason)
+            # KV events carry other callers' prompt tokens: the same token guards them.
+            with pytest.raises(grpc.RpcError) as exc:
+                next(engine_pb2_grpc.EngineServiceStub(channel).SubscribeKvEvents(
+                    engine_pb2.SubscribeKvEventsRequest(start_sequence=0), timeout=TIMEOUT))
+            assert error_details(exc.value)["reason"] == reason
             # Health stays open to load balancers (auth_exempt_health, the default).
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -12,6 +12,7 @@ import json
 import grpc
 import pytest
 
+from tito.contract import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from tito.grpc_errors import error_details
 from tito.v1 import chat_pb2, derender_pb2, derender_pb2_grpc, engine_pb2, sampling_pb2
 from tito_derender.config import DerenderConfig
@@ -177,6 +178,49 @@ def test_unknown_tool_choice_mode_is_refused(stub, tokenizer):
                                                 tool_choice=chat_pb2.ToolChoice(mode=mode))])
         assert_refusal(details, INVALID, "INVALID_TOOL_CHOICE", "context.tool_choice.mode")
     assert_still_works(stub, tokenizer)
+
+
+def test_tool_choice_naming_a_function_not_among_the_tools_is_refused(stub, tokenizer):
+    """As render refuses it (UNKNOWN_TOOL on tool_choice.function_name), in both RPCs."""
+    ctx = derender_pb2.DerenderContext(tools=tools("f", "g"), tool_parser="hermes",
+                                       tool_choice=chat_pb2.ToolChoice(function_name="h"))
+    details = stream_refused(stub, [derender_pb2.DerenderRequest(context=ctx)])
+    assert_refusal(details, INVALID, "UNKNOWN_TOOL", "context.tool_choice.function_name")
+    assert "'h'" in details["message"] and "'f'" in details["message"]
+    details = refused(lambda: stub.DerenderFull(derender_pb2.DerenderFullRequest(context=ctx), timeout=DEADLINE))
+    assert_refusal(details, INVALID, "UNKNOWN_TOOL", "context.tool_choice.function_name")
+    named = derender_pb2.DerenderContext(tools=tools("f"), tool_parser="hermes",
+                                         tool_choice=chat_pb2.ToolChoice(function_name="f"))
+    ids = tokenizer.encode('<tool_call>{"name": "f", "arguments": {}}</tool_call>', add_special_tokens=False)
+    chunks = derender(stub, [derender_pb2.DerenderRequest(context=named), engine(index=0, token_ids=ids,
+                                                                                 finish_reason=STOP)])
+    assert [d.name for c in chunks for d in c.tool_calls if d.name] == ["f"]
+    assert_still_works(stub, tokenizer)
+
+
+@pytest.mark.parametrize("stops,field", [
+    (["s"] * (MAX_STOP_STRINGS + 1), "context.text_options.stop"),
+    (["ok", "x" * (MAX_STOP_STRING_CHARS + 1)], "context.text_options.stop[1]"),
+    (["x"] * 100_000, "context.text_options.stop"),
+])
+def test_stop_strings_past_their_bound_are_refused(stub, tokenizer, stops, field):
+    ctx = context(text_options=sampling_pb2.OutputTextOptions(stop=stops))
+    details = stream_refused(stub, [ctx])
+    assert_refusal(details, INVALID, "STOP_STRINGS_TOO_LARGE", field)
+    assert str(MAX_STOP_STRINGS if field.endswith("stop") else MAX_STOP_STRING_CHARS) in details["message"]
+    assert_still_works(stub, tokenizer)
+
+
+def test_stop_strings_at_their_bound_are_accepted(stub, tokenizer):
+    stops = ["zz" + str(i) for i in range(MAX_STOP_STRINGS - 1)] + ["fine"]
+    ids = tokenizer.encode("still fine here", add_special_tokens=False)
+    chunks = derender(stub, [context(text_options=sampling_pb2.OutputTextOptions(stop=stops)),
+                             engine(index=0, token_ids=ids, finish_reason=STOP)])
+    assert "".join(c.content for c in chunks) == "still " and chunks[-1].matched_stop == "fine"
+    long_stop = "q" * MAX_STOP_STRING_CHARS
+    chunks = derender(stub, [context(text_options=sampling_pb2.OutputTextOptions(stop=[long_stop])),
+                             engine(index=0, token_ids=ids, finish_reason=STOP)])
+    assert "".join(c.content for c in chunks) == "still fine here"
 
 
 # ---------------------------------------------------------------- 3. tool calls nested too deep

@@ -312,6 +312,7 @@ def _forged_descriptor(r, stub):
     item = request.mm_features.items[0]
     descriptor = stub.Encode(engine_pb2.EncodeRequest(mm_features=request.mm_features), timeout=TIMEOUT).descriptors[0]
     descriptor.checksum = "sha256:" + "0" * 64
+    descriptor.ClearField("auth_tag")  # the engine's own tag would no longer verify; the item's tag covers it
     item.ec_descriptor.CopyFrom(descriptor)
     resign(item)  # even a correctly signed item may not make the engine trust a wrong descriptor
     return request

@@ -25,6 +25,7 @@ from tito.grpc_errors import error_details
 from tito.v1 import chat_pb2, derender_pb2, render_pb2, render_pb2_grpc
 from tito_render.config import RenderConfig
 from tito_render.media import loader
+from tito.json_text import MAX_JSON_DEPTH
 from tito_render.messages import MAX_STRUCT_DEPTH, messages_to_dicts
 from tito_render.server import create_server
 
@@ -314,3 +315,80 @@ def test_a_request_has_one_pixel_budget_across_its_images(tiny_vl_model, aio_ser
         details = refused(stub, three)
     assert (details["code"], details["reason"]) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "REQUEST_TOO_MANY_PIXELS")
     assert details["fields"] == ["messages[0].content_parts[2].image.data"]
+
+
+def deep_json(levels: int, kind: str) -> str:
+    """JSON text nested `levels` containers deep: lists (`[[[...]]]`) or objects (`{"a": {...}}`)."""
+    if kind == "list":
+        return "[" * levels + "]" * levels
+    return '{"a": ' * levels + "1" + "}" * levels
+
+
+def arguments_chat(arguments: str) -> render_pb2.RenderChatRequest:
+    request = render_pb2.RenderChatRequest(messages=[user()])
+    call = request.messages.add(role="assistant").tool_calls.add()
+    call.function.name = "f"
+    call.function.arguments = arguments
+    request.messages.add(role="tool", content="ok", tool_call_id="c0")
+    return request
+
+
+@pytest.mark.parametrize("levels,kind", [(100_000, "list"), (5_000, "object"), (MAX_JSON_DEPTH + 1, "object"),
+                                         (100_000, "object")])
+def test_deep_json_arguments_are_refused(text_stub, levels, kind):
+    """A tool call's `arguments` text nested past MAX_JSON_DEPTH: the contract's JSON_TOO_DEEP,
+    checked before anything parses it (json.loads recurses), and render keeps serving."""
+    text = deep_json(levels, kind)
+    if kind == "object" and levels <= MAX_JSON_DEPTH + 1:
+        text = '{"x": ' + deep_json(levels - 1, kind) + "}"
+    details = refused(text_stub, arguments_chat(text))
+    assert (details["code"], details["reason"], details["fields"]) == (
+        INVALID, "JSON_TOO_DEEP", ["messages[1].tool_calls[0].function.arguments"]), details
+    assert str(MAX_JSON_DEPTH) in details["message"]
+
+
+def test_arguments_at_the_json_depth_limit_render(text_stub):
+    text = deep_json(MAX_JSON_DEPTH, "object")
+    response = text_stub.RenderChat(arguments_chat(text), timeout=TIMEOUT)
+    assert response.generate_request.token_ids
+
+
+@pytest.mark.parametrize("field,make", [
+    ("sampling.structured_output.json_schema",
+     lambda text: render_pb2.SamplingOptions(structured_output={"json_schema": text})),
+    ("sampling.structured_output.structural_tag",
+     lambda text: render_pb2.SamplingOptions(structured_output={"structural_tag": text})),
+])
+@pytest.mark.parametrize("levels,kind", [(100_000, "list"), (5_000, "object")])
+def test_deep_json_constraints_are_refused(text_stub, field, make, levels, kind):
+    request = render_pb2.RenderChatRequest(messages=[user()], sampling=make(deep_json(levels, kind)))
+    details = refused(text_stub, request)
+    assert (details["code"], details["reason"], details["fields"]) == (INVALID, "JSON_TOO_DEEP", [field]), details
+
+
+@pytest.mark.parametrize("levels", [MAX_STRUCT_DEPTH + 1, 5_000])
+def test_deep_response_format_and_tool_schemas_are_refused(text_stub, levels):
+    """response_format schemas and tool parameter schemas are Structs: past MAX_STRUCT_DEPTH,
+    STRUCT_TOO_DEEP in render, or protobuf's own limit (MALFORMED_REQUEST) far past it."""
+    schema = nested_lists(levels)
+    expected = "STRUCT_TOO_DEEP" if levels == MAX_STRUCT_DEPTH + 1 else "MALFORMED_REQUEST"
+    as_format = render_pb2.RenderChatRequest(messages=[user()], response_format=render_pb2.ResponseFormat(
+        type="json_schema", json_schema=render_pb2.JsonSchemaResponseFormat(name="x")))
+    as_format.response_format.json_schema.schema.CopyFrom(schema) if levels < 100 else _deep_into(
+        as_format.response_format.json_schema.schema, levels)
+    as_tool = render_pb2.RenderChatRequest(messages=[user()])
+    parameters = as_tool.tools.add(type="function").function
+    parameters.name = "f"
+    parameters.parameters.CopyFrom(schema) if levels < 100 else _deep_into(parameters.parameters, levels)
+    for request, field in ((as_format, "response_format.json_schema.schema"), (as_tool, "tools[0].function.parameters")):
+        details = refused(text_stub, request)
+        assert (details["code"], details["reason"]) == (INVALID, expected), details
+        if expected == "STRUCT_TOO_DEEP":
+            assert details["fields"] == [field], details
+
+
+def _deep_into(struct: struct_pb2.Struct, levels: int) -> None:
+    value = struct.fields["a"]
+    for _ in range(levels - 1):  # built in place: copying a Struct this deep re-parses it
+        value = value.list_value.values.add()
+    value.number_value = 1

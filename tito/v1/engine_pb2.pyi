@@ -149,7 +149,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "kv_blocks_total", "kv_blocks_used", "kv_block_size", "encoder_cache_hits", "encoder_cache_misses", "prefix_cache_hit_tokens", "finished_requests")
+    __slots__ = ("running_requests", "waiting_requests", "kv_blocks_total", "kv_blocks_used", "kv_block_size", "encoder_cache_hits", "encoder_cache_misses", "prefix_cache_hit_tokens", "finished_requests", "encoded_items", "encoder_store_loads")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,8 @@ class GetLoadResponse(_message.Message):
     ENCODER_CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_STORE_LOADS_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     kv_blocks_total: int
@@ -168,4 +170,88 @@ class GetLoadResponse(_message.Message):
     encoder_cache_misses: int
     prefix_cache_hit_tokens: int
     finished_requests: int
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., encoder_cache_hits: _Optional[int] = ..., encoder_cache_misses: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ...) -> None: ...
+    encoded_items: int
+    encoder_store_loads: int
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., encoder_cache_hits: _Optional[int] = ..., encoder_cache_misses: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., encoded_items: _Optional[int] = ..., encoder_store_loads: _Optional[int] = ...) -> None: ...
+
+class SubscribeKvEventsRequest(_message.Message):
+    __slots__ = ("start_sequence",)
+    START_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    start_sequence: int
+    def __init__(self, start_sequence: _Optional[int] = ...) -> None: ...
+
+class SubscribeKvEventsResponse(_message.Message):
+    __slots__ = ("sequence", "timestamp", "events", "data_parallel_rank")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    timestamp: float
+    events: _containers.RepeatedCompositeFieldContainer[KvCacheEvent]
+    data_parallel_rank: int
+    def __init__(self, sequence: _Optional[int] = ..., timestamp: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KvCacheEvent, _Mapping]]] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
+
+class KvCacheEvent(_message.Message):
+    __slots__ = ("block_stored", "block_removed", "all_blocks_cleared")
+    BLOCK_STORED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ALL_BLOCKS_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    block_stored: BlockStored
+    block_removed: BlockRemoved
+    all_blocks_cleared: AllBlocksCleared
+    def __init__(self, block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+
+class BlockStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "extra_keys", "medium", "lora_name")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_block_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    extra_keys: _containers.RepeatedCompositeFieldContainer[BlockExtraKeys]
+    medium: str
+    lora_name: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., extra_keys: _Optional[_Iterable[_Union[BlockExtraKeys, _Mapping]]] = ..., medium: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
+
+class BlockExtraKeys(_message.Message):
+    __slots__ = ("media", "cache_salt")
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    media: _containers.RepeatedCompositeFieldContainer[BlockMediaKey]
+    cache_salt: str
+    def __init__(self, media: _Optional[_Iterable[_Union[BlockMediaKey, _Mapping]]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class BlockMediaKey(_message.Message):
+    __slots__ = ("mm_hash", "offset")
+    MM_HASH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    mm_hash: str
+    offset: int
+    def __init__(self, mm_hash: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class BlockRemoved(_message.Message):
+    __slots__ = ("block_hashes", "medium")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class AllBlocksCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

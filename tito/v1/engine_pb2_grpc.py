@@ -61,6 +61,16 @@ class EngineServiceStub:
                 request_serializer=tito_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=tito_dot_v1_dot_engine__pb2.GetLoadResponse.FromString,
                 _registered_method=True)
+        self.SubscribeKvEvents = channel.unary_stream(
+                '/tito.v1.EngineService/SubscribeKvEvents',
+                request_serializer=tito_dot_v1_dot_engine__pb2.SubscribeKvEventsRequest.SerializeToString,
+                response_deserializer=tito_dot_v1_dot_engine__pb2.SubscribeKvEventsResponse.FromString,
+                _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/tito.v1.EngineService/ResetPrefixCache',
+                request_serializer=tito_dot_v1_dot_engine__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=tito_dot_v1_dot_engine__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -105,6 +115,26 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKvEvents(self, request, context):
+        """SubscribeKvEvents streams what the engine's prefix cache stores, evicts and clears, as
+        batches in vLLM's KV event shapes (BlockStored, BlockRemoved, AllBlocksCleared), so a router
+        can send each request where its prefix KV already is. Batches carry consecutive sequence
+        numbers; a subscriber that was away resumes from a sequence number while the engine still
+        buffers it. Events carry other callers' prompt tokens: the RPC sits behind the same TLS and
+        token auth as every other one (docs/security.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResetPrefixCache(self, request, context):
+        """ResetPrefixCache drops every block of the prefix cache (blocks in use keep their K/V until
+        released but can no longer be shared); subscribers see one AllBlocksCleared.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -132,6 +162,16 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=tito_dot_v1_dot_engine__pb2.GetLoadRequest.FromString,
                     response_serializer=tito_dot_v1_dot_engine__pb2.GetLoadResponse.SerializeToString,
+            ),
+            'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKvEvents,
+                    request_deserializer=tito_dot_v1_dot_engine__pb2.SubscribeKvEventsRequest.FromString,
+                    response_serializer=tito_dot_v1_dot_engine__pb2.SubscribeKvEventsResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=tito_dot_v1_dot_engine__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=tito_dot_v1_dot_engine__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +311,60 @@ class EngineService:
             '/tito.v1.EngineService/GetLoad',
             tito_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
             tito_dot_v1_dot_engine__pb2.GetLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tito.v1.EngineService/SubscribeKvEvents',
+            tito_dot_v1_dot_engine__pb2.SubscribeKvEventsRequest.SerializeToString,
+            tito_dot_v1_dot_engine__pb2.SubscribeKvEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tito.v1.EngineService/ResetPrefixCache',
+            tito_dot_v1_dot_engine__pb2.ResetPrefixCacheRequest.SerializeToString,
+            tito_dot_v1_dot_engine__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tito.v1 import tensor_pb2 as tito_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tito/v1/multimodal.proto\x12\x07tito.v1\x1a\x14tito/v1/tensor.proto\"D\n\x10PlaceholderRange\x12\x0e\n\x06offset\x18\x01 \x01(\r\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x10\n\x08is_embed\x18\x03 \x03(\x08\"\xb2\x01\n\x16\x45ncoderCacheDescriptor\x12\x10\n\x08store_id\x18\x01 \x01(\t\x12\x0b\n\x03uri\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\x1d\n\x05\x64type\x18\x04 \x01(\x0e\x32\x0e.tito.v1.Dtype\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\x11\n\tbyte_size\x18\x06 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x08 \x01(\t\"\xc5\x03\n\x0eMultiModalItem\x12#\n\x08modality\x18\x01 \x01(\x0e\x32\x11.tito.v1.Modality\x12\x0f\n\x07mm_hash\x18\x02 \x01(\t\x12.\n\x0bplaceholder\x18\x03 \x01(\x0b\x32\x19.tito.v1.PlaceholderRange\x12\x33\n\x06kwargs\x18\x04 \x03(\x0b\x32#.tito.v1.MultiModalItem.KwargsEntry\x12\x37\n\x08metadata\x18\x05 \x03(\x0b\x32%.tito.v1.MultiModalItem.MetadataEntry\x12\x36\n\rec_descriptor\x18\x06 \x01(\x0b\x32\x1f.tito.v1.EncoderCacheDescriptor\x12\x10\n\x08\x61uth_tag\x18\x07 \x01(\x0c\x12\x13\n\x0b\x61uth_key_id\x18\x08 \x01(\t\x1a>\n\x0bKwargsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x1e\n\x05value\x18\x02 \x01(\x0b\x32\x0f.tito.v1.Tensor:\x02\x38\x01\x1a@\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x1e\n\x05value\x18\x02 \x01(\x0b\x32\x0f.tito.v1.Tensor:\x02\x38\x01\"<\n\x12MultiModalFeatures\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.tito.v1.MultiModalItem*`\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x12\n\x0eMODALITY_IMAGE\x10\x01\x12\x12\n\x0eMODALITY_VIDEO\x10\x02\x12\x12\n\x0eMODALITY_AUDIO\x10\x03*m\n\tMmPayload\x12\x1a\n\x16MM_PAYLOAD_UNSPECIFIED\x10\x00\x12\x16\n\x12MM_PAYLOAD_TENSORS\x10\x01\x12\x17\n\x13MM_PAYLOAD_METADATA\x10\x02\x12\x13\n\x0fMM_PAYLOAD_NONE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tito/v1/multimodal.proto\x12\x07tito.v1\x1a\x14tito/v1/tensor.proto\"D\n\x10PlaceholderRange\x12\x0e\n\x06offset\x18\x01 \x01(\r\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x10\n\x08is_embed\x18\x03 \x03(\x08\"\xd9\x01\n\x16\x45ncoderCacheDescriptor\x12\x10\n\x08store_id\x18\x01 \x01(\t\x12\x0b\n\x03uri\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\x1d\n\x05\x64type\x18\x04 \x01(\x0e\x32\x0e.tito.v1.Dtype\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\x11\n\tbyte_size\x18\x06 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x08 \x01(\t\x12\x10\n\x08\x61uth_tag\x18\t \x01(\x0c\x12\x13\n\x0b\x61uth_key_id\x18\n \x01(\t\"\xc5\x03\n\x0eMultiModalItem\x12#\n\x08modality\x18\x01 \x01(\x0e\x32\x11.tito.v1.Modality\x12\x0f\n\x07mm_hash\x18\x02 \x01(\t\x12.\n\x0bplaceholder\x18\x03 \x01(\x0b\x32\x19.tito.v1.PlaceholderRange\x12\x33\n\x06kwargs\x18\x04 \x03(\x0b\x32#.tito.v1.MultiModalItem.KwargsEntry\x12\x37\n\x08metadata\x18\x05 \x03(\x0b\x32%.tito.v1.MultiModalItem.MetadataEntry\x12\x36\n\rec_descriptor\x18\x06 \x01(\x0b\x32\x1f.tito.v1.EncoderCacheDescriptor\x12\x10\n\x08\x61uth_tag\x18\x07 \x01(\x0c\x12\x13\n\x0b\x61uth_key_id\x18\x08 \x01(\t\x1a>\n\x0bKwargsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x1e\n\x05value\x18\x02 \x01(\x0b\x32\x0f.tito.v1.Tensor:\x02\x38\x01\x1a@\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x1e\n\x05value\x18\x02 \x01(\x0b\x32\x0f.tito.v1.Tensor:\x02\x38\x01\"<\n\x12MultiModalFeatures\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.tito.v1.MultiModalItem*`\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x12\n\x0eMODALITY_IMAGE\x10\x01\x12\x12\n\x0eMODALITY_VIDEO\x10\x02\x12\x12\n\x0eMODALITY_AUDIO\x10\x03*m\n\tMmPayload\x12\x1a\n\x16MM_PAYLOAD_UNSPECIFIED\x10\x00\x12\x16\n\x12MM_PAYLOAD_TENSORS\x10\x01\x12\x17\n\x13MM_PAYLOAD_METADATA\x10\x02\x12\x13\n\x0fMM_PAYLOAD_NONE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,20 +36,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MULTIMODALITEM_KWARGSENTRY']._serialized_options = b'8\001'
   _globals['_MULTIMODALITEM_METADATAENTRY']._loaded_options = None
   _globals['_MULTIMODALITEM_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_MODALITY']._serialized_start=828
-  _globals['_MODALITY']._serialized_end=924
-  _globals['_MMPAYLOAD']._serialized_start=926
-  _globals['_MMPAYLOAD']._serialized_end=1035
+  _globals['_MODALITY']._serialized_start=867
+  _globals['_MODALITY']._serialized_end=963
+  _globals['_MMPAYLOAD']._serialized_start=965
+  _globals['_MMPAYLOAD']._serialized_end=1074
   _globals['_PLACEHOLDERRANGE']._serialized_start=59
   _globals['_PLACEHOLDERRANGE']._serialized_end=127
   _globals['_ENCODERCACHEDESCRIPTOR']._serialized_start=130
-  _globals['_ENCODERCACHEDESCRIPTOR']._serialized_end=308
-  _globals['_MULTIMODALITEM']._serialized_start=311
-  _globals['_MULTIMODALITEM']._serialized_end=764
-  _globals['_MULTIMODALITEM_KWARGSENTRY']._serialized_start=636
-  _globals['_MULTIMODALITEM_KWARGSENTRY']._serialized_end=698
-  _globals['_MULTIMODALITEM_METADATAENTRY']._serialized_start=700
-  _globals['_MULTIMODALITEM_METADATAENTRY']._serialized_end=764
-  _globals['_MULTIMODALFEATURES']._serialized_start=766
-  _globals['_MULTIMODALFEATURES']._serialized_end=826
+  _globals['_ENCODERCACHEDESCRIPTOR']._serialized_end=347
+  _globals['_MULTIMODALITEM']._serialized_start=350
+  _globals['_MULTIMODALITEM']._serialized_end=803
+  _globals['_MULTIMODALITEM_KWARGSENTRY']._serialized_start=675
+  _globals['_MULTIMODALITEM_KWARGSENTRY']._serialized_end=737
+  _globals['_MULTIMODALITEM_METADATAENTRY']._serialized_start=739
+  _globals['_MULTIMODALITEM_METADATAENTRY']._serialized_end=803
+  _globals['_MULTIMODALFEATURES']._serialized_start=805
+  _globals['_MULTIMODALFEATURES']._serialized_end=865
 # @@protoc_insertion_point(module_scope)

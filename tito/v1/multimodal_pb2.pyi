@@ -41,7 +41,7 @@ class PlaceholderRange(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., is_embed: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class EncoderCacheDescriptor(_message.Message):
-    __slots__ = ("store_id", "uri", "key", "dtype", "shape", "byte_size", "checksum", "model_fingerprint")
+    __slots__ = ("store_id", "uri", "key", "dtype", "shape", "byte_size", "checksum", "model_fingerprint", "auth_tag", "auth_key_id")
     STORE_ID_FIELD_NUMBER: _ClassVar[int]
     URI_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,8 @@ class EncoderCacheDescriptor(_message.Message):
     BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    AUTH_TAG_FIELD_NUMBER: _ClassVar[int]
+    AUTH_KEY_ID_FIELD_NUMBER: _ClassVar[int]
     store_id: str
     uri: str
     key: str
@@ -58,7 +60,9 @@ class EncoderCacheDescriptor(_message.Message):
     byte_size: int
     checksum: str
     model_fingerprint: str
-    def __init__(self, store_id: _Optional[str] = ..., uri: _Optional[str] = ..., key: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., byte_size: _Optional[int] = ..., checksum: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    auth_tag: bytes
+    auth_key_id: str
+    def __init__(self, store_id: _Optional[str] = ..., uri: _Optional[str] = ..., key: _Optional[str] = ..., dtype: _Optional[_Union[_tensor_pb2.Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., byte_size: _Optional[int] = ..., checksum: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., auth_tag: _Optional[bytes] = ..., auth_key_id: _Optional[str] = ...) -> None: ...
 
 class MultiModalItem(_message.Message):
     __slots__ = ("modality", "mm_hash", "placeholder", "kwargs", "metadata", "ec_descriptor", "auth_tag", "auth_key_id")

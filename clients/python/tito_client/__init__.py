@@ -4,5 +4,7 @@
 """
 
 from tito_client.pipeline import AsyncChatPipeline, ChatPipeline, Endpoints, wait_until_serving
+from tito_client.routing import POLICIES, EngineRouter, NoEngineAvailable
 
-__all__ = ["AsyncChatPipeline", "ChatPipeline", "Endpoints", "wait_until_serving"]
+__all__ = ["AsyncChatPipeline", "ChatPipeline", "EngineRouter", "Endpoints", "NoEngineAvailable", "POLICIES",
+           "wait_until_serving"]

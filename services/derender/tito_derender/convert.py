@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from google.protobuf import json_format
 
-from tito.errors import InvalidArgument
+from tito.contract import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from tito.errors import InvalidArgument, quoted
+from tito.parsers import SCHEMA_TYPED_TOOL_PARSERS
 from tito.v1 import chat_pb2, derender_pb2, engine_pb2
 from tito_derender.detokenizer import TextOptions
 from tito_derender.domain import (
     Chunk, EngineOutput, EngineUsage, FinishReason, PositionLogprobs, RequestContext, TokenLogprob,
     TokenLogprobText, ToolChoiceMode, Usage)
 from tito_derender.full import CompletedChoice
+
+#: The contract's reason for a stop-string list past its bound.
+STOP_STRINGS_TOO_LARGE = "STOP_STRINGS_TOO_LARGE"
 
 _FINISH_FROM_PROTO = {
     engine_pb2.FINISH_REASON_STOP: FinishReason.STOP,
@@ -56,23 +61,43 @@ def tool_choice_from_proto(choice: chat_pb2.ToolChoice, has_tools: bool) -> tupl
 
 def tool_schemas(context: derender_pb2.DerenderContext) -> tuple[tuple[str, dict], ...]:
     """The tools' parameter schemas, converted only for a parser that types values by them."""
-    from tito_derender.parsers import SCHEMA_TYPED_TOOL_PARSERS
-
     if context.tool_parser not in SCHEMA_TYPED_TOOL_PARSERS:
         return ()
     return tuple((tool.function.name, json_format.MessageToDict(tool.function.parameters))
                  for tool in context.tools if tool.function.HasField("parameters"))
 
 
+def stop_strings(options) -> tuple[str, ...]:
+    """`text_options.stop`, within the contract's bound (tito.contract.MAX_STOP_STRINGS strings of
+    at most MAX_STOP_STRING_CHARS characters): every stop string is matched against each piece
+    of output, so an unbounded list would cost unbounded time per token."""
+    stops = options.stop
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"{len(stops)} stop strings: at most {MAX_STOP_STRINGS}",
+                              reason=STOP_STRINGS_TOO_LARGE, field="context.text_options.stop",
+                              metadata={"limit": "max_stop_strings", "max": str(MAX_STOP_STRINGS)})
+    for i, stop in enumerate(stops):
+        if len(stop) > MAX_STOP_STRING_CHARS:
+            raise InvalidArgument(f"stop string of {len(stop)} characters: at most {MAX_STOP_STRING_CHARS}",
+                                  reason=STOP_STRINGS_TOO_LARGE, field=f"context.text_options.stop[{i}]",
+                                  metadata={"limit": "max_stop_string_chars", "max": str(MAX_STOP_STRING_CHARS)})
+    return tuple(stops)
+
+
 def context_from_proto(context: derender_pb2.DerenderContext) -> RequestContext:
     tool_names = tuple(tool.function.name for tool in context.tools)
     tool_choice, tool_choice_function = tool_choice_from_proto(context.tool_choice, bool(tool_names))
+    if tool_choice == ToolChoiceMode.NAMED and tool_choice_function not in tool_names:
+        known = ", ".join(quoted(name) for name in tool_names[:16]) or "none"
+        raise InvalidArgument(f"tool_choice.function_name {quoted(tool_choice_function)} is not among the tools "
+                              f"(they are: {known})", reason="UNKNOWN_TOOL",
+                              field="context.tool_choice.function_name")
     return RequestContext(
         request_id=context.request_id,
         prompt_tail_token_ids=tuple(context.prompt_tail_token_ids),
         prompt_tokens=context.prompt_tokens,
         text=text_options(context.text_options),
-        stop=tuple(context.text_options.stop),
+        stop=stop_strings(context.text_options),
         include_stop_str_in_output=context.text_options.include_stop_str_in_output,
         reasoning_parser=context.reasoning_parser,
         tool_parser=context.tool_parser,

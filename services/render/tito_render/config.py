@@ -7,21 +7,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tito.config import ConfigError, ServerConfig, model_setting
+from tito.parsers import REASONING_PARSER_NAMES, TOOL_PARSER_NAMES
 from tito.settings import setting
 from tito.signing import read_key_file
 from tito_models.tiny import TEXT_MODEL
 
-#: Reasoning parsers derender knows, plus "auto" (detect from the tokenizer) and "none".
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "gpt_oss")
-#: Tool-call parsers derender knows.
-TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3", "kimi_k2", "glm45",
-                "gpt_oss")
-#: Tool-call parsers whose markup is special tokens the tokenizer may not flag as the model's own
-#: markers (Mistral's [TOOL_CALLS]): for the requests they parse, skip_special_tokens defaults to
-#: false (derender's ToolParser.needs_special_tokens says the same per parser; a test keeps the
-#: two in step). Families whose markers are special tokens of their tokenizer are found by
-#: families.keeps_special_tokens instead.
-TOOL_PARSERS_NEEDING_SPECIAL_TOKENS = frozenset({"mistral"})
+#: Reasoning parsers derender knows (tito.parsers), plus "auto" (detect from the tokenizer) and "none".
+REASONING_PARSERS = REASONING_PARSER_NAMES
+#: Tool-call parsers derender knows (tito.parsers).
+TOOL_PARSERS = TOOL_PARSER_NAMES
 AUTO = "auto"
 NONE = "none"
 

@@ -2,7 +2,8 @@
 special tokens kept in the output text.
 
 A family is recognised by its distinctive tokens in the vocabulary, or (when it shares its
-vocabulary with another family) by its markup in the chat template:
+vocabulary with another family) by its markup in the chat template; the rules are the
+`detection` of each tito.parsers.TOOL_FORMATS entry, tried in its order:
 
 | tool parser   | recognised by                                              |
 | ------------- | ---------------------------------------------------------- |
@@ -11,6 +12,7 @@ vocabulary with another family) by its markup in the chat template:
 | gpt_oss       | `<|channel|>` and `<|message|>` in the vocabulary          |
 | glm45         | `<arg_key>` in the vocabulary                              |
 | qwen3_coder   | `<tool_call>` in the vocabulary and `<function=` in the template |
+| hermes        | `<tool_call>` in the vocabulary                            |
 
 Reasoning: gpt_oss (harmony channels) for gpt-oss. DeepSeek's V3, R1 and V3.1 share one
 vocabulary, so the template decides: a `thinking` switch (V3.1: the prompt itself opens or closes
@@ -23,42 +25,23 @@ from __future__ import annotations
 
 from typing import Any
 
-KIMI_SECTION = "<|tool_calls_section_begin|>"
+from tito.parsers import REASONING_FORMATS, THINK, TOOL_FORMATS, detect_tool_format, markers_of
+
 DEEPSEEK_SECTION = "<｜tool▁calls▁begin｜>"
 HARMONY_CHANNEL, HARMONY_MESSAGE = "<|channel|>", "<|message|>"
-GLM_ARG_KEY = "<arg_key>"
-TOOL_CALL = "<tool_call>"
-CODER_FUNCTION = "<function="
-THINK = ("<think>", "</think>")
 
-#: The markers each parser reads (by the names DerenderContext carries): when one of them is a
-#: special token of the tokenizer, the text must keep special tokens for the parser to see it.
+#: The markers each parser reads (by the names DerenderContext carries, from tito.parsers): when
+#: one of them is a special token of the tokenizer, the text must keep special tokens for the
+#: parser to see it.
 PARSER_MARKERS: dict[str, tuple[str, ...]] = {
-    "qwen3": THINK,
-    "deepseek_r1": THINK,
-    "gpt_oss": ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|constrain|>"),
-    "qwen3_coder": ("<tool_call>", "</tool_call>"),
-    "deepseek_v3": (DEEPSEEK_SECTION, "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
-                    "<｜tool▁sep｜>"),
-    "kimi_k2": (KIMI_SECTION, "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
-                "<|tool_call_end|>"),
-    "glm45": ("<tool_call>", "</tool_call>", GLM_ARG_KEY, "</arg_key>", "<arg_value>", "</arg_value>"),
-}
+    name: entry.markers for table in (REASONING_FORMATS, TOOL_FORMATS) for name, entry in table.items()
+    if entry.markers}
 
 
 def family_tool_parser(vocab: Any, template: str) -> str:
-    """The family tool parser for this vocabulary and template, "" when it is no such family."""
-    if KIMI_SECTION in vocab:
-        return "kimi_k2"
-    if DEEPSEEK_SECTION in vocab:
-        return "deepseek_v3"
-    if HARMONY_CHANNEL in vocab and HARMONY_MESSAGE in vocab:
-        return "gpt_oss"
-    if GLM_ARG_KEY in vocab:
-        return "glm45"
-    if TOOL_CALL in vocab and CODER_FUNCTION in template:
-        return "qwen3_coder"
-    return ""
+    """The tool parser tito.parsers detects for this vocabulary and template ("" for none): the
+    family formats by their distinctive tokens (or template markup), then hermes."""
+    return detect_tool_format(vocab, template)
 
 
 def family_reasoning_parser(vocab: Any, template: str) -> str | None:
@@ -78,7 +61,7 @@ def family_reasoning_parser(vocab: Any, template: str) -> str | None:
 def keeps_special_tokens(tokenizer: Any, *parsers: str) -> bool:
     """Whether a marker of one of `parsers` is a special token of `tokenizer` (decoding with
     skip_special_tokens would then drop it before derender's parser could see it)."""
-    markers = {marker for parser in parsers for marker in PARSER_MARKERS.get(parser, ())}
+    markers = markers_of(*parsers)
     if not markers:
         return False
     decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}

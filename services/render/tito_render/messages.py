@@ -19,6 +19,7 @@ from typing import Any
 from google.protobuf import struct_pb2
 
 from tito.errors import InvalidArgument, Violations
+from tito.json_text import loads_bounded
 from tito.v1 import chat_pb2
 
 ALLOWED_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -217,7 +218,7 @@ def _tool_call(call: chat_pb2.ToolCall, path: str, violations: Violations) -> di
     kind = call.function.WhichOneof("args")
     if kind == "arguments":
         try:
-            parsed = json.loads(call.function.arguments)
+            parsed = loads_bounded(call.function.arguments, f"{path}.function.arguments")
         except ValueError as exc:
             parsed, problem = None, f"not valid JSON ({exc})"
         else:

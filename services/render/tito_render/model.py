@@ -33,7 +33,6 @@ GENERATION_DEFAULT_KEYS = {
 }
 
 THINK_START, THINK_END = "<think>", "</think>"
-TOOL_CALL_START = "<tool_call>"
 
 
 @dataclass
@@ -139,7 +138,7 @@ def detect_parsers(vocab: dict[str, int], reasoning: str, tool: str, template: s
     elif reasoning == NONE:
         reasoning = ""
     if tool == AUTO:
-        tool = family_tool_parser(vocab, template) or ("hermes" if TOOL_CALL_START in vocab else "")
+        tool = family_tool_parser(vocab, template)
     elif tool == NONE:
         tool = ""
     return reasoning, tool

@@ -84,6 +84,29 @@ class PromptMedia:
     hashes: list[str]
 
 
+@dataclass
+class CheckedChat:
+    """A chat request that passed every check that needs no work: its messages and tools as the
+    template takes them, the resolved tool choice and template options, its media references."""
+
+    messages: list[dict]
+    tools: list[dict] | None  # None when the request has none, as HF templates expect
+    tool_choice: chat_pb2.ToolChoice
+    options: ChatRenderOptions
+    images: list[ImageRef]
+    videos: list[VideoRef]
+    payload: int  # multimodal_pb2.MmPayload: what each media item carries to the engine
+
+
+@dataclass
+class PromptText:
+    """The prompt after its media markers were expanded, with its media items in prompt order."""
+
+    text: str
+    processed: list[ProcessedImage]
+    hashes: list[str]
+
+
 class Renderer:
     """Stateless request rendering over one loaded model."""
 
@@ -120,7 +143,26 @@ class Renderer:
     def render_chat(self, request: render_pb2.RenderChatRequest, request_id: str = "",
                     time_remaining: float | None = None) -> render_pb2.RenderChatResponse:
         """`request_id` (when given) overrides the request's own (the servicer assigns one up front);
-        `time_remaining` is what is left of the call's deadline (the template stops by then)."""
+        `time_remaining` is what is left of the call's deadline (the template stops by then).
+
+        Five stages, each its own method: check the chat (`_check_chat`), run the template
+        (`_template`), process its media and expand their markers (`_expand_media`), tokenize
+        (`_tokenize`), and build the response (`_chat_response`: media items, sampling, derender's
+        context)."""
+        chat = self._check_chat(request, time_remaining)
+        text = self._template(chat)
+        prompt = self._expand_media(chat, text, request.media_options)
+        token_ids = self._tokenize(prompt.text)
+        response = self._chat_response(request, request_id, chat, text, token_ids, prompt)
+        if log.isEnabledFor(logging.INFO):
+            log.info("rendered chat: %d messages, %d tools, %d images, %d videos (%s), %d prompt tokens, max_tokens %d",
+                     len(chat.messages), len(request.tools), len(chat.images), len(chat.videos),
+                     multimodal_pb2.MmPayload.Name(chat.payload), len(token_ids),
+                     response.generate_request.sampling_params.max_tokens)
+        return response
+
+    def _check_chat(self, request: render_pb2.RenderChatRequest, time_remaining: float | None) -> CheckedChat:
+        """Stage 1: everything about the request that can be refused before any work is done."""
         refs = collect_media(list(request.messages), self.limits.max_images_per_request,
                              self.limits.max_video_frames)
         images = [ref for ref in refs if isinstance(ref, ImageRef)]
@@ -135,7 +177,6 @@ class Renderer:
         if request.mm_payload not in _MM_PAYLOAD_VALUES:
             raise InvalidArgument(f"unknown mm_payload {request.mm_payload}", reason="INVALID_MM_PAYLOAD",
                                   field="mm_payload")
-        payload = resolve_payload(request.mm_payload)
         for index, message in enumerate(request.messages):  # templates render every message's content
             self.check_text_length(len(message.content), f"messages[{index}].content")
             for part_index, part in enumerate(message.content_parts):
@@ -144,66 +185,81 @@ class Renderer:
         if request.continue_final_message and "content" not in messages[-1]:
             raise InvalidArgument("continue_final_message needs a final message with content to continue",
                                   reason="CONFLICTING_OPTIONS", field="continue_final_message")
-        tools = tools_to_dicts(list(request.tools))
-        tool_choice = resolve_tool_choice(request.tool_choice, list(request.tools))
-        options = self.chat_options(request, time_remaining)
-        with tracing.span("render.template", messages=len(messages), tools=len(request.tools)):
-            text = render_chat_text(self.model.tokenizer, messages, tools, options)
+        return CheckedChat(messages=messages, tools=tools_to_dicts(list(request.tools)),
+                           tool_choice=resolve_tool_choice(request.tool_choice, list(request.tools)),
+                           options=self.chat_options(request, time_remaining), images=images, videos=videos,
+                           payload=resolve_payload(request.mm_payload))
+
+    def _template(self, chat: CheckedChat) -> str:
+        """Stage 2: the chat template's text (bounded in time by the options)."""
+        with tracing.span("render.template", messages=len(chat.messages), tools=len(chat.tools or ())):
+            text = render_chat_text(self.model.tokenizer, chat.messages, chat.tools, chat.options)
         self.check_text_length(len(text), "messages")
-        processed: list[ProcessedImage] = []
-        hashes: list[str] = []
-        prompt = text
-        if media is not None:
-            template_field = "chat_template" if options.chat_template is not None else "messages"
-            check_marker_count(text, media.image_marker, len(images), template_field)
-            if media.video_marker:
-                check_marker_count(text, media.video_marker, len(videos), template_field, kind="video")
-            if refs:
-                budget = PixelBudget(self.limits.media.max_request_pixels)
-                with tracing.span("render.media", images=len(images), videos=len(videos)):
-                    image_media = self._process_images(media, images, request.media_options, payload, budget)
-                    video_media = self._process_videos(media, videos, request.media_options, payload, budget)
-                by_marker = {media.image_marker: image_media, media.video_marker: video_media}
-                prompt, order = expand_media_markers(
-                    text, {marker: found.processed for marker, found in by_marker.items() if marker})
-                processed = [by_marker[marker].processed[i] for marker, i in order]
-                hashes = [by_marker[marker].hashes[i] for marker, i in order]
+        return text
+
+    def _expand_media(self, chat: CheckedChat, text: str, media_options: render_pb2.MediaOptions) -> PromptText:
+        """Stage 3: process the chat's images and videos and replace each marker the template left
+        with the item's placeholder tokens (as text); the items in prompt order."""
+        media = self.model.media
+        if media is None:
+            return PromptText(text, [], [])
+        template_field = "chat_template" if chat.options.chat_template is not None else "messages"
+        check_marker_count(text, media.image_marker, len(chat.images), template_field)
+        if media.video_marker:
+            check_marker_count(text, media.video_marker, len(chat.videos), template_field, kind="video")
+        if not (chat.images or chat.videos):
+            return PromptText(text, [], [])
+        budget = PixelBudget(self.limits.media.max_request_pixels)
+        with tracing.span("render.media", images=len(chat.images), videos=len(chat.videos)):
+            image_media = self._process_images(media, chat.images, media_options, chat.payload, budget)
+            video_media = self._process_videos(media, chat.videos, media_options, chat.payload, budget)
+        by_marker = {media.image_marker: image_media, media.video_marker: video_media}
+        prompt, order = expand_media_markers(
+            text, {marker: found.processed for marker, found in by_marker.items() if marker})
+        return PromptText(prompt, [by_marker[marker].processed[i] for marker, i in order],
+                          [by_marker[marker].hashes[i] for marker, i in order])
+
+    def _tokenize(self, prompt: str) -> list[int]:
+        """Stage 4: the prompt's ids (long prompts off this process's GIL)."""
         with tracing.span("render.tokenize", characters=len(prompt)):
             token_ids = self.encoder.encode(prompt, add_special_tokens=False)
         tracing.add_attributes(prompt_tokens=len(token_ids))
         if not token_ids:
             raise InvalidArgument("the chat template rendered an empty prompt", reason="EMPTY_PROMPT",
                                   field="messages")
+        return token_ids
+
+    def _chat_response(self, request: render_pb2.RenderChatRequest, request_id: str, chat: CheckedChat, text: str,
+                       token_ids: list[int], prompt: PromptText) -> render_pb2.RenderChatResponse:
+        """Stage 5: the engine's GenerateRequest (ids, media items, sampling, structured output)
+        and derender's context, checked against the response size limit."""
         # The response is built in place (a message passed to a constructor or to extend() is
         # copied, tensors included).
         response = render_pb2.RenderChatResponse()
         generate_request, context = response.generate_request, response.derender_context
+        media = self.model.media
         if media is not None:
-            offsets = locate_spans(token_ids, processed, media.reserved_token_ids)
-            for p, h, offset in zip(processed, hashes, offsets):
-                build_item(p, h, offset, payload, self.signer, into=generate_request.mm_features.items.add())
+            offsets = locate_spans(token_ids, prompt.processed, media.reserved_token_ids)
+            for p, h, offset in zip(prompt.processed, prompt.hashes, offsets):
+                build_item(p, h, offset, chat.payload, self.signer, into=generate_request.mm_features.items.add())
         self.check_prompt_tokens(len(token_ids), "messages")
-        reasoning = reasoning_start(self.model.reasoning_parser, _thinking_enabled(options, self.model), text)
-        constraint = resolve_structured_output(request, tools, tool_choice,
+        thinking = _thinking_enabled(chat.options, self.model)
+        reasoning = reasoning_start(self.model.reasoning_parser, thinking, text)
+        constraint = resolve_structured_output(request, chat.tools, chat.tool_choice,
                                                self.model.tool_markup or self.model.tool_parser, reasoning)
         self._finish(request_id or request.request_id, token_ids, request.sampling, request.cache_salt, "messages",
                      generate_request, context, constraint)
         context.tools.extend(request.tools)
-        context.tool_choice.CopyFrom(tool_choice)
+        context.tool_choice.CopyFrom(chat.tool_choice)
         if keeps_special_tokens_for_tools(context, request.sampling):
             context.text_options.skip_special_tokens = False
             generate_request.sampling_params.text_options.skip_special_tokens = False
-        context.thinking_enabled = _thinking_enabled(options, self.model)
+        context.thinking_enabled = thinking
         context.prompt_opens_reasoning = bool(self.model.reasoning_parser) and ends_inside_reasoning(
             text, THINK_START, THINK_END)
         if request.return_prompt_text:
             response.prompt_text = text
         self.check_response_size(response)
-        if log.isEnabledFor(logging.INFO):
-            log.info("rendered chat: %d messages, %d tools, %d images, %d videos (%s), %d prompt tokens, max_tokens %d",
-                     len(messages), len(request.tools), len(images), len(videos),
-                     multimodal_pb2.MmPayload.Name(payload), len(token_ids),
-                     generate_request.sampling_params.max_tokens)
         return response
 
     def _process_images(self, media: MediaAdapter, refs: list[ImageRef], media_options: render_pb2.MediaOptions,

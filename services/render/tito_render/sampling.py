@@ -15,12 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tito.contract import INVALID_SAMPLING_PARAMS, check_sampling_ranges
+from tito.contract import INVALID_SAMPLING_PARAMS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, check_sampling_ranges
 from tito.errors import InvalidArgument, Violations
+from tito.parsers import TOOL_PARSERS_NEEDING_SPECIAL_TOKENS
 from tito.v1 import chat_pb2, derender_pb2, render_pb2, sampling_pb2
-from tito_render.config import TOOL_PARSERS_NEEDING_SPECIAL_TOKENS
 
-MAX_STOP_STRINGS = 16
 MAX_N = 128
 
 #: Request fields that only mean something when sampling: setting one asks for sampling even
@@ -118,6 +117,9 @@ def resolve_sampling(options: render_pb2.SamplingOptions,
     for i, stop in enumerate(options.stop):
         if not stop:
             violations.add(f"sampling.stop[{i}]", "stop string is empty")
+        elif len(stop) > MAX_STOP_STRING_CHARS:
+            violations.add(f"sampling.stop[{i}]", f"stop string of {len(stop)} characters: at most "
+                                                  f"{MAX_STOP_STRING_CHARS}")
     for i, token_id in enumerate(options.stop_token_ids):
         if token_id >= limits.vocab_size:
             violations.add(f"sampling.stop_token_ids[{i}]",

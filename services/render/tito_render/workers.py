@@ -22,8 +22,6 @@ import multiprocessing
 import os
 import queue
 import signal
-import time
-from multiprocessing.process import BaseProcess
 
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -31,6 +29,7 @@ from typing import Any
 from tito.config import ConfigError
 from tito.logs import setup_logging
 from tito.serving import run_until_signal
+from tito.supervision import ChildProcess, Supervisor, exit_with_parent, spawn_context
 
 from tito_render.config import RenderConfig
 
@@ -40,8 +39,6 @@ log = logging.getLogger(__name__)
 #: server that owns the pool (spawned workers import it by name, so it must be a module-level function).
 ServerFactory = Callable[[RenderConfig], Awaitable[Any]]
 
-#: Seconds a stopping worker gets beyond the grace period before it is killed.
-KILL_MARGIN_SECONDS = 10.0
 _POLL_SECONDS = 0.2
 
 
@@ -50,24 +47,11 @@ def worker_config(config: RenderConfig) -> RenderConfig:
     return dataclasses.replace(config, workers=1, reuse_port=True)
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Linux: get SIGTERM when the supervisor dies (even by SIGKILL), so no orphan keeps the port."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
 def _worker_main(config: RenderConfig, index: int, ready: multiprocessing.Queue, parent_pid: int,
                  create_server: ServerFactory) -> None:
     """Entry point of one worker process."""
     setup_logging(config.log_level, f"render[w{index} pid {os.getpid()}]")
-    _exit_with_parent(parent_pid)
+    exit_with_parent(parent_pid)
     # The parent forwards SIGINT as SIGTERM; a terminal's Ctrl-C reaches every worker directly too.
     try:
         asyncio.run(_run_worker(config, index, ready, create_server))
@@ -92,27 +76,33 @@ async def _run_worker(config: RenderConfig, index: int, ready: multiprocessing.Q
     await run_until_signal(running)
 
 
+def _worker_name(index: int) -> str:
+    return f"render worker {index}"
+
+
 class WorkerPool:
-    """Start, supervise and stop the worker processes of one render server."""
+    """Start, supervise and stop the worker processes of one render server (tito.supervision's
+    Supervisor: a worker that dies after serving is replaced with backoff, one that dies while
+    starting stops the server)."""
 
     def __init__(self, config: RenderConfig, count: int, create_server: ServerFactory) -> None:
         self.config = worker_config(config)
         self.count = count
         self.create_server = create_server  # runs in each worker; the parent never loads a model
-        self._context = multiprocessing.get_context("spawn")  # no fork of a threaded parent
+        self._context = spawn_context()
         self._ready: multiprocessing.Queue = self._context.Queue()
-        self._processes: dict[int, BaseProcess] = {}
-        self._serving: set[int] = set()
+        self._supervisor = Supervisor(restart=True)
         self._stopping = asyncio.Event()
         self._config_error: str | None = None  # a worker's start-up ConfigError, reported by the parent
 
-    def _start(self, index: int) -> None:
-        process = self._context.Process(target=_worker_main, args=(self.config, index, self._ready, os.getpid(), self.create_server),
-                                        name=f"render-worker-{index}", daemon=False)
-        process.start()
-        self._processes[index] = process
-        self._serving.discard(index)
-        log.info("started worker %d (pid %d)", index, process.pid)
+    def _spawner(self, index: int) -> Callable[[], ChildProcess]:
+        def spawn() -> ChildProcess:
+            process = self._context.Process(target=_worker_main, name=f"render-worker-{index}", daemon=False,
+                                            args=(self.config, index, self._ready, os.getpid(), self.create_server))
+            process.start()
+            log.info("started worker %d (pid %d)", index, process.pid)
+            return ChildProcess(_worker_name(index), process)
+        return spawn
 
     def _drain_ready(self) -> None:
         while True:
@@ -122,11 +112,8 @@ class WorkerPool:
                 return
             if kind == "failed":
                 self._config_error = self._config_error or detail
-                continue
-            pid = detail
-            process = self._processes.get(index)
-            if process is not None and process.pid == pid:
-                self._serving.add(index)
+            else:
+                self._supervisor.mark_ready(_worker_name(index), pid=detail)
 
     async def run(self) -> int:
         """Serve until a signal (exit code 0) or a worker failing at start-up (exit code 1; a
@@ -135,19 +122,25 @@ class WorkerPool:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopping.set)
         for index in range(self.count):
-            self._start(index)
+            self._supervisor.start(_worker_name(index), self._spawner(index))
         announced = False
         code = 0
         try:
             while not self._stopping.is_set():
                 self._drain_ready()
-                if not announced and len(self._serving) == self.count:
+                if not announced and self._supervisor.all_ready():
                     announced = True
-                    pids = ", ".join(str(self._processes[i].pid) for i in sorted(self._processes))
+                    pids = ", ".join(str(child.pid) for child in self._supervisor.children())
                     log.info("render serving on %s with %d worker processes (pids %s)", self.config.address,
                              self.count, pids)
-                failed = self._check_workers()
-                if failed:
+                failed = self._supervisor.check()
+                if failed is not None:  # it may have said "serving" just before dying: then it is replaced
+                    self._drain_ready()
+                    failed = self._supervisor.check()
+                if failed is not None:
+                    if not self._config_error:  # a reported ConfigError is the server's one line (run)
+                        log.error("%s failed while starting (exit code %s); stopping the server",
+                                  failed.name, failed.exit_code)
                     code = 1
                     break
                 try:
@@ -160,38 +153,8 @@ class WorkerPool:
             raise ConfigError(self._config_error)
         return code
 
-    def _check_workers(self) -> bool:
-        """Restart dead workers that were serving; True when one died while starting."""
-        for index, process in list(self._processes.items()):
-            if process.exitcode is None:
-                continue
-            if index not in self._serving:
-                self._drain_ready()
-            if index in self._serving:
-                log.error("worker %d (pid %d) died with exit code %s; starting a replacement",
-                          index, process.pid, process.exitcode)
-                self._start(index)
-            else:
-                if not self._config_error:  # a reported ConfigError is the server's one line (run)
-                    log.error("worker %d (pid %d) failed while starting (exit code %s); stopping the server",
-                              index, process.pid, process.exitcode)
-                return True
-        return False
-
     async def stop(self) -> None:
-        alive = [p for p in self._processes.values() if p.exitcode is None]
+        alive = [child for child in self._supervisor.children() if child.exit_code is None]
         log.info("stopping %d worker processes", len(alive))
-        for process in alive:
-            try:
-                os.kill(process.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + self.config.grace_seconds + KILL_MARGIN_SECONDS
-        while any(p.exitcode is None for p in alive) and time.monotonic() < deadline:
-            await asyncio.sleep(_POLL_SECONDS)
-        for process in alive:
-            if process.exitcode is None:
-                log.warning("worker pid %d did not stop in time; killing it", process.pid)
-                process.kill()
-            process.join(timeout=5)
+        await asyncio.to_thread(self._supervisor.stop, self.config.grace_seconds)
         self._ready.close()

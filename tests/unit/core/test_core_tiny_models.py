@@ -473,9 +473,11 @@ def test_ensure_model_rejects_unknown_name(tmp_path):
 def test_ensure_model_vl_registered():
     assert tiny_models.MODELS == (TEXT_MODEL, VL_MODEL, INTERLEAVED_VL_MODEL, TEXT_MODEL_D64, VL_MODEL_D64,
                                   tiny_models.LLAMA_MODEL, tiny_models.QWEN3_MODEL, tiny_models.QWEN2_5_VL_MODEL,
-                                  tiny_models.PADDED_TEXT_MODEL, tiny_models.BENCH_TEXT_MODEL)
+                                  tiny_models.QWEN3_VL_MODEL, tiny_models.PADDED_TEXT_MODEL,
+                                  tiny_models.BENCH_TEXT_MODEL)
     assert tiny_models.MODELS == ("tiny-qwen2", "tiny-qwen2-vl", "tiny-gemma3", "tiny-qwen2-d64", "tiny-qwen2-vl-d64",
-                                  "tiny-llama", "tiny-qwen3", "tiny-qwen2.5-vl", "tiny-qwen2-padded", "tiny-qwen2-h256")
+                                  "tiny-llama", "tiny-qwen3", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen2-padded",
+                                  "tiny-qwen2-h256")
 
 
 @pytest.mark.parametrize("name,architecture,model_type", [
@@ -483,6 +485,7 @@ def test_ensure_model_vl_registered():
     ("tiny-llama", "LlamaForCausalLM", "llama"),
     ("tiny-qwen3", "Qwen3ForCausalLM", "qwen3"),
     ("tiny-qwen2.5-vl", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
+    ("tiny-qwen3-vl", "Qwen3VLForConditionalGeneration", "qwen3_vl"),
 ])
 def test_more_families_build_deterministically_with_the_shared_tokenizer(build_root, text_dir, name, architecture,
                                                                          model_type):
@@ -505,6 +508,12 @@ def test_more_families_build_deterministically_with_the_shared_tokenizer(build_r
     if name == "tiny-qwen2.5-vl":
         assert config["vision_config"]["fullatt_block_indexes"] == [1] and config["vision_config"]["window_size"] == 56
         assert json.loads(files["preprocessor_config.json"])["image_processor_type"] == "Qwen2VLImageProcessor"
+    if name == "tiny-qwen3-vl":
+        text, vision = config["text_config"], config["vision_config"]
+        assert text["head_dim"] == 64 and text["rope_parameters"]["mrope_interleaved"] is True
+        assert sum(text["rope_parameters"]["mrope_section"]) == text["head_dim"] // 2
+        assert vision["deepstack_visual_indexes"] == [0, 1] and vision["patch_size"] == 16
+        assert json.loads(files["video_preprocessor_config.json"])["video_processor_type"] == "Qwen3VLVideoProcessor"
 
 
 def test_ensure_model_builds_interleaved_vl(tmp_path, gemma_dir):

@@ -157,7 +157,7 @@ def test_mistral_named_tool_choice_and_skipped_special_tokens(mistral_tokenizer)
 
 def test_render_and_derender_agree_on_which_parsers_need_special_tokens():
     from tito_render.config import TOOL_PARSERS as RENDER_TOOL_PARSERS
-    from tito_render.config import TOOL_PARSERS_NEEDING_SPECIAL_TOKENS
+    from tito.parsers import TOOL_PARSERS_NEEDING_SPECIAL_TOKENS
 
     assert set(RENDER_TOOL_PARSERS) <= set(TOOL_PARSERS)
     assert TOOL_PARSERS_NEEDING_SPECIAL_TOKENS == {name for name in RENDER_TOOL_PARSERS if needs_special_tokens(name)}
@@ -247,7 +247,8 @@ PYTHONIC = [
 
 
 def pythonic_context(**fields) -> RequestContext:
-    base = dict(tool_parser="pythonic", tool_names=("get_weather", "get_time"), tool_choice=ToolChoiceMode.AUTO)
+    base = dict(tool_parser="pythonic", tool_names=("get_weather", "get_time", "tools.get_time"),
+                tool_choice=ToolChoiceMode.AUTO)
     base.update(fields)
     return RequestContext(**base)
 

@@ -144,12 +144,15 @@ def test_packed_bf16_linears_hold_one_copy_of_a_large_weight():
         assert (got.float() - expected[:rows].float()).norm() / expected[:rows].float().norm() < 1e-2
 
 
-def test_dtype_is_a_flag_and_a_variable_that_reaches_the_core(capsys):
+def test_dtype_is_a_flag_and_a_variable_that_reaches_the_core(capsys, monkeypatch):
+    import tito_engine.model.runner as runner_module
     from tito_cli import main as cli
     from tito.env_flags import apply_env
     from tito_engine.core.engine_core import CoreProcessSpec
     from tito_engine.server import config_from_args
 
+    # The flag's way to the core, on any CPU: whether this one computes bf16 is the next test's concern.
+    monkeypatch.setattr(runner_module, "cpu_supports", lambda dtype: True)
     parser = cli.build_parser()
     for argv, environ, expected in ((["--dtype", "bfloat16"], {}, "bfloat16"), ([], {"TITO_DTYPE": "float32"}, "float32"),
                                     ([], {}, "auto")):

@@ -76,7 +76,7 @@ def run(scheduler, requests, max_steps=5000, joins=None):
 def make(prompt, **options):
     options.setdefault("max_tokens", 12)
     options.setdefault("temperature", 0.0)
-    return Request("r", prompt, SamplingOptions(**options), lambda _: None)
+    return Request("r", prompt, SamplingOptions(**options))
 
 
 def assert_idle(scheduler):

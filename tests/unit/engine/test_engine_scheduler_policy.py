@@ -55,8 +55,7 @@ def scheduler_with(runner: FakeRunner, max_running: int = 8, budget: int = 64, p
 
 
 def request(prompt: list[int], max_tokens: int = 6, **options) -> Request:
-    return Request(f"r{prompt[0]}", prompt, SamplingOptions(max_tokens=max_tokens, temperature=0.0, **options),
-                   lambda _: None)
+    return Request(f"r{prompt[0]}", prompt, SamplingOptions(max_tokens=max_tokens, temperature=0.0, **options))
 
 
 def expected(prompt: list[int], count: int) -> list[int]:
@@ -176,7 +175,7 @@ def test_stop_ids_eos_min_tokens_and_max_tokens_end_choices():
     natural = expected(prompt, 6)
     stops = request(prompt, stop_token_ids=frozenset({natural[2]}))
     delayed = Request("late", prompt, SamplingOptions(max_tokens=6, temperature=0.0, min_tokens=4,
-                                                      stop_token_ids=frozenset({natural[2]})), lambda _: None)
+                                                      stop_token_ids=frozenset({natural[2]})))
     for req in (stops, delayed):
         scheduler.add(req)
     tokens = drain(scheduler, runner)

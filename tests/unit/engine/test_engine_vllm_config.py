@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from tito_cli.main import main as tito_main
 from tito.config import ConfigError
 from tito_engine.config import EngineConfig
+from tito_engine.model.runner import DTYPES, choose_dtype
 from tito_engine.vllm.args import build_engine_args
 
 pytestmark = pytest.mark.vllm
+
+GIB = 1 << 30
 
 
 def vllm_config(*vllm_args, **fields) -> EngineConfig:
@@ -34,11 +40,52 @@ def test_tito_flags_translate_and_vllm_arguments_pass_through():
 
 
 def test_dtype_is_tito_s_flag_or_vllm_s_but_not_both():
-    args = build_engine_args(vllm_config(dtype="bfloat16"), "/models/m")
+    args = build_engine_args(vllm_config(dtype="bfloat16", kv_cache_bytes=1 << 20), "/models/m")
     assert args.dtype == "bfloat16"
-    assert build_engine_args(vllm_config(), "/models/m").dtype == "auto"  # both sides' default
     with pytest.raises(ConfigError, match="--dtype is given twice"):
         vllm_config("--dtype", "float32", dtype="bfloat16").validate()
+
+
+def _checkpoint(tmp_path, dtype, weights=0):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "dtype": dtype, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "hidden_size": 256, "max_position_embeddings": 2048}))
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * weights)
+    return str(tmp_path)
+
+
+def test_with_no_kv_size_vllm_s_cpu_cache_is_sized_by_tito_s_rule(tmp_path, monkeypatch):
+    import tito_engine.vllm.args as vllm_args
+
+    monkeypatch.setattr(vllm_args, "available_host_memory", lambda: 9 * GIB + (8 << 20))
+    model = _checkpoint(tmp_path, "float32", weights=8 << 20)
+    per_token = 2 * 4 * 2 * 64 * 4  # float32 K and V of 4 layers, 2 KV heads of 64
+    # Capped: 64 sequences x 2048 tokens is far less than half of 8 GiB.
+    assert build_engine_args(vllm_config(), model).kv_cache_memory_bytes == 64 * 2048 * per_token
+    # Uncapped: 0.25 x (9 GiB free after the 8 MiB of weights - 1 GiB reserve).
+    args = build_engine_args(vllm_config(kv_memory_fraction=0.25, max_running_sequences=4096), model)
+    assert args.kv_cache_memory_bytes == 2 * GIB
+    assert build_engine_args(vllm_config(kv_cache_bytes=1 << 20), model).kv_cache_memory_bytes == 1 << 20
+    # vLLM's own sizing, when asked for after `--`, is left to vLLM.
+    assert build_engine_args(vllm_config("--gpu-memory-utilization", "0.3"), model).kv_cache_memory_bytes is None
+    with pytest.raises(ConfigError, match="give one"):
+        vllm_config("--gpu-memory-utilization", "0.3", kv_memory_fraction=0.3).validate()
+
+
+@pytest.mark.parametrize("stored", ["float32", "bfloat16", "float16"])
+def test_auto_is_the_native_engine_s_rule_not_vllm_s(tmp_path, stored):
+    # vLLM's own `auto` downcasts a float32 checkpoint to bfloat16 on CPU; tito's keeps float32, so
+    # vLLM is handed the dtype the native engine computes the same checkpoint in.
+    expected, _ = choose_dtype(torch.device("cpu"), "auto", DTYPES[stored])
+    args = build_engine_args(vllm_config(), _checkpoint(tmp_path, stored))
+    assert args.dtype == str(expected).removeprefix("torch.")
+    if stored == "float32":
+        assert args.dtype == "float32"
+
+
+def test_vllm_s_own_dtype_after_the_double_dash_is_kept(tmp_path):
+    args = build_engine_args(vllm_config("--dtype", "bfloat16"), _checkpoint(tmp_path, "float32"))
+    assert args.dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("vllm_args, message", [

@@ -68,6 +68,7 @@ def test_stop_strings_go_to_text_options_and_stop_ids_to_params():
     ({"top_logprobs": 2}, "sampling.top_logprobs"),
     ({"stop": ["x"] * 17}, "sampling.stop"),
     ({"stop": ["ok", ""]}, "sampling.stop[1]"),
+    ({"stop": ["ok", "x" * 1025]}, "sampling.stop[1]"),  # derender's bound too (tito.contract)
     ({"stop_token_ids": [1, 1000]}, "sampling.stop_token_ids[1]"),
 ])
 def test_range_errors_name_the_field(fields, field):

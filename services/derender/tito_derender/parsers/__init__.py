@@ -1,53 +1,50 @@
-"""Output parsers and their registry by the names a DerenderContext uses.
+"""Output parsers by the names a DerenderContext uses (declared once, in tito.parsers).
 
 Render names the parsers (from the model) in the DerenderContext; derender builds one instance
-per choice. An unknown name is the caller's mistake (INVALID_ARGUMENT naming the field and the
-known names), checked before any engine output is read.
+per choice. A tool format's parser is the `PARSER` class of the module named as the format
+(`tools/<name>.py`). An unknown name is the caller's mistake (INVALID_ARGUMENT naming the field
+and the known names), checked before any engine output is read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from importlib import import_module
 
 from tito.errors import InvalidArgument, quoted
+from tito.parsers import (REASONING_PARSER_NAMES, SCHEMA_TYPED_TOOL_PARSERS, STRUCTURAL_REASONING_PARSERS,
+                          TOOL_PARSER_NAMES, TOOL_PARSERS_NEEDING_SPECIAL_TOKENS)
 from tito_derender.domain import RequestContext, ToolChoiceMode
 from tito_derender.parsers.harmony import HarmonyReasoningParser
 from tito_derender.parsers.reasoning import ThinkReasoningParser
 from tito_derender.parsers.tool_stage import ToolStage
 from tito_derender.parsers.tools.base import ToolParser
-from tito_derender.parsers.tools.deepseek_v3 import DeepSeekV3ToolParser
-from tito_derender.parsers.tools.glm45 import Glm45ToolParser
-from tito_derender.parsers.tools.gpt_oss import GptOssToolParser
-from tito_derender.parsers.tools.hermes import HermesToolParser
-from tito_derender.parsers.tools.kimi_k2 import KimiK2ToolParser
-from tito_derender.parsers.tools.llama3_json import Llama3JsonToolParser
 from tito_derender.parsers.tools.markup import MarkupToolParser
-from tito_derender.parsers.tools.mistral import MistralToolParser
-from tito_derender.parsers.tools.pythonic import PythonicToolParser
-from tito_derender.parsers.tools.qwen3_coder import Qwen3CoderToolParser
 
 #: name -> factory(prompt_opens_reasoning, call_markers) for the reasoning parsers; call_markers:
 #: the tool parser's (start, end) when tool calls are parsed (a call may end the reasoning).
-REASONING_PARSERS: dict[str, Callable[[bool, tuple[str, str] | None], ThinkReasoningParser | HarmonyReasoningParser]] = {
+_REASONING_FACTORIES: dict[str, Callable[[bool, tuple[str, str] | None],
+                                         ThinkReasoningParser | HarmonyReasoningParser]] = {
     "qwen3": lambda prompt_opens, calls: ThinkReasoningParser(start_in_reasoning=prompt_opens, call_markers=calls),
     "deepseek_r1": lambda prompt_opens, calls: ThinkReasoningParser(start_in_reasoning=True, call_markers=calls),
     "gpt_oss": lambda prompt_opens, calls: HarmonyReasoningParser(),
 }
+#: The reasoning formats of tito.parsers, by name.
+REASONING_PARSERS = {name: _REASONING_FACTORIES[name] for name in REASONING_PARSER_NAMES}
 
-#: name -> ToolParser class.
-TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    "hermes": HermesToolParser,
-    "llama3_json": Llama3JsonToolParser,
-    "mistral": MistralToolParser,
-    "pythonic": PythonicToolParser,
-    "qwen3_coder": Qwen3CoderToolParser,
-    "deepseek_v3": DeepSeekV3ToolParser,
-    "kimi_k2": KimiK2ToolParser,
-    "glm45": Glm45ToolParser,
-    "gpt_oss": GptOssToolParser,
-}
-#: Tool parsers that type argument values by the tools' JSON schemas (they get the schemas).
-SCHEMA_TYPED_TOOL_PARSERS = frozenset({"qwen3_coder", "glm45"})
+
+def _tool_parser_class(name: str) -> type[ToolParser]:
+    """A tool format's parser: `PARSER` of the module `tito_derender.parsers.tools.<name>`."""
+    parser = import_module(f"{__name__}.tools.{name}").PARSER
+    if not (isinstance(parser, type) and issubclass(parser, ToolParser)):
+        raise TypeError(f"tito_derender.parsers.tools.{name}.PARSER is not a ToolParser")
+    return parser
+
+
+#: The tool-call formats of tito.parsers, by name -> ToolParser class.
+TOOL_PARSERS: dict[str, type[ToolParser]] = {name: _tool_parser_class(name) for name in TOOL_PARSER_NAMES}
+__all__ = ["REASONING_PARSERS", "SCHEMA_TYPED_TOOL_PARSERS", "STRUCTURAL_REASONING_PARSERS", "TOOL_PARSERS",
+           "needs_special_tokens", "reasoning_parser_for", "tool_stage_for", "validate_parser_names"]
 
 
 def validate_parser_names(context: RequestContext) -> None:
@@ -57,11 +54,6 @@ def validate_parser_names(context: RequestContext) -> None:
             raise InvalidArgument(
                 f"unknown {field.split('.')[1].replace('_', ' ')} {quoted(name)}: known ones are "
                 f"{', '.join(sorted(known))} (or empty for none)", reason="UNKNOWN_PARSER", field=field)
-
-
-#: Reasoning parsers that also take the output's message structure apart (harmony headers and
-#: channels): they run whether or not thinking is on, since the model writes that structure anyway.
-STRUCTURAL_REASONING_PARSERS = frozenset({"gpt_oss"})
 
 
 def reasoning_parser_for(context: RequestContext, tools: ToolStage | None = None
@@ -79,9 +71,8 @@ def reasoning_parser_for(context: RequestContext, tools: ToolStage | None = None
 
 def needs_special_tokens(tool_parser: str) -> bool:
     """Whether the named tool parser reads special tokens (render's default skip_special_tokens
-    is false for the requests it parses; tito_render.config lists the same names)."""
-    parser = TOOL_PARSERS.get(tool_parser)
-    return parser is not None and parser.needs_special_tokens
+    is false for the requests it parses; both read tito.parsers)."""
+    return tool_parser in TOOL_PARSERS_NEEDING_SPECIAL_TOKENS
 
 
 def tool_stage_for(context: RequestContext, streaming: bool = True) -> ToolStage | None:
@@ -96,7 +87,7 @@ def tool_stage_for(context: RequestContext, streaming: bool = True) -> ToolStage
     else:
         accept = lambda name: True  # noqa: E731
     parser_class = TOOL_PARSERS[context.tool_parser]
-    options = {"streaming": streaming, "accept_name": accept}
+    options = {"streaming": streaming, "accept_name": accept, "tool_names": context.tool_names}
     if issubclass(parser_class, MarkupToolParser):
         options["tools"] = dict(context.tool_schemas)
     return ToolStage(parser_class(**options))

@@ -7,8 +7,9 @@ channel). By channel: `analysis` bodies are reasoning; a message with a function
 (`to=functions.NAME`, a tool call) passes on verbatim, header and all, as content for the
 "gpt_oss" tool parser; any other body (`final`, a `commentary` preamble) is content, its header
 dropped. `<|end|>`, `<|return|>` and `<|call|>` end a body (as does a new `<|start|>`); the
-end markers and headers are not part of any text. Output that does not open with a header (e.g.
-special tokens skipped, so no markers reach derender) is content throughout.
+end markers and headers are not part of any text, not even a header the output ends inside
+(`<|start|>assistant<|channel|>fin` at finish length). Output that does not open with a header
+(e.g. special tokens skipped, so no markers reach derender) is content throughout.
 """
 
 from __future__ import annotations
@@ -65,10 +66,12 @@ class HarmonyReasoningParser:
             return text
         position = text.find(MESSAGE)
         if position < 0:
-            if final or len(text) > MAX_HEADER_CHARS:
+            if len(text) > MAX_HEADER_CHARS:
                 self._mode = _PLAIN
                 return text
-            self._held = text
+            if not final:
+                self._held = text
+            # else: the output ended inside a header (finish length): no header is text
             return ""
         header = text[:position]
         channel = _CHANNEL_NAME.search(header)

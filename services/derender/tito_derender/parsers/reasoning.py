@@ -7,7 +7,8 @@
 
 A tool call can end the block too. Qwen3 models sometimes open a call without writing `</think>`
 first, and the call would be lost inside the reasoning. So when tool calls are parsed and the
-tool parser declares its call markers (hermes: `<tool_call>` ... `</tool_call>`), a call that
+tool parser declares its call markers (hermes, qwen3_coder, glm45: `<tool_call>` ... `</tool_call>`;
+deepseek_v3, kimi_k2: their calls section), a call that
 starts inside the reasoning is held back until it is clear what it is:
 - `</think>` comes (inside the call or after it), or other text follows the call: the model was
   thinking about a call; the held text is reasoning, as before.

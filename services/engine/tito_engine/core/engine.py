@@ -29,12 +29,16 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tito.errors import Unavailable
+from tito.supervision import retry
 
 from tito_engine.service.admission import AdmittedRequest, KVCapacity
 from tito_engine.service.backend import LoadSnapshot, check_can_accept
-from tito_engine.core.messages import AbortRequest, AddRequest, CoreLoad, EncodeItems, EncodeResult, StepBatch
+from tito_engine.core.messages import (AbortRequest, AddRequest, CoreLoad, EncodeItems, EncodeResult,
+                                       PrefixCacheReset, ResetPrefixCache, StepBatch)
 from tito_engine.core.engine_core import CoreProcessSpec, ProcessCore, ThreadCore
+from tito_engine.core.seams import CoreHost, CoreRunner
 from tito_engine.multimodal.features import CheckedFeatures
+from tito_engine.kv_events import DEFAULT_KV_EVENT_BUFFER, AllBlocksCleared, KvEventLog
 from tito_engine.request import ChoiceOutput, FinishReason, Submission, Usage
 from tito_engine.limits import DEFAULT_MAX_WAITING_REQUESTS, SchedulerLimits
 
@@ -45,18 +49,23 @@ CORE_LOST_MESSAGE = "the engine's model process exited; a new one is starting: r
 
 
 class Engine:
-    def __init__(self, runner: Any = None, *, limits: SchedulerLimits = SchedulerLimits(),
-                 max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS, core: Any = None,
-                 encoder_cache_bytes: int = 0):
+    def __init__(self, runner: CoreRunner | None = None, *, limits: SchedulerLimits = SchedulerLimits(),
+                 max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS, core: CoreHost | None = None,
+                 encoder_cache_bytes: int = 0, encoder_store_dir: str = "", encoder_store_bytes: int = 0,
+                 kv_event_buffer: int = DEFAULT_KV_EVENT_BUFFER):
         """`runner` hosts the core on a thread of this process; `core` passes a ready host instead
-        (built with the same `limits`).
+        (built with the same `limits`). `kv_event_buffer`: KV event batches kept for replay.
 
-        `encoder_cache_bytes` sizes the thread-hosted core's encoder cache. Requests arrive
+        `encoder_cache_bytes` sizes the thread-hosted core's encoder cache; `encoder_store_dir`
+        (bounded by `encoder_store_bytes`) is the shared encoder store it writes Encode's outputs to. Requests arrive
         admitted (admission.py): this class only queues, schedules and streams them.
         """
-        self._core = core if core is not None else ThreadCore(runner, limits, encoder_cache_bytes)
+        if core is None and runner is None:
+            raise ValueError("Engine needs a runner (hosted on a thread here) or a ready core host")
+        self._core: CoreHost = core if core is not None else ThreadCore(runner, limits, encoder_cache_bytes,
+                                                                        encoder_store_dir, encoder_store_bytes)
         self.info = self._core.info
-        self.mm_spec = getattr(self._core, "mm_spec", None)
+        self.mm_spec = self._core.mm_spec
         self.max_running_sequences = limits.max_running_sequences
         self.max_waiting_requests = max_waiting_requests
         self._kv_blocks_total = self._core.kv_blocks_total
@@ -78,26 +87,30 @@ class Engine:
         self._counted_before = LoadSnapshot(0, 0, 0)  # cumulative counters of cores that died
         self._dispatch = _Dispatcher()
         self._calls: dict[int, Callable[[Any], None]] = {}  # key -> callback of a pending core call (Encode)
+        # What the prefix cache stores, evicts and clears (SubscribeKvEvents, the ZMQ publisher).
+        self.kv_events = KvEventLog(kv_event_buffer)
 
     @classmethod
-    def in_process(cls, spec: CoreProcessSpec, *, max_waiting_requests: int = 1024) -> "Engine":
+    def in_process(cls, spec: CoreProcessSpec, *, max_waiting_requests: int = 1024,
+                   kv_event_buffer: int = DEFAULT_KV_EVENT_BUFFER) -> "Engine":
         """An engine whose core runs in a child process (loads the model there)."""
         core = ProcessCore(spec)
-        engine = cls(core=core, limits=spec.limits, max_waiting_requests=max_waiting_requests)
+        engine = cls(core=core, limits=spec.limits, max_waiting_requests=max_waiting_requests,
+                     kv_event_buffer=kv_event_buffer)
         engine._spec = spec
         return engine
 
     # ---------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        lost = (self._on_core_lost,) if isinstance(self._core, ProcessCore) else ()
-        self._core.start(self._on_batch, *lost)
+        self._core.start(self._on_batch, self._on_core_lost)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Abort everything still live and stop the core."""
         with self._lock:
             self._stopping = True
         self._core.stop(timeout)
+        self.kv_events.close()
 
     # ---------------------------------------------------------------- called from any thread
 
@@ -125,6 +138,17 @@ class Engine:
         cache, return one tito.v1.EncoderCacheDescriptor per item."""
         from tito.v1 import multimodal_pb2
 
+        result = await self._call(lambda key: EncodeItems(key, checked))
+        assert isinstance(result, EncodeResult)
+        return [multimodal_pb2.EncoderCacheDescriptor.FromString(data) for data in result.descriptors]
+
+    async def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache; subscribers of kv_events see AllBlocksCleared before this returns."""
+        result = await self._call(ResetPrefixCache)
+        assert isinstance(result, PrefixCacheReset)
+
+    async def _call(self, command: Callable[[int], Any]) -> Any:
+        """Send `command(key)` to the core and wait for its answer under that key (raised when an error)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
 
@@ -145,7 +169,7 @@ class Engine:
                 raise Unavailable("the engine is shutting down; retry on another replica", reason="SHUTTING_DOWN")
             key = next(self._keys)
             self._calls[key] = answer
-        self._core.send(EncodeItems(key, checked))
+        self._core.send(command(key))
         try:
             result = await future
         finally:
@@ -153,8 +177,7 @@ class Engine:
                 self._calls.pop(key, None)
         if isinstance(result, BaseException):
             raise result
-        assert isinstance(result, EncodeResult)
-        return [multimodal_pb2.EncoderCacheDescriptor.FromString(data) for data in result.descriptors]
+        return result
 
     def abort(self, request_ids: list[str]) -> list[str]:
         """Abort live requests by id (their streams end with ABORT); unknown ids are ignored."""
@@ -242,6 +265,8 @@ class Engine:
                 self._by_key.pop(request.key, None)
                 if self._live.get(request.request_id) is request:
                     del self._live[request.request_id]
+        if batch.kv_events:  # before the outputs: a caller whose stream ended finds its blocks in the log
+            self.kv_events.append(batch.kv_events, batch.timestamp)
         for call, output in calls:
             call(output)
         self._dispatch(deliveries)
@@ -263,6 +288,8 @@ class Engine:
                 self.on_core_lost()
             if self._spec is not None:
                 threading.Thread(target=self._restart_core, name="tito-engine-restart", daemon=True).start()
+        if not stopping:  # the prefix cache died with the core process
+            self.kv_events.append([AllBlocksCleared()])
         error = Unavailable(CORE_LOST_MESSAGE, reason="ENGINE_CORE_LOST")
         for call in calls:
             call(error)
@@ -291,15 +318,7 @@ class Engine:
 
 def _start_core_with_backoff(spec: CoreProcessSpec, stopping: Callable[[], bool]) -> ProcessCore | None:
     """A new core process, retrying with backoff until one starts; None once `stopping()`."""
-    delay = 0.5
-    while not stopping():
-        try:
-            return ProcessCore(spec)
-        except Exception:  # noqa: BLE001 - keep trying: the service has nothing better to do
-            log.exception("starting a new engine core failed; retrying in %.1fs", delay)
-            time.sleep(delay)
-            delay = min(delay * 2, 30.0)
-    return None
+    return retry(lambda: ProcessCore(spec), stopping, "a new engine core")
 
 
 def _published_load(before: LoadSnapshot, core_load: CoreLoad, kv_blocks_total: int, block_size: int) -> LoadSnapshot:
@@ -310,7 +329,9 @@ def _published_load(before: LoadSnapshot, core_load: CoreLoad, kv_blocks_total: 
                         core_load.kv_blocks_used, block_size,
                         before.prefix_cache_hit_tokens + core_load.prefix_cache_hit_tokens,
                         before.encoder_cache_hits + core_load.encoder_cache_hits,
-                        before.encoder_cache_misses + core_load.encoder_cache_misses)
+                        before.encoder_cache_misses + core_load.encoder_cache_misses,
+                        before.encoded_items + core_load.encoded_items,
+                        before.encoder_store_loads + core_load.encoder_store_loads)
 
 
 class _Dispatcher:

@@ -26,22 +26,34 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tito.errors import TitoError
+from tito.errors import ConfigError, TitoError
+from tito.supervision import ChildProcess, spawn_context, stop_children
 
 from tito_engine.model.constraints import GrammarCompiler, compile_error
+from tito_engine.core.seams import CoreRunner
 from tito_engine.core.messages import (AbortRequest, AddRequest, Command, CoreFailed, CoreLoad, CoreReady,
-                                       CoreStopped, EncodeItems, EncodeResult, StepBatch, StopCore)
-from tito_engine.multimodal.encoder_cache import EncoderCache
-from tito_engine.multimodal.features import CheckedFeatures, ValidatedFeatures, check_encoder_cache_enabled, resolve_cached
+                                       CoreStopped, EncodeItems, EncodeResult, PrefixCacheReset, ResetPrefixCache,
+                                       StepBatch, StopCore)
+from tito import tensors
+from tito.errors import Unavailable
+from tito.v1 import multimodal_pb2
+
+from tito_engine.multimodal.encoder_cache import CacheKey, EncoderCache
+from tito_engine.multimodal.encoder_store import EntryCorrupt, EntryMissing, SharedEncoderStore
+from tito_engine.multimodal.items import EC_STORE_UNAVAILABLE, CheckedFeatures, ValidatedFeatures
+from tito_engine.multimodal.resolution import check_encoder_cache_enabled, resolve_cached
 from tito_engine.request import ChoiceOutput, Request
 from tito_engine.limits import SchedulerLimits
+from tito_engine.scheduling.blocks import BlockMedia
 from tito_engine.scheduling.scheduler import Scheduler, run_step
 
 log = logging.getLogger(__name__)
@@ -54,9 +66,11 @@ class EngineStepError(RuntimeError):
 class EngineCore:
     """Applies commands and runs scheduler steps; `emit` receives each step's batch."""
 
-    def __init__(self, runner: Any, limits: SchedulerLimits, encoder_cache_bytes: int = 0):
+    def __init__(self, runner: CoreRunner, limits: SchedulerLimits, encoder_cache_bytes: int = 0,
+                 encoder_store_dir: str = "", encoder_store_bytes: int = 0):
         self.runner = runner
         self.scheduler = Scheduler.for_runner(runner, limits)
+        self.scheduler.kv.take_events()  # record the prefix cache's KV events from here on
         self.requests: dict[int, Request] = {}
         self.adds_seen = 0
         self.early_aborts: dict[int, None] = {}  # aborts that overtook their add (insertion-ordered)
@@ -66,6 +80,16 @@ class EngineCore:
             self.encoder_cache = EncoderCache(max_bytes=encoder_cache_bytes,
                                               store_id=f"engine-{uuid.uuid4().hex[:16]}",
                                               model_fingerprint=runner.info.fingerprint)
+        # Encoder outputs shared with other engines through a directory (Encode writes, Generate reads).
+        self.encoder_store: SharedEncoderStore | None = None
+        if encoder_store_dir and self.encoder_cache is not None:
+            try:
+                self.encoder_store = SharedEncoderStore(encoder_store_dir, max_bytes=encoder_store_bytes,
+                                                        model_fingerprint=runner.info.fingerprint)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"--encoder-store-dir {encoder_store_dir!r} cannot be used: {exc}") from None
+        self.encoded_items = 0  # items the encoder ran on
+        self.store_loads = 0  # items whose output came from the shared store
         self._to_encode: list[tuple[Request, ValidatedFeatures]] = []  # added, not yet encoded
         self.grammars = GrammarCompiler(getattr(runner, "model_dir", None), runner.info.vocab_size,
                                         runner.info.eos_token_ids)
@@ -77,7 +101,8 @@ class EngineCore:
         waiting = len(scheduler.waiting) + len(self._compiling)  # parked while their grammar compiles
         return CoreLoad(scheduler.num_running_sequences(), waiting, scheduler.finished_requests,
                         scheduler.kv_blocks_used(), self.adds_seen, scheduler.prefix_cache_hit_tokens,
-                        stats.hits if stats else 0, stats.misses if stats else 0)
+                        stats.hits if stats else 0, stats.misses if stats else 0, self.encoded_items,
+                        self.store_loads)
 
     def run(self, receive: Callable[[], Any], receive_ready: Callable[[], list], emit: Callable[[StepBatch], None]) -> None:
         """Serve until a StopCore command; `receive` blocks, `receive_ready` drains without blocking."""
@@ -87,7 +112,7 @@ class EngineCore:
                     return
             except Exception as exc:  # noqa: BLE001 - keep serving; fail only what was in flight
                 log.exception("engine step failed; failing the requests in flight")
-                emit(StepBatch(self._fail_all(exc), self.load()))
+                emit(self._batch(self._fail_all(exc)))
 
     def _serve(self, receive, receive_ready, emit) -> bool:
         scheduler = self.scheduler
@@ -104,7 +129,7 @@ class EngineCore:
             for command in commands:
                 if isinstance(command, StopCore):
                     outputs.extend(self._abort_all())
-                    emit(StepBatch(outputs, self.load()))
+                    emit(self._batch(outputs))
                     return True
                 self._apply(command, outputs)
             if self._compiling:
@@ -115,8 +140,14 @@ class EngineCore:
             if stepped:
                 for request, output in run_step(scheduler, self.runner):
                     outputs.append(self._out(request, output))
-            if outputs or commands or stepped:
-                emit(StepBatch(outputs, self.load()))
+            batch = self._batch(outputs)
+            if outputs or commands or stepped or batch.kv_events:
+                emit(batch)
+
+    def _batch(self, outputs: list) -> StepBatch:
+        """The step's outputs, the load after it and the KV events it caused."""
+        events = tuple(self.scheduler.kv.take_events())
+        return StepBatch(outputs, self.load(), events, time.time() if events else 0.0)
 
     def _apply(self, command: Command, outputs: list) -> None:
         match command:
@@ -127,6 +158,9 @@ class EngineCore:
                     outputs.append((key, self._encode_request(checked), True))
                 except Exception as error:  # noqa: BLE001 - fails this Encode call only, never the generations
                     outputs.append((key, _refusal_or_bug(error), True))
+            case ResetPrefixCache(key=key):
+                self.scheduler.kv.clear_prefix_cache()
+                outputs.append((key, PrefixCacheReset(), True))
             case AbortRequest(key=key):
                 request = self.requests.get(key)
                 if request is not None:
@@ -145,16 +179,19 @@ class EngineCore:
         validated = None
         if command.features:
             try:
-                validated = resolve_cached(command.features, self.encoder_cache)
+                validated = self._resolve(command.features)
             except Exception as error:  # noqa: BLE001 - refused before scheduling; only this request
                 self.early_aborts.pop(key, None)
                 outputs.append((key, _refusal_or_bug(error), True))
                 return
-        request = Request(command.request_id, command.prompt_ids, command.options, None)
+        request = Request(command.request_id, command.prompt_ids, command.options)
         request.arrival_time = command.arrival_time
         request.cache_salt = command.cache_salt
         request.key = key
         request.has_media = validated is not None
+        if validated is not None and all(item.content_id for item in validated.items):
+            request.prefix_media = tuple(BlockMedia(item.offset, item.length, item.content_id, item.mm_hash)
+                                         for item in validated.items)
         self.requests[key] = request
         if validated is not None:
             self._to_encode.append((request, validated))
@@ -202,6 +239,7 @@ class EngineCore:
         if not unique:
             return {}
         encoded = self.runner.encode(list(unique.values()))
+        self.encoded_items += len(unique)
         rows_by_key: dict[Any, Any] = {}
         for group_key, item, rows in zip(unique, unique.values(), encoded):
             rows = rows.detach().clone()  # one tensor per item: the cache accounts its own bytes
@@ -243,13 +281,45 @@ class EngineCore:
         self.requests.pop(request.key, None)
         outputs.append((request.key, _portable(error), True))
 
+    def _resolve(self, checked: CheckedFeatures) -> ValidatedFeatures:
+        validated = resolve_cached(checked, self.encoder_cache, self.encoder_store)
+        self.store_loads += sum(1 for item in validated.items if item.from_store)
+        return validated
+
     def _encode_request(self, checked: CheckedFeatures) -> EncodeResult:
-        """The Encode RPC in the core: resolve, encode what is missing, store, describe."""
+        """The Encode RPC in the core: resolve, encode what is missing, store, describe (the
+        shared store's descriptor when the engine has one, else this engine's own)."""
         cache = check_encoder_cache_enabled(self.encoder_cache)
-        validated = resolve_cached(checked, cache)
+        validated = self._resolve(checked)
         self._run_encoder([validated])
-        return EncodeResult(tuple(cache.descriptor_for(item.cache_key).SerializeToString()
-                                  for item in validated.items))
+        descriptors = []
+        for item in validated.items:
+            descriptor = self._store_output(item.cache_key) if self.encoder_store is not None else None
+            descriptors.append(descriptor if descriptor is not None else cache.descriptor_for(item.cache_key))
+        return EncodeResult(tuple(descriptor.SerializeToString() for descriptor in descriptors))
+
+    def _store_output(self, key: CacheKey) -> multimodal_pb2.EncoderCacheDescriptor | None:
+        """Write `key`'s cached output to the shared store (kept when there already) and describe
+        the entry there; None when it exceeds the store's bound (the local descriptor serves)."""
+        store = self.encoder_store
+        try:
+            try:
+                header = store.header(key.text)
+            except (EntryMissing, EntryCorrupt):
+                entry = self.encoder_cache.peek(key)
+                if entry is None:  # larger than the whole encoder cache: not kept anywhere
+                    return None
+                wire = tensors.from_torch(entry.rows)
+                header = store.put(key.text, wire.dtype, tuple(wire.shape), wire.data)
+        except OSError as exc:
+            log.error("the shared encoder store at %s cannot be written: %s", store.root, exc)
+            raise Unavailable(f"the shared encoder store cannot be written ({exc.strerror or exc}); retry on "
+                              f"another replica", reason=EC_STORE_UNAVAILABLE) from None
+        if header is None:
+            return None
+        return multimodal_pb2.EncoderCacheDescriptor(
+            store_id=store.store_id, uri=store.uri, key=key.text, dtype=header.dtype, shape=list(header.shape),
+            byte_size=header.byte_size, checksum=header.checksum, model_fingerprint=header.model_fingerprint)
 
     def _out(self, request: Request, output: Any) -> tuple[int, Any, bool]:
         if isinstance(output, BaseException):
@@ -303,8 +373,9 @@ def _portable(error: BaseException) -> EngineStepError:
 class ThreadCore:
     """Hosts an EngineCore on a thread of this process (tests, or when a child process is unwanted)."""
 
-    def __init__(self, runner: Any, limits: SchedulerLimits, encoder_cache_bytes: int = 0):
-        self.core = EngineCore(runner, limits, encoder_cache_bytes)
+    def __init__(self, runner: CoreRunner, limits: SchedulerLimits, encoder_cache_bytes: int = 0,
+                 encoder_store_dir: str = "", encoder_store_bytes: int = 0):
+        self.core = EngineCore(runner, limits, encoder_cache_bytes, encoder_store_dir, encoder_store_bytes)
         self.info = runner.info
         self.mm_spec = getattr(runner, "mm_spec", None)
         self.kv_blocks_total = runner.cache.num_blocks
@@ -312,7 +383,8 @@ class ThreadCore:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def start(self, on_batch: Callable[[StepBatch], None]) -> None:
+    def start(self, on_batch: Callable[[StepBatch], None], on_lost: Callable[[], None] | None = None) -> None:
+        """Run the core on a thread (`on_lost` is never called: the thread lives as long as this process)."""
         def drain() -> list:
             items = []
             while True:
@@ -352,6 +424,8 @@ class CoreProcessSpec:
     packed_linears: bool = True
     cpus: frozenset[int] | None = None  # the CPUs the core process runs on (EngineConfig.cpu_plan)
     dtype: str = "auto"
+    encoder_store_dir: str = ""  # the shared encoder store's directory ("" = none)
+    encoder_store_bytes: int = 0
 
     @classmethod
     def from_config(cls, config: Any, model_dir: str, kv_cache: Any) -> "CoreProcessSpec":
@@ -363,7 +437,8 @@ class CoreProcessSpec:
                    limits=config.scheduler_limits, log_level=config.log_level,
                    encoder_cache_bytes=config.encoder_cache_bytes, exclude_padding_ids=config.excludes_padding_ids,
                    packed_linears=config.packs_linears, cpus=plan.core_cpus if plan is not None else None,
-                   dtype=config.dtype)
+                   dtype=config.dtype, encoder_store_dir=config.encoder_store_dir,
+                   encoder_store_bytes=config.encoder_store_bytes)
 
     def load_runner(self) -> Any:
         """Load the model this spec names (in whichever process hosts the core)."""
@@ -378,6 +453,9 @@ class CoreProcessSpec:
 
 
 def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
+    # No exit_with_parent here: the kernel's parent-death signal follows the *thread* that started
+    # the child, and cores are started from short-lived threads (a restart); the child ends at the
+    # pipe's EOF instead (receive below), which comes however the server ends.
     from tito.logs import setup_logging
 
     from tito_engine.model.runner import warm_up_or_warn
@@ -392,13 +470,19 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
         runner = spec.load_runner()
     except BaseException as exc:  # noqa: BLE001 - report why the engine could not start
         try:
-            conn.send(CoreFailed(f"{type(exc).__name__}: {exc}"))
+            conn.send(CoreFailed(str(exc), config_error=True) if isinstance(exc, ConfigError)
+                      else CoreFailed(f"{type(exc).__name__}: {exc}"))
         except OSError:
             pass  # the server stopped while the model was loading: nobody is left to tell
         _exit_now(1)
     warm_up_or_warn(runner)
+    try:
+        core = EngineCore(runner, spec.limits, spec.encoder_cache_bytes, spec.encoder_store_dir,
+                          spec.encoder_store_bytes)
+    except ConfigError as exc:  # the shared encoder store's directory
+        conn.send(CoreFailed(str(exc), config_error=True))
+        _exit_now(1)
     conn.send(CoreReady(runner.info, runner.cache.num_blocks, runner.cache.block_size, runner.mm_spec))
-    core = EngineCore(runner, spec.limits, spec.encoder_cache_bytes)
 
     def receive() -> Any:
         try:
@@ -432,8 +516,6 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
 def _exit_now(code: int) -> None:
     """Leave without the interpreter's teardown: with torch and a model loaded it takes a second
     or more, and this process holds nothing that needs it (the OS frees the memory and the pipe)."""
-    import os
-
     logging.shutdown()
     os._exit(code)
 
@@ -442,12 +524,10 @@ class ProcessCore:
     """Hosts an EngineCore in a child process; one receiver thread here turns its batches into calls."""
 
     def __init__(self, spec: CoreProcessSpec, start_timeout: float = 300.0):
-        import multiprocessing
-
-        context = multiprocessing.get_context("spawn")  # never fork a process that holds gRPC threads
+        context = spawn_context()  # never fork a process that holds gRPC threads
         self._conn, child_conn = context.Pipe()
-        self._process = context.Process(target=_child_main, args=(spec, child_conn), name="tito-engine-core",
-                                        daemon=True)
+        self._process = context.Process(target=_child_main, args=(spec, child_conn),
+                                        name="tito-engine-core", daemon=True)
         self._process.start()
         child_conn.close()
         self._send_lock = threading.Lock()
@@ -461,8 +541,8 @@ class ProcessCore:
             message = CoreFailed(f"the engine core process exited with code {self._process.exitcode}")
         if not isinstance(message, CoreReady):
             self._process.join(5)
-            from tito.config import ConfigError
-
+            if message.config_error:
+                raise ConfigError(message.reason)
             raise ConfigError(f"the engine core could not start: {message.reason}")
         self.info, self.kv_blocks_total = message.info, message.kv_blocks_total
         self.block_size, self.mm_spec = message.block_size, message.mm_spec
@@ -495,8 +575,7 @@ class ProcessCore:
         self.send(StopCore())
         if self._receiver is not None:
             self._receiver.join(timeout)
-        self._process.join(timeout)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(5)
+        # StopCore asked it to stop; what is still running after `timeout` is killed.
+        stop_children([ChildProcess("the engine core", self._process)], timeout, ask=lambda _child: None,
+                      kill_margin=0)
         self._conn.close()

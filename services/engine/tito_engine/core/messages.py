@@ -4,7 +4,7 @@ The core dispatches commands by type (`match`), the server dispatches what comes
 way, so neither side unpacks tuples by position. Every class pickles (the core may run in a child
 process); domain errors travel inside outputs as themselves (tito.errors pickles whole).
 
-Server -> core: `AddRequest`, `AbortRequest`, `EncodeItems`, `StopCore`.
+Server -> core: `AddRequest`, `AbortRequest`, `EncodeItems`, `ResetPrefixCache`, `StopCore`.
 Core -> server: `CoreReady` or `CoreFailed` once at start-up (child process only), then one
 `StepBatch` per step or per batch of commands that produced outputs, and `CoreStopped` last.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tito_engine.kv_events import KvEvent
 from tito_engine.multimodal.features import CheckedFeatures
 from tito_engine.model_info import ModelInfo
 from tito_engine.multimodal.specs import ModelMultimodalSpec
@@ -53,11 +54,23 @@ class EncodeItems:
 
 
 @dataclass(frozen=True, slots=True)
+class ResetPrefixCache:
+    """Empty the prefix cache (the ResetPrefixCache RPC); answered under `key` with PrefixCacheReset."""
+
+    key: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheReset:
+    """The answer to ResetPrefixCache: the cache is empty (the AllBlocksCleared event is in the same batch)."""
+
+
+@dataclass(frozen=True, slots=True)
 class StopCore:
     """Abort everything in flight, answer with a last batch, and exit the loop."""
 
 
-Command = AddRequest | AbortRequest | EncodeItems | StopCore
+Command = AddRequest | AbortRequest | EncodeItems | ResetPrefixCache | StopCore
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +92,8 @@ class CoreLoad:
     prefix_cache_hit_tokens: int = 0
     encoder_cache_hits: int = 0
     encoder_cache_misses: int = 0
+    encoded_items: int = 0  # media items the encoder ran on
+    encoder_store_loads: int = 0  # media items loaded from the shared encoder store
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +107,10 @@ class StepBatch:
 
     outputs: list[tuple[int, Any, bool]]
     load: CoreLoad
+    #: What the prefix cache stored, evicted and cleared in this step (kv_events, in order), and
+    #: when (time.time() at the step's end).
+    kv_events: tuple[KvEvent, ...] = ()
+    timestamp: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +125,11 @@ class CoreReady:
 
 @dataclass(frozen=True, slots=True)
 class CoreFailed:
-    """The child process could not start; `reason` is one line for the operator."""
+    """The child process could not start; `reason` is one line for the operator. `config_error`:
+    the reason is a ConfigError's, which already names the flag or file to fix (passed on as is)."""
 
     reason: str
+    config_error: bool = False
 
 
 @dataclass(frozen=True, slots=True)

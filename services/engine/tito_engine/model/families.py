@@ -17,7 +17,7 @@ architectures, read once from the loaded Hugging Face module:
 Families (`FAMILIES`, keyed by the text config's model_type): `QwenFamily` (the Llama-style
 pre-norm decoder: Qwen2, Qwen2-VL's and Qwen2.5-VL's text models with their M-RoPE sections,
 Llama 2 / 3.x with any rotary scaling HF folds into `inv_freq`, Mistral), `Qwen3Family` (the same
-plus per-head q/k RMSNorm) and `Gemma3Family` (Gemma3 text, alone or inside
+plus per-head q/k RMSNorm: Qwen3, and Qwen3-VL's text model with its interleaved M-RoPE sections) and `Gemma3Family` (Gemma3 text, alone or inside
 Gemma3ForConditionalGeneration). Each follows HF's op order (norm statistics in float32, casts
 where HF casts) so logits match HF's forward.
 """
@@ -231,6 +231,10 @@ class QwenFamily:
         _check_rope_type(getattr(rotary, "rope_type", "default"))
         self.ropes = [(rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0)))]
         self.mrope_section = getattr(rotary, "mrope_section", None)
+        # Qwen3-VL interleaves the (t, h, w) sections across the rotary dims (t, h, w, t, h, w, ...).
+        rope_parameters = getattr(config, "rope_parameters", None) or {}
+        self.mrope_interleaved = self.mrope_section is not None and bool(
+            rope_parameters.get("mrope_interleaved") or type(rotary).__name__.startswith("Qwen3VL"))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.embed_w)
@@ -328,6 +332,7 @@ class Gemma3Family:
                                    self.head_dim)
                        for layer, kind, layer_type in zip(text.layers, kinds, types)]
         self.mrope_section = None
+        self.mrope_interleaved = False
         embed = text.embed_tokens
         self.embed_w = embed.weight
         scale = getattr(embed, "embed_scale", None)
@@ -360,6 +365,7 @@ class Gemma3Family:
 FAMILIES: dict[str, type] = {
     "qwen2": QwenFamily, "qwen2_vl": QwenFamily, "qwen2_vl_text": QwenFamily, "qwen2_5_vl": QwenFamily,
     "qwen2_5_vl_text": QwenFamily, "llama": QwenFamily, "mistral": QwenFamily, "qwen3": Qwen3Family,
+    "qwen3_vl": Qwen3Family, "qwen3_vl_text": Qwen3Family,
     "gemma3": Gemma3Family, "gemma3_text": Gemma3Family,
 }
 

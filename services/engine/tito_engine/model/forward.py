@@ -49,6 +49,9 @@ class MultiModalPrefill:
     the 3-D rotary positions of the prompt (HF's get_rope_index); any position past the prompt
     (generated tokens) uses `position + rope_delta` in all three sections.
 
+    `deepstack` (Qwen3-VL): per level l, rows added to the output of decoder layer l at the same
+    positions, as HF's `_deepstack_process` adds them.
+
     `bidirectional_spans`: half-open (start, end) prompt ranges whose tokens attend to each other
     in both directions at prefill (Gemma3 image soft tokens). None means "the model's default",
     which the decoder fills in on first use (Gemma3: each run of consecutive embed positions,
@@ -58,6 +61,9 @@ class MultiModalPrefill:
 
     embeds: torch.Tensor | None = None  # [N, hidden]
     embed_positions: torch.Tensor | None = None  # [N] long, ascending
+    # Qwen3-VL DeepStack: [L, N, hidden], level l added to the hidden states after decoder layer l
+    # at embed_positions (None: no DeepStack).
+    deepstack: torch.Tensor | None = None
     mrope_positions: torch.Tensor | None = None  # [3, prompt_len] long
     rope_delta: int = 0
     bidirectional_spans: list[tuple[int, int]] | None = None
@@ -140,8 +146,15 @@ class BatchedDecoder:
         if self.mrope_section is not None:
             # Which of the (t, h, w) position rows feeds each rotary dim (both halves), as HF's
             # recomposition_frequencies picks them.
-            sections = torch.cat([torch.full((size,), i % 3, dtype=torch.long)
-                                  for i, size in enumerate(self.mrope_section)])
+            if getattr(family, "mrope_interleaved", False):
+                # Qwen3-VL: dim d reads h where d % 3 == 1 and d < 3 * section[1], w where d % 3 == 2
+                # and d < 3 * section[2], t elsewhere (HF's recomposition_frequencies).
+                sections = torch.zeros(self.head_dim // 2, dtype=torch.long)
+                for axis in (1, 2):
+                    sections[axis:self.mrope_section[axis] * 3:3] = axis
+            else:
+                sections = torch.cat([torch.full((size,), i % 3, dtype=torch.long)
+                                      for i, size in enumerate(self.mrope_section)])
             self.mrope_dim_source = torch.cat((sections, sections)).to(self.device)
         self._arange = torch.arange(max_positions + 1, device=self.device)
         self.attention = PagedAttention(cache, family, self._range, self.prepare_prefill)
@@ -182,8 +195,12 @@ class BatchedDecoder:
         positions, slot_mapping = self._positions_and_slots(rows, packed)
         hidden = self.family.embed(input_ids)
         mrope = None
+        deepstack: list[tuple[torch.Tensor, torch.Tensor]] = []  # (packed targets, rows [L, n, hidden])
         if packed.any_mm:
-            hidden, mrope = self._apply_multimodal(rows, packed.offsets, hidden, positions)
+            hidden, mrope = self._apply_multimodal(rows, packed.offsets, hidden, positions, deepstack)
+        if deepstack:
+            deepstack_targets = torch.cat([targets for targets, _ in deepstack])
+            deepstack_rows = torch.cat([levels for _, levels in deepstack], dim=1).to(self.device, hidden.dtype)
         ropes = [self._rotary(table, positions, mrope) for table in self.rope_tables]
         attention = self.attention.plan(rows, packed.offsets, packed.decode_rows, packed.prefill_rows, packed.window)
         heads = self.num_heads
@@ -198,6 +215,8 @@ class BatchedDecoder:
             value_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, v)
             attn = self.attention.attend(attention, layer_index, layer.kind, q, k, v)
             hidden = layer.finish(residual, attn)
+            if deepstack and layer_index < deepstack_rows.shape[0]:
+                hidden = hidden.index_add(0, deepstack_targets, deepstack_rows[layer_index])
         if len(packed.logit_index) != len(packed.flat_ids):
             hidden = hidden.index_select(0, torch.tensor(packed.logit_index, dtype=torch.long, device=self.device))
         return self.family.logits(hidden).float()
@@ -247,8 +266,10 @@ class BatchedDecoder:
     # ------------------------------------------------------------------ multimodal
 
     def _apply_multimodal(self, rows: list[RowInput], offsets: list[int], hidden: torch.Tensor,
-                          positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Swap in encoder rows for placeholder embeddings; build 3-D positions where a row has them."""
+                          positions: torch.Tensor, deepstack: list | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Swap in encoder rows for placeholder embeddings; build 3-D positions where a row has them;
+        append each row's DeepStack (packed targets, levels) for this step's tokens to `deepstack`."""
         need_mrope = self.mrope_section is not None and any(
             row.mm is not None and (row.mm.mrope_positions is not None or row.mm.rope_delta) for row in rows)
         mrope_parts = []
@@ -262,6 +283,8 @@ class BatchedDecoder:
                 if bool(chosen.any()):
                     target = positions_mm[chosen] - row.start + offset
                     hidden = hidden.index_copy(0, target, mm.embeds.to(self.device, hidden.dtype)[chosen])
+                    if mm.deepstack is not None and deepstack is not None:
+                        deepstack.append((target, mm.deepstack.to(self.device)[:, chosen]))
             if need_mrope:
                 pos = self._range(end)[row.start:]
                 if mm is None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tito_engine.kv_events import MEDIUM_CPU, MEDIUM_GPU
 from tito_engine.scheduling.blocks import BlockAllocator
 
 
@@ -50,7 +51,8 @@ class PagedKVCache:
         # Zeros, not empty: attention reads padded slots under a mask, and 0 * NaN garbage is NaN.
         self.keys = [torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
         self.values = [torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
-        self.allocator = BlockAllocator(num_blocks)
+        # KV events name where the blocks live the way vLLM does: "GPU" for an accelerator, else "CPU".
+        self.allocator = BlockAllocator(num_blocks, medium=MEDIUM_CPU if torch.device(device).type == "cpu" else MEDIUM_GPU)
 
     @property
     def capacity_tokens(self) -> int:

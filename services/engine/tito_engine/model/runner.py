@@ -23,7 +23,8 @@ from tito_engine.multimodal import vision
 from tito_engine.model.cpu_runtime import forward_macs_per_token, keep_freed_memory, plan_cpus, set_cpu_threads
 from tito_engine.model.forward import BatchedDecoder, MultiModalPrefill
 from tito_engine.model.kv_cache import KVLayout, PagedKVCache
-from tito_engine.limits import DEFAULT_BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CUDA_KV_MEMORY_FRACTION
+from tito_engine.kv_sizing import available_host_memory, kv_budget
+from tito_engine.limits import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_SEQUENCES
 from tito_engine.scheduling.plan import RowInput, SampledTokens, StepPlan
 from tito_engine.model.sampler import mask_logits, sample_batch
 
@@ -109,12 +110,15 @@ def choose_dtype(device: torch.device, requested: str = "auto", stored: torch.dt
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """How big the paged KV cache is: explicit blocks, a byte budget, or a memory fraction (CUDA)."""
+    """How big the paged KV cache is: explicit blocks, a byte budget, or (neither given) the rule
+    of tito_engine.kv_sizing over the memory free after loading, with `memory_fraction` its
+    fraction and `max_sequences` x the context its cap."""
 
     block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int | None = None
     cache_bytes: int | None = None
     memory_fraction: float | None = None
+    max_sequences: int = DEFAULT_MAX_RUNNING_SEQUENCES
 
 
 def _describe_vocab(info: ModelInfo) -> str:
@@ -207,14 +211,25 @@ class ModelRunner:
                           head_dim=head_dim, dtype=self.dtype)
         if spec.num_blocks is not None:
             num_blocks = spec.num_blocks
+            how = "--kv-blocks"
+        elif spec.cache_bytes is not None:
+            if self.device.type == "cpu" and spec.cache_bytes > (free := available_host_memory()):
+                raise ConfigError(f"--kv-cache-bytes {spec.cache_bytes} ({spec.cache_bytes / 2**30:.2f} GiB) does not "
+                                  f"fit in memory: {free / 2**30:.2f} GiB free after loading the model; lower "
+                                  f"--kv-cache-bytes, or leave it out to size the cache from the free memory")
+            num_blocks = layout.blocks_for_bytes(spec.cache_bytes, spec.block_size)
+            how = "--kv-cache-bytes"
         else:
-            budget = spec.cache_bytes
-            if budget is None and self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * (spec.memory_fraction or DEFAULT_CUDA_KV_MEMORY_FRACTION))
-            if budget is None:
-                budget = DEFAULT_CPU_KV_CACHE_BYTES
-            num_blocks = layout.blocks_for_bytes(budget, spec.block_size)
+            free = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
+                    else available_host_memory())
+            budget = kv_budget(free, layout.bytes_per_token, max_sequences=spec.max_sequences,
+                               context_length=self.info.max_context_length, fraction=spec.memory_fraction)
+            num_blocks = layout.blocks_for_bytes(budget.bytes, spec.block_size)
+            how = budget.why
+        if num_blocks >= 1:
+            size = num_blocks * spec.block_size * layout.bytes_per_token
+            log.info("KV cache: %.2f GiB = %s tokens of context, %d blocks x %d tokens (%s)", size / 2**30,
+                     f"{num_blocks * spec.block_size:,}", num_blocks, spec.block_size, how)
         if num_blocks < 1:
             raise ConfigError(f"the KV cache budget holds no block of {spec.block_size} tokens "
                               f"({layout.bytes_per_token} bytes per token); raise --kv-cache-bytes or --kv-blocks")

@@ -153,7 +153,19 @@ class EncoderCache:
                              f"{self.model_fingerprint!r}")
         rows = rows.detach()
         checksum, dtype, shape, byte_size = checksum_of(rows)  # outside the lock: hashing is the slow part
-        entry = CacheEntry(key, rows, checksum, dtype, shape, byte_size)
+        return self._insert(CacheEntry(key, rows, checksum, dtype, shape, byte_size))
+
+    def put_verified(self, key: CacheKey, rows: torch.Tensor, *, checksum: str, dtype: int,
+                     byte_size: int) -> CacheEntry:
+        """`put` for rows whose wire checksum is known already (loaded from the shared encoder store,
+        which verified it), so they are not hashed twice."""
+        if key.model_fingerprint != self.model_fingerprint:
+            raise ValueError(f"key for model {key.model_fingerprint!r} put into the cache of model "
+                             f"{self.model_fingerprint!r}")
+        return self._insert(CacheEntry(key, rows.detach(), checksum, dtype, tuple(rows.shape), byte_size))
+
+    def _insert(self, entry: CacheEntry) -> CacheEntry:
+        key, byte_size = entry.key, entry.byte_size
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:

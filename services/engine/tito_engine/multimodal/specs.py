@@ -109,6 +109,9 @@ class Qwen2VLVisionSpec:
     patch_size: int
     spatial_merge_size: int
     contiguous_embeds: bool = True
+    # Qwen3-VL videos: timestamp text separates the frames, so the embed positions form one
+    # contiguous run of h*w // merge**2 per temporal grid step (not one run for the whole video).
+    runs_per_frame: bool = False
     # Qwen2.5-VL videos: "second_per_grid_ts" (seconds per temporal grid step; M-RoPE spaces the
     # time axis by it). Optional on the wire: absent means 1.0, as in HF's get_rope_index.
     time_key: str | None = None
@@ -217,7 +220,7 @@ class FixedRowsImageSpec:
 def multimodal_spec_from_config(config: Any, model_fingerprint: str) -> ModelMultimodalSpec | None:
     """The spec of a loaded HF model from its config; None for a text-only (or unknown) model."""
     model_type = getattr(config, "model_type", "")
-    if model_type in ("qwen2_vl", "qwen2_5_vl"):
+    if model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         vision = config.vision_config
         common = dict(in_channels=vision.in_channels, temporal_patch_size=vision.temporal_patch_size,
                       patch_size=vision.patch_size, spatial_merge_size=vision.spatial_merge_size)
@@ -227,7 +230,8 @@ def multimodal_spec_from_config(config: Any, model_fingerprint: str) -> ModelMul
                 "image": Qwen2VLVisionSpec("image", config.image_token_id, "pixel_values", "image_grid_thw", **common),
                 "video": Qwen2VLVisionSpec("video", config.video_token_id, "pixel_values_videos", "video_grid_thw",
                                            time_key="second_per_grid_ts" if model_type == "qwen2_5_vl" else None,
-                                           **common),
+                                           contiguous_embeds=model_type != "qwen3_vl",
+                                           runs_per_frame=model_type == "qwen3_vl", **common),
             },
             hidden_size=config.text_config.hidden_size, uses_mrope=True)
     if model_type == "gemma3":

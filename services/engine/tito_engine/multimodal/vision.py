@@ -25,6 +25,16 @@ t index is `int(t * tokens_per_second * second_per_grid_ts)` (float32 product, t
 HF's `get_vision_position_ids`) instead of t; its vision tower (windowed attention, RMSNorm,
 gated MLP) runs through the model's own `get_image_features` / `get_video_features`.
 
+Qwen3-VL (`"qwen3_vl"`): its vision tower returns, besides the merged rows, one DeepStack row set
+per `deepstack_visual_indexes` entry (same rows, text hidden size each), which HF adds to the
+hidden states after decoder layers 0..L-1 at the vision positions. Here an item's encoder output
+is one tensor `[rows, hidden * (1 + L)]`: the merged rows, then each DeepStack level, side by side
+(vLLM's layout too); that is what the encoder cache holds and a descriptor points at, and
+`prefill_media` splits it into `embeds` and `deepstack` [L, N, hidden]. A video's M-RoPE treats
+each temporal grid step as its own image (t = 1) in its own embed run, the timestamp text between
+runs advancing the positions like any text, as HF's get_rope_index does after splitting
+video_grid_thw per frame.
+
 Supported families: Qwen2-VL (`model_type == "qwen2_vl"`: images and videos, M-RoPE), Qwen2.5-VL
 (`"qwen2_5_vl"`: the same plus the video time axis) and Gemma3
 (`"gemma3"`: interleaved spans, fixed rows per image, bidirectional attention inside each image's
@@ -50,15 +60,34 @@ class EmbedItem(Protocol):
 
 
 #: Families whose vision tower takes flattened patches + grid_thw and whose text model uses M-RoPE.
-MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+#: Families whose encoder output carries DeepStack levels beside the merged rows.
+DEEPSTACK_FAMILIES = ("qwen3_vl",)
 
 
 def model_family(model_or_config: Any) -> str:
     config = getattr(model_or_config, "config", model_or_config)
     family = getattr(config, "model_type", "")
     if family not in (*MROPE_FAMILIES, "gemma3"):
-        raise ValueError(f"no vision support for model_type {family!r} (supported: qwen2_vl, qwen2_5_vl, gemma3)")
+        raise ValueError(f"no vision support for model_type {family!r} (supported: qwen2_vl, qwen2_5_vl, qwen3_vl, "
+                         f"gemma3)")
     return family
+
+
+def deepstack_levels(model_or_config: Any) -> int:
+    """How many DeepStack row sets an item's encoder output carries beside its merged rows (0: none)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    if getattr(config, "model_type", "") not in DEEPSTACK_FAMILIES:
+        return 0
+    return len(config.vision_config.deepstack_visual_indexes)
+
+
+def _with_deepstack(output: Any) -> list[torch.Tensor]:
+    """Per item: the merged rows, then each DeepStack level's rows, side by side."""
+    levels = getattr(output, "deepstack_features", None)
+    if not levels:
+        return list(output.pooler_output)
+    return [torch.cat([rows, *(level[k] for level in levels)], dim=-1) for k, rows in enumerate(output.pooler_output)]
 
 
 def uses_mrope(model_or_config: Any) -> bool:
@@ -85,19 +114,19 @@ def encode_images(model, pixel_values: torch.Tensor, grid_thw: torch.Tensor | No
         grid_thw = torch.as_tensor(grid_thw, dtype=torch.long).reshape(-1, 3).to(device)
         output = model.get_image_features(pixel_values=pixel_values.to(device), image_grid_thw=grid_thw,
                                           return_dict=True)
-        return list(output.pooler_output)
+        return _with_deepstack(output)
     output = model.get_image_features(pixel_values=pixel_values.to(device, model.dtype), return_dict=True)
     return list(output.pooler_output.unbind(0))
 
 
 @torch.inference_mode()
 def encode_videos(model, pixel_values_videos: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
-    """Qwen2-VL / Qwen2.5-VL videos: like `encode_images` through `get_video_features`."""
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL videos: like `encode_images` through `get_video_features`."""
     device, _ = _device_dtype(model)
     grid_thw = torch.as_tensor(grid_thw, dtype=torch.long).reshape(-1, 3).to(device)
     output = model.get_video_features(pixel_values_videos=pixel_values_videos.to(device), video_grid_thw=grid_thw,
                                       return_dict=True)
-    return list(output.pooler_output)
+    return _with_deepstack(output)
 
 
 def encode_items(model, items: Sequence[EmbedItem]) -> list[torch.Tensor]:
@@ -172,14 +201,29 @@ def _time_positions(item: EmbedItem, t: int, config: Any) -> torch.Tensor:
     return (steps * interval).long()
 
 
-def mrope_positions(token_ids: Sequence[int], items: Sequence[EmbedItem], config: Any) -> tuple[torch.Tensor, int]:
-    """Qwen2-VL / Qwen2.5-VL M-RoPE position ids [3, L] and rope_delta for one prompt (== HF
-    get_rope_index).
+def _vision_runs(items: Sequence[EmbedItem], config: Any) -> list[tuple[int, EmbedItem, tuple[int, int, int]]]:
+    """(first position, item, grid) of each run of embed positions, in prompt order: one per item,
+    or for a Qwen3-VL video one per temporal grid step (grid (1, h, w)), timestamps between them."""
+    runs = []
+    for item in items:
+        t, h, w = item.grid_thw
+        if config.model_type == "qwen3_vl" and item.modality == "video" and t > 1:
+            per_frame = len(item.embed_positions) // t
+            runs.extend((item.embed_positions[k * per_frame], item, (1, h, w)) for k in range(t))
+        else:
+            runs.append((item.embed_positions[0], item, (t, h, w)))
+    return sorted(runs, key=lambda run: run[0])
 
-    Text tokens advance all three axes together; an item's embed run of t*h'*w' tokens (h' = h /
+
+def mrope_positions(token_ids: Sequence[int], items: Sequence[EmbedItem], config: Any) -> tuple[torch.Tensor, int]:
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL M-RoPE position ids [3, L] and rope_delta for one prompt
+    (== HF get_rope_index).
+
+    Text tokens advance all three axes together; an embed run of t*h'*w' tokens (h' = h /
     merge, w' = w / merge) gets (start + time(t_index), start + row, start + column), time being
     the identity except for Qwen2.5-VL videos (`_time_positions`), and the next text resumes at
-    start + max(h', w'). Decode token k (at index L + k) sits at L + k + rope_delta, i.e. right
+    start + max(h', w'). A Qwen3-VL video is one such run per frame (t = 1, `_vision_runs`).
+    Decode token k (at index L + k) sits at L + k + rope_delta, i.e. right
     after the prompt's last position, as transformers 5.19's `generate` continues its position ids
     (each axis from its last value; a chat prompt ends in text, where the three agree). That is
     not always the prompt's largest position: a Qwen2.5-VL video's time axis, or a Qwen2-VL video
@@ -191,15 +235,14 @@ def mrope_positions(token_ids: Sequence[int], items: Sequence[EmbedItem], config
     positions = torch.empty(3, length, dtype=torch.long)
     current = 0  # next position value
     cursor = 0  # next token index to place
-    for item in sorted(items, key=lambda item: item.embed_positions[0]):
-        start = item.embed_positions[0]
+    for start, item, (t, h, w) in _vision_runs(items, config):
         positions[:, cursor:start] = torch.arange(current, current + start - cursor)
         current += start - cursor
-        t, h, w = item.grid_thw
         grid_h, grid_w = h // merge, w // merge
         count = t * grid_h * grid_w
-        if len(item.embed_positions) != count or item.embed_positions[-1] != start + count - 1:
-            raise ValueError(f"{item.modality} item's embed positions are not one run of {count} tokens")
+        run = item.embed_positions[item.embed_positions.index(start):][:count]
+        if len(run) != count or run[-1] != start + count - 1:
+            raise ValueError(f"{item.modality} item's embed positions are not runs of {count} tokens")
         positions[0, start:start + count] = _time_positions(item, t, config).repeat_interleave(grid_h * grid_w) + current
         positions[1, start:start + count] = torch.arange(grid_h).repeat_interleave(grid_w).repeat(t) + current
         positions[2, start:start + count] = torch.arange(grid_w).repeat(t * grid_h) + current
@@ -220,7 +263,8 @@ def prefill_media(token_ids: Sequence[int], items_with_rows: Sequence[tuple[Embe
     """The sparse form of a multimodal prefill, keyed like `forward.MultiModalPrefill`'s fields.
 
     `embeds` [N, hidden] (every item's rows, in prompt order), `embed_positions` [N] (ascending
-    absolute prompt indices), and for M-RoPE models `mrope_positions` [3, L] and `rope_delta`
+    absolute prompt indices), `deepstack` [L, N, hidden] (Qwen3-VL: the DeepStack levels of the
+    same rows, split off the encoder output; else None), and for M-RoPE models `mrope_positions` [3, L] and `rope_delta`
     (else None and 0). `MultiModalPrefill(**prefill_media(...))` builds the runner's object.
     """
     ordered = sorted(items_with_rows, key=lambda pair: pair[0].embed_positions[0])
@@ -228,8 +272,17 @@ def prefill_media(token_ids: Sequence[int], items_with_rows: Sequence[tuple[Embe
         if rows.ndim != 2 or rows.shape[0] != len(item.embed_positions):
             raise ValueError(f"{item.modality} item has {len(item.embed_positions)} embed positions but rows of "
                              f"shape {tuple(rows.shape)}")
+    embeds = torch.cat([rows for _, rows in ordered]) if ordered else None
+    deepstack = None
+    levels = deepstack_levels(config)
+    if levels and embeds is not None:
+        # [N, hidden * (1 + L)] -> the merged rows [N, hidden] and the levels [L, N, hidden].
+        hidden = embeds.shape[1] // (1 + levels)
+        deepstack = embeds[:, hidden:].reshape(embeds.shape[0], levels, hidden).transpose(0, 1).contiguous()
+        embeds = embeds[:, :hidden]
     result: dict[str, Any] = {
-        "embeds": torch.cat([rows for _, rows in ordered]) if ordered else None,
+        "embeds": embeds,
+        "deepstack": deepstack,
         "embed_positions": torch.tensor([p for item, _ in ordered for p in item.embed_positions], dtype=torch.long)
         if ordered else None,
         "mrope_positions": None,

@@ -7,7 +7,10 @@ All block arithmetic lives here, so the policy code reads as policy.
 
 from __future__ import annotations
 
-from tito_engine.scheduling.blocks import BlockAllocator, KVBlocks, blocks_for_tokens, prefix_block_hashes
+from tito_engine.kv_events import BlockStored, extra_keys_or_none
+from tito_engine.scheduling.blocks import (BlockAllocator, KVBlocks, block_extra_keys, blocks_for_tokens,
+                                           prefix_block_hashes)
+from tito_engine.scheduling.spans import chunk_boundaries_ok
 from tito_engine.request import Request, Sequence
 
 
@@ -56,7 +59,7 @@ class KVCacheManager:
         need = self.fork_need(request)
         for seq in prefilling:
             total = len(request.prompt_ids) + len(seq.output_ids)
-            hits, evictable = self.allocator.peek_prefix(hashes[:self._cacheable_blocks(total)])
+            hits, evictable = self.allocator.peek_prefix(hashes[:self._cacheable_blocks(request, total)])
             need += blocks_for_tokens(total, self.block_size) - hits + evictable
         return need + spare_per_choice * len(request.unfinished())
 
@@ -68,7 +71,7 @@ class KVCacheManager:
         each choice starts computing after its cached prefix."""
         hashes = self.prefix_hashes(request)
         totals = [len(request.prompt_ids) + len(seq.output_ids) for seq in prefilling]
-        cached = [self.allocator.take_prefix(hashes[:self._cacheable_blocks(total)]) for total in totals]
+        cached = [self.allocator.take_prefix(hashes[:self._cacheable_blocks(request, total)]) for total in totals]
         for seq, total, prefix in zip(prefilling, totals, cached):
             seq.block_table = prefix + self.allocator.allocate(blocks_for_tokens(total, self.block_size) - len(prefix))
             seq.num_computed = len(prefix) * self.block_size
@@ -76,27 +79,67 @@ class KVCacheManager:
                 request.cached_tokens = max(request.cached_tokens, seq.num_computed)
             self.prefix_cache_hit_tokens += seq.num_computed
 
-    def _cacheable_blocks(self, total: int) -> int:
+    def _cacheable_blocks(self, request: Request, total: int) -> int:
         # At most all but the last token comes from the cache: the last one must run to give logits.
-        return (total - 1) // self.block_size
+        # And the prefix must not end inside a span the prefill may not split (Gemma3's
+        # bidirectional image spans; any run of encoder rows while unresolved): the computing
+        # chunk then starts at the span's start, never inside it.
+        blocks = (total - 1) // self.block_size
+        while blocks and not chunk_boundaries_ok(request.mm, 0, blocks * self.block_size):
+            blocks -= 1
+        return blocks
 
     def prefix_hashes(self, request: Request) -> list[bytes]:
-        """The prompt's full-block digests (empty when prefix caching is off or media are involved)."""
+        """The prompt's full-block digests (empty when prefix caching is off, or for a media
+        request whose items the core gave no prefix keys)."""
         if request.block_hashes is None:
-            # Media requests stay out of the prefix cache: the token ids of two different images
-            # are equal, so a block covering an image must not be keyed by tokens alone.
-            cacheable = self.prefix_caching and not request.has_media and request.mm is None
-            request.block_hashes = prefix_block_hashes(request.prompt_ids, self.block_size,
-                                                       request.cache_salt) if cacheable else []
+            # The token ids of two different images are equal, so a block covering an image is
+            # keyed by the item's trusted content id too (blocks.BlockMedia), never by tokens alone.
+            media = request.prefix_media if request.has_media or request.mm is not None else ()
+            cacheable = self.prefix_caching and media is not None
+            if cacheable:
+                request.block_hashes = prefix_block_hashes(request.prompt_ids, self.block_size,
+                                                           request.cache_salt, media)
+                request.block_keys = block_extra_keys(len(request.block_hashes), self.block_size,
+                                                      request.cache_salt, media)
+            else:
+                request.block_hashes = []
         return request.block_hashes
 
     def register_computed(self, request: Request, seq: Sequence, before: int) -> None:
-        """Publish the prompt blocks a step completed (computed tokens went from `before` on)."""
+        """Publish the prompt blocks a step completed (computed tokens went from `before` on); the
+        blocks the cache gained are reported as BlockStored events, one per run of consecutive
+        blocks."""
         hashes = request.block_hashes
         if not hashes or before >= len(hashes) * self.block_size:
             return
+        events = self.allocator.events
+        run: list[int] = []
         for index in range(before // self.block_size, min(seq.num_computed // self.block_size, len(hashes))):
-            self.allocator.register(seq.block_table[index], hashes[index])
+            if self.allocator.register(seq.block_table[index], hashes[index]) and events is not None:
+                if run and run[-1] != index - 1:
+                    events.append(self._stored(request, run))
+                    run = []
+                run.append(index)
+        if run:
+            events.append(self._stored(request, run))
+
+    def _stored(self, request: Request, indices: list[int]) -> BlockStored:
+        size = self.block_size
+        first, last = indices[0], indices[-1]
+        hashes = request.block_hashes
+        return BlockStored(tuple(hashes[first:last + 1]), hashes[first - 1] if first else None,
+                           tuple(request.prompt_ids[first * size:(last + 1) * size]), size,
+                           extra_keys_or_none(request.block_keys[first:last + 1]), self.allocator.medium)
+
+    def clear_prefix_cache(self) -> None:
+        self.allocator.clear_prefix_cache()
+
+    def take_events(self) -> list:
+        """The KV events since the last call (recording starts with the first call)."""
+        events = self.allocator.events
+        self.allocator.events = []
+        return events or []
 
     # ---------------------------------------------------------------- forks and release
 

@@ -71,6 +71,19 @@ class ChoiceState(Protocol):
         """A matcher at the start of a compiled structured-output grammar."""
 
 
+class _EosIds(Protocol):
+    eos_token_ids: tuple[int, ...]
+
+
+class SchedulerRunner(Protocol):
+    """What `Scheduler.for_runner` reads of a runner: its KV storage, its model's EOS ids and how
+    a new choice gets its generator and matcher."""
+
+    cache: KVBlocks
+    info: _EosIds
+    choice_state: ChoiceState
+
+
 class Scheduler:
     def __init__(self, cache: KVBlocks, eos_token_ids: frozenset[int] | tuple[int, ...], choice_state: ChoiceState,
                  limits: SchedulerLimits = SchedulerLimits()):
@@ -87,7 +100,7 @@ class Scheduler:
         self._running_sequences = 0  # unfinished choices of running requests
 
     @classmethod
-    def for_runner(cls, runner: Any, limits: SchedulerLimits) -> "Scheduler":
+    def for_runner(cls, runner: SchedulerRunner, limits: SchedulerLimits) -> "Scheduler":
         """A scheduler over `runner`'s KV cache within `limits`, stopping at its model's EOS ids."""
         return cls(runner.cache, runner.info.eos_token_ids, runner.choice_state, limits)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tito import signing
 from tito.errors import ResourceExhausted
 
 from tito_engine.multimodal.features import CheckedFeatures, FeaturePolicy, validate_encode_structure, validate_structure
@@ -74,6 +75,16 @@ class Admission:
     def admit_encode(self, features: Any) -> CheckedFeatures:
         """Check an Encode request's items (tito.v1.MultiModalFeatures or None)."""
         return validate_encode_structure(features, self.mm_spec, self.policy)
+
+    def sign_descriptors(self, descriptors: list[Any]) -> list[Any]:
+        """Encode's descriptors, each tagged with this engine's signing key when it has one
+        (tito.signing.sign_descriptor): an item render signed before it was encoded then carries
+        the descriptor to any engine holding the same key (see features.py, "Trust model")."""
+        if self.policy.signing_enabled:
+            key_id, key = next(iter(self.policy.signing_keys.items()))
+            for descriptor in descriptors:
+                signing.sign_descriptor(descriptor, key, key_id)
+        return descriptors
 
     def _check_fits_kv_cache(self, prompt_len: int, max_tokens: int, n: int) -> None:
         """Refuse what could never run even with the whole KV cache to itself (else it would thrash)."""

@@ -17,6 +17,7 @@ from tito.errors import InvalidArgument, ResourceExhausted, Unavailable
 from tito_engine.service.admission import AdmittedRequest, KVCapacity
 from tito_engine.multimodal.features import CheckedFeatures
 from tito_engine.multimodal.specs import ModelMultimodalSpec
+from tito_engine.kv_events import KvEventLog
 from tito_engine.model_info import ModelInfo
 from tito_engine.request import ChoiceOutput
 
@@ -36,6 +37,8 @@ class LoadSnapshot:
     prefix_cache_hit_tokens: int = 0
     encoder_cache_hits: int = 0
     encoder_cache_misses: int = 0
+    encoded_items: int = 0  # media items the encoder ran on since start
+    encoder_store_loads: int = 0  # media items loaded from the shared encoder store since start
 
 
 class EngineBackend(Protocol):
@@ -49,6 +52,8 @@ class EngineBackend(Protocol):
     on_core_lost: Callable[[], None] | None
     # Called (from any thread) when a new model process serves again: health turns SERVING.
     on_core_restored: Callable[[], None] | None
+    # What the prefix cache stores, evicts and clears, in vLLM's event shapes (SubscribeKvEvents).
+    kv_events: KvEventLog
 
     def start(self) -> None:
         """Start serving (the model is loaded by the constructor)."""
@@ -71,6 +76,9 @@ class EngineBackend(Protocol):
 
     def load(self) -> LoadSnapshot:
         """The current load."""
+
+    async def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache (kv_events then holds an AllBlocksCleared)."""
 
 
 def check_can_accept(request_id: str, *, live: Container[str], waiting: int, max_waiting: int, core_lost: bool,

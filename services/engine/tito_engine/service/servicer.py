@@ -13,6 +13,7 @@ from tito.logs import bind_request_id
 from tito.structured_output import StructuredOutputSpec, spec_from_proto
 from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2, sampling_pb2
 
+from tito_engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
 from tito_engine.service.admission import Admission
 from tito_engine.service.backend import EngineBackend, LoadSnapshot
 from tito_engine.multimodal.features import MODALITY_NAMES
@@ -95,6 +96,42 @@ def output_to_proto(output: ChoiceOutput) -> engine_pb2.GenerateResponse:
     return response
 
 
+def _block_id(digest: bytes | int) -> bytes:
+    # vLLM's ids are 64-bit integers by default: their 8 bytes, big-endian.
+    return digest if isinstance(digest, bytes) else digest.to_bytes(8, "big")
+
+
+def kv_batch_to_proto(batch: KvEventBatch) -> engine_pb2.SubscribeKvEventsResponse:
+    response = engine_pb2.SubscribeKvEventsResponse(sequence=batch.sequence, timestamp=batch.timestamp)
+    if batch.data_parallel_rank is not None:
+        response.data_parallel_rank = batch.data_parallel_rank
+    for event in batch.events:
+        entry = response.events.add()
+        if isinstance(event, BlockStored):
+            stored = entry.block_stored
+            stored.block_hashes.extend(_block_id(digest) for digest in event.block_hashes)
+            if event.parent_block_hash is not None:
+                stored.parent_block_hash = _block_id(event.parent_block_hash)
+            stored.token_ids.extend(event.token_ids)
+            stored.block_size = event.block_size
+            for keys in event.extra_keys or ():
+                block = stored.extra_keys.add()
+                if keys is not None:
+                    block.cache_salt = keys.cache_salt
+                    for media in keys.media:
+                        block.media.add(mm_hash=media.mm_hash, offset=media.offset)
+            stored.medium = event.medium or ""
+            stored.lora_name = event.lora_name or ""
+        elif isinstance(event, BlockRemoved):
+            entry.block_removed.block_hashes.extend(_block_id(digest) for digest in event.block_hashes)
+            entry.block_removed.medium = event.medium or ""
+        elif isinstance(event, AllBlocksCleared):
+            entry.all_blocks_cleared.SetInParent()
+        else:  # pragma: no cover - the log holds only these three
+            raise TypeError(f"unknown KV event {event!r}")
+    return response
+
+
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self):
         self._backend: LoadingGate[EngineBackend] = LoadingGate("the engine")
@@ -139,7 +176,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             bind_request_id(request.request_id)
         backend = self._engine
         features = request.mm_features if request.HasField("mm_features") else None
-        return engine_pb2.EncodeResponse(descriptors=await backend.encode(self._admission.admit_encode(features)))
+        descriptors = await backend.encode(self._admission.admit_encode(features))
+        return engine_pb2.EncodeResponse(descriptors=self._admission.sign_descriptors(descriptors))
 
     async def Abort(self, request: engine_pb2.AbortRequest, context):
         return engine_pb2.AbortResponse(aborted_request_ids=self._engine.abort(list(request.request_ids)))
@@ -173,4 +211,19 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             prefix_cache_hit_tokens=load.prefix_cache_hit_tokens,
             encoder_cache_hits=load.encoder_cache_hits,
             encoder_cache_misses=load.encoder_cache_misses,
+            encoded_items=load.encoded_items,
+            encoder_store_loads=load.encoder_store_loads,
         )
+
+    async def SubscribeKvEvents(self, request: engine_pb2.SubscribeKvEventsRequest, context):
+        start = request.start_sequence if request.HasField("start_sequence") else None
+        batches = self._engine.kv_events.subscribe(start)
+        try:
+            async for batch in batches:
+                yield kv_batch_to_proto(batch)
+        finally:
+            await batches.aclose()
+
+    async def ResetPrefixCache(self, request, context):
+        await self._engine.reset_prefix_cache()
+        return engine_pb2.ResetPrefixCacheResponse()

@@ -57,6 +57,18 @@ def expand_media_markers(text: str, processed: Mapping[str, Sequence[ProcessedIm
     return expanded, order
 
 
+def _find(token_ids: list[int], span: list[int], start: int) -> int:
+    first, length = span[0], len(span)
+    while True:
+        try:
+            offset = token_ids.index(first, start)
+        except ValueError:
+            return -1
+        if token_ids[offset:offset + length] == span:
+            return offset
+        start = offset + 1
+
+
 def locate_spans(token_ids: list[int], processed: Sequence[ProcessedImage],
                  reserved_token_ids: frozenset[int], field: str = "messages") -> list[int]:
     """Offset of each item's span in `token_ids` (in order). Placeholder tokens outside the spans
@@ -65,11 +77,10 @@ def locate_spans(token_ids: list[int], processed: Sequence[ProcessedImage],
     cursor = 0
     for index, item in enumerate(processed):
         span = list(item.span_token_ids)
-        try:
-            offset = token_ids.index(span[0], cursor)
-        except ValueError:
-            offset = -1
-        if offset < 0 or token_ids[offset:offset + len(span)] != span:
+        # The first place from `cursor` holding the whole span (a span may begin with ordinary
+        # text, e.g. Qwen3-VL's "<0.5 seconds>", which the message text can hold too).
+        offset = _find(token_ids, span, cursor)
+        if offset < 0:
             raise InvalidArgument(f"media item {index}'s placeholder span is not intact in the tokenized prompt: "
                                   f"do not type image placeholder tokens in message text",
                                   reason="PLACEHOLDER_IN_TEXT", field="messages")

@@ -286,6 +286,48 @@ class Qwen2VLAdapter(MediaAdapter):
                               is_embed=None, kwargs=tensors, metadata=metadata, modality=multimodal_pb2.MODALITY_VIDEO)
 
 
+class Qwen3VLAdapter(Qwen2VLAdapter):
+    """Qwen3-VL: images as Qwen2-VL's (16-pixel patches); a video's span is what
+    Qwen3VLProcessor puts in place of the template's `<|video_pad|>`: per temporal patch k,
+    `<{t_k:.1f} seconds>` + `<|vision_start|>` + `<|video_pad|>` x (h*w // merge**2) +
+    `<|vision_end|>`, t_k the patch's timestamp (`video.frame_timestamps`; fps 0, unknown, is HF's
+    default of 24). The placeholder range covers the whole replacement, timestamp text and
+    per-frame markers included; `is_embed` is true exactly at the `<|video_pad|>` positions, which
+    take the video's encoder rows in order. The template's own `<|vision_start|>` /
+    `<|vision_end|>` around it stay outside the range. Metadata: video_grid_thw [1, 3] (frames
+    are separated by their timestamps, so the engine reads the per-frame runs from is_embed)."""
+
+    family = "qwen3_vl"
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.timed_video = False
+        self.vision_start_token_id = self.token_id("<|vision_start|>")
+        self.vision_end_token_id = self.token_id("<|vision_end|>")
+        self.vision_start = self.tokenizer.convert_ids_to_tokens(self.vision_start_token_id)
+        self.vision_end = self.tokenizer.convert_ids_to_tokens(self.vision_end_token_id)
+
+    def process_video(self, num_frames: int, frame_size: tuple[int, int], resized_frames: list[Image.Image] | None,
+                      settings: VideoSettings, fps: float = 0.0) -> ProcessedImage:
+        base = super().process_video(num_frames, frame_size, resized_frames, settings, fps)
+        grid_t, grid_h, grid_w = (int(v) for v in base.metadata["video_grid_thw"][0])
+        per_frame = grid_h * grid_w // settings.merge_size ** 2
+        text: list[str] = []
+        ids: list[int] = []
+        mask: list[bool] = []
+        for seconds in video_math.frame_timestamps(num_frames, fps or DEFAULT_VIDEO_FPS,
+                                                   settings.temporal_patch_size)[:grid_t]:
+            stamp = f"<{seconds:.1f} seconds>"
+            # Between special tokens, a timestamp tokenizes alone (as vLLM's replacement does it).
+            stamp_ids = self.tokenizer.encode(stamp, add_special_tokens=False)
+            text.append(stamp + self.vision_start + self.video_marker * per_frame + self.vision_end)
+            ids.extend([*stamp_ids, self.vision_start_token_id, *([self.video_token_id] * per_frame),
+                        self.vision_end_token_id])
+            mask.extend([False] * (len(stamp_ids) + 1) + [True] * per_frame + [False])
+        return ProcessedImage(span_text="".join(text), span_token_ids=tuple(ids), is_embed=tuple(mask),
+                              kwargs=base.kwargs, metadata=base.metadata, modality=multimodal_pb2.MODALITY_VIDEO)
+
+
 class Gemma3Adapter(MediaAdapter):
     """Gemma3: the template's `<start_of_image>` becomes `\\n\\n<start_of_image>` + image_seq_length x
     `<image_soft_token>` + `<end_of_image>\\n\\n` (as Gemma3Processor does). The placeholder range is
@@ -329,7 +371,9 @@ ADAPTERS: dict[str, type[MediaAdapter]] = {
 
 
 #: Models whose videos render processes (their video processor's math is in media/video.py).
-VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+#: model_type -> adapter, where one image processor class serves families that differ.
+MODEL_ADAPTERS: dict[str, type[MediaAdapter]] = {"qwen3_vl": Qwen3VLAdapter}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -359,11 +403,14 @@ def load_media_adapter(model_dir: Path, tokenizer: Any) -> MediaAdapter | None:
     # torchvision backend, whose resize gives other pixels): render's tensors stay the same on every
     # install, and its video path (video.py) reuses this processor's PIL steps.
     image_processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
-    adapter = adapter_class(image_processor, tokenizer, _read_json(model_dir / "config.json"),
-                            _read_json(model_dir / "processor_config.json"))
+    model_config = _read_json(model_dir / "config.json")
+    model_type = model_config.get("model_type")
+    if adapter_class is Qwen2VLAdapter:
+        adapter_class = MODEL_ADAPTERS.get(model_type, adapter_class)
+    adapter = adapter_class(image_processor, tokenizer, model_config, _read_json(model_dir / "processor_config.json"))
     if isinstance(adapter, Qwen2VLAdapter) and adapter.video_marker:
-        if adapter.model_config.get("model_type") in VIDEO_MODEL_TYPES:
-            adapter.video = video_math.load_video_settings(model_dir)
+        if model_type in VIDEO_MODEL_TYPES:
+            adapter.video = video_math.load_video_settings(model_dir, qwen3=isinstance(adapter, Qwen3VLAdapter))
         else:
             log.warning("video inputs are supported for model_type %s only (this model: %s): videos will be "
                         "refused", " and ".join(VIDEO_MODEL_TYPES), adapter.model_config.get("model_type"))

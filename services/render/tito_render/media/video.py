@@ -1,4 +1,4 @@
-"""Qwen2-VL video (a list of frames) -> `pixel_values_videos` + `video_grid_thw`, without torchvision.
+"""Qwen2-VL / Qwen3-VL video (a list of frames) -> `pixel_values_videos` + `video_grid_thw`, without torchvision.
 
 transformers' `Qwen2VLVideoProcessor` imports torchvision, which does not install here, so render
 does its math itself, with the same settings the video processor would load:
@@ -20,6 +20,15 @@ does its math itself, with the same settings the video processor would load:
 - pad the frame count to a multiple of temporal_patch_size by repeating the last frame, then the
   video processor's patch layout: rows (t, h/m, w/m, m_h, m_w), columns (C, T, P, P).
 
+Qwen3-VL (`Qwen3VLVideoProcessor`, `VideoSettings.qwen3`): the same pipeline with its own class
+defaults (16-pixel patches, size 128*32*32 .. 768*32*32, mean = std = 0.5) and its own size
+choice (`budget_over_frames`): the pixel budget covers the whole video (t_bar * h * w, t_bar the
+frame count rounded to the temporal patch), a frame smaller than one merged patch is first scaled
+up, fewer frames than temporal_patch_size are refused (as its smart_resize raises), and
+`cap_pixels_per_frame` caps each frame at min(max_video_tokens * factor**2, longest_edge /
+frames), floored at 1.05 * shortest_edge. Frames arrive already sampled: render never samples
+(the processor's do_sample_frames does not apply).
+
 Domain code: no grpc.
 """
 
@@ -38,6 +47,9 @@ from PIL import Image
 #: transformers' OPENAI_CLIP_MEAN / OPENAI_CLIP_STD (Qwen2VLVideoProcessor's defaults).
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+#: transformers' IMAGENET_STANDARD_MEAN / _STD (Qwen3VLVideoProcessor's defaults).
+_STANDARD_MEAN = (0.5, 0.5, 0.5)
+_STANDARD_STD = (0.5, 0.5, 0.5)
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,14 @@ class VideoSettings:
     image_std: tuple[float, ...] = _CLIP_STD
     cap_pixels_per_frame: bool = False  # the processor's None (today's default) behaves as False
     max_video_tokens: int = 128000
+    #: Qwen3-VL's size choice: the pixel budget covers all frames (see the module docstring).
+    budget_over_frames: bool = False
+
+    @classmethod
+    def qwen3(cls) -> "VideoSettings":
+        """Qwen3VLVideoProcessor's class defaults."""
+        return cls(min_pixels=128 * 32 * 32, max_pixels=32 * 32 * 768, patch_size=16, image_mean=_STANDARD_MEAN,
+                   image_std=_STANDARD_STD, max_video_tokens=768, budget_over_frames=True)
 
     @property
     def factor(self) -> int:
@@ -101,10 +121,11 @@ def video_processor_dict(model_dir: Path) -> dict[str, Any]:
     return {}
 
 
-def load_video_settings(model_dir: Path) -> VideoSettings:
-    """Qwen2VLVideoProcessor.__init__'s resolution of its config over its class defaults."""
+def load_video_settings(model_dir: Path, qwen3: bool = False) -> VideoSettings:
+    """Qwen2VLVideoProcessor.__init__'s (`qwen3`: Qwen3VLVideoProcessor's) resolution of its
+    config over its class defaults."""
     config = video_processor_dict(model_dir)
-    defaults = VideoSettings()
+    defaults = VideoSettings.qwen3() if qwen3 else VideoSettings()
     size = config.get("size") if isinstance(config.get("size"), dict) else {}
     min_pixels = size.get("shortest_edge", defaults.min_pixels)
     max_pixels = size.get("longest_edge", defaults.max_pixels)
@@ -126,7 +147,7 @@ def load_video_settings(model_dir: Path) -> VideoSettings:
         image_mean=pick("image_mean", lambda v: tuple(float(x) for x in v)),
         image_std=pick("image_std", lambda v: tuple(float(x) for x in v)),
         cap_pixels_per_frame=pick("cap_pixels_per_frame", bool),
-        max_video_tokens=pick("max_video_tokens", int))
+        max_video_tokens=pick("max_video_tokens", int), budget_over_frames=defaults.budget_over_frames)
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -147,10 +168,48 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+def smart_resize_frames(num_frames: int, height: int, width: int, temporal_factor: int, factor: int,
+                        min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """transformers' Qwen3-VL video `smart_resize`: the budget covers t_bar * h * w."""
+    if num_frames < temporal_factor:
+        raise ValueError(f"t:{num_frames} must be larger than temporal_factor:{temporal_factor}")
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        ratio = max(height, width) / min(height, width)
+        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {ratio}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def _qwen3_resized_size(height: int, width: int, num_frames: int, settings: VideoSettings) -> tuple[int, int]:
+    """Qwen3VLVideoProcessor.resize's size choice."""
+    max_pixels = settings.max_pixels
+    if settings.cap_pixels_per_frame:
+        frame_cap = settings.max_video_tokens * settings.factor * settings.factor
+        per_frame = max(min(frame_cap, settings.max_pixels // num_frames), int(settings.min_pixels * 1.05))
+        max_pixels = per_frame * num_frames
+    return smart_resize_frames(num_frames, height, width, settings.temporal_patch_size, settings.factor,
+                               settings.min_pixels, max_pixels)
+
+
 def resized_size(height: int, width: int, num_frames: int, settings: VideoSettings) -> tuple[int, int]:
-    """The size every frame is resized to (Qwen2VLVideoProcessor.resize)."""
+    """The size every frame is resized to (Qwen2VLVideoProcessor.resize, Qwen3VLVideoProcessor.resize)."""
     if not settings.do_resize:
         return height, width
+    if settings.budget_over_frames:
+        return _qwen3_resized_size(height, width, num_frames, settings)
     max_pixels = settings.max_pixels
     if settings.cap_pixels_per_frame:
         total_pixels = int(settings.max_video_tokens * settings.factor * settings.factor * 0.9)
@@ -164,6 +223,17 @@ def video_grid_thw(num_frames: int, height: int, width: int, settings: VideoSett
     resized_h, resized_w = resized_size(height, width, num_frames, settings)
     grid_t = -(-num_frames // settings.temporal_patch_size)  # padded up to a multiple
     return np.array([[grid_t, resized_h // settings.patch_size, resized_w // settings.patch_size]], dtype=np.int64)
+
+
+def frame_timestamps(num_frames: int, fps: float, temporal_patch_size: int) -> list[float]:
+    """Qwen3VLProcessor._calculate_timestamps for frames 0..num_frames-1 sampled at `fps`: the
+    indices padded to a multiple of the temporal patch by repeating the last, each temporal
+    patch's time the mean of its first and last frame's, in seconds."""
+    indices = list(range(num_frames))
+    if len(indices) % temporal_patch_size:
+        indices.extend(indices[-1] for _ in range(temporal_patch_size - len(indices) % temporal_patch_size))
+    seconds = [index / fps for index in indices]
+    return [(seconds[i] + seconds[i + temporal_patch_size - 1]) / 2 for i in range(0, len(seconds), temporal_patch_size)]
 
 
 def resize_frame(frame: Image.Image, num_frames: int, settings: VideoSettings) -> Image.Image:

@@ -17,8 +17,9 @@ caller never sees a repaired call: anything malformed is content.
 from __future__ import annotations
 
 import json
+import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import ClassVar
 
 from tito_derender.domain import ToolCallDelta
@@ -30,6 +31,22 @@ NAME_KEYS = ("name",)
 ARGUMENT_KEYS = ("arguments", "parameters")
 
 
+#: Longest function name a call may carry.
+MAX_FUNCTION_NAME_CHARS = 256
+# Characters no function name holds: whitespace, controls, quotes and the brackets of markup and
+# templates (`{{ tc.name }}`, `get_weather\n<parameter=city`, `f(x)`).
+_NOT_IN_NAMES = re.compile(r"[\s\x00-\x1f\x7f<>{}\[\]()\"'`,;=\\]")
+
+
+def valid_function_name(name: str) -> bool:
+    """A name a function can have: 1 to MAX_FUNCTION_NAME_CHARS characters, none of them
+    whitespace, a control character, a quote or markup / template punctuation, and not starting
+    with a digit. Letters of any script, digits, `_`, `-`, `.`, `:` and `/` are fine (OpenAI's
+    names, namespaced MCP tools)."""
+    return (0 < len(name) <= MAX_FUNCTION_NAME_CHARS and not name[0].isdigit()
+            and _NOT_IN_NAMES.search(name) is None and is_utf8(name))
+
+
 def new_call_id() -> str:
     """A call id unique per call: "call_" and 24 hex digits of a random uuid."""
     return "call_" + uuid.uuid4().hex[:24]
@@ -38,20 +55,26 @@ def new_call_id() -> str:
 class ToolParser:
     """Base: event output and call bookkeeping. Subclasses implement `feed` and `finish`."""
 
-    #: True when the markup is made of special tokens (Mistral's `[TOOL_CALLS]`): the text must
-    #: keep them, so render defaults skip_special_tokens to false for the requests it parses.
-    needs_special_tokens: ClassVar[bool] = False
     #: (start, end) markup around each call, for parsers whose calls have both. A call found
     #: inside the reasoning may end it (reasoning.py), so a call the model opens without closing
     #: its reasoning first is still parsed.
     call_markers: ClassVar[tuple[str, str] | None] = None
 
-    def __init__(self, *, streaming: bool = True, accept_name: Callable[[str], bool] = lambda name: True) -> None:
+    def __init__(self, *, streaming: bool = True, accept_name: Callable[[str], bool] = lambda name: True,
+                 tool_names: Collection[str] = ()) -> None:
         self.streaming = streaming
-        self.accept_name = accept_name
+        self._accept = accept_name
+        self.tool_names = frozenset(tool_names)
         self.calls_made = 0
         self.malformed_calls = 0  # calls that broke (or were cut off): their text went back to content
         self._events: list[Event] = []
+
+    def accept_name(self, name: str) -> bool:
+        """Whether a call to `name` is a call: a valid function name (`valid_function_name`),
+        one of the request's tools when they are given, and one the request accepts (a named
+        tool_choice accepts only its function). Markup calling anything else is not a call."""
+        return (valid_function_name(name) and (not self.tool_names or name in self.tool_names)
+                and self._accept(name))
 
     # -- the parser's interface
     def feed(self, text: str) -> list[Event]:

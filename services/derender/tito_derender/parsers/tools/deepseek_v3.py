@@ -23,6 +23,9 @@ FENCE_CLOSE = "```"
 
 
 class DeepSeekV3ToolParser(MarkupToolParser):
+    #: A call opened inside the reasoning may end it (see ToolParser.call_markers).
+    call_markers = (CALLS_BEGIN, CALLS_END)
+
     def __init__(self, **options) -> None:
         super().__init__(**options)
         self._fenced = False  # the V3 form: arguments inside a ```json fence
@@ -80,3 +83,7 @@ class DeepSeekV3ToolParser(MarkupToolParser):
 
     def _call_end(self, text: str) -> str | None:
         return self._expect(text, {CALL_END: self._section})
+
+
+#: The parser of this format (tito.parsers finds it here by the format name).
+PARSER = DeepSeekV3ToolParser

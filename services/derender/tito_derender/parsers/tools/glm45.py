@@ -22,9 +22,15 @@ KEY = "<arg_key>"
 KEY_END = "</arg_key>"
 VALUE = "<arg_value>"
 VALUE_END = "</arg_value>"
+#: Where a value ends: `</arg_value>` followed (after whitespace) by the next key or the call's end;
+#: a value may hold markup itself, `</arg_value>` text included.
+VALUE_ENDS = {VALUE_END: (KEY, END)}
 
 
 class Glm45ToolParser(MarkupToolParser):
+    #: A call opened inside the reasoning may end it (see ToolParser.call_markers).
+    call_markers = (START, END)
+
     def __init__(self, **options) -> None:
         super().__init__(**options)
         self._key = ""
@@ -60,14 +66,14 @@ class Glm45ToolParser(MarkupToolParser):
         return self._expect(text, {VALUE: self._value})
 
     def _value(self, text: str) -> str | None:
-        found = self._collect(text, VALUE_END)
+        found = self._scan_value(text, VALUE_ENDS)
         if found is None:
             return ""
-        value, _, before = found
+        value, _, rest = found
         if not self._call.add(self._key.strip(), value):
-            return self._give_up(text)
+            return self._give_up(rest)
         self._state = self._body
-        return self._consume(text, before + len(VALUE_END))
+        return rest
 
     @immediate
     def _call_end(self, text: str) -> str | None:
@@ -75,3 +81,7 @@ class Glm45ToolParser(MarkupToolParser):
         self._done()
         self._state = self._content_state
         return text
+
+
+#: The parser of this format (tito.parsers finds it here by the format name).
+PARSER = Glm45ToolParser

@@ -84,3 +84,7 @@ class GptOssToolParser(MarkupToolParser):
             return WAIT
         self._state = self._content_state
         return stripped
+
+
+#: The parser of this format (tito.parsers finds it here by the format name).
+PARSER = GptOssToolParser

@@ -70,3 +70,7 @@ class HermesToolParser(ToolParser):
         self._held = ""
         self._mode = _CONTENT
         return self._take_events()
+
+
+#: The parser of this format (tito.parsers finds it here by the format name).
+PARSER = HermesToolParser

@@ -80,3 +80,7 @@ class Llama3JsonToolParser(ToolParser):
         self._held = ""
         self._mode = _CONTENT
         return self._take_events()
+
+
+#: The parser of this format (tito.parsers finds it here by the format name).
+PARSER = Llama3JsonToolParser

@@ -48,7 +48,8 @@ class MarkupToolParser(ToolParser):
         self._raw = ""  # markup consumed for the current call while its name is not out
         self._call: ObjectArguments | KeyValueArguments | None = None
         self._closing = False  # after a complete call, before the next one begins
-        self._parts: list[str] = []  # a value gathered so far (see _collect)
+        self._parts: list[str] = []  # a value gathered so far (see _scan_value)
+        self._pending = ""  # the value's text from a possible closing marker on (see _scan_value)
         self._state: Callable[[str], str | None] = self._content_state
 
     # -- the parser's interface
@@ -148,22 +149,45 @@ class MarkupToolParser(ToolParser):
         self._raw, self._closing, self._state = "", True, state
         return text[position + len(end):]
 
-    def _collect(self, text: str, *markers: str) -> tuple[str, str, int] | None:
-        """A value running up to the first of `markers`, gathered over any number of feeds with
-        each character read once: (value, marker, characters of `text` before the marker), or
-        None when the marker has not come yet (the text is taken, but for what may be the start
-        of a marker, which is held)."""
-        split = self._until(text, *markers)
-        if split is None:
-            keep = max(partial_marker_length(text, marker) for marker in markers)
-            self._parts.append(text[:len(text) - keep])
-            self._consume(text, len(text) - keep)
-            self._held = text[len(text) - keep:]
-            return None
-        before, marker, _ = split
-        value = "".join(self._parts) + before
-        self._parts = []
-        return value, marker, len(before)
+    def _scan_value(self, text: str, closers: Mapping[str, tuple[str, ...]]) -> tuple[str, str, str] | None:
+        """A value that may itself hold markup (code, XML, HTML a tool writes to a file), gathered
+        over any number of feeds. It ends at a closing marker (a key of `closers`) only where,
+        after optional whitespace, one of that marker's followers comes next (`</parameter>` then
+        `<parameter=` or `</function>`): a closing marker followed by anything else is part of
+        the value. Returns (value, the closing marker, the text from the follower on, to read
+        next), or None when the end has not come yet; all of `text` is taken then (a possible
+        end is kept in `_pending`, at most a marker, whitespace and a follower long), so each
+        character is scanned a bounded number of times."""
+        buffer = self._pending + text
+        self._pending = ""
+        self._consume(text, len(text))
+        position = 0
+        while True:
+            found = [(index, marker) for marker in closers if (index := buffer.find(marker, position)) >= 0]
+            if not found:
+                keep = max(partial_marker_length(buffer[position:], marker) for marker in closers)
+                self._parts.append(buffer[position:len(buffer) - keep])
+                self._pending = buffer[len(buffer) - keep:]
+                return None
+            index, marker = min(found)
+            after = buffer[index + len(marker):]
+            stripped = after.lstrip()
+            followers = closers[marker]
+            follower = next((f for f in followers if stripped.startswith(f)), None)
+            if follower is not None:
+                value = "".join(self._parts) + buffer[position:index]
+                self._parts = []
+                rest = stripped
+                if not self._closing and rest:
+                    self._raw = self._raw[:len(self._raw) - len(rest)]  # read again by the next state
+                return value, marker, rest
+            maybe = not stripped or any(f.startswith(stripped) for f in followers)
+            if maybe and len(after) - len(stripped) <= MAX_HEADER_CHARS:
+                self._parts.append(buffer[position:index])
+                self._pending = buffer[index:]  # wait: whitespace, or the start of a follower
+                return None
+            self._parts.append(buffer[position:index + 1])  # part of the value: look further on
+            position = index + 1
 
     def _done(self) -> None:
         """The current call is complete: what follows up to the next call is closing markup."""
@@ -190,16 +214,16 @@ class MarkupToolParser(ToolParser):
         elif self._closing:
             raw = ""
         self._call, self._raw, self._closing, self._state = None, "", False, self._content_state
-        self._parts = []
+        self._parts, self._pending = [], ""
         self._content(raw)
         return text
 
-    def schema_type(self, function: str, key: str) -> Any:
-        """The JSON-schema "type" of argument `key` of `function` (None when unknown)."""
+    def parameter_schema(self, function: str, key: str) -> tuple[Any, Any]:
+        """(the JSON schema of argument `key` of `function`, the function's whole parameters
+        schema, where its `$ref`s point): None for what the tools do not say."""
         parameters = self.tools.get(function) or {}
         properties = parameters.get("properties") if isinstance(parameters, dict) else None
-        spec = properties.get(key) if isinstance(properties, dict) else None
-        return spec.get("type") if isinstance(spec, dict) else None
+        return (properties.get(key) if isinstance(properties, dict) else None), parameters
 
 
 class ObjectArguments:
@@ -268,7 +292,8 @@ class KeyValueArguments:
 
     def add(self, key: str, raw_value: str) -> bool:
         """Add one argument; False (the call is malformed) for a key or value JSON cannot carry."""
-        value = typed_value(raw_value, self._parser.schema_type(self._name, key), self._unknown)
+        schema, root = self._parser.parameter_schema(self._name, key)
+        value = typed_value(raw_value, schema, self._unknown, root)
         if not is_utf8(key) or (isinstance(value, str) and not is_utf8(value)):
             return False
         member = json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
@@ -299,47 +324,110 @@ class KeyValueArguments:
 _STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
 _INTEGER_TYPES = {"integer", "int", "uint", "long", "short"}
 _NUMBER_TYPES = {"number", "float", "double"}
+_BOOLEAN_TYPES = {"boolean", "bool"}
+_NULL_WORDS = ("null", "none")
+#: How deep `schema_types` follows anyOf / oneOf / allOf / $ref (a schema may refer to itself).
+_MAX_SCHEMA_HOPS = 8
+_JSON_KINDS = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (dict, "object"),
+               (list, "array"), (type(None), "null"))
 
 
-def typed_value(raw: str, schema_type: Any, unknown: str = "string") -> Any:
-    """An argument written as text, as the JSON value the tool's schema asks for: strings stay
-    raw text; integers, numbers and booleans are parsed (Python's True/False too: that is how a
-    Jinja template prints them); objects and arrays are JSON (or a Python literal). A value that
-    does not parse as its type stays a string. `unknown`: what a key without a schema type gets:
-    "string", or "json" (parsed as JSON when it is JSON, else a string)."""
-    if isinstance(schema_type, list):  # ["string", "null"]: the first type that is not null
-        schema_type = next((kind for kind in schema_type if kind != "null"), None)
-    kind = schema_type.lower() if isinstance(schema_type, str) else None
-    if kind is None:
+def schema_types(schema: Any, root: Any = None, hops: int = 0) -> list[str]:
+    """The JSON types a property's schema allows, in the order it names them, lower case: its
+    `type` (a name or a list), the types of its `anyOf` / `oneOf` / `allOf` branches, of a local
+    `$ref` (`#/$defs/X`, `#/definitions/X`, resolved in `root`), "null" for OpenAPI's
+    `nullable: true`, and, where nothing names a type, those of its `enum` / `const` values.
+    What Pydantic writes for `Optional[int]`, `int | str` or `dict | None` is all here."""
+    if isinstance(schema, (str, list)):  # a bare type, as older callers pass it
+        schema = {"type": schema}
+    if not isinstance(schema, dict) or hops > _MAX_SCHEMA_HOPS:
+        return []
+    found: list[str] = []
+
+    def add(kinds) -> None:
+        for kind in kinds:
+            if isinstance(kind, str) and kind.lower() not in found:
+                found.append(kind.lower())
+
+    declared = schema.get("type")
+    add([declared] if isinstance(declared, str) else declared if isinstance(declared, list) else [])
+    for key in ("anyOf", "oneOf", "allOf"):
+        branches = schema.get(key)
+        if isinstance(branches, list):
+            for branch in branches:
+                add(schema_types(branch, root, hops + 1))
+    reference = schema.get("$ref")
+    if isinstance(reference, str) and isinstance(root, dict):
+        target: Any = root
+        for part in reference.removeprefix("#/").split("/") if reference.startswith("#/") else [None]:
+            target = target.get(part) if isinstance(target, dict) and part is not None else None
+        add(schema_types(target, root, hops + 1))
+    if schema.get("nullable") is True:
+        add(["null"])
+    if not found:
+        values = schema.get("enum") if isinstance(schema.get("enum"), list) else (
+            [schema["const"]] if "const" in schema else [])
+        add([next((kind for cls, kind in _JSON_KINDS if type(value) is cls), "string") for value in values])
+    return found
+
+
+def typed_value(raw: str, schema: Any, unknown: str = "string", root: Any = None) -> Any:
+    """An argument written as text, as the JSON value its schema asks for (`schema`: the
+    property's schema, or a bare type name or list; `root`: the function's parameters schema,
+    for `$ref`). By the types `schema_types` finds:
+    - null (`null` or Python's `None`) when the types allow null, or name no string;
+    - else the first other type the text parses as, string last: integers, numbers, booleans
+      (Python's True/False too: that is how a Jinja template prints them), objects and arrays
+      (JSON, or a Python literal); so `int | str` reads "42" as 42 and "abc" as "abc";
+    - a value that parses as none of them stays the raw text.
+    `unknown`: what a key with no type gets: "string", or "json" (parsed as JSON when it is
+    JSON, else a string)."""
+    kinds = schema_types(schema, root)
+    if not kinds:
         return _json_or_string(raw) if unknown == "json" else raw
-    if kind in _STRING_TYPES:
-        return raw
-    if raw.strip().lower() in ("null", "none"):
-        return None
     text = raw.strip()
+    others = [kind for kind in kinds if kind != "null" and kind not in _STRING_TYPES]
+    has_string = len(others) + ("null" in kinds) < len(kinds)
+    if text.lower() in _NULL_WORDS and ("null" in kinds or not has_string):
+        return None
+    for kind in others:
+        value = _parse_as(kind, text, lenient=len(others) == 1 and not has_string)
+        if value is not _NO_VALUE:
+            return value
+    return raw
+
+
+_NO_VALUE = object()
+
+
+def _parse_as(kind: str, text: str, lenient: bool) -> Any:
+    """`text` as a value of JSON type `kind`, or _NO_VALUE. `lenient`: the only type the schema
+    allows, so an object or array type takes any JSON (or literal) value the text holds."""
     if kind in _INTEGER_TYPES or kind.startswith("int"):
         try:
             return int(text)
         except ValueError:
-            return raw
+            return _NO_VALUE
     if kind in _NUMBER_TYPES:
         try:
             number = float(text)
         except ValueError:
-            return raw
+            return _NO_VALUE
         if number != number or number in (float("inf"), float("-inf")):
-            return raw
+            return _NO_VALUE
         return int(number) if number.is_integer() and "." not in text and "e" not in text.lower() else number
-    if kind in ("boolean", "bool"):
+    if kind in _BOOLEAN_TYPES:
         lowered = text.lower()
-        return True if lowered == "true" else False if lowered == "false" else raw
+        return True if lowered == "true" else False if lowered == "false" else _NO_VALUE
     parsed = _json_or_string(text)
     if parsed is text:
         try:
             parsed = json.loads(json.dumps(ast.literal_eval(text)))
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            return raw
-    return parsed
+            return _NO_VALUE
+    if lenient or (kind == "object" and isinstance(parsed, dict)) or (kind == "array" and isinstance(parsed, list)):
+        return parsed
+    return _NO_VALUE
 
 
 def _json_or_string(text: str) -> Any:

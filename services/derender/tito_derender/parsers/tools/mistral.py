@@ -9,8 +9,8 @@
 
 Text before the marker is content, as is text after a call. `[TOOL_CALLS]` is a special token
 in Mistral tokenizers: it reaches derender's text only with skip_special_tokens false, which is
-why this parser declares `needs_special_tokens` and render turns skip_special_tokens off by
-default for requests it parses.
+why tito.parsers declares this format `needs_special_tokens` and render turns skip_special_tokens
+off by default for requests it parses.
 
 In the v11 form the name is known before the arguments, so a call is sent (name delta) once its
 arguments object opens, and the arguments stream as the lexer validates them; a call that breaks
@@ -35,8 +35,6 @@ _NAME_RUN = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
 class MistralToolParser(ToolParser):
-    needs_special_tokens = True
-
     def __init__(self, **options) -> None:
         super().__init__(**options)
         self._mode = _CONTENT
@@ -196,3 +194,7 @@ class MistralToolParser(ToolParser):
         self._held = ""
         self._mode = _CONTENT
         return self._take_events()
+
+
+#: The parser of this format (tito.parsers finds it here by the format name).
+PARSER = MistralToolParser

@@ -207,3 +207,7 @@ def _literal_json(node: ast.expr) -> str:
         # may carry; JSON escapes say the same thing and decode to the character.
         encoded = json.dumps(value, ensure_ascii=True, allow_nan=False)
     return encoded
+
+
+#: The parser of this format (tito.parsers finds it here by the format name).
+PARSER = PythonicToolParser

@@ -10,10 +10,13 @@
     </tool_call>
 
 Values are text, typed by the tool's JSON schema (see markup.typed_value: strings stay raw,
-numbers / booleans / objects are parsed; a key the schema does not know stays a string, as in
-vLLM). The newline the template writes on each side of a value is not part of it. A value may
-also end at the next `<parameter=` or at `</function>` (models sometimes drop `</parameter>`).
-Arguments stream one member per completed parameter.
+numbers / booleans / objects are parsed; a key the schema does not know stays a string). The newline the template writes on each side of a value is not part of it.
+
+A value may hold markup itself (code, XML, HTML a tool writes to a file, `<parameter=` or
+`<tool_call>` text included): it ends only at a `</parameter>` followed, after whitespace, by
+`<parameter=` or `</function>`, or at a `</function>` followed by `</tool_call>` (or the end of the
+output): a model that drops `</parameter>`. In such a value with no `</parameter>` at all, each
+`<parameter=` starts the next parameter. Arguments stream one member per completed parameter.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ FUNCTION = "<function="
 FUNCTION_END = "</function>"
 PARAMETER = "<parameter="
 PARAMETER_END = "</parameter>"
+#: Where a value ends: a closing marker followed (after whitespace) by one of its followers.
+VALUE_ENDS = {PARAMETER_END: (PARAMETER, FUNCTION_END), FUNCTION_END: (END,)}
 
 
 def strip_one_newline(value: str) -> str:
@@ -38,6 +43,9 @@ def strip_one_newline(value: str) -> str:
 
 
 class Qwen3CoderToolParser(MarkupToolParser):
+    #: A call opened inside the reasoning may end it (see ToolParser.call_markers).
+    call_markers = (START, END)
+
     #: How a parameter missing from the schema is typed (see markup.typed_value).
     unknown_parameters = "string"
 
@@ -76,15 +84,42 @@ class Qwen3CoderToolParser(MarkupToolParser):
         return self._consume(text, len(text) - len(after))
 
     def _parameter_value(self, text: str) -> str | None:
-        found = self._collect(text, PARAMETER_END, PARAMETER, FUNCTION_END)
+        found = self._scan_value(text, VALUE_ENDS)
         if found is None:
             return ""
-        value, marker, before = found
-        if not self._call.add(self._key.strip(), strip_one_newline(value)):
-            return self._give_up(text)
+        value, marker, rest = found
+        if not self._add_values(value, dropped_closes=marker == FUNCTION_END):
+            return self._give_up(rest)
+        if marker == FUNCTION_END:  # `</function>` right after the value (its `</parameter>` dropped)
+            return self._function_end(rest)
         self._state = self._body
-        # A missing </parameter>: the next parameter or the function end is read as such.
-        return self._consume(text, before + (len(marker) if marker == PARAMETER_END else 0))
+        return rest
+
+    def _add_values(self, value: str, dropped_closes: bool) -> bool:
+        """Add the value of the current key; False when the call is malformed. A value that ended
+        at `</function>` with no `</parameter>` anywhere in it comes from a model that drops its
+        closing markers: a `<parameter=` in it starts the next parameter."""
+        pieces = [(self._key, value)]
+        if dropped_closes and PARAMETER_END not in value and PARAMETER in value:
+            first, *others = value.split(PARAMETER)
+            pieces = [(self._key, first)]
+            for other in others:
+                key, separator, rest = other.partition(">")
+                if not separator:
+                    return False
+                pieces.append((key, rest))
+        return all(self._call.add(key.strip(), strip_one_newline(raw)) for key, raw in pieces)
+
+    def finish(self):
+        """At the end of the output, a `</function>` with nothing after it ends its value (the
+        model dropped `</parameter>` and `</tool_call>`, or a stop token ended the output)."""
+        if self._state == self._parameter_value and self._pending.startswith(FUNCTION_END) \
+                and not self._pending[len(FUNCTION_END):].strip():
+            value = "".join(self._parts)
+            self._parts, self._pending = [], ""
+            if self._add_values(value, dropped_closes=True):
+                self._function_end("")
+        return super().finish()
 
     @immediate
     def _function_end(self, text: str) -> str | None:
@@ -105,3 +140,7 @@ class Qwen3CoderToolParser(MarkupToolParser):
         self._state = self._content_state  # a forgotten </tool_call>: the rest is content
         self._closing = False
         return stripped
+
+
+#: The parser of this format (tito.parsers finds it here by the format name).
+PARSER = Qwen3CoderToolParser

@@ -1,0 +1,414 @@
+"""Cache-aware routing over several engines: pick the engine that holds the longest prefix of a
+request's rendered tokens.
+
+The reason to render outside the engine is that a router sees the token ids and media hashes
+before it picks an engine. Every tito engine publishes what its prefix cache stores, evicts and
+clears (`EngineService.SubscribeKvEvents`, vLLM's event shapes); `EngineRouter` keeps one
+subscription per engine and builds a `PrefixIndex`: for each engine, the chain keys of the blocks
+it holds. A block's chain key covers its token ids, its extra keys (every media item's `mm_hash`
+and offset in the block, the `cache_salt` on the first block) and its parent's chain key, so it
+is the same for the same content on every engine and never depends on an engine's opaque block
+ids. A request's chain keys are computed the same way from its `GenerateRequest`; the engine
+with the most leading blocks wins, ties and cold prompts go to the least loaded (`GetLoad`, plus
+what this router has in flight there).
+
+Engines come and go: from a static list, or from DNS (`dns:///engines.default.svc:50052`, a
+headless Service: every address it resolves to is an engine, re-resolved periodically). An
+engine whose event stream stops (or fails) is routed to by load only until its stream recovers
+(its view is rebuilt by replaying from where it left off, or from the oldest buffered batch when
+that was dropped). An engine that does not answer `GetLoad` is left out until it does.
+
+Policies: `cache_aware` (the default), `least_load`, `round_robin`.
+
+Threads, not asyncio: the subscriptions and load polls run on daemon threads with synchronous
+stubs, and `pick` is a short call under a lock, so the same router serves `ChatPipeline` and
+`AsyncChatPipeline` (and a gateway's event loop) alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import grpc
+
+from tito.grpc_errors import error_details
+from tito.security import ClientSecurity
+from tito.v1 import engine_pb2, engine_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("cache_aware", "least_load", "round_robin")
+_ROOT = b"tito-route\0"
+
+
+# ------------------------------------------------------------------------------ chain keys
+
+def _chain(parent: bytes, tokens: Sequence[int], media: Iterable[tuple[str, int]], salt: str) -> bytes:
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(struct.pack(f"<{len(tokens)}I", *tokens))
+    for mm_hash, offset in media:
+        encoded = mm_hash.encode()
+        digest.update(b"\0mm" + struct.pack("<qI", offset, len(encoded)) + encoded)
+    if salt:
+        encoded = salt.encode()
+        digest.update(b"\0salt" + struct.pack("<I", len(encoded)) + encoded)
+    return digest.digest()
+
+
+def request_keys(request: engine_pb2.GenerateRequest, block_size: int) -> list[bytes]:
+    """Chain keys of the request's full prompt blocks, as engines' events describe them."""
+    tokens = request.token_ids
+    items = [(item.mm_hash, item.placeholder.offset, item.placeholder.length) for item in request.mm_features.items]
+    keys, parent = [], _ROOT
+    for index in range(len(tokens) // block_size):
+        start, end = index * block_size, (index + 1) * block_size
+        media = [(mm_hash, offset - start) for mm_hash, offset, length in items
+                 if offset < end and offset + length > start]
+        parent = _chain(parent, tokens[start:end], media, request.cache_salt if index == 0 else "")
+        keys.append(parent)
+    return keys
+
+
+# ------------------------------------------------------------------------------ the index
+
+class EngineView:
+    """What one engine's prefix cache holds, as its events said: chain key per block id."""
+
+    def __init__(self) -> None:
+        self.key_of: dict[bytes, bytes] = {}  # the engine's block id -> chain key
+        self.held: dict[bytes, int] = {}  # chain key -> blocks holding it
+        self.block_size = 0
+        self.next_sequence: int | None = None  # the next batch expected (None: not subscribed yet)
+
+    def clear(self) -> None:
+        self.key_of.clear()
+        self.held.clear()
+
+    def apply(self, batch: engine_pb2.SubscribeKvEventsResponse) -> None:
+        for event in batch.events:
+            kind = event.WhichOneof("event")
+            if kind == "block_stored":
+                self._stored(event.block_stored)
+            elif kind == "block_removed":
+                for block_id in event.block_removed.block_hashes:
+                    key = self.key_of.pop(block_id, None)
+                    if key is not None:
+                        count = self.held[key] - 1
+                        if count:
+                            self.held[key] = count
+                        else:
+                            del self.held[key]
+            elif kind == "all_blocks_cleared":
+                self.clear()
+        self.next_sequence = batch.sequence + 1
+
+    def _stored(self, stored: engine_pb2.BlockStored) -> None:
+        size = stored.block_size
+        self.block_size = size
+        if stored.HasField("parent_block_hash"):
+            parent = self.key_of.get(stored.parent_block_hash)
+            if parent is None:  # its parent was never seen (evicted, or before our view): unreachable
+                return
+        else:
+            parent = _ROOT
+        for index, block_id in enumerate(stored.block_hashes):
+            keys = stored.extra_keys[index] if index < len(stored.extra_keys) else None
+            media = [(key.mm_hash, key.offset) for key in keys.media] if keys is not None else []
+            salt = keys.cache_salt if keys is not None else ""
+            parent = _chain(parent, stored.token_ids[index * size:(index + 1) * size], media, salt)
+            if block_id not in self.key_of:
+                self.key_of[block_id] = parent
+                self.held[parent] = self.held.get(parent, 0) + 1
+
+    def matched_blocks(self, keys: Sequence[bytes]) -> int:
+        count = 0
+        for key in keys:
+            if key not in self.held:
+                break
+            count += 1
+        return count
+
+
+# ------------------------------------------------------------------------------ engines
+
+@dataclass
+class Engine:
+    """One engine endpoint as the router tracks it."""
+
+    address: str
+    view: EngineView = field(default_factory=EngineView)
+    events_live: bool = False  # its event stream is connected and in sync
+    reachable: bool = True  # it answered its last GetLoad
+    reported_load: int = 0  # running + waiting requests at its last GetLoad
+    in_flight: int = 0  # requests this router has running there
+    block_size: int = 0  # GetLoad's kv_block_size
+    stopped: bool = False
+    channel: grpc.Channel | None = None
+    stream: object = None  # the SubscribeKvEvents call, to cancel it
+
+    @property
+    def load(self) -> int:
+        return max(self.reported_load, self.in_flight)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Where a request goes and why."""
+
+    address: str
+    matched_blocks: int  # cached prefix blocks the index says the engine holds
+    policy: str
+
+
+class NoEngineAvailable(RuntimeError):
+    """No engine is known and reachable right now."""
+
+
+class EngineRouter:
+    """Picks an engine per request (see the module docstring). `engines`: addresses (host:port) or
+    one `dns:///NAME:PORT`; call `start()` first and `close()` at the end."""
+
+    def __init__(self, engines: Sequence[str] | str, *, policy: str = "cache_aware",
+                 security: ClientSecurity = ClientSecurity(), load_interval: float = 0.25,
+                 resolve_interval: float = 5.0, retry_interval: float = 0.5,
+                 resolver: Callable[[str, int], list[str]] | None = None):
+        if policy not in POLICIES:
+            raise ValueError(f"policy {policy!r} must be one of {', '.join(POLICIES)}")
+        self.policy = policy
+        self._spec = [engines] if isinstance(engines, str) else list(engines)
+        if not self._spec:
+            raise ValueError("give at least one engine address (host:port) or dns:///NAME:PORT")
+        self._security = security
+        self._load_interval = load_interval
+        self._resolve_interval = resolve_interval
+        self._retry_interval = retry_interval
+        self._resolver = resolver or _resolve
+        self._lock = threading.Lock()
+        self._engines: dict[str, Engine] = {}
+        self._round_robin = itertools.count()
+        self._closed = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> "EngineRouter":
+        self._refresh_engines()
+        self._spawn(self._maintain, "tito-router-maintain")
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            engines = list(self._engines.values())
+            self._engines.clear()
+        for engine in engines:
+            self._stop_engine(engine)
+        for thread in self._threads:
+            thread.join(2.0)
+
+    def __enter__(self) -> "EngineRouter":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _spawn(self, target, name: str, *args) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    # ---------------------------------------------------------------- picking
+
+    def addresses(self) -> list[str]:
+        with self._lock:
+            return list(self._engines)
+
+    def pick(self, request: engine_pb2.GenerateRequest) -> Choice:
+        """The engine for `request` under the router's policy."""
+        with self._lock:
+            candidates = [engine for engine in self._engines.values() if engine.reachable and not engine.stopped]
+            if not candidates:
+                raise NoEngineAvailable(f"no engine is reachable (known: {', '.join(self._engines) or 'none'})")
+            if self.policy == "round_robin":
+                engine = candidates[next(self._round_robin) % len(candidates)]
+                return Choice(engine.address, self._matched(engine, request, {}), self.policy)
+            if self.policy == "least_load":
+                engine = min(candidates, key=lambda e: (e.load, e.address))
+                return Choice(engine.address, self._matched(engine, request, {}), self.policy)
+            keys_by_size: dict[int, list[bytes]] = {}
+            scored = [(self._matched(engine, request, keys_by_size) if engine.events_live else 0, engine)
+                      for engine in candidates]
+            best = max(matched for matched, _ in scored)
+            matched, engine = min(((m, e) for m, e in scored if m == best), key=lambda pair: (pair[1].load,
+                                                                                              pair[1].address))
+            return Choice(engine.address, matched, self.policy)
+
+    def _matched(self, engine: Engine, request, keys_by_size: dict[int, list[bytes]]) -> int:
+        size = engine.view.block_size or engine.block_size
+        if not size:
+            return 0
+        keys = keys_by_size.get(size)
+        if keys is None:
+            keys = keys_by_size[size] = request_keys(request, size)
+        return engine.view.matched_blocks(keys)
+
+    @contextmanager
+    def track(self, address: str):
+        """Count a request in flight on `address` while the block runs; a connection failure
+        (UNAVAILABLE) marks the engine unreachable at once, so new requests go elsewhere."""
+        with self._lock:
+            engine = self._engines.get(address)
+            if engine is not None:
+                engine.in_flight += 1
+        try:
+            yield
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self.mark_unreachable(address)
+            raise
+        finally:
+            with self._lock:
+                if engine is not None:
+                    engine.in_flight -= 1
+
+    def mark_unreachable(self, address: str) -> None:
+        with self._lock:
+            engine = self._engines.get(address)
+            if engine is not None:
+                engine.reachable = False
+
+    def status(self) -> dict[str, dict]:
+        """Per engine: reachable, events_live, load, cached blocks known (for operators and tests)."""
+        with self._lock:
+            return {address: {"reachable": e.reachable, "events_live": e.events_live, "load": e.load,
+                              "in_flight": e.in_flight, "cached_blocks": len(e.view.key_of)}
+                    for address, e in self._engines.items()}
+
+    # ---------------------------------------------------------------- engines coming and going
+
+    def _wanted(self) -> set[str]:
+        wanted: set[str] = set()
+        for entry in self._spec:
+            if entry.startswith("dns:///"):
+                host, _, port = entry.removeprefix("dns:///").rpartition(":")
+                try:
+                    wanted.update(self._resolver(host, int(port)))
+                except OSError as exc:
+                    log.warning("resolving %s failed: %s", entry, exc)
+                    with self._lock:  # keep what we had rather than dropping every engine
+                        wanted.update(a for a in self._engines)
+            else:
+                wanted.add(entry)
+        return wanted
+
+    def _refresh_engines(self) -> None:
+        wanted = self._wanted()
+        with self._lock:
+            gone = [self._engines.pop(address) for address in list(self._engines) if address not in wanted]
+            new = [Engine(address) for address in sorted(wanted) if address not in self._engines]
+            for engine in new:
+                self._engines[engine.address] = engine
+        for engine in gone:
+            log.info("engine %s left", engine.address)
+            self._stop_engine(engine)
+        for engine in new:
+            log.info("engine %s joined", engine.address)
+            engine.channel = self._security.channel(engine.address)
+            self._poll_load(engine)
+            self._spawn(self._follow_events, f"tito-router-events-{engine.address}", engine)
+
+    def _stop_engine(self, engine: Engine) -> None:
+        engine.stopped = True
+        stream = engine.stream
+        if stream is not None:
+            stream.cancel()
+        if engine.channel is not None:
+            engine.channel.close()
+
+    def _maintain(self) -> None:
+        next_resolve = time.monotonic() + self._resolve_interval
+        while not self._closed.wait(self._load_interval):
+            with self._lock:
+                engines = list(self._engines.values())
+            for engine in engines:
+                self._poll_load(engine)
+            if time.monotonic() >= next_resolve and any(entry.startswith("dns:///") for entry in self._spec):
+                self._refresh_engines()
+                next_resolve = time.monotonic() + self._resolve_interval
+
+    def _poll_load(self, engine: Engine) -> None:
+        if engine.stopped or engine.channel is None:
+            return
+        try:
+            load = engine_pb2_grpc.EngineServiceStub(engine.channel).GetLoad(
+                engine_pb2.GetLoadRequest(), timeout=max(1.0, 4 * self._load_interval),
+                metadata=self._security.call_metadata() or None)
+        except grpc.RpcError:
+            with self._lock:
+                engine.reachable = False
+            return
+        except ValueError:  # the channel was closed meanwhile (the engine left)
+            return
+        with self._lock:
+            engine.reachable = True
+            engine.reported_load = load.running_requests + load.waiting_requests
+            engine.block_size = load.kv_block_size
+
+    def _follow_events(self, engine: Engine) -> None:
+        """Keep `engine`'s view in sync with its events; on any break, route it by load only
+        (events_live False) and reconnect, resuming where it left off."""
+        stub = engine_pb2_grpc.EngineServiceStub(engine.channel)
+        metadata = self._security.call_metadata() or None
+        while not engine.stopped and not self._closed.is_set():
+            request = engine_pb2.SubscribeKvEventsRequest(start_sequence=engine.view.next_sequence or 0)
+            try:
+                stream = stub.SubscribeKvEvents(request, metadata=metadata)
+                engine.stream = stream
+                for batch in stream:
+                    with self._lock:
+                        if batch.sequence != engine.view.next_sequence and engine.view.next_sequence is not None:
+                            engine.view.clear()  # a gap: the view cannot be trusted any more
+                        engine.view.apply(batch)
+                        engine.events_live = True
+            except grpc.RpcError as exc:
+                with self._lock:
+                    engine.events_live = False
+                    if exc.code() == grpc.StatusCode.OUT_OF_RANGE:
+                        # Dropped or from a former life of the engine: start over from what it still has.
+                        engine.view.clear()
+                        engine.view.next_sequence = _oldest_sequence(exc)
+                if engine.stopped or self._closed.is_set():
+                    return
+                if exc.code() != grpc.StatusCode.OUT_OF_RANGE:
+                    log.info("KV events of %s stopped (%s); routing it by load until they resume", engine.address,
+                             exc.code().name)
+            except ValueError:  # its channel was closed: the engine left
+                return
+            with self._lock:
+                engine.events_live = False
+            self._closed.wait(self._retry_interval)
+
+
+def _oldest_sequence(error: grpc.RpcError) -> int:
+    try:
+        return int(error_details(error)["metadata"].get("oldest_sequence", 0))
+    except (KeyError, ValueError):
+        return 0
+
+
+def _resolve(host: str, port: int) -> list[str]:
+    """Every address `host` resolves to, as host:port (IPv6 in brackets)."""
+    addresses = set()
+    for family, _, _, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        ip = sockaddr[0]
+        addresses.add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
+    return sorted(addresses)

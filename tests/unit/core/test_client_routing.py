@@ -1,0 +1,244 @@
+"""tito_client.routing without models: the prefix index fed by scripted KV events (media- and
+salt-aware chain keys), the three policies, an engine whose events stop (routed by load only until
+they resume, resuming where they left off), a dropped sequence (view rebuilt), and engines that come
+and go by DNS. The engines are scripted EngineService servers on port 0."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2
+from tito_client.routing import EngineRouter, EngineView, NoEngineAvailable, request_keys
+
+BLOCK = 4
+
+
+def generate_request(tokens, salt="", media=()):
+    message = engine_pb2.GenerateRequest(token_ids=tokens, cache_salt=salt)
+    for mm_hash, offset, length in media:
+        message.mm_features.items.add(mm_hash=mm_hash, placeholder=multimodal_pb2.PlaceholderRange(
+            offset=offset, length=length))
+    return message
+
+
+def stored_batch(sequence, tokens, ids, salt="", media=(), parent=None):
+    """A BlockStored batch for full blocks of `tokens`, keyed as an engine keys them."""
+    batch = engine_pb2.SubscribeKvEventsResponse(sequence=sequence, timestamp=time.time())
+    stored = batch.events.add().block_stored
+    stored.block_hashes.extend(ids)
+    stored.token_ids.extend(tokens)
+    stored.block_size = BLOCK
+    if parent is not None:
+        stored.parent_block_hash = parent
+    start_block = 0 if parent is None else None
+    for index in range(len(ids)):
+        keys = stored.extra_keys.add()
+        if index == 0 and start_block == 0 and salt:
+            keys.cache_salt = salt
+        start = index * BLOCK
+        for mm_hash, offset, length in media:
+            if offset < start + BLOCK and offset + length > start:
+                keys.media.add(mm_hash=mm_hash, offset=offset - start)
+    return batch
+
+
+def removed_batch(sequence, ids):
+    batch = engine_pb2.SubscribeKvEventsResponse(sequence=sequence)
+    batch.events.add().block_removed.block_hashes.extend(ids)
+    return batch
+
+
+# ------------------------------------------------------------------------------ the index alone
+
+def test_chain_keys_match_the_engines_blocks_by_tokens_salt_and_media():
+    tokens = list(range(10, 22))  # 3 blocks
+    image = ("a" * 16, 5, 4)  # covers blocks 1 and 2
+    view = EngineView()
+    view.apply(stored_batch(0, tokens, [b"x0", b"x1", b"x2"], salt="s", media=[image]))
+    assert view.matched_blocks(request_keys(generate_request(tokens, "s", [image]), BLOCK)) == 3
+    assert view.matched_blocks(request_keys(generate_request(tokens + [1, 2], "s", [image]), BLOCK)) == 3
+    assert view.matched_blocks(request_keys(generate_request(tokens, "other", [image]), BLOCK)) == 0  # salt
+    assert view.matched_blocks(request_keys(generate_request(tokens, "s", [("b" * 16, 5, 4)]), BLOCK)) == 1  # pixels
+    assert view.matched_blocks(request_keys(generate_request(tokens, "s", [("a" * 16, 6, 3)]), BLOCK)) == 1  # place
+    # A continuation keyed by its parent's id extends the chain; a removal cuts it.
+    view.apply(stored_batch(1, list(range(22, 26)), [b"x3"], parent=b"x2"))
+    longer = generate_request(list(range(10, 26)) + [7], "s", [image])
+    assert view.matched_blocks(request_keys(longer, BLOCK)) == 4
+    view.apply(removed_batch(2, [b"x1"]))
+    assert view.matched_blocks(request_keys(longer, BLOCK)) == 1
+    cleared = engine_pb2.SubscribeKvEventsResponse(sequence=3)
+    cleared.events.add().all_blocks_cleared.SetInParent()
+    view.apply(cleared)
+    assert view.matched_blocks(request_keys(longer, BLOCK)) == 0 and view.next_sequence == 4
+
+
+# ------------------------------------------------------------------------------ scripted engines
+
+class ScriptedEngine(engine_pb2_grpc.EngineServiceServicer):
+    """GetLoad answers `load`; SubscribeKvEvents replays `batches` from the start asked for, then
+    streams what `push` adds, until `fail` ends every stream with UNAVAILABLE."""
+
+    def __init__(self):
+        self.load = 0
+        self.batches: list = []
+        self.starts: list[int | None] = []
+        self.feeds: list[queue.Queue] = []
+        self.lock = threading.Lock()
+        self.oldest = 0
+        self.down = False  # GetLoad fails
+
+    def push(self, batch):
+        with self.lock:
+            self.batches.append(batch)
+            for feed in self.feeds:
+                feed.put(batch)
+
+    def fail(self):
+        with self.lock:
+            for feed in self.feeds:
+                feed.put(None)
+            self.feeds = []
+
+    def GetLoad(self, request, context):
+        if self.down:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "down")
+        return engine_pb2.GetLoadResponse(running_requests=self.load, kv_block_size=BLOCK)
+
+    def SubscribeKvEvents(self, request, context):
+        start = request.start_sequence if request.HasField("start_sequence") else None
+        self.starts.append(start)
+        if start is not None and start < self.oldest:
+            from grpc_status import rpc_status
+            from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+            info = error_details_pb2.ErrorInfo(reason="KV_EVENTS_SEQUENCE_DROPPED", domain="tito.dev",
+                                               metadata={"oldest_sequence": str(self.oldest)})
+            status = status_pb2.Status(code=code_pb2.OUT_OF_RANGE, message="dropped")
+            status.details.add().Pack(info)
+            context.abort_with_status(rpc_status.to_status(status))
+        feed: queue.Queue = queue.Queue()
+        with self.lock:
+            backlog = [batch for batch in self.batches if start is not None and batch.sequence >= start]
+            self.feeds.append(feed)
+        yield from backlog
+        while context.is_active():
+            try:
+                batch = feed.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if batch is None:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "events stopped")
+            yield batch
+
+
+@pytest.fixture
+def engines():
+    servers, started = [], []
+
+    def start(count):
+        for _ in range(count):
+            engine = ScriptedEngine()
+            server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+            engine_pb2_grpc.add_EngineServiceServicer_to_server(engine, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            server.start()
+            servers.append(server)
+            started.append((f"127.0.0.1:{port}", engine))
+        return started[-count:]
+
+    yield start
+    for server in servers:
+        server.stop(0)
+
+
+def wait_for(predicate, what):
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"never happened: {what}")
+
+
+def test_cache_aware_picks_the_longest_prefix_then_the_least_load(engines):
+    (a, engine_a), (b, engine_b), (c, engine_c) = engines(3)
+    engine_a.load, engine_b.load, engine_c.load = 3, 1, 2
+    system = list(range(100, 112))  # 3 blocks
+    engine_a.push(stored_batch(0, system, [b"a0", b"a1", b"a2"]))
+    engine_c.push(stored_batch(0, system[:4], [b"c0"]))
+    with EngineRouter([a, b, c], load_interval=0.02) as router:
+        chat = generate_request(system + [1, 2, 3])
+        wait_for(lambda: router.pick(chat).matched_blocks == 3, "engine a's events indexed")
+        wait_for(lambda: router.status()[c]["cached_blocks"] == 1, "engine c's events indexed")
+        assert router.pick(chat).address == a  # longest prefix, though the busiest
+        assert router.pick(generate_request(system[:4] + [9] * 8)).address == c  # 1 block each: c is less loaded
+        assert router.pick(generate_request([7] * 12)).address == b  # cold: least loaded
+        assert router.pick(generate_request(system + [1], salt="tenant")).address == b  # another salt: cold
+        with router.track(b), router.track(b), router.track(b):  # what this router has in flight counts too
+            assert router.pick(generate_request([7] * 12)).address == c
+
+        # Policies: least_load ignores the cache, round_robin cycles.
+        router.policy = "least_load"
+        assert router.pick(chat).address == b
+        router.policy = "round_robin"
+        assert {router.pick(chat).address for _ in range(3)} == {a, b, c}
+
+
+def test_an_engine_whose_events_stop_is_routed_by_load_until_they_resume(engines):
+    (a, engine_a), (b, engine_b) = engines(2)
+    engine_a.load, engine_b.load = 5, 0
+    system = list(range(100, 112))
+    engine_a.push(stored_batch(0, system, [b"a0", b"a1", b"a2"]))
+    with EngineRouter([a, b], load_interval=0.02, retry_interval=0.05) as router:
+        chat = generate_request(system + [1])
+        wait_for(lambda: router.pick(chat).address == a, "a's prefix indexed")
+        engine_a.fail()  # its stream ends; it still answers GetLoad
+        wait_for(lambda: not router.status()[a]["events_live"], "a's events seen down")
+        assert router.pick(chat).address == b  # by load only now
+        # It comes back: the router resumes from the sequence after the last it applied.
+        engine_a.push(stored_batch(1, list(range(112, 116)), [b"a3"], parent=b"a2"))
+        wait_for(lambda: router.pick(chat).address == a, "a's events resumed")
+        assert engine_a.starts[0] == 0 and 1 in engine_a.starts[1:]
+        assert router.pick(generate_request(list(range(100, 116)) + [1])).matched_blocks == 4
+
+
+def test_a_dropped_sequence_rebuilds_the_view_from_the_oldest_batch(engines):
+    ((a, engine_a),) = engines(1)
+    engine_a.oldest = 5  # the engine no longer has batches 0..4
+    engine_a.batches = [stored_batch(5, list(range(100, 108)), [b"a0", b"a1"])]
+    with EngineRouter([a], load_interval=0.02, retry_interval=0.05) as router:
+        chat = generate_request(list(range(100, 108)) + [1])
+        wait_for(lambda: router.pick(chat).matched_blocks == 2, "view rebuilt from the oldest batch")
+        assert engine_a.starts[:2] == [0, 5]
+
+
+def test_engines_come_and_go_with_dns_and_unreachable_ones_are_left_out(engines):
+    (a, engine_a), (b, engine_b) = engines(2)
+    resolved = {"addresses": [a]}
+    router = EngineRouter("dns:///engines.example:50052", load_interval=0.02, resolve_interval=0.05,
+                          resolver=lambda host, port: list(resolved["addresses"]))
+    with router:
+        assert router.addresses() == [a]
+        resolved["addresses"] = [a, b]
+        wait_for(lambda: sorted(router.addresses()) == sorted([a, b]), "b joined")
+        resolved["addresses"] = [b]
+        wait_for(lambda: router.addresses() == [b], "a left")
+        assert router.pick(generate_request([1] * 8)).address == b
+        engine_b.down = True
+        router.mark_unreachable(b)  # e.g. a Generate failed with UNAVAILABLE; GetLoad fails too
+        with pytest.raises(NoEngineAvailable):
+            router.pick(generate_request([1] * 8))
+        engine_b.down = False
+        wait_for(lambda: router.status()[b]["reachable"], "b answered GetLoad again")
+        assert router.pick(generate_request([1] * 8)).address == b
+
+
+def test_policy_names_are_checked():
+    with pytest.raises(ValueError, match="cache_aware"):
+        EngineRouter(["127.0.0.1:1"], policy="random")
