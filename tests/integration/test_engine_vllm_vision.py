@@ -1,7 +1,7 @@
 """Images through the vllm backend over real gRPC, side by side with the native backend.
 
 Both backends serve `tiny-qwen2-vl-d64` (Qwen2-VL, head_dim 64: vLLM's CPU attention refuses 16)
-in float32; requests come from render's own domain code (chat template, image processor, features
+and a Qwen2.5-VL of the same text width (built here; windowed vision attention), in float32; requests come from render's own domain code (chat template, image processor, features
 with tensors, HMAC tags), so the features vLLM receives are tito's, never vLLM's own processor's.
 Greedy tokens must equal the native backend's and Hugging Face `generate`'s on the same input_ids /
 pixel_values / image_grid_thw. On CPU this needs the torchvision of the vLLM install
@@ -23,12 +23,13 @@ from tito.grpc_errors import error_details
 from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, multimodal_pb2
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
-from tito_models.tiny import VL_MODEL_D64, ensure_model
+from tito_models.tiny import VL_MODEL_D64, build_qwen2_5_vl_model, ensure_model
 from tito_render.config import RenderConfig
 from tito_render.media.features import Signer
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
 
+from test_engine_families import hf_vl_greedy
 from test_engine_multimodal import generate, hf_greedy, image, png, render, text
 
 pytestmark = pytest.mark.vllm
@@ -184,3 +185,45 @@ def test_encode_is_refused_on_the_vllm_backend(stubs, renderer):
         stubs["vllm"].Encode(engine_pb2.EncodeRequest(mm_features=request.mm_features), timeout=TIMEOUT)
     assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert error_details(raised.value)["reason"] == "ENCODE_UNSUPPORTED"
+
+
+# --------------------------------------------------------------------------- Qwen2.5-VL
+
+
+@pytest.fixture(scope="module")
+def qwen2_5(module_aio_server, tmp_path_factory):
+    """A tiny Qwen2.5-VL with head_dim 64: its renderer, HF model and both backends' stubs."""
+    model_dir = build_qwen2_5_vl_model(tmp_path_factory.mktemp("models") / "tiny-qwen2.5-vl-d64", head_dim=64)
+    common = dict(model=str(model_dir), max_model_len=1024, max_running_sequences=32)
+    configs = {
+        "native": EngineConfig(device="cpu", engine_process=False, kv_blocks=512, **common),
+        "vllm": EngineConfig(backend="vllm", kv_cache_bytes=32 << 20, vllm_args=VLLM_ARGS, **common),
+    }
+    stubs = {name: engine_pb2_grpc.EngineServiceStub(module_aio_server(lambda config=config: create_server(config))
+                                                     .channel()) for name, config in configs.items()}
+    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return Renderer(load_render_model(RenderConfig(model=str(model_dir)))), hf, stubs
+
+
+def test_qwen2_5_vl_images_equal_native_and_hf(qwen2_5):
+    renderer, hf, stubs = qwen2_5
+    requests = [
+        # 140 x 84 pixels: a 10 x 6 patch grid, several of the vision tower's windows.
+        render(renderer, text("Describe:"), image(140, 84, seed=1), text("Briefly."), max_tokens=16),
+        render(renderer, text("Two:"), image(56, 84, seed=3), text("and"), image(112, 56, seed=4), max_tokens=16),
+        render(renderer, text("Words only, no picture."), max_tokens=12),
+    ]
+    expected = [hf_vl_greedy(hf, request) for request in requests]
+    assert all(len(set(tokens)) > 3 for tokens in expected)
+    for name in ("vllm", "native"):
+        assert [generate(stubs[name], request) for request in requests] == expected, name
+    copies = []
+    for round_ in range(4):  # each copy its own request id: ids must be unique among live requests
+        for request in requests:
+            copy = engine_pb2.GenerateRequest()
+            copy.CopyFrom(request)
+            copy.request_id = f"{request.request_id or 'q25'}-{round_}"
+            copies.append(copy)
+    with ThreadPoolExecutor(len(copies)) as pool:
+        assert list(pool.map(lambda request: generate(stubs["vllm"], request), copies)) == expected * 4
+
