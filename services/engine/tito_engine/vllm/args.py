@@ -56,6 +56,10 @@ TITO_FLAGS = {
     "generation_config": "render's resolved sampling parameters",
     "disable_log_stats": "GetLoad (it reads vLLM's scheduler statistics)",
     "kv_events_config": "tito's KV events (SubscribeKvEvents; --kv-events-endpoint publishes them on ZMQ)",
+    # Render sends pixel values already rescaled and normalized (the model's own image processor);
+    # vLLM would otherwise normalize them once more inside the model (its processor then hands
+    # the model raw uint8 pixels), and every image would read as another.
+    "mm_device_do_normalize": "render (pixel values arrive normalized)",
 }
 
 
@@ -227,6 +231,7 @@ def build_engine_args(config: Any, model_dir: str) -> Any:
     # normalize them again on the device.
     engine_args.mm_device_do_normalize = False
     engine_args.disable_log_stats = False
+    engine_args.mm_device_do_normalize = False
     if config.prefix_caching:  # vLLM's own KV events, relayed into SubscribeKvEvents (vllm/kv_relay.py)
         from tito_engine.vllm.kv_relay import events_config, private_endpoints
 

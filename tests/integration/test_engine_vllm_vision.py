@@ -1,0 +1,229 @@
+"""Images through the vllm backend over real gRPC, side by side with the native backend.
+
+Both backends serve `tiny-qwen2-vl-d64` (Qwen2-VL, head_dim 64: vLLM's CPU attention refuses 16)
+and a Qwen2.5-VL of the same text width (built here; windowed vision attention), in float32; requests come from render's own domain code (chat template, image processor, features
+with tensors, HMAC tags), so the features vLLM receives are tito's, never vLLM's own processor's.
+Greedy tokens must equal the native backend's and Hugging Face `generate`'s on the same input_ids /
+pixel_values / image_grid_thw. On CPU this needs the torchvision of the vLLM install
+(tito/torchvision_cpu.py); `scripts/test.sh` sets TITO_REQUIRE_VLLM=1, so there nothing skips.
+"""
+
+from __future__ import annotations
+
+import io
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText
+
+from tito.grpc_errors import error_details
+from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, multimodal_pb2
+from tito_engine.config import EngineConfig
+from tito_engine.server import create_server
+from tito_models.tiny import VL_MODEL_D64, build_qwen2_5_vl_model, ensure_model
+from tito_render.config import RenderConfig
+from tito_render.media.features import Signer
+from tito_render.model import load_render_model
+from tito_render.renderer import Renderer
+
+from test_engine_families import hf_vl_greedy
+from test_engine_multimodal import generate, hf_greedy, image, png, render, text
+
+pytestmark = pytest.mark.vllm
+
+TIMEOUT = 180
+KEY, KEY_ID = b"engine-vllm-vision-test-key-0123456789", "k1"
+VLLM_ARGS = ("--dtype", "float32", "--enforce-eager")
+TENSORS, METADATA = multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD_METADATA
+
+
+def solid(width: int, height: int, rgb: tuple[int, int, int]) -> chat_pb2.ContentPart:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), rgb).save(buffer, "PNG")
+    return chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=buffer.getvalue()))
+
+
+@pytest.fixture(scope="module")
+def vl_model(model_cache):
+    return ensure_model(VL_MODEL_D64, model_cache)
+
+
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "hmac.key"
+    path.write_bytes(KEY + b"\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def renderer(vl_model) -> Renderer:
+    """Render signing its items (both engines know the key): signed hashes may key vLLM's cache."""
+    return Renderer(load_render_model(RenderConfig(model=str(vl_model))), signer=Signer(KEY, KEY_ID))
+
+
+@pytest.fixture(scope="module")
+def hf_model(vl_model):
+    return AutoModelForImageTextToText.from_pretrained(vl_model, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def stubs(module_aio_server, vl_model, key_file):
+    common = dict(model=str(vl_model), max_model_len=1024, max_running_sequences=64, hmac_key_file=str(key_file),
+                  hmac_key_id=KEY_ID)
+    configs = {
+        "native": EngineConfig(device="cpu", engine_process=False, kv_blocks=1024, **common),
+        "vllm": EngineConfig(backend="vllm", kv_cache_bytes=64 << 20, vllm_args=VLLM_ARGS, **common),
+    }
+    return {name: engine_pb2_grpc.EngineServiceStub(module_aio_server(lambda config=config: create_server(config))
+                                                    .channel()) for name, config in configs.items()}
+
+
+def image_requests(renderer, count: int) -> list[engine_pb2.GenerateRequest]:
+    """Chats with one or two images of different sizes and words (render's features, TENSORS)."""
+    words = ["sea", "sky", "stone", "leaf", "wind"]
+    requests = []
+    for k in range(count):
+        prompt = " ".join(words[: 1 + k % 5])
+        if k % 3 == 0:
+            parts = (text(f"Two {k}:"), image(56, 56 + 28 * (k % 2), seed=10 + k), text("and"),
+                     image(84, 56, seed=40 + k), text(prompt))
+        else:
+            parts = (image(28 * (2 + k % 4), 56, seed=10 + k), text(f"{prompt} {k}"))
+        requests.append(render(renderer, *parts, max_tokens=10 + k % 7))
+    return requests
+
+
+def load(stub) -> engine_pb2.GetLoadResponse:
+    return stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT)
+
+
+def test_model_info_lists_the_same_media(stubs):
+    native, vllm_info = (stubs[name].GetModelInfo(engine_pb2.EngineServiceGetModelInfoRequest(), timeout=TIMEOUT)
+                         for name in ("native", "vllm"))
+    assert [(m.modality, m.placeholder_token_id) for m in vllm_info.modalities] == \
+        [(m.modality, m.placeholder_token_id) for m in native.modalities]
+    assert multimodal_pb2.MODALITY_IMAGE in [m.modality for m in vllm_info.modalities]
+
+
+def test_image_prompts_equal_native_and_hf_alone_and_at_concurrency_32(stubs, renderer, hf_model):
+    requests = image_requests(renderer, 32)
+    expected = [hf_greedy(hf_model, request) for request in requests]
+    assert len({tuple(tokens) for tokens in expected}) > 16  # the images and words matter
+    for request, want in list(zip(requests, expected))[:4]:
+        assert generate(stubs["vllm"], request) == want
+        assert generate(stubs["native"], request) == want
+    with ThreadPoolExecutor(32) as pool:
+        for name in ("vllm", "native"):
+            assert list(pool.map(lambda request, stub=stubs[name]: generate(stub, request), requests)) == expected, name
+    assert load(stubs["vllm"]).running_requests == 0
+
+
+def test_blue_ids_with_red_features_answer_like_red(stubs, renderer, hf_model):
+    red = render(renderer, text("What colour is this?"), solid(56, 84, (220, 20, 30)), max_tokens=16)
+    blue = render(renderer, text("What colour is this?"), solid(56, 84, (20, 40, 230)), max_tokens=16)
+    assert list(red.token_ids) == list(blue.token_ids)  # same size: identical placeholder runs
+    want_red, want_blue = hf_greedy(hf_model, red), hf_greedy(hf_model, blue)
+    assert want_red != want_blue
+    swapped = engine_pb2.GenerateRequest()
+    swapped.CopyFrom(blue)
+    swapped.mm_features.CopyFrom(red.mm_features)
+    for name in ("vllm", "native"):
+        assert generate(stubs[name], swapped) == want_red, name
+        assert generate(stubs[name], blue) == want_blue, name
+
+
+def test_metadata_after_tensors_hits_vllms_encoder_cache(stubs, renderer, hf_model):
+    parts = (text("Look:"), image(56, 56, seed=606), text("What is it?"))
+    with_tensors = render(renderer, *parts, max_tokens=12)
+    expected = hf_greedy(hf_model, with_tensors)
+    before = load(stubs["vllm"])
+    assert generate(stubs["vllm"], with_tensors) == expected
+    after_tensors = load(stubs["vllm"])
+    assert after_tensors.encoder_cache_misses == before.encoder_cache_misses + 1
+    metadata_only = render(renderer, *parts, max_tokens=12, payload=METADATA)
+    (item,) = metadata_only.mm_features.items
+    assert not item.kwargs and item.metadata and item.auth_tag
+    assert generate(stubs["vllm"], metadata_only) == expected
+    assert load(stubs["vllm"]).encoder_cache_hits == after_tensors.encoder_cache_hits + 1
+
+
+def test_metadata_only_item_vllm_never_saw_needs_tensors(stubs, renderer):
+    request = render(renderer, text("Look:"), image(56, 56, seed=909), text("What is it?"), max_tokens=4,
+                     payload=METADATA)
+    with pytest.raises(grpc.RpcError) as raised:
+        generate(stubs["vllm"], request)
+    assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    details = error_details(raised.value)
+    assert details["reason"] == "MM_TENSORS_REQUIRED"
+    assert details["fields"] == ["mm_features.items[0].kwargs"]
+    # The same refusal as the native engine's, and the engine serves the next request.
+    with pytest.raises(grpc.RpcError) as native:
+        generate(stubs["native"], request)
+    assert (native.value.code(), error_details(native.value)["reason"]) == (grpc.StatusCode.FAILED_PRECONDITION,
+                                                                            "MM_TENSORS_REQUIRED")
+    assert generate(stubs["vllm"], render(renderer, text("Look:"), image(56, 56, seed=909), max_tokens=4))
+
+
+def test_video_and_image_prompt_equals_native_and_hf(stubs, renderer, hf_model):
+    frames = chat_pb2.VideoFrames(frames=[chat_pb2.ImageSource(data=png(56, 56, seed=70 + k)) for k in range(4)],
+                                  fps=2.0)
+    request = render(renderer, text("A clip:"), chat_pb2.ContentPart(video=frames), text("and a still:"),
+                     image(56, 84, seed=75), max_tokens=16)
+    assert [item.modality for item in request.mm_features.items] == [multimodal_pb2.MODALITY_VIDEO,
+                                                                     multimodal_pb2.MODALITY_IMAGE]
+    expected = hf_greedy(hf_model, request)
+    assert generate(stubs["vllm"], request) == expected
+    assert generate(stubs["native"], request) == expected
+
+
+def test_encode_is_refused_on_the_vllm_backend(stubs, renderer):
+    request = render(renderer, text("Look:"), image(56, 56, seed=5))
+    with pytest.raises(grpc.RpcError) as raised:
+        stubs["vllm"].Encode(engine_pb2.EncodeRequest(mm_features=request.mm_features), timeout=TIMEOUT)
+    assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error_details(raised.value)["reason"] == "ENCODE_UNSUPPORTED"
+
+
+# --------------------------------------------------------------------------- Qwen2.5-VL
+
+
+@pytest.fixture(scope="module")
+def qwen2_5(module_aio_server, tmp_path_factory):
+    """A tiny Qwen2.5-VL with head_dim 64: its renderer, HF model and both backends' stubs."""
+    model_dir = build_qwen2_5_vl_model(tmp_path_factory.mktemp("models") / "tiny-qwen2.5-vl-d64", head_dim=64)
+    common = dict(model=str(model_dir), max_model_len=1024, max_running_sequences=32)
+    configs = {
+        "native": EngineConfig(device="cpu", engine_process=False, kv_blocks=512, **common),
+        "vllm": EngineConfig(backend="vllm", kv_cache_bytes=32 << 20, vllm_args=VLLM_ARGS, **common),
+    }
+    stubs = {name: engine_pb2_grpc.EngineServiceStub(module_aio_server(lambda config=config: create_server(config))
+                                                     .channel()) for name, config in configs.items()}
+    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return Renderer(load_render_model(RenderConfig(model=str(model_dir)))), hf, stubs
+
+
+def test_qwen2_5_vl_images_equal_native_and_hf(qwen2_5):
+    renderer, hf, stubs = qwen2_5
+    requests = [
+        # 140 x 84 pixels: a 10 x 6 patch grid, several of the vision tower's windows.
+        render(renderer, text("Describe:"), image(140, 84, seed=1), text("Briefly."), max_tokens=16),
+        render(renderer, text("Two:"), image(56, 84, seed=3), text("and"), image(112, 56, seed=4), max_tokens=16),
+        render(renderer, text("Words only, no picture."), max_tokens=12),
+    ]
+    expected = [hf_vl_greedy(hf, request) for request in requests]
+    assert all(len(set(tokens)) > 3 for tokens in expected)
+    for name in ("vllm", "native"):
+        assert [generate(stubs[name], request) for request in requests] == expected, name
+    copies = []
+    for round_ in range(4):  # each copy its own request id: ids must be unique among live requests
+        for request in requests:
+            copy = engine_pb2.GenerateRequest()
+            copy.CopyFrom(request)
+            copy.request_id = f"{request.request_id or 'q25'}-{round_}"
+            copies.append(copy)
+    with ThreadPoolExecutor(len(copies)) as pool:
+        assert list(pool.map(lambda request: generate(stubs["vllm"], request), copies)) == expected * 4
+
