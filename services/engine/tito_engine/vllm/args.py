@@ -231,7 +231,6 @@ def build_engine_args(config: Any, model_dir: str) -> Any:
     # normalize them again on the device.
     engine_args.mm_device_do_normalize = False
     engine_args.disable_log_stats = False
-    engine_args.mm_device_do_normalize = False
     if config.prefix_caching:  # vLLM's own KV events, relayed into SubscribeKvEvents (vllm/kv_relay.py)
         from tito_engine.vllm.kv_relay import events_config, private_endpoints
 
