@@ -302,7 +302,7 @@ def image_figures(vl_model: str, png: bytes, repeats: int) -> dict:
     from PIL import Image
     from transformers import AutoImageProcessor
 
-    processor = AutoImageProcessor.from_pretrained(vl_model)
+    processor = AutoImageProcessor.from_pretrained(vl_model, backend="pil")  # render's backend
     decoded = Image.open(io.BytesIO(png)).convert("RGB")
 
     def decode_and_hash() -> Image.Image:

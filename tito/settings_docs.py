@@ -19,7 +19,8 @@ from tito.env_flags import variable_of
 from tito.settings import declared
 
 #: The documents with flag tables, relative to the repository root.
-DOCUMENTS = ("services/engine/README.md", "services/render/README.md", "services/derender/README.md", "docs/deploy.md")
+DOCUMENTS = ("services/engine/README.md", "services/render/README.md", "services/derender/README.md",
+             "services/gateway/README.md", "docs/deploy.md")
 _TABLE = re.compile(r"(<!-- flags: ([\w.]+)(?: (own|common))? -->\n)(.*?)(<!-- /flags -->)", re.S)
 
 

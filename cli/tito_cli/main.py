@@ -2,7 +2,8 @@
 
     tito serve render|engine|derender [--address ADDR] [--model M] ...   one service
     tito serve engine --backend vllm --model DIR [-- VLLM_ENGINE_ARGS]    the engine on vLLM
-    tito serve all [--model M] ...                                        the three, as processes
+    tito serve all [--model M] [--gateway-address ADDR] ...               the three (and the gateway), as processes
+    tito serve gateway [--address ADDR] [--engine-address A,B] ...        the OpenAI-compatible HTTP gateway
     tito chat "Hello"                                                     a chat through all three
 
 `tito chat` without addresses starts `tito serve all` on private Unix sockets (on the trained demo
@@ -39,7 +40,10 @@ from tito.startup import StartupPhases
 from tito.supervision import ChildProcess, Supervisor, stop_children
 
 SERVICES = ("render", "engine", "derender")
-DEFAULT_ADDRESSES = {"render": "127.0.0.1:50051", "engine": "127.0.0.1:50052", "derender": "127.0.0.1:50053"}
+#: The OpenAI-compatible HTTP gateway over the three (tito_gateway): `tito serve gateway`.
+GATEWAY = "gateway"
+DEFAULT_ADDRESSES = {"render": "127.0.0.1:50051", "engine": "127.0.0.1:50052", "derender": "127.0.0.1:50053",
+                     GATEWAY: "127.0.0.1:8000"}
 
 
 def _service_module(name: str):
@@ -57,7 +61,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, service: str) -> None:
         parser.add_argument("--device", default="auto", help="the engine's; render and derender run on the CPU")
 
 
-def build_parser(services: Iterable[str] = SERVICES) -> argparse.ArgumentParser:
+def build_parser(services: Iterable[str] = (*SERVICES, GATEWAY)) -> argparse.ArgumentParser:
     """The `tito` command line, with the flags of `services` (each imports its service's server
     module for them: `tito serve derender` builds only derender's, so it never loads the engine's
     torch or render's image stack)."""
@@ -67,13 +71,15 @@ def build_parser(services: Iterable[str] = SERVICES) -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run a service")
     service_parsers = serve.add_subparsers(dest="service", required=True)
-    for name in SERVICES:
-        sub = service_parsers.add_parser(name, help=f"run the {name} service")
+    for name in (*SERVICES, GATEWAY):
+        sub = service_parsers.add_parser(name, help=f"run the {name} service" if name != GATEWAY else
+                                         "run the OpenAI-compatible HTTP gateway over render, engine and derender")
         if name in wanted:
             add_common_arguments(sub, name)
             _service_module(name).add_arguments(sub)
             document_env(sub)
-    everything = service_parsers.add_parser("all", help="run render, engine and derender as three processes")
+    everything = service_parsers.add_parser("all", help="run render, engine and derender as three processes (and "
+                                                        "the HTTP gateway with --gateway-address)")
     _add_all_arguments(everything)
     document_env(everything)
 
@@ -131,6 +137,9 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 def _add_all_arguments(parser: argparse.ArgumentParser) -> None:
     for name in SERVICES:
         parser.add_argument(f"--{name}-address", default=DEFAULT_ADDRESSES[name], help=f"{name} address")
+    parser.add_argument("--gateway-address", default="",
+                        help="also start the OpenAI-compatible HTTP gateway (tito serve gateway) here, host:port or "
+                             "unix:/path, over the three (default: no gateway)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="given to the three services (default %(default)s)")
     parser.add_argument("--device", default="auto", help="the engine's (default %(default)s)")
     parser.add_argument("--log-level", default=ServerConfig.log_level, choices=LOG_LEVELS,
@@ -214,6 +223,31 @@ def spawn_all(addresses: dict[str, str], model: str, device: str, log_level: str
             for command in service_commands(addresses, model, device, log_level, extra_args).values()]
 
 
+def gateway_argv(address: str, addresses: dict[str, str], log_level: str, extra: list[str] = ()) -> list[str]:
+    """`tito serve gateway` on `address` over the three services at `addresses`."""
+    return ["serve", GATEWAY, "--address", address, "--render-address", addresses["render"],
+            "--engine-address", addresses["engine"], "--derender-address", addresses["derender"],
+            "--log-level", log_level, *extra]
+
+
+def check_gateway(address: str, addresses: dict[str, str], log_level: str) -> None:
+    """The gateway's command line (with the environment) gives a valid config and its port is free."""
+    parser = build_parser((GATEWAY,))
+    argv = gateway_argv(address, addresses, log_level)
+    args = parser.parse_args(argv)
+    try:
+        apply_env(parser, serve_parser(parser, GATEWAY), argv, args, os.environ)
+        _service_module(GATEWAY).config_from_args(args).validate()
+        check_can_listen(address)
+    except ConfigError as exc:
+        raise ConfigError(f"gateway: {exc}") from None
+
+
+def gateway_command(address: str, addresses: dict[str, str], log_level: str, extra: list[str] = ()) -> list[str]:
+    """The command line of the gateway `tito serve all --gateway-address` starts."""
+    return [sys.executable, "-m", "tito_cli", *gateway_argv(address, addresses, log_level, extra)]
+
+
 def stop_all(processes: list[subprocess.Popen], timeout: float = 30.0) -> None:
     """SIGTERM each process, wait up to `timeout` seconds for all, then kill what is left."""
     stop_children([ChildProcess(f"tito {' '.join(map(str, p.args[3:5]))}", p) for p in processes], timeout,
@@ -225,6 +259,8 @@ def serve_all(args: argparse.Namespace) -> int:
     try:
         model = str(resolve_model(args.model))  # build a tiny model once, not in three processes
         configs = check_services(addresses, model, args.device, args.log_level)
+        if args.gateway_address:
+            check_gateway(args.gateway_address, addresses, args.log_level)
     except ConfigError as exc:
         print(f"tito serve all: {exc}", file=sys.stderr)
         return 2
@@ -234,6 +270,8 @@ def serve_all(args: argparse.Namespace) -> int:
     # One service ending ends them all (restart=False): each service restarts its own children, so
     # a service that exits has a reason its operator must see, not a replacement that hides it.
     supervisor = Supervisor(restart=False)
+    if args.gateway_address:
+        commands[GATEWAY] = gateway_command(args.gateway_address, addresses, args.log_level, beside)
     stopping = False
 
     def forward(signum, _frame):
@@ -431,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
 def _services_asked_for(argv: list[str]) -> tuple[str, ...]:
     """The service whose flags `argv` needs (`tito serve engine ...`: the engine); none otherwise
     (`tito serve all` and `tito chat` check each service's flags themselves, in `check_services`)."""
-    if len(argv) >= 2 and argv[0] == "serve" and argv[1] in SERVICES:
+    if len(argv) >= 2 and argv[0] == "serve" and argv[1] in (*SERVICES, GATEWAY):
         return (argv[1],)
     return ()
 

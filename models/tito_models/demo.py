@@ -517,7 +517,7 @@ def build_demo_model(out_dir: Path) -> Path:
     ids = _build_tokenizer(out_dir, conversations(TOKENIZER_CHATS))
     tiny_models._write_json(out_dir / "preprocessor_config.json", tiny_models._image_processor_config())
     tokenizer = AutoTokenizer.from_pretrained(str(out_dir))
-    image_processor = AutoImageProcessor.from_pretrained(str(out_dir))
+    image_processor = AutoImageProcessor.from_pretrained(str(out_dir), backend="pil")  # as render, on any install
     batches = _fresh_batches(iter_conversations(SEED + 1), lambda chat: encode(chat, tokenizer, image_processor))
     with _pinned_torch():
         torch.manual_seed(SEED)

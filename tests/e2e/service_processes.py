@@ -23,3 +23,55 @@ def running_services(model, sockets: Path, device: str = "auto",
         yield addresses, processes
     finally:
         stop_all(processes)
+
+
+def free_port() -> int:
+    """A TCP port free now on 127.0.0.1 (for an HTTP listener a test starts as a process)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until_healthy(url: str, process, timeout: float = 120.0, verify=True) -> None:
+    """Poll `url` (a gateway's /health) until it answers 200; fail if `process` exits first."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the gateway exited with code {process.returncode}")
+        try:
+            reply = httpx.get(url, timeout=2.0, verify=verify)
+            if reply.status_code == 200:
+                return
+            last = f"{reply.status_code} {reply.text[:200]}"
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout:.0f}s (last: {last})")
+
+
+@contextmanager
+def running_gateway(addresses: dict[str, str], extra_args: list[str] = (), scheme: str = "http",
+                    verify=True) -> Iterator[tuple[str, object]]:
+    """`tito serve gateway` on a free port over the services at `addresses`, healthy; stopped with
+    SIGTERM afterwards. Yields its base URL (scheme://127.0.0.1:port) and the process."""
+    import subprocess
+    import sys
+
+    from tito_cli.main import gateway_argv
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "tito_cli",
+                                *gateway_argv(f"127.0.0.1:{port}", addresses, "warning", list(extra_args))])
+    base = f"{scheme}://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(f"{base}/health", process, verify=verify)
+        yield base, process
+    finally:
+        stop_all([process])

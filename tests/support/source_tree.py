@@ -13,6 +13,7 @@ PACKAGE_ROOTS = {
     "tito_render": ROOT / "services" / "render" / "tito_render",
     "tito_engine": ROOT / "services" / "engine" / "tito_engine",
     "tito_derender": ROOT / "services" / "derender" / "tito_derender",
+    "tito_gateway": ROOT / "services" / "gateway" / "tito_gateway",
     "tito_client": ROOT / "clients" / "python" / "tito_client",
     "tito_cli": ROOT / "cli" / "tito_cli",
     "tito_models": ROOT / "models" / "tito_models",

@@ -71,6 +71,15 @@ def _message_limits(max_message_bytes: int) -> list[tuple[str, int]]:
             ("grpc.max_send_message_length", max_message_bytes)]
 
 
+def _channel_options(address: str, max_message_bytes: int) -> list[tuple[str, object]]:
+    """A channel's options: the message limits, and for a `dns:///name:port` target (a headless
+    Service: one address per replica) gRPC's round_robin over every address it resolves to."""
+    options: list[tuple[str, object]] = list(_message_limits(max_message_bytes))
+    if address.startswith("dns:"):
+        options.append(("grpc.lb_policy_name", "round_robin"))
+    return options
+
+
 class ChatPipeline:
     """Synchronous client running chats through the three services."""
 
@@ -174,12 +183,18 @@ class AsyncChatPipeline:
     Use it inside a running event loop (`async with AsyncChatPipeline(...) as pipeline`)."""
 
     def __init__(self, endpoints: Endpoints, timeout: float = 300.0, max_message_bytes: int = 64 * 1024 * 1024,
-                 security: ClientSecurity = ClientSecurity(), router: EngineRouter | None = None):
+                 security: ClientSecurity = ClientSecurity(), router: EngineRouter | None = None,
+                 sidecar_security: ClientSecurity | None = None):
+        """`router`: spread chats over several engines (routing.EngineRouter); `sidecar_security`:
+        the TLS for render and derender when it differs from the engines' (plaintext Unix-socket
+        sidecars beside TLS engines); the token is `security`'s for all."""
         self.timeout = timeout
-        options = _message_limits(max_message_bytes)
-        self._security, self._options, self.router = security, options, router
-        self._channels = [security.aio_channel(a, options=options)
-                          for a in (endpoints.render, endpoints.engine, endpoints.derender)]
+        self._max_message_bytes = max_message_bytes
+        self._security, self.router = security, router
+        beside = security if sidecar_security is None else sidecar_security
+        self._channels = [side.aio_channel(a, options=_channel_options(a, max_message_bytes))
+                          for side, a in ((beside, endpoints.render), (security, endpoints.engine),
+                                          (beside, endpoints.derender))]
         self._metadata = security.call_metadata()
         self.render = render_pb2_grpc.RenderServiceStub(self._channels[0])
         self.engine = engine_pb2_grpc.EngineServiceStub(self._channels[1])
@@ -193,7 +208,7 @@ class AsyncChatPipeline:
         address = self.last_engine = self.router.pick(request).address
         stub = self._engines.get(address)
         if stub is None:
-            channel = self._security.aio_channel(address, options=self._options)
+            channel = self._security.aio_channel(address, options=_channel_options(address, self._max_message_bytes))
             self._channels.append(channel)
             stub = self._engines[address] = engine_pb2_grpc.EngineServiceStub(channel)
         return stub, address
@@ -209,11 +224,39 @@ class AsyncChatPipeline:
         await self.close()
 
     async def stream_chat(self, request: render_pb2.RenderChatRequest) -> AsyncIterator[derender_pb2.ChatChunk]:
-        """Yield chat chunks as derender produces them (tracing as in `ChatPipeline.stream_chat`)."""
-        chat_span = tracing.begin_client_span("chat")
+        """Yield chat chunks as derender produces them (tracing as in `ChatPipeline.stream_chat`;
+        the span carries the request's id)."""
+        async for chunk in self._traced("chat", request, self.render.RenderChat):
+            yield chunk
+
+    async def stream_completion(self, request: render_pb2.RenderCompletionRequest
+                                ) -> AsyncIterator[derender_pb2.ChatChunk]:
+        """A raw prompt (text or token ids) through RenderCompletion -> engine -> derender: chunks
+        as for a chat, with the text in `content` (a completion has no parsers)."""
+        async for chunk in self._traced("completion", request, self.render.RenderCompletion):
+            yield chunk
+
+    async def check_health(self, timeout: float = 2.0) -> dict[str, str]:
+        """Each service's health status name ("SERVING", "NOT_SERVING", or the gRPC code of a
+        failed check), by service: render, engine, derender."""
+        async def one(channel) -> str:
+            try:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+                return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as exc:
+                return exc.code().name
+        states = await asyncio.gather(*(one(channel) for channel in self._channels))
+        return dict(zip(("render", "engine", "derender"), states))
+
+    async def _traced(self, name: str, request, render_call) -> AsyncIterator[derender_pb2.ChatChunk]:
+        chat_span = tracing.begin_client_span(name, **({"tito.request_id": request.request_id}
+                                                       if request.request_id else {}))
         error: BaseException | None = None
         try:
-            async for chunk in self._stream_chat(request, tracing.inject(self._metadata, parent=chat_span)):
+            metadata = tracing.inject(self._metadata, parent=chat_span)
+            rendered = await render_call(request, timeout=self.timeout, metadata=metadata)
+            async for chunk in self._stream_rendered(rendered, metadata):
                 yield chunk
         except BaseException as exc:
             error = exc if not isinstance(exc, (GeneratorExit, asyncio.CancelledError)) else None
@@ -221,9 +264,7 @@ class AsyncChatPipeline:
         finally:
             tracing.end_span(chat_span, error)
 
-    async def _stream_chat(self, request: render_pb2.RenderChatRequest,
-                           metadata) -> AsyncIterator[derender_pb2.ChatChunk]:
-        rendered = await self.render.RenderChat(request, timeout=self.timeout, metadata=metadata)
+    async def _stream_rendered(self, rendered, metadata) -> AsyncIterator[derender_pb2.ChatChunk]:
         engine, address = self._engine_for(rendered.generate_request)
         if address is None:
             async for chunk in self._generate(rendered, engine, metadata):

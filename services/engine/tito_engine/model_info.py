@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tito.config import ConfigError
 from tito.vocab import load_vocabulary
 
 from tito_engine.multimodal.specs import ModelMultimodalSpec, multimodal_spec_from_config
@@ -33,6 +34,50 @@ class ModelInfo:
     model_family: str = ""  # config.model_type, e.g. "qwen2", "llama", "qwen3", "qwen2_5_vl", "gemma3"
     tokenizer_vocab_size: int = 0  # the tokenizer's entries (0: unknown, take vocab_size)
     padding_ids: tuple[int, ...] = ()  # valid ids the tokenizer does not name (tito.vocab)
+
+
+def check_checkpoint(model_dir: Path, model_id: str) -> None:
+    """What any backend needs of `--model` before it starts anything, checked from the files
+    alone in milliseconds (ConfigError, one line): a config.json object naming its model_type,
+    weight files, and safetensors files whose headers parse and whose lengths match them (a
+    truncated download fails here, not deep inside a loader after the port is bound)."""
+    where = f"--model {model_id}"
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except OSError as exc:
+        raise ConfigError(f"{where}: {model_dir / 'config.json'} cannot be read ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {model_dir / 'config.json'} is not JSON ({exc})") from None
+    if not isinstance(config, dict) or not config.get("model_type"):
+        raise ConfigError(f"{where}: {model_dir / 'config.json'} names no model_type; is this a Hugging Face "
+                          f"model directory?")
+    weights = sorted(path for path in model_dir.iterdir() if path.suffix in _WEIGHT_SUFFIXES and path.is_file())
+    if not weights:
+        raise ConfigError(f"{where}: no weight files (*.safetensors, pytorch_model*.bin) in {model_dir}")
+    for path in weights:
+        if path.suffix == ".safetensors":
+            _check_safetensors(path, where)
+
+
+def _check_safetensors(path: Path, where: str) -> None:
+    damaged = f"{where}: {path} is truncated or damaged"
+    size = path.stat().st_size
+    with path.open("rb") as stream:
+        head = stream.read(8)
+        if len(head) < 8:
+            raise ConfigError(f"{damaged} ({size} bytes, no safetensors header)")
+        length = int.from_bytes(head, "little")
+        if length > size - 8:
+            raise ConfigError(f"{damaged} (its header claims {length} bytes, the file has {size})")
+        try:
+            header = json.loads(stream.read(length))
+        except ValueError:
+            raise ConfigError(f"{damaged} (its header is not JSON)") from None
+    ends = [entry["data_offsets"][1] for name, entry in header.items()
+            if name != "__metadata__" and isinstance(entry, dict) and "data_offsets" in entry]
+    expected = 8 + length + max(ends, default=0)
+    if expected != size:
+        raise ConfigError(f"{damaged} (its tensors need {expected} bytes, the file has {size})")
 
 
 def model_fingerprint(model_dir: Path) -> str:

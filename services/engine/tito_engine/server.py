@@ -21,6 +21,7 @@ from tito_engine.core.engine_core import CoreProcessSpec
 from tito_engine.multimodal.features import FeaturePolicy
 from tito_engine.limits import DEFAULT_BLOCK_SIZE
 from tito_engine.model.runner import KVCacheSpec, warm_up_or_warn
+from tito_engine.model_info import check_checkpoint
 from tito_engine.service.observe import EngineMetrics, RequestObserver
 from tito_engine.service.servicer import EngineServicer
 
@@ -55,8 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The config of a parsed command line; what follows `--` is vLLM's (args.vllm_args)."""
+    """The config of a parsed command line; what follows `--` is vLLM's (args.vllm_args). The model's
+    files are checked here, before anything is logged, bound or loaded."""
     config = settings.config_from_args(EngineConfig, args, vllm_args=tuple(getattr(args, "vllm_args", ())))
+    if config.model:  # (validate says what an empty one means)
+        check_checkpoint(resolve_model(config.model), config.model)  # before validate imports vLLM
     config.validate()
     return config
 
@@ -75,7 +79,8 @@ def _build_backend(config: EngineConfig) -> EngineBackend:
         from tito_engine.vllm.args import build_engine_args
 
         return VllmEngine(build_engine_args(config, str(model_dir)), model_dir, model_id=config.model,
-                          max_waiting_requests=config.max_waiting_requests, kv_event_buffer=config.kv_events_buffer)
+                          max_waiting_requests=config.max_waiting_requests, kv_event_buffer=config.kv_events_buffer,
+                          kv_flag_given=config.kv_cache_bytes is not None)
     kv_cache = KVCacheSpec(block_size=config.block_size or DEFAULT_BLOCK_SIZE, num_blocks=config.kv_blocks,
                            cache_bytes=config.kv_cache_bytes, memory_fraction=config.kv_memory_fraction,
                            max_sequences=config.max_running_sequences)

@@ -78,7 +78,7 @@ def test_training_ids_are_the_ids_render_sends(renderer):
     from transformers import AutoImageProcessor
 
     model = renderer.model
-    image_processor = AutoImageProcessor.from_pretrained(str(model.path))
+    image_processor = AutoImageProcessor.from_pretrained(str(model.path), backend="pil")  # render's backend
     chats = demo.conversations(60, seed=7)
     kinds = {(bool(c.image), bool(c.tools), len(c.messages), c.thinking) for c in chats}
     assert len(kinds) >= 6  # images, tools, tool-result turns, thinking on and off

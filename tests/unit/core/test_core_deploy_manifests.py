@@ -97,7 +97,7 @@ def test_both_kustomizations_are_there():
 def test_every_document_is_valid_for_the_pinned_kubernetes(rendered):
     _, documents = rendered
     kinds = sorted(d["kind"] for d in documents)
-    assert kinds == ["Deployment", "Deployment", "PodDisruptionBudget", "PodDisruptionBudget", "Service"]
+    assert kinds == ["Deployment", "Deployment", "PodDisruptionBudget", "PodDisruptionBudget", "Service", "Service"]
     for document in documents:
         try:
             kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
@@ -125,13 +125,19 @@ def test_tito_containers_use_only_flags_and_variables_the_cli_accepts(rendered):
         args = parser.parse_args(argv)
         environ = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
         apply_env(parser, cli.serve_parser(parser, form), argv, args, environ)
-    assert forms == {"render", "engine", "derender"}
+    assert forms == {"render", "engine", "derender", "gateway"}
 
 
 def test_probes_are_native_grpc_on_the_health_address(rendered):
+    """The gRPC services' probes; the gateway's is HTTP on its own port."""
     _, documents = rendered
     for form, container in _tito_containers(documents):
         environ = {e["name"]: e.get("value") for e in container["env"]}
+        if form == "gateway":  # HTTP: GET /health says whether the services behind it all serve
+            assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+            assert {p["name"]: p["containerPort"] for p in container["ports"]}["http"] == \
+                int(environ["TITO_ADDRESS"].rsplit(":", 1)[1])
+            continue
         health_port = int(environ["TITO_HEALTH_ADDRESS"].rsplit(":", 1)[1])
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"]["port"] == health_port, (container["name"], probe)

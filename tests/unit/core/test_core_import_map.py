@@ -24,6 +24,8 @@ ALLOWED = {
     "tito_engine": {"tito", "tito_models"},
     "tito_derender": {"tito", "tito_models"},
     "tito_client": {"tito"},
+    # The gateway is the reference router: an HTTP layer over the client, never over a service.
+    "tito_gateway": {"tito", "tito_client"},
     "tito_cli": set(PACKAGE_ROOTS),
 }
 

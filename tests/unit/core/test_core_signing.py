@@ -52,3 +52,47 @@ def test_key_file_is_stripped_and_must_be_long_enough(tmp_path):
         signing.read_key_file(str(short))
     with pytest.raises(ConfigError, match="cannot be read"):
         signing.read_key_file(str(tmp_path / "missing"))
+
+
+def _descriptor() -> multimodal_pb2.EncoderCacheDescriptor:
+    return multimodal_pb2.EncoderCacheDescriptor(
+        store_id="ecdir-0123456789abcdef", uri="ecdir://ecdir-0123456789abcdef", key="fp/" + "ab" * 32, dtype=1,
+        shape=[4, 64], byte_size=1024, checksum="sha256:" + "0" * 64, model_fingerprint="fp")
+
+
+def test_a_descriptor_signed_by_the_encoding_engine_verifies_and_any_change_breaks_it():
+    descriptor = _descriptor()
+    signing.sign_descriptor(descriptor, KEY, "k1")
+    assert signing.verify_descriptor(descriptor, {"k1": KEY})
+    assert not signing.verify_descriptor(descriptor, {"k1": b"x" * 32})
+    for field, value in (("store_id", "ecdir-ffffffffffffffff"), ("uri", "ecdir://x"), ("key", "fp/" + "cd" * 32),
+                         ("byte_size", 2048), ("checksum", "sha256:" + "1" * 64), ("model_fingerprint", "other")):
+        changed = multimodal_pb2.EncoderCacheDescriptor()
+        changed.CopyFrom(descriptor)
+        setattr(changed, field, value)
+        assert not signing.verify_descriptor(changed, {"k1": KEY}), field
+    unsigned = _descriptor()
+    assert not signing.verify_descriptor(unsigned, {"": KEY})
+
+
+def test_an_item_signed_before_encoding_verifies_with_a_signed_descriptor_attached():
+    item = _item()
+    item.ClearField("kwargs")
+    signing.sign_item(item, KEY, "k1")  # render, METADATA, before any engine encoded it
+    descriptor = _descriptor()
+    signing.sign_descriptor(descriptor, KEY, "k1")  # the engine that answered Encode
+    item.ec_descriptor.CopyFrom(descriptor)  # a router attaches it
+    assert signing.verify_item(item, {"k1": KEY})
+    item.ec_descriptor.ClearField("auth_tag")  # an unsigned descriptor must be covered by the item's tag
+    assert not signing.verify_item(item, {"k1": KEY})
+    signing.sign_item(item, KEY, "k1")  # ... as when whoever attached it re-signed the item
+    assert signing.verify_item(item, {"k1": KEY})
+
+
+def test_item_bytes_with_a_descriptor_are_unchanged_by_descriptor_tags():
+    """Render's signed bytes (descriptor included) do not depend on the descriptor's own tag fields."""
+    item = _item()
+    item.ec_descriptor.CopyFrom(_descriptor())
+    before = signing.signed_bytes(item)
+    signing.sign_descriptor(item.ec_descriptor, KEY, "k1")
+    assert signing.signed_bytes(item) == before

@@ -606,7 +606,8 @@ def test_interleaved_chat_template(gemma_tokenizer, tokenizer, gemma_dir):
 
 
 def test_interleaved_image_processor_loads_pil_backend(gemma_dir):
-    processor = transformers.AutoImageProcessor.from_pretrained(gemma_dir)
+    # The PIL backend is what render asks for (transformers picks torchvision's where installed).
+    processor = transformers.AutoImageProcessor.from_pretrained(gemma_dir, backend="pil")
     assert type(processor).__name__ == "Gemma3ImageProcessorPil"
     out = processor(images=[_image(), _image().resize((20, 90))], return_tensors="pt")
     assert out["pixel_values"].shape == (2, 3, 64, 64)

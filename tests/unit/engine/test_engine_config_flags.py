@@ -93,3 +93,19 @@ def test_the_core_process_spec_is_built_from_the_config_whole():
         "/models/m", "tiny-qwen2", "cpu", 256, 2)
     assert (spec.limits, spec.log_level, spec.encoder_cache_bytes, spec.exclude_padding_ids) == (
         config.scheduler_limits, "debug", 0, False)
+
+
+def test_the_shared_encoder_store_flags_teach_their_use(tmp_path):
+    from tito_engine.config import EngineConfig
+
+    with pytest.raises(ConfigError, match="needs an encoder cache"):
+        EngineConfig(encoder_store_dir=str(tmp_path), encoder_cache_bytes=0).validate()
+    with pytest.raises(ConfigError, match="native backend only"):
+        EngineConfig(encoder_store_dir=str(tmp_path), backend="vllm", exclude_padding_ids=None)._validate_encoder_store()
+    with pytest.raises(ConfigError, match="at least 1 MiB"):
+        EngineConfig(encoder_store_dir=str(tmp_path), encoder_store_bytes=1000).validate()
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        EngineConfig(encoder_store_dir=str(a_file)).validate()
+    EngineConfig(encoder_store_dir=str(tmp_path / "new" / "store")).validate()  # created by the engine

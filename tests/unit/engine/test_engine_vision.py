@@ -186,7 +186,7 @@ def test_cached_rows_give_the_same_logits(qwen):
 
 
 def test_real_image_processor_output_is_accepted_and_matches_hf(qwen, tiny_vl_model):
-    processor = AutoImageProcessor.from_pretrained(tiny_vl_model)
+    processor = AutoImageProcessor.from_pretrained(tiny_vl_model, backend="pil")  # render's backend
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 256, (56, 56, 3), dtype=np.uint8)),
               Image.fromarray(rng.integers(0, 256, (84, 112, 3), dtype=np.uint8))]

@@ -268,7 +268,7 @@ def test_model_info_lists_image_and_video_modalities(qwen):
 def test_gemma3_ids_pixels_and_is_embed_equal_processor(gemma, gemma_model):
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(str(gemma_model))
+    processor = AutoProcessor.from_pretrained(str(gemma_model), backend="pil")  # render's backend
     images = [picture(80, 50, seed=1), picture(300, 300, seed=2)]
     request = chat(text_part("look"), image_part(encode(images[0])), text_part("and"),
                    image_part(encode(images[1])), text_part("hi"))

@@ -49,8 +49,8 @@ from tito.v1 import multimodal_pb2
 
 from tito_engine.multimodal.encoder_cache import CacheKey, EncoderCache
 from tito_engine.multimodal.encoder_store import EntryCorrupt, EntryMissing, SharedEncoderStore
-from tito_engine.multimodal.features import (EC_STORE_UNAVAILABLE, CheckedFeatures, ValidatedFeatures,
-                                             check_encoder_cache_enabled, resolve_cached)
+from tito_engine.multimodal.items import EC_STORE_UNAVAILABLE, CheckedFeatures, ValidatedFeatures
+from tito_engine.multimodal.resolution import check_encoder_cache_enabled, resolve_cached
 from tito_engine.request import ChoiceOutput, Request
 from tito_engine.limits import SchedulerLimits
 from tito_engine.scheduling.blocks import BlockMedia
@@ -470,7 +470,8 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
         runner = spec.load_runner()
     except BaseException as exc:  # noqa: BLE001 - report why the engine could not start
         try:
-            conn.send(CoreFailed(f"{type(exc).__name__}: {exc}"))
+            conn.send(CoreFailed(str(exc), config_error=True) if isinstance(exc, ConfigError)
+                      else CoreFailed(f"{type(exc).__name__}: {exc}"))
         except OSError:
             pass  # the server stopped while the model was loading: nobody is left to tell
         _exit_now(1)
@@ -479,7 +480,7 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
         core = EngineCore(runner, spec.limits, spec.encoder_cache_bytes, spec.encoder_store_dir,
                           spec.encoder_store_bytes)
     except ConfigError as exc:  # the shared encoder store's directory
-        conn.send(CoreFailed(str(exc)))
+        conn.send(CoreFailed(str(exc), config_error=True))
         _exit_now(1)
     conn.send(CoreReady(runner.info, runner.cache.num_blocks, runner.cache.block_size, runner.mm_spec))
 
@@ -540,6 +541,8 @@ class ProcessCore:
             message = CoreFailed(f"the engine core process exited with code {self._process.exitcode}")
         if not isinstance(message, CoreReady):
             self._process.join(5)
+            if message.config_error:
+                raise ConfigError(message.reason)
             raise ConfigError(f"the engine core could not start: {message.reason}")
         self.info, self.kv_blocks_total = message.info, message.kv_blocks_total
         self.block_size, self.mm_spec = message.block_size, message.mm_spec

@@ -125,9 +125,11 @@ class CoreReady:
 
 @dataclass(frozen=True, slots=True)
 class CoreFailed:
-    """The child process could not start; `reason` is one line for the operator."""
+    """The child process could not start; `reason` is one line for the operator. `config_error`:
+    the reason is a ConfigError's, which already names the flag or file to fix (passed on as is)."""
 
     reason: str
+    config_error: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -213,6 +213,10 @@ class ModelRunner:
             num_blocks = spec.num_blocks
             how = "--kv-blocks"
         elif spec.cache_bytes is not None:
+            if self.device.type == "cpu" and spec.cache_bytes > (free := available_host_memory()):
+                raise ConfigError(f"--kv-cache-bytes {spec.cache_bytes} ({spec.cache_bytes / 2**30:.2f} GiB) does not "
+                                  f"fit in memory: {free / 2**30:.2f} GiB free after loading the model; lower "
+                                  f"--kv-cache-bytes, or leave it out to size the cache from the free memory")
             num_blocks = layout.blocks_for_bytes(spec.cache_bytes, spec.block_size)
             how = "--kv-cache-bytes"
         else:

@@ -36,175 +36,37 @@ Rules, in the order they are checked (first violation wins):
 5. Token ids: every embed position holds the modality's placeholder token id, and no placeholder
    token id appears anywhere else (the ids and the features would disagree: HF models scatter
    encoder rows into *every* placeholder token, so a stray one would shift all rows).
-6. Per item, resolution (the only step that touches the encoder cache): an EC descriptor must be
-   this engine's own (store_id, uri, model_fingerprint), name exactly the item's cache key, and
-   match the cached entry's checksum, dtype, shape and size; otherwise it is rejected as forged
-   and never dereferenced. An item without kwargs needs a resolvable descriptor or a cache hit
+6. Per item, resolution (the only step that touches the encoder cache and the shared store;
+   resolution.py): an EC descriptor must be this engine's own or its shared store's (store_id,
+   uri, model_fingerprint), name exactly the item's cache key, and match the entry's checksum,
+   dtype, shape and size; otherwise it is refused (see trust.py) and never dereferenced. An
+   item without kwargs needs a resolvable descriptor or a cache hit
    by its key, else FAILED_PRECONDITION `MM_TENSORS_REQUIRED` (re-render with mm_payload TENSORS).
 
-Trust model
------------
-The encoder cache maps a key to encoder output; whoever can choose the key for an item can make
-the engine serve (or poison) another request's output. So a cache key is only ever derived from
-something bound to the item's content:
-
-* Signing off (the engine has no keys; `require_signed_features` must then be off): the operator
-  trusts every caller (e.g. only render and a router can reach the engine). `mm_hash` is used
-  as the cache key as given, metadata-only items may hit, tags are ignored (there is no key to
-  check them with).
-* Keys configured, `require_signed_features` on: every item must carry a tag that verifies
-  (`tito.signing.verify_item`: HMAC over hash, placeholder, tensors, metadata and EC descriptor).
-  A verified `mm_hash` was computed by render from the media, so it keys the cache; metadata-only
-  items may hit and descriptors may be honoured.
-* Keys configured, not required: a present tag must verify (a bad tag is rejected, never
-  ignored). A verified item is trusted as above. An unsigned item's `mm_hash` is NOT trusted: if
-  it carries tensors, its cache key is a digest the engine computes itself over its tensors
-  (`tensors-<sha256>`), so it can only hit (or fill) an entry for exactly the same encoder input;
-  an unsigned item without tensors cannot claim a cache hit or use a descriptor at all
-  (FAILED_PRECONDITION `MM_TENSORS_REQUIRED`).
-
-EC descriptors are resolved only against this engine's own encoder cache for now; a descriptor
-naming another store, another model, a key other than the item's cache key, or a checksum other
-than the cached entry's is rejected (INVALID_ARGUMENT `EC_DESCRIPTOR_INVALID`) without being read.
-A cache hit pins the entry's rows into the `ValidatedItem`, so a later eviction cannot make an
-admitted request fail.
+The trust model (which `mm_hash` may key the encoder cache) is `trust.py`'s docstring; rule 6
+is `resolution.py`; the result types are `items.py`. This module re-exports them, so its
+callers import one name from one place.
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
-import struct
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
-import torch
+from tito import tensors
+from tito.errors import FailedPrecondition, FieldViolation, InvalidArgument, ResourceExhausted
+from tito.v1 import multimodal_pb2
 
-from tito import signing, tensors
-from tito.errors import FailedPrecondition, FieldViolation, InvalidArgument, ResourceExhausted, Unavailable
-from tito.v1 import multimodal_pb2, tensor_pb2
-
-from tito_engine.multimodal.encoder_cache import CacheEntry, CacheKey, EncoderCache
-from tito_engine.multimodal.encoder_store import EntryCorrupt, EntryMissing, SharedEncoderStore
-from tito_engine.multimodal.specs import TENSORS_REQUIRED, ItemLayout, ModelMultimodalSpec, tensor_path
+from tito_engine.multimodal.encoder_cache import EncoderCache
+from tito_engine.multimodal.items import (EC_DESCRIPTOR_INVALID, EC_DESCRIPTOR_STALE, EC_ENTRY_CORRUPT,  # noqa: F401
+                                          EC_ENTRY_EVICTED, EC_MODEL_MISMATCH, EC_STORE_UNAVAILABLE, MODALITY_NAMES,
+                                          SIGNATURE_INVALID, CheckedFeatures, CheckedItem, FeaturePolicy,
+                                          ValidatedFeatures, ValidatedItem)
+from tito_engine.multimodal.resolution import check_encoder_cache_enabled, resolve_cached
+from tito_engine.multimodal.specs import TENSORS_REQUIRED, ItemLayout, ModelMultimodalSpec, tensor_path  # noqa: F401
+from tito_engine.multimodal.trust import check_signature, content_digest, item_content_id  # noqa: F401
 
 _MM_HASH = re.compile(r"[0-9a-f]{16,128}")
-
-MODALITY_NAMES: dict[int, str] = {
-    multimodal_pb2.MODALITY_IMAGE: "image",
-    multimodal_pb2.MODALITY_VIDEO: "video",
-    multimodal_pb2.MODALITY_AUDIO: "audio",
-}
-
-SIGNATURE_INVALID = "MM_SIGNATURE_INVALID"
-EC_DESCRIPTOR_INVALID = "EC_DESCRIPTOR_INVALID"
-EC_DESCRIPTOR_STALE = "EC_DESCRIPTOR_STALE"
-EC_ENTRY_EVICTED = "EC_ENTRY_EVICTED"
-EC_MODEL_MISMATCH = "EC_MODEL_MISMATCH"
-EC_ENTRY_CORRUPT = "EC_ENTRY_CORRUPT"
-EC_STORE_UNAVAILABLE = "EC_STORE_UNAVAILABLE"
-
-
-# ---------------------------------------------------------------------------- policy and results
-
-
-@dataclass(frozen=True)
-class FeaturePolicy:
-    """The engine's configured limits and signing keys for media items."""
-
-    max_item_bytes: int = 64 << 20
-    max_request_bytes: int = 256 << 20
-    max_items: int = 64
-    signing_keys: Mapping[str, bytes] = field(default_factory=dict)  # auth_key_id -> key ("" = default)
-    require_signed_features: bool = False
-
-    def __post_init__(self) -> None:
-        if self.require_signed_features and not self.signing_keys:
-            raise ValueError("require_signed_features needs at least one signing key to verify tags with")
-
-    @property
-    def signing_enabled(self) -> bool:
-        return bool(self.signing_keys)
-
-
-@dataclass(frozen=True)
-class ValidatedItem:
-    """One admitted media item, ready for the runner."""
-
-    index: int  # position in mm_features.items
-    modality: str
-    mm_hash: str
-    offset: int
-    length: int
-    embed_positions: tuple[int, ...]  # absolute token indices that take encoder rows, ascending
-    num_rows: int  # == len(embed_positions)
-    grid_thw: tuple[int, int, int] | None  # M-RoPE grid (Qwen2-VL, Qwen2.5-VL), None otherwise
-    # What identifies the item's content for every cache (encoder cache, prefix cache): mm_hash
-    # when trusted, else the engine's own digest of its tensors. Key prefix-cache blocks that cover
-    # the item by this, never by a client's unverified mm_hash (the token ids of two images are equal).
-    content_id: str
-    # Where its encoder output is cached or belongs: after encoding, the runner `put`s the rows here.
-    # None: the engine keeps no cache (do not cache).
-    cache_key: CacheKey | None
-    signed: bool  # its auth_tag verified
-    # Decoded encoder inputs (e.g. pixel_values, image_grid_thw); empty when `encoder_rows` is set.
-    encoder_inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
-    # Encoder output pinned from the cache (hit or EC descriptor); None: the runner must encode.
-    encoder_rows: torch.Tensor | None = None
-    # Qwen2.5-VL videos: seconds per temporal grid step (spaces M-RoPE's time axis); None elsewhere.
-    second_per_grid_ts: float | None = None
-    # The encoder output was loaded from the shared encoder store (a descriptor, or a key hit there).
-    from_store: bool = False
-
-    @property
-    def needs_encoder(self) -> bool:
-        return self.encoder_rows is None
-
-    @property
-    def is_embed(self) -> tuple[bool, ...]:
-        positions = set(self.embed_positions)
-        return tuple(self.offset + k in positions for k in range(self.length))
-
-
-@dataclass(frozen=True)
-class ValidatedFeatures:
-    items: tuple[ValidatedItem, ...] = ()
-    total_bytes: int = 0
-
-    def __bool__(self) -> bool:
-        return bool(self.items)
-
-    @property
-    def to_encode(self) -> tuple[ValidatedItem, ...]:
-        return tuple(item for item in self.items if item.needs_encoder)
-
-
-# ---------------------------------------------------------------------------- validation
-
-
-@dataclass(frozen=True)
-class CheckedItem:
-    """Phase-1 result for one item: every rule but cache resolution (picklable: it crosses the
-    pipe from the server process to the engine core, where the encoder cache lives)."""
-
-    item: multimodal_pb2.MultiModalItem
-    path: str
-    modality: str
-    layout: ItemLayout
-    embed_positions: tuple[int, ...]
-    signed: bool
-    trusted_hash: bool
-
-
-@dataclass(frozen=True)
-class CheckedFeatures:
-    """Phase-1 result for a request: the items that passed every cache-independent rule."""
-
-    items: tuple[CheckedItem, ...] = ()
-    total_bytes: int = 0
-
-    def __bool__(self) -> bool:
-        return bool(self.items)
 
 
 def validate_structure(
@@ -231,7 +93,7 @@ def validate_structure(
         embed_positions = _check_placeholder(item, len(token_ids), previous_end, path)
         previous_end = item.placeholder.offset + item.placeholder.length
         total_bytes += _check_tensors(item, policy, total_bytes, path)
-        signed = _check_signature(item, policy, path)
+        signed = check_signature(item, policy, path)
         modality_spec = spec.modalities[modality]
         modality_spec.check_names(item, path)
         layout = modality_spec.layout(item, path)
@@ -244,17 +106,6 @@ def validate_structure(
     if spec is not None:
         _check_unclaimed_placeholders(token_ids, spec, checked)
     return CheckedFeatures(tuple(checked), total_bytes)
-
-
-def resolve_cached(checked: CheckedFeatures, cache: EncoderCache | None,
-                   store: SharedEncoderStore | None = None) -> ValidatedFeatures:
-    """Phase 2 (rule 6), where the encoder cache lives (the engine core): cache hits, EC
-    descriptors (this engine's own, or the shared `store`'s), MM_TENSORS_REQUIRED; decodes the
-    encoder inputs of the items still to encode. An output loaded from `store` goes into `cache`."""
-    if store is not None and cache is None:
-        raise ValueError("a shared encoder store needs an encoder cache to load into")
-    return ValidatedFeatures(tuple(_resolve(c, index, cache, store) for index, c in enumerate(checked.items)),
-                             checked.total_bytes)
 
 
 def validate_mm_features(
@@ -299,7 +150,7 @@ def validate_encode_structure(
             raise FailedPrecondition(f"{path}.kwargs is empty: Encode needs the encoder inputs; render the item "
                                      f"with mm_payload TENSORS", reason=TENSORS_REQUIRED, field=f"{path}.kwargs")
         total_bytes += _check_tensors(item, policy, total_bytes, path)
-        signed = _check_signature(item, policy, path)
+        signed = check_signature(item, policy, path)
         modality_spec = spec.modalities[modality]
         modality_spec.check_names(item, path)
         layout = modality_spec.layout(item, path)
@@ -307,13 +158,6 @@ def validate_encode_structure(
         checked.append(CheckedItem(item, path, modality, layout, (), signed,
                                    trusted_hash=signed or not policy.signing_enabled))
     return CheckedFeatures(tuple(checked), total_bytes)
-
-
-def check_encoder_cache_enabled(cache: EncoderCache | None) -> EncoderCache:
-    if cache is None:
-        raise FailedPrecondition("this engine keeps no encoder cache, so Encode has nowhere to store outputs",
-                                 reason="ENCODER_CACHE_DISABLED")
-    return cache
 
 
 def validate_encode_request(
@@ -404,32 +248,6 @@ def _check_tensors(item, policy: FeaturePolicy, bytes_so_far: int, path: str) ->
     return item_bytes
 
 
-def _check_signature(item, policy: FeaturePolicy, path: str) -> bool:
-    """True when the item's tag verified. Without keys, tags cannot be checked and are ignored."""
-    if not policy.signing_enabled:
-        return False
-    field_path = f"{path}.auth_tag"
-    if not item.auth_tag:
-        if policy.require_signed_features:
-            raise InvalidArgument(f"{field_path} is empty, but this engine requires signed features: send the "
-                                  f"request as render (configured with the shared key) produced it",
-                                  reason=SIGNATURE_INVALID, field=field_path)
-        return False
-    if item.auth_key_id not in policy.signing_keys:
-        raise InvalidArgument(f"{field_path}: the tag names key id {item.auth_key_id!r}, which this engine does "
-                              f"not have", reason=SIGNATURE_INVALID, field=field_path)
-    if not signing.verify_item(item, policy.signing_keys):
-        raise InvalidArgument(f"{field_path} does not verify: the item was changed after render signed it, or "
-                              f"was signed with another key (an EC descriptor added after render signed the item "
-                              f"must carry the encoding engine's own auth_tag)", reason=SIGNATURE_INVALID,
-                              field=field_path)
-    if item.HasField("ec_descriptor") and item.ec_descriptor.auth_tag \
-            and not signing.verify_descriptor(item.ec_descriptor, policy.signing_keys):
-        raise _forged(path, "auth_tag", "the descriptor's tag does not verify: it was changed after the encoding "
-                                        "engine signed it, or signed with a key this engine does not have")
-    return True
-
-
 def _check_embed_layout(item, modality_spec, layout: ItemLayout, embed_positions: tuple[int, ...], path: str) -> None:
     field_path = f"{path}.placeholder.is_embed" if item.placeholder.is_embed else f"{path}.placeholder.length"
     if len(embed_positions) != layout.num_rows:
@@ -474,189 +292,3 @@ def _check_unclaimed_placeholders(token_ids: Sequence[int], spec: ModelMultimoda
                 f"token_ids[{position}] is the {placeholder_ids[token_id]} placeholder token {token_id} but no "
                 f"mm_features item claims that position; the token ids and the features disagree",
                 reason="MM_PLACEHOLDER_UNCLAIMED", field=f"token_ids[{position}]")
-
-
-def content_digest(item: multimodal_pb2.MultiModalItem) -> str:
-    """`tensors-<sha256>` over the item's modality and tensors: a cache key the engine computes itself."""
-    digest = hashlib.sha256(b"tito.engine.encoder-input\x00")
-    digest.update(struct.pack("<I", item.modality))
-    for group in ("kwargs", "metadata"):
-        tensors_by_name = getattr(item, group)
-        digest.update(group.encode() + struct.pack("<Q", len(tensors_by_name)))
-        for name in sorted(tensors_by_name):
-            tensor = tensors_by_name[name]
-            digest.update(struct.pack("<Q", len(name)) + name.encode())
-            digest.update(struct.pack("<IQ", tensor.dtype, len(tensor.shape)))
-            digest.update(struct.pack(f"<{len(tensor.shape)}q", *tensor.shape))
-            digest.update(struct.pack("<Q", len(tensor.data)) + tensor.data)
-    return f"tensors-{digest.hexdigest()}"
-
-
-def _content_id(c: CheckedItem) -> str | None:
-    """The identity of the item's content the engine may rely on (see "Trust model")."""
-    if c.trusted_hash:
-        return c.item.mm_hash
-    if c.item.kwargs:
-        return content_digest(c.item)
-    return None
-
-
-def _resolve(c: CheckedItem, index: int, cache: EncoderCache | None,
-             store: SharedEncoderStore | None = None) -> ValidatedItem:
-    item, path = c.item, c.path
-    content_id = _content_id(c)
-    key = cache.key_for(content_id) if cache is not None and content_id is not None else None
-    entry: CacheEntry | None = None
-    from_store = False
-    if item.HasField("ec_descriptor"):
-        if store is not None and item.ec_descriptor.store_id == store.store_id:
-            entry, from_store = _resolve_shared_descriptor(c, key, cache, store)
-        else:
-            entry = _resolve_descriptor(c, key, cache, store)
-    elif key is not None:
-        entry = cache.get(key)
-        if entry is None and store is not None:  # another engine may have encoded it: the shared store
-            entry = _load_from_store(c, key, cache, store, quiet=True)
-            from_store = entry is not None
-    if entry is None and not item.kwargs:
-        if not c.trusted_hash:
-            why = ("it is unsigned, and this engine only lets signed items (or items with tensors) use its "
-                   "encoder cache")
-        elif item.HasField("ec_descriptor"):
-            why = "its EC descriptor's entry is no longer in this engine's encoder cache"
-        else:
-            why = "its encoder output is not in this engine's encoder cache" + (
-                " nor in the shared encoder store" if store is not None else "")
-        raise FailedPrecondition(f"{path} has no kwargs (tensors) and {why}; re-render the request with "
-                                 f"mm_payload TENSORS", reason=TENSORS_REQUIRED, field=f"{path}.kwargs")
-    if entry is not None and (entry.rows.ndim != 2 or entry.rows.shape[0] != c.layout.num_rows):
-        raise InvalidArgument(f"{path}: the cached encoder output for this item has shape {list(entry.shape)}, "
-                              f"but its metadata says {c.layout.num_rows} rows; the hash and metadata disagree",
-                              reason="MM_METADATA_MISMATCH", field=f"{path}.metadata")
-    encoder_inputs: dict[str, torch.Tensor] = {}
-    if entry is None:
-        for name, tensor in item.kwargs.items():
-            encoder_inputs[name] = tensors.to_torch(tensor, tensor_path(path, "kwargs", name))
-    return ValidatedItem(
-        index=index, modality=c.modality, mm_hash=item.mm_hash, offset=item.placeholder.offset,
-        length=item.placeholder.length, embed_positions=c.embed_positions, num_rows=c.layout.num_rows,
-        grid_thw=c.layout.grid_thw, second_per_grid_ts=c.layout.second_per_grid_ts, content_id=content_id,
-        cache_key=key, signed=c.signed,
-        encoder_inputs=encoder_inputs,
-        encoder_rows=entry.rows if entry is not None else None, from_store=from_store)
-
-
-def _forged(path: str, part: str, message: str) -> InvalidArgument:
-    field_path = f"{path}.ec_descriptor.{part}"
-    return InvalidArgument(f"{field_path}: {message}; the descriptor was not used", reason=EC_DESCRIPTOR_INVALID,
-                           field=field_path)
-
-
-def _resolve_descriptor(c: CheckedItem, key: CacheKey | None, cache: EncoderCache | None,
-                        store: SharedEncoderStore | None = None) -> CacheEntry | None:
-    """The cached entry a descriptor names, after checking every claim it makes (never trusting it)."""
-    ec, path = c.item.ec_descriptor, c.path
-    if cache is None or ec.store_id != cache.store_id:
-        ours = repr(cache.store_id) if cache is not None else "none (this engine keeps no encoder cache)"
-        shared = (f" or the shared encoder store ({store.store_id!r})" if store is not None else
-                  "; a descriptor of a shared store (ecdir-...) needs --encoder-store-dir on the same directory "
-                  "as the engine that answered Encode")
-        raise _forged(path, "store_id", f"store {ec.store_id!r} is not this engine's encoder cache ({ours}){shared}")
-    if ec.uri != cache.uri:
-        raise _forged(path, "uri", f"uri {ec.uri!r} does not match this engine's store ({cache.uri!r})")
-    if ec.model_fingerprint != cache.model_fingerprint:
-        raise _forged(path, "model_fingerprint", f"output of model {ec.model_fingerprint!r} cannot be used by "
-                                                 f"model {cache.model_fingerprint!r}")
-    if key is None:
-        return None  # an untrusted metadata-only item: the caller reports MM_TENSORS_REQUIRED
-    if ec.key != key.text:
-        raise _forged(path, "key", f"key {ec.key!r} is not this item's cache key {key.text!r} (it must name the "
-                                   f"item's own content)")
-    entry = cache.get(key)
-    if entry is None:
-        return None  # evicted since: honest, not forged; fall back to the kwargs if any
-    if ec.checksum != entry.checksum:
-        raise _forged(path, "checksum", "checksum does not match the cached entry's")
-    if ec.dtype != entry.dtype or tuple(ec.shape) != entry.shape or ec.byte_size != entry.byte_size:
-        raise _forged(path, "shape", f"dtype/shape/byte_size ({ec.dtype}, "
-                                     f"{list(ec.shape)}, {ec.byte_size}) do not match the cached entry's")
-    return entry
-
-
-def _resolve_shared_descriptor(c: CheckedItem, key: CacheKey | None, cache: EncoderCache,
-                               store: SharedEncoderStore) -> tuple[CacheEntry | None, bool]:
-    """(entry, loaded from the store) for a descriptor of the shared encoder store, after checking
-    every claim it makes against the store's own file: forged (EC_DESCRIPTOR_INVALID), another
-    model (EC_MODEL_MISMATCH), stale (EC_DESCRIPTOR_STALE), evicted (EC_ENTRY_EVICTED) or
-    tampered on disk (EC_ENTRY_CORRUPT). An item that still carries kwargs is encoded instead of
-    refused when the store cannot serve it (evicted, stale, corrupt)."""
-    ec, path = c.item.ec_descriptor, c.path
-    if ec.uri != store.uri:
-        raise _forged(path, "uri", f"uri {ec.uri!r} does not match the shared encoder store's ({store.uri!r})")
-    if ec.model_fingerprint != store.model_fingerprint:
-        field_path = f"{path}.ec_descriptor.model_fingerprint"
-        raise InvalidArgument(f"{field_path}: the descriptor holds the encoder output of model "
-                              f"{ec.model_fingerprint!r}, and this engine serves {store.model_fingerprint!r}; call "
-                              f"Encode on an engine of this model", reason=EC_MODEL_MISMATCH, field=field_path)
-    if key is None:
-        return None, False  # an untrusted metadata-only item: the caller reports MM_TENSORS_REQUIRED
-    if ec.key != key.text:
-        raise _forged(path, "key", f"key {ec.key!r} is not this item's cache key {key.text!r} (it must name the "
-                                   f"item's own content)")
-    entry = cache.get(key)
-    if entry is not None and entry.checksum == ec.checksum:
-        _check_descriptor_fields(ec, entry, path)
-        return entry, False
-    entry = _load_from_store(c, key, cache, store, quiet=False, expected=ec)
-    return entry, entry is not None
-
-
-def _check_descriptor_fields(ec, entry: CacheEntry, path: str) -> None:
-    if ec.dtype != entry.dtype or tuple(ec.shape) != entry.shape or ec.byte_size != entry.byte_size:
-        raise _forged(path, "shape", f"dtype/shape/byte_size ({ec.dtype}, {list(ec.shape)}, {ec.byte_size}) do "
-                                     f"not match the stored entry's")
-
-
-def _load_from_store(c: CheckedItem, key: CacheKey, cache: EncoderCache, store: SharedEncoderStore, *,
-                     quiet: bool, expected=None) -> CacheEntry | None:
-    """The store's entry for `key`, loaded into `cache`. `quiet` (a lookup by key, no descriptor):
-    None when the store cannot serve it. With a descriptor (`expected`): its refusal, unless the
-    item carries kwargs to encode instead (None then)."""
-    path = c.path
-    field_path = f"{path}.ec_descriptor"
-    fallback = quiet or bool(c.item.kwargs)
-    try:
-        header, data = store.get(key.text)
-    except EntryMissing:
-        if fallback:
-            return None
-        raise FailedPrecondition(f"{field_path}: the shared encoder store no longer holds this entry (evicted, or "
-                                 f"never written there); call Encode again, or resend the item with mm_payload "
-                                 f"TENSORS", reason=EC_ENTRY_EVICTED, field=field_path) from None
-    except EntryCorrupt as exc:
-        if fallback:
-            return None
-        raise FailedPrecondition(f"{field_path}: {exc}; call Encode again, or resend the item with mm_payload "
-                                 f"TENSORS", reason=EC_ENTRY_CORRUPT, field=field_path) from None
-    except OSError as exc:
-        raise Unavailable(f"the shared encoder store cannot be read ({exc.strerror or exc}); resend the item with "
-                          f"mm_payload TENSORS or retry on another replica", reason=EC_STORE_UNAVAILABLE) from None
-    if expected is not None:
-        if header.checksum != expected.checksum:
-            if fallback:
-                return None
-            raise FailedPrecondition(f"{field_path}.checksum: the shared encoder store's entry for this key is not "
-                                     f"the one the descriptor describes (re-encoded or rewritten since it was "
-                                     f"issued); call Encode again", reason=EC_DESCRIPTOR_STALE,
-                                     field=f"{field_path}.checksum")
-        if expected.dtype != header.dtype or tuple(expected.shape) != header.shape \
-                or expected.byte_size != header.byte_size:
-            raise _forged(path, "shape", f"dtype/shape/byte_size ({expected.dtype}, {list(expected.shape)}, "
-                                         f"{expected.byte_size}) do not match the stored entry's")
-    if len(header.shape) != 2 or header.shape[0] != c.layout.num_rows:
-        raise InvalidArgument(f"{path}: the stored encoder output for this item has shape {list(header.shape)}, "
-                              f"but its metadata says {c.layout.num_rows} rows; the hash and metadata disagree",
-                              reason="MM_METADATA_MISMATCH", field=f"{path}.metadata")
-    rows = tensors.to_torch(tensor_pb2.Tensor(dtype=header.dtype, shape=list(header.shape), data=data),
-                            field_path).clone()
-    return cache.put_verified(key, rows, checksum=header.checksum, dtype=header.dtype, byte_size=header.byte_size)

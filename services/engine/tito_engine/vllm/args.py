@@ -166,6 +166,34 @@ def vllm_kv_budget(config: Any, model_dir: str, dtype: str) -> KVBudget:
                      where=f"after loading the model ({weights / 2**30:.2f} GiB of weights)")
 
 
+def check_can_start(vllm_config: Any, model_dir: str, *, kv_flag_given: bool) -> None:
+    """What vLLM's CPU worker would refuse only after loading the model in its own process (or the
+    machine could not hold), refused now as one line naming the tito flag that fixes it."""
+    cache = vllm_config.cache_config
+    if not _on_cpu() or cache.kv_cache_memory_bytes is None:  # GPUs, or vLLM's own sizing: vLLM's checks
+        return
+    kv = int(cache.kv_cache_memory_bytes)
+    model_config = vllm_config.model_config
+    dtype = str(model_config.dtype).removeprefix("torch.")
+    per_token = kv_bytes_per_token(model_dir, dtype)
+    block = int(cache.block_size or 1)
+    context = int(model_config.max_model_len)
+    needed = -(-context // block) * block * per_token
+    flag = "--kv-cache-bytes" if kv_flag_given else "--kv-cache-bytes (or --kv-memory-fraction)"
+    if kv < needed:
+        raise ConfigError(f"the KV cache ({kv:,} bytes = {kv // per_token:,} tokens) cannot hold one request of the "
+                          f"full context ({context:,} tokens = {needed:,} bytes), which vLLM requires; raise {flag} "
+                          f"to at least {needed}, or lower --max-model-len to {kv // per_token // block * block}")
+    if kv_flag_given:
+        stored = str(_text_config(model_dir).get("dtype") or _text_config(model_dir).get("torch_dtype") or "float32")
+        weights = weight_bytes(model_dir, dtype, stored)
+        free = available_host_memory()
+        if kv + weights > free:
+            raise ConfigError(f"--kv-cache-bytes {kv} ({kv / 2**30:.2f} GiB) does not fit in memory: {free / 2**30:.2f} "
+                              f"GiB free, {weights / 2**30:.2f} GiB of it for the model's weights; lower "
+                              f"--kv-cache-bytes, or leave it out to size the cache from the free memory")
+
+
 def build_engine_args(config: Any, model_dir: str) -> Any:
     """vLLM's AsyncEngineArgs for an EngineConfig (backend vllm) serving `model_dir`."""
     engine_args_cls, namespace, given = _parse(config.vllm_args)

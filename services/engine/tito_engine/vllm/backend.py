@@ -29,6 +29,7 @@ from tito_engine.service.backend import LoadSnapshot, check_can_accept
 from tito_engine.multimodal.features import CheckedFeatures
 from tito_engine.model_info import describe_model
 from tito_engine.request import ChoiceOutput
+from tito_engine.vllm.args import check_can_start
 from tito_engine.vllm.inputs import MediaConverter, OutputConverter, engine_input, sampling_params
 
 log = logging.getLogger(__name__)
@@ -72,11 +73,19 @@ def _first_reason(exc: Exception) -> str:
     errors = getattr(exc, "errors", None)
     if callable(errors):
         try:
-            return str(errors()[0]["msg"])
+            return _short(str(errors()[0]["msg"]).removeprefix("Value error, "))
         except Exception:  # noqa: BLE001 - not pydantic's after all
             pass
     lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    return _short(f"{type(exc).__name__}: {lines[0] if lines else ''}")
+
+
+def _short(reason: str, limit: int = 300) -> str:
+    """A reason fit for one line: vLLM appends long lists (every architecture it supports) to some."""
+    if len(reason) <= limit:
+        return reason
+    cut = reason.find(". ", 0, limit)
+    return reason[:cut + 1] if cut > 0 else reason[:limit] + "..."
 
 
 def _device_name(vllm_config: Any) -> str:
@@ -93,18 +102,29 @@ class VllmEngine:
     where AsyncLLM starts its output handler."""
 
     def __init__(self, engine_args: Any, model_dir: Path, *, model_id: str, max_waiting_requests: int = 1024,
-                 kv_event_buffer: int = 10_000):
+                 kv_event_buffer: int = 10_000, kv_flag_given: bool = True):
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.executor import Executor
 
         self.kv_events = KvEventLog(kv_event_buffer)
         self._kv_relay = None
 
         self._stats = _SchedulerStats()
+        # vLLM's config first, in this process: a model or setting vLLM refuses is one line here,
+        # before any engine process starts; then what vLLM's workers would refuse after loading.
         try:
-            self._llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=[self._stats.factory()])
+            vllm_config = engine_args.create_engine_config()
+        except Exception as exc:  # noqa: BLE001 - pydantic, ValueError, OSError: vLLM's config checks
+            raise ConfigError(f"vLLM cannot serve --model {model_id}: {_first_reason(exc)}") from exc
+        check_can_start(vllm_config, str(model_dir), kv_flag_given=kv_flag_given)
+        try:
+            self._llm = AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
+                                 log_requests=engine_args.enable_log_requests,
+                                 log_stats=not engine_args.disable_log_stats,
+                                 stat_loggers=[self._stats.factory()])
         except Exception as exc:  # noqa: BLE001 - vLLM reports a model it cannot serve in many ways
-            raise ConfigError(f"vLLM could not start on --model {model_id}: {_first_reason(exc)} (vLLM's log "
-                              f"above has the details)") from exc
+            raise ConfigError(f"vLLM's engine core could not start on --model {model_id} ({_first_reason(exc)}; "
+                              f"its log above says why)") from exc
         # What vLLM's own engine processes do once started: read its environment variables once,
         # not at every lookup (its per-token statistics consult several of them).
         from vllm.envs import enable_envs_cache

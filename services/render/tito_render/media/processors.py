@@ -399,7 +399,10 @@ def load_media_adapter(model_dir: Path, tokenizer: Any) -> MediaAdapter | None:
         return None
     from transformers import AutoImageProcessor
 
-    image_processor = AutoImageProcessor.from_pretrained(str(model_dir))
+    # The PIL backend, also where torchvision is installed (transformers would then pick its
+    # torchvision backend, whose resize gives other pixels): render's tensors stay the same on every
+    # install, and its video path (video.py) reuses this processor's PIL steps.
+    image_processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
     model_config = _read_json(model_dir / "config.json")
     model_type = model_config.get("model_type")
     if adapter_class is Qwen2VLAdapter:

@@ -1,0 +1,323 @@
+"""The HTTP layer: OpenAI's endpoints over the three services (Starlette; served by uvicorn).
+
+Thin: each handler checks the caller (bearer token, body size, concurrency), parses the body into
+render's request (openai_in), runs it through `AsyncChatPipeline` (upstream) and writes the
+chunks in OpenAI's shapes (openai_out). Every error goes through `errors.from_exception`, the one
+mapping. A streamed request reports an error found before its first chunk as an HTTP status, and
+one found later as an SSE `data: {"error": ...}` event before `[DONE]`. A client that goes away
+cancels its request: the pipeline cancels the engine stream, which frees the engine's slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tito.errors import InvalidArgument, NotFound, ResourceExhausted, TitoError, Unauthenticated
+from tito.logs import bind_request_id
+from tito.v1 import render_pb2
+from tito_gateway import openai_in, openai_out
+from tito_gateway.errors import HttpError, from_exception
+from tito_gateway.observe import CONTENT_TYPE, GatewayMetrics
+from tito_gateway.upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+REQUEST_BODY_TOO_LARGE = "REQUEST_BODY_TOO_LARGE"
+TOO_MANY_REQUESTS = "TOO_MANY_REQUESTS"
+UNKNOWN_ENDPOINT = "UNKNOWN_ENDPOINT"
+OPEN_PATHS = ("/health", "/metrics")
+
+
+def dumps(value) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def error_response(error: HttpError, headers: dict[str, str] | None = None) -> Response:
+    return Response(dumps(error.json()), status_code=error.status, media_type="application/json", headers=headers)
+
+
+class Gateway:
+    """The gateway's state: the upstream pipeline, limits, the served model, metrics."""
+
+    def __init__(self, upstream: Upstream, *, served_model_name: str = "", token: str = "",
+                 auth_exempt_health: bool = True, max_body_bytes: int = 32 * 1024 * 1024,
+                 max_concurrent_requests: int = 1024, body_timeout: float = 30.0):
+        self.upstream = upstream
+        self._model = served_model_name
+        self._model_info: render_pb2.RenderServiceGetModelInfoResponse | None = None
+        self._expected = f"Bearer {token}".encode() if token else None
+        self.auth_exempt_health = auth_exempt_health
+        self.max_body_bytes = max_body_bytes
+        self.max_concurrent_requests = max_concurrent_requests
+        self.body_timeout = body_timeout
+        self.active = 0
+        self.metrics = GatewayMetrics()
+        self.created = int(time.time())
+
+    # -- the caller ------------------------------------------------------------------------------
+
+    def authorize(self, request: Request) -> None:
+        if self._expected is None or (self.auth_exempt_health and request.url.path in OPEN_PATHS):
+            return
+        supplied = request.headers.get("authorization")
+        if supplied is None:
+            raise Unauthenticated("this gateway requires `Authorization: Bearer <token>`", reason="AUTH_TOKEN_MISSING")
+        if not hmac.compare_digest(supplied.encode("latin-1", "replace"), self._expected):
+            raise Unauthenticated("the bearer token is not this gateway's", reason="AUTH_TOKEN_INVALID")
+
+    async def read_body(self, request: Request) -> bytes:
+        """The body, at most max_body_bytes (413 before reading when Content-Length says more), read
+        within body_timeout (a client that trickles its body is cut off)."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self._too_large()
+        parts, size = [], 0
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                async for part in request.stream():
+                    size += len(part)
+                    if size > self.max_body_bytes:
+                        raise self._too_large()
+                    parts.append(part)
+        except TimeoutError:
+            raise InvalidArgument(f"the request body did not arrive within {self.body_timeout:g}s",
+                                  reason="MALFORMED_REQUEST") from None
+        return b"".join(parts)
+
+    def _too_large(self) -> ResourceExhausted:
+        return ResourceExhausted(f"the request body is larger than this gateway accepts ({self.max_body_bytes} "
+                                 f"bytes)", reason=REQUEST_BODY_TOO_LARGE)
+
+    @staticmethod
+    def request_id(request: Request) -> str:
+        given = request.headers.get(REQUEST_ID_HEADER)
+        if given is None:
+            return uuid.uuid4().hex
+        if not REQUEST_ID.match(given):
+            raise InvalidArgument(f"{REQUEST_ID_HEADER}: 1 to 128 characters of letters, digits and ._:-",
+                                  reason="INVALID_REQUEST", field=REQUEST_ID_HEADER)
+        return given
+
+    async def served_model(self) -> str:
+        if not self._model:
+            info = await self.model_info()
+            self._model = info.model_id
+        return self._model
+
+    async def model_info(self) -> render_pb2.RenderServiceGetModelInfoResponse:
+        if self._model_info is None:
+            pipeline = self.upstream.pipeline
+            self._model_info = await pipeline.render.GetModelInfo(render_pb2.RenderServiceGetModelInfoRequest(),
+                                                                  timeout=10.0, metadata=pipeline._metadata)
+        return self._model_info
+
+    # -- endpoints --------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._completion(request, "chat", openai_in.parse_chat, "chatcmpl-",
+                                      lambda pipeline: pipeline.stream_chat)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._completion(request, "completions", openai_in.parse_completion, "cmpl-",
+                                      lambda pipeline: pipeline.stream_completion)
+
+    async def _completion(self, request: Request, endpoint: str, parse: Callable, prefix: str,
+                          method: Callable) -> Response:
+        started = time.monotonic()
+        headers: dict[str, str] = {}
+        admitted = False
+        try:
+            self.authorize(request)
+            rid = self.request_id(request)
+            headers[REQUEST_ID_HEADER] = rid
+            bind_request_id(rid)
+            if self.active >= self.max_concurrent_requests:
+                raise ResourceExhausted(f"the gateway is serving as many requests as it allows "
+                                        f"({self.max_concurrent_requests}); retry shortly", reason=TOO_MANY_REQUESTS)
+            self.active += 1
+            self.metrics.in_flight.inc()
+            admitted = True
+            call = parse(openai_in.parse_body(await self.read_body(request)), await self.served_model())
+            call.request.request_id = rid
+            response_id = prefix + rid
+            if call.stream.stream:
+                response = await self._stream(request, endpoint, call, response_id, method, started, headers)
+                admitted = False  # the stream releases its slot when it ends
+                return response
+            return await self._whole(request, endpoint, call, response_id, method, started, headers)
+        except ClientDisconnect:  # gone while sending its body
+            self.metrics.requests.labels(endpoint, "499").inc()
+            return Response(status_code=499)
+        except (TitoError, Exception) as exc:  # the one mapping (errors.from_exception)
+            error = from_exception(exc)
+            self.metrics.requests.labels(endpoint, str(error.status)).inc()
+            return error_response(error, headers)
+        finally:
+            if admitted:
+                self._release()
+
+    def _release(self) -> None:
+        self.active -= 1
+        self.metrics.in_flight.dec()
+
+    async def _whole(self, request: Request, endpoint: str, call, response_id: str, method, started: float,
+                     headers: dict[str, str]) -> Response:
+        assembled = openai_out.Assembled()
+
+        async def collect() -> None:
+            async for chunk in method(self.upstream.pipeline)(call.request):
+                assembled.add(chunk)
+
+        work = asyncio.ensure_future(collect())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():  # the client went away: cancelling the work cancels the engine stream
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            self.metrics.requests.labels(endpoint, "499").inc()
+            return Response(status_code=499)
+        work.result()  # raises the pipeline's error, if any
+        if endpoint == "chat":
+            body = openai_out.chat_completion(response_id, call.model, assembled, call.logprobs)
+        else:
+            body = openai_out.text_completion(response_id, call.model, assembled, call.logprobs is not None)
+        self._count_finished(endpoint, "200", started, assembled.usage.usage)
+        return Response(dumps(body), media_type="application/json", headers=headers)
+
+    async def _stream(self, request: Request, endpoint: str, call, response_id: str, method, started: float,
+                      headers: dict[str, str]) -> Response:
+        if endpoint == "chat":
+            shape = openai_out.ChatStream(response_id, call.model, call.stream.include_usage, call.logprobs)
+        else:
+            shape = openai_out.CompletionStream(response_id, call.model, call.stream.include_usage,
+                                                call.logprobs is not None)
+        chunks = method(self.upstream.pipeline)(call.request)
+        try:
+            first = await anext(chunks)  # errors before the first chunk are HTTP statuses
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await chunks.aclose()
+            raise
+        self.metrics.ttft.labels(endpoint).observe(time.monotonic() - started)
+        return StreamingResponse(self._events(endpoint, shape, first, chunks, started),
+                                 media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
+
+    async def _events(self, endpoint: str, shape, first, chunks: AsyncIterator, started: float
+                      ) -> AsyncIterator[bytes]:
+        status = "200"
+        try:
+            if first is not None:
+                event = shape.chunk(first)
+                if event is not None:
+                    yield b"data: " + dumps(event) + b"\n\n"
+                async for chunk in chunks:
+                    event = shape.chunk(chunk)
+                    if event is not None:
+                        yield b"data: " + dumps(event) + b"\n\n"
+            final = shape.final()
+            if final is not None:
+                yield b"data: " + dumps(final) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "499"  # the client went away; closing `chunks` cancels the engine stream
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported in the stream, then the stream ends
+            error = from_exception(exc)
+            status = str(error.status)
+            yield b"data: " + dumps(error.json()) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            try:
+                await chunks.aclose()
+            except BaseException:  # noqa: BLE001 - already cancelled or failed; nothing left to free
+                pass
+            self._release()
+            self._count_finished(endpoint, status, started, shape.usage.usage if status == "200" else None)
+
+    def _count_finished(self, endpoint: str, status: str, started: float, usage) -> None:
+        self.metrics.requests.labels(endpoint, status).inc()
+        self.metrics.duration.labels(endpoint).observe(time.monotonic() - started)
+        if usage is not None:
+            self.metrics.prompt_tokens.inc(usage.prompt_tokens)
+            self.metrics.completion_tokens.inc(usage.completion_tokens)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self.authorize(request)
+            name = await self.served_model()
+            info = await self.model_info()
+        except (TitoError, Exception) as exc:
+            return error_response(from_exception(exc))
+        return JSONResponse({"object": "list", "data": [{
+            "id": name, "object": "model", "created": self.created, "owned_by": "tito",
+            "max_model_len": info.max_context_length}]})
+
+    async def health(self, request: Request) -> Response:
+        try:
+            self.authorize(request)
+        except TitoError as exc:
+            return error_response(from_exception(exc))
+        states = await self.upstream.health()
+        serving = all(state == "SERVING" for state in states.values())
+        return JSONResponse({"status": "ok" if serving else "unavailable", "services": states},
+                            status_code=200 if serving else 503)
+
+    async def prometheus(self, request: Request) -> Response:
+        try:
+            self.authorize(request)
+        except TitoError as exc:
+            return error_response(from_exception(exc))
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    # -- the application --------------------------------------------------------------------------
+
+    def asgi(self) -> Starlette:
+        async def http_error(request: Request, exc: HTTPException) -> Response:
+            if exc.status_code in (404, 405):
+                error = from_exception(NotFound(f"no endpoint {request.method} {request.url.path[:128]} "
+                                                f"(POST /v1/chat/completions, POST /v1/completions, "
+                                                f"GET /v1/models, GET /health, GET /metrics)",
+                                                reason=UNKNOWN_ENDPOINT))
+                error = HttpError(exc.status_code, error.message, error.code)
+            else:
+                error = HttpError(exc.status_code, str(exc.detail), "INVALID_REQUEST")
+            return error_response(error)
+
+        async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+            return Response(status_code=499)
+
+        routes = [
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+        ]
+        return Starlette(routes=routes, exception_handlers={HTTPException: http_error, ClientDisconnect: client_gone})
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away (the body has been read by then)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,224 @@
+"""Derender's ChatChunks -> OpenAI's response shapes (whole and streamed, chat and completions).
+
+Domain code: no HTTP here. Field names, chunk shapes, finish reasons and usage follow OpenAI's API
+reference; reasoning goes in the message/delta field `reasoning`, as vLLM 0.32 returns it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tito.v1 import derender_pb2, engine_pb2
+
+FINISH_REASONS = {
+    engine_pb2.FINISH_REASON_STOP: "stop",
+    engine_pb2.FINISH_REASON_LENGTH: "length",
+    engine_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
+    engine_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+def finish_reason(chunk: derender_pb2.ChatChunk) -> str | None:
+    return FINISH_REASONS.get(chunk.finish_reason)
+
+
+def usage_json(usage: engine_pb2.Usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def _top(alternative) -> dict:
+    return {"token": alternative.token, "logprob": alternative.logprob, "bytes": list(alternative.bytes)}
+
+
+def chat_logprobs(entries) -> list[dict]:
+    return [{**_top(entry), "top_logprobs": [_top(alt) for alt in entry.top_logprobs]} for entry in entries]
+
+
+def tool_call_delta(call: derender_pb2.ToolCallDelta) -> dict:
+    delta: dict = {"index": call.index}
+    if call.id:
+        delta["id"] = call.id
+    if call.type:
+        delta["type"] = call.type
+    function: dict = {}
+    if call.name:
+        function["name"] = call.name
+    if call.arguments or call.name:
+        function["arguments"] = call.arguments
+    delta["function"] = function
+    return delta
+
+
+class UsageTracker:
+    """The request's usage: derender's final chunks carry the total of the choices finished so far,
+    so the last one is the request's."""
+
+    def __init__(self) -> None:
+        self.usage = engine_pb2.Usage()
+        self.finished = 0
+
+    def add(self, chunk: derender_pb2.ChatChunk) -> None:
+        if chunk.finish_reason:
+            self.finished += 1
+            if chunk.HasField("usage"):
+                self.usage.CopyFrom(chunk.usage)
+
+
+@dataclass
+class Choice:
+    """One choice's output, assembled from its chunks."""
+
+    index: int
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict] = field(default_factory=dict)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, chunk: derender_pb2.ChatChunk) -> None:
+        if chunk.content:
+            self.content.append(chunk.content)
+        if chunk.reasoning_content:
+            self.reasoning.append(chunk.reasoning_content)
+        for call in chunk.tool_calls:
+            entry = self.tool_calls.setdefault(call.index, {"id": "", "type": "function",
+                                                            "function": {"name": "", "arguments": ""}})
+            if call.id:
+                entry["id"] = call.id
+            if call.name:
+                entry["function"]["name"] += call.name
+            entry["function"]["arguments"] += call.arguments
+        self.logprobs.extend(chunk.logprobs)
+        if chunk.finish_reason:
+            self.finish_reason = finish_reason(chunk)
+
+
+class Assembled:
+    """A whole response collected from the stream of chunks (all choices)."""
+
+    def __init__(self) -> None:
+        self.choices: dict[int, Choice] = {}
+        self.usage = UsageTracker()
+
+    def add(self, chunk: derender_pb2.ChatChunk) -> None:
+        self.choices.setdefault(chunk.index, Choice(chunk.index)).add(chunk)
+        self.usage.add(chunk)
+
+    def sorted(self) -> list[Choice]:
+        return [self.choices[index] for index in sorted(self.choices)]
+
+
+def chat_completion(response_id: str, model: str, assembled: Assembled, logprobs: bool,
+                    created: int | None = None) -> dict:
+    choices = []
+    for choice in assembled.sorted():
+        content = "".join(choice.content)
+        message: dict = {"role": "assistant", "content": content if content or not choice.tool_calls else None}
+        if choice.reasoning:
+            message["reasoning"] = "".join(choice.reasoning)
+        if choice.tool_calls:
+            message["tool_calls"] = [choice.tool_calls[i] for i in sorted(choice.tool_calls)]
+        choices.append({"index": choice.index, "message": message,
+                        "logprobs": {"content": chat_logprobs(choice.logprobs)} if logprobs else None,
+                        "finish_reason": choice.finish_reason})
+    return {"id": response_id, "object": "chat.completion", "created": created or int(time.time()), "model": model,
+            "choices": choices, "usage": usage_json(assembled.usage.usage)}
+
+
+class ChatStream:
+    """Chat completion chunks (`chat.completion.chunk`) for one streamed request."""
+
+    def __init__(self, response_id: str, model: str, include_usage: bool, logprobs: bool):
+        self.head = {"id": response_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                     "model": model}
+        self.include_usage = include_usage
+        self.logprobs = logprobs
+        self.usage = UsageTracker()
+
+    def chunk(self, chunk: derender_pb2.ChatChunk) -> dict | None:
+        """The OpenAI chunk for one derender chunk (None when it carries nothing to say)."""
+        self.usage.add(chunk)
+        delta: dict = {}
+        if chunk.role:
+            delta["role"] = chunk.role
+        if chunk.content or (chunk.role and not chunk.reasoning_content and not chunk.tool_calls):
+            delta["content"] = chunk.content
+        if chunk.reasoning_content:
+            delta["reasoning"] = chunk.reasoning_content
+        if chunk.tool_calls:
+            delta["tool_calls"] = [tool_call_delta(call) for call in chunk.tool_calls]
+        reason = finish_reason(chunk)
+        if not delta and reason is None and not chunk.logprobs:
+            return None
+        choice = {"index": chunk.index, "delta": delta,
+                  "logprobs": {"content": chat_logprobs(chunk.logprobs)} if self.logprobs and chunk.logprobs
+                  else None,
+                  "finish_reason": reason}
+        out = {**self.head, "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def final(self) -> dict | None:
+        """The usage chunk after the last choice (stream_options.include_usage), else None."""
+        if not self.include_usage:
+            return None
+        return {**self.head, "choices": [], "usage": usage_json(self.usage.usage)}
+
+
+# -- completions --------------------------------------------------------------------------------
+
+def completion_logprobs(entries, text_offset: int) -> dict:
+    """The legacy Completions logprobs object for `entries` (offsets counted from `text_offset`)."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = text_offset
+    for entry in entries:
+        tokens.append(entry.token)
+        token_logprobs.append(entry.logprob)
+        top.append({alt.token: alt.logprob for alt in entry.top_logprobs})
+        offsets.append(offset)
+        offset += len(entry.token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def text_completion(response_id: str, model: str, assembled: Assembled, logprobs: bool) -> dict:
+    choices = [{"index": choice.index, "text": "".join(choice.content),
+                "logprobs": completion_logprobs(choice.logprobs, 0) if logprobs else None,
+                "finish_reason": choice.finish_reason}
+               for choice in assembled.sorted()]
+    return {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage_json(assembled.usage.usage)}
+
+
+class CompletionStream:
+    """`text_completion` chunks for one streamed completion request."""
+
+    def __init__(self, response_id: str, model: str, include_usage: bool, logprobs: bool):
+        self.head = {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": model}
+        self.include_usage = include_usage
+        self.logprobs = logprobs
+        self.usage = UsageTracker()
+        self.offsets: dict[int, int] = {}
+
+    def chunk(self, chunk: derender_pb2.ChatChunk) -> dict | None:
+        self.usage.add(chunk)
+        reason = finish_reason(chunk)
+        if not chunk.content and reason is None and not chunk.logprobs:
+            return None
+        offset = self.offsets.get(chunk.index, 0)
+        self.offsets[chunk.index] = offset + len(chunk.content)
+        choice = {"index": chunk.index, "text": chunk.content,
+                  "logprobs": completion_logprobs(chunk.logprobs, offset) if self.logprobs else None,
+                  "finish_reason": reason}
+        out = {**self.head, "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def final(self) -> dict | None:
+        if not self.include_usage:
+            return None
+        return {**self.head, "choices": [], "usage": usage_json(self.usage.usage)}

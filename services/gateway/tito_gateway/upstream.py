@@ -1,0 +1,47 @@
+"""The services behind the gateway: one AsyncChatPipeline, and with several engines (a list, or a
+`dns:///name:port` target such as a headless Service) tito_client's `EngineRouter` choosing the
+engine of each request: cache-aware by default (the engine that holds the longest prefix of the
+rendered tokens, from every engine's KV events), or least_load / round_robin."""
+
+from __future__ import annotations
+
+from tito.security import ClientSecurity
+from tito.v1 import engine_pb2
+from tito_client.pipeline import AsyncChatPipeline, Endpoints
+from tito_client.routing import EngineRouter, NoEngineAvailable
+
+
+class Upstream:
+    """The pipeline and, for several engines, its router; use inside a running event loop."""
+
+    def __init__(self, render: str, engines: list[str], derender: str, timeout: float,
+                 security: ClientSecurity, max_message_bytes: int, policy: str = "cache_aware"):
+        """`security`: TLS and token for every TCP address; Unix sockets (sidecars in the same pod)
+        are reached in plaintext, with the token."""
+        self.addresses = list(engines)
+        plain = ClientSecurity(token_file=security.token_file)
+        sidecars = plain if render.startswith("unix:") and derender.startswith("unix:") else security
+        engine_security = plain if len(engines) == 1 and engines[0].startswith("unix:") else security
+        routed = len(engines) > 1 or engines[0].startswith("dns:")
+        self.router = EngineRouter(engines if len(engines) > 1 else engines[0], policy=policy,
+                                   security=engine_security).start() if routed else None
+        self.pipeline = AsyncChatPipeline(Endpoints(render, engines[0], derender), timeout=timeout,
+                                          max_message_bytes=max_message_bytes, security=engine_security,
+                                          router=self.router, sidecar_security=sidecars)
+
+    async def close(self) -> None:
+        await self.pipeline.close()
+        if self.router is not None:
+            self.router.close()
+
+    async def health(self) -> dict[str, str]:
+        """Each service's health: render, engine, derender (with a router, the engine is SERVING
+        while the router knows a reachable engine)."""
+        states = await self.pipeline.check_health()
+        if self.router is not None:
+            try:
+                self.router.pick(engine_pb2.GenerateRequest())
+                states["engine"] = "SERVING"
+            except NoEngineAvailable:
+                states["engine"] = "NOT_SERVING"
+        return states

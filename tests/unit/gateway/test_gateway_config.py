@@ -1,0 +1,36 @@
+"""The gateway's config: mistakes are refused at start-up with messages that say what to do."""
+
+from __future__ import annotations
+
+import pytest
+
+from tito.config import ConfigError
+from tito_gateway.config import GatewayConfig
+
+
+def test_defaults_validate():
+    GatewayConfig().validate()
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"engine_address": ""}, "--engine-address is empty"),
+    ({"engine_address": "a:1,dns:///b:2"}, "stands alone"),
+    ({"engine_address": "dns:///"}, "--engine-address"),
+    ({"engine_address": "nohostport"}, "--engine-address"),
+    ({"metrics_port": 9100}, "/metrics on its own --address"),
+    ({"health_address": "127.0.0.1:9"}, "GET /health"),
+    ({"max_body_bytes": 10}, "--max-body-bytes"),
+    ({"max_concurrent_requests": 0}, "--max-concurrent-requests"),
+    ({"idle_timeout": 0}, "--idle-timeout"),
+])
+def test_mistakes_are_refused_by_name(fields, words):
+    with pytest.raises(ConfigError) as info:
+        GatewayConfig(**fields).validate()
+    assert words in str(info.value)
+
+
+def test_engine_targets():
+    config = GatewayConfig(engine_address="10.0.0.1:50052, 10.0.0.2:50052")
+    config.validate()
+    assert config.engine_addresses() == ["10.0.0.1:50052", "10.0.0.2:50052"]
+    GatewayConfig(engine_address="dns:///tito-engine:50052").validate()

@@ -1,0 +1,123 @@
+"""OpenAI request bodies -> render's requests: every parameter mapped or refused by name."""
+
+from __future__ import annotations
+
+import pytest
+from google.protobuf import json_format
+
+from tito.errors import InvalidArgument, NotFound
+from tito.v1 import chat_pb2
+from tito_gateway.openai_in import parse_body, parse_chat, parse_completion
+
+MODEL = "m"
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def chat(**body):
+    return parse_chat({"model": MODEL, "messages": HI, **body}, MODEL)
+
+
+def test_sampling_parameters_reach_render_unchanged():
+    call = chat(max_completion_tokens=7, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, n=2, seed=3, stop="x",
+                presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1, min_tokens=1, ignore_eos=True,
+                stop_token_ids=[4], skip_special_tokens=False, include_stop_str_in_output=True, logprobs=True,
+                top_logprobs=2)
+    s = call.request.sampling
+    assert (s.max_tokens, s.top_k, s.n, s.seed, list(s.stop), list(s.stop_token_ids), s.top_logprobs) == \
+        (7, 5, 2, 3, ["x"], [4], 2)
+    assert s.temperature == 0.5 and s.ignore_eos and s.logprobs and not s.skip_special_tokens
+    assert call.logprobs
+
+
+def test_max_tokens_is_the_old_name_of_max_completion_tokens():
+    assert chat(max_tokens=9).request.sampling.max_tokens == 9
+    assert not chat().request.sampling.HasField("max_tokens")  # absent: up to the context limit
+
+
+def test_null_means_not_given():
+    call = chat(temperature=None, stop=None, tools=None, logit_bias=None, stream_options=None)
+    assert not call.request.sampling.HasField("temperature") and not call.request.tools
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"logit_bias": {"1": 1}}, "logit_bias"),
+    ({"functions": []}, "functions"),
+    ({"whatever": 1}, "whatever"),
+    ({"messages": [{"role": "user", "content": "Hi", "refusal": "no"}]}, "messages[0].refusal"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+     "messages[0].content[0].type"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+])
+def test_unsupported_parameters_are_named(body, param):
+    with pytest.raises(InvalidArgument) as info:
+        chat(**body)
+    assert info.value.reason == "UNSUPPORTED_PARAMETER" and info.value.field == param
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"temperature": "hot"}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"n": True}, "n"),
+    ({"seed": -1}, "seed"),
+    ({"stop": 3}, "stop"),
+    ({"messages": "Hi"}, "messages"),
+    ({"messages": [{"content": "Hi"}]}, "messages[0].role"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0].function.name"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_wrong_types_and_signs_are_invalid_requests_naming_the_parameter(body, param):
+    with pytest.raises(InvalidArgument) as info:
+        chat(**body)
+    assert info.value.reason == "INVALID_REQUEST" and info.value.field == param
+
+
+def test_the_model_must_be_the_served_one():
+    with pytest.raises(NotFound) as info:
+        parse_chat({"model": "other", "messages": HI}, MODEL)
+    assert info.value.reason == "MODEL_NOT_FOUND" and info.value.field == "model"
+
+
+def test_messages_tools_and_formats():
+    call = chat(
+        messages=[{"role": "system", "content": "s"},
+                  {"role": "user", "content": [{"type": "text", "text": "what?"},
+                                               {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]},
+                  {"role": "assistant", "content": None, "reasoning": "hmm", "refusal": None,
+                   "tool_calls": [{"id": "c1", "type": "function",
+                                   "function": {"name": "f", "arguments": "{\"a\": 1}"}}]},
+                  {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+                  {"role": "assistant", "content": "done", "reasoning_content": "old name"}],
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}],
+        tool_choice={"type": "function", "function": {"name": "f"}}, parallel_tool_calls=False,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+        chat_template_kwargs={"enable_thinking": False})
+    r = call.request
+    assert r.messages[1].content_parts[1].image.url == "data:image/png;base64,AA"
+    assert r.messages[2].reasoning_content == "hmm" and r.messages[2].tool_calls[0].function.arguments == '{"a": 1}'
+    assert r.messages[3].tool_call_id == "c1" and r.messages[4].reasoning_content == "old name"
+    assert r.tools[0].function.strict and r.tool_choice.function_name == "f" and not r.parallel_tool_calls
+    assert json_format.MessageToDict(r.response_format.json_schema.schema) == {"type": "object"}
+    assert r.chat_template_kwargs["enable_thinking"] is False
+    assert chat(tool_choice="required").request.tool_choice.mode == chat_pb2.TOOL_CHOICE_MODE_REQUIRED
+
+
+def test_completion_prompts_text_or_token_ids():
+    assert parse_completion({"model": MODEL, "prompt": "hello"}, MODEL).request.prompt == "hello"
+    assert list(parse_completion({"model": MODEL, "prompt": [1, 2, 3]}, MODEL).request.prompt_token_ids) == [1, 2, 3]
+    assert parse_completion({"model": MODEL, "prompt": ["one"]}, MODEL).request.prompt == "one"
+    call = parse_completion({"model": MODEL, "prompt": "x", "logprobs": 3, "echo": False}, MODEL)
+    assert call.logprobs == 3 and call.request.sampling.top_logprobs == 3
+    with pytest.raises(InvalidArgument) as info:
+        parse_completion({"model": MODEL, "prompt": ["a", "b"]}, MODEL)
+    assert info.value.field == "prompt" and info.value.reason == "UNSUPPORTED_PARAMETER"
+    with pytest.raises(InvalidArgument) as info:
+        parse_completion({"model": MODEL, "prompt": "x", "echo": True}, MODEL)
+    assert info.value.field == "echo"
+
+
+@pytest.mark.parametrize("body", [b"", b"{", b"[1]", b'"x"', b'{"a": NaN}', b"\xff\xfe", b"[" * 100000])
+def test_a_body_that_is_not_a_json_object_is_invalid_json(body):
+    with pytest.raises(InvalidArgument) as info:
+        parse_body(body)
+    assert info.value.reason == "INVALID_JSON"

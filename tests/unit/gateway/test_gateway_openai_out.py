@@ -1,0 +1,58 @@
+"""Derender's chunks -> OpenAI's whole and streamed shapes."""
+
+from __future__ import annotations
+
+from tito.v1 import derender_pb2, engine_pb2
+from tito_gateway import openai_out
+
+STOP, LENGTH, TOOLS = engine_pb2.FINISH_REASON_STOP, engine_pb2.FINISH_REASON_LENGTH, engine_pb2.FINISH_REASON_TOOL_CALLS
+
+
+def chunks():
+    """Two choices, interleaved as derender sends them; usage totals on each final chunk."""
+    return [
+        derender_pb2.ChatChunk(index=0, role="assistant", reasoning_content="think"),
+        derender_pb2.ChatChunk(index=1, role="assistant", content="B"),
+        derender_pb2.ChatChunk(index=0, content="A1"),
+        derender_pb2.ChatChunk(index=1, finish_reason=LENGTH,
+                               usage=engine_pb2.Usage(prompt_tokens=5, completion_tokens=2)),
+        derender_pb2.ChatChunk(index=0, tool_calls=[derender_pb2.ToolCallDelta(index=0, id="call_1", type="function",
+                                                                               name="f", arguments='{"a"')]),
+        derender_pb2.ChatChunk(index=0, tool_calls=[derender_pb2.ToolCallDelta(index=0, arguments=": 1}")],
+                               finish_reason=TOOLS, usage=engine_pb2.Usage(prompt_tokens=5, completion_tokens=6,
+                                                                           cached_tokens=1)),
+    ]
+
+
+def test_a_whole_chat_completion_assembles_each_choice():
+    assembled = openai_out.Assembled()
+    for chunk in chunks():
+        assembled.add(chunk)
+    body = openai_out.chat_completion("chatcmpl-x", "m", assembled, logprobs=False)
+    first, second = body["choices"]
+    assert first["message"] == {"role": "assistant", "content": "A1", "reasoning": "think", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}
+    assert first["finish_reason"] == "tool_calls" and second["finish_reason"] == "length"
+    assert second["message"] == {"role": "assistant", "content": "B"}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11,
+                             "prompt_tokens_details": {"cached_tokens": 1}}
+
+
+def test_streamed_chunks_and_the_usage_chunk():
+    stream = openai_out.ChatStream("chatcmpl-x", "m", include_usage=True, logprobs=False)
+    events = [event for chunk in chunks() if (event := stream.chunk(chunk)) is not None]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "reasoning": "think"}
+    assert events[1]["choices"][0]["delta"] == {"role": "assistant", "content": "B"}
+    assert events[4]["choices"][0]["delta"]["tool_calls"] == [
+        {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a"'}}]
+    assert events[5]["choices"][0]["delta"]["tool_calls"] == [{"index": 0, "function": {"arguments": ": 1}"}}]
+    assert all(event["usage"] is None for event in events)
+    assert stream.final()["usage"]["completion_tokens"] == 6 and stream.final()["choices"] == []
+
+
+def test_completion_logprobs_in_the_legacy_shape():
+    entry = derender_pb2.TokenLogprobText(token="ab", logprob=-0.5, top_logprobs=[
+        derender_pb2.TopLogprob(token="ab", logprob=-0.5), derender_pb2.TopLogprob(token="c", logprob=-1.0)])
+    assert openai_out.completion_logprobs([entry, entry], 3) == {
+        "tokens": ["ab", "ab"], "token_logprobs": [-0.5, -0.5], "top_logprobs": [{"ab": -0.5, "c": -1.0}] * 2,
+        "text_offset": [3, 5]}
