@@ -227,3 +227,42 @@ def test_qwen2_5_vl_images_equal_native_and_hf(qwen2_5):
     with ThreadPoolExecutor(len(copies)) as pool:
         assert list(pool.map(lambda request: generate(stubs["vllm"], request), copies)) == expected * 4
 
+
+
+def stored_media_keys(stub, mm_hash: str, deadline: float = 60.0) -> list[tuple[int, list[int]]]:
+    """(block size, media offsets) of every stored block the engine's KV events say holds the item
+    `mm_hash`, reading its event log from the start until the first such block arrives."""
+    found: list[tuple[int, list[int]]] = []
+    stream = stub.SubscribeKvEvents(engine_pb2.SubscribeKvEventsRequest(start_sequence=0), timeout=deadline)
+    try:
+        for batch in stream:
+            for event in batch.events:
+                if event.WhichOneof("event") != "block_stored":
+                    continue
+                stored = event.block_stored
+                for keys in stored.extra_keys:
+                    offsets = [media.offset for media in keys.media if media.mm_hash == mm_hash]
+                    if offsets:
+                        found.append((stored.block_size, offsets))
+            if found:
+                return found
+    finally:
+        stream.cancel()
+    return found
+
+
+def test_kv_events_of_both_backends_key_an_image_block_by_its_mm_hash(stubs, renderer):
+    """A block that holds part of an image is published with the item's mm_hash (vLLM's own
+    events, relayed by tito's backend, as the native engine's): a router can tell two images
+    apart whose placeholder token ids are equal."""
+    request = render(renderer, image(56, 56, seed=77), text(" ".join(["the long quiet harbour"] * 90)),
+                     max_tokens=2)
+    mm_hash = request.mm_features.items[0].mm_hash
+    for name in ("native", "vllm"):
+        generate(stubs[name], request)
+        found = stored_media_keys(stubs[name], mm_hash)
+        assert found, f"{name}: no stored block carries the image's mm_hash"
+        block_size, offsets = found[0]
+        start = request.mm_features.items[0].placeholder.offset
+        # The first block that holds the image says where in it the image starts (vLLM's offset).
+        assert offsets[0] == start % block_size, (name, start, found)
