@@ -9,14 +9,12 @@ pixel values, grids, mm_token_type_ids and second_per_grid_ts.
 
 from __future__ import annotations
 
-import io
 import threading
 import time
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from tito import tensors
@@ -26,6 +24,8 @@ from tito_engine.server import create_server
 from tito_render.config import RenderConfig
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
+
+from chat_parts import image, text, video
 
 TIMEOUT = 120
 
@@ -124,24 +124,6 @@ def test_twelve_prompts_of_different_lengths_batched_equal_hf(text_family):
 # --------------------------------------------------------------------------- Qwen2.5-VL
 
 
-def png(width: int, height: int, seed: int) -> bytes:
-    pixels = np.random.RandomState(seed).randint(0, 256, size=(height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return buffer.getvalue()
-
-
-def image(width: int, height: int, seed: int) -> chat_pb2.ContentPart:
-    return chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=png(width, height, seed)))
-
-
-def video(frames: int, fps: float, seed: int, width: int = 56, height: int = 56) -> chat_pb2.ContentPart:
-    return chat_pb2.ContentPart(video=chat_pb2.VideoFrames(
-        frames=[chat_pb2.ImageSource(data=png(width, height, seed + k)) for k in range(frames)], fps=fps))
-
-
-def text(value: str) -> chat_pb2.ContentPart:
-    return chat_pb2.ContentPart(text=value)
 
 
 def render(renderer: Renderer, *parts, max_tokens: int = 16) -> engine_pb2.GenerateRequest:

@@ -8,13 +8,10 @@ the encoder cache (DeepStack included: the descriptor's shape holds the levels).
 
 from __future__ import annotations
 
-import io
 import threading
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from transformers import AutoModelForImageTextToText
 
 from tito import signing, tensors
@@ -26,29 +23,17 @@ from tito_render.media.features import Signer
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
 
+import chat_parts
+from chat_parts import image, text
+
 TIMEOUT = 120
 KEY, KEY_ID = b"qwen3-vl-engine-test-key-0123456789", "k1"
 TENSORS, METADATA = multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD_METADATA
 
 
-def png(width: int, height: int, seed: int) -> bytes:
-    pixels = np.random.RandomState(seed).randint(0, 256, size=(height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return buffer.getvalue()
-
-
-def image(width: int, height: int, seed: int) -> chat_pb2.ContentPart:
-    return chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=png(width, height, seed)))
-
-
 def video(frames: int, fps: float, seed: int, width: int = 64, height: int = 64) -> chat_pb2.ContentPart:
-    return chat_pb2.ContentPart(video=chat_pb2.VideoFrames(
-        frames=[chat_pb2.ImageSource(data=png(width, height, seed + k)) for k in range(frames)], fps=fps))
-
-
-def text(value: str) -> chat_pb2.ContentPart:
-    return chat_pb2.ContentPart(text=value)
+    """Qwen3-VL's videos here: 64x64 frames unless told (two merged 32-pixel patches a side)."""
+    return chat_parts.video(frames, fps, seed, width, height)
 
 
 def render(renderer: Renderer, *parts, max_tokens: int = 16, payload: int = TENSORS) -> engine_pb2.GenerateRequest:

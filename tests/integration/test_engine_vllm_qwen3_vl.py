@@ -8,11 +8,8 @@ so the engine trusts their hashes).
 
 from __future__ import annotations
 
-import io
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, multimodal_pb2, render_pb2
 from tito_engine.config import EngineConfig
@@ -22,6 +19,9 @@ from tito_render.media.features import Signer
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
 
+import chat_parts
+from chat_parts import image, text
+
 pytestmark = pytest.mark.vllm
 
 TIMEOUT = 180
@@ -29,24 +29,9 @@ KEY, KEY_ID = b"qwen3-vl-vllm-test-key-0123456789", "k1"
 VLLM_ARGS = ("--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.05")
 
 
-def png(width: int, height: int, seed: int) -> bytes:
-    pixels = np.random.RandomState(seed).randint(0, 256, size=(height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return buffer.getvalue()
-
-
-def image(width: int, height: int, seed: int) -> chat_pb2.ContentPart:
-    return chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=png(width, height, seed)))
-
-
 def video(frames: int, fps: float, seed: int, width: int = 64, height: int = 64) -> chat_pb2.ContentPart:
-    return chat_pb2.ContentPart(video=chat_pb2.VideoFrames(
-        frames=[chat_pb2.ImageSource(data=png(width, height, seed + k)) for k in range(frames)], fps=fps))
-
-
-def text(value: str) -> chat_pb2.ContentPart:
-    return chat_pb2.ContentPart(text=value)
+    """Qwen3-VL's videos here: 64x64 frames unless told (two merged 32-pixel patches a side)."""
+    return chat_parts.video(frames, fps, seed, width, height)
 
 
 @pytest.fixture(scope="module")
