@@ -137,12 +137,7 @@ class Body:
         return _string(self.get(name), name, required)
 
     def boolean(self, name: str) -> bool | None:
-        value = self.get(name)
-        if value is None:
-            return None
-        if not isinstance(value, bool):
-            raise invalid(name, f"must be a boolean, not {_kind(value)}")
-        return value
+        return _boolean(self.get(name), name)
 
     def integer(self, name: str, low: int, high: int) -> int | None:
         return _integer(self.get(name), name, low, high)
@@ -174,6 +169,12 @@ def _string(value: Any, name: str, required: bool = False) -> str | None:
     return value
 
 
+def _boolean(value: Any, name: str) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise invalid(name, f"must be a boolean, not {_kind(value)}")
+    return value
+
+
 def _integer(value: Any, name: str, low: int, high: int) -> int | None:
     if value is None:
         return None
@@ -196,6 +197,15 @@ def _struct(value: dict, name: str) -> struct_pb2.Struct:
     return struct
 
 
+def _schema(value: Any, name: str) -> struct_pb2.Struct | None:
+    """An optional JSON Schema (a tool's parameters, a response format's schema) as a Struct."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise invalid(name, "must be a JSON Schema object")
+    return _struct(value, name)
+
+
 def check_model(body: Body, served: str) -> str:
     model = body.string("model", required=True)
     if model != served:
@@ -214,10 +224,7 @@ def _stream_options(body: Body) -> StreamOptions:
         for key in options:
             if key != "include_usage":
                 raise unsupported(f"stream_options.{key}", "unknown stream option")
-        value = options.get("include_usage")
-        if value is not None and not isinstance(value, bool):
-            raise invalid("stream_options.include_usage", f"must be a boolean, not {_kind(value)}")
-        include_usage = bool(value)
+        include_usage = bool(_boolean(options.get("include_usage"), "stream_options.include_usage"))
     return StreamOptions(stream, include_usage)
 
 
@@ -416,15 +423,11 @@ def _tool(value: Any, where: str) -> chat_pb2.Tool:
     tool = chat_pb2.Tool(type="function")
     tool.function.name = _string(function.get("name"), f"{where}.function.name", required=True)
     tool.function.description = _string(function.get("description"), f"{where}.function.description") or ""
-    parameters = function.get("parameters")
+    parameters = _schema(function.get("parameters"), f"{where}.function.parameters")
     if parameters is not None:
-        if not isinstance(parameters, dict):
-            raise invalid(f"{where}.function.parameters", "must be a JSON Schema object")
-        tool.function.parameters.CopyFrom(_struct(parameters, f"{where}.function.parameters"))
-    strict = function.get("strict")
+        tool.function.parameters.CopyFrom(parameters)
+    strict = _boolean(function.get("strict"), f"{where}.function.strict")
     if strict is not None:
-        if not isinstance(strict, bool):
-            raise invalid(f"{where}.function.strict", "must be a boolean")
         tool.function.strict = strict
     return tool
 
@@ -460,15 +463,11 @@ def _response_format(value: dict) -> render_pb2.ResponseFormat:
         _only(schema, ("name", "description", "schema", "strict"), where)
         result.json_schema.name = _string(schema.get("name"), f"{where}.name") or ""
         result.json_schema.description = _string(schema.get("description"), f"{where}.description") or ""
-        inner = schema.get("schema")
+        inner = _schema(schema.get("schema"), f"{where}.schema")
         if inner is not None:
-            if not isinstance(inner, dict):
-                raise invalid(f"{where}.schema", "must be a JSON Schema object")
-            result.json_schema.schema.CopyFrom(_struct(inner, f"{where}.schema"))
-        strict = schema.get("strict")
+            result.json_schema.schema.CopyFrom(inner)
+        strict = _boolean(schema.get("strict"), f"{where}.strict")
         if strict is not None:
-            if not isinstance(strict, bool):
-                raise invalid(f"{where}.strict", "must be a boolean")
             result.json_schema.strict = strict
     return result
 

@@ -65,6 +65,13 @@ def test_unsupported_parameters_are_named(body, param):
     ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0].function.name"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": 1}}]}, "tools[0].function.strict"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": "object"}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "strict": "true"}}},
+     "response_format.json_schema.strict"),
 ])
 def test_wrong_types_and_signs_are_invalid_requests_naming_the_parameter(body, param):
     with pytest.raises(InvalidArgument) as info:
