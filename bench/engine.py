@@ -48,8 +48,11 @@ concurrency).
 
 --shape NAME: a real model's shape with random weights and Qwen's real vocabulary
 (tito_models.real_shape; qwen2.5-0.5b: 494 M parameters), one checkpoint dtype after the other
-(--checkpoints, default float32 then bfloat16): tito native, vLLM AsyncLLM and `vllm serve`, each at
-its default dtype (auto: the checkpoint's, as each side chooses) and CPU placement, 1 GiB of KV cache
+(--checkpoints, default float32 then bfloat16): tito native, vLLM AsyncLLM and `vllm serve`, the
+bfloat16 checkpoint at each side's default dtype (auto: both compute bf16 on a CPU with bf16
+instructions), the float32 one computed in float32 on both sides (vLLM's auto would compute it in
+bf16 on such a CPU, tito's keeps the checkpoint's precision; `--dtype bfloat16` is tito's way to
+trade it for speed), each side's default CPU placement, 1 GiB of KV cache
 on every side, max_model_len 4096. Workloads: the 32 short prompts at each --concurrency (at most
 4 x concurrency of them: one token costs ~0.1-0.3 s here), then for the last checkpoint 1,024-token
 prompts at concurrency 1 and at the top one, and the decode stall: 8 requests decoding 128 tokens
@@ -702,7 +705,7 @@ async def serve_asyncllm(replies) -> None:
             replies.write(json.dumps(result) + "\n")
     finally:
         llm.shutdown()
-        del llm  # now, not at interpreter exit when vLLM's modules are gone
+        llm = None  # dropped now, not at interpreter exit when vLLM's modules are gone
 
 
 # ------------------------------------------------------------------------------ paired rounds
@@ -1008,7 +1011,8 @@ def shape_workloads(prompts, long, args, with_long: bool) -> list[dict]:
 
 
 def print_shape_report(checkpoint: str, rounds: list[dict], names: list[str], concurrencies: list[int]) -> None:
-    print(f"\n=== {checkpoint} checkpoint, each side's default dtype; best round of {len(rounds)} ===")
+    computed = "each side's default dtype" if SHAPE_DTYPES[checkpoint] is None else f"{SHAPE_DTYPES[checkpoint]} on both sides"
+    print(f"\n=== {checkpoint} checkpoint, {computed}; best round of {len(rounds)} ===")
     print_header()
     for key, results in rounds[0].items():
         if key == "decode stall":
@@ -1046,9 +1050,14 @@ def print_shape_report(checkpoint: str, rounds: list[dict], names: list[str], co
     print_agreement({key: value for key, value in rounds[0].items() if key != "decode stall"}, names)
 
 
+#: What each checkpoint computes in, per side (None: each side's default, auto). A float32 checkpoint
+#: is compared in float32 on both: vLLM's auto casts it to bfloat16 on a CPU with bf16 instructions.
+SHAPE_DTYPES = {"float32": "float32", "bfloat16": None}
+
+
 def run_shape(args) -> None:
     """--shape: the issue's table, one checkpoint dtype at a time (both would not fit in memory
-    beside each other on a small machine), each side at its default dtype and CPU placement."""
+    beside each other on a small machine), each side at its default CPU placement (dtypes: SHAPE_DTYPES)."""
     from transformers import AutoTokenizer
 
     from tito_models.real_shape import ensure_shaped_model, shaped_model_name
@@ -1065,7 +1074,7 @@ def run_shape(args) -> None:
               f"{SHAPE_KV_CACHE_BYTES >> 20} MiB KV cache on every side", flush=True)
         settings = Settings(name, str(model_dir), args.device, args.prefix_caching,
                             max_running=max(VLLM_MAX_NUM_SEQS, *args.concurrency), max_model_len=SHAPE_MAX_MODEL_LEN,
-                            kv_cache_bytes=SHAPE_KV_CACHE_BYTES, dtype=None)
+                            kv_cache_bytes=SHAPE_KV_CACHE_BYTES, dtype=SHAPE_DTYPES[checkpoint])
         setups = [TitoEngine(settings, "native"), AsyncLLMWorker(settings)]
         if not args.no_vllm_serve:
             setups.append(VllmHttp(settings))
