@@ -48,6 +48,17 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return config
 
 
+def set_no_delay(transport) -> None:
+    """Send each SSE event at once (TCP_NODELAY). asyncio's own loop sets it only on sockets whose
+    `proto` is IPPROTO_TCP, which an accepted socket of a listener made with proto 0 is not; with
+    Nagle on, an event written while the previous one is unacknowledged waits for the client's
+    delayed ACK: measured ~40 ms between the response headers and the first event (TTFT 65-72 ms
+    through the gateway against 18 ms through the pipeline directly)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 class GuardedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with deadlines and bounds for clients that do not send."""
 
@@ -55,6 +66,7 @@ class GuardedProtocol(HttpToolsProtocol):
     max_connections = 8192
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
+        set_no_delay(transport)
         super().connection_made(transport)
         self._header_bytes = 0
         self._in_request = False
