@@ -6,7 +6,8 @@ with tensors, HMAC tags), so the features vLLM receives are tito's, never vLLM's
 Greedy tokens must equal the native backend's and Hugging Face `generate`'s on the same input_ids /
 pixel_values / image_grid_thw; for Qwen2.5-VL videos, whose M-RoPE text positions after the video
 vLLM and transformers place differently, they must equal vLLM's own `LLM.generate` on the same
-frames instead. On CPU this needs the torchvision of the vLLM install
+frames instead. Gemma3, whose images vLLM's CPU attention computes causally, is refused by the
+backend; the Gemma3 test pins why. On CPU this needs the torchvision of the vLLM install
 (tito/torchvision_cpu.py); `scripts/test.sh` sets TITO_REQUIRE_VLLM=1, so there nothing skips.
 """
 
@@ -24,12 +25,15 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
+from tito.config import ConfigError
 from tito.grpc_errors import error_details
 from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, multimodal_pb2
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
+from tito_engine.vllm.args import build_engine_args
+from tito_engine.vllm.backend import VllmEngine
 from tito_engine.vllm.inputs import MediaConverter
-from tito_models.tiny import VL_MODEL_D64, build_qwen2_5_vl_model, ensure_model
+from tito_models.tiny import VL_MODEL_D64, build_interleaved_vl_model, build_qwen2_5_vl_model, ensure_model
 from tito_render.config import RenderConfig
 from tito_render.media.features import Signer
 from tito_render.model import load_render_model
@@ -384,3 +388,47 @@ def test_kv_events_of_both_backends_key_an_image_block_by_its_mm_hash(stubs, ren
         start = request.mm_features.items[0].placeholder.offset
         # The first block that holds the image says where in it the image starts (vLLM's offset).
         assert offsets[0] == start % block_size, (name, start, found)
+
+
+# --------------------------------------------------------------------------- Gemma3
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    return build_interleaved_vl_model(tmp_path_factory.mktemp("models") / "tiny-gemma3-vllm", vllm_loadable=True)
+
+
+def test_vllms_cpu_build_computes_gemma3_images_causally_so_the_backend_refuses_it(gemma3_dir):
+    """Why `--backend vllm` refuses Gemma3 on CPU (vllm/args.py check_attention): vLLM's own LLM
+    loads the vLLM-loadable tiny Gemma3 and processes the image as HF does (same prompt ids), but
+    answers as HF does with the image's bidirectional attention taken away (no token_type_ids),
+    not as the model does. Fails once vLLM's CPU attention implements the mask: then the backend
+    starts, and its tokens belong beside the native engine's here."""
+    from vllm import LLM, SamplingParams
+    from transformers import AutoProcessor
+
+    prompt = "<|im_start|>user\nLook: <start_of_image> what is it?<|im_end|>\n<|im_start|>assistant\n"
+    picture = Image.open(io.BytesIO(png(64, 64, seed=3))).convert("RGB")
+    inputs = AutoProcessor.from_pretrained(gemma3_dir)(text=prompt, images=[picture], return_tensors="pt")
+    hf = AutoModelForImageTextToText.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
+
+    def hf_generate(**kwargs) -> list[int]:
+        with torch.inference_mode():
+            output = hf.generate(**kwargs, do_sample=False, max_new_tokens=8)
+        return output[0, inputs["input_ids"].shape[1]:].tolist()
+
+    bidirectional = hf_generate(**inputs)
+    causal = hf_generate(**{name: value for name, value in inputs.items() if name != "token_type_ids"})
+    assert bidirectional != causal
+    llm = LLM(model=str(gemma3_dir), dtype="float32", enforce_eager=True, kv_cache_memory_bytes=32 << 20,
+              max_model_len=1024, max_num_seqs=4, generation_config="vllm", limit_mm_per_prompt={"image": 1})
+    try:
+        (output,) = llm.generate({"prompt": prompt, "multi_modal_data": {"image": picture}},
+                                 SamplingParams(temperature=0.0, max_tokens=8, detokenize=False), use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert list(output.prompt_token_ids) == inputs["input_ids"][0].tolist()
+    assert list(output.outputs[0].token_ids) == causal
+    with pytest.raises(ConfigError, match=r"image tokens attend to one another in both directions \(gemma3\)"):
+        VllmEngine(build_engine_args(EngineConfig(backend="vllm", model=str(gemma3_dir), kv_cache_bytes=32 << 20),
+                                     str(gemma3_dir)), gemma3_dir, model_id=str(gemma3_dir))
