@@ -727,7 +727,6 @@ def _save_model(model, out_dir: Path) -> None:
     os.chmod(out_dir / "model.safetensors", 0o644)
 
 
-# Module kinds (class names) that _deterministic_init treats specially; none occurs in the Qwen models.
 def _prefix_weights(path: Path, prefix: str, replacement: str) -> None:
     """Rename the weights of a safetensors file whose names start with `prefix`."""
     from safetensors.torch import load_file, save_file
@@ -735,8 +734,10 @@ def _prefix_weights(path: Path, prefix: str, replacement: str) -> None:
     weights = load_file(path)
     save_file({replacement + name[len(prefix):] if name.startswith(prefix) else name: tensor
                for name, tensor in weights.items()}, path, metadata={"format": "pt"})
+    os.chmod(path, 0o644)  # as _save_model leaves it
 
 
+# Module kinds (class names) that _deterministic_init treats specially; none occurs in the Qwen models.
 _ZERO_CENTRED_NORMS = frozenset({"Gemma3RMSNorm"})
 _RAW_MATRIX_MODULES = frozenset({"Gemma3MultiModalProjector"})
 
@@ -1129,8 +1130,7 @@ INTERLEAVED_TOKENS_PER_IMAGE = 16
 INTERLEAVED_SPAN_SEPARATOR = "\n\n"
 #: Gemma3's tokenizer has runs of one to four newlines as single tokens, and vLLM's Gemma3
 #: processor looks them up by their text (a byte-level BPE spells a newline "Ċ", so the shared
-#: vocabulary has none of them and vLLM refuses to start). The variant built with
-#: ``newline_tokens`` adds them as ordinary added tokens after the image tokens (ids 1016..1019);
+#: vocabulary has none of them and vLLM refuses to start). The vLLM-loadable variant adds them as ordinary added tokens after the image tokens (ids 1016..1019);
 #: added tokens match longest first, so a run of newlines is one token, as in Gemma3.
 NEWLINE_RUN_TOKENS = ("\n", "\n\n", "\n\n\n", "\n\n\n\n")
 
@@ -1225,7 +1225,7 @@ def build_interleaved_vl_model(out_dir: Path, vllm_loadable: bool = False) -> Pa
     build_interleaved_vl_tokenizer(out_dir, newline_tokens=vllm_loadable)
     ids = _interleaved_token_ids(newline_tokens=vllm_loadable)
     head_dim = 64 if vllm_loadable else 16
-    wide = vllm_loadable
+    wide = head_dim == 64
     text_config = {
         "vocab_size": len(ids) + BPE_VOCAB_SIZE,
         "hidden_size": 128 if wide else 64,

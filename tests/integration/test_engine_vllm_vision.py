@@ -287,7 +287,7 @@ def test_qwen2_5_vl_positions_after_a_video_are_vllms_own_rule(qwen2_5, qwen2_5_
                                          second_per_grid_ts=inputs["second_per_grid_ts"])[0][:, 0]
         end = item.placeholder.offset + item.placeholder.length
         assert torch.equal(ours[:, :end], theirs[:, :end]), (frames, fps)
-        t, h, w = (int(x) for x in inputs["video_grid_thw"][0])
+        _, h, w = (int(x) for x in inputs["video_grid_thw"][0])
         start = int(theirs[1, item.placeholder.offset])
         last_time = int(theirs[0, end - 1])
         assert theirs[:, end].tolist() == [start + max(h, w) // 2] * 3

@@ -202,9 +202,9 @@ def check_can_start(vllm_config: Any, model_dir: str, *, model_id: str, kv_flag_
 def check_attention(vllm_config: Any, model_id: str) -> None:
     """Refuse a model whose image tokens attend to one another in both directions (vLLM's "mm
     prefix" models: Gemma3, PaliGemma, ...) where vLLM's attention lacks that mask. vLLM 0.32's CPU
-    attention has none and still starts: it computes such images causally, and the tokens are then
-    neither the model's (HF generate, the native engine) nor vLLM's on a GPU. Checked against the
-    backend's own capability, so it lifts once vLLM's CPU attention implements the mask."""
+    attention has none, and its platform (unlike vLLM's GPU backend selection) starts the model
+    anyway and computes such images causally: other tokens than the model's (HF generate, the
+    native engine). Asked of the backend itself, so it lifts once vLLM's CPU attention has the mask."""
     model_config = vllm_config.model_config
     if not _on_cpu() or not model_config.is_mm_prefix_lm:
         return
