@@ -574,11 +574,11 @@ def train_bpe():
     return tokenizer
 
 
-def _train_backend_tokenizer(extra_special_tokens: tuple[str, ...] = ()):
+def _train_backend_tokenizer(extra_special_tokens: tuple[str, ...] = (), extra_tokens: tuple[str, ...] = ()):
     """Train the shared BPE and add the tokens of :func:`_added_token_ids`.
 
-    ``extra_special_tokens`` are appended after them (ids from 1013 on), for a
-    model variant that needs more special tokens; the first 1013 ids never change.
+    ``extra_special_tokens`` are appended after them (ids from 1013 on), then ``extra_tokens``
+    (not special), for a model variant that needs more tokens; the first 1013 ids never change.
     """
     from tokenizers import AddedToken
 
@@ -606,6 +606,17 @@ def _train_backend_tokenizer(extra_special_tokens: tuple[str, ...] = ()):
         extra_ids = [tokenizer.token_to_id(token) for token in extra_special_tokens]
         if extra_ids != list(range(_vocab_size(), _vocab_size() + len(extra_special_tokens))):
             raise RuntimeError(f"unexpected extra special token ids: {extra_ids}")
+    if extra_tokens:
+        first = _vocab_size() + len(extra_special_tokens)
+        tokenizer.add_tokens(
+            [
+                AddedToken(t, special=False, normalized=False, lstrip=False, rstrip=False, single_word=False)
+                for t in extra_tokens
+            ]
+        )
+        extra_ids = [tokenizer.token_to_id(token) for token in extra_tokens]
+        if extra_ids != list(range(first, first + len(extra_tokens))):
+            raise RuntimeError(f"unexpected extra token ids: {extra_ids}")
     return tokenizer
 
 
@@ -714,6 +725,16 @@ def _save_model(model, out_dir: Path) -> None:
     _write_generation_config(out_dir)
     # safetensors files come out as 0600; make them as readable as the other files.
     os.chmod(out_dir / "model.safetensors", 0o644)
+
+
+def _prefix_weights(path: Path, prefix: str, replacement: str) -> None:
+    """Rename the weights of a safetensors file whose names start with `prefix`."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path)
+    save_file({replacement + name[len(prefix):] if name.startswith(prefix) else name: tensor
+               for name, tensor in weights.items()}, path, metadata={"format": "pt"})
+    os.chmod(path, 0o644)  # as _save_model leaves it
 
 
 # Module kinds (class names) that _deterministic_init treats specially; none occurs in the Qwen models.
@@ -1107,11 +1128,19 @@ INTERLEAVED_PATCH_SIZE = 8
 INTERLEAVED_TOKENS_PER_IMAGE = 16
 #: Text Gemma3Processor puts on each side of an image span (ordinary text, tokenized with its context).
 INTERLEAVED_SPAN_SEPARATOR = "\n\n"
+#: Gemma3's tokenizer has runs of one to four newlines as single tokens, and vLLM's Gemma3
+#: processor looks them up by their text (a byte-level BPE spells a newline "Ċ", so the shared
+#: vocabulary has none of them and vLLM refuses to start). The vLLM-loadable variant adds them as ordinary added tokens after the image tokens (ids 1016..1019);
+#: added tokens match longest first, so a run of newlines is one token, as in Gemma3.
+NEWLINE_RUN_TOKENS = ("\n", "\n\n", "\n\n\n", "\n\n\n\n")
 
 
-def _interleaved_token_ids() -> dict[str, int]:
+def _interleaved_token_ids(newline_tokens: bool = False) -> dict[str, int]:
     ids = _added_token_ids()
     ids.update({token: _vocab_size() + index for index, token in enumerate(INTERLEAVED_VL_SPECIAL_TOKENS)})
+    if newline_tokens:
+        first = _vocab_size() + len(INTERLEAVED_VL_SPECIAL_TOKENS)
+        ids.update({token: first + index for index, token in enumerate(NEWLINE_RUN_TOKENS)})
     return ids
 
 
@@ -1132,8 +1161,9 @@ def _interleaved_chat_template() -> str:
 INTERLEAVED_VL_CHAT_TEMPLATE = _interleaved_chat_template()
 
 
-def build_interleaved_vl_tokenizer(out_dir: Path) -> Path:
-    """Write the ``tiny-gemma3`` tokenizer: the shared BPE plus Gemma3's three image tokens.
+def build_interleaved_vl_tokenizer(out_dir: Path, newline_tokens: bool = False) -> Path:
+    """Write the ``tiny-gemma3`` tokenizer: the shared BPE plus Gemma3's three image tokens (and
+    with ``newline_tokens`` Gemma3's newline-run tokens, :data:`NEWLINE_RUN_TOKENS`).
 
     Writes ``tokenizer.json``, ``tokenizer_config.json`` (with Gemma3's named
     ``boi_token`` / ``eoi_token`` / ``image_token`` so ``Gemma3Processor``
@@ -1141,18 +1171,19 @@ def build_interleaved_vl_tokenizer(out_dir: Path) -> Path:
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_backend_tokenizer(extra_special_tokens=INTERLEAVED_VL_SPECIAL_TOKENS)
+    newlines = NEWLINE_RUN_TOKENS if newline_tokens else ()
+    tokenizer = _train_backend_tokenizer(extra_special_tokens=INTERLEAVED_VL_SPECIAL_TOKENS, extra_tokens=newlines)
     _write_text(out_dir / "tokenizer.json", tokenizer.to_str(pretty=True) + "\n")
     config = _tokenizer_config()
-    ids = _interleaved_token_ids()
-    for token in INTERLEAVED_VL_SPECIAL_TOKENS:
+    ids = _interleaved_token_ids(newline_tokens)
+    for token in INTERLEAVED_VL_SPECIAL_TOKENS + newlines:
         config["added_tokens_decoder"][str(ids[token])] = {
             "content": token,
             "lstrip": False,
             "normalized": False,
             "rstrip": False,
             "single_word": False,
-            "special": True,
+            "special": token in INTERLEAVED_VL_SPECIAL_TOKENS,
         }
     config["additional_special_tokens"] = config["additional_special_tokens"] + list(INTERLEAVED_VL_SPECIAL_TOKENS)
     config.update(boi_token=IMAGE_BEGIN_TOKEN, eoi_token=IMAGE_END_TOKEN, image_token=IMAGE_SOFT_TOKEN)
@@ -1179,22 +1210,31 @@ def _interleaved_image_processor_config() -> dict[str, Any]:
     }
 
 
-def build_interleaved_vl_model(out_dir: Path) -> Path:
-    """Write the tokenizer, a tiny random ``Gemma3ForConditionalGeneration`` and its processor configs."""
+def build_interleaved_vl_model(out_dir: Path, vllm_loadable: bool = False) -> Path:
+    """Write the tokenizer, a tiny random ``Gemma3ForConditionalGeneration`` and its processor configs.
+
+    ``tiny-gemma3`` is the default. With ``vllm_loadable`` the variant vLLM 0.32 loads: head_dim 64
+    (hidden 128, 2 / 1 heads; vLLM's CPU attention refuses 16), Gemma3's newline-run tokens
+    (:data:`NEWLINE_RUN_TOKENS`, which vLLM's Gemma3 processor looks up) and the vision tower's
+    weights under Gemma3's published names (``vision_tower.vision_model.*``: transformers 5.19 saves
+    them without ``vision_model.``, which vLLM cannot map; transformers loads both).
+    """
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     out_dir = Path(out_dir)
-    build_interleaved_vl_tokenizer(out_dir)
-    ids = _interleaved_token_ids()
+    build_interleaved_vl_tokenizer(out_dir, newline_tokens=vllm_loadable)
+    ids = _interleaved_token_ids(newline_tokens=vllm_loadable)
+    head_dim = 64 if vllm_loadable else 16
+    wide = head_dim == 64
     text_config = {
         "vocab_size": len(ids) + BPE_VOCAB_SIZE,
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        "hidden_size": 128 if wide else 64,
+        "intermediate_size": 256 if wide else 128,
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "query_pre_attn_scalar": 16,
+        "num_attention_heads": 2 if wide else 4,
+        "num_key_value_heads": 1 if wide else 2,
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": head_dim,
         "hidden_activation": "gelu_pytorch_tanh",
         "max_position_embeddings": 2048,
         # Gemma3 alternates local (sliding window) and global layers; keep one of each.
@@ -1242,6 +1282,8 @@ def build_interleaved_vl_model(out_dir: Path) -> Path:
     config.architectures = ["Gemma3ForConditionalGeneration"]
     model = _create_model(Gemma3ForConditionalGeneration, config)
     _save_model(model, out_dir)
+    if vllm_loadable:
+        _prefix_weights(out_dir / "model.safetensors", "vision_tower.", "vision_tower.vision_model.")
     _write_json(out_dir / "preprocessor_config.json", _interleaved_image_processor_config())
     _write_json(
         out_dir / "processor_config.json",

@@ -118,3 +118,15 @@ def test_a_kv_size_below_one_full_context_is_one_line_naming_the_flags(tiny_text
     line = one_line(lines, vllm=True)
     assert code == 2 and "cannot hold one request of the full context (2,048 tokens" in line, lines
     assert "raise --kv-cache-bytes to at least 2097152" in line and "lower --max-model-len to 1024" in line, lines
+
+
+@pytest.mark.vllm
+def test_gemma3_on_vllms_cpu_build_is_one_line_naming_the_native_backend(tiny_interleaved_vl_model, tmp_path):
+    # vLLM's CPU attention has no mask for image tokens attending both ways; it would run them causally.
+    code, lines = serve_engine("--address", f"unix:{tmp_path / 's.sock'}", "--model", str(tiny_interleaved_vl_model),
+                               "--backend", "vllm")
+    line = one_line(lines, vllm=True)
+    assert code == 2 and line.startswith(f"tito serve engine: vLLM cannot serve --model {tiny_interleaved_vl_model} "
+                                         f"on CPU: its image tokens attend to one another in both directions "
+                                         f"(gemma3)"), lines
+    assert line.endswith("serve it with --backend native"), lines

@@ -4,32 +4,43 @@ Both backends serve `tiny-qwen2-vl-d64` (Qwen2-VL, head_dim 64: vLLM's CPU atten
 and a Qwen2.5-VL of the same text width (built here; windowed vision attention), in float32; requests come from render's own domain code (chat template, image processor, features
 with tensors, HMAC tags), so the features vLLM receives are tito's, never vLLM's own processor's.
 Greedy tokens must equal the native backend's and Hugging Face `generate`'s on the same input_ids /
-pixel_values / image_grid_thw. On CPU this needs the torchvision of the vLLM install
+pixel_values / image_grid_thw; for Qwen2.5-VL videos, whose M-RoPE text positions after the video
+vLLM and transformers place differently, they must equal vLLM's own `LLM.generate` on the same
+frames instead. Gemma3, whose images vLLM's CPU attention computes causally, is refused by the
+backend; the Gemma3 test pins why. On CPU this needs the torchvision of the vLLM install
 (tito/torchvision_cpu.py); `scripts/test.sh` sets TITO_REQUIRE_VLLM=1, so there nothing skips.
 """
 
 from __future__ import annotations
 
+import functools
 import io
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoModelForImageTextToText
+from transformers import AutoModelForImageTextToText, AutoTokenizer
 
+from tito.config import ConfigError
 from tito.grpc_errors import error_details
 from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, multimodal_pb2
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
-from tito_models.tiny import VL_MODEL_D64, build_qwen2_5_vl_model, ensure_model
+from tito_engine.vllm.args import build_engine_args
+from tito_engine.vllm.backend import VllmEngine
+from tito_engine.vllm.inputs import MediaConverter
+from tito_models.tiny import VL_MODEL_D64, build_interleaved_vl_model, build_qwen2_5_vl_model, ensure_model
 from tito_render.config import RenderConfig
 from tito_render.media.features import Signer
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
 
-from test_engine_families import hf_vl_greedy
+from chat_parts import video
+from test_engine_families import hf_vl_greedy, hf_vl_inputs
 from test_engine_multimodal import generate, hf_greedy, image, png, render, text
 
 pytestmark = pytest.mark.vllm
@@ -191,9 +202,14 @@ def test_encode_is_refused_on_the_vllm_backend(stubs, renderer):
 
 
 @pytest.fixture(scope="module")
-def qwen2_5(module_aio_server, tmp_path_factory):
+def qwen2_5_dir(tmp_path_factory):
+    return build_qwen2_5_vl_model(tmp_path_factory.mktemp("models") / "tiny-qwen2.5-vl-d64", head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def qwen2_5(module_aio_server, qwen2_5_dir):
     """A tiny Qwen2.5-VL with head_dim 64: its renderer, HF model and both backends' stubs."""
-    model_dir = build_qwen2_5_vl_model(tmp_path_factory.mktemp("models") / "tiny-qwen2.5-vl-d64", head_dim=64)
+    model_dir = qwen2_5_dir
     common = dict(model=str(model_dir), max_model_len=1024, max_running_sequences=32)
     configs = {
         "native": EngineConfig(device="cpu", engine_process=False, kv_blocks=512, **common),
@@ -226,6 +242,112 @@ def test_qwen2_5_vl_images_equal_native_and_hf(qwen2_5):
             copies.append(copy)
     with ThreadPoolExecutor(len(copies)) as pool:
         assert list(pool.map(lambda request: generate(stubs["vllm"], request), copies)) == expected * 4
+
+
+#: (frames, fps) of the Qwen2.5-VL videos: at fps 2 a time step is 1 s, 2 positions
+#: (tokens_per_second 2), at fps 0.5 it is 4 s, 8 positions: both reach past the 2 x 2 merged grid.
+QWEN2_5_VIDEOS = ((4, 2.0), (6, 0.5), (2, 2.0))
+
+
+def qwen2_5_video_chat(frames: int, fps: float) -> tuple:
+    return text("A clip:"), video(frames, fps, seed=50 + frames), text("What moves?")
+
+
+def test_qwen2_5_vl_videos_on_the_native_backend_equal_hf(qwen2_5):
+    renderer, hf, stubs = qwen2_5
+    for frames, fps in QWEN2_5_VIDEOS:
+        request = render(renderer, *qwen2_5_video_chat(frames, fps), max_tokens=16)
+        assert generate(stubs["native"], request) == hf_vl_greedy(hf, request), (frames, fps)
+
+
+def test_qwen2_5_vl_positions_after_a_video_are_vllms_own_rule(qwen2_5, qwen2_5_dir):
+    """The one place the backends part: vLLM 0.32 starts the text after a video at its largest
+    M-RoPE position + 1, transformers 5.19 (and the native engine) at its start + max(h, w) / merge;
+    the video's own positions, time axis included, are equal (so tito hands vLLM the video's
+    second_per_grid_ts). Fails once vLLM adopts transformers' rule: the tokens then equal HF's too."""
+    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+    from vllm.multimodal.inputs import MultiModalFeatureSpec
+
+    renderer, hf, _ = qwen2_5
+    converter = MediaConverter(_vllm_item_builder(qwen2_5_dir), cache=None)
+    vllm_model = types.SimpleNamespace(config=hf.config)
+    vllm_model.iter_mm_grid_thw = functools.partial(Qwen2_5_VLForConditionalGeneration.iter_mm_grid_thw, vllm_model)
+    for frames, fps in QWEN2_5_VIDEOS:
+        request = render(renderer, *qwen2_5_video_chat(frames, fps))
+        (item,) = request.mm_features.items
+        checked = types.SimpleNamespace(item=item, modality="video", path="mm_features.items[0]", trusted_hash=False)
+        (kwargs_item,), _, (placeholder,) = (values["video"] for values in converter.convert([checked])[:3])
+        assert float(kwargs_item["second_per_grid_ts"].data) == 2 / fps
+        ours, _ = Qwen2_5_VLForConditionalGeneration.get_mrope_input_positions(
+            vllm_model, list(request.token_ids),
+            [MultiModalFeatureSpec(data=kwargs_item, modality="video", identifier="v", mm_position=placeholder)])
+        inputs = hf_vl_inputs(request)
+        theirs = hf.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                         video_grid_thw=inputs["video_grid_thw"],
+                                         second_per_grid_ts=inputs["second_per_grid_ts"])[0][:, 0]
+        end = item.placeholder.offset + item.placeholder.length
+        assert torch.equal(ours[:, :end], theirs[:, :end]), (frames, fps)
+        _, h, w = (int(x) for x in inputs["video_grid_thw"][0])
+        start = int(theirs[1, item.placeholder.offset])
+        last_time = int(theirs[0, end - 1])
+        assert theirs[:, end].tolist() == [start + max(h, w) // 2] * 3
+        assert ours[:, end].tolist() == [max(last_time, start + max(h, w) // 2 - 1) + 1] * 3
+
+
+def _vllm_item_builder(model_dir):
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    processor = MULTIMODAL_REGISTRY.create_processor(ModelConfig(model=str(model_dir), dtype="float32"))
+    return MediaConverter.item_builder(processor)
+
+
+@pytest.fixture(scope="module")
+def qwen2_5_vllm_itself(qwen2_5_dir):
+    """vLLM's own LLM on the Qwen2.5-VL, fed raw frames through its own processor (no tito code)."""
+    from vllm import LLM
+
+    llm = LLM(model=str(qwen2_5_dir), dtype="float32", enforce_eager=True, kv_cache_memory_bytes=32 << 20,
+              max_model_len=1024, max_num_seqs=8, generation_config="vllm", limit_mm_per_prompt={"video": 1})
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+
+
+def vllm_own_greedy(llm, hf_tokenizer, frames: int, fps: float, max_tokens: int) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy tokens) of vLLM's own LLM for the chat of `qwen2_5_video_chat`."""
+    from vllm import SamplingParams
+
+    messages = [{"role": "user", "content": [{"type": "text", "text": "A clip:"}, {"type": "video"},
+                                             {"type": "text", "text": "What moves?"}]}]
+    prompt = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    pixels = np.stack([np.asarray(Image.open(io.BytesIO(png(56, 56, seed=50 + frames + k))).convert("RGB"))
+                       for k in range(frames)])
+    metadata = {"fps": fps, "total_num_frames": frames, "frames_indices": list(range(frames)),
+                "duration": frames / fps, "width": 56, "height": 56, "do_sample_frames": False}
+    (output,) = llm.generate({"prompt": prompt, "multi_modal_data": {"video": [(pixels, metadata)]}},
+                             SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False),
+                             use_tqdm=False)
+    return list(output.prompt_token_ids), list(output.outputs[0].token_ids)
+
+
+def test_qwen2_5_vl_videos_through_vllm_equal_vllms_own_processing(qwen2_5, qwen2_5_vllm_itself):
+    """`--backend vllm` on render's video features answers as vLLM does when it decodes and
+    processes the same frames at the same fps itself: same prompt ids, same greedy tokens, alone
+    and together."""
+    renderer, hf, stubs = qwen2_5
+    tokenizer = AutoTokenizer.from_pretrained(hf.name_or_path)
+    requests, expected = [], []
+    for frames, fps in QWEN2_5_VIDEOS:
+        request = render(renderer, *qwen2_5_video_chat(frames, fps), max_tokens=16)
+        prompt_ids, tokens = vllm_own_greedy(qwen2_5_vllm_itself, tokenizer, frames, fps, 16)
+        assert prompt_ids == list(request.token_ids), (frames, fps)
+        if frames == 2:  # one time step: both position rules agree, and so do vLLM and HF
+            assert tokens == hf_vl_greedy(hf, request)
+        requests.append(request)
+        expected.append(tokens)
+    assert [generate(stubs["vllm"], request) for request in requests] == expected
+    with ThreadPoolExecutor(len(requests)) as pool:
+        assert list(pool.map(lambda request: generate(stubs["vllm"], request), requests)) == expected
 
 
 
@@ -266,3 +388,47 @@ def test_kv_events_of_both_backends_key_an_image_block_by_its_mm_hash(stubs, ren
         start = request.mm_features.items[0].placeholder.offset
         # The first block that holds the image says where in it the image starts (vLLM's offset).
         assert offsets[0] == start % block_size, (name, start, found)
+
+
+# --------------------------------------------------------------------------- Gemma3
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    return build_interleaved_vl_model(tmp_path_factory.mktemp("models") / "tiny-gemma3-vllm", vllm_loadable=True)
+
+
+def test_vllms_cpu_build_computes_gemma3_images_causally_so_the_backend_refuses_it(gemma3_dir):
+    """Why `--backend vllm` refuses Gemma3 on CPU (vllm/args.py check_attention): vLLM's own LLM
+    loads the vLLM-loadable tiny Gemma3 and processes the image as HF does (same prompt ids), but
+    answers as HF does with the image's bidirectional attention taken away (no token_type_ids),
+    not as the model does. Fails once vLLM's CPU attention implements the mask: then the backend
+    starts, and its tokens belong beside the native engine's here."""
+    from vllm import LLM, SamplingParams
+    from transformers import AutoProcessor
+
+    prompt = "<|im_start|>user\nLook: <start_of_image> what is it?<|im_end|>\n<|im_start|>assistant\n"
+    picture = Image.open(io.BytesIO(png(64, 64, seed=3))).convert("RGB")
+    inputs = AutoProcessor.from_pretrained(gemma3_dir)(text=prompt, images=[picture], return_tensors="pt")
+    hf = AutoModelForImageTextToText.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
+
+    def hf_generate(**kwargs) -> list[int]:
+        with torch.inference_mode():
+            output = hf.generate(**kwargs, do_sample=False, max_new_tokens=8)
+        return output[0, inputs["input_ids"].shape[1]:].tolist()
+
+    bidirectional = hf_generate(**inputs)
+    causal = hf_generate(**{name: value for name, value in inputs.items() if name != "token_type_ids"})
+    assert bidirectional != causal
+    llm = LLM(model=str(gemma3_dir), dtype="float32", enforce_eager=True, kv_cache_memory_bytes=32 << 20,
+              max_model_len=1024, max_num_seqs=4, generation_config="vllm", limit_mm_per_prompt={"image": 1})
+    try:
+        (output,) = llm.generate({"prompt": prompt, "multi_modal_data": {"image": picture}},
+                                 SamplingParams(temperature=0.0, max_tokens=8, detokenize=False), use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert list(output.prompt_token_ids) == inputs["input_ids"][0].tolist()
+    assert list(output.outputs[0].token_ids) == causal
+    with pytest.raises(ConfigError, match=r"image tokens attend to one another in both directions \(gemma3\)"):
+        VllmEngine(build_engine_args(EngineConfig(backend="vllm", model=str(gemma3_dir), kv_cache_bytes=32 << 20),
+                                     str(gemma3_dir)), gemma3_dir, model_id=str(gemma3_dir))

@@ -616,6 +616,32 @@ def test_interleaved_image_processor_loads_pil_backend(gemma_dir):
     assert -1.0 <= float(out["pixel_values"].min()) and float(out["pixel_values"].max()) <= 1.0
 
 
+def test_the_vllm_loadable_interleaved_variant(build_root, gemma_dir, gemma_tokenizer):
+    """head_dim 64, Gemma3's newline-run tokens (one token per run of 1 to 4, as vLLM's Gemma3
+    processor expects) and the vision weights under Gemma3's published names; tiny-gemma3's
+    first 1016 ids unchanged, and transformers loads the renamed weights as the model's own."""
+    from safetensors import safe_open
+
+    variant = build_interleaved_vl_model(build_root / "gemma3-vllm", vllm_loadable=True)
+    assert _dir_bytes(build_interleaved_vl_model(build_root / "gemma3-vllm-again", vllm_loadable=True)) == \
+        _dir_bytes(variant)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(variant)
+    vocab = tokenizer.get_vocab()
+    assert [vocab["\n" * n] for n in (1, 2, 3, 4)] == [1016, 1017, 1018, 1019]
+    assert {token: vocab[token] for token in gemma_tokenizer.get_vocab()} == gemma_tokenizer.get_vocab()
+    ids = tokenizer.encode("a\n\n\nb\n\n\n\n\n\nc", add_special_tokens=False)
+    assert ids[1] == 1018 and ids[3:5] == [1019, 1017] and tokenizer.decode(ids) == "a\n\n\nb\n\n\n\n\n\nc"
+    config = json.loads((variant / "config.json").read_text())["text_config"]
+    assert (config["head_dim"], config["vocab_size"]) == (64, 1020)
+    with safe_open(variant / "model.safetensors", "pt") as weights:
+        vision = [name for name in weights.keys() if name.startswith("vision_tower.")]
+    assert vision and all(name.startswith("vision_tower.vision_model.") for name in vision)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(variant, dtype=torch.float32)
+    with safe_open(variant / "model.safetensors", "pt") as weights:
+        stored = weights.get_tensor("vision_tower.vision_model.embeddings.patch_embedding.weight")
+    assert torch.equal(model.model.vision_tower.embeddings.patch_embedding.weight, stored)
+
+
 def test_interleaved_image_span_layout():
     span = interleaved_image_span()
     assert span.tokens == ("<start_of_image>",) + ("<image_soft_token>",) * 16 + ("<end_of_image>",)

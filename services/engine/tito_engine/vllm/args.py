@@ -170,9 +170,10 @@ def vllm_kv_budget(config: Any, model_dir: str, dtype: str) -> KVBudget:
                      where=f"after loading the model ({weights / 2**30:.2f} GiB of weights)")
 
 
-def check_can_start(vllm_config: Any, model_dir: str, *, kv_flag_given: bool) -> None:
+def check_can_start(vllm_config: Any, model_dir: str, *, model_id: str, kv_flag_given: bool) -> None:
     """What vLLM's CPU worker would refuse only after loading the model in its own process (or the
-    machine could not hold), refused now as one line naming the tito flag that fixes it."""
+    machine could not hold), or would compute wrongly, refused now as one line naming the fix."""
+    check_attention(vllm_config, model_id)
     cache = vllm_config.cache_config
     if not _on_cpu() or cache.kv_cache_memory_bytes is None:  # GPUs, or vLLM's own sizing: vLLM's checks
         return
@@ -196,6 +197,25 @@ def check_can_start(vllm_config: Any, model_dir: str, *, kv_flag_given: bool) ->
             raise ConfigError(f"--kv-cache-bytes {kv} ({kv / 2**30:.2f} GiB) does not fit in memory: {free / 2**30:.2f} "
                               f"GiB free, {weights / 2**30:.2f} GiB of it for the model's weights; lower "
                               f"--kv-cache-bytes, or leave it out to size the cache from the free memory")
+
+
+def check_attention(vllm_config: Any, model_id: str) -> None:
+    """Refuse a model whose image tokens attend to one another in both directions (vLLM's "mm
+    prefix" models: Gemma3, PaliGemma, ...) where vLLM's attention lacks that mask. vLLM 0.32's CPU
+    attention has none, and its platform (unlike vLLM's GPU backend selection) starts the model
+    anyway and computes such images causally: other tokens than the model's (HF generate, the
+    native engine). Asked of the backend itself, so it lifts once vLLM's CPU attention has the mask."""
+    model_config = vllm_config.model_config
+    if not _on_cpu() or not model_config.is_mm_prefix_lm:
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    if AttentionBackendEnum.CPU_ATTN.get_class().supports_mm_prefix():
+        return
+    raise ConfigError(f"vLLM cannot serve --model {model_id} on CPU: its image tokens attend to one another in both "
+                      f"directions ({model_config.hf_config.model_type}), which vLLM's CPU attention does not "
+                      f"implement (it would compute them causally: other tokens than the model's); serve it with "
+                      f"--backend native")
 
 
 def build_engine_args(config: Any, model_dir: str) -> Any:

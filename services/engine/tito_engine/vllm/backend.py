@@ -116,7 +116,7 @@ class VllmEngine:
             vllm_config = engine_args.create_engine_config()
         except Exception as exc:  # noqa: BLE001 - pydantic, ValueError, OSError: vLLM's config checks
             raise ConfigError(f"vLLM cannot serve --model {model_id}: {_first_reason(exc)}") from exc
-        check_can_start(vllm_config, str(model_dir), kv_flag_given=kv_flag_given)
+        check_can_start(vllm_config, str(model_dir), model_id=model_id, kv_flag_given=kv_flag_given)
         try:
             self._llm = AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
                                  log_requests=engine_args.enable_log_requests,

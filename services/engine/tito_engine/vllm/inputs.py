@@ -130,18 +130,23 @@ class MediaConverter:
     @classmethod
     def for_llm(cls, llm: Any) -> "MediaConverter":
         """The converter of a running AsyncLLM: items laid out by the model's own vLLM processor."""
-        from transformers import BatchFeature
         from vllm.multimodal import MULTIMODAL_REGISTRY
-        from vllm.multimodal.inputs import MultiModalKwargsItems
 
         processor = MULTIMODAL_REGISTRY.create_processor(llm.vllm_config.model_config)
+        return cls(cls.item_builder(processor), llm.renderer.mm_processor_cache)
+
+    @staticmethod
+    def item_builder(processor: Any) -> Callable[[CheckedItem], Any]:
+        """An item's `MultiModalKwargsItem` in the field layout of a vLLM multimodal processor."""
+        from transformers import BatchFeature
+        from vllm.multimodal.inputs import MultiModalKwargsItems
 
         def build_item(item: CheckedItem) -> Any:
             hf_inputs = BatchFeature(item_hf_inputs(item))
             fields = processor._get_mm_fields_config(hf_inputs, {})
             return MultiModalKwargsItems.from_hf_inputs(hf_inputs, fields)[item.modality][0]
 
-        return cls(build_item, llm.renderer.mm_processor_cache)
+        return build_item
 
     def convert(self, items: Sequence[CheckedItem]) -> tuple[dict, dict, dict, int, int]:
         """(kwargs, hashes, placeholders) per modality, and the cache hits and misses."""
