@@ -57,7 +57,7 @@ Eleven models are available:
     video part is an error.
 
     **How the prompt span is built** (what ``Gemma3Processor`` does, and what
-    :func:`expand_image_placeholders` reproduces): in the *text* rendered by the
+    ``expand_image_placeholders`` in the tests' ``interleaved_spans`` reproduces): in the *text* rendered by the
     chat template, each ``<start_of_image>`` (the k-th one is image k) is
     replaced by::
 
@@ -72,8 +72,8 @@ Eleven models are available:
     ``<start_of_image>``, length 18) with ``is_embed`` =
     ``[False] + [True] * 16 + [False]``: exactly the ``<image_soft_token>``
     positions take the image's 16 encoder output rows, in order.
-    :func:`interleaved_image_span` returns that span (tokens, ids, mask) for
-    one image of the processor output, :func:`find_image_spans` locates the
+    The tests' ``interleaved_spans.interleaved_image_span`` returns that span (tokens, ids, mask) for
+    one image of the processor output, ``find_image_spans`` locates the
     spans in tokenized ids.  Gemma3's forward also takes ``token_type_ids`` (1
     exactly at the ``is_embed`` positions, 0 elsewhere): with it, the soft
     tokens of one image attend to each other bidirectionally; without it
@@ -193,7 +193,7 @@ import sys
 import tempfile
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -224,10 +224,6 @@ __all__ = [
     "build_interleaved_vl_tokenizer",
     "INTERLEAVED_VL_CHAT_TEMPLATE",
     "INTERLEAVED_VL_SPECIAL_TOKENS",
-    "ImageSpan",
-    "interleaved_image_span",
-    "expand_image_placeholders",
-    "find_image_spans",
     "ensure_model",
     "main",
 ]

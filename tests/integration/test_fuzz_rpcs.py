@@ -23,7 +23,7 @@ from PIL import Image
 
 from fuzz_requests import byte_cases, field_cases
 from tito.grpc_errors import error_details
-from tito.v1 import (chat_pb2, derender_pb2, derender_pb2_grpc, engine_pb2, engine_pb2_grpc, render_pb2,
+from tito.v1 import (chat_pb2, derender_pb2, engine_pb2, engine_pb2_grpc, render_pb2,
                      render_pb2_grpc)
 from tito_derender.config import DerenderConfig
 from tito_derender.server import create_server as create_derender

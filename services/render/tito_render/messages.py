@@ -11,7 +11,6 @@ template that cannot take the string gets it adapted right before rendering: tem
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any

@@ -27,7 +27,7 @@ ends inside the block (e.g. finish_reason length) has only reasoning. Thinking s
 from __future__ import annotations
 
 from tito_derender.domain import OutputDelta
-from tito_derender.parsers.markers import partial_marker_length, split_at_marker
+from tito_derender.parsers.markers import partial_marker_length
 
 THINK_START = "<think>"
 THINK_END = "</think>"
