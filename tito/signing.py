@@ -10,6 +10,10 @@ canonical across implementations): a domain tag, then every field that decides w
 computes — modality, mm_hash, placeholder (offset, length, is_embed), each kwargs and metadata
 tensor by sorted name (dtype, shape, SHA-256 of the raw bytes), and the EC descriptor. Lengths
 prefix every variable-size part, so no two different items share signed bytes.
+
+Because the bytes come from field values, the functions that read an item take the wire message
+(render signs it) or any object with the same fields (the engine verifies its domain item, whose
+absent placeholder or EC descriptor is None): both give the same bytes.
 """
 
 from __future__ import annotations
@@ -45,35 +49,45 @@ def _tensors(tensors) -> bytes:
     return b"".join(out)
 
 
-def _descriptor_bytes(ec: multimodal_pb2.EncoderCacheDescriptor) -> bytes:
+def _descriptor_bytes(ec) -> bytes:
     return b"".join([_text(ec.store_id), _text(ec.uri), _text(ec.key), struct.pack("<I", ec.dtype),
                      struct.pack("<Q", len(ec.shape)) + struct.pack(f"<{len(ec.shape)}q", *ec.shape),
                      struct.pack("<Q", ec.byte_size), _text(ec.checksum), _text(ec.model_fingerprint)])
 
 
-def signed_bytes(item: multimodal_pb2.MultiModalItem, *, with_descriptor: bool = True) -> bytes:
+def _descriptor_of(item):
+    """The item's EC descriptor, or None: the wire message says by presence, a domain item by None."""
+    if isinstance(item, multimodal_pb2.MultiModalItem):
+        return item.ec_descriptor if item.HasField("ec_descriptor") else None
+    return item.ec_descriptor
+
+
+def signed_bytes(item, *, with_descriptor: bool = True) -> bytes:
     """The canonical bytes an item's tag covers (everything but auth_tag and auth_key_id).
 
     `with_descriptor=False`: the bytes of the item as if it had no EC descriptor (what render
     signed before an engine's signed descriptor was attached, see `verify_item`)."""
-    placeholder = item.placeholder
+    placeholder = item.placeholder  # None (a domain item without one) signs as the wire's default
+    offset, length, is_embed = (placeholder.offset, placeholder.length, placeholder.is_embed) \
+        if placeholder is not None else (0, 0, ())
     parts = [
         _DOMAIN,
         struct.pack("<I", item.modality),
         _text(item.mm_hash),
-        struct.pack("<II", placeholder.offset, placeholder.length),
-        _blob(bytes(bytearray(1 if b else 0 for b in placeholder.is_embed))),
+        struct.pack("<II", offset, length),
+        _blob(bytes(bytearray(1 if b else 0 for b in is_embed))),
         _tensors(item.kwargs),
         _tensors(item.metadata),
     ]
-    if with_descriptor and item.HasField("ec_descriptor"):
-        parts += [b"\x01", _descriptor_bytes(item.ec_descriptor)]
+    descriptor = _descriptor_of(item) if with_descriptor else None
+    if descriptor is not None:
+        parts += [b"\x01", _descriptor_bytes(descriptor)]
     else:
         parts.append(b"\x00")
     return b"".join(parts)
 
 
-def compute_tag(item: multimodal_pb2.MultiModalItem, key: bytes, *, with_descriptor: bool = True) -> bytes:
+def compute_tag(item, key: bytes, *, with_descriptor: bool = True) -> bytes:
     return hmac.new(key, signed_bytes(item, with_descriptor=with_descriptor), hashlib.sha256).digest()
 
 
@@ -83,7 +97,7 @@ def sign_item(item: multimodal_pb2.MultiModalItem, key: bytes, key_id: str = "")
     item.auth_tag = compute_tag(item, key)
 
 
-def verify_item(item: multimodal_pb2.MultiModalItem, keys: dict[str, bytes]) -> bool:
+def verify_item(item, keys: dict[str, bytes]) -> bool:
     """True when the item's tag was made by one of `keys` (by auth_key_id) over its current content.
 
     An item whose EC descriptor carries its own tag (signed by the engine that answered Encode,
@@ -96,11 +110,12 @@ def verify_item(item: multimodal_pb2.MultiModalItem, keys: dict[str, bytes]) -> 
         return False
     if hmac.compare_digest(item.auth_tag, compute_tag(item, key)):
         return True
-    return bool(item.HasField("ec_descriptor") and item.ec_descriptor.auth_tag) and \
+    descriptor = _descriptor_of(item)
+    return bool(descriptor is not None and descriptor.auth_tag) and \
         hmac.compare_digest(item.auth_tag, compute_tag(item, key, with_descriptor=False))
 
 
-def descriptor_tag(descriptor: multimodal_pb2.EncoderCacheDescriptor, key: bytes) -> bytes:
+def descriptor_tag(descriptor, key: bytes) -> bytes:
     return hmac.new(key, _DESCRIPTOR_DOMAIN + _descriptor_bytes(descriptor), hashlib.sha256).digest()
 
 
@@ -110,7 +125,7 @@ def sign_descriptor(descriptor: multimodal_pb2.EncoderCacheDescriptor, key: byte
     descriptor.auth_tag = descriptor_tag(descriptor, key)
 
 
-def verify_descriptor(descriptor: multimodal_pb2.EncoderCacheDescriptor, keys: dict[str, bytes]) -> bool:
+def verify_descriptor(descriptor, keys: dict[str, bytes]) -> bool:
     """True when the descriptor's tag was made by one of `keys` (by auth_key_id) over its fields."""
     key = keys.get(descriptor.auth_key_id)
     if key is None or len(descriptor.auth_tag) != hashlib.sha256().digest_size:

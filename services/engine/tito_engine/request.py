@@ -9,7 +9,10 @@ import enum
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # the shared types sit below the multimodal layer: the name is an annotation only
+    from tito_engine.multimodal.domain import MediaItem
 
 
 class FinishReason(enum.Enum):
@@ -88,8 +91,8 @@ class GenerateInput:
     sampling: RawSamplingParams
     # Modality names of the request's media items, in order (e.g. ["image"]).
     mm_modalities: list[str] = field(default_factory=list)
-    # The wire `MultiModalFeatures` (tito.v1 proto) or None; admission checks it (features.py).
-    mm_features: Any = None
+    # The media items (made from the wire's mm_features at the servicer); admission checks them (features.py).
+    mm_items: tuple[MediaItem, ...] = ()
     # Mixed into prefix-cache keys: requests only share cached prompt blocks with the same salt.
     cache_salt: str = ""
 

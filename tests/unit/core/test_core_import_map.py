@@ -44,7 +44,7 @@ ENGINE_LAYERS = (
 
 #: Layers that must not import torch (or anything that needs it), so either side of a seam can use them.
 TORCH_FREE = ("tito_engine.scheduling", "tito_engine.request", "tito_engine.limits", "tito_engine.model_info",
-              "tito_engine.multimodal.specs")
+              "tito_engine.multimodal.specs", "tito_engine.multimodal.domain")
 
 
 def _module_name(package: str, root: Path, path: Path) -> str:

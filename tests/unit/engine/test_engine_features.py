@@ -22,7 +22,9 @@ from tito.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceE
 from tito_models.tiny import INTERLEAVED_VL_MODEL, TEXT_MODEL, ensure_model
 from tito.v1 import multimodal_pb2, tensor_pb2
 from tito_engine.multimodal.encoder_cache import CacheKey, EncoderCache
-from tito_engine.multimodal.features import FeaturePolicy, content_digest, validate_encode_request, validate_mm_features
+from tito_engine.multimodal import features as admission
+from tito_engine.multimodal.features import FeaturePolicy, content_digest
+from tito_engine.service.convert import descriptor_to_proto, item_from_proto
 from tito_engine.multimodal.specs import multimodal_spec_from_config
 
 Dtype = tensor_pb2.Dtype
@@ -32,6 +34,19 @@ IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 1005, 1006, 1003, 1004
 PATCH_DIM = 3 * 2 * 14 * 14  # in_channels * temporal_patch_size * patch_size**2
 KEY = b"k" * 32
 OPEN = FeaturePolicy()  # signing off
+
+
+def items_of(features: multimodal_pb2.MultiModalFeatures | None):
+    """The wire features as the servicer hands them to admission."""
+    return tuple(item_from_proto(item) for item in features.items) if features is not None else ()
+
+
+def validate_mm_features(token_ids, features, *args):
+    return admission.validate_mm_features(token_ids, items_of(features), *args)
+
+
+def validate_encode_request(features, *args):
+    return admission.validate_encode_request(items_of(features), *args)
 
 
 def hash_of(seed: int) -> str:
@@ -584,7 +599,7 @@ def descriptor_item(spec, cache, *, kwargs=False):
     ids, features = request((1, 4, 4), kwargs=kwargs)
     key = cache.key_for(features.items[0].mm_hash)
     cache.put(key, rows_for())
-    features.items[0].ec_descriptor.CopyFrom(cache.descriptor_for(key))
+    features.items[0].ec_descriptor.CopyFrom(descriptor_to_proto(cache.descriptor_for(key)))
     return ids, features
 
 
@@ -617,7 +632,8 @@ def test_descriptor_pointing_at_another_items_entry_is_rejected(spec, cache):
     ids, features = descriptor_item(spec, cache)
     other = cache.key_for(hash_of(99))
     cache.put(other, rows_for())
-    features.items[0].ec_descriptor.CopyFrom(cache.descriptor_for(other))  # genuine, but for other content
+    # Genuine, but for other content:
+    features.items[0].ec_descriptor.CopyFrom(descriptor_to_proto(cache.descriptor_for(other)))
     rejects(InvalidArgument, "EC_DESCRIPTOR_INVALID", "mm_features.items[0].ec_descriptor.key", ids, features, spec,
             cache=cache)
 
@@ -734,7 +750,7 @@ def test_unsigned_item_with_tensors_is_keyed_by_its_tensors_not_its_claimed_hash
     cache.put(item.cache_key, rows_for(seed=6))
     (again,) = validate_mm_features(ids, features, spec, OPTIONAL, cache).items
     assert torch.equal(again.encoder_rows, rows_for(seed=6))
-    features.items[0].ec_descriptor.CopyFrom(cache.descriptor_for(item.cache_key))
+    features.items[0].ec_descriptor.CopyFrom(descriptor_to_proto(cache.descriptor_for(item.cache_key)))
     (via_descriptor,) = validate_mm_features(ids, features, spec, OPTIONAL, cache).items
     assert torch.equal(via_descriptor.encoder_rows, rows_for(seed=6))
 
@@ -770,7 +786,7 @@ def test_encode_then_generate_with_the_returned_descriptor(spec, cache):
     descriptors = []
     for item in encode.to_encode:  # what the Encode servicer does after running the encoder
         cache.put(item.cache_key, rows_for((1, 4, 4) if item.index == 0 else (1, 6, 8), seed=item.index))
-        descriptors.append(cache.descriptor_for(item.cache_key))
+        descriptors.append(descriptor_to_proto(cache.descriptor_for(item.cache_key)))
     assert not any(item.needs_encoder for item in validate_encode_request(features, spec, OPEN, cache).items)
 
     ids, generate = request((1, 4, 4), (1, 6, 8), kwargs=False)
@@ -943,7 +959,7 @@ def _mutate(ids, features, cache, mutation):
     elif name == "descriptor":
         key = cache.key_for(item.mm_hash if number % 2 else hash_of(number))
         cache.put(key, rows_for((1, 4, 4) if number % 3 else (1, 6, 8)))
-        item.ec_descriptor.CopyFrom(cache.descriptor_for(key))
+        item.ec_descriptor.CopyFrom(descriptor_to_proto(cache.descriptor_for(key)))
         if number % 5 == 0:
             item.ec_descriptor.checksum = "sha256:0"
     elif name == "token":

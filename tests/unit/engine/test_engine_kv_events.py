@@ -201,7 +201,7 @@ def _png(seed: int) -> bytes:
 
 def test_media_requests_share_cached_blocks_by_content_and_events_carry_their_keys(tiny_vl_model):
     from tito.v1 import chat_pb2, render_pb2
-    from tito_engine.service.servicer import generate_input_from_proto
+    from tito_engine.service.convert import generate_input_from_proto
     from tito_render.config import RenderConfig
     from tito_render.model import load_render_model
     from tito_render.renderer import Renderer

@@ -20,7 +20,7 @@ from tito_engine.core.engine import Engine
 from tito_engine.multimodal.features import FeaturePolicy, resolve_cached, validate_mm_features, validate_structure
 from tito_engine.model.runner import KVCacheSpec, ModelRunner
 from tito_engine.service.admission import Admission
-from tito_engine.service.servicer import generate_input_from_proto
+from tito_engine.service.convert import generate_input_from_proto, media_from_proto
 from tito_render.config import RenderConfig
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
@@ -144,7 +144,7 @@ def test_encode_without_an_encoder_cache_is_a_failed_precondition(small_runner, 
     try:
         request = render(renderer, seed=3, words="Encode me", max_tokens=1)
         with pytest.raises(FailedPrecondition) as info:
-            asyncio.run(engine.encode(Admission.for_backend(engine).admit_encode(request.mm_features)))
+            asyncio.run(engine.encode(Admission.for_backend(engine).admit_encode(media_from_proto(request))))
         assert info.value.reason == "ENCODER_CACHE_DISABLED"
         assert len(asyncio.run(_collect(engine, request))) == 1  # generation still works without a cache
     finally:
@@ -156,8 +156,9 @@ def test_encode_returns_descriptors_that_name_the_cached_rows(small_runner, rend
     engine.start()
     try:
         request = render(renderer, seed=4, words="Encode me", max_tokens=1)
-        first = asyncio.run(engine.encode(Admission.for_backend(engine).admit_encode(request.mm_features)))
-        second = asyncio.run(engine.encode(Admission.for_backend(engine).admit_encode(request.mm_features)))  # cached: the same descriptor, a hit
+        items = media_from_proto(request)
+        first = asyncio.run(engine.encode(Admission.for_backend(engine).admit_encode(items)))
+        second = asyncio.run(engine.encode(Admission.for_backend(engine).admit_encode(items)))  # cached: the same descriptor, a hit
         assert first == second and len(first) == 1
         assert first[0].model_fingerprint == small_runner.info.fingerprint
         assert engine.load().encoder_cache_hits >= 1
@@ -178,7 +179,7 @@ def test_an_encoder_failure_fails_only_its_own_call(small_runner, renderer):
             await asyncio.sleep(0.01)
             small_runner.broken_encoder = True
             with pytest.raises(RuntimeError, match="encoder exploded"):
-                await engine.encode(Admission.for_backend(engine).admit_encode(other.mm_features))
+                await engine.encode(Admission.for_backend(engine).admit_encode(media_from_proto(other)))
             with pytest.raises(RuntimeError, match="encoder exploded"):
                 await _collect(engine, other)
             small_runner.broken_encoder = False
@@ -194,10 +195,10 @@ def test_an_encoder_failure_fails_only_its_own_call(small_runner, renderer):
 def test_two_phase_admission_equals_one_call_and_crosses_a_pipe(small_runner, renderer):
     request = render(renderer, seed=5, words="Phases", max_tokens=2)
     spec, policy = small_runner.mm_spec, FeaturePolicy()
-    checked = validate_structure(list(request.token_ids), request.mm_features, spec, policy)
+    checked = validate_structure(list(request.token_ids), media_from_proto(request), spec, policy)
     checked = pickle.loads(pickle.dumps(checked))  # what the server sends the core
     split = resolve_cached(checked, None)
-    whole = validate_mm_features(list(request.token_ids), request.mm_features, spec, policy)
+    whole = validate_mm_features(list(request.token_ids), media_from_proto(request), spec, policy)
     assert [(i.embed_positions, i.grid_thw, i.content_id) for i in split.items] == \
            [(i.embed_positions, i.grid_thw, i.content_id) for i in whole.items]
     assert split.items[0].encoder_inputs["pixel_values"].equal(whole.items[0].encoder_inputs["pixel_values"])

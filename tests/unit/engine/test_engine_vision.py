@@ -1,7 +1,8 @@
 """vision.py against Hugging Face itself (transformers 5.24) on the tiny Qwen2-VL and Gemma3 models.
 
-Each case goes through the engine's own path (proto items -> features.validate_mm_features ->
-vision.encode_items -> build_prefill_embeddings / mrope_positions) and compares with HF's full
+Each case goes through the engine's own path (proto items -> convert.item_from_proto ->
+features.validate_mm_features -> vision.encode_items -> build_prefill_embeddings / mrope_positions)
+and compares with HF's full
 forward (input_ids + pixel values + grid + mm_token_type_ids / token_type_ids) and with
 `model.generate`. The tiny models run a forward in milliseconds.
 """
@@ -21,6 +22,7 @@ from tito.v1 import multimodal_pb2
 from tito_engine.multimodal import vision
 from tito_engine.multimodal.features import FeaturePolicy, validate_mm_features
 from tito_engine.multimodal.specs import multimodal_spec_from_config
+from tito_engine.service.convert import item_from_proto
 
 IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 1005, 1006, 1003, 1004
 BOI, EOI, SOFT = 1013, 1014, 1015
@@ -74,9 +76,13 @@ def qwen_request(media, seed=0):
     return ids, multimodal_pb2.MultiModalFeatures(items=items), pixels
 
 
+def items_of(features):
+    return tuple(item_from_proto(item) for item in features.items)
+
+
 def validated(model, ids, features):
     spec = multimodal_spec_from_config(model.config, "tiny")
-    return list(validate_mm_features(ids, features, spec, FeaturePolicy()).items)
+    return list(validate_mm_features(ids, items_of(features), spec, FeaturePolicy()).items)
 
 
 def hf_inputs(ids, media, pixels, items):
@@ -170,12 +176,12 @@ def test_cached_rows_give_the_same_logits(qwen):
     ids, features, pixels = qwen_request(TWO_IMAGES)
     spec = multimodal_spec_from_config(qwen.config, "tiny")
     cache = EncoderCache(max_bytes=1 << 20, store_id="e", model_fingerprint="tiny")
-    fresh = validate_mm_features(ids, features, spec, FeaturePolicy(), cache).items
+    fresh = validate_mm_features(ids, items_of(features), spec, FeaturePolicy(), cache).items
     for item, rows in zip(fresh, vision.encode_items(qwen, fresh)):
         cache.put(item.cache_key, rows)
     for item in features.items:
         item.ClearField("kwargs")
-    cached = validate_mm_features(ids, features, spec, FeaturePolicy(), cache).items
+    cached = validate_mm_features(ids, items_of(features), spec, FeaturePolicy(), cache).items
     assert not any(item.needs_encoder for item in cached)
     with torch.no_grad():
         expected = qwen(**hf_inputs(ids, TWO_IMAGES, pixels, cached)).logits[0]

@@ -13,6 +13,7 @@ from tito.v1 import multimodal_pb2
 from tito_engine.multimodal.features import CheckedItem, content_digest
 from tito_engine.multimodal.specs import ItemLayout
 from tito_engine.request import FinishReason, SamplingOptions
+from tito_engine.service.convert import item_from_proto
 from tito_engine.vllm.inputs import MediaConverter, OutputConverter, item_hf_inputs, sampling_params
 
 pytestmark = pytest.mark.vllm
@@ -28,7 +29,8 @@ def checked(index: int, *, kwargs: bool = True, trusted: bool = True, is_embed=(
     if kwargs:
         item.kwargs["pixel_values"].CopyFrom(tensors.from_numpy(np.full((16, 8), index, dtype=np.float32)))
         item.kwargs["image_grid_thw"].CopyFrom(tensors.from_numpy(np.array([1, 4, 4], dtype=np.int64)))
-    return CheckedItem(item, f"mm_features.items[{index}]", "image", ItemLayout(4, (1, 4, 4)), (), False, trusted)
+    return CheckedItem(item_from_proto(item), f"mm_features.items[{index}]", "image", ItemLayout(4, (1, 4, 4)), (),
+                       False, trusted)
 
 
 class FakeCache:

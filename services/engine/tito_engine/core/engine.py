@@ -37,6 +37,7 @@ from tito_engine.core.messages import (AbortRequest, AddRequest, CoreLoad, Encod
                                        PrefixCacheReset, ResetPrefixCache, StepBatch)
 from tito_engine.core.engine_core import CoreProcessSpec, ProcessCore, ThreadCore
 from tito_engine.core.seams import CoreHost, CoreRunner
+from tito_engine.multimodal.domain import EncoderCacheDescriptor
 from tito_engine.multimodal.features import CheckedFeatures
 from tito_engine.kv_events import DEFAULT_KV_EVENT_BUFFER, AllBlocksCleared, KvEventLog
 from tito_engine.request import ChoiceOutput, FinishReason, Submission, Usage
@@ -133,14 +134,12 @@ class Engine:
                                    admitted.features or None, arrival_time, admitted.cache_salt))
         return submission
 
-    async def encode(self, checked: CheckedFeatures) -> list[Any]:
+    async def encode(self, checked: CheckedFeatures) -> list[EncoderCacheDescriptor]:
         """The Encode RPC: run the encoder on admitted items, keep the outputs in the encoder
-        cache, return one tito.v1.EncoderCacheDescriptor per item."""
-        from tito.v1 import multimodal_pb2
-
+        cache, return one descriptor per item."""
         result = await self._call(lambda key: EncodeItems(key, checked))
         assert isinstance(result, EncodeResult)
-        return [multimodal_pb2.EncoderCacheDescriptor.FromString(data) for data in result.descriptors]
+        return list(result.descriptors)
 
     async def reset_prefix_cache(self) -> None:
         """Empty the prefix cache; subscribers of kv_events see AllBlocksCleared before this returns."""

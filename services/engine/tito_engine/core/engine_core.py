@@ -48,8 +48,8 @@ from tito_engine.core.messages import (AbortRequest, AddRequest, Command, CoreFa
                                        StepBatch, StopCore)
 from tito import tensors
 from tito.errors import Unavailable
-from tito.v1 import multimodal_pb2
 
+from tito_engine.multimodal.domain import EncoderCacheDescriptor
 from tito_engine.multimodal.encoder_cache import CacheKey, EncoderCache
 from tito_engine.multimodal.encoder_store import EntryCorrupt, EntryMissing, SharedEncoderStore
 from tito_engine.multimodal.items import EC_STORE_UNAVAILABLE, CheckedFeatures, ValidatedFeatures
@@ -299,9 +299,9 @@ class EngineCore:
         for item in validated.items:
             descriptor = self._store_output(item.cache_key) if self.encoder_store is not None else None
             descriptors.append(descriptor if descriptor is not None else cache.descriptor_for(item.cache_key))
-        return EncodeResult(tuple(descriptor.SerializeToString() for descriptor in descriptors))
+        return EncodeResult(tuple(descriptors))
 
-    def _store_output(self, key: CacheKey) -> multimodal_pb2.EncoderCacheDescriptor | None:
+    def _store_output(self, key: CacheKey) -> EncoderCacheDescriptor | None:
         """Write `key`'s cached output to the shared store (kept when there already) and describe
         the entry there; None when it exceeds the store's bound (the local descriptor serves)."""
         store = self.encoder_store
@@ -320,8 +320,8 @@ class EngineCore:
                               f"another replica", reason=EC_STORE_UNAVAILABLE) from None
         if header is None:
             return None
-        return multimodal_pb2.EncoderCacheDescriptor(
-            store_id=store.store_id, uri=store.uri, key=key.text, dtype=header.dtype, shape=list(header.shape),
+        return EncoderCacheDescriptor(
+            store_id=store.store_id, uri=store.uri, key=key.text, dtype=header.dtype, shape=tuple(header.shape),
             byte_size=header.byte_size, checksum=header.checksum, model_fingerprint=header.model_fingerprint)
 
     def _out(self, request: Request, output: Any) -> tuple[int, Any, bool]:

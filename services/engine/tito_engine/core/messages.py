@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tito_engine.kv_events import KvEvent
+from tito_engine.multimodal.domain import EncoderCacheDescriptor
 from tito_engine.multimodal.features import CheckedFeatures
 from tito_engine.model_info import ModelInfo
 from tito_engine.multimodal.specs import ModelMultimodalSpec
@@ -75,9 +76,9 @@ Command = AddRequest | AbortRequest | EncodeItems | ResetPrefixCache | StopCore
 
 @dataclass(frozen=True, slots=True)
 class EncodeResult:
-    """The Encode RPC's answer: one serialized tito.v1.EncoderCacheDescriptor per item."""
+    """The Encode RPC's answer: one descriptor per item (the servicer makes the messages)."""
 
-    descriptors: tuple[bytes, ...]
+    descriptors: tuple[EncoderCacheDescriptor, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,8 @@ import torch
 
 from tito import tensors
 from tito.errors import NotFound
-from tito.v1 import multimodal_pb2
+
+from tito_engine.multimodal.domain import EncoderCacheDescriptor
 
 
 @dataclass(frozen=True)
@@ -129,15 +130,15 @@ class EncoderCache:
             return CacheStats(self._hits, self._misses, len(self._entries), self._bytes, self.max_bytes,
                               self._evictions)
 
-    def descriptor_for(self, key: CacheKey) -> multimodal_pb2.EncoderCacheDescriptor:
+    def descriptor_for(self, key: CacheKey) -> EncoderCacheDescriptor:
         """Where `key`'s output lives, as the Encode RPC returns it; NotFound if it is not cached."""
         with self._lock:
             entry = self._entries.get(key)
         if entry is None:
             raise NotFound(f"no encoder output for mm_hash {key.mm_hash} is cached (it was never encoded "
                            f"or has been evicted)", reason="ENCODER_CACHE_MISS")
-        return multimodal_pb2.EncoderCacheDescriptor(
-            store_id=self.store_id, uri=self.uri, key=key.text, dtype=entry.dtype, shape=list(entry.shape),
+        return EncoderCacheDescriptor(
+            store_id=self.store_id, uri=self.uri, key=key.text, dtype=entry.dtype, shape=tuple(entry.shape),
             byte_size=entry.byte_size, checksum=entry.checksum, model_fingerprint=key.model_fingerprint)
 
     # ------------------------------------------------------------------ writes

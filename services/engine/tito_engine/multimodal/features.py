@@ -3,19 +3,19 @@
 Two phases, because the encoder cache lives in the engine core (a child process) while requests
 arrive in the server process:
 
-* `validate_structure(token_ids, features, spec, policy) -> CheckedFeatures` (rules 1-5, the
+* `validate_structure(token_ids, items, spec, policy) -> CheckedFeatures` (rules 1-5, the
   server process, before anything is sent to the core; `validate_encode_structure` for Encode).
   Its result is picklable and is what the server sends the core.
 * `resolve_cached(checked, cache) -> ValidatedFeatures` (rule 6, in the core at "add", before
   the request is scheduled). Its errors travel back to the caller unchanged (domain errors pickle whole).
 
-`validate_mm_features(token_ids, features, spec, policy, cache)` runs both (Generate;
+`validate_mm_features(token_ids, items, spec, policy, cache)` runs both (Generate;
 `validate_encode_request` is the same minus the prompt, for Encode). Together they turn the wire items into
 `ValidatedItem`s the runner can use without further checks (decoded encoder inputs, integer
 grid, absolute embed positions, and, when the encoder can be skipped, the cached encoder rows
 already pinned), or raises a `tito.errors` exception naming the offending field, e.g.
-`mm_features.items[2].placeholder.offset`. Nothing here imports grpc; the proto message types
-are only read.
+`mm_features.items[2].placeholder.offset`. The items are the servicer's `domain.MediaItem`s
+(service/convert.py made them from the wire message, unchecked); nothing here reads a message.
 
 Rules, in the order they are checked (first violation wins):
 
@@ -55,12 +55,11 @@ from collections.abc import Sequence
 
 from tito import tensors
 from tito.errors import FailedPrecondition, FieldViolation, InvalidArgument, ResourceExhausted
-from tito.v1 import multimodal_pb2
-
+from tito_engine.multimodal.domain import MediaItem
 from tito_engine.multimodal.encoder_cache import EncoderCache
 from tito_engine.multimodal.items import (EC_DESCRIPTOR_INVALID, EC_DESCRIPTOR_STALE, EC_ENTRY_CORRUPT,  # noqa: F401
                                           EC_ENTRY_EVICTED, EC_MODEL_MISMATCH, EC_STORE_UNAVAILABLE, MODALITY_NAMES,
-                                          SIGNATURE_INVALID, CheckedFeatures, CheckedItem, FeaturePolicy,
+                                          MODALITY_UNSPECIFIED, SIGNATURE_INVALID, CheckedFeatures, CheckedItem, FeaturePolicy,
                                           ValidatedFeatures, ValidatedItem)
 from tito_engine.multimodal.resolution import check_encoder_cache_enabled, resolve_cached
 from tito_engine.multimodal.specs import TENSORS_REQUIRED, ItemLayout, ModelMultimodalSpec, tensor_path  # noqa: F401
@@ -71,7 +70,7 @@ _MM_HASH = re.compile(r"[0-9a-f]{16,128}")
 
 def validate_structure(
     token_ids: Sequence[int],
-    features: multimodal_pb2.MultiModalFeatures | None,
+    items: Sequence[MediaItem],
     spec: ModelMultimodalSpec | None,
     policy: FeaturePolicy,
 ) -> CheckedFeatures:
@@ -81,7 +80,6 @@ def validate_structure(
     requests: a stray placeholder token is rejected here). `token_ids` must already be
     validated (non-empty, inside the vocabulary).
     """
-    items = list(features.items) if features is not None else []
     _check_item_count(items, policy)
     checked: list[CheckedItem] = []
     total_bytes = 0
@@ -110,23 +108,23 @@ def validate_structure(
 
 def validate_mm_features(
     token_ids: Sequence[int],
-    features: multimodal_pb2.MultiModalFeatures | None,
+    items: Sequence[MediaItem],
     spec: ModelMultimodalSpec | None,
     policy: FeaturePolicy,
     cache: EncoderCache | None = None,
 ) -> ValidatedFeatures:
-    """Check `features` against the prompt, the model and the policy; see the module docstring.
+    """Check `items` against the prompt, the model and the policy; see the module docstring.
 
     Both phases in one call (`validate_structure` then `resolve_cached`). `cache` is the
     engine's encoder cache (None: the engine keeps none, so only items with kwargs are served).
     """
     if cache is not None and spec is not None and cache.model_fingerprint != spec.model_fingerprint:
         raise ValueError("the encoder cache belongs to another model fingerprint than the spec")
-    return resolve_cached(validate_structure(token_ids, features, spec, policy), cache)
+    return resolve_cached(validate_structure(token_ids, items, spec, policy), cache)
 
 
 def validate_encode_structure(
-    features: multimodal_pb2.MultiModalFeatures | None,
+    items: Sequence[MediaItem],
     spec: ModelMultimodalSpec | None,
     policy: FeaturePolicy,
 ) -> CheckedFeatures:
@@ -135,7 +133,6 @@ def validate_encode_structure(
     Encode has no token ids, so placeholders are not checked (and `embed_positions` is empty).
     Every item must carry kwargs (FAILED_PRECONDITION `MM_TENSORS_REQUIRED` otherwise).
     """
-    items = list(features.items) if features is not None else []
     if not items:
         raise InvalidArgument("mm_features.items must not be empty: nothing to encode", reason="MM_ITEMS_EMPTY",
                               field="mm_features.items")
@@ -161,7 +158,7 @@ def validate_encode_structure(
 
 
 def validate_encode_request(
-    features: multimodal_pb2.MultiModalFeatures | None,
+    items: Sequence[MediaItem],
     spec: ModelMultimodalSpec | None,
     policy: FeaturePolicy,
     cache: EncoderCache | None,
@@ -173,14 +170,14 @@ def validate_encode_request(
     item's `cache_key` and answers `cache.descriptor_for(item.cache_key)` per item.
     """
     check_encoder_cache_enabled(cache)
-    return resolve_cached(validate_encode_structure(features, spec, policy), cache)
+    return resolve_cached(validate_encode_structure(items, spec, policy), cache)
 
 
-def _check_modality(item, spec: ModelMultimodalSpec | None, path: str) -> str:
+def _check_modality(item: MediaItem, spec: ModelMultimodalSpec | None, path: str) -> str:
     name = MODALITY_NAMES.get(item.modality)
     supported = sorted(spec.modalities) if spec is not None else []
     if name is None or name not in supported:
-        what = "an unspecified modality" if item.modality == multimodal_pb2.MODALITY_UNSPECIFIED else \
+        what = "an unspecified modality" if item.modality == MODALITY_UNSPECIFIED else \
             f"{name or item.modality} input"
         raise InvalidArgument(f"{path}.modality: the model does not accept {what} (supported: "
                               f"{', '.join(supported) or 'none: the model is text-only'})",
@@ -188,15 +185,15 @@ def _check_modality(item, spec: ModelMultimodalSpec | None, path: str) -> str:
     return name
 
 
-def _check_hash(item, path: str) -> None:
+def _check_hash(item: MediaItem, path: str) -> None:
     if not _MM_HASH.fullmatch(item.mm_hash):
         shown = item.mm_hash if len(item.mm_hash) <= 40 else item.mm_hash[:40] + "..."
         raise InvalidArgument(f"{path}.mm_hash must be 16-128 lowercase hex digits (render's content hash), "
                               f"got {shown!r}", reason="MM_HASH_INVALID", field=f"{path}.mm_hash")
 
 
-def _check_placeholder(item, num_tokens: int, previous_end: int, path: str) -> tuple[int, ...]:
-    if not item.HasField("placeholder"):
+def _check_placeholder(item: MediaItem, num_tokens: int, previous_end: int, path: str) -> tuple[int, ...]:
+    if item.placeholder is None:
         raise InvalidArgument(f"{path}.placeholder is required: where the item's tokens are in token_ids",
                               reason="MM_PLACEHOLDER_MISSING", field=f"{path}.placeholder")
     offset, length, is_embed = item.placeholder.offset, item.placeholder.length, item.placeholder.is_embed
@@ -223,14 +220,14 @@ def _check_placeholder(item, num_tokens: int, previous_end: int, path: str) -> t
     return tuple(offset + k for k, flag in enumerate(is_embed) if flag)
 
 
-def _check_item_count(items: list, policy: FeaturePolicy) -> None:
+def _check_item_count(items: Sequence[MediaItem], policy: FeaturePolicy) -> None:
     if len(items) > policy.max_items:
         raise ResourceExhausted(f"mm_features has {len(items)} items; this engine accepts at most "
                                 f"{policy.max_items} per request (--max-mm-items)", reason="MM_TOO_MANY_ITEMS",
                                 field="mm_features.items")
 
 
-def _check_tensors(item, policy: FeaturePolicy, bytes_so_far: int, path: str) -> int:
+def _check_tensors(item: MediaItem, policy: FeaturePolicy, bytes_so_far: int, path: str) -> int:
     item_bytes = 0
     for group in ("kwargs", "metadata"):
         for name, tensor in getattr(item, group).items():
@@ -248,7 +245,7 @@ def _check_tensors(item, policy: FeaturePolicy, bytes_so_far: int, path: str) ->
     return item_bytes
 
 
-def _check_embed_layout(item, modality_spec, layout: ItemLayout, embed_positions: tuple[int, ...], path: str) -> None:
+def _check_embed_layout(item: MediaItem, modality_spec, layout: ItemLayout, embed_positions: tuple[int, ...], path: str) -> None:
     field_path = f"{path}.placeholder.is_embed" if item.placeholder.is_embed else f"{path}.placeholder.length"
     if len(embed_positions) != layout.num_rows:
         grid = f" (grid_thw {list(layout.grid_thw)})" if layout.grid_thw else ""

@@ -14,9 +14,12 @@ import torch
 
 from tito.v1 import multimodal_pb2
 
+from tito_engine.multimodal.domain import MediaItem
 from tito_engine.multimodal.encoder_cache import CacheKey
 from tito_engine.multimodal.specs import ItemLayout
 
+# The wire's enum numbers: a domain item keeps its modality as the number (see domain.MediaItem).
+MODALITY_UNSPECIFIED = multimodal_pb2.MODALITY_UNSPECIFIED
 MODALITY_NAMES: dict[int, str] = {
     multimodal_pb2.MODALITY_IMAGE: "image",
     multimodal_pb2.MODALITY_VIDEO: "video",
@@ -108,7 +111,7 @@ class CheckedItem:
     """Phase-1 result for one item: every rule but cache resolution (picklable: it crosses the
     pipe from the server process to the engine core, where the encoder cache lives)."""
 
-    item: multimodal_pb2.MultiModalItem
+    item: MediaItem
     path: str
     modality: str
     layout: ItemLayout

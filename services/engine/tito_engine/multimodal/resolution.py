@@ -9,8 +9,7 @@ import torch
 
 from tito import tensors
 from tito.errors import FailedPrecondition, InvalidArgument, Unavailable
-from tito.v1 import tensor_pb2
-
+from tito_engine.multimodal.domain import EncoderCacheDescriptor, RawTensor
 from tito_engine.multimodal.encoder_cache import CacheEntry, CacheKey, EncoderCache
 from tito_engine.multimodal.encoder_store import EntryCorrupt, EntryMissing, SharedEncoderStore
 from tito_engine.multimodal.items import (EC_DESCRIPTOR_STALE, EC_ENTRY_CORRUPT, EC_ENTRY_EVICTED, EC_MODEL_MISMATCH,
@@ -45,7 +44,7 @@ def _resolve(c: CheckedItem, index: int, cache: EncoderCache | None,
     key = cache.key_for(content_id) if cache is not None and content_id is not None else None
     entry: CacheEntry | None = None
     from_store = False
-    if item.HasField("ec_descriptor"):
+    if item.ec_descriptor is not None:
         if store is not None and item.ec_descriptor.store_id == store.store_id:
             entry, from_store = _resolve_shared_descriptor(c, key, cache, store)
         else:
@@ -59,7 +58,7 @@ def _resolve(c: CheckedItem, index: int, cache: EncoderCache | None,
         if not c.trusted_hash:
             why = ("it is unsigned, and this engine only lets signed items (or items with tensors) use its "
                    "encoder cache")
-        elif item.HasField("ec_descriptor"):
+        elif item.ec_descriptor is not None:
             why = "its EC descriptor's entry is no longer in this engine's encoder cache"
         else:
             why = "its encoder output is not in this engine's encoder cache" + (
@@ -142,14 +141,14 @@ def _resolve_shared_descriptor(c: CheckedItem, key: CacheKey | None, cache: Enco
     return entry, entry is not None
 
 
-def _check_descriptor_fields(ec, entry: CacheEntry, path: str) -> None:
+def _check_descriptor_fields(ec: EncoderCacheDescriptor, entry: CacheEntry, path: str) -> None:
     if ec.dtype != entry.dtype or tuple(ec.shape) != entry.shape or ec.byte_size != entry.byte_size:
         raise forged(path, "shape", f"dtype/shape/byte_size ({ec.dtype}, {list(ec.shape)}, {ec.byte_size}) do "
                                      f"not match the stored entry's")
 
 
 def _load_from_store(c: CheckedItem, key: CacheKey, cache: EncoderCache, store: SharedEncoderStore, *,
-                     quiet: bool, expected=None) -> CacheEntry | None:
+                     quiet: bool, expected: EncoderCacheDescriptor | None = None) -> CacheEntry | None:
     """The store's entry for `key`, loaded into `cache`. `quiet` (a lookup by key, no descriptor):
     None when the store cannot serve it. With a descriptor (`expected`): its refusal, unless the
     item carries kwargs to encode instead (None then)."""
@@ -188,6 +187,5 @@ def _load_from_store(c: CheckedItem, key: CacheKey, cache: EncoderCache, store: 
         raise InvalidArgument(f"{path}: the stored encoder output for this item has shape {list(header.shape)}, "
                               f"but its metadata says {c.layout.num_rows} rows; the hash and metadata disagree",
                               reason="MM_METADATA_MISMATCH", field=f"{path}.metadata")
-    rows = tensors.to_torch(tensor_pb2.Tensor(dtype=header.dtype, shape=list(header.shape), data=data),
-                            field_path).clone()
+    rows = tensors.to_torch(RawTensor(header.dtype, tuple(header.shape), data), field_path).clone()
     return cache.put_verified(key, rows, checksum=header.checksum, dtype=header.dtype, byte_size=header.byte_size)

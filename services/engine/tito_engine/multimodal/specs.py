@@ -14,7 +14,9 @@ from typing import Any, Protocol
 
 from tito import tensors
 from tito.errors import FailedPrecondition, InvalidArgument
-from tito.v1 import multimodal_pb2, tensor_pb2
+from tito.v1 import tensor_pb2
+
+from tito_engine.multimodal.domain import MediaItem, RawTensor
 
 Dtype = tensor_pb2.Dtype
 FLOAT_DTYPES = frozenset({Dtype.DTYPE_FLOAT32, Dtype.DTYPE_FLOAT16, Dtype.DTYPE_BFLOAT16, Dtype.DTYPE_FLOAT64})
@@ -41,13 +43,13 @@ class ModalitySpec(Protocol):
     placeholder_token_id: int
     contiguous_embeds: bool  # M-RoPE models: the embed positions must form one run
 
-    def check_names(self, item: multimodal_pb2.MultiModalItem, path: str) -> None:
+    def check_names(self, item: MediaItem, path: str) -> None:
         """Reject kwargs/metadata names the model does not know."""
 
-    def layout(self, item: multimodal_pb2.MultiModalItem, path: str) -> ItemLayout:
+    def layout(self, item: MediaItem, path: str) -> ItemLayout:
         """Encoder output rows (and grid) from metadata, or kwargs when metadata lacks them."""
 
-    def check_encoder_inputs(self, item: multimodal_pb2.MultiModalItem, layout: ItemLayout, path: str) -> None:
+    def check_encoder_inputs(self, item: MediaItem, layout: ItemLayout, path: str) -> None:
         """The kwargs are present with plausible shapes and dtypes (only called when kwargs exist)."""
 
 
@@ -70,7 +72,7 @@ def tensor_path(path: str, group: str, name: str) -> str:
     return f"{path}.{group}.{name if len(name) <= 64 else name[:64] + '...'}"
 
 
-def _grid_from(tensor: tensor_pb2.Tensor, field_path: str, merge: int) -> tuple[int, int, int]:
+def _grid_from(tensor: RawTensor, field_path: str, merge: int) -> tuple[int, int, int]:
     if tensor.dtype != Dtype.DTYPE_INT64 or list(tensor.shape) not in ([3], [1, 3]):
         raise InvalidArgument(
             f"{field_path} must be an INT64 tensor of shape [3] or [1, 3] (t, h, w), got "
@@ -83,7 +85,7 @@ def _grid_from(tensor: tensor_pb2.Tensor, field_path: str, merge: int) -> tuple[
     return t, h, w
 
 
-def _seconds_from(tensor: tensor_pb2.Tensor, field_path: str) -> float:
+def _seconds_from(tensor: RawTensor, field_path: str) -> float:
     """A positive, finite float32/float64 scalar given as shape [] or [1] (second_per_grid_ts)."""
     itemsize = {Dtype.DTYPE_FLOAT32: 4, Dtype.DTYPE_FLOAT64: 8}.get(tensor.dtype)
     value = None

@@ -45,12 +45,11 @@ import struct
 
 from tito import signing
 from tito.errors import InvalidArgument
-from tito.v1 import multimodal_pb2
-
+from tito_engine.multimodal.domain import MediaItem
 from tito_engine.multimodal.items import EC_DESCRIPTOR_INVALID, SIGNATURE_INVALID, CheckedItem, FeaturePolicy
 
 
-def check_signature(item, policy: FeaturePolicy, path: str) -> bool:
+def check_signature(item: MediaItem, policy: FeaturePolicy, path: str) -> bool:
     """True when the item's tag verified. Without keys, tags cannot be checked and are ignored."""
     if not policy.signing_enabled:
         return False
@@ -69,7 +68,7 @@ def check_signature(item, policy: FeaturePolicy, path: str) -> bool:
                               f"was signed with another key (an EC descriptor added after render signed the item "
                               f"must carry the encoding engine's own auth_tag)", reason=SIGNATURE_INVALID,
                               field=field_path)
-    if item.HasField("ec_descriptor") and item.ec_descriptor.auth_tag \
+    if item.ec_descriptor is not None and item.ec_descriptor.auth_tag \
             and not signing.verify_descriptor(item.ec_descriptor, policy.signing_keys):
         raise forged(path, "auth_tag", "the descriptor's tag does not verify: it was changed after the encoding "
                                         "engine signed it, or signed with a key this engine does not have")
@@ -83,7 +82,7 @@ def forged(path: str, part: str, message: str) -> InvalidArgument:
                            field=field_path)
 
 
-def content_digest(item: multimodal_pb2.MultiModalItem) -> str:
+def content_digest(item: MediaItem) -> str:
     """`tensors-<sha256>` over the item's modality and tensors: a cache key the engine computes itself."""
     digest = hashlib.sha256(b"tito.engine.encoder-input\x00")
     digest.update(struct.pack("<I", item.modality))

@@ -10,12 +10,15 @@ MM_TENSORS_REQUIRED either way), and its own queue limits.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tito import signing
 from tito.errors import ResourceExhausted
 
+from tito_engine.multimodal.domain import EncoderCacheDescriptor, MediaItem
 from tito_engine.multimodal.features import CheckedFeatures, FeaturePolicy, validate_encode_structure, validate_structure
 
 from tito_engine.multimodal.specs import ModelMultimodalSpec
@@ -69,22 +72,22 @@ class Admission:
         options = validate_generate(generate, self.limits)
         self._check_fits_kv_cache(len(generate.token_ids), options.max_tokens, options.n)
         # Also for text-only requests: a stray placeholder token id is refused here.
-        checked = validate_structure(generate.token_ids, generate.mm_features, self.mm_spec, self.policy)
+        checked = validate_structure(generate.token_ids, generate.mm_items, self.mm_spec, self.policy)
         return AdmittedRequest(generate.request_id, list(generate.token_ids), options, checked, generate.cache_salt)
 
-    def admit_encode(self, features: Any) -> CheckedFeatures:
-        """Check an Encode request's items (tito.v1.MultiModalFeatures or None)."""
-        return validate_encode_structure(features, self.mm_spec, self.policy)
+    def admit_encode(self, items: Sequence[MediaItem]) -> CheckedFeatures:
+        """Check an Encode request's items."""
+        return validate_encode_structure(items, self.mm_spec, self.policy)
 
-    def sign_descriptors(self, descriptors: list[Any]) -> list[Any]:
+    def sign_descriptors(self, descriptors: list[EncoderCacheDescriptor]) -> list[EncoderCacheDescriptor]:
         """Encode's descriptors, each tagged with this engine's signing key when it has one
-        (tito.signing.sign_descriptor): an item render signed before it was encoded then carries
+        (tito.signing.descriptor_tag): an item render signed before it was encoded then carries
         the descriptor to any engine holding the same key (see features.py, "Trust model")."""
-        if self.policy.signing_enabled:
-            key_id, key = next(iter(self.policy.signing_keys.items()))
-            for descriptor in descriptors:
-                signing.sign_descriptor(descriptor, key, key_id)
-        return descriptors
+        if not self.policy.signing_enabled:
+            return descriptors
+        key_id, key = next(iter(self.policy.signing_keys.items()))
+        return [dataclasses.replace(d, auth_key_id=key_id, auth_tag=signing.descriptor_tag(d, key))
+                for d in descriptors]
 
     def _check_fits_kv_cache(self, prompt_len: int, max_tokens: int, n: int) -> None:
         """Refuse what could never run even with the whole KV cache to itself (else it would thrash)."""

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Container
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from tito.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 from tito_engine.service.admission import AdmittedRequest, KVCapacity
+from tito_engine.multimodal.domain import EncoderCacheDescriptor
 from tito_engine.multimodal.features import CheckedFeatures
 from tito_engine.multimodal.specs import ModelMultimodalSpec
 from tito_engine.kv_events import KvEventLog
@@ -68,8 +69,8 @@ class EngineBackend(Protocol):
         duplicate live request id, a full queue, a metadata-only item it does not hold.
         """
 
-    async def encode(self, features: CheckedFeatures) -> list[Any]:
-        """Encode admitted items into the encoder cache; one tito.v1.EncoderCacheDescriptor each."""
+    async def encode(self, features: CheckedFeatures) -> list[EncoderCacheDescriptor]:
+        """Encode admitted items into the encoder cache; one descriptor each."""
 
     def abort(self, request_ids: list[str]) -> list[str]:
         """Abort live requests by id (their streams end with ABORT); return the ids found."""

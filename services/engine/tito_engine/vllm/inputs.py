@@ -112,7 +112,7 @@ def placeholder_range(item: CheckedItem) -> Any:
     from vllm.multimodal.inputs import PlaceholderRange
 
     placeholder = item.item.placeholder
-    is_embed = torch.tensor(list(placeholder.is_embed), dtype=torch.bool) if placeholder.is_embed else None
+    is_embed = torch.tensor(placeholder.is_embed, dtype=torch.bool) if placeholder.is_embed else None
     return PlaceholderRange(offset=placeholder.offset, length=placeholder.length, is_embed=is_embed)
 
 

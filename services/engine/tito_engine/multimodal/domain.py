@@ -1,0 +1,71 @@
+"""The media items of a request as the engine's domain code sees them: plain frozen dataclasses,
+made from the wire `tito.v1.MultiModalFeatures` at the servicer (service/convert.py) and never
+turned back, except the EC descriptors Encode answers with.
+
+They keep the wire's values as they came, unchecked: admission (features.py) refuses what is
+wrong, naming the wire field, so a value the proto allows but the engine does not (an unknown
+modality number, a tensor whose bytes do not match its shape) must survive the conversion.
+Torch-free and grpc-free; picklable (a checked item crosses the pipe to the engine core).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class RawTensor:
+    """A `tito.v1.Tensor`'s fields: `tito.tensors` checks and decodes it like the wire message.
+
+    `data` is the one bytes object taken from the message (reading a bytes field of a protobuf
+    message copies it each time, so the domain code reads this instead)."""
+
+    dtype: int  # tito.v1.Dtype number
+    shape: tuple[int, ...]
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Placeholder:
+    """Where an item's tokens are in token_ids; `is_embed` empty: every position takes a row."""
+
+    offset: int
+    length: int
+    is_embed: tuple[bool, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderCacheDescriptor:
+    """Where an item's encoder output lives (an engine's encoder cache or the shared store)."""
+
+    store_id: str
+    uri: str
+    key: str
+    dtype: int  # tito.v1.Dtype number
+    shape: tuple[int, ...]
+    byte_size: int
+    checksum: str
+    model_fingerprint: str
+    auth_tag: bytes = b""  # the encoding engine's HMAC over the fields above (tito.signing)
+    auth_key_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class MediaItem:
+    """One `tito.v1.MultiModalItem`.
+
+    `modality` stays the wire's enum number, not a name: a number the engine does not know is
+    refused by admission with the number in the message, and the HMAC tag and the engine's content
+    digest cover the number. The tag is verified over these fields (tito.signing computes its
+    canonical bytes from field values, never from a serialization), so nothing of the wire
+    message needs to be kept for it."""
+
+    modality: int
+    mm_hash: str
+    placeholder: Placeholder | None  # None: the wire item has none (admission refuses that for Generate)
+    kwargs: Mapping[str, RawTensor] = field(default_factory=dict)
+    metadata: Mapping[str, RawTensor] = field(default_factory=dict)
+    ec_descriptor: EncoderCacheDescriptor | None = None
+    auth_tag: bytes = b""
+    auth_key_id: str = ""
