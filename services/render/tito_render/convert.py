@@ -95,3 +95,19 @@ def completion_response(renderer, request: render_pb2.RenderCompletionRequest,
                         request_id: str = "") -> render_pb2.RenderCompletionResponse:
     """RenderCompletion's answer: `renderer.render_completion`, as the response."""
     return completion_response_to_proto(renderer.render_completion(request, request_id))
+
+
+def tokenize_response(renderer, request: render_pb2.TokenizeRequest) -> render_pb2.TokenizeResponse:
+    tokens = renderer.tokenize(request)
+    response = render_pb2.TokenizeResponse(token_ids=tokens.token_ids)
+    if tokens.token_strings is not None:
+        response.token_strings.extend(tokens.token_strings)
+    return response
+
+
+def model_info_to_proto(renderer) -> render_pb2.RenderServiceGetModelInfoResponse:
+    model = renderer.model
+    return render_pb2.RenderServiceGetModelInfoResponse(
+        model_id=model.model_id, vocab_size=model.vocab_size, tokenizer_vocab_size=model.tokenizer_vocab_size,
+        max_context_length=model.max_context_length, reasoning_parser=model.reasoning_parser,
+        tool_parser=model.tool_parser, has_chat_template=model.has_chat_template, modalities=renderer.modalities())

@@ -70,3 +70,11 @@ class RenderedPrompt:
     thinking_enabled: bool = False
     prompt_opens_reasoning: bool = False
     prompt_text: str | None = None  # the templated text, when the request asked for it
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """A Tokenize answer: the ids, and their vocabulary strings when asked for."""
+
+    token_ids: list[int]
+    token_strings: list[str] | None = None

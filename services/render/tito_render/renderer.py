@@ -23,7 +23,7 @@ from tito.v1 import chat_pb2, multimodal_pb2, render_pb2, sampling_pb2
 
 from tito_render.chat_template import (DEFAULT_TEMPLATE_SECONDS, ChatRenderOptions, ends_inside_reasoning,
                                        render_chat_text)
-from tito_render.domain import RenderedPrompt
+from tito_render.domain import RenderedPrompt, Tokens
 from tito_render.media.cache import CachedImage, ProcessedImageCache
 from tito_render.media.features import TENSORS, Signer, build_item, resolve_payload
 from tito_render.media import video as video_math
@@ -439,23 +439,14 @@ class Renderer:
                               tool_parser=self.model.tool_parser)
 
     # ------------------------------------------------------------- tokenize
-    def tokenize(self, request: render_pb2.TokenizeRequest) -> render_pb2.TokenizeResponse:
+    def tokenize(self, request: render_pb2.TokenizeRequest) -> Tokens:
         self.check_text_length(len(request.text), "text")
         token_ids = self.encoder.encode(request.text, request.add_special_tokens)
-        response = render_pb2.TokenizeResponse(token_ids=token_ids)
-        if request.return_token_strings:
-            response.token_strings.extend(self.model.tokenizer.convert_ids_to_tokens(token_ids))
-        return response
-
-    def model_info(self) -> render_pb2.RenderServiceGetModelInfoResponse:
-        return render_pb2.RenderServiceGetModelInfoResponse(
-            model_id=self.model.model_id, vocab_size=self.model.vocab_size,
-            tokenizer_vocab_size=self.model.tokenizer_vocab_size,
-            max_context_length=self.model.max_context_length, reasoning_parser=self.model.reasoning_parser,
-            tool_parser=self.model.tool_parser, has_chat_template=self.model.has_chat_template,
-            modalities=self.modalities())
+        strings = self.model.tokenizer.convert_ids_to_tokens(token_ids) if request.return_token_strings else None
+        return Tokens(token_ids, strings)
 
     def modalities(self) -> list[int]:
+        """The tito.v1.Modality numbers the model takes."""
         media = self.model.media
         if media is None:
             return []

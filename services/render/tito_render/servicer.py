@@ -14,7 +14,7 @@ from typing import Any
 from tito.logs import bind_request_id, request_id_var
 from tito.v1 import render_pb2_grpc
 
-from tito_render.convert import chat_response, completion_response
+from tito_render.convert import chat_response, completion_response, model_info_to_proto, tokenize_response
 from tito_render.deadline import WATCHDOG
 from tito_render.observe import RenderMetrics
 from tito_render.renderer import Renderer, new_request_id
@@ -101,7 +101,7 @@ class RenderServicer(render_pb2_grpc.RenderServiceServicer):
 
     async def Tokenize(self, request, context):
         started = time.perf_counter()
-        response = await self._run(self._renderer.tokenize, request,
+        response = await self._run(tokenize_response, self._renderer, request,
                                    inline=request.ByteSize() <= INLINE_MAX_REQUEST_BYTES)
         self._rendered("tokenize", started, len(response.token_ids))
         return response
@@ -111,7 +111,7 @@ class RenderServicer(render_pb2_grpc.RenderServiceServicer):
             self._metrics.rendered(kind, started, tokens)
 
     async def GetModelInfo(self, request, context):
-        return self._renderer.model_info()
+        return model_info_to_proto(self._renderer)
 
 
 def add_to_server(servicer: RenderServicer, server) -> None:

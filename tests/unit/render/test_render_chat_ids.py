@@ -14,7 +14,7 @@ from tito.v1 import chat_pb2, render_pb2
 from tito_render.config import RenderConfig
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
-from tito_render.convert import chat_response, completion_response
+from tito_render.convert import chat_response, completion_response, tokenize_response
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +221,7 @@ def test_completion_text_and_ids(renderer):
 
 def test_tokenize(renderer):
     tok = renderer.model.tokenizer
-    response = renderer.tokenize(render_pb2.TokenizeRequest(text="Hello world", return_token_strings=True))
+    response = tokenize_response(renderer, render_pb2.TokenizeRequest(text="Hello world", return_token_strings=True))
     assert list(response.token_ids) == tok("Hello world", add_special_tokens=False)["input_ids"]
     assert list(response.token_strings) == tok.convert_ids_to_tokens(list(response.token_ids))
 

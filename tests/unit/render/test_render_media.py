@@ -19,7 +19,7 @@ from tito_render.config import RenderConfig
 from tito_render.media.features import Signer
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
-from tito_render.convert import chat_response
+from tito_render.convert import chat_response, model_info_to_proto
 
 TENSORS, METADATA, NONE = (multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD_METADATA,
                            multimodal_pb2.MM_PAYLOAD_NONE)
@@ -260,7 +260,7 @@ def test_signed_items_verify_and_tampering_breaks_them(tiny_vl_model):
 
 
 def test_model_info_lists_image_and_video_modalities(qwen):
-    assert list(qwen.model_info().modalities) == [multimodal_pb2.MODALITY_IMAGE, multimodal_pb2.MODALITY_VIDEO]
+    assert list(model_info_to_proto(qwen).modalities) == [multimodal_pb2.MODALITY_IMAGE, multimodal_pb2.MODALITY_VIDEO]
 
 
 # --------------------------------------------------------------------------- Gemma3 (interleaved span)

@@ -25,7 +25,7 @@ from tito_render.media.features import Signer
 from tito_render.media.video import VideoSettings, load_video_settings, patchify, resized_size
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer, RenderLimits
-from tito_render.convert import chat_response
+from tito_render.convert import chat_response, model_info_to_proto
 
 TENSORS, METADATA, NONE = (multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD_METADATA,
                            multimodal_pb2.MM_PAYLOAD_NONE)
@@ -387,7 +387,7 @@ def test_gemma3_video_is_unsupported_modality(tiny_interleaved_vl_model):
     err = render_error(gemma, chat(text_part("see"), video_part(frames_of(2, 30, 30))))
     assert (err.reason, err.field) == ("UNSUPPORTED_MODALITY", "messages[0].content_parts[1].video")
     assert "video" in err.message
-    assert list(gemma.model_info().modalities) == [multimodal_pb2.MODALITY_IMAGE]
+    assert list(model_info_to_proto(gemma).modalities) == [multimodal_pb2.MODALITY_IMAGE]
 
 
 # --------------------------------------------------------------------------- engine side
