@@ -44,6 +44,7 @@ from tito_models.tiny import VL_MODEL
 from tito_render.config import RenderConfig
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
+from tito_render.convert import chat_response
 
 TENSORS, METADATA = multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD_METADATA
 MODES = ("tensors", "metadata+hit", "metadata+descriptors")
@@ -75,7 +76,7 @@ class Bench:
         self.renderer, self.stubs, self.args = renderer, stubs, args
 
     def render(self, images: int, seed: int, payload: int) -> render_pb2.RenderChatResponse:
-        return self.renderer.render_chat(chat_request(images, seed, self.args.size, payload, self.args.max_tokens))
+        return chat_response(self.renderer, chat_request(images, seed, self.args.size, payload, self.args.max_tokens))
 
     async def tensors(self, images: int, seed: int) -> tuple[float, dict, list[int]]:
         start = time.perf_counter()

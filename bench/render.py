@@ -240,6 +240,7 @@ def serve_floor(address: str, model: str, max_model_len: int, with_image: bool) 
     from tito.serving import run_until_signal, start_server
     from tito.v1 import render_pb2_grpc as stubs
     from tito_render.config import RenderConfig
+    from tito_render.convert import chat_response
     from tito_render.model import load_render_model
     from tito_render.renderer import Renderer, RenderLimits
     from tito_render.server import SERVICE_NAME
@@ -254,7 +255,7 @@ def serve_floor(address: str, model: str, max_model_len: int, with_image: bool) 
         requests += [image_request(png, mode) for mode in (multimodal_pb2.MM_PAYLOAD_TENSORS,
                                                            multimodal_pb2.MM_PAYLOAD_METADATA,
                                                            multimodal_pb2.MM_PAYLOAD_NONE)]
-    responses = {_floor_key(request): renderer.render_chat(request) for request in requests}
+    responses = {_floor_key(request): chat_response(renderer, request) for request in requests}
     assert len(responses) == len(requests)
     pid = str(os.getpid())
 

@@ -42,6 +42,7 @@ from tito_models.tiny import VL_MODEL
 from tito_render.config import RenderConfig
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
+from tito_render.convert import chat_response
 
 START_TIMEOUT_S = 600
 SYSTEM = ("You are the assistant of a small travel agency. Answer in two short sentences, friendly and "
@@ -74,7 +75,7 @@ def workload(renderer: Renderer, conversations: int, turns: int, new_tokens: int
                 messages.append(chat_pb2.ChatMessage(role="assistant", content=ANSWER))
                 messages.append(chat_pb2.ChatMessage(role="user", content=f"Question {t} about {city}: what about "
                                                                           f"hotels near the centre, night {t}?"))
-            rendered = renderer.render_chat(render_pb2.RenderChatRequest(
+            rendered = chat_response(renderer, render_pb2.RenderChatRequest(
                 messages=messages, sampling=render_pb2.SamplingOptions(max_tokens=new_tokens, temperature=0.0,
                                                                        ignore_eos=True)))
             requests.append(rendered.generate_request)

@@ -24,6 +24,7 @@ from tito_render.config import RenderConfig
 from tito_render.media.features import Signer
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
+from tito_render.convert import chat_response
 
 from test_engine_multimodal import image, text  # the same request builders
 
@@ -37,7 +38,7 @@ def chat(renderer: Renderer, *parts, payload: int, max_tokens: int = 12) -> rend
     request = render_pb2.RenderChatRequest(
         messages=[chat_pb2.ChatMessage(role="user", content_parts=list(parts))], mm_payload=payload,
         sampling=render_pb2.SamplingOptions(max_tokens=max_tokens, temperature=0.0))
-    return renderer.render_chat(request)
+    return chat_response(renderer, request)
 
 
 def generate(stub, request) -> list[int]:

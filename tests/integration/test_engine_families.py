@@ -24,6 +24,7 @@ from tito_engine.server import create_server
 from tito_render.config import RenderConfig
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
+from tito_render.convert import chat_response
 
 from chat_parts import image, text, video
 
@@ -127,7 +128,7 @@ def test_twelve_prompts_of_different_lengths_batched_equal_hf(text_family):
 
 
 def render(renderer: Renderer, *parts, max_tokens: int = 16) -> engine_pb2.GenerateRequest:
-    return renderer.render_chat(render_pb2.RenderChatRequest(
+    return chat_response(renderer, render_pb2.RenderChatRequest(
         messages=[chat_pb2.ChatMessage(role="user", content_parts=list(parts))],
         sampling=render_pb2.SamplingOptions(max_tokens=max_tokens, temperature=0.0))).generate_request
 

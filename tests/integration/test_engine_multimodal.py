@@ -32,6 +32,7 @@ from tito_render.config import RenderConfig
 from tito_render.media.features import Signer
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
+from tito_render.convert import chat_response
 
 TIMEOUT = 60
 KEY, KEY_ID = b"engine-multimodal-test-key-0123456789", "k1"
@@ -61,7 +62,7 @@ def render(renderer: Renderer, *parts, max_tokens: int = 12, payload: int = TENS
     request = render_pb2.RenderChatRequest(
         messages=[chat_pb2.ChatMessage(role="user", content_parts=list(parts))], mm_payload=payload,
         sampling=render_pb2.SamplingOptions(max_tokens=max_tokens, temperature=0.0))
-    return renderer.render_chat(request).generate_request
+    return chat_response(renderer, request).generate_request
 
 
 def hf_greedy(model, request: engine_pb2.GenerateRequest, features=None) -> list[int]:

@@ -22,6 +22,7 @@ from tito_render.config import RenderConfig
 from tito_render.media.features import Signer
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
+from tito_render.convert import chat_response
 
 import chat_parts
 from chat_parts import image, text
@@ -37,7 +38,7 @@ def video(frames: int, fps: float, seed: int, width: int = 64, height: int = 64)
 
 
 def render(renderer: Renderer, *parts, max_tokens: int = 16, payload: int = TENSORS) -> engine_pb2.GenerateRequest:
-    return renderer.render_chat(render_pb2.RenderChatRequest(
+    return chat_response(renderer, render_pb2.RenderChatRequest(
         messages=[chat_pb2.ChatMessage(role="user", content_parts=list(parts))], mm_payload=payload,
         sampling=render_pb2.SamplingOptions(max_tokens=max_tokens, temperature=0.0))).generate_request
 

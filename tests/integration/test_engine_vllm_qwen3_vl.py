@@ -18,6 +18,7 @@ from tito_render.config import RenderConfig
 from tito_render.media.features import Signer
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
+from tito_render.convert import chat_response
 
 import chat_parts
 from chat_parts import image, text
@@ -41,7 +42,7 @@ def renderer(tiny_qwen3_vl_model) -> Renderer:
 
 def render(renderer: Renderer, *parts, max_tokens: int = 16,
            payload: int = multimodal_pb2.MM_PAYLOAD_TENSORS) -> engine_pb2.GenerateRequest:
-    return renderer.render_chat(render_pb2.RenderChatRequest(
+    return chat_response(renderer, render_pb2.RenderChatRequest(
         messages=[chat_pb2.ChatMessage(role="user", content_parts=list(parts))], mm_payload=payload,
         sampling=render_pb2.SamplingOptions(max_tokens=max_tokens, temperature=0.0))).generate_request
 

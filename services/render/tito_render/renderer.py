@@ -1,7 +1,8 @@
 """Render requests into what the engine and derender need (blocking; call from a worker thread).
 
-request -> validate -> chat template / tokenize -> resolve sampling -> GenerateRequest +
-DerenderContext. Uses protobuf messages (the contract) but no grpc.
+request -> validate -> chat template / tokenize -> resolve sampling -> a `domain.RenderedPrompt`
+(convert.py makes the response: GenerateRequest + DerenderContext). Reads the request messages
+(and resolves sampling into the contract's SamplingParams) but builds no response and knows no grpc.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from dataclasses import dataclass, field
 
 from tito import tracing
 from tito.config import DEFAULT_MAX_MESSAGE_BYTES
-from tito.errors import FieldViolation, InvalidArgument, ResourceExhausted
-from tito.v1 import chat_pb2, derender_pb2, engine_pb2, multimodal_pb2, render_pb2, sampling_pb2
+from tito.errors import FieldViolation, InvalidArgument
+from tito.v1 import chat_pb2, multimodal_pb2, render_pb2, sampling_pb2
 
 from tito_render.chat_template import (DEFAULT_TEMPLATE_SECONDS, ChatRenderOptions, ends_inside_reasoning,
                                        render_chat_text)
+from tito_render.domain import RenderedPrompt, Tokens
 from tito_render.media.cache import CachedImage, ProcessedImageCache
 from tito_render.media.features import TENSORS, Signer, build_item, resolve_payload
 from tito_render.media import video as video_math
@@ -40,9 +42,6 @@ from tito_render.structured import explicit_structured_output, reasoning_start, 
 log = logging.getLogger(__name__)
 
 _MM_PAYLOAD_VALUES = frozenset(multimodal_pb2.MmPayload.values())
-
-#: How many trailing prompt ids seed derender's incremental detokenizer.
-PROMPT_TAIL_TOKENS = 8
 
 
 def new_request_id(given: str) -> str:
@@ -141,25 +140,25 @@ class Renderer:
             if time_remaining is not None else self.limits.max_template_seconds)
 
     def render_chat(self, request: render_pb2.RenderChatRequest, request_id: str = "",
-                    time_remaining: float | None = None) -> render_pb2.RenderChatResponse:
+                    time_remaining: float | None = None) -> RenderedPrompt:
         """`request_id` (when given) overrides the request's own (the servicer assigns one up front);
         `time_remaining` is what is left of the call's deadline (the template stops by then).
 
         Five stages, each its own method: check the chat (`_check_chat`), run the template
         (`_template`), process its media and expand their markers (`_expand_media`), tokenize
-        (`_tokenize`), and build the response (`_chat_response`: media items, sampling, derender's
-        context)."""
+        (`_tokenize`), and gather what the response holds (`_chat_prompt`: media items, sampling,
+        derender's context). The caller checks the response's size once it is built
+        (convert.chat_response_to_proto)."""
         chat = self._check_chat(request, time_remaining)
         text = self._template(chat)
         prompt = self._expand_media(chat, text, request.media_options)
         token_ids = self._tokenize(prompt.text)
-        response = self._chat_response(request, request_id, chat, text, token_ids, prompt)
+        rendered = self._chat_prompt(request, request_id, chat, text, token_ids, prompt)
         if log.isEnabledFor(logging.INFO):
             log.info("rendered chat: %d messages, %d tools, %d images, %d videos (%s), %d prompt tokens, max_tokens %d",
                      len(chat.messages), len(request.tools), len(chat.images), len(chat.videos),
-                     multimodal_pb2.MmPayload.Name(chat.payload), len(token_ids),
-                     response.generate_request.sampling_params.max_tokens)
-        return response
+                     multimodal_pb2.MmPayload.Name(chat.payload), len(token_ids), rendered.sampling.max_tokens)
+        return rendered
 
     def _check_chat(self, request: render_pb2.RenderChatRequest, time_remaining: float | None) -> CheckedChat:
         """Stage 1: everything about the request that can be refused before any work is done."""
@@ -229,38 +228,35 @@ class Renderer:
                                   field="messages")
         return token_ids
 
-    def _chat_response(self, request: render_pb2.RenderChatRequest, request_id: str, chat: CheckedChat, text: str,
-                       token_ids: list[int], prompt: PromptText) -> render_pb2.RenderChatResponse:
-        """Stage 5: the engine's GenerateRequest (ids, media items, sampling, structured output)
-        and derender's context, checked against the response size limit."""
-        # The response is built in place (a message passed to a constructor or to extend() is
-        # copied, tensors included).
-        response = render_pb2.RenderChatResponse()
-        generate_request, context = response.generate_request, response.derender_context
+    def _chat_prompt(self, request: render_pb2.RenderChatRequest, request_id: str, chat: CheckedChat, text: str,
+                     token_ids: list[int], prompt: PromptText) -> RenderedPrompt:
+        """Stage 5: the engine's request (ids, media items, sampling, structured output) and
+        derender's context, as values."""
         media = self.model.media
+        items = []
         if media is not None:
             offsets = locate_spans(token_ids, prompt.processed, media.reserved_token_ids)
-            for p, h, offset in zip(prompt.processed, prompt.hashes, offsets):
-                build_item(p, h, offset, chat.payload, self.signer, into=generate_request.mm_features.items.add())
+            items = [build_item(p, h, offset, chat.payload, self.signer)
+                     for p, h, offset in zip(prompt.processed, prompt.hashes, offsets)]
         self.check_prompt_tokens(len(token_ids), "messages")
         thinking = _thinking_enabled(chat.options, self.model)
         reasoning = reasoning_start(self.model.reasoning_parser, thinking, text)
         constraint = resolve_structured_output(request, chat.tools, chat.tool_choice,
                                                self.model.tool_markup or self.model.tool_parser, reasoning)
-        self._finish(request_id or request.request_id, token_ids, request.sampling, request.cache_salt, "messages",
-                     generate_request, context, constraint)
-        context.tools.extend(request.tools)
-        context.tool_choice.CopyFrom(chat.tool_choice)
-        if keeps_special_tokens_for_tools(context, request.sampling):
-            context.text_options.skip_special_tokens = False
-            generate_request.sampling_params.text_options.skip_special_tokens = False
-        context.thinking_enabled = thinking
-        context.prompt_opens_reasoning = bool(self.model.reasoning_parser) and ends_inside_reasoning(
+        rendered = self._finish(request_id or request.request_id, token_ids, request.sampling, request.cache_salt,
+                                "messages", constraint)
+        rendered.items = items
+        rendered.tools = list(request.tools)
+        rendered.tool_choice = chat.tool_choice
+        if keeps_special_tokens_for_tools(self.model.tool_parser, bool(request.tools), chat.tool_choice,
+                                          request.sampling):
+            rendered.sampling.text_options.skip_special_tokens = False
+        rendered.thinking_enabled = thinking
+        rendered.prompt_opens_reasoning = bool(self.model.reasoning_parser) and ends_inside_reasoning(
             text, THINK_START, THINK_END)
         if request.return_prompt_text:
-            response.prompt_text = text
-        self.check_response_size(response)
-        return response
+            rendered.prompt_text = text
+        return rendered
 
     def _process_images(self, media: MediaAdapter, refs: list[ImageRef], media_options: render_pb2.MediaOptions,
                         payload: int, budget: PixelBudget) -> PromptMedia:
@@ -389,19 +385,8 @@ class Renderer:
                                   f"(--max-prompt-tokens)", reason="PROMPT_TOO_LONG", field=field,
                                   metadata={"limit": "max_prompt_tokens", "max": str(limit)})
 
-    def check_response_size(self, response) -> None:
-        size = response.ByteSize()
-        limit = self.limits.max_response_bytes
-        if size > limit:
-            raise ResourceExhausted(
-                f"the response would be {size} bytes, over the limit max_message_bytes={limit} "
-                f"(--max-message-bytes): ask for mm_payload METADATA or NONE, fewer or smaller images "
-                f"(media_options.max_pixels), or raise the limit", reason="RESPONSE_TOO_LARGE", field="mm_payload",
-                metadata={"limit": "max_message_bytes", "max": str(limit), "size": str(size)})
-
     # ------------------------------------------------------------ completion
-    def render_completion(self, request: render_pb2.RenderCompletionRequest,
-                          request_id: str = "") -> render_pb2.RenderCompletionResponse:
+    def render_completion(self, request: render_pb2.RenderCompletionRequest, request_id: str = "") -> RenderedPrompt:
         has_text, has_ids = request.HasField("prompt"), len(request.prompt_token_ids) > 0
         if has_text == has_ids:
             raise InvalidArgument("set exactly one of prompt and prompt_token_ids", reason="INVALID_PROMPT",
@@ -425,12 +410,8 @@ class Renderer:
             # A raw prompt carries no media items: placeholder tokens in it would point the engine
             # at encoder output that does not exist.
             locate_spans(token_ids, [], self.model.media.reserved_token_ids, field)
-        response = render_pb2.RenderCompletionResponse()
-        self._finish(request_id or request.request_id, token_ids, request.sampling, request.cache_salt, field,
-                     response.generate_request, response.derender_context,
-                     explicit_structured_output(request.sampling))
-        response.derender_context.tool_choice.mode = chat_pb2.TOOL_CHOICE_MODE_NONE  # a raw prompt offers no tools
-        return response
+        return self._finish(request_id or request.request_id, token_ids, request.sampling, request.cache_salt, field,
+                            explicit_structured_output(request.sampling))
 
     def check_token_ids(self, token_ids: list[int], field: str) -> None:
         vocab = self.model.vocab_size
@@ -441,51 +422,31 @@ class Renderer:
 
     # ------------------------------------------------------------ shared tail
     def _finish(self, request_id: str, token_ids: list[int], sampling: render_pb2.SamplingOptions,
-                cache_salt: str, prompt_field: str, generate_request: engine_pb2.GenerateRequest,
-                context: derender_pb2.DerenderContext,
-                structured_output: sampling_pb2.StructuredOutput | None = None) -> None:
-        """Fill `generate_request` and `context` (fresh messages inside the response) in place.
+                cache_salt: str, prompt_field: str,
+                structured_output: sampling_pb2.StructuredOutput | None = None) -> RenderedPrompt:
+        """What a chat and a completion share: the id, the resolved sampling and the parsers.
         `structured_output`: the checked constraint (structured.py), if any."""
-        request_id = new_request_id(request_id)
         params = resolve_sampling(sampling, SamplingLimits(
             prompt_tokens=len(token_ids), max_context_length=self.model.max_context_length,
             vocab_size=self.model.vocab_size, generation_defaults=self.model.generation_defaults,
             prompt_field=prompt_field))
         if self.model.keep_special_tokens and not sampling.HasField("skip_special_tokens"):
             params.text_options.skip_special_tokens = False  # the parsers' markers are special tokens
-        generate_request.request_id = request_id
-        generate_request.token_ids.extend(token_ids)
-        generate_request.sampling_params.CopyFrom(params)
         if structured_output is not None:
-            generate_request.sampling_params.structured_output.CopyFrom(structured_output)
-        generate_request.cache_salt = cache_salt
-        context.request_id = request_id
-        context.prompt_tail_token_ids.extend(token_ids[-PROMPT_TAIL_TOKENS:])
-        context.prompt_tokens = len(token_ids)
-        context.text_options.CopyFrom(params.text_options)
-        context.reasoning_parser = self.model.reasoning_parser
-        context.tool_parser = self.model.tool_parser
-        context.n = params.n
-        context.logprobs = params.logprobs
+            params.structured_output.CopyFrom(structured_output)
+        return RenderedPrompt(request_id=new_request_id(request_id), token_ids=token_ids, sampling=params,
+                              cache_salt=cache_salt, reasoning_parser=self.model.reasoning_parser,
+                              tool_parser=self.model.tool_parser)
 
     # ------------------------------------------------------------- tokenize
-    def tokenize(self, request: render_pb2.TokenizeRequest) -> render_pb2.TokenizeResponse:
+    def tokenize(self, request: render_pb2.TokenizeRequest) -> Tokens:
         self.check_text_length(len(request.text), "text")
         token_ids = self.encoder.encode(request.text, request.add_special_tokens)
-        response = render_pb2.TokenizeResponse(token_ids=token_ids)
-        if request.return_token_strings:
-            response.token_strings.extend(self.model.tokenizer.convert_ids_to_tokens(token_ids))
-        return response
-
-    def model_info(self) -> render_pb2.RenderServiceGetModelInfoResponse:
-        return render_pb2.RenderServiceGetModelInfoResponse(
-            model_id=self.model.model_id, vocab_size=self.model.vocab_size,
-            tokenizer_vocab_size=self.model.tokenizer_vocab_size,
-            max_context_length=self.model.max_context_length, reasoning_parser=self.model.reasoning_parser,
-            tool_parser=self.model.tool_parser, has_chat_template=self.model.has_chat_template,
-            modalities=self.modalities())
+        strings = self.model.tokenizer.convert_ids_to_tokens(token_ids) if request.return_token_strings else None
+        return Tokens(token_ids, strings)
 
     def modalities(self) -> list[int]:
+        """The tito.v1.Modality numbers the model takes."""
         media = self.model.media
         if media is None:
             return []

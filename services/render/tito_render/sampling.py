@@ -18,7 +18,7 @@ from typing import Any
 from tito.contract import INVALID_SAMPLING_PARAMS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, check_sampling_ranges
 from tito.errors import InvalidArgument, Violations
 from tito.parsers import TOOL_PARSERS_NEEDING_SPECIAL_TOKENS
-from tito.v1 import chat_pb2, derender_pb2, render_pb2, sampling_pb2
+from tito.v1 import chat_pb2, render_pb2, sampling_pb2
 
 MAX_N = 128
 
@@ -137,13 +137,13 @@ def resolve_sampling(options: render_pb2.SamplingOptions,
     return params
 
 
-def keeps_special_tokens_for_tools(context: derender_pb2.DerenderContext,
+def keeps_special_tokens_for_tools(tool_parser: str, has_tools: bool, tool_choice: chat_pb2.ToolChoice,
                                    options: render_pb2.SamplingOptions) -> bool:
     """Whether a chat's text must keep special tokens for its tool parser: the parser's markup is
     special tokens (Mistral's [TOOL_CALLS]), derender will parse calls (tools offered, tool_choice
     not none) and the request left skip_special_tokens unset (a request that sets it wins)."""
-    return (context.tool_parser in TOOL_PARSERS_NEEDING_SPECIAL_TOKENS and len(context.tools) > 0
-            and context.tool_choice.mode != chat_pb2.TOOL_CHOICE_MODE_NONE
+    return (tool_parser in TOOL_PARSERS_NEEDING_SPECIAL_TOKENS and has_tools
+            and tool_choice.mode != chat_pb2.TOOL_CHOICE_MODE_NONE
             and not options.HasField("skip_special_tokens"))
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from tito.logs import bind_request_id, request_id_var
 from tito.v1 import render_pb2_grpc
 
+from tito_render.convert import chat_response, completion_response, model_info_to_proto, tokenize_response
 from tito_render.deadline import WATCHDOG
 from tito_render.observe import RenderMetrics
 from tito_render.renderer import Renderer, new_request_id
@@ -84,7 +85,7 @@ class RenderServicer(render_pb2_grpc.RenderServiceServicer):
         inline = (not has_media(request) and not request.HasField("chat_template")
                   and request.ByteSize() <= INLINE_MAX_REQUEST_BYTES)
         started = time.perf_counter()
-        response = await self._run(self._renderer.render_chat, request, request_id, context.time_remaining(),
+        response = await self._run(chat_response, self._renderer, request, request_id, context.time_remaining(),
                                    inline=inline)
         self._rendered("chat", started, len(response.generate_request.token_ids))
         return response
@@ -93,14 +94,14 @@ class RenderServicer(render_pb2_grpc.RenderServiceServicer):
         self._mark_worker(context)
         request_id = self._request_id(request)
         started = time.perf_counter()
-        response = await self._run(self._renderer.render_completion, request, request_id,
+        response = await self._run(completion_response, self._renderer, request, request_id,
                                    inline=request.ByteSize() <= INLINE_MAX_REQUEST_BYTES)
         self._rendered("completion", started, len(response.generate_request.token_ids))
         return response
 
     async def Tokenize(self, request, context):
         started = time.perf_counter()
-        response = await self._run(self._renderer.tokenize, request,
+        response = await self._run(tokenize_response, self._renderer, request,
                                    inline=request.ByteSize() <= INLINE_MAX_REQUEST_BYTES)
         self._rendered("tokenize", started, len(response.token_ids))
         return response
@@ -110,7 +111,7 @@ class RenderServicer(render_pb2_grpc.RenderServiceServicer):
             self._metrics.rendered(kind, started, tokens)
 
     async def GetModelInfo(self, request, context):
-        return self._renderer.model_info()
+        return model_info_to_proto(self._renderer)
 
 
 def add_to_server(servicer: RenderServicer, server) -> None:

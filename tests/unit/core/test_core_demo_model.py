@@ -13,6 +13,7 @@ from google.protobuf import json_format
 from tito_models import demo
 from tito_models.paths import TINY_MODELS, resolve_model
 from tito.v1 import chat_pb2, render_pb2
+from tito_render.convert import chat_response
 
 
 def _file_hashes(directory) -> dict[str, str]:
@@ -84,7 +85,7 @@ def test_training_ids_are_the_ids_render_sends(renderer):
     assert len(kinds) >= 6  # images, tools, tool-result turns, thinking on and off
     for chat in chats:
         example = demo.encode(chat, model.tokenizer, image_processor)
-        rendered = renderer.render_chat(_render_request(chat))
+        rendered = chat_response(renderer, _render_request(chat))
         assert list(rendered.generate_request.token_ids) == example.token_ids[:example.prompt_length]
     assert model.reasoning_parser == "qwen3" and model.tool_parser == "hermes"
 

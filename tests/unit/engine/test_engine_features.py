@@ -674,6 +674,20 @@ def test_policy_requiring_signatures_needs_keys():
         FeaturePolicy(require_signed_features=True)
 
 
+def test_the_domain_item_has_the_wire_items_signed_bytes(cache):
+    """The servicer's conversion keeps every field the tag covers: the same canonical bytes."""
+    item = image_item(3)
+    item.placeholder.is_embed.extend([True, False, True, True])
+    key = cache.key_for(item.mm_hash)
+    cache.put(key, rows_for())
+    item.ec_descriptor.CopyFrom(descriptor_to_proto(cache.descriptor_for(key)))
+    for with_descriptor in (True, False):
+        assert signing.signed_bytes(item_from_proto(item), with_descriptor=with_descriptor) == \
+            signing.signed_bytes(item, with_descriptor=with_descriptor)
+    bare = multimodal_pb2.MultiModalItem(mm_hash=hash_of(1))  # no placeholder: signs as the wire's default
+    assert signing.signed_bytes(item_from_proto(bare)) == signing.signed_bytes(bare)
+
+
 def test_signed_items_verify(spec):
     ids, features = request((1, 4, 4), (1, 6, 8))
     signed(features)

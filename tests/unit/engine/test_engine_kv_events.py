@@ -16,6 +16,7 @@ from tito_engine.model.runner import KVCacheSpec, ModelRunner
 from tito_engine.request import GenerateInput, RawSamplingParams
 from tito_engine.scheduling.blocks import BlockMedia, block_extra_keys, prefix_block_hashes
 from tito_engine.service.admission import Admission
+from tito_render.convert import chat_response
 
 BLOCK = 4
 
@@ -215,7 +216,7 @@ def test_media_requests_share_cached_blocks_by_content_and_events_carry_their_ke
                 chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=_png(seed))),
                 chat_pb2.ContentPart(text="and a question after it")])],
             sampling=render_pb2.SamplingOptions(max_tokens=4, temperature=0.0, ignore_eos=True))
-        generate_request = renderer.render_chat(request).generate_request
+        generate_request = chat_response(renderer, request).generate_request
         generate_request.cache_salt = salt
         return generate_request
 

@@ -24,6 +24,7 @@ from tito_engine.service.convert import generate_input_from_proto, media_from_pr
 from tito_render.config import RenderConfig
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
+from tito_render.convert import chat_response
 
 
 def png(width: int, height: int, seed: int) -> bytes:
@@ -45,7 +46,7 @@ def render(renderer, seed: int, words: str, max_tokens: int, payload=multimodal_
             chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=png(56, 56, seed)))])],
         mm_payload=payload,
         sampling=render_pb2.SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    return renderer.render_chat(request).generate_request
+    return chat_response(renderer, request).generate_request
 
 
 class CountingRunner(ModelRunner):

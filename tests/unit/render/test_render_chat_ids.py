@@ -14,6 +14,7 @@ from tito.v1 import chat_pb2, render_pb2
 from tito_render.config import RenderConfig
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
+from tito_render.convert import chat_response, completion_response, tokenize_response
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +135,7 @@ def test_ids_equal_apply_chat_template(renderer, name):
         request.add_generation_prompt = case["add_generation_prompt"]
     if kwargs:
         request.chat_template_kwargs.CopyFrom(struct(kwargs))
-    response = renderer.render_chat(request)
+    response = chat_response(renderer, request)
     assert list(response.generate_request.token_ids) == expected_ids
     assert response.derender_context.prompt_tokens == len(expected_ids)
     assert list(response.derender_context.prompt_tail_token_ids) == expected_ids[-8:]
@@ -145,21 +146,21 @@ def test_string_arguments_are_kept_verbatim(renderer):
     """An OpenAI JSON-string `arguments` reaches the template as that same string."""
     args = '{"city":"Paris"}'  # compact spacing: re-serialising a parsed dict would change it
     messages = [msg("user", "w?"), msg("assistant", "", tool_calls=[call("get_weather", args)])]
-    response = renderer.render_chat(render_pb2.RenderChatRequest(
+    response = chat_response(renderer, render_pb2.RenderChatRequest(
         messages=[to_proto_message(m) for m in messages], add_generation_prompt=False, return_prompt_text=True))
     assert '"arguments": {"city":"Paris"}}' in response.prompt_text
 
 
 def test_struct_keys_are_sorted(renderer):
     tool = to_proto_tool({"type": "function", "function": {"name": "f", "parameters": {"z": 1, "a": {"y": 2, "b": 3}}}})
-    response = renderer.render_chat(render_pb2.RenderChatRequest(
+    response = chat_response(renderer, render_pb2.RenderChatRequest(
         messages=[to_proto_message(msg("user", "x"))], tools=[tool], return_prompt_text=True))
     assert '"parameters": {"a": {"b": 3, "y": 2}, "z": 1}' in response.prompt_text
 
 
 def test_object_arguments_keep_integers(renderer):
     messages = [msg("user", "add"), msg("assistant", "", tool_calls=[call("add", {"a": 2, "b": 0.5})])]
-    response = renderer.render_chat(render_pb2.RenderChatRequest(
+    response = chat_response(renderer, render_pb2.RenderChatRequest(
         messages=[to_proto_message(m) for m in messages], add_generation_prompt=False, return_prompt_text=True))
     assert json.dumps({"a": 2, "b": 0.5}) in response.prompt_text
 
@@ -171,7 +172,7 @@ def test_derender_context_for_chat(renderer):
     request.sampling.stop.append("END")
     request.sampling.n = 2
     request.sampling.logprobs = True
-    ctx = renderer.render_chat(request).derender_context
+    ctx = chat_response(renderer, request).derender_context
     assert ctx.request_id == "req-1"
     assert (ctx.reasoning_parser, ctx.tool_parser) == ("qwen3", "hermes")
     assert ctx.tool_choice.mode == chat_pb2.TOOL_CHOICE_MODE_AUTO
@@ -184,14 +185,14 @@ def test_derender_context_for_chat(renderer):
 def test_thinking_flags_follow_template_kwargs(renderer):
     request = render_pb2.RenderChatRequest(messages=[to_proto_message(msg("user", "hi"))])
     request.chat_template_kwargs.CopyFrom(struct({"enable_thinking": False}))
-    assert not renderer.render_chat(request).derender_context.thinking_enabled
+    assert not chat_response(renderer, request).derender_context.thinking_enabled
 
 
 def test_prompt_opening_reasoning_is_detected(renderer):
     template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
     request = render_pb2.RenderChatRequest(messages=[to_proto_message(msg("user", "hi"))], chat_template=template)
-    response = renderer.render_chat(request)
+    response = chat_response(renderer, request)
     assert response.derender_context.prompt_opens_reasoning
     expected = renderer.model.tokenizer.apply_chat_template(
         [msg("user", "hi")], chat_template=template, add_generation_prompt=True, tokenize=True)["input_ids"]
@@ -199,7 +200,7 @@ def test_prompt_opening_reasoning_is_detected(renderer):
 
 
 def test_request_id_generated_when_empty(renderer):
-    response = renderer.render_chat(render_pb2.RenderChatRequest(messages=[to_proto_message(msg("user", "x"))]))
+    response = chat_response(renderer, render_pb2.RenderChatRequest(messages=[to_proto_message(msg("user", "x"))]))
     rid = response.generate_request.request_id
     assert len(rid) == 32 and int(rid, 16) >= 0
     assert response.derender_context.request_id == rid
@@ -208,10 +209,10 @@ def test_request_id_generated_when_empty(renderer):
 
 def test_completion_text_and_ids(renderer):
     tok = renderer.model.tokenizer
-    text = renderer.render_completion(render_pb2.RenderCompletionRequest(prompt="Once upon a time"))
+    text = completion_response(renderer, render_pb2.RenderCompletionRequest(prompt="Once upon a time"))
     assert list(text.generate_request.token_ids) == tok("Once upon a time")["input_ids"]
     assert text.derender_context.tool_choice.mode == chat_pb2.TOOL_CHOICE_MODE_NONE
-    ids = renderer.render_completion(render_pb2.RenderCompletionRequest(prompt_token_ids=[5, 6, 7],
+    ids = completion_response(renderer, render_pb2.RenderCompletionRequest(prompt_token_ids=[5, 6, 7],
                                                                         cache_salt="s"))
     assert list(ids.generate_request.token_ids) == [5, 6, 7]
     assert ids.generate_request.cache_salt == "s"
@@ -220,17 +221,17 @@ def test_completion_text_and_ids(renderer):
 
 def test_tokenize(renderer):
     tok = renderer.model.tokenizer
-    response = renderer.tokenize(render_pb2.TokenizeRequest(text="Hello world", return_token_strings=True))
+    response = tokenize_response(renderer, render_pb2.TokenizeRequest(text="Hello world", return_token_strings=True))
     assert list(response.token_ids) == tok("Hello world", add_special_tokens=False)["input_ids"]
     assert list(response.token_strings) == tok.convert_ids_to_tokens(list(response.token_ids))
 
 
 def test_named_and_required_tool_choice_pass_through(renderer):
     base = dict(messages=[to_proto_message(msg("user", "w?"))], tools=[to_proto_tool(WEATHER_TOOL)])
-    named = renderer.render_chat(render_pb2.RenderChatRequest(
+    named = chat_response(renderer, render_pb2.RenderChatRequest(
         tool_choice=chat_pb2.ToolChoice(function_name="get_weather"), **base)).derender_context
     assert named.tool_choice.function_name == "get_weather"
-    required = renderer.render_chat(render_pb2.RenderChatRequest(
+    required = chat_response(renderer, render_pb2.RenderChatRequest(
         tool_choice=chat_pb2.ToolChoice(mode=chat_pb2.TOOL_CHOICE_MODE_REQUIRED), **base)).derender_context
     assert required.tool_choice.mode == chat_pb2.TOOL_CHOICE_MODE_REQUIRED
 
@@ -246,4 +247,4 @@ def test_any_text_chat_matches_apply_chat_template(renderer, turns, thinking):
     request = render_pb2.RenderChatRequest(messages=[to_proto_message(m) for m in messages])
     if kwargs:
         request.chat_template_kwargs.CopyFrom(struct(kwargs))
-    assert list(renderer.render_chat(request).generate_request.token_ids) == list(expected)
+    assert list(chat_response(renderer, request).generate_request.token_ids) == list(expected)

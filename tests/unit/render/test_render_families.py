@@ -25,6 +25,7 @@ from tito_render.config import RenderConfig
 from tito_render.model import detect_parsers, load_render_model
 from tito_render.renderer import Renderer
 from tito_render.templates import chat_template
+from tito_render.convert import chat_response
 from hf_reference import hf_of
 
 # gpt-oss's template prints every parameter's description: give each one.
@@ -131,7 +132,7 @@ def test_render_detects_the_familys_parsers(family):
 def test_chat_with_tools_call_and_result_renders_as_the_real_template(family, add_generation_prompt):
     name, _, renderer = family
     messages = chat(name)
-    response = renderer.render_chat(request(messages, add_generation_prompt))
+    response = chat_response(renderer, request(messages, add_generation_prompt))
     expected = reference_text(name, renderer.model.tokenizer, messages, add_generation_prompt)
     assert response.prompt_text == expected
     assert list(response.generate_request.token_ids) == renderer.model.tokenizer.encode(
@@ -143,7 +144,7 @@ def test_a_requests_own_skip_special_tokens_wins(family):
     name, _, renderer = family
     chat_request = request(chat(name))
     chat_request.sampling.skip_special_tokens = not FAMILIES[name][2]
-    response = renderer.render_chat(chat_request)
+    response = chat_response(renderer, chat_request)
     assert response.derender_context.text_options.skip_special_tokens is (not FAMILIES[name][2])
 
 
@@ -153,7 +154,7 @@ def test_assistant_turn_parses_back_into_the_same_call(family):
     name, directory, renderer = family
     _, _, _, call_id, turn = FAMILIES[name]
     messages = chat(name, with_result=False)
-    prompt = renderer.render_chat(request(messages[:-1]))
+    prompt = chat_response(renderer, request(messages[:-1]))
     full = reference_text(name, renderer.model.tokenizer, messages, add_generation_prompt=False)
     if name == "deepseek_r1":
         # R1's prompt opens <think> and its history drops reasoning: the model writes its

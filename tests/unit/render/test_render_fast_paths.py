@@ -24,6 +24,7 @@ from tito_render.media.loader import to_rgb
 from tito_render.messages import struct_to_dict
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer, RenderLimits
+from tito_render.convert import chat_response
 
 
 @pytest.fixture(scope="module")
@@ -144,10 +145,10 @@ def test_no_cache_key_without_a_cache(tiny_vl_model, monkeypatch):
     noise(40, 30, "RGB").save(buffer, "PNG")
     request = render_pb2.RenderChatRequest(messages=[chat_pb2.ChatMessage(role="user", content_parts=[
         chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=buffer.getvalue()))])])
-    expected = renderer.render_chat(request, "r")
+    expected = chat_response(renderer, request, "r")
 
     def refuse(*args, **kwargs):
         raise AssertionError("the cache key was computed with the cache off")
 
     monkeypatch.setattr(ProcessedImageCache, "key", staticmethod(refuse))
-    assert renderer.render_chat(request, "r") == expected
+    assert chat_response(renderer, request, "r") == expected

@@ -19,6 +19,7 @@ from tito_render.config import RenderConfig
 from tito_render.media.features import Signer
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
+from tito_render.convert import chat_response, model_info_to_proto
 
 TENSORS, METADATA, NONE = (multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD_METADATA,
                            multimodal_pb2.MM_PAYLOAD_NONE)
@@ -92,7 +93,7 @@ def test_qwen_ids_and_pixels_equal_hf_processor(qwen, sizes):
     for image in images:
         parts += [image_part(encode(image)), text_part(" and")]
         dict_parts += [{"type": "image"}, {"type": "text", "text": " and"}]
-    response = qwen.render_chat(chat(*parts))
+    response = chat_response(qwen, chat(*parts))
     ids, pixel_values, grids = hf_qwen_path(qwen, [{"role": "user", "content": dict_parts}], images)
 
     token_ids = list(response.generate_request.token_ids)
@@ -151,7 +152,7 @@ def test_qwen_multi_turn_chat_with_images_and_tools_equals_hf(qwen):
             chat_pb2.ChatMessage(role="assistant", content="This is Oslo.", reasoning_content="The tool said so."),
             chat_pb2.ChatMessage(role="user", content_parts=[text_part("And this one?"), image_part(encode(second))]),
         ])
-    response = qwen.render_chat(request)
+    response = chat_response(qwen, request)
     assert list(response.generate_request.token_ids) == list(expected)
     rows = np.concatenate([to_numpy(i.kwargs["pixel_values"]) for i in response.generate_request.mm_features.items])
     assert rows.tobytes() == out["pixel_values"].tobytes()
@@ -162,7 +163,7 @@ def test_qwen_rgba_and_palette_images_match_hf(qwen):
     rgba = picture(120, 90, seed=3, mode="RGBA")
     palette = picture(64, 64, seed=4).convert("P")
     for image in (rgba, palette):
-        response = qwen.render_chat(chat(image_part(encode(image))))
+        response = chat_response(qwen, chat(image_part(encode(image))))
         ids, pixel_values, _ = hf_qwen_path(qwen, [{"role": "user", "content": [{"type": "image"}]}], [image])
         assert list(response.generate_request.token_ids) == list(ids)
         item = response.generate_request.mm_features.items[0]
@@ -174,7 +175,7 @@ def test_payload_modes(qwen):
     responses = {}
     for mode in (multimodal_pb2.MM_PAYLOAD_UNSPECIFIED, TENSORS, METADATA, NONE):
         request.mm_payload = mode
-        responses[mode] = qwen.render_chat(request)
+        responses[mode] = chat_response(qwen, request)
     full = responses[TENSORS].generate_request
     assert responses[multimodal_pb2.MM_PAYLOAD_UNSPECIFIED].generate_request == full
     for mode in (METADATA, NONE):
@@ -206,10 +207,10 @@ def test_qwen_metadata_grid_without_pixels_equals_processor(qwen, size, max_pixe
 
 def test_media_options_max_pixels_changes_tensors_and_hash(qwen):
     data = encode(picture(1920, 1080))
-    base = qwen.render_chat(chat(image_part(data))).generate_request.mm_features.items[0]
+    base = chat_response(qwen, chat(image_part(data))).generate_request.mm_features.items[0]
     small_request = chat(image_part(data))
     small_request.media_options.max_pixels = 28 * 28 * 8
-    small = qwen.render_chat(small_request).generate_request.mm_features.items[0]
+    small = chat_response(qwen, small_request).generate_request.mm_features.items[0]
     assert small.placeholder.length < base.placeholder.length
     assert to_numpy(small.kwargs["pixel_values"]).shape[0] == int(np.prod(to_numpy(small.metadata["image_grid_thw"])))
     assert small.mm_hash != base.mm_hash
@@ -217,7 +218,7 @@ def test_media_options_max_pixels_changes_tensors_and_hash(qwen):
     default_request = chat(image_part(data))
     default_request.media_options.max_pixels = qwen.model.media.image_processor.size["longest_edge"]
     default_request.media_options.processor_kwargs.update({"resample": 3})
-    same = qwen.render_chat(default_request).generate_request.mm_features.items[0]
+    same = chat_response(qwen, default_request).generate_request.mm_features.items[0]
     assert same.mm_hash == base.mm_hash and same.kwargs == base.kwargs
 
 
@@ -228,17 +229,17 @@ def test_hash_is_of_pixels_not_encoding(qwen):
     data_url = "data:image/webp;base64," + base64.b64encode(webp).decode()
     hashes = set()
     for part in (image_part(png), image_part(webp), chat_pb2.ContentPart(image=chat_pb2.ImageSource(url=data_url))):
-        hashes.add(qwen.render_chat(chat(part)).generate_request.mm_features.items[0].mm_hash)
+        hashes.add(chat_response(qwen, chat(part)).generate_request.mm_features.items[0].mm_hash)
     assert len(hashes) == 1
-    other = qwen.render_chat(chat(image_part(encode(picture(200, 150, seed=8)))))
+    other = chat_response(qwen, chat(image_part(encode(picture(200, 150, seed=8)))))
     assert other.generate_request.mm_features.items[0].mm_hash not in hashes
-    lossy = qwen.render_chat(chat(image_part(encode(image, "JPEG", quality=80))))
+    lossy = chat_response(qwen, chat(image_part(encode(image, "JPEG", quality=80))))
     assert lossy.generate_request.mm_features.items[0].mm_hash not in hashes  # different pixels
 
 
 def test_two_identical_images_share_a_hash_and_get_distinct_spans(qwen):
     data = encode(picture(64, 64))
-    items = qwen.render_chat(chat(image_part(data), text_part("vs"), image_part(data))).generate_request \
+    items = chat_response(qwen, chat(image_part(data), text_part("vs"), image_part(data))).generate_request \
         .mm_features.items
     assert items[0].mm_hash == items[1].mm_hash
     assert items[0].placeholder.offset + items[0].placeholder.length < items[1].placeholder.offset
@@ -248,7 +249,7 @@ def test_signed_items_verify_and_tampering_breaks_them(tiny_vl_model):
     key = b"k" * 32
     renderer = Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))), signer=Signer(key, "key-1"))
     for mode in (TENSORS, METADATA, NONE):
-        item = renderer.render_chat(chat(image_part(encode(picture(90, 90))), mm_payload=mode)) \
+        item = chat_response(renderer, chat(image_part(encode(picture(90, 90))), mm_payload=mode)) \
             .generate_request.mm_features.items[0]
         assert item.auth_key_id == "key-1" and len(item.auth_tag) == 32
         assert signing.verify_item(item, {"key-1": key})
@@ -259,7 +260,7 @@ def test_signed_items_verify_and_tampering_breaks_them(tiny_vl_model):
 
 
 def test_model_info_lists_image_and_video_modalities(qwen):
-    assert list(qwen.model_info().modalities) == [multimodal_pb2.MODALITY_IMAGE, multimodal_pb2.MODALITY_VIDEO]
+    assert list(model_info_to_proto(qwen).modalities) == [multimodal_pb2.MODALITY_IMAGE, multimodal_pb2.MODALITY_VIDEO]
 
 
 # --------------------------------------------------------------------------- Gemma3 (interleaved span)
@@ -272,7 +273,7 @@ def test_gemma3_ids_pixels_and_is_embed_equal_processor(gemma, gemma_model):
     images = [picture(80, 50, seed=1), picture(300, 300, seed=2)]
     request = chat(text_part("look"), image_part(encode(images[0])), text_part("and"),
                    image_part(encode(images[1])), text_part("hi"))
-    response = gemma.render_chat(request)
+    response = chat_response(gemma, request)
     text = gemma.model.tokenizer.apply_chat_template(
         [{"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image"},
                                       {"type": "text", "text": "and"}, {"type": "image"},
@@ -302,11 +303,11 @@ def test_gemma3_rejects_pixel_bounds(gemma):
     request = chat(image_part(encode(picture(64, 64))))
     request.media_options.max_pixels = 1000
     with pytest.raises(InvalidArgument) as err:
-        gemma.render_chat(request)
+        chat_response(gemma, request)
     assert err.value.field == "media_options.max_pixels"
 
 
 def test_gemma3_metadata_mode_has_no_tensors(gemma):
-    item = gemma.render_chat(chat(image_part(encode(picture(64, 64))), mm_payload=METADATA)) \
+    item = chat_response(gemma, chat(image_part(encode(picture(64, 64))), mm_payload=METADATA)) \
         .generate_request.mm_features.items[0]
     assert len(item.kwargs) == 0 and len(item.placeholder.is_embed) == item.placeholder.length == 18

@@ -15,6 +15,7 @@ from tito_render.media.cache import CachedImage, ProcessedImageCache
 from tito_render.media.processors import ProcessedImage
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer, RenderLimits
+from tito_render.convert import chat_response
 
 
 def png(width: int, height: int, seed: int = 0) -> bytes:
@@ -37,30 +38,30 @@ def test_repeated_image_is_served_from_cache_identically(model):
     cached = Renderer(model, RenderLimits(media_cache_bytes=64 * 1024 * 1024))
     uncached = Renderer(model)
     data = png(640, 480)
-    first = cached.render_chat(chat(data))
+    first = chat_response(cached, chat(data))
     assert (cached.image_cache.hits, cached.image_cache.misses) == (0, 1)
-    second = cached.render_chat(chat(data))
+    second = chat_response(cached, chat(data))
     assert cached.image_cache.hits == 1
-    assert first == second == uncached.render_chat(chat(data))
+    assert first == second == chat_response(uncached, chat(data))
 
 
 def test_metadata_entry_does_not_serve_tensors(model):
     renderer = Renderer(model, RenderLimits(media_cache_bytes=64 * 1024 * 1024))
     data = png(300, 200)
-    light = renderer.render_chat(chat(data, mm_payload=multimodal_pb2.MM_PAYLOAD_METADATA))
-    full = renderer.render_chat(chat(data))
+    light = chat_response(renderer, chat(data, mm_payload=multimodal_pb2.MM_PAYLOAD_METADATA))
+    full = chat_response(renderer, chat(data))
     assert renderer.image_cache.hits == 0 and len(full.generate_request.mm_features.items[0].kwargs) == 1
-    again = renderer.render_chat(chat(data, mm_payload=multimodal_pb2.MM_PAYLOAD_METADATA))
+    again = chat_response(renderer, chat(data, mm_payload=multimodal_pb2.MM_PAYLOAD_METADATA))
     assert renderer.image_cache.hits == 1 and again == light  # a TENSORS entry serves METADATA
 
 
 def test_settings_are_part_of_the_key(model):
     renderer = Renderer(model, RenderLimits(media_cache_bytes=64 * 1024 * 1024))
     data = png(1280, 720)
-    default = renderer.render_chat(chat(data)).generate_request.mm_features.items[0]
+    default = chat_response(renderer, chat(data)).generate_request.mm_features.items[0]
     small = chat(data)
     small.media_options.max_pixels = 28 * 28 * 8
-    item = renderer.render_chat(small).generate_request.mm_features.items[0]
+    item = chat_response(renderer, small).generate_request.mm_features.items[0]
     assert renderer.image_cache.hits == 0 and item.placeholder.length < default.placeholder.length
 
 

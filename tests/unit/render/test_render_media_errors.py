@@ -21,6 +21,7 @@ from tito_render.config import RenderConfig
 from tito_render.media.loader import MediaPolicy
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer, RenderLimits
+from tito_render.convert import chat_response, completion_response
 
 IMAGE = "messages[0].content_parts[0].image"
 
@@ -89,7 +90,7 @@ def renderer(model, media_dir) -> Renderer:
 
 
 def still_works(renderer: Renderer) -> None:
-    response = renderer.render_chat(chat(chat_pb2.ImageSource(data=png(picture(50, 50)))))
+    response = chat_response(renderer, chat(chat_pb2.ImageSource(data=png(picture(50, 50)))))
     assert len(response.generate_request.mm_features.items) == 1
 
 
@@ -147,7 +148,7 @@ BAD = {
 def test_bad_media_is_invalid_argument_naming_the_field(renderer, media_dir, name):
     build, reason, field = BAD[name]
     with pytest.raises(InvalidArgument) as err:
-        renderer.render_chat(build(media_dir))
+        chat_response(renderer, build(media_dir))
     assert (err.value.reason, err.value.field) == (reason, field), err.value.message
     still_works(renderer)
 
@@ -158,7 +159,7 @@ def test_limit_errors_name_the_limit(renderer):
                            (chat(*[data(png(picture(30, 30)))] * 4), "max_images_per_request"),
                            (chat(text="word " * 500), "max_prompt_tokens")]:
         with pytest.raises(InvalidArgument) as err:
-            renderer.render_chat(request)
+            chat_response(renderer, request)
         assert limit in err.value.message and err.value.metadata["limit"] == limit
 
 
@@ -177,34 +178,34 @@ def test_bad_media_options(renderer, options, field):
     if kwargs:
         request.media_options.processor_kwargs.update(kwargs)
     with pytest.raises(InvalidArgument) as err:
-        renderer.render_chat(request)
+        chat_response(renderer, request)
     assert err.value.field == field
     still_works(renderer)
 
 
 def test_local_files_under_media_dir(renderer, media_dir):
-    by_name = renderer.render_chat(chat(url("cat.png"))).generate_request.mm_features.items[0]
-    by_url = renderer.render_chat(chat(url(f"file://{media_dir}/cat.png"))).generate_request.mm_features.items[0]
-    by_data = renderer.render_chat(chat(data((media_dir / "cat.png").read_bytes()))).generate_request \
+    by_name = chat_response(renderer, chat(url("cat.png"))).generate_request.mm_features.items[0]
+    by_url = chat_response(renderer, chat(url(f"file://{media_dir}/cat.png"))).generate_request.mm_features.items[0]
+    by_data = chat_response(renderer, chat(data((media_dir / "cat.png").read_bytes()))).generate_request \
         .mm_features.items[0]
     assert by_name.mm_hash == by_url.mm_hash == by_data.mm_hash
 
 
 def test_local_files_refused_without_media_dir(model):
     with pytest.raises(InvalidArgument) as err:
-        limited(model).render_chat(chat(url("cat.png")))
+        chat_response(limited(model), chat(url("cat.png")))
     assert (err.value.reason, err.value.field) == ("LOCAL_MEDIA_DISABLED", f"{IMAGE}.url")
 
 
 def test_completion_refuses_placeholder_tokens(renderer):
     with pytest.raises(InvalidArgument) as err:
-        renderer.render_completion(render_pb2.RenderCompletionRequest(prompt="a <|image_pad|> b"))
+        completion_response(renderer, render_pb2.RenderCompletionRequest(prompt="a <|image_pad|> b"))
     assert (err.value.reason, err.value.field) == ("PLACEHOLDER_IN_TEXT", "prompt")
     with pytest.raises(InvalidArgument) as err:
-        renderer.render_completion(render_pb2.RenderCompletionRequest(prompt_token_ids=[10, 1005, 11]))
+        completion_response(renderer, render_pb2.RenderCompletionRequest(prompt_token_ids=[10, 1005, 11]))
     assert err.value.field == "prompt_token_ids"
     with pytest.raises(InvalidArgument) as err:
-        renderer.render_completion(render_pb2.RenderCompletionRequest(prompt_token_ids=[10] * 401))
+        completion_response(renderer, render_pb2.RenderCompletionRequest(prompt_token_ids=[10] * 401))
     assert err.value.reason == "PROMPT_TOO_LONG" and "max_prompt_tokens" in err.value.message
 
 
@@ -212,10 +213,10 @@ def test_response_over_max_message_bytes_is_resource_exhausted(model):
     small = limited(model, max_response_bytes=100_000, max_image_bytes=20_000_000)
     request = chat(data(png(picture(1920, 1080))))
     with pytest.raises(ResourceExhausted) as err:
-        small.render_chat(request)
+        chat_response(small, request)
     assert err.value.field == "mm_payload" and "max_message_bytes" in err.value.message
     request.mm_payload = multimodal_pb2.MM_PAYLOAD_METADATA
-    assert small.render_chat(request).ByteSize() < 2048
+    assert chat_response(small, request).ByteSize() < 2048
 
 
 # --------------------------------------------------------------------------- remote
@@ -256,14 +257,14 @@ def http_server():
 
 def test_remote_images_when_enabled(model, http_server):
     remote = limited(model, allow_remote=True, fetch_timeout=0.5)
-    item = remote.render_chat(chat(url(f"{http_server}/cat.png"))).generate_request.mm_features.items[0]
-    local = remote.render_chat(chat(data(_ImageHandler.body))).generate_request.mm_features.items[0]
+    item = chat_response(remote, chat(url(f"{http_server}/cat.png"))).generate_request.mm_features.items[0]
+    local = chat_response(remote, chat(data(_ImageHandler.body))).generate_request.mm_features.items[0]
     assert item.mm_hash == local.mm_hash
     for path, reason in [("/missing.png", "MEDIA_FETCH_FAILED"), ("/big.png", "IMAGE_TOO_LARGE"),
                          ("/slow.png", "MEDIA_FETCH_TIMEOUT")]:
         with pytest.raises(InvalidArgument) as err:
-            remote.render_chat(chat(url(http_server + path)))
+            chat_response(remote, chat(url(http_server + path)))
         assert (err.value.reason, err.value.field) == (reason, f"{IMAGE}.url"), err.value.message
     with pytest.raises(InvalidArgument) as err:
-        remote.render_chat(chat(url("http://127.0.0.1:9/none.png")))  # nothing listens on port 9
+        chat_response(remote, chat(url("http://127.0.0.1:9/none.png")))  # nothing listens on port 9
     assert err.value.reason == "MEDIA_FETCH_FAILED"

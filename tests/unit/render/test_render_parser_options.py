@@ -10,6 +10,7 @@ from tito.v1 import chat_pb2, render_pb2
 from tito_render.config import RenderConfig
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
+from tito_render.convert import chat_response
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_skip_special_tokens_follows_the_tool_parser(renderers, parser, tools, m
         request.tool_choice.mode = mode
     if requested is not None:
         request.sampling.skip_special_tokens = requested
-    response = renderers[parser].render_chat(request)
+    response = chat_response(renderers[parser], request)
     assert response.derender_context.tool_parser == parser
     assert response.derender_context.text_options.skip_special_tokens is expected
     assert response.generate_request.sampling_params.text_options.skip_special_tokens is expected
@@ -56,7 +57,7 @@ def test_the_tiny_models_do_sample_false_is_greedy_unless_the_request_samples(re
     renderer = renderers["hermes"]
     assert renderer.model.generation_defaults == {"do_sample": False}
     def temperature(**sampling) -> float:
-        return renderer.render_chat(chat(**sampling)).generate_request.sampling_params.temperature
+        return chat_response(renderer, chat(**sampling)).generate_request.sampling_params.temperature
 
     assert temperature() == 0.0
     assert temperature(temperature=0.8) == pytest.approx(0.8)

@@ -23,6 +23,7 @@ from tito_render.config import RenderConfig
 from tito_render.media.video import VideoSettings, load_video_settings, resized_size
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
+from tito_render.convert import chat_response
 
 TENSORS, METADATA, NONE = (multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD_METADATA,
                            multimodal_pb2.MM_PAYLOAD_NONE)
@@ -233,7 +234,7 @@ def _model(path):
 
 def test_image_chat_equals_hf_processor(qwen3, hf_processor, tiny_qwen3_vl_model):
     images = [picture(100, 70, seed=1), picture(40, 150, seed=2)]
-    response = qwen3.render_chat(chat(text_part("Compare"), image_part(images[0]), text_part("and"),
+    response = chat_response(qwen3, chat(text_part("Compare"), image_part(images[0]), text_part("and"),
                                       image_part(images[1])))
     content = [{"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "text", "text": "and"},
                {"type": "image"}]
@@ -255,7 +256,7 @@ def test_image_chat_equals_hf_processor(qwen3, hf_processor, tiny_qwen3_vl_model
 @pytest.mark.parametrize("fps", [2.0, 0.5])
 def test_video_at_two_frame_rates_equals_hf_processor(qwen3, hf_processor, tiny_qwen3_vl_model, fps):
     frames = frames_of(5, 80, 64, seed=10)
-    response = qwen3.render_chat(chat(text_part("Clip:"), video_part(frames, fps=fps), text_part("What happens?")))
+    response = chat_response(qwen3, chat(text_part("Clip:"), video_part(frames, fps=fps), text_part("What happens?")))
     content = [{"type": "text", "text": "Clip:"}, {"type": "video"}, {"type": "text", "text": "What happens?"}]
     hf = hf_run(qwen3, hf_processor, content, videos=[frames], fps=fps)
     request = response.generate_request
@@ -283,7 +284,7 @@ def test_video_at_two_frame_rates_equals_hf_processor(qwen3, hf_processor, tiny_
 
 def test_frame_rate_changes_the_text_and_hash_not_the_pixels(qwen3):
     frames = frames_of(4, 64, 64, seed=20)
-    slow, fast = (qwen3.render_chat(chat(video_part(frames, fps=fps))).generate_request for fps in (1.0, 4.0))
+    slow, fast = (chat_response(qwen3, chat(video_part(frames, fps=fps))).generate_request for fps in (1.0, 4.0))
     (a,), (b,) = slow.mm_features.items, fast.mm_features.items
     assert a.kwargs["pixel_values_videos"].data == b.kwargs["pixel_values_videos"].data
     assert a.mm_hash != b.mm_hash
@@ -293,7 +294,7 @@ def test_frame_rate_changes_the_text_and_hash_not_the_pixels(qwen3):
 
 def test_unknown_fps_is_hf_default_of_24(qwen3, hf_processor):
     frames = frames_of(2, 64, 64, seed=25)
-    response = qwen3.render_chat(chat(video_part(frames)))
+    response = chat_response(qwen3, chat(video_part(frames)))
     hf = hf_run(qwen3, hf_processor, [{"type": "video"}], videos=[frames], fps=None)
     assert list(response.generate_request.token_ids) == hf["input_ids"][0].tolist()
     assert "<0.0 seconds>" in qwen3.model.tokenizer.decode(response.generate_request.token_ids)
@@ -301,7 +302,7 @@ def test_unknown_fps_is_hf_default_of_24(qwen3, hf_processor):
 
 def test_image_and_video_chat_equals_hf_processor(qwen3, hf_processor, tiny_qwen3_vl_model):
     frames, still = frames_of(4, 96, 64, seed=30), picture(64, 64, seed=40)
-    response = qwen3.render_chat(chat(video_part(frames, fps=2.0), text_part("then"), image_part(still),
+    response = chat_response(qwen3, chat(video_part(frames, fps=2.0), text_part("then"), image_part(still),
                                       text_part("same scene?")))
     content = [{"type": "video"}, {"type": "text", "text": "then"}, {"type": "image"},
                {"type": "text", "text": "same scene?"}]
@@ -352,7 +353,7 @@ def test_video_size_choice_equals_hf_resize(hf_video_processor_class, monkeypatc
 
 def test_a_single_frame_is_refused_as_hf_refuses_it(qwen3):
     with pytest.raises(InvalidArgument) as caught:
-        qwen3.render_chat(chat(video_part(frames_of(1))))
+        chat_response(qwen3, chat(video_part(frames_of(1))))
     assert caught.value.reason == "VIDEO_PROCESSING_FAILED" and "temporal_factor" in str(caught.value)
 
 
@@ -362,8 +363,8 @@ def test_a_single_frame_is_refused_as_hf_refuses_it(qwen3):
 @pytest.mark.parametrize("payload", [METADATA, NONE])
 def test_payload_modes_keep_ids_placeholders_and_hash(qwen3, payload):
     parts = (video_part(frames_of(3, 64, 64, seed=50), fps=2.0), image_part(picture(70, 50, seed=51)))
-    full = qwen3.render_chat(chat(*parts)).generate_request
-    light = qwen3.render_chat(chat(*parts, mm_payload=payload)).generate_request
+    full = chat_response(qwen3, chat(*parts)).generate_request
+    light = chat_response(qwen3, chat(*parts, mm_payload=payload)).generate_request
     assert list(full.token_ids) == list(light.token_ids)
     for a, b in zip(full.mm_features.items, light.mm_features.items):
         assert a.mm_hash == b.mm_hash and a.placeholder == b.placeholder and not b.kwargs
@@ -377,7 +378,7 @@ def test_hash_covers_pixels_and_settings(qwen3):
     frames = frames_of(2, 64, 64, seed=60)
 
     def mm_hash(part, **fields):
-        return qwen3.render_chat(chat(part, **fields)).generate_request.mm_features.items[0].mm_hash
+        return chat_response(qwen3, chat(part, **fields)).generate_request.mm_features.items[0].mm_hash
 
     base = mm_hash(video_part(frames, fps=2.0))
     assert base == mm_hash(video_part(frames, fps=2.0))
@@ -389,10 +390,10 @@ def test_hash_covers_pixels_and_settings(qwen3):
 
 
 def test_typed_timestamp_text_is_ordinary_text_but_typed_pads_are_refused(qwen3):
-    typed = qwen3.render_chat(chat(text_part("<1.0 seconds> is a timestamp"), video_part(frames_of(2), fps=2.0)))
+    typed = chat_response(qwen3, chat(text_part("<1.0 seconds> is a timestamp"), video_part(frames_of(2), fps=2.0)))
     assert len(typed.generate_request.mm_features.items) == 1
     with pytest.raises(InvalidArgument) as caught:
-        qwen3.render_chat(chat(text_part("<|video_pad|>"), video_part(frames_of(2), fps=2.0)))
+        chat_response(qwen3, chat(text_part("<|video_pad|>"), video_part(frames_of(2), fps=2.0)))
     assert caught.value.reason == "PLACEHOLDER_IN_TEXT"
 
 
@@ -408,7 +409,7 @@ def test_stock_qwen3_vl_processor_agrees_where_torchvision_imports(qwen3, tiny_q
 
     processor = AutoProcessor.from_pretrained(tiny_qwen3_vl_model)
     frames, still = frames_of(5, 80, 64, seed=70), picture(64, 64, seed=71)
-    response = qwen3.render_chat(chat(video_part(frames, fps=2.0), text_part("and"), image_part(still)))
+    response = chat_response(qwen3, chat(video_part(frames, fps=2.0), text_part("and"), image_part(still)))
     content = [{"type": "video"}, {"type": "text", "text": "and"}, {"type": "image"}]
     prompt = qwen3.model.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                                        add_generation_prompt=True)

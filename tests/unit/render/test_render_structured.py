@@ -14,6 +14,7 @@ from tito.v1 import chat_pb2, render_pb2, sampling_pb2
 from tito_render.config import RenderConfig
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
+from tito_render.convert import chat_response, completion_response
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 5},
                                            "score": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -68,7 +69,7 @@ def add_tool() -> chat_pb2.Tool:
 
 
 def constraint_of(renderer, request) -> sampling_pb2.StructuredOutput | None:
-    params = renderer.render_chat(request).generate_request.sampling_params
+    params = chat_response(renderer, request).generate_request.sampling_params
     return params.structured_output if params.HasField("structured_output") else None
 
 
@@ -100,7 +101,7 @@ def test_json_schema_and_json_object(renderer):
 ])
 def test_a_bad_response_format_is_invalid_argument_naming_the_field(renderer, response_format, field):
     with pytest.raises(InvalidArgument) as caught:
-        renderer.render_chat(chat(response_format=response_format))
+        chat_response(renderer, chat(response_format=response_format))
     assert caught.value.violations[0].field == field
 
 
@@ -139,21 +140,21 @@ def test_auto_with_a_strict_tool_lets_text_through_but_checks_calls(renderer, ma
 def test_an_explicit_constraint_passes_through_checked_and_conflicts_are_refused(renderer):
     sampling = render_pb2.SamplingOptions(structured_output=sampling_pb2.StructuredOutput(regex="[a-z]+"))
     assert constraint_of(renderer, chat(sampling=sampling)).regex == "[a-z]+"
-    completion = renderer.render_completion(render_pb2.RenderCompletionRequest(prompt="x", sampling=sampling))
+    completion = completion_response(renderer, render_pb2.RenderCompletionRequest(prompt="x", sampling=sampling))
     assert completion.generate_request.sampling_params.structured_output.regex == "[a-z]+"
     with pytest.raises(InvalidArgument) as caught:
-        renderer.render_chat(chat(sampling=render_pb2.SamplingOptions(
+        chat_response(renderer, chat(sampling=render_pb2.SamplingOptions(
             structured_output=sampling_pb2.StructuredOutput(regex="a(b"))))
     assert caught.value.violations[0].field == "sampling.structured_output.regex"
     with pytest.raises(InvalidArgument) as caught:
-        renderer.render_chat(chat(sampling=sampling, response_format=render_pb2.ResponseFormat(type="json_object")))
+        chat_response(renderer, chat(sampling=sampling, response_format=render_pb2.ResponseFormat(type="json_object")))
     assert caught.value.reason == "CONFLICTING_OPTIONS"
 
 
 def test_a_tool_whose_parameters_cannot_compile_is_named(renderer):
     bad = chat_pb2.Tool(function=chat_pb2.FunctionDefinition(name="f", parameters=struct({"type": "strin"})))
     with pytest.raises(InvalidArgument) as caught:
-        renderer.render_chat(chat(tools=[add_tool(), bad], tool_choice=chat_pb2.ToolChoice(function_name="f")))
+        chat_response(renderer, chat(tools=[add_tool(), bad], tool_choice=chat_pb2.ToolChoice(function_name="f")))
     assert caught.value.violations[0].field == "tools[1].function.parameters"
 
 

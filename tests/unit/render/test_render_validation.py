@@ -11,6 +11,7 @@ from tito.v1 import chat_pb2, render_pb2
 from tito_render.config import RenderConfig
 from tito_render.model import detect_parsers, load_render_model, resolve_context_length
 from tito_render.renderer import Renderer
+from tito_render.convert import chat_response, completion_response
 
 
 @pytest.fixture(scope="module")
@@ -78,27 +79,27 @@ CASES = {
 def test_chat_errors_name_the_field(renderer, name):
     fields, field = CASES[name]
     with pytest.raises(InvalidArgument) as err:
-        renderer.render_chat(render_pb2.RenderChatRequest(**fields))
+        chat_response(renderer, render_pb2.RenderChatRequest(**fields))
     assert err.value.field == field, err.value.message
 
 
 def test_template_error_message_is_the_templates(renderer):
     with pytest.raises(InvalidArgument) as err:
-        renderer.render_chat(render_pb2.RenderChatRequest(
+        chat_response(renderer, render_pb2.RenderChatRequest(
             messages=[user()], chat_template="{{ raise_exception('only system allowed') }}"))
     assert "only system allowed" in err.value.message
 
 
 def test_prompt_longer_than_context(renderer):
     with pytest.raises(InvalidArgument) as err:
-        renderer.render_chat(render_pb2.RenderChatRequest(messages=[user("word " * 3000)]))
+        chat_response(renderer, render_pb2.RenderChatRequest(messages=[user("word " * 3000)]))
     assert err.value.field == "messages" and "context limit 2048" in err.value.message
 
 
 def test_image_part_on_text_model_is_unsupported_modality(renderer):
     part = chat_pb2.ContentPart(image=chat_pb2.ImageSource(url="file:///x.png"))
     with pytest.raises(InvalidArgument) as err:
-        renderer.render_chat(render_pb2.RenderChatRequest(messages=[chat_pb2.ChatMessage(
+        chat_response(renderer, render_pb2.RenderChatRequest(messages=[chat_pb2.ChatMessage(
             role="user", content_parts=[chat_pb2.ContentPart(text="see"), part])]))
     assert err.value.field == "messages[0].content_parts[1].image" and err.value.reason == "UNSUPPORTED_MODALITY"
 
@@ -106,13 +107,13 @@ def test_image_part_on_text_model_is_unsupported_modality(renderer):
 def test_video_part_on_text_model_is_unsupported_modality(renderer):
     part = chat_pb2.ContentPart(video=chat_pb2.VideoFrames(frames=[chat_pb2.ImageSource(data=b"x")]))
     with pytest.raises(InvalidArgument) as err:
-        renderer.render_chat(render_pb2.RenderChatRequest(messages=[chat_pb2.ChatMessage(
+        chat_response(renderer, render_pb2.RenderChatRequest(messages=[chat_pb2.ChatMessage(
             role="user", content_parts=[chat_pb2.ContentPart(text="see"), part])]))
     assert err.value.field == "messages[0].content_parts[1].video" and err.value.reason == "UNSUPPORTED_MODALITY"
 
 
 def test_tool_choice_none_keeps_tools_in_prompt(renderer):
-    response = renderer.render_chat(render_pb2.RenderChatRequest(
+    response = chat_response(renderer, render_pb2.RenderChatRequest(
         messages=[user()], tools=[tool()], return_prompt_text=True,
         tool_choice=chat_pb2.ToolChoice(mode=chat_pb2.TOOL_CHOICE_MODE_NONE)))
     assert "get_weather" in response.prompt_text
@@ -127,7 +128,7 @@ def test_tool_choice_none_keeps_tools_in_prompt(renderer):
 ])
 def test_completion_errors(renderer, fields, field):
     with pytest.raises(InvalidArgument) as err:
-        renderer.render_completion(render_pb2.RenderCompletionRequest(**fields))
+        completion_response(renderer, render_pb2.RenderCompletionRequest(**fields))
     assert err.value.field == field
     if "prompt_token_ids[" not in field and fields.get("prompt") != "":
         assert [v.field for v in err.value.violations] == ["prompt", "prompt_token_ids"]
@@ -184,6 +185,6 @@ def test_parser_detection():
 ])
 def test_template_runtime_failures_are_the_callers(renderer, template):
     with pytest.raises(InvalidArgument) as err:
-        renderer.render_chat(render_pb2.RenderChatRequest(messages=[user()], chat_template=template))
+        chat_response(renderer, render_pb2.RenderChatRequest(messages=[user()], chat_template=template))
     assert err.value.field == "chat_template" and err.value.reason == "CHAT_TEMPLATE_ERROR"
-    renderer.render_chat(render_pb2.RenderChatRequest(messages=[user()]))  # still serving
+    chat_response(renderer, render_pb2.RenderChatRequest(messages=[user()]))  # still serving

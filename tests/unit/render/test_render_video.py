@@ -25,6 +25,7 @@ from tito_render.media.features import Signer
 from tito_render.media.video import VideoSettings, load_video_settings, patchify, resized_size
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer, RenderLimits
+from tito_render.convert import chat_response, model_info_to_proto
 
 TENSORS, METADATA, NONE = (multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD_METADATA,
                            multimodal_pb2.MM_PAYLOAD_NONE)
@@ -131,7 +132,7 @@ def hf_ids(qwen: Renderer, dict_content: list[dict], grids: list[np.ndarray], im
 @pytest.mark.parametrize("count,size", [(2, (100, 60)), (3, (57, 311)), (4, (640, 480)), (1, (32, 32))])
 def test_ids_and_pixel_values_videos_equal_hf(qwen, hf_video_processor_class, count, size):
     frames = frames_of(count, *size)
-    response = qwen.render_chat(chat(text_part("Watch:"), video_part(frames, fps=2.0), text_part("What happens?")))
+    response = chat_response(qwen, chat(text_part("Watch:"), video_part(frames, fps=2.0), text_part("What happens?")))
     rows, grid = hf_reference(qwen, frames, hf_video_processor_class)
     (item,) = response.generate_request.mm_features.items
     assert item.modality == multimodal_pb2.MODALITY_VIDEO
@@ -155,7 +156,7 @@ def test_still_video_equals_image_processor_output(qwen):
     """Two identical frames: each row equals the image processor's row for that frame (which
     copies the frame over the temporal patch), so the pixel path is the image path, bit for bit."""
     frame = picture(130, 90, seed=3)
-    response = qwen.render_chat(chat(video_part([frame, frame])))
+    response = chat_response(qwen, chat(video_part([frame, frame])))
     image_out = qwen.model.media.image_processor(images=[frame], return_tensors="np")
     (item,) = response.generate_request.mm_features.items
     assert to_numpy(item.kwargs["pixel_values_videos"]).tobytes() == image_out["pixel_values"].tobytes()
@@ -173,8 +174,8 @@ def test_patchify_equals_hf_with_odd_frame_count(hf_video_processor_class):
 
 def test_frame_count_is_padded_by_repeating_the_last_frame(qwen):
     frames = frames_of(3, 84, 56)
-    padded = qwen.render_chat(chat(video_part(frames)))
-    explicit = qwen.render_chat(chat(video_part(frames + [frames[-1]])))
+    padded = chat_response(qwen, chat(video_part(frames)))
+    explicit = chat_response(qwen, chat(video_part(frames + [frames[-1]])))
     (a,), (b,) = padded.generate_request.mm_features.items, explicit.generate_request.mm_features.items
     assert to_numpy(a.metadata["video_grid_thw"]).tolist() == [[2, 4, 6]]
     assert to_numpy(a.kwargs["pixel_values_videos"]).tobytes() == to_numpy(b.kwargs["pixel_values_videos"]).tobytes()
@@ -228,8 +229,8 @@ def test_settings_follow_transformers_lookup_order(tmp_path):
 
 def test_media_options_apply_to_videos(qwen):
     frames = frames_of(2, 640, 480)
-    default = qwen.render_chat(chat(video_part(frames)))
-    small = qwen.render_chat(chat(video_part(frames), media_options=render_pb2.MediaOptions(max_pixels=28 * 28 * 4)))
+    default = chat_response(qwen, chat(video_part(frames)))
+    small = chat_response(qwen, chat(video_part(frames), media_options=render_pb2.MediaOptions(max_pixels=28 * 28 * 4)))
     (a,), (b,) = default.generate_request.mm_features.items, small.generate_request.mm_features.items
     assert to_numpy(a.metadata["video_grid_thw"]).tolist() == [[1, 12, 18]]
     assert to_numpy(b.metadata["video_grid_thw"]).tolist() == [[1, 2, 4]]
@@ -238,7 +239,7 @@ def test_media_options_apply_to_videos(qwen):
 
 def test_images_and_videos_interleave_in_prompt_order(qwen):
     image, frames = picture(64, 64, seed=9), frames_of(2, 56, 56, seed=20)
-    response = qwen.render_chat(chat(
+    response = chat_response(qwen, chat(
         video_part(frames), text_part("then"), chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=png(image))),
         text_part("and"), video_part(frames[::-1])))
     items = response.generate_request.mm_features.items
@@ -259,7 +260,7 @@ def test_hash_covers_frames_order_fps_and_settings(qwen):
     frames = frames_of(3, 80, 60)
 
     def mm_hash(part, **fields):
-        return qwen.render_chat(chat(part, **fields)).generate_request.mm_features.items[0].mm_hash
+        return chat_response(qwen, chat(part, **fields)).generate_request.mm_features.items[0].mm_hash
 
     base = mm_hash(video_part(frames, fps=2))
     data_urls = chat_pb2.ContentPart(video=chat_pb2.VideoFrames(fps=2, frames=[
@@ -270,7 +271,7 @@ def test_hash_covers_frames_order_fps_and_settings(qwen):
     assert mm_hash(video_part(frames, fps=4)) != base
     assert mm_hash(video_part(frames, fps=2), media_options=render_pb2.MediaOptions(max_pixels=3136 * 2)) != base
     assert mm_hash(video_part(frames, fps=2), media_options=render_pb2.MediaOptions(max_pixels=50176)) == base
-    image_hash = qwen.render_chat(chat(chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=png(frames[0])))))
+    image_hash = chat_response(qwen, chat(chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=png(frames[0])))))
     assert mm_hash(video_part(frames[:1], fps=2)) != image_hash.generate_request.mm_features.items[0].mm_hash
 
 
@@ -278,7 +279,7 @@ def test_streamed_hash_equals_hash_of_all_frames(qwen):
     from tito_render.media.hashing import video_hash
 
     frames = frames_of(3, 70, 50)
-    (item,) = qwen.render_chat(chat(video_part(frames, fps=1.5))).generate_request.mm_features.items
+    (item,) = chat_response(qwen, chat(video_part(frames, fps=1.5))).generate_request.mm_features.items
     assert item.mm_hash == video_hash(frames, 1.5, "qwen2_vl", qwen.model.media.video.hash_options())
 
 
@@ -290,7 +291,7 @@ def _lossless_webp(image: Image.Image) -> bytes:
 
 def test_payload_modes_same_ids_and_placeholders(qwen):
     frames = frames_of(4, 120, 90)
-    responses = {mode: qwen.render_chat(chat(video_part(frames), mm_payload=mode))
+    responses = {mode: chat_response(qwen, chat(video_part(frames), mm_payload=mode))
                  for mode in (TENSORS, METADATA, NONE)}
     ids = {mode: list(r.generate_request.token_ids) for mode, r in responses.items()}
     assert ids[TENSORS] == ids[METADATA] == ids[NONE]
@@ -305,7 +306,7 @@ def test_payload_modes_same_ids_and_placeholders(qwen):
 def test_signed_video_item_verifies(tiny_vl_model):
     key = b"k" * 32
     renderer = Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))), signer=Signer(key, "key-1"))
-    (item,) = renderer.render_chat(chat(video_part(frames_of(2, 56, 56)))).generate_request.mm_features.items
+    (item,) = chat_response(renderer, chat(video_part(frames_of(2, 56, 56)))).generate_request.mm_features.items
     assert item.auth_key_id == "key-1" and signing.verify_item(item, {"key-1": key})
     item.kwargs["pixel_values_videos"].data = bytes(len(item.kwargs["pixel_values_videos"].data))
     assert not signing.verify_item(item, {"key-1": key})
@@ -315,12 +316,12 @@ def test_cache_reuses_a_processed_video(tiny_vl_model):
     renderer = Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))),
                         RenderLimits(media_cache_bytes=16 << 20))
     request = chat(video_part(frames_of(2, 84, 56)))
-    first = renderer.render_chat(request)
+    first = chat_response(renderer, request)
     assert renderer.image_cache.misses >= 1 and renderer.image_cache.hits == 0
-    second = renderer.render_chat(request)
+    second = chat_response(renderer, request)
     assert second.generate_request.mm_features == first.generate_request.mm_features
     assert renderer.image_cache.hits == 1
-    renderer.render_chat(chat(video_part(frames_of(2, 84, 56)[::-1])))
+    chat_response(renderer, chat(video_part(frames_of(2, 84, 56)[::-1])))
     assert renderer.image_cache.hits == 1  # another order is another video
 
 
@@ -329,7 +330,7 @@ def test_cache_reuses_a_processed_video(tiny_vl_model):
 
 def render_error(renderer: Renderer, request) -> InvalidArgument:
     with pytest.raises(InvalidArgument) as err:
-        renderer.render_chat(request)
+        chat_response(renderer, request)
     return err.value
 
 
@@ -373,7 +374,7 @@ def test_bad_videos_are_field_named_and_the_renderer_keeps_working(qwen, part, r
     assert field in [err.field, *(v.field for v in err.violations)]
     if reason:
         assert err.reason == reason
-    assert qwen.render_chat(chat(video_part(frames_of(2, 56, 56)))).generate_request.mm_features.items
+    assert chat_response(qwen, chat(video_part(frames_of(2, 56, 56)))).generate_request.mm_features.items
 
 
 def test_typed_video_pad_is_refused(qwen):
@@ -386,7 +387,7 @@ def test_gemma3_video_is_unsupported_modality(tiny_interleaved_vl_model):
     err = render_error(gemma, chat(text_part("see"), video_part(frames_of(2, 30, 30))))
     assert (err.reason, err.field) == ("UNSUPPORTED_MODALITY", "messages[0].content_parts[1].video")
     assert "video" in err.message
-    assert list(gemma.model_info().modalities) == [multimodal_pb2.MODALITY_IMAGE]
+    assert list(model_info_to_proto(gemma).modalities) == [multimodal_pb2.MODALITY_IMAGE]
 
 
 # --------------------------------------------------------------------------- engine side
@@ -398,13 +399,14 @@ def test_engine_admits_the_item_and_the_model_runs_forward(qwen, tiny_vl_model):
     from tito_engine.multimodal.features import FeaturePolicy, validate_mm_features
 
     from tito_engine.multimodal.specs import multimodal_spec_from_config
+    from tito_engine.service.convert import media_from_proto
 
     frames = frames_of(3, 84, 112)
-    response = qwen.render_chat(chat(text_part("Watch:"), video_part(frames), text_part("ok?")))
+    response = chat_response(qwen, chat(text_part("Watch:"), video_part(frames), text_part("ok?")))
     request = response.generate_request
     config = AutoConfig.from_pretrained(str(tiny_vl_model))
     spec = multimodal_spec_from_config(config, "tiny")
-    validated = validate_mm_features(list(request.token_ids), request.mm_features, spec, FeaturePolicy())
+    validated = validate_mm_features(list(request.token_ids), media_from_proto(request), spec, FeaturePolicy())
     (admitted,) = validated.items
     assert admitted.modality == "video"
     item = request.mm_features.items[0]
@@ -478,7 +480,7 @@ def hf_qwen2_5_vl_processor(renderer: Renderer, video_processor_class):
 def test_qwen2_5_vl_video_and_image_equal_hf_processor(qwen25, hf_video_processor_class, fps):
     frames = frames_of(5, 90, 70, seed=20)
     still = picture(100, 60, seed=30)
-    response = qwen25.render_chat(chat(text_part("Clip:"), video_part(frames, fps=fps),
+    response = chat_response(qwen25, chat(text_part("Clip:"), video_part(frames, fps=fps),
                                        chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=png(still))),
                                        text_part("Same scene?")))
     content = [{"type": "text", "text": "Clip:"}, {"type": "video"}, {"type": "image"},
@@ -510,17 +512,17 @@ def test_qwen2_5_vl_video_and_image_equal_hf_processor(qwen25, hf_video_processo
 
 def test_qwen2_5_vl_video_fps_changes_hash_and_seconds_not_pixels(qwen25):
     frames = frames_of(2, 60, 60, seed=40)
-    slow, fast = (qwen25.render_chat(chat(video_part(frames, fps=fps))).generate_request.mm_features.items[0]
+    slow, fast = (chat_response(qwen25, chat(video_part(frames, fps=fps))).generate_request.mm_features.items[0]
                   for fps in (1.0, 4.0))
     assert slow.mm_hash != fast.mm_hash
     assert slow.kwargs["pixel_values_videos"].data == fast.kwargs["pixel_values_videos"].data
     assert to_numpy(slow.metadata["second_per_grid_ts"]).tolist() == [2.0]
     assert to_numpy(fast.metadata["second_per_grid_ts"]).tolist() == [0.5]
-    metadata_only = qwen25.render_chat(chat(video_part(frames, fps=4.0), mm_payload=METADATA))
+    metadata_only = chat_response(qwen25, chat(video_part(frames, fps=4.0), mm_payload=METADATA))
     (item,) = metadata_only.generate_request.mm_features.items
     assert not item.kwargs and to_numpy(item.metadata["second_per_grid_ts"]).tolist() == [0.5]
 
 
 def test_qwen2_vl_videos_carry_no_seconds(qwen):
-    (item,) = qwen.render_chat(chat(video_part(frames_of(2, 60, 60), fps=4.0))).generate_request.mm_features.items
+    (item,) = chat_response(qwen, chat(video_part(frames_of(2, 60, 60), fps=4.0))).generate_request.mm_features.items
     assert list(item.metadata) == ["video_grid_thw"]

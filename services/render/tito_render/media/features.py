@@ -1,4 +1,4 @@
-"""Processed media -> `MultiModalItem`s, per mm_payload mode, optionally signed.
+"""Processed media -> media items (`domain.MediaItem`), per mm_payload mode, optionally signed.
 
 TENSORS: kwargs + metadata. METADATA: metadata only (engines that hold the item's encoder output
 in cache or get an EC descriptor; the mode vLLM lacks). NONE: hash + placeholder only (routing).
@@ -8,14 +8,16 @@ item exactly as sent (hash, placeholder, tensors, metadata).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from tito import signing
 from tito.tensors import from_numpy
-from tito.v1 import multimodal_pb2, tensor_pb2
+from tito.v1 import multimodal_pb2
 
+from tito_render.domain import MediaItem, Placeholder, RawTensor
 from tito_render.media.processors import ProcessedImage
 
 TENSORS = multimodal_pb2.MM_PAYLOAD_TENSORS
@@ -35,40 +37,30 @@ class Signer:
     key: bytes
     key_id: str = ""
 
-    def sign(self, item: multimodal_pb2.MultiModalItem) -> None:
-        signing.sign_item(item, self.key, self.key_id)
+    def sign(self, item: MediaItem) -> MediaItem:
+        """The item with its auth_tag (and auth_key_id) set."""
+        return dataclasses.replace(item, auth_key_id=self.key_id, auth_tag=signing.compute_tag(item, self.key))
 
 
 def build_item(processed: ProcessedImage, mm_hash: str, offset: int, payload: int,
-               signer: Signer | None = None, modality: int | None = None,
-               into: multimodal_pb2.MultiModalItem | None = None) -> multimodal_pb2.MultiModalItem:
-    """The item for one processed image; filled into `into` (an empty item already inside the
-    response, so its tensors are not copied again) when given."""
-    modality = processed.modality if modality is None else modality
-    item = multimodal_pb2.MultiModalItem() if into is None else into
-    item.modality = modality
-    item.mm_hash = mm_hash
-    item.placeholder.offset = offset
-    item.placeholder.length = len(processed.span_token_ids)
-    if processed.is_embed is not None and not all(processed.is_embed):
-        item.placeholder.is_embed.extend(processed.is_embed)
-    if payload == TENSORS:
-        for name, array in processed.kwargs.items():
-            _fill_tensor(item.kwargs[name], array)
-    if payload in (TENSORS, METADATA):
-        for name, array in processed.metadata.items():
-            _fill_tensor(item.metadata[name], array)
-    if signer is not None:
-        signer.sign(item)
-    return item
+               signer: Signer | None = None, modality: int | None = None) -> MediaItem:
+    """The item for one processed image."""
+    is_embed = processed.is_embed if processed.is_embed is not None and not all(processed.is_embed) else ()
+    item = MediaItem(
+        modality=processed.modality if modality is None else modality, mm_hash=mm_hash,
+        placeholder=Placeholder(offset, len(processed.span_token_ids), tuple(is_embed)),
+        kwargs={name: raw_tensor(array) for name, array in processed.kwargs.items()} if payload == TENSORS else {},
+        metadata={name: raw_tensor(array) for name, array in processed.metadata.items()}
+        if payload in (TENSORS, METADATA) else {})
+    return signer.sign(item) if signer is not None else item
 
 
-def _fill_tensor(tensor: tensor_pb2.Tensor, array: np.ndarray) -> None:
-    """`tensor.CopyFrom(tito.tensors.from_numpy(array))` without the CopyFrom: the raw bytes are
-    copied into the response once rather than twice. The codec still decides the dtype code (and
-    refuses unsupported dtypes), from an empty array of the same dtype."""
+def raw_tensor(array: np.ndarray) -> RawTensor:
+    """`tito.tensors.from_numpy(array)` without the message: its bytes are made once here and put
+    into the response as they are (a message's bytes field is copied on every read). The codec
+    still decides the dtype code (and refuses unsupported dtypes), from an empty array of the same
+    dtype."""
     array = np.asarray(array)
-    tensor.dtype = from_numpy(np.empty(0, dtype=array.dtype)).dtype
-    tensor.shape.extend(array.shape)
     little = array.dtype if array.dtype.itemsize == 1 else array.dtype.newbyteorder("<")
-    tensor.data = np.asarray(array, dtype=little, order="C").tobytes()
+    return RawTensor(from_numpy(np.empty(0, dtype=array.dtype)).dtype, tuple(array.shape),
+                     np.asarray(array, dtype=little, order="C").tobytes())

@@ -1,0 +1,80 @@
+"""What rendering produces, as plain dataclasses: the prompt's ids, its media items and what the
+engine and derender need besides. convert.py turns a `RenderedPrompt` into the RenderChat /
+RenderCompletion response at the servicer; nothing here builds a response message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from tito.v1 import chat_pb2, sampling_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class RawTensor:
+    """One tensor as it goes on the wire (`tito.v1.Tensor`): dtype code, shape, little-endian bytes.
+
+    The bytes are made once, when the item is built: the HMAC tag hashes them, and convert.py
+    puts the same object into the response."""
+
+    dtype: int  # tito.v1.Dtype number
+    shape: tuple[int, ...]
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Placeholder:
+    """Where an item's tokens are in the prompt; `is_embed` empty: every position takes a row."""
+
+    offset: int
+    length: int
+    is_embed: tuple[bool, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class MediaItem:
+    """One media item for the engine (a `tito.v1.MultiModalItem`), signed when render has a key.
+
+    The fields the tag covers are the wire's (tito.signing computes its canonical bytes from field
+    values), so the tag made here verifies on the message convert.py builds."""
+
+    modality: int  # tito.v1.Modality number
+    mm_hash: str
+    placeholder: Placeholder
+    kwargs: Mapping[str, RawTensor] = field(default_factory=dict)
+    metadata: Mapping[str, RawTensor] = field(default_factory=dict)
+    auth_tag: bytes = b""
+    auth_key_id: str = ""
+    # Render never attaches an EC descriptor (an engine's Encode answers with one); tito.signing reads it.
+    ec_descriptor: None = None
+
+
+@dataclass
+class RenderedPrompt:
+    """A rendered chat or completion: the engine's GenerateRequest and derender's context, as values."""
+
+    request_id: str
+    token_ids: list[int]
+    # The resolved sampling parameters (sampling.py), structured output included: the contract's
+    # message, whose defaults sampling.py spells out field by field.
+    sampling: sampling_pb2.SamplingParams
+    cache_salt: str
+    reasoning_parser: str
+    tool_parser: str
+    items: Sequence[MediaItem] = ()
+    # Chat only: the request's tool definitions and resolved tool choice, passed through to
+    # derender as they came (None: a completion, which offers no tools).
+    tools: Sequence[chat_pb2.Tool] = ()
+    tool_choice: chat_pb2.ToolChoice | None = None
+    thinking_enabled: bool = False
+    prompt_opens_reasoning: bool = False
+    prompt_text: str | None = None  # the templated text, when the request asked for it
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """A Tokenize answer: the ids, and their vocabulary strings when asked for."""
+
+    token_ids: list[int]
+    token_strings: list[str] | None = None
