@@ -7,9 +7,9 @@ a media item's tensors would be copied once more for nothing.
 from __future__ import annotations
 
 from tito.errors import ResourceExhausted
-from tito.v1 import chat_pb2, derender_pb2, engine_pb2, multimodal_pb2, render_pb2
+from tito.v1 import chat_pb2, derender_pb2, engine_pb2, multimodal_pb2, render_pb2, sampling_pb2
 
-from tito_render.domain import MediaItem, RenderedPrompt
+from tito_render.domain import MediaItem, RenderedPrompt, SamplingParams, TextOptions
 
 #: How many trailing prompt ids seed derender's incremental detokenizer.
 PROMPT_TAIL_TOKENS = 8
@@ -33,18 +33,49 @@ def item_to_proto(item: MediaItem, into: multimodal_pb2.MultiModalItem) -> None:
         into.auth_tag = item.auth_tag
 
 
+def text_options_to_proto(options: TextOptions) -> sampling_pb2.OutputTextOptions:
+    return sampling_pb2.OutputTextOptions(
+        stop=list(options.stop), include_stop_str_in_output=options.include_stop_str_in_output,
+        skip_special_tokens=options.skip_special_tokens,
+        spaces_between_special_tokens=options.spaces_between_special_tokens)
+
+
+def sampling_to_proto(params: SamplingParams, into: sampling_pb2.SamplingParams) -> None:
+    """Every field set (presence included: the engine reads an absent optional as unset), but
+    `seed` and `structured_output` only when there is one."""
+    into.max_tokens = params.max_tokens
+    into.min_tokens = params.min_tokens
+    into.temperature = params.temperature
+    into.top_p = params.top_p
+    into.top_k = params.top_k
+    into.min_p = params.min_p
+    into.presence_penalty = params.presence_penalty
+    into.frequency_penalty = params.frequency_penalty
+    into.repetition_penalty = params.repetition_penalty
+    into.stop_token_ids.extend(params.stop_token_ids)
+    into.ignore_eos = params.ignore_eos
+    into.n = params.n
+    into.logprobs = params.logprobs
+    into.top_logprobs = params.top_logprobs
+    into.text_options.CopyFrom(text_options_to_proto(params.text_options))
+    if params.seed is not None:
+        into.seed = params.seed
+    if params.structured_output is not None:
+        into.structured_output.CopyFrom(params.structured_output)
+
+
 def _fill(prompt: RenderedPrompt, generate_request: engine_pb2.GenerateRequest,
           context: derender_pb2.DerenderContext) -> None:
     generate_request.request_id = prompt.request_id
     generate_request.token_ids.extend(prompt.token_ids)
     for item in prompt.items:
         item_to_proto(item, generate_request.mm_features.items.add())
-    generate_request.sampling_params.CopyFrom(prompt.sampling)
+    sampling_to_proto(prompt.sampling, generate_request.sampling_params)
     generate_request.cache_salt = prompt.cache_salt
     context.request_id = prompt.request_id
     context.prompt_tail_token_ids.extend(prompt.token_ids[-PROMPT_TAIL_TOKENS:])
     context.prompt_tokens = len(prompt.token_ids)
-    context.text_options.CopyFrom(prompt.sampling.text_options)
+    context.text_options.CopyFrom(text_options_to_proto(prompt.sampling.text_options))
     context.reasoning_parser = prompt.reasoning_parser
     context.tool_parser = prompt.tool_parser
     context.n = prompt.sampling.n

@@ -50,15 +50,48 @@ class MediaItem:
     ec_descriptor: None = None
 
 
+@dataclass(frozen=True, slots=True)
+class TextOptions:
+    """What derender applies to the text (`tito.v1.OutputTextOptions`), every default explicit."""
+
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """The resolved sampling parameters (`tito.v1.SamplingParams`): every value written out, so
+    the engine never guesses; only `seed` may be absent (None)."""
+
+    max_tokens: int
+    min_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    n: int
+    logprobs: bool
+    top_logprobs: int
+    text_options: TextOptions
+    seed: int | None = None
+    # The checked constraint (structured.py builds the contract's message), None: unconstrained.
+    structured_output: sampling_pb2.StructuredOutput | None = None
+
+
 @dataclass
 class RenderedPrompt:
     """A rendered chat or completion: the engine's GenerateRequest and derender's context, as values."""
 
     request_id: str
     token_ids: list[int]
-    # The resolved sampling parameters (sampling.py), structured output included: the contract's
-    # message, whose defaults sampling.py spells out field by field.
-    sampling: sampling_pb2.SamplingParams
+    sampling: SamplingParams
     cache_salt: str
     reasoning_parser: str
     tool_parser: str

@@ -2,11 +2,12 @@
 
 request -> validate -> chat template / tokenize -> resolve sampling -> a `domain.RenderedPrompt`
 (convert.py makes the response: GenerateRequest + DerenderContext). Reads the request messages
-(and resolves sampling into the contract's SamplingParams) but builds no response and knows no grpc.
+but builds no response and knows no grpc.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import threading
@@ -23,7 +24,7 @@ from tito.v1 import chat_pb2, multimodal_pb2, render_pb2, sampling_pb2
 
 from tito_render.chat_template import (DEFAULT_TEMPLATE_SECONDS, ChatRenderOptions, ends_inside_reasoning,
                                        render_chat_text)
-from tito_render.domain import RenderedPrompt, Tokens
+from tito_render.domain import RenderedPrompt, SamplingParams, Tokens
 from tito_render.media.cache import CachedImage, ProcessedImageCache
 from tito_render.media.features import TENSORS, Signer, build_item, resolve_payload
 from tito_render.media import video as video_math
@@ -250,7 +251,7 @@ class Renderer:
         rendered.tool_choice = chat.tool_choice
         if keeps_special_tokens_for_tools(self.model.tool_parser, bool(request.tools), chat.tool_choice,
                                           request.sampling):
-            rendered.sampling.text_options.skip_special_tokens = False
+            rendered.sampling = _keeping_special_tokens(rendered.sampling)
         rendered.thinking_enabled = thinking
         rendered.prompt_opens_reasoning = bool(self.model.reasoning_parser) and ends_inside_reasoning(
             text, THINK_START, THINK_END)
@@ -431,9 +432,9 @@ class Renderer:
             vocab_size=self.model.vocab_size, generation_defaults=self.model.generation_defaults,
             prompt_field=prompt_field))
         if self.model.keep_special_tokens and not sampling.HasField("skip_special_tokens"):
-            params.text_options.skip_special_tokens = False  # the parsers' markers are special tokens
+            params = _keeping_special_tokens(params)  # the parsers' markers are special tokens
         if structured_output is not None:
-            params.structured_output.CopyFrom(structured_output)
+            params = dataclasses.replace(params, structured_output=structured_output)
         return RenderedPrompt(request_id=new_request_id(request_id), token_ids=token_ids, sampling=params,
                               cache_salt=cache_salt, reasoning_parser=self.model.reasoning_parser,
                               tool_parser=self.model.tool_parser)
@@ -475,6 +476,11 @@ def _frames_key(encoded: list[tuple[bytes, str]]) -> bytes:
         digest.update(data)
     return digest.digest()
 
+
+
+def _keeping_special_tokens(params: SamplingParams) -> SamplingParams:
+    return dataclasses.replace(params, text_options=dataclasses.replace(params.text_options,
+                                                                        skip_special_tokens=False))
 
 
 def _thinking_enabled(options: ChatRenderOptions, model: RenderModel) -> bool:

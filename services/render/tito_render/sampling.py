@@ -1,4 +1,4 @@
-"""Resolve a client's SamplingOptions into the engine's SamplingParams.
+"""Resolve a client's SamplingOptions into the engine's SamplingParams (`domain.SamplingParams`).
 
 Every value is: the request's, else the model's generation_config.json default, else tito's
 default, and render always writes the resolved value so the engine never guesses. max_tokens
@@ -18,7 +18,9 @@ from typing import Any
 from tito.contract import INVALID_SAMPLING_PARAMS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, check_sampling_ranges
 from tito.errors import InvalidArgument, Violations
 from tito.parsers import TOOL_PARSERS_NEEDING_SPECIAL_TOKENS
-from tito.v1 import chat_pb2, render_pb2, sampling_pb2
+from tito.v1 import chat_pb2, render_pb2
+
+from tito_render.domain import SamplingParams, TextOptions
 
 MAX_N = 128
 
@@ -71,7 +73,7 @@ def check_context(limits: SamplingLimits) -> int:
 
 
 def resolve_sampling(options: render_pb2.SamplingOptions,
-                     limits: SamplingLimits) -> sampling_pb2.SamplingParams:
+                     limits: SamplingLimits) -> SamplingParams:
     """Validate `options` (every problem named as sampling.<field>) and resolve them."""
     remainder = check_context(limits)
     defaults = limits.generation_defaults
@@ -126,15 +128,13 @@ def resolve_sampling(options: render_pb2.SamplingOptions,
                            f"token id {token_id} is outside the vocabulary [0, {limits.vocab_size})")
     violations.raise_if_any(reason=INVALID_SAMPLING_PARAMS)
 
-    params = sampling_pb2.SamplingParams(
+    return SamplingParams(
         max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-        repetition_penalty=repetition_penalty, stop_token_ids=list(options.stop_token_ids),
+        repetition_penalty=repetition_penalty, stop_token_ids=tuple(options.stop_token_ids),
         ignore_eos=options.ignore_eos if options.HasField("ignore_eos") else False, n=n,
-        logprobs=logprobs, top_logprobs=top_logprobs, text_options=text_options(options))
-    if options.HasField("seed"):
-        params.seed = options.seed
-    return params
+        logprobs=logprobs, top_logprobs=top_logprobs, text_options=text_options(options),
+        seed=options.seed if options.HasField("seed") else None)
 
 
 def keeps_special_tokens_for_tools(tool_parser: str, has_tools: bool, tool_choice: chat_pb2.ToolChoice,
@@ -147,10 +147,10 @@ def keeps_special_tokens_for_tools(tool_parser: str, has_tools: bool, tool_choic
             and not options.HasField("skip_special_tokens"))
 
 
-def text_options(options: render_pb2.SamplingOptions) -> sampling_pb2.OutputTextOptions:
+def text_options(options: render_pb2.SamplingOptions) -> TextOptions:
     """The string-level options derender applies, with their defaults made explicit."""
-    return sampling_pb2.OutputTextOptions(
-        stop=list(options.stop),
+    return TextOptions(
+        stop=tuple(options.stop),
         include_stop_str_in_output=options.include_stop_str_in_output
         if options.HasField("include_stop_str_in_output") else False,
         skip_special_tokens=options.skip_special_tokens if options.HasField("skip_special_tokens") else True,

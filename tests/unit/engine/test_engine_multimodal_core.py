@@ -159,7 +159,8 @@ def test_encode_returns_descriptors_that_name_the_cached_rows(small_runner, rend
         request = render(renderer, seed=4, words="Encode me", max_tokens=1)
         items = media_from_proto(request)
         first = asyncio.run(engine.encode(Admission.for_backend(engine).admit_encode(items)))
-        second = asyncio.run(engine.encode(Admission.for_backend(engine).admit_encode(items)))  # cached: the same descriptor, a hit
+        # Cached: the same descriptor, a hit.
+        second = asyncio.run(engine.encode(Admission.for_backend(engine).admit_encode(items)))
         assert first == second and len(first) == 1
         assert first[0].model_fingerprint == small_runner.info.fingerprint
         assert engine.load().encoder_cache_hits >= 1

@@ -22,7 +22,7 @@ def test_tito_defaults_and_context_remainder():
     assert params.max_tokens == 90
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (1.0, 1.0, 0, 0.0)
     assert params.repetition_penalty == 1.0 and params.n == 1
-    assert not params.HasField("seed")
+    assert params.seed is None
     assert params.text_options.skip_special_tokens and not params.text_options.spaces_between_special_tokens
 
 

@@ -59,8 +59,8 @@ from tito_engine.multimodal.domain import MediaItem
 from tito_engine.multimodal.encoder_cache import EncoderCache
 from tito_engine.multimodal.items import (EC_DESCRIPTOR_INVALID, EC_DESCRIPTOR_STALE, EC_ENTRY_CORRUPT,  # noqa: F401
                                           EC_ENTRY_EVICTED, EC_MODEL_MISMATCH, EC_STORE_UNAVAILABLE, MODALITY_NAMES,
-                                          MODALITY_UNSPECIFIED, SIGNATURE_INVALID, CheckedFeatures, CheckedItem, FeaturePolicy,
-                                          ValidatedFeatures, ValidatedItem)
+                                          MODALITY_UNSPECIFIED, SIGNATURE_INVALID, CheckedFeatures, CheckedItem,
+                                          FeaturePolicy, ValidatedFeatures, ValidatedItem)
 from tito_engine.multimodal.resolution import check_encoder_cache_enabled, resolve_cached
 from tito_engine.multimodal.specs import TENSORS_REQUIRED, ItemLayout, ModelMultimodalSpec, tensor_path  # noqa: F401
 from tito_engine.multimodal.trust import check_signature, content_digest, item_content_id  # noqa: F401
@@ -245,7 +245,8 @@ def _check_tensors(item: MediaItem, policy: FeaturePolicy, bytes_so_far: int, pa
     return item_bytes
 
 
-def _check_embed_layout(item: MediaItem, modality_spec, layout: ItemLayout, embed_positions: tuple[int, ...], path: str) -> None:
+def _check_embed_layout(item: MediaItem, modality_spec, layout: ItemLayout, embed_positions: tuple[int, ...],
+                        path: str) -> None:
     field_path = f"{path}.placeholder.is_embed" if item.placeholder.is_embed else f"{path}.placeholder.length"
     if len(embed_positions) != layout.num_rows:
         grid = f" (grid_thw {list(layout.grid_thw)})" if layout.grid_thw else ""
