@@ -11,6 +11,7 @@ import asyncio
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 import threading
 from collections.abc import Awaitable, Callable
@@ -133,9 +134,35 @@ def tiny_qwen3_vl_model(model_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
-def demo_model(model_cache) -> Path:
+def _demo_second_build(request, tmp_path_factory):
+    """A second tito-demo build, for sessions with a test of `demo_rebuild`: a process of its own,
+    started just before `demo_model` trains. A build keeps to one core (demo.THREADS), so on two
+    cores both builds take the time of one instead of the rebuild's minute later on."""
+    if not any("demo_rebuild" in item.fixturenames for item in request.session.items):
+        yield None
+        return
+    directory = tmp_path_factory.mktemp("demo-again")
+    with open(directory / "build.log", "wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "tito_models.demo", str(directory / "again")],
+                                   stdout=log, stderr=subprocess.STDOUT)
+    yield directory, process
+    if process.poll() is None:  # the session ended before the test that waits for it ran
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture(scope="session")
+def demo_model(model_cache, _demo_second_build) -> Path:
     """tito-demo: the Qwen2-VL tito trains itself (once per session, seconds to a minute)."""
     return ensure_demo_model(model_cache)
+
+
+@pytest.fixture(scope="session")
+def demo_rebuild(demo_model, _demo_second_build) -> Path:
+    """A second tito-demo build from scratch, in another process than `demo_model`'s."""
+    directory, process = _demo_second_build
+    assert process.wait(timeout=900) == 0, (directory / "build.log").read_text(errors="replace")
+    return directory / "again"
 
 
 class AioServer:

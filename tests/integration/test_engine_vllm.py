@@ -55,11 +55,20 @@ def stubs(module_aio_server, tiny_text_model_d64):
 
 
 @pytest.fixture(scope="module")
-def hf_model(tiny_text_model_d64):
-    """HF's model with no EOS, the reference for ignore_eos (min_new_tokens would ban EOS instead)."""
+def hf_greedy(tiny_text_model_d64):
+    """HF's greedy tokens for prompts() with no EOS, the reference for ignore_eos (min_new_tokens
+    would ban EOS instead). On one intra-op thread: with vLLM imported, two threads took 8-40 s
+    for these 32 prompts (a model this small gains nothing from a second thread), one takes 0.6 s."""
     model = AutoModelForCausalLM.from_pretrained(tiny_text_model_d64, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
-    return model
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            return [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS,
+                                   pad_token_id=0)[0, len(p):].tolist() for p in prompts()]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def generate(stub, message):
@@ -79,11 +88,8 @@ def test_model_info_agrees(stubs):
     assert vllm_info.device == "cpu" and vllm_info.vocab_size == 1013
 
 
-def test_greedy_tokens_equal_across_backends_and_hf_alone_and_at_concurrency_32(stubs, hf_model):
-    batch = prompts()
-    with torch.inference_mode():
-        expected = [hf_model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                                      pad_token_id=0)[0, len(p):].tolist() for p in batch]
+def test_greedy_tokens_equal_across_backends_and_hf_alone_and_at_concurrency_32(stubs, hf_greedy):
+    batch, expected = prompts(), hf_greedy
     for name in BACKENDS:
         alone = [greedy_tokens(stubs[name], p) for p in batch]
         with ThreadPoolExecutor(32) as pool:

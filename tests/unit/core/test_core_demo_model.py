@@ -20,8 +20,8 @@ def _file_hashes(directory) -> dict[str, str]:
     return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(directory.iterdir())}
 
 
-def test_two_builds_write_identical_bytes(demo_model, tmp_path):
-    again = demo.build_demo_model(tmp_path / "again")
+def test_two_builds_write_identical_bytes(demo_model, demo_rebuild):
+    again = demo_rebuild
     assert _file_hashes(again) == _file_hashes(demo_model)
     assert {"config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
             "preprocessor_config.json", "generation_config.json", "model.safetensors"} <= set(_file_hashes(again))

@@ -16,6 +16,7 @@ import random
 
 import jsonschema
 import pytest
+import torch
 import xgrammar
 from google.protobuf import struct_pb2
 from transformers import AutoTokenizer
@@ -107,6 +108,23 @@ def compiled(compiler, constraint):
     return _COMPILED[key]
 
 
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def allowed_tokens(bitmask, vocab_size: int) -> list[int]:
+    """The ids a one-row bitmask allows, ascending: bit i % 32 of word i // 32, as
+    xgrammar.testing.bitmask_to_bool_mask reads it (that one loops in Python over the vocabulary,
+    ~1 s a mask for a 150k vocabulary, most of a walk's time)."""
+    return ((bitmask[0].unsqueeze(1) >> _BIT) & 1).flatten()[:vocab_size].nonzero().flatten().tolist()
+
+
+def test_allowed_tokens_reads_the_mask_as_xgrammar_does():
+    bitmask = torch.randint(-2**31, 2**31 - 1, (1, 40), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
+    for vocab_size in (1250, 1280):
+        expected = xgrammar.testing.bitmask_to_bool_mask(bitmask, vocab_size)[0].nonzero().flatten().tolist()
+        assert allowed_tokens(bitmask, vocab_size) == expected
+
+
 def random_walk(compiler, tokenizer, stops, constraint, seed: int, prefix: str = "", max_steps: int = 1200) -> str:
     """The text of a seeded random walk under the constraint's masks, to the grammar's end, after
     `prefix` (which the grammar must take). A stop token is taken 70% of the time it is allowed."""
@@ -118,7 +136,7 @@ def random_walk(compiler, tokenizer, stops, constraint, seed: int, prefix: str =
         if matcher.is_terminated():
             break
         matcher.fill_next_token_bitmask(bitmask)
-        allowed = xgrammar.testing.bitmask_to_bool_mask(bitmask, len(tokenizer))[0].nonzero().flatten().tolist()
+        allowed = allowed_tokens(bitmask, len(tokenizer))
         assert allowed, "the grammar allows no token"
         stop = [token for token in stops if token in allowed]
         others = [token for token in allowed if token not in stops]
