@@ -8,28 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tito.media_parts import Placeholder, RawTensor
 from tito.v1 import chat_pb2, sampling_pb2
-
-
-@dataclass(frozen=True, slots=True)
-class RawTensor:
-    """One tensor as it goes on the wire (`tito.v1.Tensor`): dtype code, shape, little-endian bytes.
-
-    The bytes are made once, when the item is built: the HMAC tag hashes them, and convert.py
-    puts the same object into the response."""
-
-    dtype: int  # tito.v1.Dtype number
-    shape: tuple[int, ...]
-    data: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class Placeholder:
-    """Where an item's tokens are in the prompt; `is_embed` empty: every position takes a row."""
-
-    offset: int
-    length: int
-    is_embed: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

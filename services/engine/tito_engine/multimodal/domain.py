@@ -13,26 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True, slots=True)
-class RawTensor:
-    """A `tito.v1.Tensor`'s fields: `tito.tensors` checks and decodes it like the wire message.
-
-    `data` is the one bytes object taken from the message (reading a bytes field of a protobuf
-    message copies it each time, so the domain code reads this instead)."""
-
-    dtype: int  # tito.v1.Dtype number
-    shape: tuple[int, ...]
-    data: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class Placeholder:
-    """Where an item's tokens are in token_ids; `is_embed` empty: every position takes a row."""
-
-    offset: int
-    length: int
-    is_embed: tuple[bool, ...] = ()
+from tito.media_parts import Placeholder, RawTensor
 
 
 @dataclass(frozen=True, slots=True)
