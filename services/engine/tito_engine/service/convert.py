@@ -21,8 +21,8 @@ _FINISH_REASONS = {
 }
 
 
-MODALITIES = {"image": multimodal_pb2.MODALITY_IMAGE, "video": multimodal_pb2.MODALITY_VIDEO,
-               "audio": multimodal_pb2.MODALITY_AUDIO}
+#: A modality's wire number by its name (GetModelInfo): MODALITY_NAMES the other way round.
+MODALITIES = {name: value for value, name in MODALITY_NAMES.items()}
 
 
 def _optional(message, name: str):
