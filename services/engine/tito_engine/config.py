@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from tito_engine.kv_events import DEFAULT_KV_EVENT_BUFFER
 from tito_engine.kv_sizing import DEFAULT_KV_MEMORY_FRACTION, KV_MEMORY_RESERVE_BYTES
-from tito_engine.limits import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_RUNNING_SEQUENCES,
-                                DEFAULT_MAX_WAITING_REQUESTS, SchedulerLimits)
+from tito_engine.limits import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_PREFILL_TOKENS_CPU,
+                                DEFAULT_MAX_RUNNING_SEQUENCES, DEFAULT_MAX_WAITING_REQUESTS, SchedulerLimits)
 
 if TYPE_CHECKING:
     from tito_engine.model.cpu_runtime import CpuPlan
@@ -68,8 +68,10 @@ class EngineConfig(ServerConfig):
         help=f"with no fixed KV size, the KV cache takes this fraction of the memory free after loading the model "
              f"(host memory on CPU, the device's on CUDA) less a {KV_MEMORY_RESERVE_BYTES >> 30} GiB reserve, at most "
              f"what --max-running-sequences sequences of the full context hold; logged at start-up")
-    max_prefill_tokens_per_step: int = setting(
-        DEFAULT_MAX_PREFILL_TOKENS,
+    # None: by device (tito_engine.limits); the vllm backend then keeps vLLM's own default.
+    max_prefill_tokens_per_step: int | None = setting(
+        None, type=int,
+        default_text=f"native {DEFAULT_MAX_PREFILL_TOKENS} on CUDA, {DEFAULT_MAX_PREFILL_TOKENS_CPU} on CPU; vLLM its own",
         help="prompt tokens computed per step across requests; longer prompts are prefilled in chunks beside "
              "the running decodes (vllm: max_num_batched_tokens)")
     cpu_threads: int | None = setting(None, type=int,
@@ -86,6 +88,14 @@ class EngineConfig(ServerConfig):
         help="on CPU, run the linear layers on oneDNN-packed weights (about 2x faster from a few rows a step on; "
              "large and bf16 weights are held packed only, small float32 ones twice); --no-cpu-packed-linears "
              "keeps the plain weights")
+    # None: on where it helps (native backend, CPU, float32, one intra-op thread: the kernel is
+    # single-threaded, while SDPA spreads over the threads); the vllm backend refuses the flag.
+    cpu_decode_kernel: bool | None = setting(
+        None, type=bool, default_text="on in float32 when the core runs one torch thread (native backend)",
+        help="on CPU in float32, the decode rows' attention runs in a C kernel built at first use with the "
+             "machine's compiler (cc or $CC; cached in ~/.cache/tito/kernels) that reads the paged cache in "
+             "place (no compiler: the torch path, logged); it runs on one thread; --no-cpu-decode-kernel keeps "
+             "the torch path")
     # The child keeps the forward's many small torch calls from contending for the GIL with gRPC.
     engine_process: bool = setting(True, help="run the model and scheduler in a child process, away from the "
                                               "gRPC threads (--no-engine-process: on a thread of this process)")
@@ -145,8 +155,18 @@ class EngineConfig(ServerConfig):
     def scheduler_limits(self) -> SchedulerLimits:
         """The scheduler's share of this config, as one object (see tito_engine.limits)."""
         return SchedulerLimits(max_running_sequences=self.max_running_sequences,
-                               max_prefill_tokens=self.max_prefill_tokens_per_step,
+                               max_prefill_tokens=self.prefill_tokens_per_step(),
                                prefix_caching=self.prefix_caching)
+
+    def prefill_tokens_per_step(self) -> int:
+        """The native scheduler's prefill budget per step: the flag, else the device's default
+        (tito_engine.limits: CPU steps are kept shorter so that decodes are not held up)."""
+        if self.max_prefill_tokens_per_step is not None:
+            return self.max_prefill_tokens_per_step
+        from tito_engine.model.runner import choose_device
+
+        cpu = self.backend == "native" and choose_device(self.device).type == "cpu"
+        return DEFAULT_MAX_PREFILL_TOKENS_CPU if cpu else DEFAULT_MAX_PREFILL_TOKENS
 
     def cpu_plan(self) -> "CpuPlan | None":
         """Threads and CPUs of the native engine on CPU (model/cpu_runtime.plan_cpus, from the model's
@@ -218,9 +238,9 @@ class EngineConfig(ServerConfig):
             raise ConfigError(f"kv_cache_bytes={self.kv_cache_bytes} must be >= 1 (e.g. 67108864 for 64 MiB)")
         if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 1:
             raise ConfigError(f"kv_memory_fraction={self.kv_memory_fraction} must be in (0, 1]")
-        if self.max_prefill_tokens_per_step < 1:
+        if self.max_prefill_tokens_per_step is not None and self.max_prefill_tokens_per_step < 1:
             raise ConfigError(f"max_prefill_tokens_per_step={self.max_prefill_tokens_per_step} must be >= 1 "
-                              f"(default {DEFAULT_MAX_PREFILL_TOKENS})")
+                              f"(default {DEFAULT_MAX_PREFILL_TOKENS} on CUDA, {DEFAULT_MAX_PREFILL_TOKENS_CPU} on CPU)")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads={self.cpu_threads} must be >= 1 (or unset: chosen from the model's work)")
         if self.core_cpus not in ("auto", "none"):
@@ -257,6 +277,9 @@ class EngineConfig(ServerConfig):
         if self.cpu_packed_linears is not None:
             raise ConfigError("--cpu-packed-linears / --no-cpu-packed-linears apply to the native backend only "
                               "(vLLM chooses its own CPU kernels); drop the flag")
+        if self.cpu_decode_kernel is not None:
+            raise ConfigError("--cpu-decode-kernel / --no-cpu-decode-kernel apply to the native backend only (vLLM "
+                              "runs its own attention kernels); drop the flag")
         if self.exclude_padding_ids:
             raise ConfigError("--exclude-padding-ids applies to the native backend only: vLLM samples over every "
                               "embedding row (derender decodes padding ids as empty text); drop the flag")

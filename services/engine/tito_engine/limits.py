@@ -13,8 +13,13 @@ from dataclasses import dataclass
 DEFAULT_MAX_RUNNING_SEQUENCES = 64
 #: Requests admitted but not yet running; beyond it Generate answers RESOURCE_EXHAUSTED.
 DEFAULT_MAX_WAITING_REQUESTS = 1024
-#: Prompt tokens computed per step, shared by all prefilling requests (chunked prefill).
+#: Prompt tokens computed per step, shared by all prefilling requests (chunked prefill), on CUDA.
 DEFAULT_MAX_PREFILL_TOKENS = 2048
+#: The same on CPU, where a step's time grows with its tokens from a few dozen on: a 2,048-token
+#: step holds every running decode for as long as 2,048 tokens take, so one burst of prompts stalls
+#: all the streams beside it; 512-token steps interleave decodes four times as often for the same
+#: prefill throughput (the per-step overhead is small beside 512 tokens of work).
+DEFAULT_MAX_PREFILL_TOKENS_CPU = 512
 #: Tokens per KV cache block of the native engine.
 DEFAULT_BLOCK_SIZE = 16
 #: (The KV cache's size when no flag gives one: tito_engine.kv_sizing.)

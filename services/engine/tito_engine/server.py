@@ -89,7 +89,7 @@ def _build_backend(config: EngineConfig) -> EngineBackend:
         return Engine.in_process(spec, max_waiting_requests=config.max_waiting_requests,
                                  kv_event_buffer=config.kv_events_buffer)
     runner = spec.load_runner()  # the same spec, loaded on a thread of this process
-    warm_up_or_warn(runner)
+    warm_up_or_warn(runner, spec.limits.max_prefill_tokens)
     return Engine(runner, limits=spec.limits, max_waiting_requests=config.max_waiting_requests,
                   encoder_cache_bytes=spec.encoder_cache_bytes, encoder_store_dir=spec.encoder_store_dir,
                   encoder_store_bytes=spec.encoder_store_bytes, kv_event_buffer=config.kv_events_buffer)

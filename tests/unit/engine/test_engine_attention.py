@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 
 from tito_engine.model.attention import split_by_context
-from tito_engine.model.forward import RowInput
 from tito_engine.model.runner import ModelRunner
+
+from decode_rows import prefilled_decode_rows
 
 
 def test_decode_rows_of_very_different_contexts_attend_in_groups_of_similar_ones():
@@ -22,15 +23,8 @@ def test_decode_rows_of_very_different_contexts_attend_in_groups_of_similar_ones
 
 
 def test_grouped_decode_rows_get_the_logits_they_get_alone(tiny_text_model_d64):
-    runner = ModelRunner(tiny_text_model_d64, model_id="m", device="cpu")
-    block = runner.cache.block_size
-    lengths = [3] * 6 + [200] * 3 + [700] * 3  # three groups of contexts
-    rows = []
-    for i, length in enumerate(lengths):
-        prompt = [(13 * i + 5 * j) % 900 + 5 for j in range(length)]
-        table = runner.cache.allocator.allocate(-(-(length + 1) // block))
-        runner.execute([RowInput(prompt, 0, table, True)])
-        rows.append(RowInput([7 + i], length, table, True))
+    runner = ModelRunner(tiny_text_model_d64, model_id="m", device="cpu", decode_kernel=False)  # the torch path
+    rows = prefilled_decode_rows(runner, [3] * 6 + [200] * 3 + [700] * 3)  # three groups of contexts
     plan = runner.decoder.attention._decode_groups(rows, list(range(len(rows))), list(range(len(rows))), True)
     assert sorted(group[2] for group in plan) == [3, 3, 6]  # rows per call
     together = runner.execute(rows)
@@ -41,14 +35,8 @@ def test_grouped_decode_rows_get_the_logits_they_get_alone(tiny_text_model_d64):
 
 def test_rows_of_one_group_keep_their_order(tiny_text_model):
     """Rows out of length order that attend in one call: each row's output stays its own."""
-    runner = ModelRunner(tiny_text_model, model_id="m", device="cpu")
-    block = runner.cache.block_size
-    rows = []
-    for i, length in enumerate([9, 3, 7, 5, 8, 4]):
-        prompt = [(13 * i + 5 * j) % 900 + 5 for j in range(length)]
-        table = runner.cache.allocator.allocate(-(-(length + 1) // block))
-        runner.execute([RowInput(prompt, 0, table, True)])
-        rows.append(RowInput([7 + i], length, table, True))
+    runner = ModelRunner(tiny_text_model, model_id="m", device="cpu", decode_kernel=False)  # the torch path
+    rows = prefilled_decode_rows(runner, [9, 3, 7, 5, 8, 4])
     together = runner.execute(rows)
     alone = torch.cat([runner.execute([row]) for row in rows])
     torch.testing.assert_close(together, alone, atol=1e-4, rtol=0)

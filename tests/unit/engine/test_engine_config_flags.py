@@ -10,7 +10,8 @@ from tito_cli import main as cli
 from tito.config import ConfigError
 from tito.env_flags import apply_env
 from tito_engine.config import EngineConfig
-from tito_engine.limits import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_RUNNING_SEQUENCES, SchedulerLimits
+from tito_engine.limits import (DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_PREFILL_TOKENS_CPU, DEFAULT_MAX_RUNNING_SEQUENCES,
+                                SchedulerLimits)
 from tito_engine.server import config_from_args
 
 DEPRECATION = ("--max-running-requests (TITO_MAX_RUNNING_REQUESTS) is deprecated: use --max-running-sequences "
@@ -78,9 +79,21 @@ def test_the_scheduler_gets_its_settings_as_one_object():
                             "--no-prefix-caching"])
     assert config.scheduler_limits == SchedulerLimits(max_running_sequences=32, max_prefill_tokens=512,
                                                       prefix_caching=False)
-    assert EngineConfig().scheduler_limits == SchedulerLimits()
+    assert EngineConfig(device="cpu").scheduler_limits == SchedulerLimits(
+        max_prefill_tokens=DEFAULT_MAX_PREFILL_TOKENS_CPU)
     assert SchedulerLimits().max_prefill_tokens == DEFAULT_MAX_PREFILL_TOKENS
-    assert EngineConfig.max_prefill_tokens_per_step == DEFAULT_MAX_PREFILL_TOKENS
+    assert EngineConfig.max_prefill_tokens_per_step is None  # chosen by device
+
+
+def test_the_prefill_budget_defaults_by_device_and_the_flag_wins(monkeypatch):
+    import torch
+
+    assert EngineConfig(device="cpu").prefill_tokens_per_step() == DEFAULT_MAX_PREFILL_TOKENS_CPU == 512
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # choose_device("auto") picks CUDA
+    assert EngineConfig().prefill_tokens_per_step() == DEFAULT_MAX_PREFILL_TOKENS == 2048
+    assert EngineConfig(device="cpu", max_prefill_tokens_per_step=96).prefill_tokens_per_step() == 96
+    with pytest.raises(ConfigError, match="max_prefill_tokens_per_step=0 must be >= 1 .*512 on CPU"):
+        EngineConfig(max_prefill_tokens_per_step=0).validate()
 
 
 def test_the_core_process_spec_is_built_from_the_config_whole():

@@ -39,6 +39,13 @@ def test_tito_flags_translate_and_vllm_arguments_pass_through():
     assert args.mm_device_do_normalize is False
 
 
+def test_with_no_prefill_budget_given_vllm_keeps_its_own_default():
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    args = build_engine_args(vllm_config(kv_cache_bytes=1 << 20), "/models/m")
+    assert args.max_num_batched_tokens == AsyncEngineArgs.max_num_batched_tokens
+
+
 def test_dtype_is_tito_s_flag_or_vllm_s_but_not_both():
     args = build_engine_args(vllm_config(dtype="bfloat16", kv_cache_bytes=1 << 20), "/models/m")
     assert args.dtype == "bfloat16"

@@ -425,6 +425,7 @@ class CoreProcessSpec:
     encoder_cache_bytes: int = 0
     exclude_padding_ids: bool = True
     packed_linears: bool = True
+    decode_kernel: bool | None = None  # decode attention in the CPU kernel (model/cpu_attention.py); None: auto
     cpus: frozenset[int] | None = None  # the CPUs the core process runs on (EngineConfig.cpu_plan)
     dtype: str = "auto"
     encoder_store_dir: str = ""  # the shared encoder store's directory ("" = none)
@@ -439,7 +440,8 @@ class CoreProcessSpec:
                    cpu_threads=plan.threads if plan is not None else None,
                    limits=config.scheduler_limits, log_level=config.log_level,
                    encoder_cache_bytes=config.encoder_cache_bytes, exclude_padding_ids=config.excludes_padding_ids,
-                   packed_linears=config.packs_linears, cpus=plan.core_cpus if plan is not None else None,
+                   packed_linears=config.packs_linears, decode_kernel=config.cpu_decode_kernel,
+                   cpus=plan.core_cpus if plan is not None else None,
                    dtype=config.dtype, encoder_store_dir=config.encoder_store_dir,
                    encoder_store_bytes=config.encoder_store_bytes)
 
@@ -452,7 +454,7 @@ class CoreProcessSpec:
         return ModelRunner(Path(self.model_dir), model_id=self.model_id, device=self.device,
                            max_model_len=self.max_model_len, kv_cache=self.kv_cache, cpu_threads=self.cpu_threads,
                            exclude_padding_ids=self.exclude_padding_ids, packed_linears=self.packed_linears,
-                           dtype=self.dtype)
+                           dtype=self.dtype, decode_kernel=self.decode_kernel)
 
 
 def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
@@ -478,7 +480,7 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
         except OSError:
             pass  # the server stopped while the model was loading: nobody is left to tell
         _exit_now(1)
-    warm_up_or_warn(runner)
+    warm_up_or_warn(runner, spec.limits.max_prefill_tokens)
     try:
         core = EngineCore(runner, spec.limits, spec.encoder_cache_bytes, spec.encoder_store_dir,
                           spec.encoder_store_bytes)

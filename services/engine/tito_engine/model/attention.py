@@ -1,8 +1,9 @@
 """Attention over the paged KV cache for one batched step.
 
-Decode rows (one query each) attend in one padded `scaled_dot_product_attention` call, or a few
-when their context lengths differ (`split_by_context`: rows of similar length share a call, so the
-K/V a step gathers follows each row's own context, not the longest row's); each prefill
+Decode rows (one query each) attend, on CPU in float32, in one call of a C kernel that reads
+their blocks in place (cpu_attention.py); elsewhere in one padded `scaled_dot_product_attention`
+call, or a few when their context lengths differ (`split_by_context`: rows of similar length
+share a call, so the K/V a step gathers follows each row's own context, not the longest row's); each prefill
 chunk attends on its own, over its own K/V when it starts the prompt, else over the blocks of its
 table. Masks are additive floats built once per step (SDPA on CPU converts a bool one on every
 call): full causal, sliding window (a query at p attends to keys in (p - window, p]), and
@@ -17,6 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from tito_engine.model.cpu_attention import DecodeKernel, DecodeRows
 from tito_engine.model.families import SLIDING
 from tito_engine.model.kv_cache import PagedKVCache
 
@@ -59,11 +61,14 @@ class AttentionPlan:
     whole_batch_decodes: bool  # every row decodes one token
     decode_groups: list = field(default_factory=list)  # (packed index or None, blocks, rows, masks by kind)
     prefill_specs: list = field(default_factory=list)  # (offset, count, blocks or None, masks by kind)
+    kernel_decodes: DecodeRows | None = None  # the decode rows, when the decode kernel attends them
+    window: int | None = None  # sliding layers' window, when a row of the step is longer
 
 
 class PagedAttention:
     def __init__(self, cache: PagedKVCache, family: Any, arange: Callable[[int], torch.Tensor],
-                 prepare_prefill: Callable[[Any], Any]):
+                 prepare_prefill: Callable[[Any], Any], decode_kernel: DecodeKernel | None = None):
+        """`decode_kernel`: attends the decode rows (cpu_attention.py) instead of the torch path."""
         self.cache = cache
         self.device = cache.device
         self.block_size = cache.block_size
@@ -77,31 +82,49 @@ class PagedAttention:
         block_bytes = 2 * cache.block_size * self.num_kv_heads * self.head_dim * cache.keys[0].element_size()
         self._group_cost = max(1, (GROUP_CALL_SECONDS * GATHER_BYTES_PER_SECOND) // block_bytes)
         self._prepare_prefill = prepare_prefill  # resolves a prefill's bidirectional spans
+        self._decode_kernel = decode_kernel
 
     def plan(self, rows: list, offsets: list[int], decode_rows: list[int], prefill_rows: list[int],
              window: int | None) -> AttentionPlan:
-        """How every layer of this step attends: decode rows (one token each) in one or two
-        gathered groups, prefill chunks one by one. `offsets[i]`: row i's first packed token."""
+        """How every layer of this step attends: decode rows (one token each) in one kernel call or
+        in a few gathered groups, prefill chunks one by one. `offsets[i]`: row i's first packed token."""
         num_tokens = offsets[-1] + len(rows[-1].token_ids) if rows else 0
-        plan = AttentionPlan(num_tokens=num_tokens, whole_batch_decodes=not prefill_rows)
-        plan.decode_groups = self._decode_groups(rows, decode_rows, offsets, whole_batch=not prefill_rows,
-                                                 window=window)
+        plan = AttentionPlan(num_tokens=num_tokens, whole_batch_decodes=not prefill_rows, window=window)
+        if self._decode_kernel is not None and decode_rows:
+            block_size = self.block_size
+            plan.kernel_decodes = DecodeRows(
+                [offsets[i] for i in decode_rows],
+                [rows[i].block_table[:rows[i].start // block_size + 1] for i in decode_rows],
+                [rows[i].start + 1 for i in decode_rows])
+        else:
+            plan.decode_groups = self._decode_groups(rows, decode_rows, offsets, whole_batch=not prefill_rows,
+                                                     window=window)
         plan.prefill_specs = [self._prefill_spec(rows[i], offsets[i], window) for i in prefill_rows]
         return plan
 
     def attend(self, plan: AttentionPlan, layer_index: int, kind: int, q: torch.Tensor,
                       k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One layer's attention output [T, heads * hd] for the step's packed queries."""
-        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        heads, head_dim = self.num_heads, self.head_dim
         key_cache, value_cache = self.cache.keys[layer_index], self.cache.values[layer_index]
         groups = plan.decode_groups
         if plan.whole_batch_decodes and len(groups) == 1 and groups[0][0] is None:  # every row decodes, one group
             _, blocks, count, masks = groups[0]
             return self._attend_decode(q, key_cache, value_cache, blocks, count, masks[kind])
         attn = torch.empty((plan.num_tokens, heads * head_dim), dtype=q.dtype, device=self.device)
+        if plan.kernel_decodes is not None:
+            self._decode_kernel(q, attn, plan.kernel_decodes, key_cache, value_cache, heads, self.num_kv_heads,
+                                head_dim, self.scaling, plan.window if kind == SLIDING else None)
         for index, blocks, count, masks in groups:
             out = self._attend_decode(q.index_select(0, index), key_cache, value_cache, blocks, count, masks[kind])
             attn.index_copy_(0, index, out)
+        self._attend_prefills(plan, kind, q, k, v, key_cache, value_cache, attn)
+        return attn
+
+    def _attend_prefills(self, plan: AttentionPlan, kind: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         key_cache: torch.Tensor, value_cache: torch.Tensor, attn: torch.Tensor) -> None:
+        """Each prefill chunk on its own, written into `attn` at its tokens."""
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         for offset, count, blocks, masks in plan.prefill_specs:
             q_rows = q[offset:offset + count].transpose(0, 1)[None]  # [1, heads, count, hd]
             mask = masks[kind]
@@ -113,7 +136,6 @@ class PagedAttention:
             else:
                 out = self._attend(q_rows, key_cache, value_cache, blocks, 1, mask)
             attn[offset:offset + count] = out[0].reshape(count, heads * head_dim)
-        return attn
 
     def _row_spans(self, row: Any, end: int) -> list[tuple[int, int]]:
         """The row's bidirectional spans clipped to the part of this chunk where they matter:

@@ -20,6 +20,7 @@ from tito_engine.model_info import ModelInfo, describe_model
 from tito_engine.model.choices import ModelChoiceState
 
 from tito_engine.multimodal import vision
+from tito_engine.model.cpu_attention import DecodeKernel, load_decode_kernel
 from tito_engine.model.cpu_runtime import forward_macs_per_token, keep_freed_memory, plan_cpus, set_cpu_threads
 from tito_engine.model.forward import BatchedDecoder, MultiModalPrefill
 from tito_engine.model.kv_cache import KVLayout, PagedKVCache
@@ -151,7 +152,7 @@ class ModelRunner:
     def __init__(self, model_dir: Path, *, model_id: str, device: str = "auto",
                  max_model_len: int | None = None, kv_cache: KVCacheSpec | None = None,
                  cpu_threads: int | None = None, exclude_padding_ids: bool = True, packed_linears: bool = True,
-                 dtype: str = "auto"):
+                 dtype: str = "auto", decode_kernel: bool | None = None):
         self.model_dir = model_dir  # structured outputs read the tokenizer from here (constraints.py)
         self.device = choose_device(device)
         self.dtype, dtype_reason = choose_dtype(self.device, dtype, checkpoint_dtype(model_dir))
@@ -185,10 +186,15 @@ class ModelRunner:
         self._token_masks: constraints.TokenMasks | None = None  # built by the first constrained step
         self.cache = self._make_cache(text_config, kv_cache or KVCacheSpec())
         self.choice_state = ModelChoiceState(self.device)
+        kernel = None
+        if decode_kernel is None:  # the kernel runs on one thread; SDPA spreads over torch's threads
+            decode_kernel = torch.get_num_threads() == 1
+        if decode_kernel and DecodeKernel.supports(self.dtype, self.device):
+            kernel = load_decode_kernel()  # None: it could not be built (logged), the torch path runs
         try:
             self.decoder = BatchedDecoder(self.model, self.cache, max_positions=self.info.max_context_length,
                                           packed_linears=packed_linears and self.device.type == "cpu",
-                                          release_plain_weights=True)
+                                          release_plain_weights=True, decode_kernel=kernel)
         except ValueError as exc:  # an architecture (or a setting of one) the native forward does not run
             raise ConfigError(f"{model_id}: {exc}") from exc
         log.info("loaded %s on %s (%s, %s): vocab %s%s, context %d, eos %s, fingerprint %s; KV cache %d blocks x %d "
@@ -198,6 +204,8 @@ class ModelRunner:
                  self.info.max_context_length, list(self.info.eos_token_ids), self.info.fingerprint,
                  self.cache.num_blocks, self.cache.block_size,
                  self.cache.capacity_tokens * self.cache.layout.bytes_per_token / 2**20)
+        if kernel is not None:
+            log.info("decode rows attend in the CPU kernel (--no-cpu-decode-kernel: the torch path)")
         if self.decoder.packed_linear_bytes:
             extra = self.decoder.packed_linear_bytes - self.decoder.released_weight_bytes
             log.info("linears run on oneDNN-packed weights (%.1f MiB packed, %.1f MiB of it held twice; "
@@ -274,15 +282,19 @@ class ModelRunner:
             complete = frozenset(i for i, done in zip(plan.constrained, finished) if done)
         return SampledTokens(tokens, logprobs, complete)
 
-    def warm_up(self) -> None:
-        """A two-token prefill and a one-token decode through the real forward, before the first
-        request: first-call costs (allocations; on CUDA, library handles and kernel loads) are paid
-        here, not by a caller. The blocks are zeroed and freed again, so the cache is as it was."""
-        tokens = [token % self.info.vocab_size for token in (0, 1, 2)]
-        blocks = self.cache.allocator.allocate(-(-len(tokens) // self.cache.block_size))
+    def warm_up(self, step_tokens: int = 2) -> None:
+        """A prefill of one full step (`step_tokens`, the scheduler's prefill budget, within the
+        context and the cache) and a one-token decode through the real forward, before the first
+        request: first-call costs (allocations at the largest step's size, oneDNN primitives for its
+        shapes; on CUDA, library handles and kernel loads) are paid here, not by the first burst of
+        callers. The blocks are zeroed and freed again, so the cache is as it was."""
+        block_size = self.cache.block_size
+        prompt = max(1, min(step_tokens, self.info.max_context_length - 1, self.cache.num_blocks * block_size - 1))
+        tokens = [token % self.info.vocab_size for token in range(prompt + 1)]
+        blocks = self.cache.allocator.allocate(-(-len(tokens) // block_size))
         try:
-            self.execute([RowInput(token_ids=tokens[:2], start=0, block_table=blocks, needs_logits=True)])
-            self.execute([RowInput(token_ids=tokens[2:], start=2, block_table=blocks, needs_logits=True)])
+            self.execute([RowInput(token_ids=tokens[:prompt], start=0, block_table=blocks, needs_logits=True)])
+            self.execute([RowInput(token_ids=tokens[prompt:], start=prompt, block_table=blocks, needs_logits=True)])
         finally:
             for keys, values in zip(self.cache.keys, self.cache.values):
                 keys[blocks] = 0  # padded slots are read under a mask: keep them zero
@@ -290,11 +302,11 @@ class ModelRunner:
             self.cache.allocator.release(blocks)
 
 
-def warm_up_or_warn(runner: ModelRunner) -> None:
-    """`runner.warm_up()`, logged as the start-up phase "warm-up". A failure is logged, not fatal:
+def warm_up_or_warn(runner: ModelRunner, step_tokens: int) -> None:
+    """`runner.warm_up(step_tokens)`, logged as the start-up phase "warm-up". A failure is logged, not fatal:
     the first request then pays the first-call costs (or meets the same error, as a status)."""
     try:
         with StartupPhases().phase("warm-up"):
-            runner.warm_up()
+            runner.warm_up(step_tokens)
     except Exception:  # noqa: BLE001 - serving without a warm-up beats not serving
         log.warning("warm-up failed; serving without it", exc_info=True)

@@ -227,7 +227,8 @@ def build_engine_args(config: Any, model_dir: str) -> Any:
     engine_args.served_model_name = [config.model]
     engine_args.max_num_seqs = config.max_running_sequences
     engine_args.enable_prefix_caching = config.prefix_caching
-    engine_args.max_num_batched_tokens = config.max_prefill_tokens_per_step
+    if config.max_prefill_tokens_per_step is not None:  # unset: vLLM's own default for its platform
+        engine_args.max_num_batched_tokens = config.max_prefill_tokens_per_step
     if config.max_model_len is not None:
         engine_args.max_model_len = config.max_model_len
     if config.block_size is not None:
