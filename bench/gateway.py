@@ -3,7 +3,8 @@
     .venv/bin/python bench/gateway.py [--rounds 2] [--concurrency 1 32] [--input-len 128] [--output-len 64]
 
 Starts, on one model (default tiny-qwen2-h256), float32, prefix caching off on both sides, 64 MiB
-of KV cache, at most 64 running sequences and tito's prompt tokens per step on both:
+of KV cache, at most 64 running sequences, each side at its own prompt tokens per step (tito's CPU
+default 512, vllm serve's CPU default 2048; --vllm-batched-tokens N runs vLLM at N):
   - tito:        `tito serve all --gateway-address 127.0.0.1:PORT` as a user starts it (the three
                  services on Unix sockets, their default CPU placement, the gateway over them);
   - vllm serve:  `vllm serve DIR` on a local port (--enforce-eager, generation config "vllm");
@@ -154,10 +155,11 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--min-prompts", type=int, default=8, help="prompts per run: max(this, 2 x concurrency)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vllm-batched-tokens", type=int, default=None,
+                        help="vllm serve --max-num-batched-tokens (default: vLLM's own, 2048 on CPU)")
     args = parser.parse_args()
 
     from tito_client.pipeline import Endpoints, wait_until_serving
-    from tito_engine.limits import DEFAULT_MAX_PREFILL_TOKENS
     from tito_models.paths import resolve_model
 
     model = str(resolve_model(args.model))
@@ -176,7 +178,8 @@ def main() -> int:
         processes[VLLM] = spawn(vllm_cli("serve", model, "--dtype", "float32", "--no-enable-prefix-caching",
                                          "--enforce-eager", "--max-num-seqs", str(MAX_RUNNING),
                                          "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
-                                         "--max-num-batched-tokens", str(DEFAULT_MAX_PREFILL_TOKENS), "--generation-config",
+                                         *(("--max-num-batched-tokens", str(args.vllm_batched_tokens))
+                                           if args.vllm_batched_tokens else ()), "--generation-config",
                                          "vllm", "--host", "127.0.0.1", "--port", vllm_url.rsplit(":", 1)[1],
                                          "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"),
                                 tmp / "vllm.log", env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
