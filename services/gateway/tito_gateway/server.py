@@ -25,7 +25,7 @@ from tito.config import ConfigError
 from tito.security import read_token_file
 from tito.serving import check_can_listen
 from tito.settings import add_settings
-from tito.startup import StartupPhases
+from tito.startup import StartupPhases, freeze_startup_heap
 from tito_gateway.app import Gateway
 from tito_gateway.config import GatewayConfig
 from tito_gateway.upstream import Upstream
@@ -208,6 +208,7 @@ async def create_server(config: GatewayConfig, phases: StartupPhases | None = No
 
 async def serve(config: GatewayConfig, phases: StartupPhases | None = None) -> None:
     running = await create_server(config, phases)
+    freeze_startup_heap()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

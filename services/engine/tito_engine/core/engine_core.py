@@ -462,6 +462,7 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
     # the child, and cores are started from short-lived threads (a restart); the child ends at the
     # pipe's EOF instead (receive below), which comes however the server ends.
     from tito.logs import setup_logging
+    from tito.startup import freeze_startup_heap
 
     from tito_engine.model.runner import warm_up_or_warn
 
@@ -487,6 +488,7 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
     except ConfigError as exc:  # the shared encoder store's directory
         conn.send(CoreFailed(str(exc), config_error=True))
         _exit_now(1)
+    freeze_startup_heap()  # the model's objects: never walked by the collector while serving
     conn.send(CoreReady(runner.info, runner.cache.num_blocks, runner.cache.block_size, runner.mm_spec))
 
     def receive() -> Any:
