@@ -30,3 +30,27 @@ def test_start_up_objects_are_frozen_and_later_garbage_is_still_collected():
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_a_service_freezes_its_heap_once_before_it_waits_for_a_signal(monkeypatch):
+    import asyncio
+    import os
+    import signal
+
+    from tito import serving
+
+    events: list[str] = []
+    monkeypatch.setattr(serving, "freeze_startup_heap", lambda: events.append("frozen") or 0)
+
+    class Running:  # what run_until_signal needs of a RunningServer
+        grace_seconds = 0.0
+
+        async def stop(self) -> None:
+            events.append("stopped")
+
+    async def main() -> None:
+        asyncio.get_running_loop().call_later(0.05, os.kill, os.getpid(), signal.SIGTERM)
+        await serving.run_until_signal(Running())
+
+    asyncio.run(main())
+    assert events == ["frozen", "stopped"]
