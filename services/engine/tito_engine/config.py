@@ -92,10 +92,10 @@ class EngineConfig(ServerConfig):
     # single-threaded, while SDPA spreads over the threads); the vllm backend refuses the flag.
     cpu_decode_kernel: bool | None = setting(
         None, type=bool, default_text="on in float32 when the core runs one torch thread (native backend)",
-        help="on CPU in float32, the decode rows' attention runs in a C kernel built at first use with the "
-             "machine's compiler (cc or $CC; cached in ~/.cache/tito/kernels) that reads the paged cache in "
-             "place (no compiler: the torch path, logged); it runs on one thread; --no-cpu-decode-kernel keeps "
-             "the torch path")
+        help="on CPU in float32, the decode rows' attention (and on AVX-512 CPUs the prefill chunks') runs in C "
+             "kernels built at first use with the machine's compiler (cc or $CC; cached in ~/.cache/tito/kernels) "
+             "that read the paged cache in place (no compiler: the torch path, logged); they run on one thread; "
+             "--no-cpu-decode-kernel keeps the torch path")
     # The child keeps the forward's many small torch calls from contending for the GIL with gRPC.
     engine_process: bool = setting(True, help="run the model and scheduler in a child process, away from the "
                                               "gRPC threads (--no-engine-process: on a thread of this process)")

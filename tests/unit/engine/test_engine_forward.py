@@ -128,7 +128,7 @@ def test_qwen2_sliding_window_layers_equal_hf(tiny_text_model, decode_kernel):
     # (on the torch path and in the CPU decode kernel).
     from transformers import AutoConfig, Qwen2ForCausalLM
 
-    from tito_engine.model.cpu_attention import load_decode_kernel
+    from tito_engine.model.cpu_attention import load_attention_kernel
 
     from tito_engine.model.forward import BatchedDecoder
     from tito_engine.model.kv_cache import KVLayout, PagedKVCache
@@ -138,10 +138,10 @@ def test_qwen2_sliding_window_layers_equal_hf(tiny_text_model, decode_kernel):
     config.layer_types = ["full_attention", "sliding_attention"]  # what max_window_layers=1 gives
     model = Qwen2ForCausalLM.from_pretrained(tiny_text_model, config=config).eval()
     layout = KVLayout(num_layers=2, kv_heads=2, head_dim=16, dtype=torch.float32)
-    kernel = load_decode_kernel() if decode_kernel else None
+    kernel = load_attention_kernel() if decode_kernel else None
     assert kernel is not None or not decode_kernel
     decoder = BatchedDecoder(model, PagedKVCache(layout, 16, 4, torch.device("cpu")), max_positions=64,
-                             decode_kernel=kernel)
+                             attention_kernel=kernel)
     prompt = [(13 * j + 5) % 1000 for j in range(15)]
     blocks = decoder.cache.allocator.allocate(8)
     decoder.forward([RowInput(prompt[:9], 0, blocks, False)])

@@ -1,7 +1,8 @@
 """Attention over the paged KV cache for one batched step.
 
 Decode rows (one query each) attend, on CPU in float32, in one call of a C kernel that reads
-their blocks in place (cpu_attention.py); elsewhere in one padded `scaled_dot_product_attention`
+their blocks in place (cpu_attention.py), and so do prefill chunks without bidirectional spans
+where the CPU has AVX-512 (one call each); elsewhere decode rows attend in one padded `scaled_dot_product_attention`
 call, or a few when their context lengths differ (`split_by_context`: rows of similar length
 share a call, so the K/V a step gathers follows each row's own context, not the longest row's); each prefill
 chunk attends on its own, over its own K/V when it starts the prompt, else over the blocks of its
@@ -18,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from tito_engine.model.cpu_attention import DecodeKernel, DecodeRows
+from tito_engine.model.cpu_attention import AttentionKernel, DecodeRows, PrefillChunk
 from tito_engine.model.families import SLIDING
 from tito_engine.model.kv_cache import PagedKVCache
 
@@ -62,13 +63,15 @@ class AttentionPlan:
     decode_groups: list = field(default_factory=list)  # (packed index or None, blocks, rows, masks by kind)
     prefill_specs: list = field(default_factory=list)  # (offset, count, blocks or None, masks by kind)
     kernel_decodes: DecodeRows | None = None  # the decode rows, when the decode kernel attends them
+    kernel_prefills: list = field(default_factory=list)  # PrefillChunk each, for the prefill kernel
     window: int | None = None  # sliding layers' window, when a row of the step is longer
 
 
 class PagedAttention:
     def __init__(self, cache: PagedKVCache, family: Any, arange: Callable[[int], torch.Tensor],
-                 prepare_prefill: Callable[[Any], Any], decode_kernel: DecodeKernel | None = None):
-        """`decode_kernel`: attends the decode rows (cpu_attention.py) instead of the torch path."""
+                 prepare_prefill: Callable[[Any], Any], kernel: AttentionKernel | None = None):
+        """`kernel`: attends the decode rows, and the prefill chunks it takes (cpu_attention.py),
+        instead of the torch path."""
         self.cache = cache
         self.device = cache.device
         self.block_size = cache.block_size
@@ -82,7 +85,8 @@ class PagedAttention:
         block_bytes = 2 * cache.block_size * self.num_kv_heads * self.head_dim * cache.keys[0].element_size()
         self._group_cost = max(1, (GROUP_CALL_SECONDS * GATHER_BYTES_PER_SECOND) // block_bytes)
         self._prepare_prefill = prepare_prefill  # resolves a prefill's bidirectional spans
-        self._decode_kernel = decode_kernel
+        self._kernel = kernel
+        self._kernel_prefills = kernel is not None and kernel.prefills(self.head_dim)
 
     def plan(self, rows: list, offsets: list[int], decode_rows: list[int], prefill_rows: list[int],
              window: int | None) -> AttentionPlan:
@@ -90,7 +94,7 @@ class PagedAttention:
         in a few gathered groups, prefill chunks one by one. `offsets[i]`: row i's first packed token."""
         num_tokens = offsets[-1] + len(rows[-1].token_ids) if rows else 0
         plan = AttentionPlan(num_tokens=num_tokens, whole_batch_decodes=not prefill_rows, window=window)
-        if self._decode_kernel is not None and decode_rows:
+        if self._kernel is not None and decode_rows:
             block_size = self.block_size
             plan.kernel_decodes = DecodeRows(
                 [offsets[i] for i in decode_rows],
@@ -99,7 +103,14 @@ class PagedAttention:
         else:
             plan.decode_groups = self._decode_groups(rows, decode_rows, offsets, whole_batch=not prefill_rows,
                                                      window=window)
-        plan.prefill_specs = [self._prefill_spec(rows[i], offsets[i], window) for i in prefill_rows]
+        for i in prefill_rows:
+            row = rows[i]
+            end = row.start + len(row.token_ids)
+            if self._kernel_prefills and not self._row_spans(row, end):
+                plan.kernel_prefills.append(PrefillChunk(offsets[i], len(row.token_ids), row.start,
+                                                         row.block_table[:-(-end // self.block_size)]))
+            else:
+                plan.prefill_specs.append(self._prefill_spec(row, offsets[i], window))
         return plan
 
     def attend(self, plan: AttentionPlan, layer_index: int, kind: int, q: torch.Tensor,
@@ -113,11 +124,14 @@ class PagedAttention:
             return self._attend_decode(q, key_cache, value_cache, blocks, count, masks[kind])
         attn = torch.empty((plan.num_tokens, heads * head_dim), dtype=q.dtype, device=self.device)
         if plan.kernel_decodes is not None:
-            self._decode_kernel(q, attn, plan.kernel_decodes, key_cache, value_cache, heads, self.num_kv_heads,
+            self._kernel(q, attn, plan.kernel_decodes, key_cache, value_cache, heads, self.num_kv_heads,
                                 head_dim, self.scaling, plan.window if kind == SLIDING else None)
         for index, blocks, count, masks in groups:
             out = self._attend_decode(q.index_select(0, index), key_cache, value_cache, blocks, count, masks[kind])
             attn.index_copy_(0, index, out)
+        for chunk in plan.kernel_prefills:
+            self._kernel.prefill(q, attn, chunk, key_cache, value_cache, heads, self.num_kv_heads, head_dim,
+                                 self.scaling, plan.window if kind == SLIDING else None)
         self._attend_prefills(plan, kind, q, k, v, key_cache, value_cache, attn)
         return attn
 

@@ -1,14 +1,21 @@
-"""A C kernel for the decode rows' attention on CPU: every one-token row of a step, in one call
-per layer, straight from the paged KV cache.
+"""C kernels for attention on CPU straight from the paged KV cache: every one-token (decode) row
+of a step in one call per layer, and each prefill chunk in one call per layer.
 
 The torch path (attention.py) gathers each decode group's blocks into a padded copy with
 `index_select` and runs SDPA over it under a mask: per layer that is a copy of every row's
-K/V, a mask over the padding and a few calls' fixed costs. This kernel reads each row's blocks in
-place through its block table, stops at the row's own length (no padding, no mask) and keeps a
-running softmax per query head (one pass over K/V, as flash-decoding does), the query heads that
-share a KV head reading it once. Measured on tiny-qwen2-h256 (float32, one thread, 32 rows of
+K/V, a mask over the padding and a few calls' fixed costs. The decode kernel reads each row's
+blocks in place through its block table, stops at the row's own length (no padding, no mask) and
+keeps a running softmax per query head (one pass over K/V, as flash-decoding does), the query heads
+that share a KV head reading it once. Measured on tiny-qwen2-h256 (float32, one thread, 32 rows of
 200-240 tokens): a layer's decode attention 176 us against 438 us, the whole decode step 3.8 ms
 against 4.6 ms with the torch path.
+
+The prefill kernel (AVX-512 only; elsewhere prefill chunks stay on the torch path) tiles a chunk's
+queries with the query heads that share a KV head, so each 16-key slice of the (once transposed)
+keys feeds up to eight rows; causality and sliding windows are lane masks, not a [chunk, context]
+mask tensor. Per layer of tiny-qwen2-h256 (4 heads / 2 KV heads, head size 64), against SDPA:
+a 138-token prompt 139 us against 369 us, 512 tokens 1.97 ms against 3.67 ms, 100 tokens after
+200 cached 398 us against 539 us, 300 tokens in a 64-token window 350 us against 1,448 us.
 
 The source is compiled at first use with the machine's C compiler (`cc`, or `$CC`) for this
 CPU (-march=native) and cached under ~/.cache/tito/kernels (or $XDG_CACHE_HOME), keyed by the
@@ -37,8 +44,9 @@ log = logging.getLogger(__name__)
 
 # -ffast-math lets the compiler vectorize the dot products and sums (reassociation); the shared
 # object is linked without it, since gcc then links crtfastmath.o, whose constructor turns on
-# flush-to-zero for the whole process (subnormals everywhere else would become 0).
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c99")
+# flush-to-zero for the whole process (subnormals everywhere else would become 0). A call of an
+# undeclared function (C99 assumes it returns int: a truncated pointer) fails the build instead.
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c99", "-Werror=implicit-function-declaration")
 LINK_FLAGS = ("-shared",)
 
 SOURCE = r"""
@@ -159,11 +167,188 @@ void tito_paged_decode_f32(const float *q, int64_t q_stride, float *out, const i
     }
 #undef TITO_DECODE
 }
+
+/* ---------------------------------------------------------------- prefill chunks (AVX-512)
+ *
+ * A prefill chunk's `count` queries (positions start .. start + count - 1) attend causally over
+ * their prompt so far in the paged cache, this chunk's K/V included (written before the call).
+ * One KV head at a time: its keys are copied once into a transposed buffer kt[dim][positions], so
+ * that 16 consecutive keys' scores are 16 lanes of one FMA chain; then blocks of rows (a few
+ * consecutive queries x the query heads that read this KV head, at most TITO_MAX_ROWS) go over the
+ * keys in chunks of 16: scores, a lane mask for causality and the window, an online softmax with a
+ * vectorized exp, and P.V into per-row accumulators; each key chunk is loaded once per row block.
+ * The torch path (SDPA under an additive mask) copies the context's K/V out of the cache and
+ * builds a [count, context] mask per chunk; this reads them in place. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#include <stdlib.h>
+
+#define TITO_CHUNK 16
+#define TITO_MAX_ROWS 8
+#define TITO_MAX_DIM 256
+/* below any score: the sources are built with -ffast-math, which assumes no infinities */
+#define TITO_NO_SCORE (-1.0e30f)
+
+/* exp(x) for 16 lanes, x <= 0: Cody-Waite range reduction by ln 2, a degree-6 polynomial and
+ * scalef for 2^n (relative error ~2e-7); 0 below -87, as softmax_weight. */
+static inline __m512 exp16(__m512 x)
+{
+    const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+    __m512 p = _mm512_set1_ps(1.3981999507e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_mov_ps(kept, _mm512_scalef_ps(p, n));
+}
+
+/* Rows r = (query qi, head h0 + j) for qi < nq, j < heads_at_once: the query at position pos0 + qi.
+ * ktg: this KV head's keys transposed, [dim][padded]; slot[p]: key p's offset in the cache. */
+static inline __attribute__((always_inline)) void
+prefill_rows(const float *q, int64_t q_stride, float *out, int64_t out_stride, int64_t pos0, int64_t nq,
+             int64_t heads_at_once, int64_t h0, const float *ktg, int64_t padded, const float *values,
+             const int64_t *slot, int64_t value_offset, const int64_t dim, int64_t window, float scale)
+{
+    const int64_t rows = nq * heads_at_once;
+    const float *qr[TITO_MAX_ROWS];
+    int64_t row_pos[TITO_MAX_ROWS];
+    for (int64_t r = 0; r < rows; r++) {
+        qr[r] = q + (r / heads_at_once) * q_stride + (h0 + r % heads_at_once) * dim;
+        row_pos[r] = pos0 + r / heads_at_once;
+    }
+    const int64_t last = pos0 + nq - 1;
+    const int64_t lo = (window > 0 && pos0 - window + 1 > 0) ? pos0 - window + 1 : 0;
+    float acc[TITO_MAX_ROWS][TITO_MAX_DIM] __attribute__((aligned(64)));
+    float running_max[TITO_MAX_ROWS], running_sum[TITO_MAX_ROWS];
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t d = 0; d < dim; d++) acc[r][d] = 0.0f;
+        running_max[r] = TITO_NO_SCORE;
+        running_sum[r] = 0.0f;
+    }
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t c = lo / TITO_CHUNK * TITO_CHUNK; c <= last; c += TITO_CHUNK) {
+        __m512 scores[TITO_MAX_ROWS];
+        for (int64_t r = 0; r < rows; r++) scores[r] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d++) {
+            const __m512 k = _mm512_loadu_ps(ktg + d * padded + c);
+            for (int64_t r = 0; r < rows; r++) scores[r] = _mm512_fmadd_ps(_mm512_set1_ps(qr[r][d]), k, scores[r]);
+        }
+        float weights[TITO_MAX_ROWS][TITO_CHUNK];
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t pos = row_pos[r];
+            const int64_t row_lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+            /* lane j holds key c + j: inside when row_lo <= c + j <= pos */
+            const __m512i at = _mm512_add_epi32(_mm512_set1_epi32((int)(c - pos)), lane);
+            const __mmask16 inside = _mm512_cmple_epi32_mask(at, _mm512_setzero_si512())
+                                     & _mm512_cmpge_epi32_mask(at, _mm512_set1_epi32((int)(row_lo - pos)));
+            const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(TITO_NO_SCORE), inside,
+                                                _mm512_mul_ps(scores[r], _mm512_set1_ps(scale)));
+            const float chunk_max = inside ? _mm512_reduce_max_ps(s) : TITO_NO_SCORE;
+            if (chunk_max > running_max[r]) {
+                if (running_sum[r] > 0.0f) {
+                    const float rescale = softmax_weight(running_max[r] - chunk_max);
+                    running_sum[r] *= rescale;
+                    for (int64_t d = 0; d < dim; d++) acc[r][d] *= rescale;
+                }
+                running_max[r] = chunk_max;
+            }
+            const __m512 w = inside ? exp16(_mm512_sub_ps(s, _mm512_set1_ps(running_max[r]))) : _mm512_setzero_ps();
+            running_sum[r] += _mm512_reduce_add_ps(w);
+            _mm512_storeu_ps(weights[r], w);
+        }
+        const int64_t keys_here = last - c + 1 < TITO_CHUNK ? last - c + 1 : TITO_CHUNK;
+        for (int64_t k = 0; k < dim; k += 16) {
+            __m512 o[TITO_MAX_ROWS];
+            for (int64_t r = 0; r < rows; r++) o[r] = _mm512_load_ps(acc[r] + k);
+            for (int64_t j = 0; j < keys_here; j++) {
+                const __m512 v = _mm512_loadu_ps(values + slot[c + j] + value_offset + k);
+                for (int64_t r = 0; r < rows; r++) o[r] = _mm512_fmadd_ps(_mm512_set1_ps(weights[r][j]), v, o[r]);
+            }
+            for (int64_t r = 0; r < rows; r++) _mm512_store_ps(acc[r] + k, o[r]);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const float inverse = running_sum[r] > 0.0f ? 1.0f / running_sum[r] : 0.0f;
+        float *o = out + (r / heads_at_once) * out_stride + (h0 + r % heads_at_once) * dim;
+        for (int64_t d = 0; d < dim; d++) o[d] = acc[r][d] * inverse;
+    }
+}
+
+static inline __attribute__((always_inline)) int
+paged_prefill(const float *q, int64_t q_stride, float *out, int64_t count, int64_t start,
+              const float *keys, const float *values, const int64_t *table, int64_t block_size,
+              int64_t heads, int64_t kv_heads, const int64_t dim, int64_t window, float scale)
+{
+    const int64_t group = heads / kv_heads;
+    const int64_t token_stride = kv_heads * dim;
+    const int64_t block_stride = block_size * token_stride;
+    const int64_t end = start + count;
+    const int64_t padded = (end + TITO_CHUNK - 1) / TITO_CHUNK * TITO_CHUNK;
+    const int64_t first_key = (window > 0 && start - window + 1 > 0) ? start - window + 1 : 0;
+    const int64_t key0 = first_key / TITO_CHUNK * TITO_CHUNK;
+    float *kt = malloc((size_t)(dim * padded) * sizeof(float));
+    int64_t *slot = malloc((size_t)padded * sizeof(int64_t));
+    if (kt == 0 || slot == 0) { free(kt); free(slot); return -1; }
+    for (int64_t p = key0; p < end; p++) slot[p] = table[p / block_size] * block_stride + (p % block_size) * token_stride;
+    const int64_t heads_at_once = group < TITO_MAX_ROWS ? group : TITO_MAX_ROWS;
+    const int64_t per_block = TITO_MAX_ROWS / heads_at_once;  /* queries per row block */
+    for (int64_t g = 0; g < kv_heads; g++) {
+        for (int64_t p = key0; p < end; p++) {
+            const float *k = keys + slot[p] + g * dim;
+            for (int64_t d = 0; d < dim; d++) kt[d * padded + p] = k[d];
+        }
+        for (int64_t i = 0; i < count; i += per_block) {
+            const int64_t nq = count - i < per_block ? count - i : per_block;
+            for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += heads_at_once) {
+                const int64_t these = (g + 1) * group - h0 < heads_at_once ? (g + 1) * group - h0 : heads_at_once;
+                prefill_rows(q + i * q_stride, q_stride, out + i * heads * dim, heads * dim, start + i, nq, these,
+                             h0, kt, padded, values, slot, g * dim, dim, window, scale);
+            }
+        }
+    }
+    free(kt);
+    free(slot);
+    return 0;
+}
+
+int tito_paged_prefill_supported(int64_t dim) { return dim > 0 && dim % 16 == 0 && dim <= TITO_MAX_DIM; }
+
+/* 0 when done; -1 when the key buffer could not be allocated; -2 for a head size it does not take. */
+int tito_paged_prefill_f32(const float *q, int64_t q_stride, float *out, int64_t count, int64_t start,
+                           const float *keys, const float *values, const int64_t *table, int64_t block_size,
+                           int64_t heads, int64_t kv_heads, int64_t dim, int64_t window, float scale)
+{
+#define TITO_PREFILL(DIM) paged_prefill(q, q_stride, out, count, start, keys, values, table, block_size, heads, \
+                                        kv_heads, DIM, window, scale)
+    if (!tito_paged_prefill_supported(dim)) return -2;
+    switch (dim) {
+    case 64: return TITO_PREFILL(64);
+    case 128: return TITO_PREFILL(128);
+    case 256: return TITO_PREFILL(256);
+    default: return TITO_PREFILL(dim);
+    }
+#undef TITO_PREFILL
+}
+#else  /* no AVX-512: prefill chunks stay on the torch path */
+int tito_paged_prefill_supported(int64_t dim) { (void)dim; return 0; }
+int tito_paged_prefill_f32(const float *q, int64_t q_stride, float *out, int64_t count, int64_t start,
+                           const float *keys, const float *values, const int64_t *table, int64_t block_size,
+                           int64_t heads, int64_t kv_heads, int64_t dim, int64_t window, float scale)
+{
+    return -2;
+}
+#endif
 """
 
-_ARGTYPES = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float)
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_DECODE_ARGTYPES = (_P, _I, _P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_float)
+_PREFILL_ARGTYPES = (_P, _I, _P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float)
 
 
 def _compiler() -> str | None:
@@ -201,54 +386,91 @@ def _build(compiler: str, target: Path) -> None:
 
 
 @functools.cache
-def load_decode_kernel() -> "DecodeKernel | None":
-    """The compiled kernel, built once per machine and cached; None (logged once) when it cannot be
-    built or loaded, and the torch path then runs."""
+def load_attention_kernel() -> "AttentionKernel | None":
+    """The compiled kernels, built once per machine and cached; None (logged once) when they
+    cannot be built or loaded, and the torch path then runs."""
     compiler = _compiler()
     if compiler is None:
-        log.warning("no C compiler (cc, or $CC) found: decode attention runs on the torch path (install gcc "
-                    "for the faster CPU kernel, or pass --no-cpu-decode-kernel to silence this)")
+        log.warning("no C compiler (cc, or $CC) found: attention runs on the torch path (install gcc "
+                    "for the faster CPU kernels, or pass --no-cpu-decode-kernel to silence this)")
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
         key = hashlib.sha256("\0".join((SOURCE, *COMPILE_FLAGS, *LINK_FLAGS, compiler, version, _cpu_identity()))
                              .encode()).hexdigest()[:24]
-        target = _cache_dir() / f"paged_decode_{key}.so"
+        target = _cache_dir() / f"paged_attention_{key}.so"
         if not target.exists():
             _build(compiler, target)
-            log.info("built the CPU decode attention kernel: %s", target)
+            log.info("built the CPU attention kernels: %s", target)
         library = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("the CPU decode attention kernel could not be built or loaded (%s): decode attention runs on "
+        log.warning("the CPU attention kernels could not be built or loaded (%s): attention runs on "
                     "the torch path", exc)
         return None
-    function = library.tito_paged_decode_f32
-    function.argtypes, function.restype = _ARGTYPES, None
-    return DecodeKernel(function)
+    decode, prefill = library.tito_paged_decode_f32, library.tito_paged_prefill_f32
+    decode.argtypes, decode.restype = _DECODE_ARGTYPES, None
+    prefill.argtypes, prefill.restype = _PREFILL_ARGTYPES, ctypes.c_int
+    library.tito_paged_prefill_supported.argtypes = (_I,)
+    library.tito_paged_prefill_supported.restype = ctypes.c_int
+    return AttentionKernel(decode, prefill, library.tito_paged_prefill_supported)
 
 
-class DecodeKernel:
-    """The loaded kernel, called once per layer for all of a step's decode rows."""
+def _check_layout(q: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  head_dim: int) -> None:
+    if q.stride(2) != 1 or q.stride(1) != head_dim or not (out.is_contiguous() and key_cache.is_contiguous()
+                                                            and value_cache.is_contiguous()):
+        raise ValueError("attention kernel: q needs contiguous heads and out and the caches must be contiguous")
 
-    def __init__(self, function):
-        self._function = function
+
+class AttentionKernel:
+    """The loaded kernels: decode rows (all of a step's, once per layer) and prefill chunks (one
+    call per chunk and layer)."""
+
+    def __init__(self, decode, prefill, prefill_supported):
+        self._decode, self._prefill, self._prefill_supported = decode, prefill, prefill_supported
 
     @staticmethod
     def supports(cache_dtype: torch.dtype, device: torch.device) -> bool:
         return device.type == "cpu" and cache_dtype == torch.float32
+
+    def prefills(self, head_dim: int) -> bool:
+        """Whether the prefill kernel runs here for this head size (AVX-512, a multiple of 16 up to 256)."""
+        return bool(self._prefill_supported(head_dim))
 
     def __call__(self, q: torch.Tensor, out: torch.Tensor, rows: "DecodeRows", key_cache: torch.Tensor,
                  value_cache: torch.Tensor, heads: int, kv_heads: int, head_dim: int, scale: float,
                  window: int | None) -> None:
         """Write the attention of `rows` (one token each; queries q [T, heads, hd], any token
         stride) into out [T, heads * hd] at the rows' token indices; `window`: a sliding layer's."""
-        if q.stride(2) != 1 or q.stride(1) != head_dim or not (out.is_contiguous() and key_cache.is_contiguous()
-                                                                and value_cache.is_contiguous()):
-            raise ValueError("decode kernel: q needs contiguous heads and out and the caches must be contiguous")
-        self._function(q.data_ptr(), q.stride(0), out.data_ptr(), rows.index.data_ptr(), rows.count,
-                       key_cache.data_ptr(), value_cache.data_ptr(), rows.tables.data_ptr(), rows.tables.shape[1],
-                       rows.lengths.data_ptr(), key_cache.shape[1], heads, kv_heads, head_dim, window or 0,
-                       scale)
+        _check_layout(q, out, key_cache, value_cache, head_dim)
+        self._decode(q.data_ptr(), q.stride(0), out.data_ptr(), rows.index.data_ptr(), rows.count,
+                     key_cache.data_ptr(), value_cache.data_ptr(), rows.tables.data_ptr(), rows.tables.shape[1],
+                     rows.lengths.data_ptr(), key_cache.shape[1], heads, kv_heads, head_dim, window or 0, scale)
+
+    def prefill(self, q: torch.Tensor, out: torch.Tensor, chunk: "PrefillChunk", key_cache: torch.Tensor,
+                value_cache: torch.Tensor, heads: int, kv_heads: int, head_dim: int, scale: float,
+                window: int | None) -> None:
+        """Write the causal attention of `chunk`'s queries (q [T, heads, hd] of the whole step)
+        over its prompt so far in the cache (this chunk's K/V already written) into out [T, heads * hd]
+        at the chunk's tokens; `window`: a sliding layer's."""
+        _check_layout(q, out, key_cache, value_cache, head_dim)
+        offset = chunk.offset
+        status = self._prefill(q[offset:].data_ptr(), q.stride(0), out[offset:].data_ptr(), chunk.count, chunk.start,
+                               key_cache.data_ptr(), value_cache.data_ptr(), chunk.table.data_ptr(),
+                               key_cache.shape[1], heads, kv_heads, head_dim, window or 0, scale)
+        if status == -1:
+            raise MemoryError(f"attention kernel: no memory for the keys of a {chunk.start + chunk.count}-token prompt")
+        if status != 0:
+            raise ValueError(f"attention kernel: the prefill kernel does not take head size {head_dim}")
+
+
+class PrefillChunk:
+    """A prefill chunk as the kernel reads it: its first packed token, its tokens, its first
+    position and the block table of its prompt so far (built once per step, shared by every layer)."""
+
+    def __init__(self, offset: int, count: int, start: int, table: list[int]):
+        self.offset, self.count, self.start = offset, count, start
+        self.table = torch.tensor(table, dtype=torch.long)
 
 
 class DecodeRows:

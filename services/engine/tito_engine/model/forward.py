@@ -32,7 +32,7 @@ import torch
 from tito_engine.model.attention import PagedAttention
 from tito_engine.model.families import default_bidirectional_spans, family_for, linears_of, spans_of_runs, text_model_of
 from tito_engine.model.kv_cache import PagedKVCache
-from tito_engine.model.cpu_attention import DecodeKernel
+from tito_engine.model.cpu_attention import AttentionKernel
 from tito_engine.model.linear import pack_linears
 from tito_engine.scheduling.plan import RowInput
 
@@ -116,12 +116,12 @@ class BatchedDecoder:
     """The batched forward over a paged cache for one loaded model (any family in families.py)."""
 
     def __init__(self, model: Any, cache: PagedKVCache, max_positions: int, packed_linears: bool = False,
-                 release_plain_weights: bool = False, decode_kernel: DecodeKernel | None = None):
+                 release_plain_weights: bool = False, attention_kernel: AttentionKernel | None = None):
         """`packed_linears`: on CPU, run the linears on oneDNN-packed copies of their weights
         (linear.py: faster from a few rows a step on). `release_plain_weights`: free the plain
         weights the packed ones replace for every call (the HF model's text linears then hold no
-        data: only this decoder may run it). `decode_kernel`: attends the decode rows on CPU
-        (cpu_attention.py)."""
+        data: only this decoder may run it). `attention_kernel`: attends the decode rows and the
+        prefill chunks it takes on CPU (cpu_attention.py)."""
         self.family = family = family_for(model)
         self.packed_linear_bytes, self.released_weight_bytes = (
             pack_linears(linears_of(family), release_plain_weights) if packed_linears else (0, 0))
@@ -159,7 +159,7 @@ class BatchedDecoder:
                                       for i, size in enumerate(self.mrope_section)])
             self.mrope_dim_source = torch.cat((sections, sections)).to(self.device)
         self._arange = torch.arange(max_positions + 1, device=self.device)
-        self.attention = PagedAttention(cache, family, self._range, self.prepare_prefill, decode_kernel)
+        self.attention = PagedAttention(cache, family, self._range, self.prepare_prefill, attention_kernel)
 
     def _range(self, count: int) -> torch.Tensor:
         """arange(count) on the device, from the cached one when it is long enough."""

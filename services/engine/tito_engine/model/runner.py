@@ -20,7 +20,7 @@ from tito_engine.model_info import ModelInfo, describe_model
 from tito_engine.model.choices import ModelChoiceState
 
 from tito_engine.multimodal import vision
-from tito_engine.model.cpu_attention import DecodeKernel, load_decode_kernel
+from tito_engine.model.cpu_attention import AttentionKernel, load_attention_kernel
 from tito_engine.model.cpu_runtime import forward_macs_per_token, keep_freed_memory, plan_cpus, set_cpu_threads
 from tito_engine.model.forward import BatchedDecoder, MultiModalPrefill
 from tito_engine.model.kv_cache import KVLayout, PagedKVCache
@@ -189,12 +189,12 @@ class ModelRunner:
         kernel = None
         if decode_kernel is None:  # the kernel runs on one thread; SDPA spreads over torch's threads
             decode_kernel = torch.get_num_threads() == 1
-        if decode_kernel and DecodeKernel.supports(self.dtype, self.device):
-            kernel = load_decode_kernel()  # None: it could not be built (logged), the torch path runs
+        if decode_kernel and AttentionKernel.supports(self.dtype, self.device):
+            kernel = load_attention_kernel()  # None: it could not be built (logged), the torch path runs
         try:
             self.decoder = BatchedDecoder(self.model, self.cache, max_positions=self.info.max_context_length,
                                           packed_linears=packed_linears and self.device.type == "cpu",
-                                          release_plain_weights=True, decode_kernel=kernel)
+                                          release_plain_weights=True, attention_kernel=kernel)
         except ValueError as exc:  # an architecture (or a setting of one) the native forward does not run
             raise ConfigError(f"{model_id}: {exc}") from exc
         log.info("loaded %s on %s (%s, %s): vocab %s%s, context %d, eos %s, fingerprint %s; KV cache %d blocks x %d "
