@@ -94,6 +94,12 @@ def seeds(servers):
         responses = list(engine_pb2_grpc.EngineServiceStub(channel).Generate(generate, timeout=TIMEOUT))
     stream = [derender_pb2.DerenderRequest(context=rendered.derender_context)] + \
         [derender_pb2.DerenderRequest(generate_response=r) for r in responses]
+    # Two requests' streams over one DerenderBatch call, a message per engine step.
+    entry = derender_pb2.DerenderBatchEntry
+    batch = [derender_pb2.DerenderBatchRequest(entries=[entry(stream_id=sid, context=rendered.derender_context)
+                                                        for sid in (1, 2)])] + \
+        [derender_pb2.DerenderBatchRequest(entries=[entry(stream_id=sid, generate_response=r) for sid in (1, 2)])
+         for r in responses]
     return {
         "/tito.v1.RenderService/RenderChat": _seed_chat(),
         "/tito.v1.RenderService/RenderCompletion": render_pb2.RenderCompletionRequest(
@@ -106,6 +112,7 @@ def seeds(servers):
         "/tito.v1.EngineService/GetModelInfo": engine_pb2.EngineServiceGetModelInfoRequest(),
         "/tito.v1.EngineService/GetLoad": engine_pb2.GetLoadRequest(),
         "/tito.v1.DerenderService/Derender": stream,
+        "/tito.v1.DerenderService/DerenderBatch": batch,
         "/tito.v1.DerenderService/DerenderFull": derender_pb2.DerenderFullRequest(
             context=rendered.derender_context, responses=responses),
         "/tito.v1.DerenderService/Detokenize": derender_pb2.DetokenizeRequest(token_ids=list(generate.token_ids[:20])),
@@ -118,16 +125,24 @@ SERVICES = {
     "engine": ["/tito.v1.EngineService/Generate", "/tito.v1.EngineService/Encode", "/tito.v1.EngineService/Abort",
                "/tito.v1.EngineService/GetModelInfo", "/tito.v1.EngineService/GetLoad"],
     "derender": ["/tito.v1.DerenderService/Derender", "/tito.v1.DerenderService/DerenderFull",
-                 "/tito.v1.DerenderService/Detokenize"],
+                 "/tito.v1.DerenderService/Detokenize", "/tito.v1.DerenderService/DerenderBatch"],
 }
 STREAMING_RESPONSE = {"/tito.v1.EngineService/Generate"}
-BIDI = {"/tito.v1.DerenderService/Derender"}
+BIDI = {"/tito.v1.DerenderService/Derender", "/tito.v1.DerenderService/DerenderBatch"}
+#: Calls whose streams end by error inside the responses (a status per stream), not the call's.
+BATCH = "/tito.v1.DerenderService/DerenderBatch"
+BUG_CODES = {code.value[0] for code in BUGS}  # as google.rpc.Status numbers them
 
 
 def _call(channel: grpc.Channel, method: str, payload) -> grpc.StatusCode:
     """Send raw request bytes (a list of them for the bidi stream); the status code answered."""
     try:
-        if method in BIDI:
+        if method == BATCH:
+            for raw in channel.stream_stream(method)(iter(payload), timeout=TIMEOUT):
+                for result in derender_pb2.DerenderBatchResponse.FromString(raw).results:
+                    if result.HasField("error") and result.error.code in BUG_CODES:
+                        raise AssertionError(f"stream {result.stream_id}: {result.error}")
+        elif method in BIDI:
             list(channel.stream_stream(method)(iter(payload), timeout=TIMEOUT))
         elif method in STREAMING_RESPONSE:
             list(channel.unary_stream(method)(payload, timeout=TIMEOUT))

@@ -1,3 +1,4 @@
+from google.rpc import status_pb2 as _status_pb2
 from tito.v1 import chat_pb2 as _chat_pb2
 from tito.v1 import engine_pb2 as _engine_pb2
 from tito.v1 import sampling_pb2 as _sampling_pb2
@@ -114,6 +115,44 @@ class DerenderResponse(_message.Message):
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     chunk: ChatChunk
     def __init__(self, chunk: _Optional[_Union[ChatChunk, _Mapping]] = ...) -> None: ...
+
+class DerenderBatchRequest(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[DerenderBatchEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[DerenderBatchEntry, _Mapping]]] = ...) -> None: ...
+
+class DerenderBatchEntry(_message.Message):
+    __slots__ = ("stream_id", "context", "generate_response", "close")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    context: DerenderContext
+    generate_response: _engine_pb2.GenerateResponse
+    close: DerenderBatchClose
+    def __init__(self, stream_id: _Optional[int] = ..., context: _Optional[_Union[DerenderContext, _Mapping]] = ..., generate_response: _Optional[_Union[_engine_pb2.GenerateResponse, _Mapping]] = ..., close: _Optional[_Union[DerenderBatchClose, _Mapping]] = ...) -> None: ...
+
+class DerenderBatchClose(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DerenderBatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[DerenderBatchResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[DerenderBatchResult, _Mapping]]] = ...) -> None: ...
+
+class DerenderBatchResult(_message.Message):
+    __slots__ = ("stream_id", "chunk", "error")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    chunk: ChatChunk
+    error: _status_pb2.Status
+    def __init__(self, stream_id: _Optional[int] = ..., chunk: _Optional[_Union[ChatChunk, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
 
 class DerenderFullRequest(_message.Message):
     __slots__ = ("context", "responses")

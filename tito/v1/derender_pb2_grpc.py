@@ -40,6 +40,11 @@ class DerenderServiceStub:
                 request_serializer=tito_dot_v1_dot_derender__pb2.DerenderRequest.SerializeToString,
                 response_deserializer=tito_dot_v1_dot_derender__pb2.DerenderResponse.FromString,
                 _registered_method=True)
+        self.DerenderBatch = channel.stream_stream(
+                '/tito.v1.DerenderService/DerenderBatch',
+                request_serializer=tito_dot_v1_dot_derender__pb2.DerenderBatchRequest.SerializeToString,
+                response_deserializer=tito_dot_v1_dot_derender__pb2.DerenderBatchResponse.FromString,
+                _registered_method=True)
         self.DerenderFull = channel.unary_unary(
                 '/tito.v1.DerenderService/DerenderFull',
                 request_serializer=tito_dot_v1_dot_derender__pb2.DerenderFullRequest.SerializeToString,
@@ -59,6 +64,18 @@ class DerenderServiceServicer:
     def Derender(self, request_iterator, context):
         """Derender is one stream per request: send a DerenderContext first, then every
         GenerateResponse as the engine sent it; receive chat chunks as text becomes final.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DerenderBatch(self, request_iterator, context):
+        """DerenderBatch carries many requests' Derender streams over one call, for a router that
+        serves many chats at once: each message holds entries for any number of streams (keyed by
+        an id the caller picks), so a router sends one message per engine step instead of one per
+        chat and token, and receives the chunks they produced in one message. Each stream behaves
+        as its own Derender call: context first, then the engine's responses; an error ends that
+        stream only (a result with `error`), never the call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -85,6 +102,11 @@ def add_DerenderServiceServicer_to_server(servicer, server):
                     servicer.Derender,
                     request_deserializer=tito_dot_v1_dot_derender__pb2.DerenderRequest.FromString,
                     response_serializer=tito_dot_v1_dot_derender__pb2.DerenderResponse.SerializeToString,
+            ),
+            'DerenderBatch': grpc.stream_stream_rpc_method_handler(
+                    servicer.DerenderBatch,
+                    request_deserializer=tito_dot_v1_dot_derender__pb2.DerenderBatchRequest.FromString,
+                    response_serializer=tito_dot_v1_dot_derender__pb2.DerenderBatchResponse.SerializeToString,
             ),
             'DerenderFull': grpc.unary_unary_rpc_method_handler(
                     servicer.DerenderFull,
@@ -125,6 +147,33 @@ class DerenderService:
             '/tito.v1.DerenderService/Derender',
             tito_dot_v1_dot_derender__pb2.DerenderRequest.SerializeToString,
             tito_dot_v1_dot_derender__pb2.DerenderResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DerenderBatch(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tito.v1.DerenderService/DerenderBatch',
+            tito_dot_v1_dot_derender__pb2.DerenderBatchRequest.SerializeToString,
+            tito_dot_v1_dot_derender__pb2.DerenderBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -156,6 +156,10 @@ def logprob_to_proto(entry: TokenLogprobText) -> derender_pb2.TokenLogprobText:
 
 
 def chunk_to_proto(chunk: Chunk) -> derender_pb2.DerenderResponse:
+    return derender_pb2.DerenderResponse(chunk=chat_chunk_to_proto(chunk))
+
+
+def chat_chunk_to_proto(chunk: Chunk) -> derender_pb2.ChatChunk:
     message = derender_pb2.ChatChunk(
         index=chunk.index, role=chunk.role, content=chunk.content,
         reasoning_content=chunk.reasoning_content,
@@ -166,7 +170,7 @@ def chunk_to_proto(chunk: Chunk) -> derender_pb2.DerenderResponse:
         logprobs=[logprob_to_proto(entry) for entry in chunk.logprobs])
     if chunk.usage is not None:
         message.usage.CopyFrom(usage_to_proto(chunk.usage))
-    return derender_pb2.DerenderResponse(chunk=message)
+    return message
 
 
 def choice_to_proto(choice: CompletedChoice) -> derender_pb2.ChatChoice:

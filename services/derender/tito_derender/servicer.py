@@ -8,11 +8,14 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from tito.errors import InvalidArgument, LoadingGate
+from tito.errors import InvalidArgument, LoadingGate, TitoError
+from tito.grpc_errors import internal_status, status_for
 from tito.logs import bind_request_id
 from tito.v1 import derender_pb2, derender_pb2_grpc
+from tito_derender.batch import StreamSet
 from tito_derender.convert import (
-    choice_to_proto, chunk_to_proto, context_from_proto, output_from_proto, text_options, usage_to_proto)
+    chat_chunk_to_proto, choice_to_proto, chunk_to_proto, context_from_proto, output_from_proto, text_options,
+    usage_to_proto)
 from tito_derender.detokenizer import detokenize
 from tito_derender.full import derender_full
 from tito_derender.observe import DerenderMetrics
@@ -73,6 +76,57 @@ class DerenderServicer(derender_pb2_grpc.DerenderServiceServicer):
             self.live_streams -= 1
             if self.metrics is not None:
                 self.metrics.stream_ended(stream, chunks)
+
+    async def DerenderBatch(self, request_iterator: AsyncIterator[derender_pb2.DerenderBatchRequest],
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[derender_pb2.DerenderBatchResponse]:
+        streams = StreamSet(lambda: self.tokenizer, self._batch_stream_ended)
+        try:
+            async for request in request_iterator:
+                results = []
+                for entry in request.entries:
+                    self._apply_entry(streams, entry, results)
+                if results:
+                    yield derender_pb2.DerenderBatchResponse(results=results)
+        finally:  # normal end, error or cancellation: the call's streams go with it
+            streams.end_all()
+
+    def _apply_entry(self, streams: StreamSet, entry: derender_pb2.DerenderBatchEntry, results: list) -> None:
+        """One entry of a DerenderBatch call; its chunks, or the error that ended its stream, go
+        to `results`. A stream's error ends that stream only."""
+        stream_id, kind = entry.stream_id, entry.WhichOneof("kind")
+        try:
+            if kind == "generate_response":
+                for chunk in streams.feed(stream_id, output_from_proto(entry.generate_response,
+                                                                       field="entries.generate_response")):
+                    results.append(derender_pb2.DerenderBatchResult(stream_id=stream_id,
+                                                                    chunk=chat_chunk_to_proto(chunk)))
+            elif kind == "context":
+                try:
+                    streams.open(stream_id, context_from_proto(entry.context))
+                except BaseException:
+                    streams.refused(stream_id)
+                    raise
+                self.live_streams += 1
+            elif kind == "close":
+                streams.end(stream_id)
+            else:
+                raise InvalidArgument("a DerenderBatch entry must set `context`, `generate_response` or `close`",
+                                      reason="EMPTY_MESSAGE", field="entries")
+        except TitoError as exc:
+            log.info("derender batch stream %d rejected: %s %s: %s", stream_id, exc.code_name, exc.reason,
+                     exc.message)
+            streams.end(stream_id)
+            results.append(derender_pb2.DerenderBatchResult(stream_id=stream_id, error=status_for(exc)))
+        except Exception:  # noqa: BLE001 - a bug ends this stream, not the others of the call
+            log.exception("derender batch stream %d failed with an unexpected error", stream_id)
+            streams.end(stream_id)
+            results.append(derender_pb2.DerenderBatchResult(stream_id=stream_id, error=internal_status()))
+
+    def _batch_stream_ended(self, stream: DerenderStream | None, chunks: int) -> None:
+        if stream is not None:
+            self.live_streams -= 1
+        if self.metrics is not None:
+            self.metrics.stream_ended(stream, chunks)
 
     async def DerenderFull(self, request: derender_pb2.DerenderFullRequest,
                            context: grpc.aio.ServicerContext) -> derender_pb2.DerenderFullResponse:
