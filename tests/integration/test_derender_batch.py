@@ -85,8 +85,10 @@ def test_each_stream_gets_the_chunks_of_its_own_derender_call(stub, hf_tokenizer
     assert not [r for r in results if r.HasField("error")]
     for sid, script in requests.items():
         expected = own_calls(stub, script)
-        assert [r.chunk for r in results if r.stream_id == sid] == expected
-    stop_chunks = [r.chunk for r in results if r.stream_id == 2**40]
+        mine = [r for r in results if r.stream_id == sid]
+        assert [r.chunk for r in mine[:-1]] == expected
+        assert mine[-1].WhichOneof("kind") == "ended"  # after the chunk that finished its last choice
+    stop_chunks = [r.chunk for r in results if r.stream_id == 2**40 and r.HasField("chunk")]
     assert "".join(c.content for c in stop_chunks) == "keep this " and stop_chunks[-1].cancel_generation
 
 
@@ -117,6 +119,7 @@ def test_an_error_ends_its_stream_only_and_its_later_entries_are_ignored(server,
                       4: (invalid, "EMPTY_MESSAGE"), 5: (invalid, "UNKNOWN_PARSER")}
     assert [r.stream_id for r in results].count(1) == 1  # the error, and nothing for the entry after it
     assert "".join(r.chunk.content for r in results if r.stream_id == 2) == "still fine"
+    assert [r.WhichOneof("kind") for r in results if r.stream_id == 2][-1] == "ended"
     assert server.running.derender_servicer.live_streams == 0
 
 
@@ -152,6 +155,7 @@ def test_closed_streams_and_a_dropped_call_release_their_state(server, stub, hf_
     assert servicer.live_streams == 3
     outgoing.put([entry(stream_id=2, close=derender_pb2.DerenderBatchClose()),
                   entry(stream_id=2, generate_response=response(index=0, token_ids=partial))])  # ignored
+    assert [(r.stream_id, r.WhichOneof("kind")) for r in next(call).results] == [(2, "ended")]
     outgoing.put([entry(stream_id=3, generate_response=response(index=0, token_ids=partial))])
     assert [(r.stream_id, r.chunk.content) for r in next(call).results] == [(3, "partial")]
     assert servicer.live_streams == 2

@@ -145,14 +145,20 @@ class DerenderBatchResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[DerenderBatchResult, _Mapping]]] = ...) -> None: ...
 
 class DerenderBatchResult(_message.Message):
-    __slots__ = ("stream_id", "chunk", "error")
+    __slots__ = ("stream_id", "chunk", "error", "ended")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     chunk: ChatChunk
     error: _status_pb2.Status
-    def __init__(self, stream_id: _Optional[int] = ..., chunk: _Optional[_Union[ChatChunk, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
+    ended: DerenderBatchEnded
+    def __init__(self, stream_id: _Optional[int] = ..., chunk: _Optional[_Union[ChatChunk, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., ended: _Optional[_Union[DerenderBatchEnded, _Mapping]] = ...) -> None: ...
+
+class DerenderBatchEnded(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class DerenderFullRequest(_message.Message):
     __slots__ = ("context", "responses")

@@ -74,8 +74,8 @@ class DerenderServiceServicer:
         serves many chats at once: each message holds entries for any number of streams (keyed by
         an id the caller picks), so a router sends one message per engine step instead of one per
         chat and token, and receives the chunks they produced in one message. Each stream behaves
-        as its own Derender call: context first, then the engine's responses; an error ends that
-        stream only (a result with `error`), never the call.
+        as its own Derender call: context first, then the engine's responses; it ends with an
+        `ended` result, or an `error` one that ends that stream only, never the call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

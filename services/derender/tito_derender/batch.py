@@ -65,27 +65,29 @@ class StreamSet:
         self._ended.pop(stream_id, None)
         self._open[stream_id] = OpenStream(DerenderStream(self._tokenizer(), context))
 
-    def feed(self, stream_id: int, output: EngineOutput) -> list[Chunk]:
+    def feed(self, stream_id: int, output: EngineOutput) -> tuple[list[Chunk], bool]:
         """The chunks one engine output of stream `stream_id` makes final ([] for a stream that has
-        ended); the stream ends after the chunk that finishes its last choice."""
+        ended), and whether the stream ended with them (after the chunk that finished its last choice)."""
         entry = self._open.get(stream_id)
         if entry is None:
             if stream_id in self._ended:
-                return []
+                return [], False
             raise InvalidArgument(f"stream {stream_id} was never opened on this call: its first entry must be "
                                   f"a DerenderContext", reason="CONTEXT_REQUIRED", field="entries.context")
         chunks = entry.stream.feed(output)
         entry.chunks += len(chunks)
         if entry.stream.finished:
             self._end(stream_id)
-        return chunks
+            return chunks, True
+        return chunks, False
 
-    def end(self, stream_id: int) -> None:
-        """End stream `stream_id` (the caller closed it, or it failed); nothing for an ended one."""
+    def end(self, stream_id: int) -> bool:
+        """End stream `stream_id` (the caller closed it, or it failed); whether it was still open."""
         if stream_id in self._open:
             self._end(stream_id)
-        else:
-            self._remember(stream_id)
+            return True
+        self._remember(stream_id)
+        return False
 
     def end_all(self) -> None:
         """The call is over: every stream still open ends."""

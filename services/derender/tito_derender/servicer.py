@@ -24,6 +24,8 @@ from tito_derender.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 
+_ENDED = derender_pb2.DerenderBatchEnded()
+
 
 class DerenderServicer(derender_pb2_grpc.DerenderServiceServicer):
     def __init__(self, tokenizer: TextTokenizer | None = None, metrics: DerenderMetrics | None = None) -> None:
@@ -96,10 +98,13 @@ class DerenderServicer(derender_pb2_grpc.DerenderServiceServicer):
         stream_id, kind = entry.stream_id, entry.WhichOneof("kind")
         try:
             if kind == "generate_response":
-                for chunk in streams.feed(stream_id, output_from_proto(entry.generate_response,
-                                                                       field="entries.generate_response")):
+                chunks, ended = streams.feed(stream_id, output_from_proto(entry.generate_response,
+                                                                          field="entries.generate_response"))
+                for chunk in chunks:
                     results.append(derender_pb2.DerenderBatchResult(stream_id=stream_id,
                                                                     chunk=chat_chunk_to_proto(chunk)))
+                if ended:
+                    results.append(derender_pb2.DerenderBatchResult(stream_id=stream_id, ended=_ENDED))
             elif kind == "context":
                 try:
                     streams.open(stream_id, context_from_proto(entry.context))
@@ -108,7 +113,8 @@ class DerenderServicer(derender_pb2_grpc.DerenderServiceServicer):
                     raise
                 self.live_streams += 1
             elif kind == "close":
-                streams.end(stream_id)
+                if streams.end(stream_id):
+                    results.append(derender_pb2.DerenderBatchResult(stream_id=stream_id, ended=_ENDED))
             else:
                 raise InvalidArgument("a DerenderBatch entry must set `context`, `generate_response` or `close`",
                                       reason="EMPTY_MESSAGE", field="entries")

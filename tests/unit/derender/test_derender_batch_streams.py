@@ -31,12 +31,13 @@ def test_streams_end_once_each_and_ids_are_reusable_after(tokenizer):
     assert twice.value.reason == "STREAM_ALREADY_OPEN"
     streams.refused(1)  # the open stream is left to end(), not counted as refused
     assert len(streams) == 2 and ended == [(False, 0)]
-    chunks = streams.feed(1, EngineOutput(index=0, token_ids=(300, 301), finish_reason=FinishReason.LENGTH))
-    assert chunks and chunks[-1].finish_reason == FinishReason.LENGTH
-    assert len(streams) == 1 and ended[-1] == (True, len(chunks))  # ended by its last choice
-    assert streams.feed(1, EngineOutput(index=0, token_ids=(302,))) == []  # a late entry: ignored
-    streams.end(2)
-    streams.end(2)  # a second close of an ended stream changes nothing
+    assert streams.feed(1, EngineOutput(index=0, token_ids=(300,)))[1] is False
+    chunks, finished = streams.feed(1, EngineOutput(index=0, token_ids=(301,), finish_reason=FinishReason.LENGTH))
+    assert finished and chunks[-1].finish_reason == FinishReason.LENGTH
+    assert len(streams) == 1 and ended[-1][0]  # ended by its last choice
+    assert streams.feed(1, EngineOutput(index=0, token_ids=(302,))) == ([], False)  # a late entry: ignored
+    assert streams.end(2) is True
+    assert streams.end(2) is False  # a second close of an ended stream changes nothing
     assert len(streams) == 0 and len(ended) == 3
     with pytest.raises(InvalidArgument) as never:
         streams.feed(4, EngineOutput(index=0, token_ids=(5,)))
