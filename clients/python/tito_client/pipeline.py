@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tito import tracing
 from tito.security import ClientSecurity
+from tito_client.derender_batch import DerenderBatcher
 from tito_client.routing import EngineRouter
 from tito.v1 import (
     derender_pb2,
@@ -184,10 +185,12 @@ class AsyncChatPipeline:
 
     def __init__(self, endpoints: Endpoints, timeout: float = 300.0, max_message_bytes: int = 64 * 1024 * 1024,
                  security: ClientSecurity = ClientSecurity(), router: EngineRouter | None = None,
-                 sidecar_security: ClientSecurity | None = None):
+                 sidecar_security: ClientSecurity | None = None, batch_derender: bool = False):
         """`router`: spread chats over several engines (routing.EngineRouter); `sidecar_security`:
         the TLS for render and derender when it differs from the engines' (plaintext Unix-socket
-        sidecars beside TLS engines); the token is `security`'s for all."""
+        sidecars beside TLS engines); the token is `security`'s for all. `batch_derender`: every
+        chat's derender stream goes over one DerenderBatch call (derender_batch.py) instead of a
+        Derender call each: one message per engine step for all chats, for a router serving many."""
         self.timeout = timeout
         self._max_message_bytes = max_message_bytes
         self._security, self.router = security, router
@@ -201,6 +204,7 @@ class AsyncChatPipeline:
         self.derender = derender_pb2_grpc.DerenderServiceStub(self._channels[2])
         self._engines: dict[str, engine_pb2_grpc.EngineServiceStub] = {}
         self.last_engine: str | None = None  # where the latest chat went (with a router)
+        self.derender_batcher = DerenderBatcher(self.derender, self._metadata) if batch_derender else None
 
     def _engine_for(self, request) -> tuple[engine_pb2_grpc.EngineServiceStub, str | None]:
         if self.router is None:
@@ -214,6 +218,8 @@ class AsyncChatPipeline:
         return stub, address
 
     async def close(self) -> None:
+        if self.derender_batcher is not None:
+            await self.derender_batcher.close()
         for channel in self._channels:
             await channel.close()
 
@@ -275,6 +281,10 @@ class AsyncChatPipeline:
                 yield chunk
 
     async def _generate(self, rendered, engine, metadata) -> AsyncIterator[derender_pb2.ChatChunk]:
+        if self.derender_batcher is not None:
+            async for chunk in self._generate_batched(rendered, engine, metadata):
+                yield chunk
+            return
         generation = engine.Generate(rendered.generate_request, timeout=self.timeout, metadata=metadata)
         engine_errors: list[grpc.RpcError] = []
 
@@ -306,5 +316,41 @@ class AsyncChatPipeline:
         finally:
             generation.cancel()
             chunks.cancel()
+        if engine_errors:
+            raise engine_errors[0]
+
+    async def _generate_batched(self, rendered, engine, metadata) -> AsyncIterator[derender_pb2.ChatChunk]:
+        """`_generate` with the chat's derender stream on the shared DerenderBatch call: a task
+        forwards the engine's responses, and the chunks come back through the batcher."""
+        generation = engine.Generate(rendered.generate_request, timeout=self.timeout, metadata=metadata)
+        stream = self.derender_batcher.open(rendered.derender_context, self.timeout)
+        engine_errors: list[grpc.RpcError] = []
+
+        async def forward() -> None:
+            try:
+                async for response in generation:
+                    stream.send(response)
+            except asyncio.CancelledError:
+                if not generation.cancelled():  # as in _generate: the pipeline cancelled the engine
+                    raise
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.CANCELLED:
+                    engine_errors.append(exc)
+            finally:
+                stream.close()  # the engine is done: derender ends the stream (if it has not already)
+
+        forwarding = asyncio.ensure_future(forward())
+        try:
+            async for chunk in stream.chunks():
+                if chunk.cancel_generation:
+                    generation.cancel()
+                yield chunk
+        except grpc.RpcError:
+            if engine_errors:
+                raise engine_errors[0] from None
+            raise
+        finally:
+            generation.cancel()
+            forwarding.cancel()
         if engine_errors:
             raise engine_errors[0]

@@ -30,6 +30,10 @@ class GatewayConfig(ServerConfig):
                                        "chosen (tito_client.routing: cache_aware = the longest cached prefix, then "
                                        "the least load)")
     derender_address: str = setting("127.0.0.1:50053", group=UPSTREAM, help="derender's address")
+    derender_batch: bool = setting(True, group=UPSTREAM,
+                                   help="carry every chat's derender stream over one DerenderBatch call (one "
+                                        "message per engine step for all chats, not one per chat and token); "
+                                        "--no-derender-batch opens a Derender call per chat")
     upstream_tls_ca_file: str = setting("", group=UPSTREAM,
                                         help="PEM CA that issued the services' certificates (TLS to them on; Unix "
                                              "sockets stay plaintext)")

@@ -15,9 +15,11 @@ class Upstream:
     """The pipeline and, for several engines, its router; use inside a running event loop."""
 
     def __init__(self, render: str, engines: list[str], derender: str, timeout: float,
-                 security: ClientSecurity, max_message_bytes: int, policy: str = "cache_aware"):
+                 security: ClientSecurity, max_message_bytes: int, policy: str = "cache_aware",
+                 batch_derender: bool = True):
         """`security`: TLS and token for every TCP address; Unix sockets (sidecars in the same pod)
-        are reached in plaintext, with the token."""
+        are reached in plaintext, with the token. `batch_derender`: the chats' derender streams
+        share one DerenderBatch call (AsyncChatPipeline)."""
         self.addresses = list(engines)
         plain = ClientSecurity(token_file=security.token_file)
         sidecars = plain if render.startswith("unix:") and derender.startswith("unix:") else security
@@ -27,7 +29,8 @@ class Upstream:
                                    security=engine_security).start() if routed else None
         self.pipeline = AsyncChatPipeline(Endpoints(render, engines[0], derender), timeout=timeout,
                                           max_message_bytes=max_message_bytes, security=engine_security,
-                                          router=self.router, sidecar_security=sidecars)
+                                          router=self.router, sidecar_security=sidecars,
+                                          batch_derender=batch_derender)
 
     async def close(self) -> None:
         await self.pipeline.close()
