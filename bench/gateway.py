@@ -111,14 +111,15 @@ def random_chats(model: str, count: int, args) -> list[str]:
 
 
 async def direct(endpoints, prompts: list[str], concurrency: int, output_len: int) -> dict:
-    """The same chats through AsyncChatPipeline, `concurrency` at a time: output tok/s and TTFT."""
+    """The same chats through AsyncChatPipeline, `concurrency` at a time: output tok/s and TTFT
+    (derender batched as the gateway does it, so the ratio is the HTTP layer's cost)."""
     from tito.v1 import chat_pb2, render_pb2
     from tito_client.pipeline import AsyncChatPipeline
 
     ttfts: list[float] = []
     tokens = 0
     queue = list(prompts)
-    async with AsyncChatPipeline(endpoints, timeout=600) as pipeline:
+    async with AsyncChatPipeline(endpoints, timeout=600, batch_derender=True) as pipeline:
         async def worker():
             nonlocal tokens
             while queue:
