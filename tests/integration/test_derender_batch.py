@@ -5,6 +5,7 @@ the streams' state."""
 from __future__ import annotations
 
 import queue
+import threading
 import time
 
 import pytest
@@ -162,3 +163,43 @@ def test_closed_streams_and_a_dropped_call_release_their_state(server, stub, hf_
     call.cancel()
     outgoing.put(None)
     assert wait_for(lambda: servicer.live_streams == 0)
+
+
+def test_shutdown_ends_an_idle_batch_call_at_once_and_a_busy_one_when_its_streams_end(server, stub, hf_tokenizer):
+    """A DerenderBatch call does not hold derender's grace period: an idle one ends as shutdown
+    begins; on a busy one new streams are refused (SHUTTING_DOWN), the open stream finishes, and
+    then the call ends."""
+    entry = derender_pb2.DerenderBatchEntry
+
+    def calls_fed_by(outgoing: queue.Queue):
+        def requests():
+            while (item := outgoing.get()) is not None:
+                yield derender_pb2.DerenderBatchRequest(entries=item)
+        return stub.DerenderBatch(requests(), timeout=DEADLINE)
+
+    idle_feed, busy_feed = queue.Queue(), queue.Queue()
+    idle, busy = calls_fed_by(idle_feed), calls_fed_by(busy_feed)
+    ids = hf_tokenizer.encode("finish me", add_special_tokens=False)
+    busy_feed.put([entry(stream_id=1, context=derender_pb2.DerenderContext()),
+                   entry(stream_id=1, generate_response=response(index=0, token_ids=ids[:1]))])
+    assert next(busy).results[0].chunk.content
+    idle_feed.put([entry(stream_id=5, context=derender_pb2.DerenderContext()),
+                   entry(stream_id=5, close=derender_pb2.DerenderBatchClose())])
+    assert [r.WhichOneof("kind") for r in next(idle).results] == ["ended"]  # open, with no streams
+    stopped = threading.Event()
+    started = time.monotonic()
+    threading.Thread(target=lambda: (server.call(lambda: server.running.stop(15.0), timeout=60), stopped.set()),
+                     daemon=True).start()
+    assert wait_for(lambda: server.running.derender_servicer.draining)
+    assert list(idle) == []  # the idle call has ended
+    busy_feed.put([entry(stream_id=2, context=derender_pb2.DerenderContext())])
+    [refused] = next(busy).results
+    assert (refused.stream_id, error_of(refused)) == (2, (14, "SHUTTING_DOWN"))  # UNAVAILABLE
+    assert not stopped.is_set()  # stream 1 is still open: the call goes on
+    busy_feed.put([entry(stream_id=1, generate_response=response(index=0, token_ids=ids[1:],
+                                                                  finish_reason=engine_pb2.FINISH_REASON_STOP))])
+    rest = [result for reply in busy for result in reply.results]  # the call ends after the stream's end
+    assert [r.WhichOneof("kind") for r in rest][-1] == "ended" and rest[0].chunk.content
+    assert stopped.wait(10) and time.monotonic() - started < 10  # well inside the 15 s grace
+    idle_feed.put(None)
+    busy_feed.put(None)

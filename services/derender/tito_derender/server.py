@@ -55,6 +55,7 @@ async def create_server(config: DerenderConfig, phases: StartupPhases | None = N
             config, (SERVICE_NAME,),
             lambda server: derender_pb2_grpc.add_DerenderServiceServicer_to_server(servicer, server), metrics)
     running.derender_servicer = servicer  # for tests and operators: live stream count
+    running.add_closer(servicer.drain)  # batch calls end as shutdown begins, once their streams have
     cache = Path(config.model_cache_dir) if config.model_cache_dir else None
     try:
         with phases.phase("model load", "tokenizer"), loading_model(config.model):

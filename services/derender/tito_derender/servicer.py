@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from tito.errors import InvalidArgument, LoadingGate, TitoError
+from tito.errors import InvalidArgument, LoadingGate, TitoError, Unavailable
 from tito.grpc_errors import internal_status, status_for
 from tito.logs import bind_request_id
 from tito.v1 import derender_pb2, derender_pb2_grpc
@@ -33,6 +33,9 @@ class DerenderServicer(derender_pb2_grpc.DerenderServiceServicer):
         #: Derender streams currently holding state (for operators and tests: drops release it).
         self.live_streams = 0
         self.metrics = metrics  # set by the server when it serves /metrics
+        #: Shutdown has begun: DerenderBatch calls take no new streams and end once theirs have.
+        self.draining = False
+        self._idle_batch_calls: set[asyncio.Event] = set()  # set to wake an idle call as draining begins
 
     def set_tokenizer(self, tokenizer: TextTokenizer) -> None:
         self._tokenizer.open(tokenizer)
@@ -82,15 +85,47 @@ class DerenderServicer(derender_pb2_grpc.DerenderServiceServicer):
     async def DerenderBatch(self, request_iterator: AsyncIterator[derender_pb2.DerenderBatchRequest],
                             context: grpc.aio.ServicerContext) -> AsyncIterator[derender_pb2.DerenderBatchResponse]:
         streams = StreamSet(lambda: self.tokenizer, self._batch_stream_ended)
+        requests = aiter(request_iterator)
         try:
-            async for request in request_iterator:
+            while True:
+                # With streams open the next message is on its way; an idle call also wakes when
+                # shutdown begins, so that it does not hold the grace period.
+                request = await anext(requests, None) if len(streams) else await self._next_unless_draining(requests)
+                if request is None:
+                    return
                 results = []
                 for entry in request.entries:
                     self._apply_entry(streams, entry, results)
                 if results:
                     yield derender_pb2.DerenderBatchResponse(results=results)
+                if self.draining and not len(streams):
+                    return
         finally:  # normal end, error or cancellation: the call's streams go with it
             streams.end_all()
+
+    def drain(self) -> None:
+        """Shutdown has begun: batch calls refuse new streams, and each ends once its open streams
+        have (an idle one at once), instead of holding the grace period."""
+        self.draining = True
+        for wake in self._idle_batch_calls:
+            wake.set()
+
+    async def _next_unless_draining(self, requests):
+        """The call's next message, or None once it has ended or shutdown has begun."""
+        if self.draining:
+            return None
+        wake = asyncio.Event()
+        self._idle_batch_calls.add(wake)
+        reading, woken = asyncio.ensure_future(anext(requests, None)), asyncio.ensure_future(wake.wait())
+        try:
+            await asyncio.wait((reading, woken), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._idle_batch_calls.discard(wake)
+            woken.cancel()
+        if reading.done():
+            return reading.result()
+        reading.cancel()
+        return None
 
     def _apply_entry(self, streams: StreamSet, entry: derender_pb2.DerenderBatchEntry, results: list) -> None:
         """One entry of a DerenderBatch call; its chunks, or the error that ended its stream, go
@@ -107,6 +142,9 @@ class DerenderServicer(derender_pb2_grpc.DerenderServiceServicer):
                     results.append(derender_pb2.DerenderBatchResult(stream_id=stream_id, ended=_ENDED))
             elif kind == "context":
                 try:
+                    if self.draining:
+                        raise Unavailable("derender is shutting down: send the request to another derender",
+                                          reason="SHUTTING_DOWN")
                     streams.open(stream_id, context_from_proto(entry.context))
                 except BaseException:
                     streams.refused(stream_id)
