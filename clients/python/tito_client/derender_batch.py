@@ -29,18 +29,19 @@ log = logging.getLogger(__name__)
 _ENDED = object()  # a stream's normal end, in its queue
 
 
+_CODES = {code.value[0]: code for code in grpc.StatusCode}  # google.rpc.Code numbers -> StatusCode
+
+
+def _rpc_error(code: grpc.StatusCode, details: str, *trailing: tuple[str, bytes]) -> grpc.aio.AioRpcError:
+    """The error a failed call raises, for a stream that fails without one."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details=details)
+
+
 def status_error(status) -> grpc.aio.AioRpcError:
     """A failed RPC's error for a google.rpc.Status: its code and message, the whole status in the
     trailing metadata as gRPC sends it (grpc-status-details-bin)."""
-    code = next((c for c in grpc.StatusCode if c.value[0] == status.code), grpc.StatusCode.UNKNOWN)
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(),
-                                grpc.aio.Metadata(("grpc-status-details-bin", status.SerializeToString())),
-                                details=status.message)
-
-
-def _deadline_error(timeout: float) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                details=f"derender gave no end of the stream within {timeout:.0f}s")
+    return _rpc_error(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message,
+                      ("grpc-status-details-bin", status.SerializeToString()))
 
 
 class BatchStream:
@@ -52,7 +53,8 @@ class BatchStream:
         self._call = batcher._call  # its entries go to this call only (a later one never saw it)
         self._results: asyncio.Queue = asyncio.Queue()
         # The chat's deadline, as a Derender call's would be: a timer, not a wait_for per chunk.
-        self._late = _deadline_error(timeout)
+        self._late = _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"derender gave no end of the stream within {timeout:.0f}s")
         self._expiry = asyncio.get_running_loop().call_later(timeout, self._deliver, self._late)
         self._closed = self._done = False
 
@@ -122,8 +124,7 @@ class DerenderBatcher:
         """End the call; chats still reading get CANCELLED."""
         call, tasks = self._call, self._tasks
         self._call, self._tasks = None, []
-        self._fail_streams(grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                                details="the pipeline was closed"))
+        self._fail_streams(_rpc_error(grpc.StatusCode.CANCELLED, "the pipeline was closed"))
         if call is not None:
             call.cancel()
         for task in tasks:
@@ -165,8 +166,7 @@ class DerenderBatcher:
             call.cancel()
 
     async def _read(self, call, wake: asyncio.Event) -> None:
-        error: BaseException = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
-                                                    grpc.aio.Metadata(), details="the derender batch call failed")
+        error: BaseException = _rpc_error(grpc.StatusCode.UNAVAILABLE, "the derender batch call failed")
         try:
             async for response in call:
                 for result in response.results:
@@ -180,11 +180,9 @@ class DerenderBatcher:
                         stream._deliver(_ENDED)
                     elif kind == "error":
                         stream._deliver(status_error(result.error))
-            error = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                         details="derender ended the batch call")
+            error = _rpc_error(grpc.StatusCode.UNAVAILABLE, "derender ended the batch call")
         except asyncio.CancelledError:
-            error = grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                         details="the derender batch call was cancelled")
+            error = _rpc_error(grpc.StatusCode.CANCELLED, "the derender batch call was cancelled")
             raise
         except grpc.RpcError as exc:
             error = exc

@@ -2,8 +2,8 @@
 
 Decode rows (one query each) attend, on CPU in float32, in one call of a C kernel that reads
 their blocks in place (cpu_attention.py), and so do prefill chunks without bidirectional spans
-where the CPU has AVX-512 (one call each); elsewhere decode rows attend in one padded `scaled_dot_product_attention`
-call, or a few when their context lengths differ (`split_by_context`: rows of similar length
+where the CPU has AVX-512 (one call each); elsewhere decode rows attend in one padded
+`scaled_dot_product_attention` call, or a few when their context lengths differ (`split_by_context`: rows of similar length
 share a call, so the K/V a step gathers follows each row's own context, not the longest row's); each prefill
 chunk attends on its own, over its own K/V when it starts the prompt, else over the blocks of its
 table. Masks are additive floats built once per step (SDPA on CPU converts a bool one on every
@@ -106,11 +106,12 @@ class PagedAttention:
         for i in prefill_rows:
             row = rows[i]
             end = row.start + len(row.token_ids)
-            if self._kernel_prefills and not self._row_spans(row, end):
+            spans = self._row_spans(row, end)
+            if self._kernel_prefills and not spans:
                 plan.kernel_prefills.append(PrefillChunk(offsets[i], len(row.token_ids), row.start,
                                                          row.block_table[:-(-end // self.block_size)]))
             else:
-                plan.prefill_specs.append(self._prefill_spec(row, offsets[i], window))
+                plan.prefill_specs.append(self._prefill_spec(row, offsets[i], window, spans))
         return plan
 
     def attend(self, plan: AttentionPlan, layer_index: int, kind: int, q: torch.Tensor,
@@ -164,13 +165,13 @@ class PagedAttention:
                 clipped.append((s, e))
         return clipped
 
-    def _prefill_spec(self, row: Any, offset: int, window: int | None):
+    def _prefill_spec(self, row: Any, offset: int, window: int | None, spans: list[tuple[int, int]]):
         """(offset, count, block ids or None for "this chunk's own K/V", masks by kind); a mask of
-        None means plain causal over the chunk's own K/V (SDPA's is_causal)."""
+        None means plain causal over the chunk's own K/V (SDPA's is_causal). `spans`: the row's
+        bidirectional spans in this chunk (`_row_spans`)."""
         device, block_size = self.device, self.block_size
         count = len(row.token_ids)
         end = row.start + count
-        spans = self._row_spans(row, end)
         slides = window is not None and end > window and self._has_sliding
         if row.start == 0 and not spans and not slides:
             return offset, count, None, (None, None)
