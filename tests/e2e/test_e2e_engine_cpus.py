@@ -1,5 +1,6 @@
 """`tito serve engine` on CPU (a process, read from /proc): the engine core runs on the last CPU,
-the server (every thread of it) on the others; `--core-cpus none` pins nothing."""
+the server (every thread of it) on the others, and the core's thread for a lone prefill's linears
+on the server's (none with `--no-cpu-lone-prefill-borrow`); `--core-cpus none` pins nothing."""
 
 from __future__ import annotations
 
@@ -17,13 +18,25 @@ pytestmark = [pytest.mark.e2e,
                                  reason="needs Linux and at least 2 CPUs")]
 
 
-def cpus_of_every_thread(pid: int) -> set[str]:
-    lists = set()
+def cpus_by_thread(pid: int) -> dict[int, str]:
+    lists = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         for line in (task / "status").read_text().splitlines():
             if line.startswith("Cpus_allowed_list:"):
-                lists.add(line.split(":", 1)[1].strip())
+                lists[int(task.name)] = line.split(":", 1)[1].strip()
     return lists
+
+
+def cpus_of_every_thread(pid: int) -> set[str]:
+    return set(cpus_by_thread(pid).values())
+
+
+def check_core_threads(pid: int, core: str, lent: str | None) -> None:
+    """The core's main thread on `core`; its others there too, but for the lone prefill's (on `lent`)."""
+    threads = cpus_by_thread(pid)
+    assert threads.pop(pid) == core
+    assert set(threads.values()) <= {core, lent}, threads
+    assert (lent in threads.values()) == (lent is not None), threads
 
 
 def core_pid(server_pid: int) -> int:
@@ -39,11 +52,15 @@ def core_pid(server_pid: int) -> int:
     return children[0]
 
 
-@pytest.mark.parametrize("flags, core, server", [
-    ([], format_cpu_list({max(allowed_cpus())}), format_cpu_list(allowed_cpus() - {max(allowed_cpus())})),
-    (["--core-cpus", "none"], format_cpu_list(allowed_cpus()), format_cpu_list(allowed_cpus())),
+LAST, OTHERS = format_cpu_list({max(allowed_cpus())}), format_cpu_list(allowed_cpus() - {max(allowed_cpus())})
+
+
+@pytest.mark.parametrize("flags, core, server, lent", [
+    ([], LAST, OTHERS, OTHERS),
+    (["--no-cpu-lone-prefill-borrow"], LAST, OTHERS, None),
+    (["--core-cpus", "none"], format_cpu_list(allowed_cpus()), format_cpu_list(allowed_cpus()), None),
 ])
-def test_the_engine_core_gets_cpus_of_its_own(tiny_text_model, tmp_path, flags, core, server):
+def test_the_engine_core_gets_cpus_of_its_own(tiny_text_model, tmp_path, flags, core, server, lent):
     address = f"unix:{tmp_path / 'engine.sock'}"
     process = subprocess.Popen([sys.executable, "-m", "tito_cli", "serve", "engine", "--address", address,
                                 "--model", str(tiny_text_model), "--device", "cpu", "--cpu-threads", "1",
@@ -51,7 +68,7 @@ def test_the_engine_core_gets_cpus_of_its_own(tiny_text_model, tmp_path, flags, 
     try:
         wait_until_serving(address, timeout=120)
         assert cpus_of_every_thread(process.pid) == {server}
-        assert cpus_of_every_thread(core_pid(process.pid)) == {core}
+        check_core_threads(core_pid(process.pid), core, lent)
     finally:
         process.terminate()
         process.wait(30)
@@ -79,16 +96,14 @@ def test_serve_all_keeps_render_and_derender_off_the_engine_core(tiny_text_model
     flags = [flag for name, address in addresses.items() for flag in (f"--{name}-address", address)]
     process = subprocess.Popen([sys.executable, "-m", "tito_cli", "serve", "all", "--model", str(tiny_text_model),
                                 "--device", "cpu", "--log-level", "warning", *flags])
-    core = format_cpu_list({max(allowed_cpus())})
-    others = format_cpu_list(allowed_cpus() - {max(allowed_cpus())})
     try:
         for address in addresses.values():
             wait_until_serving(address, timeout=180)
         services = children_by_service(process.pid)
         assert set(services) == {"render", "engine", "derender"}
         for name in ("render", "derender", "engine"):
-            assert cpus_of_every_thread(services[name]) == {others}, name
-        assert cpus_of_every_thread(core_pid(services["engine"])) == {core}
+            assert cpus_of_every_thread(services[name]) == {OTHERS}, name
+        check_core_threads(core_pid(services["engine"]), LAST, OTHERS)
     finally:
         process.terminate()
         process.wait(60)

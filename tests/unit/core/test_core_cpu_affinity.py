@@ -48,6 +48,20 @@ def test_the_core_takes_the_last_cpus_and_leaves_the_server_the_rest():
     assert "every CPU computes" in plan_cpus("auto", "0-1", None, REAL).reason
 
 
+def test_a_lone_prefill_borrows_the_servers_cpus_when_the_two_are_pinned_apart():
+    assert plan_cpus("auto", "0-1", None, TINY).lone_prefill_cpus == {0}
+    assert plan_cpus("auto", "2-5", 2, TINY).lone_prefill_cpus == {2, 3}
+    assert plan_cpus("1", "0-1", None, TINY).lone_prefill_cpus == {0}  # --core-cpus: the others
+    assert plan_cpus("auto", "0-1", None, TINY, True, False).lone_prefill_cpus is None  # the flag off
+    # Nothing pinned (one CPU, every CPU computing, --core-cpus none, a core on a thread): nothing to borrow.
+    assert plan_cpus("auto", "3", None, TINY).lone_prefill_cpus is None
+    assert plan_cpus("auto", "0-1", None, REAL).lone_prefill_cpus is None
+    assert plan_cpus("none", "0-1", 1, TINY).lone_prefill_cpus is None
+    assert plan_cpus("auto", "0-1", None, TINY, False).lone_prefill_cpus is None
+    assert plan_cpus("0-1", "0-1", None, TINY).lone_prefill_cpus is None  # the server has no CPUs of its own
+    assert "a lone prefill's linears also on CPUs 0" in plan_cpus("auto", "0-1", None, TINY).describe()
+
+
 def test_the_work_of_a_token_comes_from_the_config(tiny_text_model, tmp_path):
     # tiny-qwen2: 2 layers of hidden 64 (4 / 2 heads of 16, intermediate 128), 1013 output rows.
     per_layer = 64 * (4 + 2 * 2) * 16 + 64 * 64 + 3 * 64 * 128
@@ -75,6 +89,20 @@ def test_nothing_is_pinned_where_the_os_has_no_cpu_affinity(monkeypatch):
         assert placement("auto", "", 1, TINY) == (1, None, None)
     finally:
         plan_cpus.cache_clear()
+
+
+def test_the_lone_prefill_borrow_is_a_native_setting_passed_to_the_core(tiny_text_model):
+    from tito_engine.core.engine_core import CoreProcessSpec
+
+    def spec(**flags):
+        config = EngineConfig(device="cpu", cpu_affinity="0-1", model=str(tiny_text_model), **flags)
+        return CoreProcessSpec.from_config(config, "dir", None)
+
+    assert (spec().cpus, spec().lone_prefill_cpus) == ({1}, {0})
+    assert (spec(cpu_lone_prefill_borrow=False).cpus, spec(cpu_lone_prefill_borrow=False).lone_prefill_cpus) == (
+        {1}, None)
+    with pytest.raises(ConfigError, match="--cpu-lone-prefill-borrow / --no-cpu-lone-prefill-borrow apply to the"):
+        EngineConfig(backend="vllm", cpu_lone_prefill_borrow=True).validate()
 
 
 def test_packed_linears_are_a_native_setting_passed_to_the_core():

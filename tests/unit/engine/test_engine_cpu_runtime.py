@@ -1,7 +1,9 @@
-"""The engine process's CPU settings: glibc keeps the memory a step frees for the next step."""
+"""The engine process's CPU settings: glibc keeps the memory a step frees for the next step, and a
+lone prefill's linears borrow the server's CPUs."""
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -45,3 +47,39 @@ def test_memory_a_step_frees_stays_for_the_next_step():
     tiny model); with the engine's settings it stays in the heap."""
     assert keepcost_after_a_free("engine") >= 8 << 20
     assert keepcost_after_a_free("glibc-defaults") < 1 << 20
+
+
+# In a fresh process: it starts torch's threads and moves one, which must not outlive the test.
+LEND_A_CPU = textwrap.dedent("""
+    import os, sys, torch
+    from tito_engine.model.cpu_runtime import lend_cpus_to_lone_prefill
+
+    own, lent = int(sys.argv[1]), int(sys.argv[2])
+    os.sched_setaffinity(0, {own})  # the core's CPU: torch's threads would inherit it
+    torch.set_num_threads(1)
+    before = set(os.listdir("/proc/self/task"))
+    threads = lend_cpus_to_lone_prefill(frozenset({lent}))
+    started = set(os.listdir("/proc/self/task")) - before
+    print(threads, torch.get_num_threads(), sorted(os.sched_getaffinity(0)),
+          [sorted(os.sched_getaffinity(int(t))) for t in started])
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2
+                    or not os.path.isdir("/proc/self/task"), reason="needs per-thread CPU affinity and two CPUs")
+def test_a_lone_prefill_gets_a_thread_on_the_lent_cpu_and_the_core_keeps_its_own():
+    own, lent = sorted(os.sched_getaffinity(0))[:2]
+    done = subprocess.run([sys.executable, "-c", LEND_A_CPU, str(own), str(lent)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    threads, usual, main, started = done.stdout.split(maxsplit=3)
+    assert (int(threads), int(usual), main) == (2, 1, f"[{own}]")
+    assert f"[{lent}]" in started  # the OpenMP thread it started runs on the lent CPU
+
+
+def test_nothing_is_lent_without_cpus_or_per_thread_affinity(monkeypatch):
+    from tito_engine.model.cpu_runtime import lend_cpus_to_lone_prefill
+
+    assert lend_cpus_to_lone_prefill(frozenset()) == 0
+    monkeypatch.delattr("os.sched_setaffinity", raising=False)
+    assert lend_cpus_to_lone_prefill(frozenset({0})) == 0

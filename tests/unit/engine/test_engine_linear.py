@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tito_engine.model.linear import PACKED_MIN_MACS, Linear, can_pack, pack_linears
+from tito_engine.model.linear import PACKED_MIN_MACS, WIDE_MIN_ROWS, Linear, can_pack, pack_linears, wide_linears
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.empty(1)), reason="this torch build has no packed linears")
 
@@ -61,3 +61,58 @@ def test_the_forward_gives_the_same_greedy_tokens_packed_or_not(tiny_text_model_
     assert torch.allclose(decode_plain, decode_packed, rtol=1e-4, atol=1e-4)
     assert torch.equal(prefill_plain.argmax(-1), prefill_packed.argmax(-1))
     assert torch.equal(decode_plain.argmax(-1), decode_packed.argmax(-1))
+
+
+def test_inside_wide_linears_only_calls_of_enough_rows_take_the_wider_thread_count(monkeypatch):
+    counts: list[int] = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (counts.append(n), real(n)))
+    usual = torch.get_num_threads()
+    weight = torch.randn(512, 256)
+    linear = Linear(weight)
+    pack_linears([linear])
+    big, small = torch.randn(WIDE_MIN_ROWS, 256), torch.randn(WIDE_MIN_ROWS - 1, 256)
+    with torch.inference_mode():
+        narrow = linear(big)
+        assert counts == []  # outside the block: the usual count, nothing set
+        with wide_linears(usual + 2):
+            linear(small)
+            assert counts == []  # a decode-sized call keeps the usual count
+            wide = linear(big)
+            assert counts == [usual + 2, usual]  # for the call only, then back
+        linear(big)
+        assert counts == [usual + 2, usual]  # the block ended
+    assert torch.equal(wide, narrow)  # split by rows and columns: the same sums, the same bits
+    assert torch.get_num_threads() == usual
+
+
+def test_the_usual_thread_count_comes_back_after_a_failed_wide_call(monkeypatch):
+    usual = torch.get_num_threads()
+    linear = Linear(torch.randn(16, 8))
+    with wide_linears(usual + 1), pytest.raises(RuntimeError):
+        linear(torch.randn(WIDE_MIN_ROWS, 9))  # the wrong width
+    assert torch.get_num_threads() == usual
+
+
+def test_a_runner_widens_the_linears_of_a_lone_row_only():
+    from tito_engine.model import linear as linear_module
+    from tito_engine.model.runner import ModelRunner
+    from tito_engine.scheduling.plan import RowInput
+
+    seen: list[int] = []
+
+    class Decoder:
+        def forward(self, rows):
+            seen.append(linear_module._wide.threads)
+            return torch.zeros(len(rows), 4)
+
+    runner = object.__new__(ModelRunner)  # the forward is stubbed: only the choice is under test
+    runner.decoder, runner.lone_prefill_threads = Decoder(), 3
+    row = RowInput(token_ids=list(range(100)), start=0, block_table=[0], needs_logits=True)
+    decode = RowInput(token_ids=[1], start=100, block_table=[0], needs_logits=True)
+    runner.execute([row])
+    runner.execute([row, decode])  # another request is running: the server has tokens to stream
+    runner.lone_prefill_threads = 0
+    runner.execute([row])  # nothing borrowed
+    assert seen == [3, 0, 0]
+    assert linear_module._wide.threads == 0

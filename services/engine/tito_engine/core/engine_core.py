@@ -427,6 +427,7 @@ class CoreProcessSpec:
     packed_linears: bool = True
     decode_kernel: bool | None = None  # decode attention in the CPU kernel (model/cpu_attention.py); None: auto
     cpus: frozenset[int] | None = None  # the CPUs the core process runs on (EngineConfig.cpu_plan)
+    lone_prefill_cpus: frozenset[int] | None = None  # the CPUs a lone prefill's linears borrow (the server's)
     dtype: str = "auto"
     encoder_store_dir: str = ""  # the shared encoder store's directory ("" = none)
     encoder_store_bytes: int = 0
@@ -442,6 +443,7 @@ class CoreProcessSpec:
                    encoder_cache_bytes=config.encoder_cache_bytes, exclude_padding_ids=config.excludes_padding_ids,
                    packed_linears=config.packs_linears, decode_kernel=config.cpu_decode_kernel,
                    cpus=plan.core_cpus if plan is not None else None,
+                   lone_prefill_cpus=plan.lone_prefill_cpus if plan is not None else None,
                    dtype=config.dtype, encoder_store_dir=config.encoder_store_dir,
                    encoder_store_bytes=config.encoder_store_bytes)
 
@@ -454,7 +456,8 @@ class CoreProcessSpec:
         return ModelRunner(Path(self.model_dir), model_id=self.model_id, device=self.device,
                            max_model_len=self.max_model_len, kv_cache=self.kv_cache, cpu_threads=self.cpu_threads,
                            exclude_padding_ids=self.exclude_padding_ids, packed_linears=self.packed_linears,
-                           dtype=self.dtype, decode_kernel=self.decode_kernel)
+                           dtype=self.dtype, decode_kernel=self.decode_kernel,
+                           lone_prefill_cpus=self.lone_prefill_cpus)
 
 
 def _child_main(spec: CoreProcessSpec, conn: Any) -> None:

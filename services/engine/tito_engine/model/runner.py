@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from tito.config import ConfigError
+from tito.cpu_affinity import format_cpu_list
 from tito.startup import StartupPhases
 
 from tito_engine.model import constraints
@@ -21,8 +22,10 @@ from tito_engine.model.choices import ModelChoiceState
 
 from tito_engine.multimodal import vision
 from tito_engine.model.cpu_attention import AttentionKernel, load_attention_kernel
-from tito_engine.model.cpu_runtime import forward_macs_per_token, keep_freed_memory, plan_cpus, set_cpu_threads
+from tito_engine.model.cpu_runtime import (forward_macs_per_token, keep_freed_memory, lend_cpus_to_lone_prefill,
+                                           plan_cpus, set_cpu_threads)
 from tito_engine.model.forward import BatchedDecoder, MultiModalPrefill
+from tito_engine.model.linear import wide_linears
 from tito_engine.model.kv_cache import KVLayout, PagedKVCache
 from tito_engine.kv_sizing import available_host_memory, kv_budget
 from tito_engine.limits import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_SEQUENCES
@@ -152,7 +155,10 @@ class ModelRunner:
     def __init__(self, model_dir: Path, *, model_id: str, device: str = "auto",
                  max_model_len: int | None = None, kv_cache: KVCacheSpec | None = None,
                  cpu_threads: int | None = None, exclude_padding_ids: bool = True, packed_linears: bool = True,
-                 dtype: str = "auto", decode_kernel: bool | None = None):
+                 dtype: str = "auto", decode_kernel: bool | None = None,
+                 lone_prefill_cpus: frozenset[int] | None = None):
+        """`lone_prefill_cpus`: CPUs (the server's) a lone prefill's linears borrow on CPU
+        (cpu_runtime.lend_cpus_to_lone_prefill); None: every step on this process's threads."""
         self.model_dir = model_dir  # structured outputs read the tokenizer from here (constraints.py)
         self.device = choose_device(device)
         self.dtype, dtype_reason = choose_dtype(self.device, dtype, checkpoint_dtype(model_dir))
@@ -160,6 +166,14 @@ class ModelRunner:
             set_cpu_threads(cpu_threads or plan_cpus("none", "", None, forward_macs_per_token(model_dir)).threads)
             if keep_freed_memory():
                 log.debug("glibc malloc keeps freed memory for the next step (cpu_runtime.keep_freed_memory)")
+        #: torch threads of a lone prefill's linears (linear.wide_linears); 0: the usual count.
+        self.lone_prefill_threads = 0
+        if self.device.type == "cpu" and lone_prefill_cpus:
+            self.lone_prefill_threads = lend_cpus_to_lone_prefill(lone_prefill_cpus)
+            if self.lone_prefill_threads:
+                log.info("a lone prefill's linears run on %d threads, the extra ones on CPUs %s "
+                         "(--no-cpu-lone-prefill-borrow: the core's alone)", self.lone_prefill_threads,
+                         format_cpu_list(lone_prefill_cpus))
         from transformers.utils import logging as hf_logging
 
         bar_was_enabled = hf_logging.is_progress_bar_enabled()
@@ -254,14 +268,18 @@ class ModelRunner:
                                            **vision.prefill_media(token_ids, items_with_rows, self.model.config))
 
     def execute(self, rows: list[RowInput]) -> torch.Tensor:
-        """One batched forward over the step's rows; logits [rows needing logits, vocab] (float32)."""
+        """One batched forward over the step's rows; logits [rows needing logits, vocab] (float32).
+        A lone row (nothing else running: a lone prefill) runs its linears on the borrowed CPUs too."""
+        if self.lone_prefill_threads and len(rows) == 1:
+            with wide_linears(self.lone_prefill_threads):
+                return self.decoder.forward(rows)
         return self.decoder.forward(rows)
 
     def run(self, plan: StepPlan) -> SampledTokens:
         """Execute a scheduler plan: one batched forward, then one batched sampling call (argmax
         alone when every target is plain greedy). Constrained targets are masked by their
         grammars first, in one apply, and their matchers take the sampled tokens after."""
-        logits = self.decoder.forward(plan.rows)
+        logits = self.execute(plan.rows)
         if plan.logit_rows != list(range(logits.shape[0])):
             logits = logits[plan.logit_rows]  # forking choices read their parent's row
         raw_logits = logits = mask_logits(logits, self.logits_mask)
