@@ -77,7 +77,10 @@ def test_whole_and_streamed_text_equal_the_pipelines(stack, client):
                                             extra_body=NO_THINKING)
     chunks = list(stream)
     assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
-    assert chunks[0].choices[0].delta.role == "assistant"
+    # As OpenAI's and vLLM's streams begin: the role alone (content ""), sent on the engine's first
+    # token; the text follows in chunks without a role.
+    assert (chunks[0].choices[0].delta.role, chunks[0].choices[0].delta.content) == ("assistant", "")
+    assert all(c.choices[0].delta.role is None for c in chunks[1:] if c.choices)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [finish]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
@@ -258,6 +261,7 @@ def test_n_choices_seed_and_logprobs(client):
     stream = list(client.chat.completions.create(model=MODEL, messages=hi, n=2, temperature=1.0, seed=5,
                                                  max_tokens=12, logprobs=True, stream=True,
                                                  stream_options={"include_usage": True}, extra_body=NO_THINKING))
+    assert [(c.choices[0].index, c.choices[0].delta.role) for c in stream[:2]] == [(0, "assistant"), (1, "assistant")]
     texts = {0: "", 1: ""}
     for chunk in stream:
         for choice in chunk.choices:

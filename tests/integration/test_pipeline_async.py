@@ -110,3 +110,22 @@ def test_an_engine_refusal_reaches_the_caller_with_the_engine_status(endpoints):
     assert details["code"] == grpc.StatusCode.INVALID_ARGUMENT, details
     assert details["reason"] == "PROMPT_TOO_LONG", details
     assert after[2] == [3]
+
+
+@pytest.mark.parametrize("batch_derender", [False, True])
+def test_on_generating_is_called_once_when_the_engine_answers_before_any_chunk(endpoints, batch_derender):
+    events: list[str] = []
+
+    async def main():
+        async with AsyncChatPipeline(endpoints, timeout=TIMEOUT, batch_derender=batch_derender) as pipeline:
+            async for chunk in pipeline.stream_chat(chat("Hello", max_tokens=5), on_generating=lambda: events.append("engine")):
+                events.append("chunk")
+            # An engine refusal: no response ever came, so there was nothing to announce.
+            with pytest.raises(grpc.RpcError):
+                async for _ in pipeline.stream_chat(chat("the sea " * 700, max_tokens=4),
+                                                    on_generating=lambda: events.append("refused")):
+                    pass
+
+    asyncio.run(main())
+    assert events[0] == "engine" and events.count("engine") == 1 and "refused" not in events
+    assert events.count("chunk") >= 2  # the first text, then the final chunk

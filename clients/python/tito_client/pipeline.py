@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -37,6 +37,9 @@ from tito.v1 import (
 )
 
 log = logging.getLogger(__name__)
+
+#: Called once, with no arguments, when a chat's engine stream delivers its first response.
+OnGenerating = Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -229,17 +232,20 @@ class AsyncChatPipeline:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def stream_chat(self, request: render_pb2.RenderChatRequest) -> AsyncIterator[derender_pb2.ChatChunk]:
+    async def stream_chat(self, request: render_pb2.RenderChatRequest, on_generating: OnGenerating | None = None
+                          ) -> AsyncIterator[derender_pb2.ChatChunk]:
         """Yield chat chunks as derender produces them (tracing as in `ChatPipeline.stream_chat`;
-        the span carries the request's id)."""
-        async for chunk in self._traced("chat", request, self.render.RenderChat):
+        the span carries the request's id). `on_generating` is called once, when the engine's first
+        response arrives (before derender has turned it into text): the gateway starts its stream
+        there, as vLLM's server sends its first chunk on the engine's first output."""
+        async for chunk in self._traced("chat", request, self.render.RenderChat, on_generating):
             yield chunk
 
-    async def stream_completion(self, request: render_pb2.RenderCompletionRequest
-                                ) -> AsyncIterator[derender_pb2.ChatChunk]:
+    async def stream_completion(self, request: render_pb2.RenderCompletionRequest,
+                                on_generating: OnGenerating | None = None) -> AsyncIterator[derender_pb2.ChatChunk]:
         """A raw prompt (text or token ids) through RenderCompletion -> engine -> derender: chunks
         as for a chat, with the text in `content` (a completion has no parsers)."""
-        async for chunk in self._traced("completion", request, self.render.RenderCompletion):
+        async for chunk in self._traced("completion", request, self.render.RenderCompletion, on_generating):
             yield chunk
 
     async def check_health(self, timeout: float = 2.0) -> dict[str, str]:
@@ -255,14 +261,15 @@ class AsyncChatPipeline:
         states = await asyncio.gather(*(one(channel) for channel in self._channels))
         return dict(zip(("render", "engine", "derender"), states))
 
-    async def _traced(self, name: str, request, render_call) -> AsyncIterator[derender_pb2.ChatChunk]:
+    async def _traced(self, name: str, request, render_call, on_generating: OnGenerating | None
+                      ) -> AsyncIterator[derender_pb2.ChatChunk]:
         chat_span = tracing.begin_client_span(name, **({"tito.request_id": request.request_id}
                                                        if request.request_id else {}))
         error: BaseException | None = None
         try:
             metadata = tracing.inject(self._metadata, parent=chat_span)
             rendered = await render_call(request, timeout=self.timeout, metadata=metadata)
-            async for chunk in self._stream_rendered(rendered, metadata):
+            async for chunk in self._stream_rendered(rendered, metadata, on_generating):
                 yield chunk
         except BaseException as exc:
             error = exc if not isinstance(exc, (GeneratorExit, asyncio.CancelledError)) else None
@@ -270,19 +277,21 @@ class AsyncChatPipeline:
         finally:
             tracing.end_span(chat_span, error)
 
-    async def _stream_rendered(self, rendered, metadata) -> AsyncIterator[derender_pb2.ChatChunk]:
+    async def _stream_rendered(self, rendered, metadata, on_generating: OnGenerating | None
+                               ) -> AsyncIterator[derender_pb2.ChatChunk]:
         engine, address = self._engine_for(rendered.generate_request)
         if address is None:
-            async for chunk in self._generate(rendered, engine, metadata):
+            async for chunk in self._generate(rendered, engine, metadata, on_generating):
                 yield chunk
             return
         with self.router.track(address):
-            async for chunk in self._generate(rendered, engine, metadata):
+            async for chunk in self._generate(rendered, engine, metadata, on_generating):
                 yield chunk
 
-    async def _generate(self, rendered, engine, metadata) -> AsyncIterator[derender_pb2.ChatChunk]:
+    async def _generate(self, rendered, engine, metadata, on_generating: OnGenerating | None
+                        ) -> AsyncIterator[derender_pb2.ChatChunk]:
         if self.derender_batcher is not None:
-            async for chunk in self._generate_batched(rendered, engine, metadata):
+            async for chunk in self._generate_batched(rendered, engine, metadata, on_generating):
                 yield chunk
             return
         generation = engine.Generate(rendered.generate_request, timeout=self.timeout, metadata=metadata)
@@ -292,7 +301,7 @@ class AsyncChatPipeline:
             # As in ChatPipeline: an engine error reaches the caller as the engine's status.
             yield derender_pb2.DerenderRequest(context=rendered.derender_context)
             try:
-                async for response in generation:
+                async for response in _announced(generation, on_generating):
                     yield derender_pb2.DerenderRequest(generate_response=response)
             except asyncio.CancelledError:
                 # grpc.aio ends a stream this pipeline cancelled (derender asked it to) this way;
@@ -319,7 +328,8 @@ class AsyncChatPipeline:
         if engine_errors:
             raise engine_errors[0]
 
-    async def _generate_batched(self, rendered, engine, metadata) -> AsyncIterator[derender_pb2.ChatChunk]:
+    async def _generate_batched(self, rendered, engine, metadata, on_generating: OnGenerating | None
+                                ) -> AsyncIterator[derender_pb2.ChatChunk]:
         """`_generate` with the chat's derender stream on the shared DerenderBatch call: a task
         forwards the engine's responses, and the chunks come back through the batcher."""
         generation = engine.Generate(rendered.generate_request, timeout=self.timeout, metadata=metadata)
@@ -328,7 +338,7 @@ class AsyncChatPipeline:
 
         async def forward() -> None:
             try:
-                async for response in generation:
+                async for response in _announced(generation, on_generating):
                     stream.send(response)
             except asyncio.CancelledError:
                 if not generation.cancelled():  # as in _generate: the pipeline cancelled the engine
@@ -354,3 +364,12 @@ class AsyncChatPipeline:
             forwarding.cancel()
         if engine_errors:
             raise engine_errors[0]
+
+
+async def _announced(generation, on_generating: OnGenerating | None) -> AsyncIterator:
+    """The engine stream's responses, calling `on_generating` (when given) before the first."""
+    async for response in generation:
+        if on_generating is not None:
+            on_generating()
+            on_generating = None
+        yield response

@@ -3,8 +3,9 @@
 Thin: each handler checks the caller (bearer token, body size, concurrency), parses the body into
 render's request (openai_in), runs it through `AsyncChatPipeline` (upstream) and writes the
 chunks in OpenAI's shapes (openai_out). Every error goes through `errors.from_exception`, the one
-mapping. A streamed request reports an error found before its first chunk as an HTTP status, and
-one found later as an SSE `data: {"error": ...}` event before `[DONE]`. A client that goes away
+mapping. A streamed request reports an error found before its stream starts (a chat's at the
+engine's first token, a completion's at its first text) as an HTTP status, and one found later as
+an SSE `data: {"error": ...}` event before `[DONE]`. A client that goes away
 cancels its request: the pipeline cancels the engine stream, which frees the engine's slot.
 """
 
@@ -209,24 +210,36 @@ class Gateway:
         else:
             shape = openai_out.CompletionStream(response_id, call.model, call.stream.include_usage,
                                                 call.logprobs is not None)
-        chunks = method(self.upstream.pipeline)(call.request)
+        # A chat's stream starts when the engine's first token arrives, with each choice's role
+        # chunk (as vLLM's server starts it on the engine's first output), before derender has
+        # turned the token into text; a completion's with its first text. Errors before then are
+        # HTTP statuses, later ones are reported in the stream.
+        generating = asyncio.get_running_loop().create_future() if endpoint == "chat" else None
+        chunks = method(self.upstream.pipeline)(
+            call.request, on_generating=None if generating is None else lambda: generating.set_result(None))
+        first = asyncio.ensure_future(_next_or_none(chunks))
         try:
-            first = await anext(chunks)  # errors before the first chunk are HTTP statuses
-        except StopAsyncIteration:
-            first = None
+            await asyncio.wait((first,) if generating is None else (first, generating),
+                               return_when=asyncio.FIRST_COMPLETED)
+            if first.done():
+                first.result()  # the pipeline's error, before anything was sent
         except BaseException:
-            await chunks.aclose()
+            await _close(first, chunks)
             raise
         self.metrics.ttft.labels(endpoint).observe(time.monotonic() - started)
-        return StreamingResponse(self._events(endpoint, shape, first, chunks, started),
+        roles = max(1, call.request.sampling.n) if generating is not None and generating.done() else 0
+        return StreamingResponse(self._events(endpoint, shape, roles, first, chunks, started),
                                  media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
 
-    async def _events(self, endpoint: str, shape, first, chunks: AsyncIterator, started: float
-                      ) -> AsyncIterator[bytes]:
+    async def _events(self, endpoint: str, shape, roles: int, first: asyncio.Future, chunks: AsyncIterator,
+                      started: float) -> AsyncIterator[bytes]:
         status = "200"
         try:
-            if first is not None:
-                event = shape.chunk(first)
+            for event in shape.roles(roles) if roles else ():
+                yield b"data: " + dumps(event) + b"\n\n"
+            chunk = await first
+            if chunk is not None:
+                event = shape.chunk(chunk)
                 if event is not None:
                     yield b"data: " + dumps(event) + b"\n\n"
                 async for chunk in chunks:
@@ -246,10 +259,7 @@ class Gateway:
             yield b"data: " + dumps(error.json()) + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:
-            try:
-                await chunks.aclose()
-            except BaseException:  # noqa: BLE001 - already cancelled or failed; nothing left to free
-                pass
+            await _close(first, chunks)
             self._release()
             self._count_finished(endpoint, status, started, shape.usage.usage if status == "200" else None)
 
@@ -313,6 +323,28 @@ class Gateway:
             Route("/metrics", self.prometheus, methods=["GET"]),
         ]
         return Starlette(routes=routes, exception_handlers={HTTPException: http_error, ClientDisconnect: client_gone})
+
+
+async def _next_or_none(chunks: AsyncIterator):
+    """The stream's first chunk, None when it ends without one."""
+    try:
+        return await anext(chunks)
+    except StopAsyncIteration:
+        return None
+
+
+async def _close(first: asyncio.Future, chunks: AsyncIterator) -> None:
+    """Stop a stream (its engine request with it): the read of its first chunk, then the rest."""
+    if not first.done():
+        first.cancel()
+    try:
+        await first
+    except BaseException:  # noqa: BLE001 - cancelled or failed: reported already, or nobody is left to tell
+        pass
+    try:
+        await chunks.aclose()
+    except BaseException:  # noqa: BLE001 - already cancelled or failed; nothing left to free
+        pass
 
 
 async def _disconnected(request: Request) -> None:

@@ -137,14 +137,23 @@ class ChatStream:
         self.include_usage = include_usage
         self.logprobs = logprobs
         self.usage = UsageTracker()
+        self.announced = 0  # choices 0..announced-1 had their role chunk (`roles`)
+
+    def roles(self, n: int) -> list[dict]:
+        """Each choice's first chunk, its role with content "" (as OpenAI's and vLLM's streams
+        begin), sent when the engine's first token arrives; derender's chunks then carry no role."""
+        self.announced = n
+        return [self._out({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None}) for index in range(n)]
 
     def chunk(self, chunk: derender_pb2.ChatChunk) -> dict | None:
         """The OpenAI chunk for one derender chunk (None when it carries nothing to say)."""
         self.usage.add(chunk)
         delta: dict = {}
-        if chunk.role:
-            delta["role"] = chunk.role
-        if chunk.content or (chunk.role and not chunk.reasoning_content and not chunk.tool_calls):
+        role = chunk.role if chunk.index >= self.announced else ""
+        if role:
+            delta["role"] = role
+        if chunk.content or (role and not chunk.reasoning_content and not chunk.tool_calls):
             delta["content"] = chunk.content
         if chunk.reasoning_content:
             delta["reasoning"] = chunk.reasoning_content
@@ -153,10 +162,12 @@ class ChatStream:
         reason = finish_reason(chunk)
         if not delta and reason is None and not chunk.logprobs:
             return None
-        choice = {"index": chunk.index, "delta": delta,
-                  "logprobs": {"content": chat_logprobs(chunk.logprobs)} if self.logprobs and chunk.logprobs
-                  else None,
-                  "finish_reason": reason}
+        return self._out({"index": chunk.index, "delta": delta,
+                          "logprobs": {"content": chat_logprobs(chunk.logprobs)} if self.logprobs and chunk.logprobs
+                          else None,
+                          "finish_reason": reason})
+
+    def _out(self, choice: dict) -> dict:
         out = {**self.head, "choices": [choice]}
         if self.include_usage:
             out["usage"] = None

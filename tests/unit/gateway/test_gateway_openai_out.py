@@ -50,6 +50,21 @@ def test_streamed_chunks_and_the_usage_chunk():
     assert stream.final()["usage"]["completion_tokens"] == 6 and stream.final()["choices"] == []
 
 
+def test_announced_roles_open_each_choice_and_derenders_chunks_then_carry_none():
+    stream = openai_out.ChatStream("chatcmpl-x", "m", include_usage=False, logprobs=False)
+    roles = stream.roles(2)
+    assert [event["choices"] for event in roles] == [
+        [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+        for index in (0, 1)]
+    assert all(event["id"] == "chatcmpl-x" and "usage" not in event for event in roles)
+    events = [event for chunk in chunks() if (event := stream.chunk(chunk)) is not None]
+    assert events[0]["choices"][0]["delta"] == {"reasoning": "think"}
+    assert events[1]["choices"][0]["delta"] == {"content": "B"}
+    assert not any("role" in event["choices"][0]["delta"] for event in events)
+    # A role-only chunk from derender, already announced, says nothing more: it is left out.
+    assert stream.chunk(derender_pb2.ChatChunk(index=0, role="assistant")) is None
+
+
 def test_completion_logprobs_in_the_legacy_shape():
     entry = derender_pb2.TokenLogprobText(token="ab", logprob=-0.5, top_logprobs=[
         derender_pb2.TopLogprob(token="ab", logprob=-0.5), derender_pb2.TopLogprob(token="c", logprob=-1.0)])
