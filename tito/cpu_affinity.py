@@ -65,18 +65,30 @@ def check_cpus(cpus: frozenset[int], flag: str) -> None:
                           f"{format_cpu_list(allowed_cpus())}")
 
 
-def run_on(cpus: frozenset[int]) -> None:
-    """Move every thread of this process to `cpus` (threads started later inherit it from the
-    thread that starts them)."""
+def thread_ids() -> set[int]:
+    """This process's threads ({0}, the calling thread, where they cannot be listed)."""
     try:
-        threads = [int(task) for task in os.listdir("/proc/self/task")]
+        return {int(task) for task in os.listdir("/proc/self/task")}
     except OSError:
-        threads = [0]
+        return {0}
+
+
+def move_threads(threads, cpus: frozenset[int]) -> int:
+    """Move `threads` (ids) to `cpus`; how many moved (a thread that ended meanwhile is skipped)."""
+    moved = 0
     for thread in threads:
         try:
             os.sched_setaffinity(thread, cpus)
+            moved += 1
         except OSError:  # a thread that ended meanwhile
             pass
+    return moved
+
+
+def run_on(cpus: frozenset[int]) -> None:
+    """Move every thread of this process to `cpus` (threads started later inherit it from the
+    thread that starts them)."""
+    move_threads(thread_ids(), cpus)
 
 
 def split_for_core(threads: int, cpus: frozenset[int] | None = None) -> tuple[frozenset[int], frozenset[int]] | None:

@@ -118,7 +118,8 @@ def test_on_generating_is_called_once_when_the_engine_answers_before_any_chunk(e
 
     async def main():
         async with AsyncChatPipeline(endpoints, timeout=TIMEOUT, batch_derender=batch_derender) as pipeline:
-            async for chunk in pipeline.stream_chat(chat("Hello", max_tokens=5), on_generating=lambda: events.append("engine")):
+            async for _ in pipeline.stream_chat(chat("Hello", max_tokens=5),
+                                                on_generating=lambda: events.append("engine")):
                 events.append("chunk")
             # An engine refusal: no response ever came, so there was nothing to announce.
             with pytest.raises(grpc.RpcError):

@@ -128,6 +128,14 @@ def chat_completion(response_id: str, model: str, assembled: Assembled, logprobs
             "choices": choices, "usage": usage_json(assembled.usage.usage)}
 
 
+def stream_event(head: dict, choice: dict, include_usage: bool) -> dict:
+    """One streamed chunk holding `choice`; `usage` is null in it when the usage chunk comes last."""
+    out = {**head, "choices": [choice]}
+    if include_usage:
+        out["usage"] = None
+    return out
+
+
 class ChatStream:
     """Chat completion chunks (`chat.completion.chunk`) for one streamed request."""
 
@@ -168,10 +176,7 @@ class ChatStream:
                           "finish_reason": reason})
 
     def _out(self, choice: dict) -> dict:
-        out = {**self.head, "choices": [choice]}
-        if self.include_usage:
-            out["usage"] = None
-        return out
+        return stream_event(self.head, choice, self.include_usage)
 
     def final(self) -> dict | None:
         """The usage chunk after the last choice (stream_options.include_usage), else None."""
@@ -224,10 +229,7 @@ class CompletionStream:
         choice = {"index": chunk.index, "text": chunk.content,
                   "logprobs": completion_logprobs(chunk.logprobs, offset) if self.logprobs else None,
                   "finish_reason": reason}
-        out = {**self.head, "choices": [choice]}
-        if self.include_usage:
-            out["usage"] = None
-        return out
+        return stream_event(self.head, choice, self.include_usage)
 
     def final(self) -> dict | None:
         if not self.include_usage:

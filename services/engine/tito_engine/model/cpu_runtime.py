@@ -182,28 +182,19 @@ def lend_cpus_to_lone_prefill(cpus: frozenset[int]) -> int:
     its parent's CPUs (the core's, with nothing left to gain), so they are started here, once, and
     moved. They sleep between prefills; after one they spin for a moment (GOMP_SPINCOUNT) on
     the lent CPUs, while the server (woken by the first token) preempts them."""
+    from tito.cpu_affinity import move_threads, thread_ids
+
     if not cpus or not hasattr(os, "sched_setaffinity"):
         return 0
     usual = torch.get_num_threads()
     wide = usual + len(cpus)
-    try:
-        before = set(os.listdir("/proc/self/task"))
-    except OSError:
-        return 0
+    before = thread_ids()
     torch.set_num_threads(wide)
     try:
         torch.ones(wide << 16).add_(1)  # far above torch's grain (32,768 elements): every thread takes a part
     finally:
         torch.set_num_threads(usual)
-    started = [int(task) for task in set(os.listdir("/proc/self/task")) - before]
-    moved = 0
-    for thread in started:
-        try:
-            os.sched_setaffinity(thread, cpus)
-            moved += 1
-        except OSError:  # a thread that ended meanwhile
-            pass
-    if not moved:
+    if not move_threads(thread_ids() - before, cpus):
         log.info("no intra-op threads could be started for a lone prefill: it runs on the core's %d", usual)
         return 0
     return wide
