@@ -4,7 +4,8 @@
 RecursionError, and a value just under the interpreter's limit still recurses again wherever it
 is walked (a chat template, a grammar compiler). `json_depth` measures the nesting without
 parsing (no recursion, one regex pass), so a service refuses such text as the caller's error
-(`JSON_TOO_DEEP`) before anything recurses into it.
+(`JSON_TOO_DEEP`) before anything recurses into it; `too_deep_at` finds where text first nests
+past the limit and stops there (the gateway names that position in its refusal).
 """
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ MAX_JSON_DEPTH = 64
 
 #: The contract's reason for a JSON text nested past MAX_JSON_DEPTH.
 JSON_TOO_DEEP = "JSON_TOO_DEEP"
+
+#: Deepest nesting of a google.protobuf.Struct a request may carry (tool parameters,
+#: arguments_object, chat_template_kwargs, processor_kwargs): the Struct itself is level 1, each
+#: struct or list value inside it one more. Far more than any real schema needs, and low enough
+#: that a Struct still parses where protobuf's decoder reads it again (it stops at 100 message
+#: levels; a Struct level costs three of them). Render refuses deeper Structs, and the gateway
+#: refuses deeper JSON before it converts it to one.
+MAX_STRUCT_DEPTH = 32
 
 # A JSON string (escapes included), or a bracket outside one. An unterminated string runs to the
 # end of the text: what is inside it is not nesting.
@@ -41,6 +50,21 @@ def json_depth(text: str) -> int:
         elif token in "]}":
             depth -= 1
     return deepest
+
+
+def too_deep_at(text: str, max_depth: int = MAX_JSON_DEPTH) -> int | None:
+    """The offset in `text` of the first container opened past `max_depth` levels, None when
+    there is none. Stops there, so text nested a million deep costs what max_depth + 1 costs."""
+    depth = 0
+    for match in _TOKENS.finditer(text):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+            if depth > max_depth:
+                return match.start()
+        elif token in "]}":
+            depth -= 1
+    return None
 
 
 def check_json_depth(text: str, field: str) -> None:

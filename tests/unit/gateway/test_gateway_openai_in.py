@@ -6,6 +6,7 @@ import pytest
 from google.protobuf import json_format
 
 from tito.errors import InvalidArgument, NotFound
+from tito.json_text import MAX_JSON_DEPTH
 from tito.v1 import chat_pb2
 from tito_gateway.openai_in import parse_body, parse_chat, parse_completion
 
@@ -123,8 +124,21 @@ def test_completion_prompts_text_or_token_ids():
     assert info.value.field == "echo"
 
 
-@pytest.mark.parametrize("body", [b"", b"{", b"[1]", b'"x"', b'{"a": NaN}', b"\xff\xfe", b"[" * 100000])
+@pytest.mark.parametrize("body", [b"", b"{", b"[1]", b'"x"', b'{"a": NaN}', b"\xff\xfe", b'{"a": "\xed\xa0\x80"}'])
 def test_a_body_that_is_not_a_json_object_is_invalid_json(body):
     with pytest.raises(InvalidArgument) as info:
         parse_body(body)
     assert info.value.reason == "INVALID_JSON"
+
+
+@pytest.mark.parametrize("body, field", [
+    (b"[" * 100000, "[0]" * MAX_JSON_DEPTH),  # the 65th array is the first element of the 64th
+    (b'{"tools": [{"function": {"parameters": ' + b"[" * 100000, "tools[0].function.parameters" + "[0]" * 60),
+    (b'{"a": [1, {"b": "[[[", "c\\"": ' + b"{\"d\": " * 63, 'a[1].c"' + ".d" * 61),
+])
+def test_a_body_nested_past_the_limit_names_the_first_place_too_deep(body, field):
+    """Found on the text before anything parses it (no RecursionError), named as the gateway names
+    fields; strings are not nesting, and a key is shown decoded."""
+    with pytest.raises(InvalidArgument) as info:
+        parse_body(body)
+    assert (info.value.reason, info.value.field) == ("JSON_TOO_DEEP", field)
