@@ -203,9 +203,9 @@ def _schema(value: Any, name: str) -> struct_pb2.Struct | None:
 
 def check_model(body: Body, served: str) -> str:
     model = body.string("model", required=True)
-    if model != served:
-        raise NotFound(f"model {model[:128]!r} is not served here; this gateway serves {served!r} (GET /v1/models)",
-                       reason=MODEL_NOT_FOUND, field="model")
+    if model != served:  # OpenAI's answer, word for word (its param is null); errors.py spells the code
+        raise NotFound(f"The model `{model[:256]}` does not exist or you do not have access to it.",
+                       reason=MODEL_NOT_FOUND)
     return model
 
 

@@ -83,7 +83,8 @@ def test_wrong_types_and_signs_are_invalid_requests_naming_the_parameter(body, p
 def test_the_model_must_be_the_served_one():
     with pytest.raises(NotFound) as info:
         parse_chat({"model": "other", "messages": HI}, MODEL)
-    assert info.value.reason == "MODEL_NOT_FOUND" and info.value.field == "model"
+    assert info.value.reason == "MODEL_NOT_FOUND" and info.value.field is None  # OpenAI's param is null
+    assert info.value.message == "The model `other` does not exist or you do not have access to it."
 
 
 def test_messages_tools_and_formats():
