@@ -4,8 +4,7 @@
 RecursionError, and a value just under the interpreter's limit still recurses again wherever it
 is walked (a chat template, a grammar compiler). `json_depth` measures the nesting without
 parsing (no recursion, one regex pass), so a service refuses such text as the caller's error
-(`JSON_TOO_DEEP`) before anything recurses into it; `too_deep_at` finds where text first nests
-past the limit and stops there (the gateway names that position in its refusal).
+(`JSON_TOO_DEEP`) before anything recurses into it.
 """
 
 from __future__ import annotations
@@ -50,21 +49,6 @@ def json_depth(text: str) -> int:
         elif token in "]}":
             depth -= 1
     return deepest
-
-
-def too_deep_at(text: str, max_depth: int = MAX_JSON_DEPTH) -> int | None:
-    """The offset in `text` of the first container opened past `max_depth` levels, None when
-    there is none. Stops there, so text nested a million deep costs what max_depth + 1 costs."""
-    depth = 0
-    for match in _TOKENS.finditer(text):
-        token = match.group()
-        if token in "[{":
-            depth += 1
-            if depth > max_depth:
-                return match.start()
-        elif token in "]}":
-            depth -= 1
-    return None
 
 
 def check_json_depth(text: str, field: str) -> None:

