@@ -13,7 +13,7 @@ the error reply, render) can fail on a value JSON allows but tito cannot carry.
 
 Each refusal is INVALID_ARGUMENT naming where it is (`messages[0].content`) as the field. The
 parse is json's (C); the walk after it reads each value's type and a string's ASCII flag, not its
-characters, so a 30 MB image costs it nothing and a 200,000-id prompt a few milliseconds.
+characters, so a 30 MB image costs it nothing and a long token-id prompt about what its parse costs.
 """
 
 from __future__ import annotations
