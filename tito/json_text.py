@@ -22,6 +22,14 @@ MAX_JSON_DEPTH = 64
 #: The contract's reason for a JSON text nested past MAX_JSON_DEPTH.
 JSON_TOO_DEEP = "JSON_TOO_DEEP"
 
+#: Deepest nesting of a google.protobuf.Struct a request may carry (tool parameters,
+#: arguments_object, chat_template_kwargs, processor_kwargs): the Struct itself is level 1, each
+#: struct or list value inside it one more. Far more than any real schema needs, and low enough
+#: that a Struct still parses where protobuf's decoder reads it again (it stops at 100 message
+#: levels; a Struct level costs three of them). Render refuses deeper Structs, and the gateway
+#: refuses deeper JSON before it converts it to one.
+MAX_STRUCT_DEPTH = 32
+
 # A JSON string (escapes included), or a bracket outside one. An unterminated string runs to the
 # end of the text: what is inside it is not nesting.
 _TOKENS = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\Z)|[\[\]{}]', re.DOTALL)

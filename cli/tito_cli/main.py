@@ -167,6 +167,14 @@ def serve_one(args: argparse.Namespace) -> int:
     return 0
 
 
+def build_once(model: str) -> str:
+    """Build a built-in model here, once, before the services start (not in three processes at once),
+    and return the name given: each service finds the build in the cache and reports the model by
+    that name (GetModelInfo, the gateway's /v1/models), never by the cache path it resolved to."""
+    resolve_model(model)
+    return model
+
+
 def check_services(addresses: dict[str, str], model: str, device: str, log_level: str) -> dict[str, ServerConfig]:
     """What `tito serve all` checks before starting anything: each service's own command line
     (with the environment it will inherit) gives a valid config, and its TCP port is free; the
@@ -257,7 +265,7 @@ def stop_all(processes: list[subprocess.Popen], timeout: float = 30.0) -> None:
 def serve_all(args: argparse.Namespace) -> int:
     addresses = {name: getattr(args, f"{name}_address") for name in SERVICES}
     try:
-        model = str(resolve_model(args.model))  # build a tiny model once, not in three processes
+        model = build_once(args.model)
         configs = check_services(addresses, model, args.device, args.log_level)
         if args.gateway_address:
             check_gateway(args.gateway_address, addresses, args.log_level)
@@ -410,7 +418,7 @@ def chat(args: argparse.Namespace) -> int:
         addresses = {name: f"unix:{Path(tmp.name) / (name + '.sock')}" for name in SERVICES}
         print(f"starting render, engine and derender on Unix sockets in {tmp.name} ...", file=sys.stderr)
         try:
-            model = str(resolve_model(args.model))  # build a tiny model once, not in three processes
+            model = build_once(args.model)
         except ConfigError as exc:
             print(f"tito chat: {exc}", file=sys.stderr)
             return 2

@@ -132,9 +132,10 @@ def test_errors_keep_the_contracts_reason_and_status(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello " * 5000}])
     assert info.value.code == "PROMPT_TOO_LONG"
-    with pytest.raises(openai.NotFoundError) as info:
+    with pytest.raises(openai.NotFoundError) as info:  # spelled as OpenAI spells it
         client.chat.completions.create(model="gpt-4o", messages=hi)
-    assert (info.value.status_code, info.value.code, info.value.param) == (404, "MODEL_NOT_FOUND", "model")
+    assert (info.value.status_code, info.value.code, info.value.param) == (404, "model_not_found", None)
+    assert info.value.body["message"] == "The model `gpt-4o` does not exist or you do not have access to it."
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[])
     assert info.value.code == "EMPTY_MESSAGES"
@@ -359,6 +360,11 @@ def test_the_request_id_reaches_the_engine(stack):
             lines = reply.iter_lines()
             first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
             assert first["id"] == "chatcmpl-gw-test-42"
+            again = http.post("/v1/chat/completions", json={**body, "stream": False},
+                              headers={"x-request-id": "gw-test-42"})  # the id is in use: a conflict
+            assert again.status_code == 409, again.text
+            assert (again.json()["error"]["code"], again.json()["error"]["param"]) == ("DUPLICATE_REQUEST_ID",
+                                                                                       "x-request-id")
             with grpc.insecure_channel(addresses["engine"]) as channel:
                 aborted = engine_pb2_grpc.EngineServiceStub(channel).Abort(
                     engine_pb2.AbortRequest(request_ids=["gw-test-42"]), timeout=10)

@@ -73,7 +73,7 @@ def _raw(base: str, data: bytes) -> bytes:
     (b"[1, 2]", "INVALID_JSON"),
     (b"\xff\xfe\x00garbage", "INVALID_JSON"),
     (b'{"model": "tiny", "messages": [], "temperature": NaN}', "INVALID_JSON"),
-    (b"[" * 30000 + b"]" * 30000, "INVALID_JSON"),  # nested past any parser's recursion
+    (b"[" * 30000 + b"]" * 30000, "JSON_TOO_DEEP"),  # nested past any parser's recursion
     (b'{"model": "tiny", "messages": "Hi"}', "INVALID_REQUEST"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": 5}]}', "INVALID_REQUEST"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": "lots"}', "INVALID_REQUEST"),
@@ -86,11 +86,48 @@ def test_malformed_or_mistyped_bodies_are_clean_400s(gateway, body, code):
     base, _ = gateway
     for path in ("/v1/chat/completions", "/v1/completions"):
         reply = httpx.post(f"{base}{path}", content=body, headers={"content-type": "application/json"}, timeout=30)
-        if code != "INVALID_JSON" and path == "/v1/completions":
+        if code not in ("INVALID_JSON", "JSON_TOO_DEEP") and path == "/v1/completions":
             continue  # the chat bodies are not completion bodies
         assert reply.status_code == 400, reply.text
         error = reply.json()["error"]
         assert error["code"] == code and error["type"] == "invalid_request_error"
+    _serves(base)
+
+
+def _chat(**extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, **extra}
+
+
+def _schema(levels: int) -> dict:
+    """A JSON schema `levels` objects deep (arrays of arrays of ... strings)."""
+    schema = {"type": "string"}
+    for _ in range(levels - 1):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def _tool(name: str = "f", parameters: dict | None = None) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters or {"type": "object"}}}
+
+
+@pytest.mark.parametrize("body, code, param", [
+    (_chat(messages=[{"role": "user", "content": "\ud800"}]), "INVALID_REQUEST", "messages[0].content"),
+    (_chat(stop=["ok", "\udfff"]), "INVALID_REQUEST", "stop[1]"),
+    (_chat(tools=[_tool("get_\ud800")]), "INVALID_REQUEST", "tools[0].function.name"),
+    (_chat(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": _schema(60)}}),
+     "STRUCT_TOO_DEEP", "response_format.json_schema.schema"),
+    (_chat(tools=[_tool(parameters=_schema(450))]), "JSON_TOO_DEEP", "tools[0].function.parameters.items"),
+])
+def test_what_protobuf_cannot_carry_is_a_400_naming_the_parameter(gateway, body, code, param):
+    """Lone surrogates (a `\\ud800` escape) and nesting render and protobuf refuse, sent as JSON
+    clients write it: 400s in OpenAI's shape naming the parameter, never a 500."""
+    base, _ = gateway
+    reply = httpx.post(f"{base}/v1/chat/completions", content=json.dumps(body), timeout=30,
+                       headers={"content-type": "application/json"})
+    assert reply.status_code == 400, reply.text[:300]
+    error = reply.json()["error"]
+    assert error["code"] == code and error["type"] == "invalid_request_error"
+    assert error["param"].startswith(param), error
     _serves(base)
 
 

@@ -26,11 +26,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tito.errors import InvalidArgument, NotFound, ResourceExhausted, TitoError, Unauthenticated
+from tito.errors import (InvalidArgument, NotFound, ResourceExhausted, TitoError, Unauthenticated,
+                         Unavailable)
 from tito.logs import bind_request_id
 from tito.v1 import render_pb2
 from tito_gateway import openai_in, openai_out
-from tito_gateway.errors import HttpError, from_exception
+from tito_gateway.errors import UPSTREAM_ERROR, HttpError, from_exception
 from tito_gateway.observe import CONTENT_TYPE, GatewayMetrics
 from tito_gateway.upstream import Upstream
 
@@ -41,6 +42,7 @@ REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 REQUEST_BODY_TOO_LARGE = "REQUEST_BODY_TOO_LARGE"
 TOO_MANY_REQUESTS = "TOO_MANY_REQUESTS"
 UNKNOWN_ENDPOINT = "UNKNOWN_ENDPOINT"
+MODEL_LOADING = "MODEL_LOADING"
 OPEN_PATHS = ("/health", "/metrics")
 
 
@@ -273,6 +275,7 @@ class Gateway:
     async def models(self, request: Request) -> Response:
         try:
             self.authorize(request)
+            await self.check_ready()
             name = await self.served_model()
             info = await self.model_info()
         except (TitoError, Exception) as exc:
@@ -280,6 +283,18 @@ class Gateway:
         return JSONResponse({"object": "list", "data": [{
             "id": name, "object": "model", "created": self.created, "owned_by": "tito",
             "max_model_len": info.max_context_length}]})
+
+    async def check_ready(self) -> None:
+        """Raise UNAVAILABLE (503) unless every service is SERVING, as /health answers. The model
+        list is what clients poll for readiness (vLLM's server listens only once its model is
+        loaded), so it must not answer while a chat sent next would get MODEL_LOADING."""
+        states = await self.upstream.health()
+        waiting = {name: state for name, state in states.items() if state != "SERVING"}
+        if waiting:
+            said = ", ".join(f"{name} {state}" for name, state in waiting.items())
+            loading = all(state == "NOT_SERVING" for state in waiting.values())
+            raise Unavailable(f"not ready yet ({said}); retry shortly (GET /health says when)",
+                              reason=MODEL_LOADING if loading else UPSTREAM_ERROR)
 
     async def health(self, request: Request) -> Response:
         try:

@@ -5,9 +5,10 @@ service behind it -> an HTTP status and OpenAI's error JSON.
                "code": "INVALID_SAMPLING_PARAMS"}}
 
 `code` is the contract's ErrorInfo reason (proto/tito/v1/errors.proto), `param` the OpenAI
-parameter the first field violation names. The HTTP status follows the gRPC status behind it;
-RESOURCE_EXHAUSTED is 413 for a size limit and 429 otherwise. A service that refuses the gateway's
-own credentials is the deployment's problem, not the caller's: 502.
+parameter the first field violation names; a reason OpenAI answers itself is spelled as OpenAI
+does (`model_not_found`). The HTTP status follows the gRPC status behind it; RESOURCE_EXHAUSTED is
+413 for a size limit and 429 otherwise, and an id already in use is 409. A service that refuses
+the gateway's own credentials is the deployment's problem, not the caller's: 502.
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ STATUS_BY_CODE = {
 }
 #: RESOURCE_EXHAUSTED reasons that are about size (413), not load (429).
 SIZE_REASONS = re.compile(r"(TOO_LARGE|TOO_MANY_PIXELS|TOO_LONG)$")
+#: Reasons that say the caller's id is already in use: HTTP's 409 Conflict, whatever gRPC status
+#: carries them (the engine's INVALID_ARGUMENT for a duplicate request id, which the gateway's
+#: caller chose in its x-request-id header).
+CONFLICT_REASONS = frozenset({"DUPLICATE_REQUEST_ID"})
+#: Reasons OpenAI's API answers itself, spelled as OpenAI spells them (`code`, `type`), so a client
+#: written against OpenAI recognises them; every other code is the contract's reason.
+OPENAI_SPELLINGS = {"MODEL_NOT_FOUND": ("model_not_found", "invalid_request_error")}
+#: Service fields that the gateway's caller sets as an HTTP header, not as a body parameter.
+HEADER_FIELDS = {"request_id": "x-request-id"}
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
@@ -56,18 +66,23 @@ class HttpError:
 
     def json(self) -> dict:
         kind = TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        code, kind = OPENAI_SPELLINGS.get(self.code, (self.code, kind))
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": code}}
 
 
 def http_status(code_name: str, reason: str) -> int:
     if code_name == "RESOURCE_EXHAUSTED" and SIZE_REASONS.search(reason):
         return 413
+    if reason in CONFLICT_REASONS:
+        return 409
     return STATUS_BY_CODE.get(code_name, 500)
 
 
 def openai_param(field: str | None) -> str | None:
     if not field:
         return None
+    if field in HEADER_FIELDS:
+        return HEADER_FIELDS[field]
     for prefix in FIELD_PREFIXES:
         if field.startswith(prefix):
             return field[len(prefix):]

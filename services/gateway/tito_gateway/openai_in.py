@@ -9,7 +9,6 @@ are refused alike; the gateway checks only what the protobuf types cannot carry 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,9 +16,10 @@ from google.protobuf import struct_pb2
 
 from tito.errors import InvalidArgument, NotFound
 from tito.v1 import chat_pb2, render_pb2
+from tito_gateway import request_json
 
 UNSUPPORTED_PARAMETER = "UNSUPPORTED_PARAMETER"
-INVALID_JSON = "INVALID_JSON"
+INVALID_JSON = request_json.INVALID_JSON
 MODEL_NOT_FOUND = "MODEL_NOT_FOUND"
 
 UINT32_MAX = 2**32 - 1
@@ -65,16 +65,10 @@ def invalid(param: str, why: str) -> InvalidArgument:
     return InvalidArgument(f"{param}: {why}", reason="INVALID_REQUEST", field=param)
 
 
-def _refuse_constant(value: str):
-    raise ValueError(f"{value} is not JSON")
-
-
 def parse_body(body: bytes) -> dict[str, Any]:
-    """The request body as a JSON object (INVALID_JSON otherwise; NaN and Infinity are not JSON)."""
-    try:
-        parsed = json.loads(body, parse_constant=_refuse_constant)
-    except (ValueError, RecursionError) as exc:
-        raise InvalidArgument(f"the request body is not valid JSON: {str(exc)[:200]}", reason=INVALID_JSON) from None
+    """The request body as a JSON object (INVALID_JSON otherwise; NaN and Infinity are not JSON),
+    holding only what protobuf can carry (request_json: nesting, lone surrogates, huge numbers)."""
+    parsed = request_json.loads(body)
     if not isinstance(parsed, dict):
         raise InvalidArgument(f"the request body must be a JSON object, not {_kind(parsed)}", reason=INVALID_JSON)
     return parsed
@@ -189,6 +183,7 @@ def _integer(value: Any, name: str, low: int, high: int) -> int | None:
 
 
 def _struct(value: dict, name: str) -> struct_pb2.Struct:
+    request_json.check_struct_depth(value, name)  # before Struct.update recurses into it
     struct = struct_pb2.Struct()
     try:
         struct.update(value)
@@ -208,9 +203,9 @@ def _schema(value: Any, name: str) -> struct_pb2.Struct | None:
 
 def check_model(body: Body, served: str) -> str:
     model = body.string("model", required=True)
-    if model != served:
-        raise NotFound(f"model {model[:128]!r} is not served here; this gateway serves {served!r} (GET /v1/models)",
-                       reason=MODEL_NOT_FOUND, field="model")
+    if model != served:  # OpenAI's answer, word for word (its param is null); errors.py spells the code
+        raise NotFound(f"The model `{model[:256]}` does not exist or you do not have access to it.",
+                       reason=MODEL_NOT_FOUND)
     return model
 
 
@@ -231,8 +226,9 @@ def _stream_options(body: Body) -> StreamOptions:
 def _sampling(body: Body, max_tokens_name: str = "max_tokens") -> render_pb2.SamplingOptions:
     sampling = render_pb2.SamplingOptions()
     max_tokens = body.integer(max_tokens_name, 1, UINT32_MAX)
-    if max_tokens is None and max_tokens_name != "max_tokens":
-        max_tokens = body.integer("max_tokens", 1, UINT32_MAX)
+    legacy = body.integer("max_tokens", 1, UINT32_MAX)  # checked even where the new name wins
+    if max_tokens is None:
+        max_tokens = legacy
     if max_tokens is not None:
         sampling.max_tokens = max_tokens
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):

@@ -18,17 +18,11 @@ from typing import Any
 from google.protobuf import struct_pb2
 
 from tito.errors import InvalidArgument, Violations
-from tito.json_text import loads_bounded
+from tito.json_text import MAX_STRUCT_DEPTH, loads_bounded
 from tito.v1 import chat_pb2
 
 ALLOWED_ROLES = ("system", "developer", "user", "assistant", "tool")
 _MAX_SAFE_INT = 2**53
-#: Deepest nesting render takes in a Struct (tool parameters, arguments_object, chat_template_kwargs,
-#: processor_kwargs): the Struct itself is level 1, each struct or list value inside it one more.
-#: Far more than any real schema needs, and low enough that the tools render copies into the
-#: DerenderContext still parse when derender reads them (protobuf's decoder stops at 100 message
-#: levels; a Struct level costs three of them).
-MAX_STRUCT_DEPTH = 32
 
 
 class StructValueError(ValueError):

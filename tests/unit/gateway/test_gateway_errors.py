@@ -41,6 +41,15 @@ def test_a_services_status_keeps_its_reason_and_maps_its_code(error, status, cod
     assert mapped.json()["error"]["code"] == code
 
 
+def test_a_request_id_already_in_use_is_a_409_naming_the_header():
+    """The engine refuses a second request with a live id (INVALID_ARGUMENT, field request_id); the
+    gateway's caller chose that id in its x-request-id header, and the id is in use: a conflict."""
+    mapped = from_exception(FakeRpcError(InvalidArgument("request_id 'a' is already live",
+                                                         reason="DUPLICATE_REQUEST_ID", field="request_id")))
+    assert (mapped.status, mapped.code, mapped.param) == (409, "DUPLICATE_REQUEST_ID", "x-request-id")
+    assert mapped.json()["error"]["type"] == "conflict_error"
+
+
 def test_transport_failures_are_upstream_errors_with_the_codes_status():
     assert (from_exception(FakeRpcError()).status, from_exception(FakeRpcError()).code) == (503, "UPSTREAM_ERROR")
     late = from_exception(FakeRpcError(code=grpc.StatusCode.DEADLINE_EXCEEDED, details="Deadline Exceeded"))

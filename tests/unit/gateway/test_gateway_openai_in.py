@@ -6,6 +6,7 @@ import pytest
 from google.protobuf import json_format
 
 from tito.errors import InvalidArgument, NotFound
+from tito.json_text import MAX_JSON_DEPTH
 from tito.v1 import chat_pb2
 from tito_gateway.openai_in import parse_body, parse_chat, parse_completion
 
@@ -82,7 +83,8 @@ def test_wrong_types_and_signs_are_invalid_requests_naming_the_parameter(body, p
 def test_the_model_must_be_the_served_one():
     with pytest.raises(NotFound) as info:
         parse_chat({"model": "other", "messages": HI}, MODEL)
-    assert info.value.reason == "MODEL_NOT_FOUND" and info.value.field == "model"
+    assert info.value.reason == "MODEL_NOT_FOUND" and info.value.field is None  # OpenAI's param is null
+    assert info.value.message == "The model `other` does not exist or you do not have access to it."
 
 
 def test_messages_tools_and_formats():
@@ -123,8 +125,21 @@ def test_completion_prompts_text_or_token_ids():
     assert info.value.field == "echo"
 
 
-@pytest.mark.parametrize("body", [b"", b"{", b"[1]", b'"x"', b'{"a": NaN}', b"\xff\xfe", b"[" * 100000])
+@pytest.mark.parametrize("body", [b"", b"{", b"[1]", b'"x"', b'{"a": NaN}', b"\xff\xfe", b'{"a": "\xed\xa0\x80"}'])
 def test_a_body_that_is_not_a_json_object_is_invalid_json(body):
     with pytest.raises(InvalidArgument) as info:
         parse_body(body)
     assert info.value.reason == "INVALID_JSON"
+
+
+@pytest.mark.parametrize("body, field", [
+    (b'{"a": [1, {"b": "[[[", "c\\"": ' + b"{\"d\": " * 63 + b"1" + b"}" * 63 + b"}]}", 'a[1].c"' + ".d" * 61),
+    (b"[" * 65 + b"]" * 65, "[0]" * MAX_JSON_DEPTH),  # the 65th array is the first item of the 64th
+    (b"[" * 100000, None),  # past the parser's recursion: refused before any value is made
+])
+def test_a_body_nested_past_the_limit_names_the_first_place_too_deep(body, field):
+    """Named as the gateway names fields (strings are not nesting; a key is shown decoded), unless
+    the parser itself gave up."""
+    with pytest.raises(InvalidArgument) as info:
+        parse_body(body)
+    assert (info.value.reason, info.value.field) == ("JSON_TOO_DEEP", field)

@@ -1,0 +1,42 @@
+"""The gateway's endpoints over a fake of the services: the model list as a readiness signal, and
+OpenAI's own answer to a model it does not serve."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import SERVED
+
+
+def test_an_unknown_model_is_answered_as_openai_answers_it(client):
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                       ("/v1/completions", {"prompt": "Hi"})):
+        reply = client.post(path, json={"model": "gpt-4o", **body})
+        assert reply.status_code == 404
+        assert reply.json() == {"error": {
+            "message": "The model `gpt-4o` does not exist or you do not have access to it.",
+            "type": "invalid_request_error", "param": None, "code": "model_not_found"}}
+
+
+@pytest.mark.parametrize("states, code", [
+    ({"engine": "NOT_SERVING"}, "MODEL_LOADING"),  # the engine is loading its model
+    ({"render": "NOT_SERVING", "engine": "NOT_SERVING"}, "MODEL_LOADING"),
+    ({"derender": "UNAVAILABLE"}, "UPSTREAM_ERROR"),  # not listening (yet)
+])
+def test_the_model_list_answers_only_when_health_would(client, upstream, states, code):
+    """Clients poll /v1/models for readiness (vLLM's server listens only once loaded): while any
+    service is not serving it is a 503, as /health is, so the chat sent after a 200 is served."""
+    upstream.states.update(states)
+    assert client.get("/health").status_code == 503
+    reply = client.get("/v1/models")
+    assert reply.status_code == 503, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == code and error["type"] == "server_error"
+    assert all(name in error["message"] for name in states)
+    upstream.states.update(dict.fromkeys(states, "SERVING"))
+    assert client.get("/health").status_code == 200
+    reply = client.get("/v1/models")
+    assert reply.status_code == 200
+    assert [model["id"] for model in reply.json()["data"]] == [SERVED]
+    assert client.post("/v1/chat/completions", json={"model": SERVED, "messages": [
+        {"role": "user", "content": "Hi"}]}).status_code == 200
