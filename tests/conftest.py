@@ -60,6 +60,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """The CPU class the run was on, beside its counts (quiet runs too): tests that need an
+    instruction set skip on the other classes, so a green run says which class it covered."""
+    from tito.cpu_isa import describe
+
+    terminalreporter.write_line(f"cpu class: {describe()}")
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Tests marked `vllm` skip where vLLM is not installed, and tests marked `node` where Node.js
     or npm is missing, unless TITO_REQUIRE_VLLM / TITO_REQUIRE_NODE is set (the README's test

@@ -20,7 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from tito_engine.model.forward import RowInput
-from tito_engine.model.runner import ModelRunner, checkpoint_dtype, choose_dtype, cpu_supports
+from tito.cpu_isa import cpu_supports
+from tito_engine.model.runner import ModelRunner, checkpoint_dtype, choose_dtype
 from tito.config import ConfigError
 
 NEW_TOKENS = 24

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tito_engine.model import cpu_attention
+from tito_engine.model import runner as runner_module
 from tito_engine.model.cpu_attention import AttentionKernel, DecodeRows, PrefillChunk, load_attention_kernel
 from tito_engine.model.runner import KVCacheSpec, ModelRunner
 from tito_engine.scheduling.plan import RowInput
@@ -197,7 +198,10 @@ def test_the_kernel_is_used_where_the_core_runs_one_thread_unless_told(tiny_text
         assert kernel_of(cpu_threads=2) is False  # SDPA spreads over the threads; the kernel does not
         assert kernel_of(cpu_threads=2, decode_kernel=True) is True
         assert kernel_of(cpu_threads=1, decode_kernel=False) is False
-        assert kernel_of(cpu_threads=1, dtype="bfloat16") is False  # float32 caches only
+        # float32 caches only. The probe is stubbed so every CPU class runs this: an AVX2 CPU has
+        # no native bf16, and the engine refuses --dtype bfloat16 there.
+        monkeypatch.setattr(runner_module, "cpu_supports", lambda dtype: True)
+        assert kernel_of(cpu_threads=1, dtype="bfloat16") is False
     finally:
         torch.set_num_threads(threads)
 
@@ -212,6 +216,18 @@ def test_the_kernel_is_built_once_and_then_loaded_from_the_cache(tmp_path, monke
     assert load_attention_kernel.__wrapped__() is not None
     assert built[0].stat().st_mtime_ns == stamp
     assert not [p for p in (tmp_path / "tito" / "kernels").iterdir() if p not in built]  # no leftovers
+
+
+def test_cflags_cap_the_kernels_as_an_avx2_machine_builds_them(tmp_path, monkeypatch):
+    """`$CFLAGS` comes after -march=native and is part of the cache key, so `-mno-avx512f` builds
+    (and keeps apart) what an AVX2 CPU gets: decode only, prefill chunks on the torch path."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CFLAGS", "-mno-avx512f")
+    capped = load_attention_kernel.__wrapped__()
+    assert capped is not None and not capped.prefills(64)
+    monkeypatch.delenv("CFLAGS")
+    assert load_attention_kernel.__wrapped__() is not None
+    assert len(list((tmp_path / "tito" / "kernels").glob("paged_attention_*.so"))) == 2
 
 
 def test_without_a_compiler_the_torch_path_runs_and_says_why(tmp_path, monkeypatch, caplog):

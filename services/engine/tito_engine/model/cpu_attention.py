@@ -18,11 +18,12 @@ a 138-token prompt 139 us against 369 us, 512 tokens 1.97 ms against 3.67 ms, 10
 200 cached 398 us against 539 us, 300 tokens in a 64-token window 350 us against 1,448 us.
 
 The source is compiled at first use with the machine's C compiler (`cc`, or `$CC`) for this
-CPU (-march=native) and cached under ~/.cache/tito/kernels (or $XDG_CACHE_HOME), keyed by the
-source, the flags, the compiler and the CPU; no compiler, or a failed build, leaves the torch
-path in place (logged). It runs float32 caches only, on one thread: by default it is used where
-the core runs one intra-op thread (cpu_runtime.plan_cpus gives small models one), since SDPA
-spreads its work over torch's threads (32 rows on two threads: 3.4 ms a step on the torch path).
+CPU (-march=native, then `$CFLAGS`, so `CFLAGS=-mno-avx512f` builds what an AVX2 machine gets) and
+cached under ~/.cache/tito/kernels (or $XDG_CACHE_HOME), keyed by the source, the flags, the
+compiler and the CPU; no compiler, or a failed build, leaves the torch path in place (logged).
+It runs float32 caches only, on one thread: by default it is used where the core runs one
+intra-op thread (cpu_runtime.plan_cpus gives small models one), since SDPA spreads its work over
+torch's threads (32 rows on two threads: 3.4 ms a step on the torch path).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -355,6 +357,11 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC") or "cc")
 
 
+def _compile_flags() -> tuple[str, ...]:
+    """The fixed flags, then the caller's `$CFLAGS` (as any C build honours them; later flags win)."""
+    return (*COMPILE_FLAGS, *shlex.split(os.environ.get("CFLAGS", "")))
+
+
 def _cache_dir() -> Path:
     root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(root) / "tito" / "kernels"
@@ -370,14 +377,14 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(wanted)) or platform.machine()
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, target: Path, compile_flags: tuple[str, ...]) -> None:
     """Compile SOURCE to `target`, through a temporary file renamed into place (processes that
     build at once each write their own, and a reader never sees half a file)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         source, obj, shared = Path(work, "kernel.c"), Path(work, "kernel.o"), Path(work, "kernel.so")
         source.write_text(SOURCE)
-        for command in ([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
+        for command in ([compiler, *compile_flags, "-c", str(source), "-o", str(obj)],
                         [compiler, *LINK_FLAGS, str(obj), "-o", str(shared), "-lm"]):
             done = subprocess.run(command, capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
@@ -396,11 +403,12 @@ def load_attention_kernel() -> "AttentionKernel | None":
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join((SOURCE, *COMPILE_FLAGS, *LINK_FLAGS, compiler, version, _cpu_identity()))
+        compile_flags = _compile_flags()
+        key = hashlib.sha256("\0".join((SOURCE, *compile_flags, *LINK_FLAGS, compiler, version, _cpu_identity()))
                              .encode()).hexdigest()[:24]
         target = _cache_dir() / f"paged_attention_{key}.so"
         if not target.exists():
-            _build(compiler, target)
+            _build(compiler, target, compile_flags)
             log.info("built the CPU attention kernels: %s", target)
         library = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:

@@ -14,6 +14,7 @@ import torch
 
 from tito.config import ConfigError
 from tito.cpu_affinity import format_cpu_list
+from tito.cpu_isa import cpu_supports
 from tito.startup import StartupPhases
 
 from tito_engine.model import constraints
@@ -65,21 +66,6 @@ def checkpoint_dtype(model_dir: Path) -> torch.dtype:
     name = config.get("dtype") or config.get("torch_dtype") or text_config.get("dtype") or text_config.get(
         "torch_dtype")
     return DTYPES.get(str(name), torch.float32)
-
-
-def cpu_supports(dtype: torch.dtype) -> bool:
-    """Whether this CPU computes `dtype` natively (oneDNN's bf16 / fp16 kernels: AVX512-BF16 or
-    AMX for bfloat16, AVX512-FP16 or AMX-FP16 for float16); float32 always."""
-    if dtype == torch.float32:
-        return True
-    if not torch.backends.mkldnn.is_available():
-        return False
-    probe = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
-    check = getattr(torch.ops.mkldnn, probe, None)
-    try:
-        return bool(check()) if check is not None else False
-    except RuntimeError:
-        return False
 
 
 def choose_dtype(device: torch.device, requested: str = "auto", stored: torch.dtype = torch.float32
