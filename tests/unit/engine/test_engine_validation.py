@@ -1,6 +1,5 @@
 import pytest
 
-from tito.contract import MAX_LOGIT_BIAS_ENTRIES
 from tito.errors import InvalidArgument
 from tito_engine.request import GenerateInput, LogitBias, RawSamplingParams
 from tito_engine.service.validation import ModelLimits, validate_generate
@@ -50,12 +49,7 @@ def test_prompt_errors_name_the_field(token_ids, field):
     ({"presence_penalty": 3.0}, "sampling_params.presence_penalty"),
     ({"stop_token_ids": (5, 100)}, "sampling_params.stop_token_ids[1]"),
     ({"max_tokens": 4, "min_tokens": 5}, "sampling_params.min_tokens"),
-    ({"logit_bias": {5: 1.0, 100: -1.0}}, "sampling_params.logit_bias[100]"),
-    ({"logit_bias": {7: 100.5}}, "sampling_params.logit_bias[7]"),
-    ({"logit_bias": {7: -101.0}}, "sampling_params.logit_bias[7]"),
-    ({"logit_bias": {7: float("nan")}}, "sampling_params.logit_bias[7]"),
-    ({"logit_bias": {7: float("-inf")}}, "sampling_params.logit_bias[7]"),
-    ({"logit_bias": dict.fromkeys(range(MAX_LOGIT_BIAS_ENTRIES + 1), 1.0)}, "sampling_params.logit_bias"),
+    ({"logit_bias": {5: 1.0, 100: -1.0}}, "sampling_params.logit_bias[100]"),  # more: test_core_sampling_ranges.py
 ])
 def test_sampling_errors_name_the_field(sampling, field):
     with pytest.raises(InvalidArgument) as exc:
