@@ -40,7 +40,6 @@ def test_null_means_not_given():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"logit_bias": {"1": 1}}, "logit_bias"),
     ({"functions": []}, "functions"),
     ({"whatever": 1}, "whatever"),
     ({"messages": [{"role": "user", "content": "Hi", "refusal": "no"}]}, "messages[0].refusal"),
@@ -128,3 +127,31 @@ def test_a_body_that_is_not_a_json_object_is_invalid_json(body):
     with pytest.raises(InvalidArgument) as info:
         parse_body(body)
     assert info.value.reason == "INVALID_JSON"
+
+
+def test_logit_bias_string_keys_become_token_ids_on_chats_and_completions():
+    bias = {"50256": -100, "7": 2.5, "0": 100.0}
+    assert dict(chat(logit_bias=bias).request.sampling.logit_bias) == {50256: -100.0, 7: 2.5, 0: 100.0}
+    completion = parse_completion({"model": MODEL, "prompt": "x", "logit_bias": bias}, MODEL)
+    assert dict(completion.request.sampling.logit_bias) == {50256: -100.0, 7: 2.5, 0: 100.0}
+    assert not chat(logit_bias={}).request.sampling.logit_bias
+    # A JSON integer past float's range goes on as infinity: render refuses it with every other bias out of range.
+    assert dict(chat(logit_bias={"1": 10**400}).request.sampling.logit_bias) == {1: float("inf")}
+
+
+@pytest.mark.parametrize("bias, param", [
+    ([[1, 5]], "logit_bias"),
+    ({"-1": 5}, "logit_bias"),
+    ({"1.5": 5}, "logit_bias"),
+    ({"token": 5}, "logit_bias"),
+    ({"\u0663": 5}, "logit_bias"),  # an Arabic-Indic digit: int() would take it, OpenAI's ids are ASCII
+    ({str(2**32): 5}, "logit_bias"),
+    ({"9" * 5000: 5}, "logit_bias"),
+    ({"3": "high"}, "logit_bias[3]"),
+    ({"3": True}, "logit_bias[3]"),
+    ({"3": None}, "logit_bias[3]"),
+])
+def test_a_logit_bias_protobuf_cannot_carry_is_an_invalid_request_naming_it(bias, param):
+    with pytest.raises(InvalidArgument) as info:
+        chat(logit_bias=bias)
+    assert info.value.reason == "INVALID_REQUEST" and info.value.field == param
