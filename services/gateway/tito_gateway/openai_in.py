@@ -10,7 +10,6 @@ are refused alike; the gateway checks only what the protobuf types cannot carry 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -280,7 +279,7 @@ def _logit_bias(value: dict) -> dict[int, float]:
         try:
             bias[int(key)] = float(number)
         except OverflowError:  # a JSON integer past float's range: render refuses it as out of range
-            bias[int(key)] = math.inf if number > 0 else -math.inf
+            bias[int(key)] = float("inf") if number > 0 else float("-inf")
     return bias
 
 
