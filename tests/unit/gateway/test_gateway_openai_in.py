@@ -155,4 +155,3 @@ def test_a_body_that_is_not_a_json_object_is_invalid_json(body):
     with pytest.raises(InvalidArgument) as info:
         parse_body(body)
     assert info.value.reason == "INVALID_JSON"
-
