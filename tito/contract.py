@@ -22,6 +22,12 @@ INVALID_SAMPLING_PARAMS = "INVALID_SAMPLING_PARAMS"
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 
+#: `logit_bias` (OpenAI's): each bias within +-LOGIT_BIAS_LIMIT (OpenAI's range), at most
+#: MAX_LOGIT_BIAS_ENTRIES token ids. The bound keeps what one request adds to every step of the
+#: sampler, and to the request itself, small.
+LOGIT_BIAS_LIMIT = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
 
 @dataclass(frozen=True)
 class SamplingRange:
@@ -56,6 +62,30 @@ def check_sampling_ranges(values: Mapping[str, float], violations: Violations, f
     top_logprobs = values.get("top_logprobs", 0)
     if 0 < top_logprobs <= MAX_TOP_LOGPROBS and not values.get("logprobs", False):
         violations.add(f"{field_prefix}.top_logprobs", "top_logprobs needs logprobs=true")
+
+
+def check_logit_bias(bias: Mapping[int, float], vocab_size: int, violations: Violations, field: str) -> None:
+    """Add at most one violation for `bias` (token id -> bias): `<field>` when it has too many
+    entries, else `<field>[<id>]` for the lowest id outside [0, vocab_size) or whose bias is not a
+    finite number within +-LOGIT_BIAS_LIMIT. One, not one per entry: a thousand wrong entries
+    would make a status too large for gRPC's trailers."""
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        violations.add(field, f"{len(bias)} entries: at most {MAX_LOGIT_BIAS_ENTRIES}")
+        return
+    wrong = [(token_id, problem) for token_id, value in sorted(bias.items())
+             if (problem := _logit_bias_problem(token_id, value, vocab_size))]
+    if wrong:
+        token_id, problem = wrong[0]
+        more = f" ({len(wrong) - 1} more entries are wrong too)" if len(wrong) > 1 else ""
+        violations.add(f"{field}[{token_id}]", problem + more)
+
+
+def _logit_bias_problem(token_id: int, value: float, vocab_size: int) -> str | None:
+    if not 0 <= token_id < vocab_size:
+        return f"token id {token_id} is outside the vocabulary [0, {vocab_size})"
+    if not (math.isfinite(value) and -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT):
+        return f"bias {value} is out of range: must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"
+    return None
 
 
 def _reason_names() -> frozenset[str]:

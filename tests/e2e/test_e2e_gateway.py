@@ -108,7 +108,6 @@ def test_health_and_metrics(stack, client):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"logit_bias": {"1": 5}}, "logit_bias"),
     ({"no_such_parameter": 1}, "no_such_parameter"),
     ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}, "stream": True},
      "stream_options.continuous_usage_stats"),
@@ -287,6 +286,24 @@ def test_completions_of_text_and_token_id_prompts(stack, client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="Hello", echo=True)
     assert info.value.param == "echo"
+
+
+def test_logit_bias_forces_a_token_on_chats_and_completions_and_out_of_vocabulary_is_a_400(client, demo_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_model)
+    forced = tokenizer.encode(" Paris", add_special_tokens=False)[0]
+    expected = tokenizer.decode([forced] * 4)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logit_bias={str(forced): 100}, extra_body=NO_THINKING)
+    assert chat.choices[0].message.content == expected and chat.choices[0].finish_reason == "length"
+    completion = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0,
+                                           logit_bias={str(forced): 100})
+    assert completion.choices[0].text == expected
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       logit_bias={"1000000000": 5})
+    assert (info.value.code, info.value.param) == ("INVALID_SAMPLING_PARAMS", "logit_bias[1000000000]")
 
 
 def _engine_load(addresses) -> engine_pb2.GetLoadResponse:

@@ -123,6 +123,29 @@ def test_finish_reasons_stop_tokens_and_choices(engine, hf_model):
     assert all(final.usage.completion_tokens == 8 for final in finals.values())
 
 
+def test_logit_bias_bans_and_forces_tokens_while_unbiased_streams_run_beside(engine, hf_model):
+    stub, _ = engine()
+    expected = hf_greedy(hf_model, PROMPTS[0], 8)
+    banned = expected[0]
+    forced = next(token for token in range(300, 400) if token not in expected)
+    calls = {"plain": request(PROMPTS[0], max_tokens=8),
+             "banned": request(PROMPTS[0], max_tokens=8, logit_bias={banned: -100.0}),
+             "forced": request(PROMPTS[0], max_tokens=8, ignore_eos=True, logit_bias={forced: 100.0})}
+    results = {}
+
+    def worker(name):
+        results[name] = collect(stub.Generate(calls[name], timeout=TIMEOUT))[0][0]
+
+    threads = [threading.Thread(target=worker, args=(name,)) for name in calls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(TIMEOUT)
+    assert results["plain"] == expected
+    assert results["banned"] and banned not in results["banned"]
+    assert results["forced"] == [forced] * 8
+
+
 def _image_item():
     return multimodal_pb2.MultiModalFeatures(items=[multimodal_pb2.MultiModalItem(
         modality=multimodal_pb2.MODALITY_IMAGE, mm_hash="abc",
@@ -147,6 +170,11 @@ BAD_REQUESTS = [
     (engine_pb2.GenerateRequest(token_ids=[1, 2], mm_features=_image_item()), grpc.StatusCode.INVALID_ARGUMENT,
      "mm_features.items[0].modality"),
     (request([1, 2], top_logprobs=2), grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.top_logprobs"),
+    (request([1, 2], logit_bias={5: 1.0, 5000: 1.0}), grpc.StatusCode.INVALID_ARGUMENT,
+     "sampling_params.logit_bias[5000]"),
+    (request([1, 2], logit_bias={5: 150.0}), grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.logit_bias[5]"),
+    (request([1, 2], logit_bias={5: float("nan")}), grpc.StatusCode.INVALID_ARGUMENT,
+     "sampling_params.logit_bias[5]"),
     # proto3 keeps enum values it does not know; admission names the field.
     (engine_pb2.GenerateRequest(token_ids=[1, 2], mm_features=multimodal_pb2.MultiModalFeatures(
         items=[multimodal_pb2.MultiModalItem(modality=7)])), grpc.StatusCode.INVALID_ARGUMENT,

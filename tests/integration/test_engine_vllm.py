@@ -20,6 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tito.contract import MAX_LOGIT_BIAS_ENTRIES
 from tito.grpc_errors import error_details
 from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2, sampling_pb2
 from tito_engine.config import EngineConfig
@@ -131,6 +132,19 @@ def test_greedy_choices_logprobs_and_stop_tokens(stubs):
         assert [t.rank for t in vllm_position.top] == [1, 2]
 
 
+def test_logit_bias_bans_and_forces_tokens_alike_on_both_backends(stubs):
+    prompt = prompts(3)[2]
+    expected = greedy_tokens(stubs["native"], prompt)
+    forced = next(token for token in range(300, 400) if token not in expected)
+    banned = request(prompt, max_tokens=NEW_TOKENS, ignore_eos=True, logit_bias={expected[0]: -100.0})
+    forcing = request(prompt, max_tokens=NEW_TOKENS, ignore_eos=True, logit_bias={forced: 100.0})
+    answers = {name: (generate(stubs[name], banned)[0][0], generate(stubs[name], forcing)[0][0]) for name in BACKENDS}
+    assert answers["vllm"] == answers["native"]
+    without_best, all_forced = answers["vllm"]
+    assert expected[0] not in without_best and without_best != expected
+    assert all_forced == [forced] * NEW_TOKENS
+
+
 def _image_item():
     return multimodal_pb2.MultiModalFeatures(items=[multimodal_pb2.MultiModalItem(
         modality=multimodal_pb2.MODALITY_IMAGE, mm_hash="abc",
@@ -154,6 +168,10 @@ ADMISSION_CASES = {
     "presence_penalty out of range": request([1, 2], presence_penalty=3.0),
     "stop token out of range": request([1, 2], stop_token_ids=[5000]),
     "min_tokens above max_tokens": request([1, 2], max_tokens=2, min_tokens=3),
+    "logit_bias id out of range": request([1, 2], logit_bias={5: 1.0, 5000: 1.0}),
+    "logit_bias above 100": request([1, 2], logit_bias={5: 100.5}),
+    "logit_bias not a number": request([1, 2], logit_bias={5: float("nan")}),
+    "logit_bias too many entries": request([1, 2], logit_bias=dict.fromkeys(range(MAX_LOGIT_BIAS_ENTRIES + 1), 1.0)),
     "media on a text model": engine_pb2.GenerateRequest(token_ids=[1, 2], mm_features=_image_item()),
     "unknown modality enum value": engine_pb2.GenerateRequest(token_ids=[1, 2], mm_features=(
         multimodal_pb2.MultiModalFeatures(items=[multimodal_pb2.MultiModalItem(modality=7)]))),

@@ -21,6 +21,26 @@ class FinishReason(enum.Enum):
     ABORT = "abort"
 
 
+@dataclass(frozen=True)
+class LogitBias:
+    """OpenAI's logit_bias, checked: `biases[i]` is added to the logit of `token_ids[i]` (ids
+    ascending, each once). A value, so a request's options stay hashable and immutable."""
+
+    token_ids: tuple[int, ...]
+    biases: tuple[float, ...]
+
+    @classmethod
+    def from_mapping(cls, bias: dict[int, float]) -> "LogitBias | None":
+        """The bias of a token id -> bias mapping; None for an empty one (no bias at all)."""
+        if not bias:
+            return None
+        ordered = sorted(bias.items())
+        return cls(tuple(token_id for token_id, _ in ordered), tuple(float(value) for _, value in ordered))
+
+    def as_dict(self) -> dict[int, float]:
+        return dict(zip(self.token_ids, self.biases))
+
+
 @dataclass
 class RawSamplingParams:
     """Sampling parameters as received; None means "absent" for the proto's optional fields."""
@@ -41,6 +61,7 @@ class RawSamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     structured_output: Any = None  # constraints.StructuredOutputSpec or None
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias, unchecked
 
 
 @dataclass(frozen=True)
@@ -63,6 +84,7 @@ class SamplingOptions:
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per position (validation: needs logprobs)
     structured_output: Any = None  # constraints.StructuredOutputSpec (validated) or None
+    logit_bias: LogitBias | None = None  # None: no bias
 
     @property
     def greedy(self) -> bool:
@@ -79,7 +101,8 @@ class SamplingOptions:
     @functools.cached_property
     def plain_greedy(self) -> bool:
         """Argmax of the raw logits is the whole story (the sampler's fast path)."""
-        return self.greedy and not self.has_penalties and not self.wants_logprobs and self.min_tokens == 0
+        return (self.greedy and not self.has_penalties and not self.wants_logprobs and self.min_tokens == 0
+                and self.logit_bias is None)
 
 
 @dataclass
@@ -163,6 +186,7 @@ class Sequence:
         self.awaiting_fork = False  # a choice n > 1 that starts from choice 0's prefilled prompt
         self.generator = generator  # torch.Generator for seeded requests, else None
         self.prompt_mask: Any = None  # lazily built by the sampler for repetition_penalty
+        self.logit_bias: Any = None  # the options' LogitBias as (ids, biases) tensors, lazily built by the sampler
         self.matcher: Any = None  # the grammar matcher of a constrained choice (constraints.py)
         self.finish_reason: FinishReason | None = None
         self.matched_stop_token_id: int | None = None

@@ -28,7 +28,6 @@ INT32_MAX = 2**31 - 1
 
 #: OpenAI parameters the gateway knows and refuses (with a reason in the message).
 REFUSED = {
-    "logit_bias": "token biases are not supported",
     "functions": "use `tools`",
     "function_call": "use `tool_choice`",
     "audio": "audio output is not supported",
@@ -49,7 +48,7 @@ NO_OPS = {"echo": False, "best_of": 1, "logit_bias": {}, "store": False, "suffix
 
 SAMPLING_COMMON = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-                   "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")
+                   "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output", "logit_bias")
 COMMON = ("model", "stream", "stream_options", "user", "cache_salt", *SAMPLING_COMMON)
 CHAT_PARAMETERS = frozenset((*COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                              "tool_choice", "parallel_tool_calls", "response_format", "chat_template_kwargs",
@@ -257,7 +256,27 @@ def _sampling(body: Body, max_tokens_name: str = "max_tokens") -> render_pb2.Sam
             raise invalid("stop_token_ids", f"must be an array of token ids, not {_kind(ids)}")
         sampling.stop_token_ids.extend(_integer(item, f"stop_token_ids[{i}]", 0, UINT32_MAX)
                                        for i, item in enumerate(ids))
+    bias = body.obj("logit_bias")
+    if bias:
+        sampling.logit_bias.update(_logit_bias(bias))
     return sampling
+
+
+def _logit_bias(value: dict) -> dict[int, float]:
+    """OpenAI's logit_bias as token id -> bias. JSON keys are strings ({"50256": -100}); render
+    checks the ids against the vocabulary and the biases' range."""
+    bias = {}
+    for key, number in value.items():
+        # At most 10 digits: int() of a very long digit string raises, and no uint32 has more.
+        if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= UINT32_MAX):
+            raise invalid("logit_bias", f"key {key[:32]!r} is not a token id (a non-negative integer)")
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise invalid(f"logit_bias[{int(key)}]", f"must be a number, not {_kind(number)}")
+        try:
+            bias[int(key)] = float(number)
+        except OverflowError:  # a JSON integer past float's range: render refuses it as out of range
+            bias[int(key)] = float("inf") if number > 0 else float("-inf")
+    return bias
 
 
 def _common(body: Body, request) -> None:

@@ -42,7 +42,7 @@ def text_options_to_proto(options: TextOptions) -> sampling_pb2.OutputTextOption
 
 def sampling_to_proto(params: SamplingParams, into: sampling_pb2.SamplingParams) -> None:
     """Every field set (presence included: the engine reads an absent optional as unset), but
-    `seed` and `structured_output` only when there is one."""
+    `seed`, `structured_output` and `logit_bias` only when there is one."""
     into.max_tokens = params.max_tokens
     into.min_tokens = params.min_tokens
     into.temperature = params.temperature
@@ -62,6 +62,7 @@ def sampling_to_proto(params: SamplingParams, into: sampling_pb2.SamplingParams)
         into.seed = params.seed
     if params.structured_output is not None:
         into.structured_output.CopyFrom(params.structured_output)
+    into.logit_bias.update(params.logit_bias)
 
 
 def _fill(prompt: RenderedPrompt, generate_request: engine_pb2.GenerateRequest,

@@ -63,6 +63,8 @@ class SamplingParams:
     seed: int | None = None
     # The checked constraint (structured.py builds the contract's message), None: unconstrained.
     structured_output: sampling_pb2.StructuredOutput | None = None
+    # OpenAI's logit_bias, checked: (token id, bias) pairs in id order; empty: no bias.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tito.contract import INVALID_SAMPLING_PARAMS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, check_sampling_ranges
+from tito.contract import (INVALID_SAMPLING_PARAMS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, check_logit_bias,
+                           check_sampling_ranges)
 from tito.errors import InvalidArgument, Violations
 from tito.parsers import TOOL_PARSERS_NEEDING_SPECIAL_TOKENS
 from tito.v1 import chat_pb2, render_pb2
@@ -126,6 +127,7 @@ def resolve_sampling(options: render_pb2.SamplingOptions,
         if token_id >= limits.vocab_size:
             violations.add(f"sampling.stop_token_ids[{i}]",
                            f"token id {token_id} is outside the vocabulary [0, {limits.vocab_size})")
+    check_logit_bias(options.logit_bias, limits.vocab_size, violations, "sampling.logit_bias")
     violations.raise_if_any(reason=INVALID_SAMPLING_PARAMS)
 
     return SamplingParams(
@@ -134,7 +136,7 @@ def resolve_sampling(options: render_pb2.SamplingOptions,
         repetition_penalty=repetition_penalty, stop_token_ids=tuple(options.stop_token_ids),
         ignore_eos=options.ignore_eos if options.HasField("ignore_eos") else False, n=n,
         logprobs=logprobs, top_logprobs=top_logprobs, text_options=text_options(options),
-        seed=options.seed if options.HasField("seed") else None)
+        seed=options.seed if options.HasField("seed") else None, logit_bias=tuple(sorted(options.logit_bias.items())))
 
 
 def keeps_special_tokens_for_tools(tool_parser: str, has_tools: bool, tool_choice: chat_pb2.ToolChoice,

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from tito.contract import INVALID_SAMPLING_PARAMS, MAX_TOP_LOGPROBS, SAMPLING_RANGES
+from tito.contract import INVALID_SAMPLING_PARAMS, MAX_LOGIT_BIAS_ENTRIES, MAX_TOP_LOGPROBS, SAMPLING_RANGES
 from tito.errors import InvalidArgument
 from tito.v1 import render_pb2
 from tito_engine.request import RawSamplingParams
@@ -57,3 +57,28 @@ def test_edges_of_each_range_pass_in_both(name, value):
                    SamplingLimits(prompt_tokens=4, max_context_length=64, vocab_size=100))
     engine_resolve(RawSamplingParams(logprobs=True, **{name: value}), 4, ModelLimits(vocab_size=100,
                                                                                      max_context_length=64))
+
+
+@pytest.mark.parametrize("bias, entry", [
+    ({3: 100.5}, "[3]"), ({3: -101.0}, "[3]"), ({3: -1e6}, "[3]"), ({3: math.nan}, "[3]"), ({3: math.inf}, "[3]"),
+    ({3: -math.inf}, "[3]"), ({5: 1.0, 100: 1.0}, "[100]"), ({7: 1.0, 100: 200.0, 3: 200.0}, "[3]"),
+    (dict.fromkeys(range(MAX_LOGIT_BIAS_ENTRIES + 1), 0.0), ""),
+])
+def test_render_and_engine_refuse_the_same_logit_bias_the_same_way(bias, entry):
+    limits = SamplingLimits(prompt_tokens=4, max_context_length=64, vocab_size=100)
+    render = pytest.raises(InvalidArgument, render_resolve, render_pb2.SamplingOptions(logit_bias=bias), limits).value
+    engine = pytest.raises(InvalidArgument, engine_resolve, RawSamplingParams(logit_bias=bias), 4,
+                           ModelLimits(vocab_size=100, max_context_length=64)).value
+    assert render.reason == engine.reason == INVALID_SAMPLING_PARAMS
+    assert [v.field for v in render.violations] == [f"sampling.logit_bias{entry}"]
+    assert [v.field for v in engine.violations] == [f"sampling_params.logit_bias{entry}"]
+    assert render.violations[0].description == engine.violations[0].description
+
+
+def test_the_edges_of_logit_bias_are_accepted_by_both():
+    vocab = 4 * MAX_LOGIT_BIAS_ENTRIES
+    bias = {0: -100.0, vocab - 1: 100.0, **dict.fromkeys(range(1, MAX_LOGIT_BIAS_ENTRIES - 1), 0.5)}
+    render = render_resolve(render_pb2.SamplingOptions(logit_bias=bias),
+                            SamplingLimits(prompt_tokens=4, max_context_length=64, vocab_size=vocab))
+    engine = engine_resolve(RawSamplingParams(logit_bias=bias), 4, ModelLimits(vocab_size=vocab, max_context_length=64))
+    assert dict(render.logit_bias) == engine.logit_bias.as_dict() == bias

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from tito_engine.request import SamplingOptions, Sequence
+from tito_engine.request import LogitBias, SamplingOptions, Sequence
 from tito_engine.model.sampler import make_generator, sample_batch
 from tito_engine.scheduling.plan import SampleRow
 
@@ -107,3 +107,58 @@ def test_logprobs_are_raw_log_softmax_with_ranks_and_alternatives():
     banned = row(SamplingOptions(max_tokens=1, temperature=0.0, logprobs=True), banned=frozenset({tokens[0]}))
     _, logprobs = sample_batch(values[:1], [banned])
     assert logprobs[0].sampled.rank == 2 and logprobs[0].top == ()
+
+
+def biased(bias, **options):
+    return SamplingOptions(max_tokens=1, logit_bias=LogitBias.from_mapping(bias), **options)
+
+
+def test_logit_bias_bans_and_forces_a_token_in_its_own_row_only():
+    values = logits(3)
+    best = values.argmax(-1).tolist()
+    forced = int(values[1].argmin())  # the least likely token of row 1
+    rows = [row(biased({best[0]: -100.0}, temperature=0.0)), row(biased({forced: 100.0}, temperature=0.0)),
+            row(SamplingOptions(max_tokens=1, temperature=0.0))]
+    tokens, _ = sample_batch(values, rows)
+    assert tokens[0] != best[0] and tokens[0] == int(values[0].topk(2).indices[1])
+    assert tokens[1] == forced
+    assert tokens[2] == best[2]  # an unbiased row beside them is plain argmax
+
+
+def test_a_forced_token_wins_sampling_too_and_a_ban_empties_it():
+    values = logits(1)
+    forced = int(values[0].argmin())
+    assert {sample_batch(values, [row(biased({forced: 100.0}, temperature=1.0), seed=s)])[0][0]
+            for s in range(20)} == {forced}
+    best = int(values[0].argmax())
+    drawn = {sample_batch(values, [row(biased({best: -100.0}, temperature=0.01), seed=s)])[0][0] for s in range(20)}
+    assert best not in drawn
+
+
+def test_logit_bias_comes_before_penalties_as_in_vllm():
+    # Token 5 (logit 1.0) biased by -2 reaches -1.0; a repetition penalty of 2 then multiplies it
+    # to -2.0, below token 6 (-1.5). Penalty first would give 0.5 - 2 = -1.5, tying token 6.
+    values = torch.full((1, VOCAB), -10.0)
+    values[0, 5], values[0, 6] = 1.0, -1.5
+    options = biased({5: -2.0}, temperature=0.0, repetition_penalty=2.0)
+    assert sample_batch(values, [row(options, prompt_ids=[5])])[0] == [6]
+
+
+def test_logit_bias_leaves_excluded_tokens_out_and_logprobs_raw():
+    values = logits(1)
+    excluded, unlikely = values[0].argsort()[:2].tolist()
+    values[0, excluded] = float("-inf")  # as padding or a grammar masks it
+    options = biased({excluded: 100.0, unlikely: 50.0}, temperature=0.0, logprobs=True)
+    tokens, logprobs = sample_batch(values, [row(options)])
+    assert tokens == [unlikely]
+    raw = torch.log_softmax(values[0], -1)  # the model's distribution, before the bias
+    assert logprobs[0].sampled.logprob == pytest.approx(float(raw[unlikely]), abs=1e-5)
+    assert logprobs[0].sampled.rank == VOCAB - 1
+
+
+def test_a_biased_choice_builds_its_bias_tensors_once():
+    values = logits(1)
+    target = row(biased({3: 100.0}, temperature=0.0))
+    assert sample_batch(values, [target])[0] == [3]
+    built = target.seq.logit_bias
+    assert sample_batch(values, [target])[0] == [3] and target.seq.logit_bias is built

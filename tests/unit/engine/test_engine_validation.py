@@ -1,7 +1,7 @@
 import pytest
 
 from tito.errors import InvalidArgument
-from tito_engine.request import GenerateInput, RawSamplingParams
+from tito_engine.request import GenerateInput, LogitBias, RawSamplingParams
 from tito_engine.service.validation import ModelLimits, validate_generate
 
 LIMITS = ModelLimits(vocab_size=100, max_context_length=32, max_choices=4)
@@ -49,6 +49,7 @@ def test_prompt_errors_name_the_field(token_ids, field):
     ({"presence_penalty": 3.0}, "sampling_params.presence_penalty"),
     ({"stop_token_ids": (5, 100)}, "sampling_params.stop_token_ids[1]"),
     ({"max_tokens": 4, "min_tokens": 5}, "sampling_params.min_tokens"),
+    ({"logit_bias": {5: 1.0, 100: -1.0}}, "sampling_params.logit_bias[100]"),  # more: test_core_sampling_ranges.py
 ])
 def test_sampling_errors_name_the_field(sampling, field):
     with pytest.raises(InvalidArgument) as exc:
@@ -81,3 +82,17 @@ def test_top_logprobs_needs_logprobs():
     with pytest.raises(InvalidArgument) as exc:
         check(top_logprobs=2)
     assert field_of(exc) == "sampling_params.top_logprobs"
+
+
+def test_logit_bias_is_resolved_in_id_order_and_leaves_the_greedy_fast_path():
+    options = check(temperature=0.0, logit_bias={42: -100.0, 0: 100, 99: 0.5})
+    assert options.logit_bias == LogitBias((0, 42, 99), (100.0, -100.0, 0.5))
+    assert options.greedy and not options.plain_greedy  # argmax of the raw logits no longer decides
+    assert check(temperature=0.0, logit_bias={}).logit_bias is None and check(temperature=0.0).plain_greedy
+
+
+def test_logit_bias_refusal_is_one_violation_however_many_entries_are_wrong():
+    with pytest.raises(InvalidArgument) as exc:
+        check(logit_bias={**dict.fromkeys(range(100, 1100), 1.0), 3: 200.0})
+    assert [v.field for v in exc.value.violations] == ["sampling_params.logit_bias[3]"]
+    assert "1000 more entries are wrong too" in exc.value.violations[0].description

@@ -12,7 +12,7 @@ from tito.errors import FailedPrecondition
 from tito.v1 import multimodal_pb2
 from tito_engine.multimodal.features import CheckedItem, content_digest
 from tito_engine.multimodal.specs import ItemLayout
-from tito_engine.request import FinishReason, SamplingOptions
+from tito_engine.request import FinishReason, LogitBias, SamplingOptions
 from tito_engine.service.convert import item_from_proto
 from tito_engine.vllm.inputs import MediaConverter, OutputConverter, item_hf_inputs, sampling_params
 
@@ -144,3 +144,9 @@ def test_a_constraint_goes_to_vllm_as_the_grammar_the_native_engine_compiles():
     assert params.structured_outputs.grammar == str(grammar_of(spec))
     assert "\\0-\\x1f" in params.structured_outputs.grammar  # control characters stay out of bounded strings
     assert sampling_params(SamplingOptions(max_tokens=4), (1002,)).structured_outputs is None
+
+
+def test_logit_bias_goes_to_vllm_as_its_token_id_to_bias_dict():
+    bias = LogitBias((3, 50), (-100.0, 2.5))
+    assert sampling_params(SamplingOptions(max_tokens=4, logit_bias=bias), (1002,)).logit_bias == {3: -100.0, 50: 2.5}
+    assert sampling_params(SamplingOptions(max_tokens=4), (1002,)).logit_bias is None

@@ -35,13 +35,40 @@ def test_max_tokens_is_the_old_name_of_max_completion_tokens():
     assert not chat().request.sampling.HasField("max_tokens")  # absent: up to the context limit
 
 
+def test_logit_bias_string_keys_become_token_ids_on_chats_and_completions():
+    bias = {"50256": -100, "7": 2.5, "0": 100.0}
+    assert dict(chat(logit_bias=bias).request.sampling.logit_bias) == {50256: -100.0, 7: 2.5, 0: 100.0}
+    completion = parse_completion({"model": MODEL, "prompt": "x", "logit_bias": bias}, MODEL)
+    assert dict(completion.request.sampling.logit_bias) == {50256: -100.0, 7: 2.5, 0: 100.0}
+    assert not chat(logit_bias={}).request.sampling.logit_bias
+    # A JSON integer past float's range goes on as infinity: render refuses it with every other bias out of range.
+    assert dict(chat(logit_bias={"1": 10**400}).request.sampling.logit_bias) == {1: float("inf")}
+
+
+@pytest.mark.parametrize("bias, param", [
+    ([[1, 5]], "logit_bias"),
+    ({"-1": 5}, "logit_bias"),
+    ({"1.5": 5}, "logit_bias"),
+    ({"token": 5}, "logit_bias"),
+    ({"\u0663": 5}, "logit_bias"),  # an Arabic-Indic digit: int() would take it, OpenAI's ids are ASCII
+    ({str(2**32): 5}, "logit_bias"),
+    ({"9" * 5000: 5}, "logit_bias"),
+    ({"3": "high"}, "logit_bias[3]"),
+    ({"3": True}, "logit_bias[3]"),
+    ({"3": None}, "logit_bias[3]"),
+])
+def test_a_logit_bias_protobuf_cannot_carry_is_an_invalid_request_naming_it(bias, param):
+    with pytest.raises(InvalidArgument) as info:
+        chat(logit_bias=bias)
+    assert info.value.reason == "INVALID_REQUEST" and info.value.field == param
+
+
 def test_null_means_not_given():
     call = chat(temperature=None, stop=None, tools=None, logit_bias=None, stream_options=None)
     assert not call.request.sampling.HasField("temperature") and not call.request.tools
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"logit_bias": {"1": 1}}, "logit_bias"),
     ({"functions": []}, "functions"),
     ({"whatever": 1}, "whatever"),
     ({"messages": [{"role": "user", "content": "Hi", "refusal": "no"}]}, "messages[0].refusal"),

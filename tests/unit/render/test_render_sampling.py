@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from tito.contract import INVALID_SAMPLING_PARAMS
 from tito.errors import InvalidArgument
-from tito.v1 import render_pb2
+from tito.v1 import render_pb2, sampling_pb2
+from tito_render.convert import sampling_to_proto
 from tito_render.sampling import SamplingLimits, resolve_sampling
 
 LIMITS = SamplingLimits(prompt_tokens=10, max_context_length=100, vocab_size=1000)
@@ -70,11 +72,23 @@ def test_stop_strings_go_to_text_options_and_stop_ids_to_params():
     ({"stop": ["ok", ""]}, "sampling.stop[1]"),
     ({"stop": ["ok", "x" * 1025]}, "sampling.stop[1]"),  # derender's bound too (tito.contract)
     ({"stop_token_ids": [1, 1000]}, "sampling.stop_token_ids[1]"),
+    ({"logit_bias": {1: 5.0, 1000: -5.0}}, "sampling.logit_bias[1000]"),  # more: test_core_sampling_ranges.py
 ])
 def test_range_errors_name_the_field(fields, field):
     with pytest.raises(InvalidArgument) as err:
         resolve_sampling(options(**fields), LIMITS)
     assert err.value.field == field
+    assert err.value.reason == INVALID_SAMPLING_PARAMS
+
+
+def test_logit_bias_reaches_the_generate_request_whole():
+    bias = {999: -100.0, 0: 100.0, 42: 0.25}
+    params = resolve_sampling(options(logit_bias=bias), LIMITS)
+    assert params.logit_bias == ((0, 100.0), (42, 0.25), (999, -100.0))
+    wire = sampling_pb2.SamplingParams()
+    sampling_to_proto(params, wire)
+    assert dict(wire.logit_bias) == bias
+    assert resolve_sampling(options(), LIMITS).logit_bias == ()
 
 
 def test_max_tokens_at_remainder_is_accepted():

@@ -1,10 +1,11 @@
 """Turns one step's logits into tokens for every row at once, each row with its own options.
 
-One call per step: penalties, min_tokens bans, temperature, top-k, top-p and min-p are applied
-as batched tensor ops; greedy rows take the argmax; sampled rows draw by the exponential race
-(argmax of probs / Exp(1) noise, which samples the categorical exactly). Rows of seeded requests
-draw their noise from their own `torch.Generator`, so a seed gives the same tokens whatever
-else shares the batch; unseeded rows share one draw from the global generator.
+One call per step: logit_bias, penalties, min_tokens bans, temperature, top-k, top-p and min-p
+are applied in that order (vLLM's: the bias before the penalties) as batched tensor ops; greedy
+rows take the argmax; sampled rows draw by the exponential race (argmax of probs / Exp(1) noise,
+which samples the categorical exactly). Rows of seeded requests draw their noise from their own
+`torch.Generator`, so a seed gives the same tokens whatever else shares the batch; unseeded rows
+share one draw from the global generator.
 
 Padding ids (valid ids the tokenizer does not name, tito.vocab) are excluded by default: the
 model runner precomputes their index once, and `mask_logits` sets those columns of the step's
@@ -13,8 +14,13 @@ vocabulary), so they are never sampled and carry no probability in logprobs eith
 distribution is the model's over real tokens). With the exclusion off there is no mask and no
 cost.
 
-Logprobs are those of the raw model distribution (log_softmax of the logits before penalties,
-bans, temperature and filters), with the sampled token's 1-based rank.
+Logprobs are those of the raw model distribution (log_softmax of the logits before the bias,
+penalties, bans, temperature and filters), with the sampled token's 1-based rank.
+
+A row's logit_bias (OpenAI's: token id -> bias added to its logit) lives on the choice as two
+tensors built once; each step adds every biased row's entries in one scatter, and rows without a
+bias cost nothing. A token the engine excludes (padding, grammar, min_tokens) stays at -inf
+whatever its bias.
 """
 
 from __future__ import annotations
@@ -56,10 +62,13 @@ def sample_batch(logits: torch.Tensor, rows: list[SampleRow], raw_logits: torch.
     if all(row.options.plain_greedy and not row.banned for row in rows):
         return logits.max(dim=-1).indices.tolist(), None  # max: faster than argmax on CPU
     processed = logits
+    biased = [i for i, row in enumerate(rows) if row.options.logit_bias is not None]
     penalised = [i for i, row in enumerate(rows) if row.options.has_penalties]
     banned = [i for i, row in enumerate(rows) if row.banned]
-    if penalised or banned:
+    if biased or penalised or banned:
         processed = logits.clone()
+        if biased:
+            _add_logit_bias(processed, [rows[i] for i in biased], biased)
         for i in penalised:
             _apply_penalties(processed[i], rows[i])
         for i in banned:
@@ -73,6 +82,25 @@ def sample_batch(logits: torch.Tensor, rows: list[SampleRow], raw_logits: torch.
     if not logprob_rows:
         return token_list, None
     return token_list, _logprobs(logits if raw_logits is None else raw_logits, rows, token_list, logprob_rows)
+
+
+def _add_logit_bias(logits: torch.Tensor, rows: list[SampleRow], indices: list[int]) -> None:
+    """In place: add each row's logit_bias to `logits[indices[j]]`, all rows in one index_put_."""
+    device = logits.device
+    ids, biases = zip(*(_bias_tensors(row, device) for row in rows))
+    counts = torch.tensor([len(row_ids) for row_ids in ids], device=device)
+    row_index = torch.repeat_interleave(torch.tensor(indices, device=device), counts)
+    logits.index_put_((row_index, torch.cat(ids)), torch.cat(biases).to(logits.dtype), accumulate=True)
+
+
+def _bias_tensors(row: SampleRow, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The choice's logit_bias as (ids, biases) tensors, built on its first step and kept."""
+    seq = row.seq
+    if seq.logit_bias is None:
+        bias = row.options.logit_bias
+        seq.logit_bias = (torch.tensor(bias.token_ids, dtype=torch.long, device=device),
+                          torch.tensor(bias.biases, dtype=torch.float32, device=device))
+    return seq.logit_bias
 
 
 def _apply_penalties(row_logits: torch.Tensor, row: SampleRow) -> None:

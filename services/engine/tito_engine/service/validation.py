@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tito.contract import INVALID_SAMPLING_PARAMS, check_sampling_ranges
+from tito.contract import INVALID_SAMPLING_PARAMS, check_logit_bias, check_sampling_ranges
 from tito.errors import InvalidArgument, Violations
 from tito.structured_output import validate as validate_structured_output
 
-from tito_engine.request import GenerateInput, RawSamplingParams, SamplingOptions
+from tito_engine.request import GenerateInput, LogitBias, RawSamplingParams, SamplingOptions
 
 
 
@@ -80,6 +80,7 @@ def resolve_sampling(raw: RawSamplingParams, prompt_len: int, limits: ModelLimit
         if not 0 <= token_id < limits.vocab_size:
             violations.add(field(f"stop_token_ids[{position}]"),
                            f"token id {token_id} is outside the vocabulary [0, {limits.vocab_size})")
+    check_logit_bias(raw.logit_bias, limits.vocab_size, violations, field("logit_bias"))
 
     room = limits.max_context_length - prompt_len
     if raw.max_tokens is not None:
@@ -113,4 +114,5 @@ def resolve_sampling(raw: RawSamplingParams, prompt_len: int, limits: ModelLimit
         logprobs=raw.logprobs,
         top_logprobs=raw.top_logprobs,
         structured_output=raw.structured_output,
+        logit_bias=LogitBias.from_mapping(raw.logit_bias),
     )

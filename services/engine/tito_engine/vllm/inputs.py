@@ -61,6 +61,8 @@ def sampling_params(options: SamplingOptions, eos_token_ids: Sequence[int]) -> A
         skip_special_tokens=False,
         output_kind=RequestOutputKind.DELTA,
         structured_outputs=structured_outputs(options.structured_output),
+        # vLLM adds it before its penalties, as the native sampler does; admission checked it.
+        logit_bias=options.logit_bias.as_dict() if options.logit_bias is not None else None,
     )
 
 
