@@ -44,7 +44,7 @@ class MediaItem:
 
     modality: int
     mm_hash: str
-    placeholder: Placeholder | None  # None: the wire item has none (admission refuses that for Generate)
+    placeholder: Placeholder | None  # None: the wire item has none (Generate's admission refuses that; Encode needs none)
     kwargs: Mapping[str, RawTensor] = field(default_factory=dict)
     metadata: Mapping[str, RawTensor] = field(default_factory=dict)
     ec_descriptor: EncoderCacheDescriptor | None = None

@@ -130,7 +130,8 @@ def validate_encode_structure(
 ) -> CheckedFeatures:
     """Phase 1 of Encode admission: the Generate rules that do not involve a prompt.
 
-    Encode has no token ids, so placeholders are not checked (and `embed_positions` is empty).
+    Encode has no token ids, so placeholders are not checked and may be absent (`embed_positions`
+    is empty).
     Every item must carry kwargs (FAILED_PRECONDITION `MM_TENSORS_REQUIRED` otherwise).
     """
     if not items:
