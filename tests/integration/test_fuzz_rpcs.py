@@ -1,11 +1,18 @@
 """Fuzzing every RPC of the three services with hostile requests (fuzz_requests.py).
 
-Per service, TITO_FUZZ_CASES cases (default 2000) spread over its RPCs, half byte-level (mutated
-serialized requests, sent raw) and half field-level (boundary and hostile values in any field,
-Structs included). Every answer must be OK or a documented caller error: never UNKNOWN or
-INTERNAL (a bug), never a hang; afterwards each service answers a good request and the engine
-holds nothing. More on demand: `TITO_FUZZ_CASES=20000 bash scripts/test.sh tests/integration/test_fuzz_rpcs.py`.
-A failing case prints its method, kind and seed, which reproduce it.
+Two tests, each over every RPC the services' descriptors declare (an RPC without a seed request
+fails the test, so a new RPC cannot go unfuzzed):
+
+- The sweep: for each field of each RPC's request, at any depth, the seed with that field alone
+  cleared, zero or empty, or set to each extreme of its type (`field_sweep`). Exhaustive and
+  deterministic: a failing case prints the field and the change.
+- Random cases: per service, TITO_FUZZ_CASES cases (default 2000) spread over its RPCs, half
+  byte-level (mutated serialized requests, sent raw) and half several random fields at once,
+  Structs included. A failing case prints its method, kind and seed, which reproduce it. More on
+  demand: `TITO_FUZZ_CASES=20000 bash scripts/test.sh tests/integration/test_fuzz_rpcs.py`.
+
+Every answer must be OK or a documented caller error: never UNKNOWN or INTERNAL (a bug), never a
+hang; afterwards each service answers a good request and the engine holds nothing.
 """
 
 from __future__ import annotations
@@ -15,13 +22,14 @@ import io
 import os
 import random
 from collections import Counter
+from collections.abc import Iterator
 
 import grpc
 import pytest
 from google.protobuf import struct_pb2
 from PIL import Image
 
-from fuzz_requests import byte_cases, field_cases
+from fuzz_requests import SweepCase, byte_cases, field_cases, field_sweep
 from tito.grpc_errors import error_details
 from tito.v1 import (chat_pb2, derender_pb2, engine_pb2, engine_pb2_grpc, render_pb2,
                      render_pb2_grpc)
@@ -111,6 +119,8 @@ def seeds(servers):
         "/tito.v1.EngineService/Abort": engine_pb2.AbortRequest(request_ids=["fuzz", "other"]),
         "/tito.v1.EngineService/GetModelInfo": engine_pb2.EngineServiceGetModelInfoRequest(),
         "/tito.v1.EngineService/GetLoad": engine_pb2.GetLoadRequest(),
+        "/tito.v1.EngineService/SubscribeKvEvents": engine_pb2.SubscribeKvEventsRequest(start_sequence=0),
+        "/tito.v1.EngineService/ResetPrefixCache": engine_pb2.ResetPrefixCacheRequest(),
         "/tito.v1.DerenderService/Derender": stream,
         "/tito.v1.DerenderService/DerenderBatch": batch,
         "/tito.v1.DerenderService/DerenderFull": derender_pb2.DerenderFullRequest(
@@ -119,16 +129,21 @@ def seeds(servers):
     }
 
 
-SERVICES = {
-    "render": ["/tito.v1.RenderService/RenderChat", "/tito.v1.RenderService/RenderCompletion",
-               "/tito.v1.RenderService/Tokenize", "/tito.v1.RenderService/GetModelInfo"],
-    "engine": ["/tito.v1.EngineService/Generate", "/tito.v1.EngineService/Encode", "/tito.v1.EngineService/Abort",
-               "/tito.v1.EngineService/GetModelInfo", "/tito.v1.EngineService/GetLoad"],
-    "derender": ["/tito.v1.DerenderService/Derender", "/tito.v1.DerenderService/DerenderFull",
-                 "/tito.v1.DerenderService/Detokenize", "/tito.v1.DerenderService/DerenderBatch"],
+SERVICE_DESCRIPTORS = {
+    "render": render_pb2.DESCRIPTOR.services_by_name["RenderService"],
+    "engine": engine_pb2.DESCRIPTOR.services_by_name["EngineService"],
+    "derender": derender_pb2.DESCRIPTOR.services_by_name["DerenderService"],
 }
-STREAMING_RESPONSE = {"/tito.v1.EngineService/Generate"}
-BIDI = {"/tito.v1.DerenderService/Derender", "/tito.v1.DerenderService/DerenderBatch"}
+#: Every RPC of every service, as the descriptors declare them: path -> (service, method descriptor).
+RPCS = {f"/{descriptor.full_name}/{method.name}": (service, method)
+        for service, descriptor in SERVICE_DESCRIPTORS.items() for method in descriptor.methods}
+SERVICES = {service: [path for path, (owner, _) in RPCS.items() if owner == service] for service in SERVICE_DESCRIPTORS}
+STREAMING_RESPONSE = {path for path, (_, method) in RPCS.items() if method.server_streaming}
+BIDI = {path for path, (_, method) in RPCS.items() if method.client_streaming}
+#: Streams that only end when the caller leaves: called with a short deadline, at which a stream
+#: that was accepted is still open (OK), where a refused one has already ended with its status.
+ENDLESS = {"/tito.v1.EngineService/SubscribeKvEvents"}
+ENDLESS_DEADLINE = 0.2
 #: Calls whose streams end by error inside the responses (a status per stream), not the call's.
 BATCH = "/tito.v1.DerenderService/DerenderBatch"
 BUG_CODES = {code.value[0] for code in BUGS}  # as google.rpc.Status numbers them
@@ -144,6 +159,12 @@ def _call(channel: grpc.Channel, method: str, payload) -> grpc.StatusCode:
                         raise AssertionError(f"stream {result.stream_id}: {result.error}")
         elif method in BIDI:
             list(channel.stream_stream(method)(iter(payload), timeout=TIMEOUT))
+        elif method in ENDLESS:
+            try:
+                list(channel.unary_stream(method)(payload, timeout=ENDLESS_DEADLINE))
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
         elif method in STREAMING_RESPONSE:
             list(channel.unary_stream(method)(payload, timeout=TIMEOUT))
         else:
@@ -168,7 +189,9 @@ def _case(seed, kind: str, rng: random.Random):
 
 @pytest.mark.parametrize("service", SERVICES)
 def test_fuzzed_requests_never_break_a_service(servers, seeds, service):
-    methods = SERVICES[service]
+    # Not the endless streams: each open one costs its deadline, and the sweep covers their
+    # requests (one optional field) whole.
+    methods = [method for method in SERVICES[service] if method not in ENDLESS]
     outcomes: Counter = Counter()
     with servers[service].channel() as channel:
         for case in range(CASES_PER_SERVICE):
@@ -193,3 +216,57 @@ def test_fuzzed_requests_never_break_a_service(servers, seeds, service):
 def _good(seeds, method):
     seed = seeds[method]
     return [m.SerializeToString() for m in seed] if isinstance(seed, list) else seed.SerializeToString()
+
+
+def _sweep_positions(seed) -> Iterator[tuple[int | None, object]]:
+    """(stream position or None, message) for each request message to sweep: a unary request,
+    or each message of a stream whose fields differ from every earlier one's (a derender stream's
+    context, its first response, its last)."""
+    if not isinstance(seed, list):
+        yield None, seed
+        return
+    shapes = set()
+    for position, message in enumerate(seed):
+        shape = frozenset(_field_paths(message))
+        if shape not in shapes:
+            shapes.add(shape)
+            yield position, message
+
+
+def _field_paths(message, prefix: str = "") -> Iterator[str]:
+    for field, value in message.ListFields():
+        path = f"{prefix}.{field.name}"
+        yield path
+        if field.message_type is not None and not field.message_type.GetOptions().map_entry:
+            for element in (value if field.is_repeated else [value]):
+                yield from _field_paths(element, path)
+
+
+def _sweep_payload(seed, position: int | None, case: SweepCase):
+    if position is None:
+        return case.payload
+    return [case.payload if index == position else m.SerializeToString() for index, m in enumerate(seed)]
+
+
+@pytest.mark.parametrize("method", RPCS)
+def test_every_field_of_every_rpc_alone_never_breaks_a_service(servers, seeds, method):
+    assert method in seeds, f"{method} has no seed request, so no field-level fuzz: add one to `seeds`"
+    service, _ = RPCS[method]
+    outcomes: Counter = Counter()
+    bugs: list[str] = []  # every failing case, not just the first: a fix can be checked against them all
+    with servers[service].channel() as channel:
+        for position, message in _sweep_positions(seeds[method]):
+            where = "" if position is None else f"stream message {position}: "
+            for case in field_sweep(message):
+                try:
+                    outcomes[_call(channel, method, _sweep_payload(seeds[method], position, case)).name] += 1
+                except AssertionError as exc:
+                    bugs.append(f"{where}{case}: {exc}")
+        print(f"\n{method}: {sum(outcomes.values()) + len(bugs)} field cases: " +
+              ", ".join(f"{code}={count}" for code, count in sorted(outcomes.items())))
+        assert not bugs, f"{method}: {len(bugs)} cases answered as bugs:\n" + "\n".join(bugs)
+        # Still fully working, and nothing left behind.
+        assert _call(channel, method, _good(seeds, method)) == grpc.StatusCode.OK
+        if service == "engine":
+            load = engine_pb2_grpc.EngineServiceStub(channel).GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT)
+            assert (load.running_requests, load.waiting_requests) == (0, 0)
