@@ -30,6 +30,13 @@ _DOMAIN = b"tito.v1.MultiModalItem/hmac-sha256\x00"
 _DESCRIPTOR_DOMAIN = b"tito.v1.EncoderCacheDescriptor/hmac-sha256\x00"
 
 
+def _enum(number: int) -> bytes:
+    """An enum field's number: an int32 on the wire, and open (a caller may send one its enum does
+    not name, negative included). The bytes of 0..2**31-1 are those an unsigned 32-bit field would
+    have, so the tags of every named value are what they always were."""
+    return struct.pack("<i", number)
+
+
 def _blob(value: bytes) -> bytes:
     return struct.pack("<Q", len(value)) + value
 
@@ -43,14 +50,14 @@ def _tensors(tensors) -> bytes:
     for name in sorted(tensors):
         tensor = tensors[name]
         out.append(_text(name))
-        out.append(struct.pack("<I", tensor.dtype))
+        out.append(_enum(tensor.dtype))
         out.append(struct.pack("<Q", len(tensor.shape)) + struct.pack(f"<{len(tensor.shape)}q", *tensor.shape))
         out.append(hashlib.sha256(tensor.data).digest())
     return b"".join(out)
 
 
 def _descriptor_bytes(ec) -> bytes:
-    return b"".join([_text(ec.store_id), _text(ec.uri), _text(ec.key), struct.pack("<I", ec.dtype),
+    return b"".join([_text(ec.store_id), _text(ec.uri), _text(ec.key), _enum(ec.dtype),
                      struct.pack("<Q", len(ec.shape)) + struct.pack(f"<{len(ec.shape)}q", *ec.shape),
                      struct.pack("<Q", ec.byte_size), _text(ec.checksum), _text(ec.model_fingerprint)])
 
@@ -72,7 +79,7 @@ def signed_bytes(item, *, with_descriptor: bool = True) -> bytes:
         if placeholder is not None else (0, 0, ())
     parts = [
         _DOMAIN,
-        struct.pack("<I", item.modality),
+        _enum(item.modality),
         _text(item.mm_hash),
         struct.pack("<II", offset, length),
         _blob(bytes(bytearray(1 if b else 0 for b in is_embed))),

@@ -27,6 +27,10 @@ _NUMPY_BY_DTYPE: dict[int, np.dtype] = {
     Dtype.DTYPE_UINT8: np.dtype("u1"),
     Dtype.DTYPE_BOOL: np.dtype("?"),
 }
+#: The most dimensions a tensor may have: numpy's own limit (an array cannot have more), far
+#: above any model input's (pixel values have 2 to 5).
+MAX_DIMS = 64
+
 _DTYPE_BY_NUMPY = {v.str: k for k, v in _NUMPY_BY_DTYPE.items() if k != Dtype.DTYPE_BFLOAT16}
 _DTYPE_BY_TORCH_NAME = {
     "float32": Dtype.DTYPE_FLOAT32, "float16": Dtype.DTYPE_FLOAT16, "bfloat16": Dtype.DTYPE_BFLOAT16,
@@ -64,6 +68,9 @@ def check(tensor: tensor_pb2.Tensor, field: str) -> None:
     if tensor.dtype not in _NUMPY_BY_DTYPE:
         raise InvalidArgument(f"{field}.dtype: unknown or unspecified dtype {tensor.dtype}",
                               reason="TENSOR_DTYPE_INVALID", field=f"{field}.dtype")
+    if len(tensor.shape) > MAX_DIMS:
+        raise InvalidArgument(f"{field}.shape: at most {MAX_DIMS} dimensions, got {len(tensor.shape)}",
+                              reason="TENSOR_SHAPE_INVALID", field=f"{field}.shape")
     if any(d < 0 for d in tensor.shape):
         raise InvalidArgument(f"{field}.shape: dimensions must be >= 0, got {list(tensor.shape)}",
                               reason="TENSOR_SHAPE_INVALID", field=f"{field}.shape")

@@ -265,6 +265,14 @@ def test_encode_then_metadata_only_generate_equals_tensors(open_engine, renderer
     assert after.encoder_cache_misses == before.encoder_cache_misses
 
 
+def test_encode_answers_an_item_without_a_placeholder(open_engine, renderer):
+    """Encode has no token ids: an item's placeholder is not needed (it was once an INTERNAL)."""
+    features = render(renderer, image(56, 56, seed=606), text("Encode me.")).mm_features
+    expected = open_engine.Encode(engine_pb2.EncodeRequest(mm_features=features), timeout=TIMEOUT).descriptors
+    features.items[0].ClearField("placeholder")
+    assert open_engine.Encode(engine_pb2.EncodeRequest(mm_features=features), timeout=TIMEOUT).descriptors == expected
+
+
 def test_repeated_image_hits_the_encoder_cache(open_engine, renderer, hf_model):
     request = render(renderer, image(56, 112, seed=505), text("Again?"), max_tokens=6)
     before = open_engine.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT)

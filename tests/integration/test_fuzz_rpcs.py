@@ -1,29 +1,36 @@
 """Fuzzing every RPC of the three services with hostile requests (fuzz_requests.py).
 
-Per service, TITO_FUZZ_CASES cases (default 2000) spread over its RPCs, half byte-level (mutated
-serialized requests, sent raw) and half field-level (boundary and hostile values in any field,
-Structs included). Every answer must be OK or a documented caller error: never UNKNOWN or
-INTERNAL (a bug), never a hang; afterwards each service answers a good request and the engine
-holds nothing. More on demand: `TITO_FUZZ_CASES=20000 bash scripts/test.sh tests/integration/test_fuzz_rpcs.py`.
-A failing case prints its method, kind and seed, which reproduce it.
+- The sweep, over every RPC the services' descriptors declare (one without a seed request fails,
+  so a new RPC cannot go unfuzzed): for each field of each request, at any depth, the seed with
+  that field alone cleared, zero or empty, or set to each extreme of its type (`field_sweep`).
+  Exhaustive and deterministic: a failing case prints the field and the change. The media
+  requests are swept unsigned, signed, and metadata-only with Encode's descriptors.
+- Random cases: per service, TITO_FUZZ_CASES cases (default 1000: the sweep has every one-field
+  case) spread over its RPCs but the endless streams, half byte-level (mutated serialized
+  requests, sent raw) and half several random fields at once, Structs included. A failing case
+  prints its method, kind and seed, which reproduce it. More on demand:
+  `TITO_FUZZ_CASES=20000 bash scripts/test.sh tests/integration/test_fuzz_rpcs.py`.
+
+Every answer must be OK or a documented caller error: never UNKNOWN or INTERNAL (a bug), never a
+hang; afterwards each service answers a good request and the engine holds nothing.
 """
 
 from __future__ import annotations
 
 import base64
-import io
 import os
 import random
 from collections import Counter
+from collections.abc import Iterator
 
 import grpc
 import pytest
 from google.protobuf import struct_pb2
-from PIL import Image
 
-from fuzz_requests import byte_cases, field_cases
+from chat_parts import png
+from fuzz_requests import SweepCase, byte_cases, field_cases, field_sweep
 from tito.grpc_errors import error_details
-from tito.v1 import (chat_pb2, derender_pb2, engine_pb2, engine_pb2_grpc, render_pb2,
+from tito.v1 import (chat_pb2, derender_pb2, engine_pb2, engine_pb2_grpc, multimodal_pb2, render_pb2,
                      render_pb2_grpc)
 from tito_derender.config import DerenderConfig
 from tito_derender.server import create_server as create_derender
@@ -32,27 +39,28 @@ from tito_engine.server import create_server as create_engine
 from tito_render.config import RenderConfig
 from tito_render.server import create_server as create_render
 
-CASES_PER_SERVICE = int(os.environ.get("TITO_FUZZ_CASES", "2000"))
+CASES_PER_SERVICE = int(os.environ.get("TITO_FUZZ_CASES", "1000"))
 TIMEOUT = 30
 BUGS = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 @pytest.fixture(scope="module")
-def servers(module_aio_server, tiny_vl_model):
+def servers(module_aio_server, tiny_vl_model, tmp_path_factory):
+    """Render signs media items and the engine verifies the tags present (unsigned items are
+    served too) and shares an encoder store: the fuzz reaches the signature and store checks."""
     model = str(tiny_vl_model)
+    key_file = tmp_path_factory.mktemp("fuzz-keys") / "hmac.key"
+    key_file.write_bytes(b"fuzz-hmac-key-0123456789abcdef-0123456789\n")
+    signing = {"hmac_key_file": str(key_file), "hmac_key_id": "fuzz"}
+    store = str(tmp_path_factory.mktemp("fuzz-encoder-store"))
     return {
-        "render": module_aio_server(lambda: create_render(RenderConfig(model=model))),
+        "render": module_aio_server(lambda: create_render(RenderConfig(model=model, **signing))),
         # A short context keeps every generation the fuzzer starts short.
         "engine": module_aio_server(lambda: create_engine(EngineConfig(model=model, device="cpu", max_model_len=512,
-                                                                       engine_process=False))),
+                                                                       engine_process=False, encoder_store_dir=store,
+                                                                       **signing))),
         "derender": module_aio_server(lambda: create_derender(DerenderConfig(model=model))),
     }
-
-
-def _png() -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", (64, 48), (200, 30, 30)).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def _seed_chat() -> render_pb2.RenderChatRequest:
@@ -69,7 +77,7 @@ def _seed_chat() -> render_pb2.RenderChatRequest:
             chat_pb2.ChatMessage(role="user", content_parts=[
                 chat_pb2.ContentPart(text="What colour, and the weather in Paris?"),
                 chat_pb2.ContentPart(image=chat_pb2.ImageSource(
-                    url="data:image/png;base64," + base64.b64encode(_png()).decode()))]),
+                    url="data:image/png;base64," + base64.b64encode(png(64, 48, seed=0)).decode()))]),
             chat_pb2.ChatMessage(role="assistant", tool_calls=[chat_pb2.ToolCall(
                 id="call_1", type="function",
                 function=chat_pb2.FunctionCall(name="get_weather", arguments_object=arguments))]),
@@ -84,13 +92,19 @@ def _seed_chat() -> render_pb2.RenderChatRequest:
 
 
 @pytest.fixture(scope="module")
-def seeds(servers):
-    """One valid request per RPC, built from real answers (features and streams included)."""
+def rendered(servers) -> render_pb2.RenderChatResponse:
+    """The seed chat rendered, its media items signed."""
     with servers["render"].channel() as channel:
-        rendered = render_pb2_grpc.RenderServiceStub(channel).RenderChat(_seed_chat(), timeout=TIMEOUT)
+        return render_pb2_grpc.RenderServiceStub(channel).RenderChat(_seed_chat(), timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def seeds(servers, rendered):
+    """One valid request per RPC, built from real answers (features and streams included). Its
+    media items are unsigned: a changed field of a signed one fails its tag before the checks
+    after it (`signed_seeds` has those)."""
+    generate = _unsigned(rendered.generate_request)
     with servers["engine"].channel() as channel:
-        generate = engine_pb2.GenerateRequest()
-        generate.CopyFrom(rendered.generate_request)
         responses = list(engine_pb2_grpc.EngineServiceStub(channel).Generate(generate, timeout=TIMEOUT))
     stream = [derender_pb2.DerenderRequest(context=rendered.derender_context)] + \
         [derender_pb2.DerenderRequest(generate_response=r) for r in responses]
@@ -107,10 +121,12 @@ def seeds(servers):
         "/tito.v1.RenderService/Tokenize": render_pb2.TokenizeRequest(text="Hello world", return_token_strings=True),
         "/tito.v1.RenderService/GetModelInfo": render_pb2.RenderServiceGetModelInfoRequest(),
         "/tito.v1.EngineService/Generate": generate,
-        "/tito.v1.EngineService/Encode": engine_pb2.EncodeRequest(mm_features=generate.mm_features),
+        "/tito.v1.EngineService/Encode": _encode_request(generate),
         "/tito.v1.EngineService/Abort": engine_pb2.AbortRequest(request_ids=["fuzz", "other"]),
         "/tito.v1.EngineService/GetModelInfo": engine_pb2.EngineServiceGetModelInfoRequest(),
         "/tito.v1.EngineService/GetLoad": engine_pb2.GetLoadRequest(),
+        "/tito.v1.EngineService/SubscribeKvEvents": engine_pb2.SubscribeKvEventsRequest(start_sequence=0),
+        "/tito.v1.EngineService/ResetPrefixCache": engine_pb2.ResetPrefixCacheRequest(),
         "/tito.v1.DerenderService/Derender": stream,
         "/tito.v1.DerenderService/DerenderBatch": batch,
         "/tito.v1.DerenderService/DerenderFull": derender_pb2.DerenderFullRequest(
@@ -119,16 +135,53 @@ def seeds(servers):
     }
 
 
-SERVICES = {
-    "render": ["/tito.v1.RenderService/RenderChat", "/tito.v1.RenderService/RenderCompletion",
-               "/tito.v1.RenderService/Tokenize", "/tito.v1.RenderService/GetModelInfo"],
-    "engine": ["/tito.v1.EngineService/Generate", "/tito.v1.EngineService/Encode", "/tito.v1.EngineService/Abort",
-               "/tito.v1.EngineService/GetModelInfo", "/tito.v1.EngineService/GetLoad"],
-    "derender": ["/tito.v1.DerenderService/Derender", "/tito.v1.DerenderService/DerenderFull",
-                 "/tito.v1.DerenderService/Detokenize", "/tito.v1.DerenderService/DerenderBatch"],
+@pytest.fixture(scope="module")
+def signed_seeds(servers, rendered):
+    """More seeds for the sweep: Generate and Encode with the media items render signed, and a
+    metadata-only Generate carrying the descriptors Encode answered (the descriptor checks)."""
+    chat = _seed_chat()
+    chat.mm_payload = multimodal_pb2.MM_PAYLOAD_METADATA
+    with servers["render"].channel() as channel:
+        metadata_only = render_pb2_grpc.RenderServiceStub(channel).RenderChat(chat, timeout=TIMEOUT).generate_request
+    with servers["engine"].channel() as channel:
+        encoded = engine_pb2_grpc.EngineServiceStub(channel).Encode(_encode_request(rendered.generate_request),
+                                                                   timeout=TIMEOUT)
+    for item, descriptor in zip(metadata_only.mm_features.items, encoded.descriptors, strict=True):
+        item.ec_descriptor.CopyFrom(descriptor)
+    return {
+        "/tito.v1.EngineService/Generate": [rendered.generate_request, metadata_only],
+        "/tito.v1.EngineService/Encode": [_encode_request(rendered.generate_request)],
+    }
+
+
+def _unsigned(generate: engine_pb2.GenerateRequest) -> engine_pb2.GenerateRequest:
+    unsigned = engine_pb2.GenerateRequest()
+    unsigned.CopyFrom(generate)
+    for item in unsigned.mm_features.items:
+        item.ClearField("auth_tag")
+        item.ClearField("auth_key_id")
+    return unsigned
+
+
+def _encode_request(generate: engine_pb2.GenerateRequest) -> engine_pb2.EncodeRequest:
+    return engine_pb2.EncodeRequest(mm_features=generate.mm_features)
+
+
+SERVICE_DESCRIPTORS = {
+    "render": render_pb2.DESCRIPTOR.services_by_name["RenderService"],
+    "engine": engine_pb2.DESCRIPTOR.services_by_name["EngineService"],
+    "derender": derender_pb2.DESCRIPTOR.services_by_name["DerenderService"],
 }
-STREAMING_RESPONSE = {"/tito.v1.EngineService/Generate"}
-BIDI = {"/tito.v1.DerenderService/Derender", "/tito.v1.DerenderService/DerenderBatch"}
+#: Every RPC of every service, as the descriptors declare them: path -> (service, method descriptor).
+RPCS = {f"/{descriptor.full_name}/{method.name}": (service, method)
+        for service, descriptor in SERVICE_DESCRIPTORS.items() for method in descriptor.methods}
+SERVICES = {service: [path for path, (owner, _) in RPCS.items() if owner == service] for service in SERVICE_DESCRIPTORS}
+STREAMING_RESPONSE = {path for path, (_, method) in RPCS.items() if method.server_streaming}
+BIDI = {path for path, (_, method) in RPCS.items() if method.client_streaming}
+#: Streams that only end when the caller leaves: called with a short deadline, at which a stream
+#: that was accepted is still open (OK), where a refused one has already ended with its status.
+ENDLESS = {"/tito.v1.EngineService/SubscribeKvEvents"}
+ENDLESS_DEADLINE = 0.2
 #: Calls whose streams end by error inside the responses (a status per stream), not the call's.
 BATCH = "/tito.v1.DerenderService/DerenderBatch"
 BUG_CODES = {code.value[0] for code in BUGS}  # as google.rpc.Status numbers them
@@ -144,6 +197,12 @@ def _call(channel: grpc.Channel, method: str, payload) -> grpc.StatusCode:
                         raise AssertionError(f"stream {result.stream_id}: {result.error}")
         elif method in BIDI:
             list(channel.stream_stream(method)(iter(payload), timeout=TIMEOUT))
+        elif method in ENDLESS:
+            try:
+                list(channel.unary_stream(method)(payload, timeout=ENDLESS_DEADLINE))
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
         elif method in STREAMING_RESPONSE:
             list(channel.unary_stream(method)(payload, timeout=TIMEOUT))
         else:
@@ -168,7 +227,9 @@ def _case(seed, kind: str, rng: random.Random):
 
 @pytest.mark.parametrize("service", SERVICES)
 def test_fuzzed_requests_never_break_a_service(servers, seeds, service):
-    methods = SERVICES[service]
+    # Not the endless streams: each open one costs its deadline, and the sweep covers their
+    # requests (one optional field) whole.
+    methods = [method for method in SERVICES[service] if method not in ENDLESS]
     outcomes: Counter = Counter()
     with servers[service].channel() as channel:
         for case in range(CASES_PER_SERVICE):
@@ -193,3 +254,58 @@ def test_fuzzed_requests_never_break_a_service(servers, seeds, service):
 def _good(seeds, method):
     seed = seeds[method]
     return [m.SerializeToString() for m in seed] if isinstance(seed, list) else seed.SerializeToString()
+
+
+def _sweep_positions(seed) -> Iterator[tuple[int | None, object]]:
+    """(stream position or None, message) for each request message to sweep: a unary request,
+    or each message of a stream whose fields differ from every earlier one's (a derender stream's
+    context, its first response, its last)."""
+    if not isinstance(seed, list):
+        yield None, seed
+        return
+    shapes = set()
+    for position, message in enumerate(seed):
+        shape = frozenset(_field_paths(message))
+        if shape not in shapes:
+            shapes.add(shape)
+            yield position, message
+
+
+def _field_paths(message, prefix: str = "") -> Iterator[str]:
+    for field, value in message.ListFields():
+        path = f"{prefix}.{field.name}"
+        yield path
+        if field.message_type is not None and not field.message_type.GetOptions().map_entry:
+            for element in (value if field.is_repeated else [value]):
+                yield from _field_paths(element, path)
+
+
+def _sweep_payload(seed, position: int | None, case: SweepCase):
+    if position is None:
+        return case.payload
+    return [case.payload if index == position else m.SerializeToString() for index, m in enumerate(seed)]
+
+
+@pytest.mark.parametrize("method", RPCS)
+def test_every_field_of_every_rpc_alone_never_breaks_a_service(servers, seeds, signed_seeds, method):
+    assert method in seeds, f"{method} has no seed request, so no field-level fuzz: add one to `seeds`"
+    service, _ = RPCS[method]
+    outcomes: Counter = Counter()
+    bugs: list[str] = []  # every failing case, not just the first: a fix can be checked against them all
+    with servers[service].channel() as channel:
+        for number, seed in enumerate([seeds[method], *signed_seeds.get(method, ())]):
+            for position, message in _sweep_positions(seed):
+                where = f"seed {number}, " + ("" if position is None else f"stream message {position}, ")
+                for case in field_sweep(message):
+                    try:
+                        outcomes[_call(channel, method, _sweep_payload(seed, position, case)).name] += 1
+                    except AssertionError as exc:
+                        bugs.append(f"{where}{case}: {exc}")
+        print(f"\n{method}: {sum(outcomes.values()) + len(bugs)} field cases: " +
+              ", ".join(f"{code}={count}" for code, count in sorted(outcomes.items())))
+        assert not bugs, f"{method}: {len(bugs)} cases answered as bugs:\n" + "\n".join(bugs)
+        # Still fully working, and nothing left behind.
+        assert _call(channel, method, _good(seeds, method)) == grpc.StatusCode.OK
+        if service == "engine":
+            load = engine_pb2_grpc.EngineServiceStub(channel).GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT)
+            assert (load.running_requests, load.waiting_requests) == (0, 0)

@@ -96,3 +96,21 @@ def test_item_bytes_with_a_descriptor_are_unchanged_by_descriptor_tags():
     before = signing.signed_bytes(item)
     signing.sign_descriptor(item.ec_descriptor, KEY, "k1")
     assert signing.signed_bytes(item) == before
+
+
+def test_enum_numbers_outside_their_enum_sign_like_any_other_value():
+    """Enums are open int32s on the wire: a caller may send -1 as a modality or a dtype. The tag
+    covers the number like any other value (it once raised struct.error: INTERNAL)."""
+    for change in (lambda i: setattr(i, "modality", -1), lambda i: setattr(i.ec_descriptor, "dtype", -1),
+                   lambda i: setattr(i.kwargs["pixel_values"], "dtype", -(2**31))):
+        item = _item()
+        item.ec_descriptor.CopyFrom(_descriptor())
+        signing.sign_item(item, KEY, "k1")
+        change(item)
+        assert not signing.verify_item(item, {"k1": KEY})
+        signing.sign_item(item, KEY, "k1")
+        assert signing.verify_item(item, {"k1": KEY})
+    descriptor = _descriptor()
+    descriptor.dtype = -1
+    signing.sign_descriptor(descriptor, KEY, "k1")
+    assert signing.verify_descriptor(descriptor, {"k1": KEY})

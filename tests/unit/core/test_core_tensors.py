@@ -46,3 +46,20 @@ def test_unspecified_dtype_rejected():
     with pytest.raises(InvalidArgument) as info:
         tensors.check(tensor_pb2.Tensor(shape=[1], data=b"\x00"), "t")
     assert info.value.field == "t.dtype"
+
+
+@pytest.mark.parametrize("shape", [[0] * (tensors.MAX_DIMS + 1), [2**62] * 5000])
+def test_more_dimensions_than_an_array_can_have_are_refused(shape):
+    """Once INTERNAL: 65 zero dimensions passed the size check and numpy refused the reshape, and
+    5,000 large ones made a product too long to print in the message."""
+    tensor = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_UINT8, shape=shape)
+    with pytest.raises(InvalidArgument) as info:
+        tensors.to_numpy(tensor, "t")
+    assert (info.value.field, info.value.reason) == ("t.shape", "TENSOR_SHAPE_INVALID")
+    assert len(info.value.message) < 200
+
+
+def test_the_most_dimensions_decode():
+    shape = [1] * tensors.MAX_DIMS
+    assert tensors.to_numpy(tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_UINT8, shape=shape, data=b"\x07")).shape == \
+        tuple(shape)

@@ -841,6 +841,16 @@ def test_encode_checks_signatures_and_tensors(spec, cache):
                    features, spec, cache=cache)
 
 
+def test_encode_needs_no_placeholder(spec, cache):
+    """Encode has no token ids, so an item's placeholder means nothing to it and may be absent:
+    the item is encoded under the same key as with one (it once raised AttributeError: INTERNAL)."""
+    _, features = request((1, 4, 4))
+    with_placeholder = validate_encode_request(features, spec, OPEN, cache).items[0]
+    features.items[0].ClearField("placeholder")
+    (item,) = validate_encode_request(features, spec, OPEN, cache).items
+    assert item.needs_encoder and item.cache_key == with_placeholder.cache_key and item.num_rows == 4
+
+
 def test_unsigned_encode_is_keyed_by_content(spec, cache):
     _, features = request((1, 4, 4))
     (item,) = validate_encode_request(features, spec, OPTIONAL, cache).items

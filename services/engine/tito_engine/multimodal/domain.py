@@ -44,7 +44,8 @@ class MediaItem:
 
     modality: int
     mm_hash: str
-    placeholder: Placeholder | None  # None: the wire item has none (admission refuses that for Generate)
+    # None: the wire item has none (Generate's admission refuses that; Encode needs none).
+    placeholder: Placeholder | None
     kwargs: Mapping[str, RawTensor] = field(default_factory=dict)
     metadata: Mapping[str, RawTensor] = field(default_factory=dict)
     ec_descriptor: EncoderCacheDescriptor | None = None

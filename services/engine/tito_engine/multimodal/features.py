@@ -22,7 +22,7 @@ Rules, in the order they are checked (first violation wins):
 1. Per item, structure: the modality is one the model supports; `mm_hash` is 16-128 lowercase
    hex digits; a placeholder range is present, non-empty, inside `token_ids`, after the previous
    item's range (sorted, no overlap); `len(is_embed) == length` when present.
-2. Per item, tensors: every kwargs/metadata tensor has a known dtype and
+2. Per item, tensors: every kwargs/metadata tensor has a known dtype, at most 64 dimensions and
    `len(data) == prod(shape) * itemsize` (tito.tensors.check); the item's bytes and the request's
    running total stay within `FeaturePolicy` limits (RESOURCE_EXHAUSTED naming the limit).
 3. Per item, signature (see "Trust model").
@@ -130,7 +130,8 @@ def validate_encode_structure(
 ) -> CheckedFeatures:
     """Phase 1 of Encode admission: the Generate rules that do not involve a prompt.
 
-    Encode has no token ids, so placeholders are not checked (and `embed_positions` is empty).
+    Encode has no token ids, so placeholders are not checked and may be absent (`embed_positions`
+    is empty).
     Every item must carry kwargs (FAILED_PRECONDITION `MM_TENSORS_REQUIRED` otherwise).
     """
     if not items:

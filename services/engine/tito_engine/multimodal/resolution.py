@@ -9,7 +9,7 @@ import torch
 
 from tito import tensors
 from tito.errors import FailedPrecondition, InvalidArgument, Unavailable
-from tito_engine.multimodal.domain import EncoderCacheDescriptor, RawTensor
+from tito_engine.multimodal.domain import EncoderCacheDescriptor, Placeholder, RawTensor
 from tito_engine.multimodal.encoder_cache import CacheEntry, CacheKey, EncoderCache
 from tito_engine.multimodal.encoder_store import EntryCorrupt, EntryMissing, SharedEncoderStore
 from tito_engine.multimodal.items import (EC_DESCRIPTOR_STALE, EC_ENTRY_CORRUPT, EC_ENTRY_EVICTED, EC_MODEL_MISMATCH,
@@ -17,6 +17,8 @@ from tito_engine.multimodal.items import (EC_DESCRIPTOR_STALE, EC_ENTRY_CORRUPT,
                                           ValidatedItem)
 from tito_engine.multimodal.specs import TENSORS_REQUIRED, tensor_path
 from tito_engine.multimodal.trust import forged, item_content_id
+
+_NO_SPAN = Placeholder(offset=0, length=0)
 
 
 def resolve_cached(checked: CheckedFeatures, cache: EncoderCache | None,
@@ -73,9 +75,12 @@ def _resolve(c: CheckedItem, index: int, cache: EncoderCache | None,
     if entry is None:
         for name, tensor in item.kwargs.items():
             encoder_inputs[name] = tensors.to_torch(tensor, tensor_path(path, "kwargs", name))
+    # Generate's admission requires a placeholder; an Encode item may have none (no token ids to
+    # place it in), and then has no span.
+    span = item.placeholder or _NO_SPAN
     return ValidatedItem(
-        index=index, modality=c.modality, mm_hash=item.mm_hash, offset=item.placeholder.offset,
-        length=item.placeholder.length, embed_positions=c.embed_positions, num_rows=c.layout.num_rows,
+        index=index, modality=c.modality, mm_hash=item.mm_hash, offset=span.offset,
+        length=span.length, embed_positions=c.embed_positions, num_rows=c.layout.num_rows,
         grid_thw=c.layout.grid_thw, second_per_grid_ts=c.layout.second_per_grid_ts, content_id=content_id,
         cache_key=key, signed=c.signed,
         encoder_inputs=encoder_inputs,
