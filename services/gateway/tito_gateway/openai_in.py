@@ -34,9 +34,6 @@ REFUSED = {
     "audio": "audio output is not supported",
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
-    "store": "stored completions are not supported",
-    "metadata": "stored completions are not supported",
-    "service_tier": "service tiers are not supported",
     "web_search_options": "web search is not supported",
     "reasoning_effort": "set the template's thinking switch with chat_template_kwargs",
     "echo": "echo is not supported",
@@ -45,12 +42,16 @@ REFUSED = {
 }
 
 #: Values of refused parameters that ask for nothing (OpenAI's defaults), accepted like null.
-NO_OPS = {"echo": False, "best_of": 1, "logit_bias": {}, "store": False, "suffix": "", "parallel_tool_calls": True}
+NO_OPS = {"echo": False, "best_of": 1, "logit_bias": {}, "suffix": "", "parallel_tool_calls": True}
 
 SAMPLING_COMMON = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
                    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")
-COMMON = ("model", "stream", "stream_options", "user", "cache_salt", *SAMPLING_COMMON)
+#: OpenAI parameters about the caller's account, not the answer: type-checked, then not used.
+UNUSED = ("user", "metadata", "service_tier", "store")
+#: OpenAI's service tiers (vLLM takes the same values and ignores them too).
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
+COMMON = ("model", "stream", "stream_options", "cache_salt", *UNUSED, *SAMPLING_COMMON)
 CHAT_PARAMETERS = frozenset((*COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                              "tool_choice", "parallel_tool_calls", "response_format", "chat_template_kwargs",
                              "chat_template", "add_generation_prompt", "continue_final_message"))
@@ -268,7 +269,22 @@ def _common(body: Body, request) -> None:
     salt = body.string("cache_salt")
     if salt:
         request.cache_salt = salt
-    body.string("user")  # an end-user id for abuse tracking; accepted, not used
+    _check_unused(body)
+
+
+def _check_unused(body: Body) -> None:
+    """`user` (an end-user id for OpenAI's abuse tracking), `metadata` (tags for OpenAI's
+    dashboard), `service_tier` (OpenAI's billing tier) and `store` (keep the completion on OpenAI's
+    side): none of them changes the answer, and tito keeps nothing, so they are accepted and not
+    used (as vLLM does) once they have OpenAI's types."""
+    body.string("user")
+    body.boolean("store")
+    tier = body.string("service_tier")
+    if tier is not None and tier not in SERVICE_TIERS:
+        raise invalid("service_tier", f"must be one of {', '.join(SERVICE_TIERS)}, not {tier[:64]!r}")
+    metadata = body.obj("metadata")
+    for key, value in (metadata or {}).items():
+        _string(value, f"metadata.{key[:64]}", required=True)
 
 
 # -- chat ---------------------------------------------------------------------------------------
@@ -361,6 +377,10 @@ def _message(value: Any, where: str) -> chat_pb2.ChatMessage:
     return message
 
 
+#: OpenAI's image_url.detail values.
+IMAGE_DETAILS = ("auto", "low", "high")
+
+
 def _part(value: Any, where: str) -> chat_pb2.ContentPart:
     if not isinstance(value, dict):
         raise invalid(where, f"must be a content part object, not {_kind(value)}")
@@ -374,9 +394,11 @@ def _part(value: Any, where: str) -> chat_pb2.ContentPart:
         if isinstance(image, dict):
             _only(image, ("url", "detail"), f"{where}.image_url")
             url = _string(image.get("url"), f"{where}.image_url.url", required=True)
+            # Ignored, as vLLM ignores it: the model's processor sets each image's resolution.
             detail = _string(image.get("detail"), f"{where}.image_url.detail")
-            if detail not in (None, "auto"):
-                raise unsupported(f"{where}.image_url.detail", "only \"auto\": the model's processor sets the size")
+            if detail not in (None, *IMAGE_DETAILS):
+                raise invalid(f"{where}.image_url.detail", f"must be one of {', '.join(IMAGE_DETAILS)}, "
+                                                            f"not {detail[:64]!r}")
         else:
             url = _string(image, f"{where}.image_url", required=True)
         return chat_pb2.ContentPart(image=chat_pb2.ImageSource(url=url))

@@ -72,11 +72,34 @@ def test_unsupported_parameters_are_named(body, param):
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "strict": "true"}}},
      "response_format.json_schema.strict"),
+    ({"store": "yes"}, "store"),
+    ({"service_tier": "gold"}, "service_tier"),
+    ({"metadata": ["a"]}, "metadata"),
+    ({"metadata": {"team": 1}}, "metadata.team"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u", "detail": "max"}}]}]},
+     "messages[0].content[0].image_url.detail"),
 ])
 def test_wrong_types_and_signs_are_invalid_requests_naming_the_parameter(body, param):
     with pytest.raises(InvalidArgument) as info:
         chat(**body)
     assert info.value.reason == "INVALID_REQUEST" and info.value.field == param
+
+
+def test_account_parameters_are_accepted_and_not_used():
+    plain = chat().request
+    assert chat(user="u1", metadata={"team": "a"}, service_tier="flex", store=True).request == plain
+    assert chat(store=False, service_tier="auto", metadata={}).request == plain
+    completion = {"model": MODEL, "prompt": "x"}
+    assert parse_completion({**completion, "user": "u1", "metadata": {"team": "a"}, "service_tier": "default",
+                             "store": True}, MODEL).request == parse_completion(completion, MODEL).request
+
+
+@pytest.mark.parametrize("detail", ["auto", "low", "high"])
+def test_image_detail_is_accepted_and_left_to_the_models_processor(detail):
+    url = "data:image/png;base64,AA"
+    call = chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url,
+                                                                                         "detail": detail}}]}])
+    assert call.request.messages[0].content_parts[0] == chat_pb2.ContentPart(image=chat_pb2.ImageSource(url=url))
 
 
 def test_the_model_must_be_the_served_one():
