@@ -220,6 +220,7 @@ def test_tools_and_tool_choice_whole_and_streamed(client):
         model=MODEL, messages=[{"role": "user", "content": "Hello!"}], tools=[demo.WEATHER_TOOL], max_tokens=60,
         tool_choice={"type": "function", "function": {"name": "get_weather"}}, extra_body=NO_THINKING)
     assert named.choices[0].message.tool_calls[0].function.name == "get_weather"
+    assert named.choices[0].finish_reason == "stop"  # OpenAI's and vLLM's rule for a named function
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=question, tools=[demo.WEATHER_TOOL],
                                        tool_choice={"type": "function", "function": {"name": "nope"}})

@@ -26,7 +26,7 @@ from tito_derender.chunks import ChunkBuilder
 from tito_derender.detokenizer import IncrementalDetokenizer
 from tito_derender.domain import (
     Chunk, EngineOutput, FinishReason, OutputDelta, PositionLogprobs, RequestContext, TokenLogprobText,
-    TopLogprobText, Usage)
+    ToolChoiceMode, TopLogprobText, Usage)
 from tito_derender.parsers import reasoning_parser_for, tool_stage_for, validate_parser_names
 from tito_derender.stops import StopMatch, StopStringMatcher
 from tito_derender.tokenizer import TextTokenizer
@@ -135,9 +135,16 @@ class ChoicePipeline:
                 self.finish_reason = output.finish_reason
                 if stopped_by_token:
                     self.matched_stop = self._tokenizer.token_text(output.matched_stop_token_id)
-            if self.finish_reason == FinishReason.STOP and self._tools is not None and self._tools.calls_made:
+            if self._ended_by_calls():
                 self.finish_reason = FinishReason.TOOL_CALLS
         return delta, final
+
+    def _ended_by_calls(self) -> bool:
+        """Whether the choice's finish reason is `tool_calls`: it stopped normally after calls the
+        model chose to make (tool_choice auto or required). A call forced by a named tool_choice
+        ends with `stop`, as OpenAI's API and vLLM's serving_chat end it."""
+        return (self.finish_reason == FinishReason.STOP and self._tools is not None and self._tools.calls_made > 0
+                and self._context.tool_choice != ToolChoiceMode.NAMED)
 
     @property
     def tool_parser(self):
