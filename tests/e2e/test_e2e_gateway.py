@@ -284,9 +284,39 @@ def test_completions_of_text_and_token_id_prompts(stack, client):
     assert streamed[-1].usage.completion_tokens == whole.usage.completion_tokens
     ids = client.completions.create(model=MODEL, prompt=[1, 2, 3, 4], max_tokens=4, temperature=0)
     assert ids.usage.prompt_tokens == 4 and ids.choices[0].finish_reason
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt="Hello", echo=True)
-    assert info.value.param == "echo"
+
+
+def test_several_prompts_with_n_choices_each_and_echo(stack, client):
+    """As vLLM answers it: one choice list, prompt 0's n choices first; echo puts each prompt's
+    text (a token-id prompt decoded, special tokens kept) before its choices' texts."""
+    addresses, _ = stack
+    prompts, n = ["Hello", [1, 2, 3, 4]], 2
+    alone = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0) for prompt in prompts]
+    both = client.completions.create(model=MODEL, prompt=prompts, n=n, max_tokens=6, temperature=0, echo=True)
+    decoded = _detokenized(addresses, prompts[1])
+    echoed = [prompts[0] + alone[0].choices[0].text] * n + [decoded + alone[1].choices[0].text] * n
+    assert [choice.index for choice in both.choices] == [0, 1, 2, 3]
+    assert [choice.text for choice in both.choices] == echoed
+    assert both.usage.prompt_tokens == sum(answer.usage.prompt_tokens for answer in alone)
+    assert both.usage.completion_tokens == n * sum(answer.usage.completion_tokens for answer in alone)
+    streamed = list(client.completions.create(model=MODEL, prompt=prompts, n=n, max_tokens=6, temperature=0,
+                                              echo=True, stream=True, stream_options={"include_usage": True}))
+    texts = {index: "" for index in range(4)}
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert [texts[index] for index in range(4)] == echoed
+    assert streamed[-1].usage.total_tokens == both.usage.total_tokens
+
+
+def _detokenized(addresses, token_ids: list[int]) -> str:
+    import grpc
+
+    from tito.v1 import derender_pb2, derender_pb2_grpc
+
+    with grpc.insecure_channel(addresses["derender"]) as channel:
+        return derender_pb2_grpc.DerenderServiceStub(channel).Detokenize(derender_pb2.DetokenizeRequest(
+            token_ids=token_ids, skip_special_tokens=False), timeout=10).text
 
 
 def _engine_load(addresses) -> engine_pb2.GetLoadResponse:

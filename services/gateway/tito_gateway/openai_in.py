@@ -36,13 +36,12 @@ REFUSED = {
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
     "reasoning_effort": "set the template's thinking switch with chat_template_kwargs",
-    "echo": "echo is not supported",
     "suffix": "suffix is not supported",
     "best_of": "best_of is not supported (use n)",
 }
 
 #: Values of refused parameters that ask for nothing (OpenAI's defaults), accepted like null.
-NO_OPS = {"echo": False, "best_of": 1, "logit_bias": {}, "suffix": "", "parallel_tool_calls": True}
+NO_OPS = {"best_of": 1, "logit_bias": {}, "suffix": "", "parallel_tool_calls": True}
 
 SAMPLING_COMMON = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
@@ -55,7 +54,9 @@ COMMON = ("model", "stream", "stream_options", "cache_salt", *UNUSED, *SAMPLING_
 CHAT_PARAMETERS = frozenset((*COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                              "tool_choice", "parallel_tool_calls", "response_format", "chat_template_kwargs",
                              "chat_template", "add_generation_prompt", "continue_final_message"))
-COMPLETION_PARAMETERS = frozenset((*COMMON, "prompt", "logprobs", "add_special_tokens"))
+COMPLETION_PARAMETERS = frozenset((*COMMON, "prompt", "logprobs", "add_special_tokens", "echo"))
+#: Most prompts one completion request may hold (vLLM's default VLLM_MAX_COMPLETION_PROMPTS).
+MAX_COMPLETION_PROMPTS = 1024
 
 
 def unsupported(param: str, why: str) -> InvalidArgument:
@@ -101,15 +102,33 @@ class ChatCall:
     stream: StreamOptions
     logprobs: bool
 
+    def set_request_id(self, request_id: str) -> None:
+        self.request.request_id = request_id
+
 
 @dataclass(frozen=True)
 class CompletionCall:
-    """A completion request, parsed."""
+    """A completion request, parsed: one render request per prompt, in the body's order."""
 
     model: str
-    request: render_pb2.RenderCompletionRequest
+    requests: tuple[render_pb2.RenderCompletionRequest, ...]
     stream: StreamOptions
     logprobs: int | None  # the legacy API's top-k count; None: no logprobs
+    echo: bool = False  # each choice's text starts with its prompt's text
+
+    @property
+    def n(self) -> int:
+        """Choices per prompt."""
+        return max(1, self.requests[0].sampling.n)
+
+    def set_request_id(self, request_id: str) -> None:
+        """The request's id; with several prompts, prompt i's is `<id>-<i>` (as vLLM names them),
+        so each engine request has its own."""
+        if len(self.requests) == 1:
+            self.requests[0].request_id = request_id
+            return
+        for index, request in enumerate(self.requests):
+            request.request_id = f"{request_id}-{index}"
 
 
 class Body:
@@ -500,27 +519,50 @@ def parse_completion(values: dict[str, Any], served_model: str) -> CompletionCal
     body = Body(values, COMPLETION_PARAMETERS)
     model = check_model(body, served_model)
     stream = _stream_options(body)
-    request = render_pb2.RenderCompletionRequest()
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        request.prompt = prompt
-    elif isinstance(prompt, list) and all(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
-        request.prompt_token_ids.extend(_integer(item, f"prompt[{i}]", 0, UINT32_MAX) for i, item in enumerate(prompt))
-    elif isinstance(prompt, list) and prompt and all(isinstance(item, (str, list)) for item in prompt):
-        raise unsupported("prompt", "a batch of several prompts: send one request per prompt")
-    else:
-        raise invalid("prompt", "is required: a string or an array of token ids" if prompt is None
-                      else f"must be a string or an array of token ids, not {_kind(prompt)}")
+    template = render_pb2.RenderCompletionRequest()
     sampling = _sampling(body)
     logprobs = body.integer("logprobs", 0, 20)
     if logprobs is not None:
         sampling.logprobs = True
         sampling.top_logprobs = logprobs
-    request.sampling.CopyFrom(sampling)
+    template.sampling.CopyFrom(sampling)
     add = body.boolean("add_special_tokens")
     if add is not None:
-        request.add_special_tokens = add
-    _common(body, request)
-    return CompletionCall(model, request, stream, logprobs)
+        template.add_special_tokens = add
+    _common(body, template)
+    echo = bool(body.boolean("echo"))
+    if echo and logprobs is not None:
+        # vLLM answers it with the prompt tokens' logprobs, which tito's engines do not compute.
+        raise unsupported("echo", "echo with logprobs needs the prompt's logprobs, which tito does not compute")
+    requests = []
+    for prompt in _prompts(body.get("prompt")):
+        request = render_pb2.RenderCompletionRequest()
+        request.CopyFrom(template)
+        if isinstance(prompt, str):
+            request.prompt = prompt
+        else:
+            request.prompt_token_ids.extend(prompt)
+        requests.append(request)
+    return CompletionCall(model, tuple(requests), stream, logprobs, echo)
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's `prompt`: a string, an array of token ids, or an array of several prompts (each a
+    string or an array of token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and all(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
+        return [_token_ids(prompt, "prompt")]
+    if isinstance(prompt, list) and prompt and all(isinstance(item, (str, list)) for item in prompt):
+        if len(prompt) > MAX_COMPLETION_PROMPTS:
+            raise invalid("prompt", f"holds {len(prompt)} prompts, more than {MAX_COMPLETION_PROMPTS}")
+        return [item if isinstance(item, str) else _token_ids(item, f"prompt[{i}]") for i, item in enumerate(prompt)]
+    raise invalid("prompt", "is required: a string, an array of token ids, or an array of those" if prompt is None
+                  else "must be a string, an array of token ids, or an array of strings or of token-id arrays, "
+                       f"not {_kind(prompt)}")
+
+
+def _token_ids(values: list, name: str) -> list[int]:
+    if not isinstance(values, list):
+        raise invalid(name, f"must be an array of token ids, not {_kind(values)}")
+    return [_integer(item, f"{name}[{i}]", 0, UINT32_MAX) for i, item in enumerate(values)]

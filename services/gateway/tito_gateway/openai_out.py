@@ -200,8 +200,22 @@ def completion_logprobs(entries, text_offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def text_completion(response_id: str, model: str, assembled: Assembled, logprobs: bool) -> dict:
-    choices = [{"index": choice.index, "text": "".join(choice.content),
+class Echo:
+    """Completions' `echo`: each choice's text starts with its prompt's text (choice i belongs to
+    prompt i // n, as merge numbers them)."""
+
+    def __init__(self, prompt_texts: list[str], n: int) -> None:
+        self.prompt_texts = prompt_texts
+        self.n = n
+
+    def text(self, index: int) -> str:
+        return self.prompt_texts[index // self.n]
+
+
+def text_completion(response_id: str, model: str, assembled: Assembled, logprobs: bool,
+                    echo: Echo | None = None) -> dict:
+    choices = [{"index": choice.index,
+                "text": (echo.text(choice.index) if echo is not None else "") + "".join(choice.content),
                 "logprobs": completion_logprobs(choice.logprobs, 0) if logprobs else None,
                 "finish_reason": choice.finish_reason}
                for choice in assembled.sorted()]
@@ -212,12 +226,14 @@ def text_completion(response_id: str, model: str, assembled: Assembled, logprobs
 class CompletionStream:
     """`text_completion` chunks for one streamed completion request."""
 
-    def __init__(self, response_id: str, model: str, include_usage: bool, logprobs: bool):
+    def __init__(self, response_id: str, model: str, include_usage: bool, logprobs: bool, echo: Echo | None = None):
         self.head = {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": model}
         self.include_usage = include_usage
         self.logprobs = logprobs
         self.usage = UsageTracker()
         self.offsets: dict[int, int] = {}
+        self.echo = echo
+        self.echoed: set[int] = set()  # choices whose first chunk carried the prompt's text
 
     def chunk(self, chunk: derender_pb2.ChatChunk) -> dict | None:
         self.usage.add(chunk)
@@ -226,7 +242,11 @@ class CompletionStream:
             return None
         offset = self.offsets.get(chunk.index, 0)
         self.offsets[chunk.index] = offset + len(chunk.content)
-        choice = {"index": chunk.index, "text": chunk.content,
+        text = chunk.content
+        if self.echo is not None and chunk.index not in self.echoed:
+            self.echoed.add(chunk.index)
+            text = self.echo.text(chunk.index) + text
+        choice = {"index": chunk.index, "text": text,
                   "logprobs": completion_logprobs(chunk.logprobs, offset) if self.logprobs else None,
                   "finish_reason": reason}
         return stream_event(self.head, choice, self.include_usage)

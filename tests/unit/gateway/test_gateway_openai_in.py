@@ -91,7 +91,7 @@ def test_account_parameters_are_accepted_and_not_used():
     assert chat(store=False, service_tier="auto", metadata={}).request == plain
     completion = {"model": MODEL, "prompt": "x"}
     assert parse_completion({**completion, "user": "u1", "metadata": {"team": "a"}, "service_tier": "default",
-                             "store": True}, MODEL).request == parse_completion(completion, MODEL).request
+                             "store": True}, MODEL).requests == parse_completion(completion, MODEL).requests
 
 
 @pytest.mark.parametrize("detail", ["auto", "low", "high"])
@@ -132,18 +132,49 @@ def test_messages_tools_and_formats():
     assert chat(tool_choice="required").request.tool_choice.mode == chat_pb2.TOOL_CHOICE_MODE_REQUIRED
 
 
+def completion(**body):
+    return parse_completion({"model": MODEL, **body}, MODEL)
+
+
 def test_completion_prompts_text_or_token_ids():
-    assert parse_completion({"model": MODEL, "prompt": "hello"}, MODEL).request.prompt == "hello"
-    assert list(parse_completion({"model": MODEL, "prompt": [1, 2, 3]}, MODEL).request.prompt_token_ids) == [1, 2, 3]
-    assert parse_completion({"model": MODEL, "prompt": ["one"]}, MODEL).request.prompt == "one"
-    call = parse_completion({"model": MODEL, "prompt": "x", "logprobs": 3, "echo": False}, MODEL)
-    assert call.logprobs == 3 and call.request.sampling.top_logprobs == 3
+    assert completion(prompt="hello").requests[0].prompt == "hello"
+    assert list(completion(prompt=[1, 2, 3]).requests[0].prompt_token_ids) == [1, 2, 3]
+    assert completion(prompt=["one"]).requests[0].prompt == "one"
+    call = completion(prompt="x", logprobs=3, echo=False)
+    assert call.logprobs == 3 and call.requests[0].sampling.top_logprobs == 3 and not call.echo
+
+
+def test_several_prompts_are_one_render_request_each_with_the_same_options():
+    call = completion(prompt=["a", [5, 6], "c"], n=2, max_tokens=4, seed=1, add_special_tokens=False, cache_salt="s")
+    assert [(r.prompt, list(r.prompt_token_ids)) for r in call.requests] == [("a", []), ("", [5, 6]), ("c", [])]
+    assert all(r.sampling == call.requests[0].sampling and not r.add_special_tokens and r.cache_salt == "s"
+               for r in call.requests)
+    assert call.n == 2
+    call.set_request_id("r")  # each engine request needs its own id: vLLM's <id>-<prompt>
+    assert [r.request_id for r in call.requests] == ["r-0", "r-1", "r-2"]
+    one = completion(prompt="a")
+    one.set_request_id("r")
+    assert one.requests[0].request_id == "r"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": [[1, "a"]]}, "prompt[0][1]"),
+    ({"prompt": ["a", [-1]]}, "prompt[1][0]"),
+    ({"prompt": ["a", 3]}, "prompt"),
+    ({"prompt": ["a"] * 1025}, "prompt"),
+    ({"prompt": "x", "echo": "yes"}, "echo"),
+])
+def test_completion_prompts_that_are_not_prompts_are_named(body, param):
     with pytest.raises(InvalidArgument) as info:
-        parse_completion({"model": MODEL, "prompt": ["a", "b"]}, MODEL)
-    assert info.value.field == "prompt" and info.value.reason == "UNSUPPORTED_PARAMETER"
+        completion(**body)
+    assert (info.value.reason, info.value.field) == ("INVALID_REQUEST", param)
+
+
+def test_echo_is_taken_but_not_with_logprobs_which_would_need_the_prompts_logprobs():
+    assert completion(prompt="x", echo=True).echo
     with pytest.raises(InvalidArgument) as info:
-        parse_completion({"model": MODEL, "prompt": "x", "echo": True}, MODEL)
-    assert info.value.field == "echo"
+        completion(prompt="x", echo=True, logprobs=1)
+    assert (info.value.reason, info.value.field) == ("UNSUPPORTED_PARAMETER", "echo")
 
 
 @pytest.mark.parametrize("body", [b"", b"{", b"[1]", b'"x"', b'{"a": NaN}', b"\xff\xfe", b"[" * 100000])

@@ -71,3 +71,29 @@ def test_completion_logprobs_in_the_legacy_shape():
     assert openai_out.completion_logprobs([entry, entry], 3) == {
         "tokens": ["ab", "ab"], "token_logprobs": [-0.5, -0.5], "top_logprobs": [{"ab": -0.5, "c": -1.0}] * 2,
         "text_offset": [3, 5]}
+
+
+def completion_chunks():
+    """Prompt 0's choices 0 and 1, prompt 1's choices 2 and 3 (n = 2), as merge numbers them."""
+    return [derender_pb2.ChatChunk(index=2, content=" world"), derender_pb2.ChatChunk(index=0, content=" there"),
+            derender_pb2.ChatChunk(index=1, finish_reason=LENGTH), derender_pb2.ChatChunk(index=3, content="!"),
+            derender_pb2.ChatChunk(index=0, content=".", finish_reason=STOP),
+            derender_pb2.ChatChunk(index=2, finish_reason=STOP), derender_pb2.ChatChunk(index=3, finish_reason=STOP)]
+
+
+def test_echo_starts_each_choice_with_its_prompts_text_whole_and_streamed():
+    echo = openai_out.Echo(["Hi", "Hello"], n=2)
+    assembled = openai_out.Assembled()
+    for chunk in completion_chunks():
+        assembled.add(chunk)
+    body = openai_out.text_completion("cmpl-x", "m", assembled, logprobs=False, echo=echo)
+    expected = ["Hi there.", "Hi", "Hello world", "Hello!"]
+    assert [choice["text"] for choice in body["choices"]] == expected
+    stream = openai_out.CompletionStream("cmpl-x", "m", include_usage=False, logprobs=False, echo=echo)
+    texts: dict[int, str] = {}
+    for chunk in completion_chunks():
+        event = stream.chunk(chunk)
+        if event is not None:
+            texts[event["choices"][0]["index"]] = texts.get(event["choices"][0]["index"], "") + \
+                event["choices"][0]["text"]
+    assert [texts[index] for index in range(4)] == expected
