@@ -110,8 +110,8 @@ def test_health_and_metrics(stack, client):
 @pytest.mark.parametrize("extra, param", [
     ({"logit_bias": {"1": 5}}, "logit_bias"),
     ({"no_such_parameter": 1}, "no_such_parameter"),
-    ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}, "stream": True},
-     "stream_options.continuous_usage_stats"),
+    ({"stream_options": {"include_usage": True, "include_obfuscation": True}, "stream": True},
+     "stream_options.include_obfuscation"),
 ])
 def test_an_unsupported_parameter_is_a_400_naming_it(client, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
@@ -307,6 +307,29 @@ def test_several_prompts_with_n_choices_each_and_echo(stack, client):
             texts[choice.index] += choice.text
     assert [texts[index] for index in range(4)] == echoed
     assert streamed[-1].usage.total_tokens == both.usage.total_tokens
+
+
+def test_continuous_usage_stats_put_usage_on_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats: each chunk counts the prompt and its choice's
+    tokens so far; the role chunks come first (no token yet), the usage chunk last."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    hi = [{"role": "user", "content": "Hello! What can you do?"}]
+    chat = list(client.chat.completions.create(model=MODEL, messages=hi, n=2, max_tokens=12, temperature=0,
+                                               stream=True, stream_options=options, extra_body=NO_THINKING))
+    assert all(chunk.usage is not None for chunk in chat)
+    *chunks, last = chat
+    assert [(c.choices[0].delta.role, c.usage.completion_tokens) for c in chunks[:2]] == [("assistant", 0)] * 2
+    per_choice = {0: 0, 1: 0}
+    for chunk in chunks:
+        assert chunk.usage.prompt_tokens == last.usage.prompt_tokens
+        assert chunk.usage.completion_tokens >= per_choice[chunk.choices[0].index]  # counts only grow
+        per_choice[chunk.choices[0].index] = chunk.usage.completion_tokens
+    assert last.choices == [] and sum(per_choice.values()) == last.usage.completion_tokens
+    prompts = list(client.completions.create(model=MODEL, prompt=["Hello", "Hi there"], max_tokens=4, temperature=0,
+                                             stream=True, stream_options=options))
+    finals = {c.choices[0].index: c.usage for c in prompts if c.choices and c.choices[0].finish_reason}
+    assert sorted(finals) == [0, 1] and finals[0].prompt_tokens != finals[1].prompt_tokens  # each prompt's own
+    assert sum(u.prompt_tokens for u in finals.values()) == prompts[-1].usage.prompt_tokens
 
 
 def _detokenized(addresses, token_ids: list[int]) -> str:

@@ -202,8 +202,9 @@ class Gateway:
 
     async def _whole(self, request: Request, endpoint: str, call, response_id: str, chunks_of, started: float,
                      headers: dict[str, str]) -> Response:
-        assembled = openai_out.Assembled()
-        echo = await self._echo(call) if endpoint == "completions" else None
+        completions = endpoint == "completions"
+        assembled = openai_out.Assembled(call.n if completions else None)
+        echo = await self._echo(call) if completions else None
 
         async def collect() -> None:
             async for chunk in chunks_of(call):
@@ -230,16 +231,20 @@ class Gateway:
 
     async def _stream(self, request: Request, endpoint: str, call, response_id: str, chunks_of, started: float,
                       headers: dict[str, str]) -> Response:
+        usage = openai_out.StreamUsage(call.stream.include_usage, call.stream.continuous_usage)
         if endpoint == "chat":
-            shape = openai_out.ChatStream(response_id, call.model, call.stream.include_usage, call.logprobs)
+            shape = openai_out.ChatStream(response_id, call.model, usage, call.logprobs)
         else:
-            shape = openai_out.CompletionStream(response_id, call.model, call.stream.include_usage,
-                                                call.logprobs is not None, await self._echo(call))
+            shape = openai_out.CompletionStream(response_id, call.model, usage, call.logprobs is not None, call.n,
+                                                await self._echo(call))
         # A chat's stream starts when the engine's first token arrives, with each choice's role
         # chunk (as vLLM's server starts it on the engine's first output), before derender has
-        # turned the token into text; a completion's with its first text. Errors before then are
-        # HTTP statuses, later ones are reported in the stream.
-        generating = asyncio.get_running_loop().create_future() if endpoint == "chat" else None
+        # turned the token into text; a completion's with its first text. With continuous usage
+        # stats the role chunks carry the prompt's token count, which derender's first chunk
+        # brings: the chat's stream then starts there. Errors before the stream starts are HTTP
+        # statuses, later ones are reported in the stream.
+        roles_on_first_token = endpoint == "chat" and not call.stream.continuous_usage
+        generating = asyncio.get_running_loop().create_future() if roles_on_first_token else None
         chunks = chunks_of(call, on_generating=None if generating is None else lambda: generating.set_result(None))
         first = asyncio.ensure_future(_next_or_none(chunks))
         try:
@@ -251,15 +256,15 @@ class Gateway:
             await _close(first, chunks)
             raise
         self.metrics.ttft.labels(endpoint).observe(time.monotonic() - started)
-        roles = max(1, call.request.sampling.n) if generating is not None and generating.done() else 0
-        return StreamingResponse(self._events(endpoint, shape, roles, first, chunks, started),
+        opening = _role_chunks(endpoint, call, shape, generating, first)
+        return StreamingResponse(self._events(endpoint, shape, opening, first, chunks, started),
                                  media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
 
-    async def _events(self, endpoint: str, shape, roles: int, first: asyncio.Future, chunks: AsyncIterator,
+    async def _events(self, endpoint: str, shape, opening: list[dict], first: asyncio.Future, chunks: AsyncIterator,
                       started: float) -> AsyncIterator[bytes]:
         status = "200"
         try:
-            for event in shape.roles(roles) if roles else ():
+            for event in opening:
                 yield b"data: " + dumps(event) + b"\n\n"
             chunk = await first
             if chunk is not None:
@@ -347,6 +352,20 @@ class Gateway:
             Route("/metrics", self.prometheus, methods=["GET"]),
         ]
         return Starlette(routes=routes, exception_handlers={HTTPException: http_error, ClientDisconnect: client_gone})
+
+
+def _role_chunks(endpoint: str, call, shape, generating: asyncio.Future | None, first: asyncio.Future) -> list[dict]:
+    """The role chunks a chat's stream opens with: when the engine's first token arrived, or with
+    continuous usage stats when derender's first chunk did (its usage counts the prompt). None for
+    a completion, or when the stream ended or its first chunk came first: derender's chunks then
+    carry the role."""
+    if endpoint != "chat":
+        return []
+    n = max(1, call.request.sampling.n)
+    if generating is not None and generating.done():
+        return shape.roles(n)
+    head = first.result() if generating is None and first.done() else None
+    return shape.roles(n, head.usage.prompt_tokens) if head is not None else []
 
 
 async def _next_or_none(chunks: AsyncIterator):

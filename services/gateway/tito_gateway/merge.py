@@ -3,8 +3,8 @@
 that reads like a single request's.
 
 Domain code: no HTTP here. Choice `i` of prompt `p` becomes choice `p * n + i` (vLLM's numbering:
-prompt 0's n choices, then prompt 1's, ...), and a final chunk's usage counts every prompt's
-finished choices, as one stream's final chunks count its own (openai_out.UsageTracker reads it so).
+prompt 0's n choices, then prompt 1's, ...); each chunk's usage stays its prompt's, and
+openai_out.UsageTracker adds the prompts up (it finds a choice's prompt as index // n).
 """
 
 from __future__ import annotations
@@ -12,31 +12,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from tito.v1 import derender_pb2, engine_pb2
+from tito.v1 import derender_pb2
 
 #: Chunks read ahead of the client per request; past that each prompt's stream waits (backpressure).
 QUEUE_CHUNKS = 256
 
 
-class PromptUsage:
-    """Each prompt's usage so far (its latest final chunk), and their sum."""
-
-    def __init__(self, prompts: int) -> None:
-        self.latest = [engine_pb2.Usage() for _ in range(prompts)]
-
-    def add(self, prompt: int, usage: engine_pb2.Usage) -> engine_pb2.Usage:
-        """Take `prompt`'s latest usage; the request's total so far."""
-        self.latest[prompt].CopyFrom(usage)
-        return engine_pb2.Usage(prompt_tokens=sum(u.prompt_tokens for u in self.latest),
-                                completion_tokens=sum(u.completion_tokens for u in self.latest),
-                                cached_tokens=sum(u.cached_tokens for u in self.latest))
-
-
-def renumber(chunk: derender_pb2.ChatChunk, prompt: int, n: int, usage: PromptUsage) -> derender_pb2.ChatChunk:
+def renumber(chunk: derender_pb2.ChatChunk, prompt: int, n: int) -> derender_pb2.ChatChunk:
     """`chunk` of prompt `prompt`'s stream as a chunk of the merged one."""
     chunk.index += prompt * n
-    if chunk.finish_reason and chunk.HasField("usage"):
-        chunk.usage.CopyFrom(usage.add(prompt, chunk.usage))
     return chunk
 
 
@@ -51,7 +35,6 @@ async def _merged(streams: list[AsyncIterator[derender_pb2.ChatChunk]], n: int
                   ) -> AsyncIterator[derender_pb2.ChatChunk]:
     queue: asyncio.Queue = asyncio.Queue(QUEUE_CHUNKS)
     pumps = [asyncio.ensure_future(_pump(prompt, stream, queue)) for prompt, stream in enumerate(streams)]
-    usage = PromptUsage(len(streams))
     try:
         running = len(streams)
         while running:
@@ -61,7 +44,7 @@ async def _merged(streams: list[AsyncIterator[derender_pb2.ChatChunk]], n: int
             if chunk is None:
                 running -= 1
                 continue
-            yield renumber(chunk, prompt, n, usage)
+            yield renumber(chunk, prompt, n)
     finally:
         for pump in pumps:
             pump.cancel()

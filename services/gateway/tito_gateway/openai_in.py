@@ -91,6 +91,8 @@ def _kind(value: Any) -> str:
 class StreamOptions:
     stream: bool
     include_usage: bool
+    #: vLLM's continuous_usage_stats: each chunk's own usage too (only with include_usage, as in vLLM)
+    continuous_usage: bool = False
 
 
 @dataclass(frozen=True)
@@ -237,15 +239,16 @@ def check_model(body: Body, served: str) -> str:
 def _stream_options(body: Body) -> StreamOptions:
     stream = bool(body.boolean("stream"))
     options = body.obj("stream_options")
-    include_usage = False
-    if options is not None:
-        if not stream:
-            raise invalid("stream_options", "is only allowed with stream: true")
-        for key in options:
-            if key != "include_usage":
-                raise unsupported(f"stream_options.{key}", "unknown stream option")
-        include_usage = bool(_boolean(options.get("include_usage"), "stream_options.include_usage"))
-    return StreamOptions(stream, include_usage)
+    if options is None:
+        return StreamOptions(stream, False)
+    if not stream:
+        raise invalid("stream_options", "is only allowed with stream: true")
+    for key in options:
+        if key not in ("include_usage", "continuous_usage_stats"):
+            raise unsupported(f"stream_options.{key}", "unknown stream option")
+    include_usage = bool(_boolean(options.get("include_usage"), "stream_options.include_usage"))
+    continuous = bool(_boolean(options.get("continuous_usage_stats"), "stream_options.continuous_usage_stats"))
+    return StreamOptions(stream, include_usage, include_usage and continuous)
 
 
 def _sampling(body: Body, max_tokens_name: str = "max_tokens") -> render_pb2.SamplingOptions:
@@ -357,6 +360,7 @@ def parse_chat(values: dict[str, Any], served_model: str) -> ChatCall:
     if add is not None:
         request.add_generation_prompt = add
     request.continue_final_message = bool(body.boolean("continue_final_message"))
+    request.usage_in_every_chunk = stream.continuous_usage
     _common(body, request)
     return ChatCall(model, request, stream, logprobs)
 
@@ -529,6 +533,7 @@ def parse_completion(values: dict[str, Any], served_model: str) -> CompletionCal
     add = body.boolean("add_special_tokens")
     if add is not None:
         template.add_special_tokens = add
+    template.usage_in_every_chunk = stream.continuous_usage
     _common(body, template)
     echo = bool(body.boolean("echo"))
     if echo and logprobs is not None:

@@ -42,7 +42,7 @@ async def collect(streams, n):
     return [chunk async for chunk in merged([stream.run() for stream in streams], n)]
 
 
-def test_choices_are_numbered_prompt_by_prompt_and_usage_adds_up_over_prompts():
+def test_choices_are_numbered_prompt_by_prompt():
     first = Stream([derender_pb2.ChatChunk(index=1, content="b"), final(1, 3, 2),
                     derender_pb2.ChatChunk(index=0, content="a"), final(0, 3, 5)])
     second = Stream([derender_pb2.ChatChunk(index=0, content="c"), final(0, 4, 1), final(1, 4, 3)])
@@ -51,8 +51,7 @@ def test_choices_are_numbered_prompt_by_prompt_and_usage_adds_up_over_prompts():
     for chunk in chunks:
         by_choice[chunk.index] = by_choice.get(chunk.index, "") + chunk.content
     assert by_choice == {0: "a", 1: "b", 2: "c", 3: ""}  # vLLM's numbering: prompt * n + choice
-    last = [chunk for chunk in chunks if chunk.finish_reason][-1]
-    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.cached_tokens) == (7, 8, 2)
+    assert sorted(chunk.index for chunk in chunks if chunk.finish_reason) == [0, 1, 2, 3]
 
 
 def test_one_stream_is_passed_through_as_it_is():

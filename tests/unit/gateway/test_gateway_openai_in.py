@@ -46,7 +46,7 @@ def test_null_means_not_given():
     ({"messages": [{"role": "user", "content": "Hi", "refusal": "no"}]}, "messages[0].refusal"),
     ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
      "messages[0].content[0].type"),
-    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+    ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
 ])
 def test_unsupported_parameters_are_named(body, param):
     with pytest.raises(InvalidArgument) as info:
@@ -66,6 +66,7 @@ def test_unsupported_parameters_are_named(body, param):
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": 1}}, "stream_options.continuous_usage_stats"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": 1}}]}, "tools[0].function.strict"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": "object"}}},
@@ -100,6 +101,18 @@ def test_image_detail_is_accepted_and_left_to_the_models_processor(detail):
     call = chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url,
                                                                                          "detail": detail}}]}])
     assert call.request.messages[0].content_parts[0] == chat_pb2.ContentPart(image=chat_pb2.ImageSource(url=url))
+
+
+@pytest.mark.parametrize("options, continuous", [
+    ({"include_usage": True, "continuous_usage_stats": True}, True),
+    ({"continuous_usage_stats": True}, False),  # as vLLM: usage on every chunk only with include_usage
+    ({"include_usage": True, "continuous_usage_stats": False}, False),
+])
+def test_continuous_usage_stats_asks_derender_for_usage_in_every_chunk(options, continuous):
+    call = chat(stream=True, stream_options=options)
+    assert call.stream.continuous_usage == continuous and call.request.usage_in_every_chunk == continuous
+    several = completion(prompt=["a", "b"], stream=True, stream_options=options)
+    assert [r.usage_in_every_chunk for r in several.requests] == [continuous] * 2
 
 
 def test_the_model_must_be_the_served_one():
