@@ -145,6 +145,20 @@ def test_errors_keep_the_contracts_reason_and_status(client):
     assert client.chat.completions.create(model=MODEL, messages=hi, max_tokens=4).choices[0].finish_reason
 
 
+def test_what_sdks_send_beyond_the_answer_is_served(client):
+    """A `developer` message (the demo template has no such role: it is the system prompt, as vLLM
+    makes it), and the SDK's account parameters, which change nothing in the answer."""
+    def answer(role: str, **extra):
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": role, "content": "You are tito."},
+                                   {"role": "user", "content": "Hello! What can you do?"}],
+            max_tokens=8, temperature=0, extra_body=NO_THINKING, **extra)
+    as_system = answer("system")
+    as_developer = answer("developer", metadata={"team": "docs"}, store=True, service_tier="auto", user="u-1")
+    assert as_developer.choices[0].message.content == as_system.choices[0].message.content
+    assert as_developer.usage.prompt_tokens == as_system.usage.prompt_tokens
+
+
 def test_unknown_endpoint_is_a_404_in_openais_shape(stack):
     _, base = stack
     reply = httpx.get(f"{base}/v1/embeddings", timeout=10)
@@ -170,7 +184,9 @@ def _png_data_url(colour: str) -> str:
 
 
 def test_images_as_data_urls_and_reasoning_in_its_field(client):
-    question = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_data_url("blue")}},
+    # `detail` is accepted and left to the model's processor, as vLLM does.
+    question = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_data_url("blue"),
+                                                                                "detail": "low"}},
                                              {"type": "text", "text": "What colour is this?"}]}]
     whole = client.chat.completions.create(model=MODEL, messages=question, max_tokens=80, temperature=0)
     message = whole.choices[0].message
