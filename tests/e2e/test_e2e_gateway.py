@@ -109,8 +109,8 @@ def test_health_and_metrics(stack, client):
 
 @pytest.mark.parametrize("extra, param", [
     ({"no_such_parameter": 1}, "no_such_parameter"),
-    ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}, "stream": True},
-     "stream_options.continuous_usage_stats"),
+    ({"stream_options": {"include_usage": True, "include_obfuscation": True}, "stream": True},
+     "stream_options.include_obfuscation"),
 ])
 def test_an_unsupported_parameter_is_a_400_naming_it(client, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
@@ -145,6 +145,20 @@ def test_errors_keep_the_contracts_reason_and_status(client):
     assert client.chat.completions.create(model=MODEL, messages=hi, max_tokens=4).choices[0].finish_reason
 
 
+def test_what_sdks_send_beyond_the_answer_is_served(client):
+    """A `developer` message (the demo template has no such role: it is the system prompt, as vLLM
+    makes it), and the SDK's account parameters, which change nothing in the answer."""
+    def answer(role: str, **extra):
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": role, "content": "You are tito."},
+                                   {"role": "user", "content": "Hello! What can you do?"}],
+            max_tokens=8, temperature=0, extra_body=NO_THINKING, **extra)
+    as_system = answer("system")
+    as_developer = answer("developer", metadata={"team": "docs"}, store=True, service_tier="auto", user="u-1")
+    assert as_developer.choices[0].message.content == as_system.choices[0].message.content
+    assert as_developer.usage.prompt_tokens == as_system.usage.prompt_tokens
+
+
 def test_unknown_endpoint_is_a_404_in_openais_shape(stack):
     _, base = stack
     reply = httpx.get(f"{base}/v1/embeddings", timeout=10)
@@ -170,7 +184,9 @@ def _png_data_url(colour: str) -> str:
 
 
 def test_images_as_data_urls_and_reasoning_in_its_field(client):
-    question = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_data_url("blue")}},
+    # `detail` is accepted and left to the model's processor, as vLLM does.
+    question = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_data_url("blue"),
+                                                                                "detail": "low"}},
                                              {"type": "text", "text": "What colour is this?"}]}]
     whole = client.chat.completions.create(model=MODEL, messages=question, max_tokens=80, temperature=0)
     message = whole.choices[0].message
@@ -220,6 +236,7 @@ def test_tools_and_tool_choice_whole_and_streamed(client):
         model=MODEL, messages=[{"role": "user", "content": "Hello!"}], tools=[demo.WEATHER_TOOL], max_tokens=60,
         tool_choice={"type": "function", "function": {"name": "get_weather"}}, extra_body=NO_THINKING)
     assert named.choices[0].message.tool_calls[0].function.name == "get_weather"
+    assert named.choices[0].finish_reason == "stop"  # OpenAI's and vLLM's rule for a named function
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=question, tools=[demo.WEATHER_TOOL],
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
@@ -283,9 +300,62 @@ def test_completions_of_text_and_token_id_prompts(stack, client):
     assert streamed[-1].usage.completion_tokens == whole.usage.completion_tokens
     ids = client.completions.create(model=MODEL, prompt=[1, 2, 3, 4], max_tokens=4, temperature=0)
     assert ids.usage.prompt_tokens == 4 and ids.choices[0].finish_reason
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt="Hello", echo=True)
-    assert info.value.param == "echo"
+
+
+def test_several_prompts_with_n_choices_each_and_echo(stack, client):
+    """As vLLM answers it: one choice list, prompt 0's n choices first; echo puts each prompt's
+    text (a token-id prompt decoded, special tokens kept) before its choices' texts."""
+    addresses, _ = stack
+    prompts, n = ["Hello", [1, 2, 3, 4]], 2
+    alone = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0) for prompt in prompts]
+    both = client.completions.create(model=MODEL, prompt=prompts, n=n, max_tokens=6, temperature=0, echo=True)
+    decoded = _detokenized(addresses, prompts[1])
+    echoed = [prompts[0] + alone[0].choices[0].text] * n + [decoded + alone[1].choices[0].text] * n
+    assert [choice.index for choice in both.choices] == [0, 1, 2, 3]
+    assert [choice.text for choice in both.choices] == echoed
+    assert both.usage.prompt_tokens == sum(answer.usage.prompt_tokens for answer in alone)
+    assert both.usage.completion_tokens == n * sum(answer.usage.completion_tokens for answer in alone)
+    streamed = list(client.completions.create(model=MODEL, prompt=prompts, n=n, max_tokens=6, temperature=0,
+                                              echo=True, stream=True, stream_options={"include_usage": True}))
+    texts = {index: "" for index in range(4)}
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert [texts[index] for index in range(4)] == echoed
+    assert streamed[-1].usage.total_tokens == both.usage.total_tokens
+
+
+def test_continuous_usage_stats_put_usage_on_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats: each chunk counts the prompt and its choice's
+    tokens so far; the role chunks come first (no token yet), the usage chunk last."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    hi = [{"role": "user", "content": "Hello! What can you do?"}]
+    chat = list(client.chat.completions.create(model=MODEL, messages=hi, n=2, max_tokens=12, temperature=0,
+                                               stream=True, stream_options=options, extra_body=NO_THINKING))
+    assert all(chunk.usage is not None for chunk in chat)
+    *chunks, last = chat
+    assert [(c.choices[0].delta.role, c.usage.completion_tokens) for c in chunks[:2]] == [("assistant", 0)] * 2
+    per_choice = {0: 0, 1: 0}
+    for chunk in chunks:
+        assert chunk.usage.prompt_tokens == last.usage.prompt_tokens
+        assert chunk.usage.completion_tokens >= per_choice[chunk.choices[0].index]  # counts only grow
+        per_choice[chunk.choices[0].index] = chunk.usage.completion_tokens
+    assert last.choices == [] and sum(per_choice.values()) == last.usage.completion_tokens
+    prompts = list(client.completions.create(model=MODEL, prompt=["Hello", "Hi there"], max_tokens=4, temperature=0,
+                                             stream=True, stream_options=options))
+    finals = {c.choices[0].index: c.usage for c in prompts if c.choices and c.choices[0].finish_reason}
+    assert sorted(finals) == [0, 1] and finals[0].prompt_tokens != finals[1].prompt_tokens  # each prompt's own
+    assert sum(u.prompt_tokens for u in finals.values()) == prompts[-1].usage.prompt_tokens
+
+
+def _detokenized(addresses, token_ids: list[int]) -> str:
+    import grpc
+
+    from tito.v1 import derender_pb2, derender_pb2_grpc
+
+    with grpc.insecure_channel(addresses["derender"]) as channel:
+        return derender_pb2_grpc.DerenderServiceStub(channel).Detokenize(derender_pb2.DetokenizeRequest(
+            token_ids=token_ids, skip_special_tokens=False), timeout=10).text
 
 
 def test_logit_bias_forces_a_token_on_chats_and_completions_and_out_of_vocabulary_is_a_400(client, demo_model):

@@ -112,7 +112,9 @@ def test_a_strict_tool_calls_arguments_validate(pipeline, tool_choice):
     tools = [weather] if tool_choice.WhichOneof("choice") == "mode" else [weather, other]
     # parallel_tool_calls false: exactly one call (with it true a random model may go on calling)
     _, calls, finish = run(pipeline, chat(tools=tools, tool_choice=tool_choice, parallel_tool_calls=False))
-    assert finish == engine_pb2.FINISH_REASON_TOOL_CALLS
+    # OpenAI's rule: a named function's forced call ends with stop, a required one with tool_calls.
+    named = tool_choice.WhichOneof("choice") == "function_name"
+    assert finish == (engine_pb2.FINISH_REASON_STOP if named else engine_pb2.FINISH_REASON_TOOL_CALLS)
     assert [call["name"] for call in calls.values()] == ["get_weather"]
     jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER_PARAMS)
 
@@ -158,7 +160,7 @@ def test_a_reasoning_turn_reasons_freely_then_calls_the_named_tool(pipeline, see
                    sampling=render_pb2.SamplingOptions(max_tokens=700, temperature=1.0, seed=seed))
     chunks = list(pipeline.stream_chat(request))
     _, calls, finish = run_chunks(chunks)
-    assert finish == engine_pb2.FINISH_REASON_TOOL_CALLS
+    assert finish == engine_pb2.FINISH_REASON_STOP  # a named function's call ends with stop
     assert "".join(c.reasoning_content for c in chunks).strip()
     assert [call["name"] for call in calls.values()] == ["get_weather"]
     jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER_PARAMS)

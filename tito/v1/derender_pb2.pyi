@@ -11,7 +11,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DerenderContext(_message.Message):
-    __slots__ = ("request_id", "prompt_tail_token_ids", "prompt_tokens", "text_options", "reasoning_parser", "tool_parser", "tools", "tool_choice", "thinking_enabled", "prompt_opens_reasoning", "n", "logprobs")
+    __slots__ = ("request_id", "prompt_tail_token_ids", "prompt_tokens", "text_options", "reasoning_parser", "tool_parser", "tools", "tool_choice", "thinking_enabled", "prompt_opens_reasoning", "n", "logprobs", "usage_in_every_chunk")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TAIL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class DerenderContext(_message.Message):
     PROMPT_OPENS_REASONING_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_IN_EVERY_CHUNK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tail_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_tokens: int
@@ -36,7 +37,8 @@ class DerenderContext(_message.Message):
     prompt_opens_reasoning: bool
     n: int
     logprobs: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tail_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., text_options: _Optional[_Union[_sampling_pb2.OutputTextOptions, _Mapping]] = ..., reasoning_parser: _Optional[str] = ..., tool_parser: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[_chat_pb2.Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_chat_pb2.ToolChoice, _Mapping]] = ..., thinking_enabled: _Optional[bool] = ..., prompt_opens_reasoning: _Optional[bool] = ..., n: _Optional[int] = ..., logprobs: _Optional[bool] = ...) -> None: ...
+    usage_in_every_chunk: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tail_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., text_options: _Optional[_Union[_sampling_pb2.OutputTextOptions, _Mapping]] = ..., reasoning_parser: _Optional[str] = ..., tool_parser: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[_chat_pb2.Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_chat_pb2.ToolChoice, _Mapping]] = ..., thinking_enabled: _Optional[bool] = ..., prompt_opens_reasoning: _Optional[bool] = ..., n: _Optional[int] = ..., logprobs: _Optional[bool] = ..., usage_in_every_chunk: _Optional[bool] = ...) -> None: ...
 
 class DerenderRequest(_message.Message):
     __slots__ = ("context", "generate_response")

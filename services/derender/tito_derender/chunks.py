@@ -25,14 +25,16 @@ class ChunkBuilder:
         self._role_sent = True
         return ASSISTANT
 
-    def delta(self, delta: OutputDelta, logprobs: tuple[TokenLogprobText, ...] = ()) -> Chunk | None:
+    def delta(self, delta: OutputDelta, logprobs: tuple[TokenLogprobText, ...] = (),
+              usage: Usage | None = None) -> Chunk | None:
         """A content chunk, or None when the delta is empty (nothing worth a message; logprobs of
-        tokens whose text is still held back wait for the chunk that carries it)."""
+        tokens whose text is still held back wait for the chunk that carries it). `usage`: the
+        choice's so far, when every chunk carries it."""
         if delta.is_empty():
             return None
         return Chunk(index=self.index, role=self._role(), content=delta.content,
                      reasoning_content=delta.reasoning_content, tool_calls=tuple(delta.tool_calls),
-                     logprobs=logprobs)
+                     logprobs=logprobs, usage=usage)
 
     def final(self, delta: OutputDelta, finish_reason: FinishReason, matched_stop: str, usage: Usage,
               cancel_generation: bool = False, logprobs: tuple[TokenLogprobText, ...] = ()) -> Chunk:

@@ -109,6 +109,7 @@ def context_from_proto(context: derender_pb2.DerenderContext) -> RequestContext:
         prompt_opens_reasoning=context.prompt_opens_reasoning,
         n=context.n,
         logprobs=context.logprobs,
+        usage_in_every_chunk=context.usage_in_every_chunk,
     )
 
 

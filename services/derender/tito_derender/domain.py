@@ -52,6 +52,8 @@ class RequestContext:
     prompt_opens_reasoning: bool = False
     n: int = 1
     logprobs: bool = False
+    #: Every chunk carries usage (a choice's other chunks: the prompt and its tokens so far).
+    usage_in_every_chunk: bool = False
 
 
 @dataclass(frozen=True)

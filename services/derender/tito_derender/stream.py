@@ -26,7 +26,7 @@ from tito_derender.chunks import ChunkBuilder
 from tito_derender.detokenizer import IncrementalDetokenizer
 from tito_derender.domain import (
     Chunk, EngineOutput, FinishReason, OutputDelta, PositionLogprobs, RequestContext, TokenLogprobText,
-    TopLogprobText, Usage)
+    ToolChoiceMode, TopLogprobText, Usage)
 from tito_derender.parsers import reasoning_parser_for, tool_stage_for, validate_parser_names
 from tito_derender.stops import StopMatch, StopStringMatcher
 from tito_derender.tokenizer import TextTokenizer
@@ -135,17 +135,24 @@ class ChoicePipeline:
                 self.finish_reason = output.finish_reason
                 if stopped_by_token:
                     self.matched_stop = self._tokenizer.token_text(output.matched_stop_token_id)
-            if self.finish_reason == FinishReason.STOP and self._tools is not None and self._tools.calls_made:
+            if self._ended_by_calls():
                 self.finish_reason = FinishReason.TOOL_CALLS
         return delta, final
+
+    def _ended_by_calls(self) -> bool:
+        """Whether the choice's finish reason is `tool_calls`: it stopped normally after calls the
+        model chose to make (tool_choice auto or required). A call forced by a named tool_choice
+        ends with `stop`, as OpenAI's API and vLLM's serving_chat end it."""
+        return (self.finish_reason == FinishReason.STOP and self._tools is not None and self._tools.calls_made > 0
+                and self._context.tool_choice != ToolChoiceMode.NAMED)
 
     @property
     def tool_parser(self):
         """The choice's ToolParser (its call counts), or None when tool calls are not parsed."""
         return self._tools.parser if self._tools is not None else None
 
-    def content_chunk(self, delta: OutputDelta) -> Chunk | None:
-        chunk = self._chunks.delta(delta, tuple(self._logprobs))
+    def content_chunk(self, delta: OutputDelta, usage: Usage | None = None) -> Chunk | None:
+        chunk = self._chunks.delta(delta, tuple(self._logprobs), usage)
         if chunk is not None:
             self._logprobs.clear()
         return chunk
@@ -263,7 +270,7 @@ class DerenderStream:
             return []  # the engine had not seen the cancel yet: its later messages are ignored
         delta, final = pipeline.feed(output)
         if not final:
-            chunk = pipeline.content_chunk(delta)
+            chunk = pipeline.content_chunk(delta, self._choice_usage(pipeline))
             return [chunk] if chunk is not None else []
         completion = pipeline.completion_tokens
         if output.usage is not None and not pipeline.stopped_by_string:
@@ -281,6 +288,14 @@ class DerenderStream:
         log.debug("choice %d finished: %s after %d tokens%s", output.index, pipeline.finish_reason.value,
                   completion, " (stop string: caller asked to cancel)" if pipeline.stopped_by_string else "")
         return [pipeline.final_chunk(delta, usage, self._engine_work_is_unwanted())]
+
+    def _choice_usage(self, pipeline: ChoicePipeline) -> Usage | None:
+        """A content chunk's usage when every chunk carries it: the prompt and the choice's tokens so
+        far (vLLM's continuous usage stats count the tokens generated, text held back or not)."""
+        if not self.context.usage_in_every_chunk:
+            return None
+        return Usage(prompt_tokens=self._prompt_tokens, completion_tokens=pipeline.completion_tokens,
+                     cached_tokens=self._cached_tokens)
 
     def _engine_work_is_unwanted(self) -> bool:
         """Whether this final chunk should ask the caller to cancel the engine stream: every

@@ -29,8 +29,8 @@ from starlette.routing import Route
 from tito.errors import (InvalidArgument, NotFound, ResourceExhausted, TitoError, Unauthenticated,
                          Unavailable)
 from tito.logs import bind_request_id
-from tito.v1 import render_pb2
-from tito_gateway import openai_in, openai_out
+from tito.v1 import derender_pb2, render_pb2
+from tito_gateway import merge, openai_in, openai_out
 from tito_gateway.errors import UPSTREAM_ERROR, HttpError, from_exception
 from tito_gateway.observe import CONTENT_TYPE, GatewayMetrics
 from tito_gateway.upstream import Upstream
@@ -132,15 +132,39 @@ class Gateway:
     # -- endpoints --------------------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._completion(request, "chat", openai_in.parse_chat, "chatcmpl-",
-                                      lambda pipeline: pipeline.stream_chat)
+        return await self._completion(request, "chat", openai_in.parse_chat, "chatcmpl-", self._chat_chunks)
 
     async def completions(self, request: Request) -> Response:
         return await self._completion(request, "completions", openai_in.parse_completion, "cmpl-",
-                                      lambda pipeline: pipeline.stream_completion)
+                                      self._completion_chunks)
+
+    def _chat_chunks(self, call: openai_in.ChatCall, on_generating=None) -> AsyncIterator:
+        return self.upstream.pipeline.stream_chat(call.request, on_generating=on_generating)
+
+    def _completion_chunks(self, call: openai_in.CompletionCall, on_generating=None) -> AsyncIterator:
+        """Every prompt's request through the services at once, their chunks as one stream."""
+        pipeline = self.upstream.pipeline
+        return merge.merged([pipeline.stream_completion(request) for request in call.requests], call.n)
+
+    async def _echo(self, call: openai_in.CompletionCall) -> openai_out.Echo | None:
+        """The prompts' texts for `echo`: a text prompt as sent, a token-id prompt decoded as vLLM
+        decodes it (special tokens kept)."""
+        if not call.echo:
+            return None
+        pipeline = self.upstream.pipeline
+        texts = []
+        for request in call.requests:
+            if request.HasField("prompt"):
+                texts.append(request.prompt)
+                continue
+            decoded = await pipeline.derender.Detokenize(
+                derender_pb2.DetokenizeRequest(token_ids=request.prompt_token_ids, skip_special_tokens=False),
+                timeout=pipeline.timeout, metadata=pipeline._metadata)
+            texts.append(decoded.text)
+        return openai_out.Echo(texts, call.n)
 
     async def _completion(self, request: Request, endpoint: str, parse: Callable, prefix: str,
-                          method: Callable) -> Response:
+                          chunks_of: Callable) -> Response:
         started = time.monotonic()
         headers: dict[str, str] = {}
         admitted = False
@@ -156,13 +180,13 @@ class Gateway:
             self.metrics.in_flight.inc()
             admitted = True
             call = parse(openai_in.parse_body(await self.read_body(request)), await self.served_model())
-            call.request.request_id = rid
+            call.set_request_id(rid)
             response_id = prefix + rid
             if call.stream.stream:
-                response = await self._stream(request, endpoint, call, response_id, method, started, headers)
+                response = await self._stream(request, endpoint, call, response_id, chunks_of, started, headers)
                 admitted = False  # the stream releases its slot when it ends
                 return response
-            return await self._whole(request, endpoint, call, response_id, method, started, headers)
+            return await self._whole(request, endpoint, call, response_id, chunks_of, started, headers)
         except ClientDisconnect:  # gone while sending its body
             self.metrics.requests.labels(endpoint, "499").inc()
             return Response(status_code=499)
@@ -178,12 +202,14 @@ class Gateway:
         self.active -= 1
         self.metrics.in_flight.dec()
 
-    async def _whole(self, request: Request, endpoint: str, call, response_id: str, method, started: float,
+    async def _whole(self, request: Request, endpoint: str, call, response_id: str, chunks_of, started: float,
                      headers: dict[str, str]) -> Response:
-        assembled = openai_out.Assembled()
+        completions = endpoint == "completions"
+        assembled = openai_out.Assembled(call.n if completions else None)
+        echo = await self._echo(call) if completions else None
 
         async def collect() -> None:
-            async for chunk in method(self.upstream.pipeline)(call.request):
+            async for chunk in chunks_of(call):
                 assembled.add(chunk)
 
         work = asyncio.ensure_future(collect())
@@ -201,24 +227,27 @@ class Gateway:
         if endpoint == "chat":
             body = openai_out.chat_completion(response_id, call.model, assembled, call.logprobs)
         else:
-            body = openai_out.text_completion(response_id, call.model, assembled, call.logprobs is not None)
+            body = openai_out.text_completion(response_id, call.model, assembled, call.logprobs is not None, echo)
         self._count_finished(endpoint, "200", started, assembled.usage.usage)
         return Response(dumps(body), media_type="application/json", headers=headers)
 
-    async def _stream(self, request: Request, endpoint: str, call, response_id: str, method, started: float,
+    async def _stream(self, request: Request, endpoint: str, call, response_id: str, chunks_of, started: float,
                       headers: dict[str, str]) -> Response:
+        usage = openai_out.StreamUsage(call.stream.include_usage, call.stream.continuous_usage)
         if endpoint == "chat":
-            shape = openai_out.ChatStream(response_id, call.model, call.stream.include_usage, call.logprobs)
+            shape = openai_out.ChatStream(response_id, call.model, usage, call.logprobs)
         else:
-            shape = openai_out.CompletionStream(response_id, call.model, call.stream.include_usage,
-                                                call.logprobs is not None)
+            shape = openai_out.CompletionStream(response_id, call.model, usage, call.logprobs is not None, call.n,
+                                                await self._echo(call))
         # A chat's stream starts when the engine's first token arrives, with each choice's role
         # chunk (as vLLM's server starts it on the engine's first output), before derender has
-        # turned the token into text; a completion's with its first text. Errors before then are
-        # HTTP statuses, later ones are reported in the stream.
-        generating = asyncio.get_running_loop().create_future() if endpoint == "chat" else None
-        chunks = method(self.upstream.pipeline)(
-            call.request, on_generating=None if generating is None else lambda: generating.set_result(None))
+        # turned the token into text; a completion's with its first text. With continuous usage
+        # stats the role chunks carry the prompt's token count, which derender's first chunk
+        # brings: the chat's stream then starts there. Errors before the stream starts are HTTP
+        # statuses, later ones are reported in the stream.
+        roles_on_first_token = endpoint == "chat" and not call.stream.continuous_usage
+        generating = asyncio.get_running_loop().create_future() if roles_on_first_token else None
+        chunks = chunks_of(call, on_generating=None if generating is None else lambda: generating.set_result(None))
         first = asyncio.ensure_future(_next_or_none(chunks))
         try:
             await asyncio.wait((first,) if generating is None else (first, generating),
@@ -229,15 +258,15 @@ class Gateway:
             await _close(first, chunks)
             raise
         self.metrics.ttft.labels(endpoint).observe(time.monotonic() - started)
-        roles = max(1, call.request.sampling.n) if generating is not None and generating.done() else 0
-        return StreamingResponse(self._events(endpoint, shape, roles, first, chunks, started),
+        opening = _role_chunks(endpoint, call, shape, generating, first)
+        return StreamingResponse(self._events(endpoint, shape, opening, first, chunks, started),
                                  media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
 
-    async def _events(self, endpoint: str, shape, roles: int, first: asyncio.Future, chunks: AsyncIterator,
+    async def _events(self, endpoint: str, shape, opening: list[dict], first: asyncio.Future, chunks: AsyncIterator,
                       started: float) -> AsyncIterator[bytes]:
         status = "200"
         try:
-            for event in shape.roles(roles) if roles else ():
+            for event in opening:
                 yield b"data: " + dumps(event) + b"\n\n"
             chunk = await first
             if chunk is not None:
@@ -338,6 +367,20 @@ class Gateway:
             Route("/metrics", self.prometheus, methods=["GET"]),
         ]
         return Starlette(routes=routes, exception_handlers={HTTPException: http_error, ClientDisconnect: client_gone})
+
+
+def _role_chunks(endpoint: str, call, shape, generating: asyncio.Future | None, first: asyncio.Future) -> list[dict]:
+    """The role chunks a chat's stream opens with: when the engine's first token arrived, or with
+    continuous usage stats when derender's first chunk did (its usage counts the prompt). None for
+    a completion, or when the stream ended or its first chunk came first: derender's chunks then
+    carry the role."""
+    if endpoint != "chat":
+        return []
+    n = max(1, call.request.sampling.n)
+    if generating is not None and generating.done():
+        return shape.roles(n)
+    head = first.result() if generating is None and first.done() else None
+    return shape.roles(n, head.usage.prompt_tokens) if head is not None else []
 
 
 async def _next_or_none(chunks: AsyncIterator):

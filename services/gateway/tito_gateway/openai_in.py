@@ -33,27 +33,29 @@ REFUSED = {
     "audio": "audio output is not supported",
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
-    "store": "stored completions are not supported",
-    "metadata": "stored completions are not supported",
-    "service_tier": "service tiers are not supported",
     "web_search_options": "web search is not supported",
     "reasoning_effort": "set the template's thinking switch with chat_template_kwargs",
-    "echo": "echo is not supported",
     "suffix": "suffix is not supported",
     "best_of": "best_of is not supported (use n)",
 }
 
 #: Values of refused parameters that ask for nothing (OpenAI's defaults), accepted like null.
-NO_OPS = {"echo": False, "best_of": 1, "logit_bias": {}, "store": False, "suffix": "", "parallel_tool_calls": True}
+NO_OPS = {"best_of": 1, "suffix": "", "parallel_tool_calls": True}
 
 SAMPLING_COMMON = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
                    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output", "logit_bias")
-COMMON = ("model", "stream", "stream_options", "user", "cache_salt", *SAMPLING_COMMON)
+#: OpenAI parameters about the caller's account, not the answer: type-checked, then not used.
+UNUSED = ("user", "metadata", "service_tier", "store")
+#: OpenAI's service tiers (vLLM takes the same values and ignores them too).
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
+COMMON = ("model", "stream", "stream_options", "cache_salt", *UNUSED, *SAMPLING_COMMON)
 CHAT_PARAMETERS = frozenset((*COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                              "tool_choice", "parallel_tool_calls", "response_format", "chat_template_kwargs",
                              "chat_template", "add_generation_prompt", "continue_final_message"))
-COMPLETION_PARAMETERS = frozenset((*COMMON, "prompt", "logprobs", "add_special_tokens"))
+COMPLETION_PARAMETERS = frozenset((*COMMON, "prompt", "logprobs", "add_special_tokens", "echo"))
+#: Most prompts one completion request may hold (vLLM's default VLLM_MAX_COMPLETION_PROMPTS).
+MAX_COMPLETION_PROMPTS = 1024
 
 
 def unsupported(param: str, why: str) -> InvalidArgument:
@@ -82,6 +84,8 @@ def _kind(value: Any) -> str:
 class StreamOptions:
     stream: bool
     include_usage: bool
+    #: vLLM's continuous_usage_stats: each chunk's own usage too (only with include_usage, as in vLLM)
+    continuous_usage: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,15 +97,33 @@ class ChatCall:
     stream: StreamOptions
     logprobs: bool
 
+    def set_request_id(self, request_id: str) -> None:
+        self.request.request_id = request_id
+
 
 @dataclass(frozen=True)
 class CompletionCall:
-    """A completion request, parsed."""
+    """A completion request, parsed: one render request per prompt, in the body's order."""
 
     model: str
-    request: render_pb2.RenderCompletionRequest
+    requests: tuple[render_pb2.RenderCompletionRequest, ...]
     stream: StreamOptions
     logprobs: int | None  # the legacy API's top-k count; None: no logprobs
+    echo: bool = False  # each choice's text starts with its prompt's text
+
+    @property
+    def n(self) -> int:
+        """Choices per prompt."""
+        return max(1, self.requests[0].sampling.n)
+
+    def set_request_id(self, request_id: str) -> None:
+        """The request's id; with several prompts, prompt i's is `<id>-<i>` (as vLLM names them),
+        so each engine request has its own."""
+        if len(self.requests) == 1:
+            self.requests[0].request_id = request_id
+            return
+        for index, request in enumerate(self.requests):
+            request.request_id = f"{request_id}-{index}"
 
 
 class Body:
@@ -211,15 +233,16 @@ def check_model(body: Body, served: str) -> str:
 def _stream_options(body: Body) -> StreamOptions:
     stream = bool(body.boolean("stream"))
     options = body.obj("stream_options")
-    include_usage = False
-    if options is not None:
-        if not stream:
-            raise invalid("stream_options", "is only allowed with stream: true")
-        for key in options:
-            if key != "include_usage":
-                raise unsupported(f"stream_options.{key}", "unknown stream option")
-        include_usage = bool(_boolean(options.get("include_usage"), "stream_options.include_usage"))
-    return StreamOptions(stream, include_usage)
+    if options is None:
+        return StreamOptions(stream, False)
+    if not stream:
+        raise invalid("stream_options", "is only allowed with stream: true")
+    for key in options:
+        if key not in ("include_usage", "continuous_usage_stats"):
+            raise unsupported(f"stream_options.{key}", "unknown stream option")
+    include_usage = bool(_boolean(options.get("include_usage"), "stream_options.include_usage"))
+    continuous = bool(_boolean(options.get("continuous_usage_stats"), "stream_options.continuous_usage_stats"))
+    return StreamOptions(stream, include_usage, include_usage and continuous)
 
 
 def _sampling(body: Body, max_tokens_name: str = "max_tokens") -> render_pb2.SamplingOptions:
@@ -283,7 +306,22 @@ def _common(body: Body, request) -> None:
     salt = body.string("cache_salt")
     if salt:
         request.cache_salt = salt
-    body.string("user")  # an end-user id for abuse tracking; accepted, not used
+    _check_unused(body)
+
+
+def _check_unused(body: Body) -> None:
+    """`user` (an end-user id for OpenAI's abuse tracking), `metadata` (tags for OpenAI's
+    dashboard), `service_tier` (OpenAI's billing tier) and `store` (keep the completion on OpenAI's
+    side): none of them changes the answer, and tito keeps nothing, so they are accepted and not
+    used (as vLLM does) once they have OpenAI's types."""
+    body.string("user")
+    body.boolean("store")
+    tier = body.string("service_tier")
+    if tier is not None and tier not in SERVICE_TIERS:
+        raise invalid("service_tier", f"must be one of {', '.join(SERVICE_TIERS)}, not {tier[:64]!r}")
+    metadata = body.obj("metadata")
+    for key, value in (metadata or {}).items():
+        _string(value, f"metadata.{key[:64]}", required=True)
 
 
 # -- chat ---------------------------------------------------------------------------------------
@@ -337,6 +375,7 @@ def parse_chat(values: dict[str, Any], served_model: str) -> ChatCall:
     if add is not None:
         request.add_generation_prompt = add
     request.continue_final_message = bool(body.boolean("continue_final_message"))
+    request.usage_in_every_chunk = stream.continuous_usage
     _common(body, request)
     return ChatCall(model, request, stream, logprobs)
 
@@ -376,6 +415,10 @@ def _message(value: Any, where: str) -> chat_pb2.ChatMessage:
     return message
 
 
+#: OpenAI's image_url.detail values.
+IMAGE_DETAILS = ("auto", "low", "high")
+
+
 def _part(value: Any, where: str) -> chat_pb2.ContentPart:
     if not isinstance(value, dict):
         raise invalid(where, f"must be a content part object, not {_kind(value)}")
@@ -389,9 +432,11 @@ def _part(value: Any, where: str) -> chat_pb2.ContentPart:
         if isinstance(image, dict):
             _only(image, ("url", "detail"), f"{where}.image_url")
             url = _string(image.get("url"), f"{where}.image_url.url", required=True)
+            # Ignored, as vLLM ignores it: the model's processor sets each image's resolution.
             detail = _string(image.get("detail"), f"{where}.image_url.detail")
-            if detail not in (None, "auto"):
-                raise unsupported(f"{where}.image_url.detail", "only \"auto\": the model's processor sets the size")
+            if detail not in (None, *IMAGE_DETAILS):
+                raise invalid(f"{where}.image_url.detail", f"must be one of {', '.join(IMAGE_DETAILS)}, "
+                                                            f"not {detail[:64]!r}")
         else:
             url = _string(image, f"{where}.image_url", required=True)
         return chat_pb2.ContentPart(image=chat_pb2.ImageSource(url=url))
@@ -493,27 +538,51 @@ def parse_completion(values: dict[str, Any], served_model: str) -> CompletionCal
     body = Body(values, COMPLETION_PARAMETERS)
     model = check_model(body, served_model)
     stream = _stream_options(body)
-    request = render_pb2.RenderCompletionRequest()
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        request.prompt = prompt
-    elif isinstance(prompt, list) and all(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
-        request.prompt_token_ids.extend(_integer(item, f"prompt[{i}]", 0, UINT32_MAX) for i, item in enumerate(prompt))
-    elif isinstance(prompt, list) and prompt and all(isinstance(item, (str, list)) for item in prompt):
-        raise unsupported("prompt", "a batch of several prompts: send one request per prompt")
-    else:
-        raise invalid("prompt", "is required: a string or an array of token ids" if prompt is None
-                      else f"must be a string or an array of token ids, not {_kind(prompt)}")
+    template = render_pb2.RenderCompletionRequest()
     sampling = _sampling(body)
     logprobs = body.integer("logprobs", 0, 20)
     if logprobs is not None:
         sampling.logprobs = True
         sampling.top_logprobs = logprobs
-    request.sampling.CopyFrom(sampling)
+    template.sampling.CopyFrom(sampling)
     add = body.boolean("add_special_tokens")
     if add is not None:
-        request.add_special_tokens = add
-    _common(body, request)
-    return CompletionCall(model, request, stream, logprobs)
+        template.add_special_tokens = add
+    template.usage_in_every_chunk = stream.continuous_usage
+    _common(body, template)
+    echo = bool(body.boolean("echo"))
+    if echo and logprobs is not None:
+        # vLLM answers it with the prompt tokens' logprobs, which tito's engines do not compute.
+        raise unsupported("echo", "echo with logprobs needs the prompt's logprobs, which tito does not compute")
+    requests = []
+    for prompt in _prompts(body.get("prompt")):
+        request = render_pb2.RenderCompletionRequest()
+        request.CopyFrom(template)
+        if isinstance(prompt, str):
+            request.prompt = prompt
+        else:
+            request.prompt_token_ids.extend(prompt)
+        requests.append(request)
+    return CompletionCall(model, tuple(requests), stream, logprobs, echo)
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's `prompt`: a string, an array of token ids, or an array of several prompts (each a
+    string or an array of token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and all(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
+        return [_token_ids(prompt, "prompt")]
+    if isinstance(prompt, list) and prompt and all(isinstance(item, (str, list)) for item in prompt):
+        if len(prompt) > MAX_COMPLETION_PROMPTS:
+            raise invalid("prompt", f"holds {len(prompt)} prompts, more than {MAX_COMPLETION_PROMPTS}")
+        return [item if isinstance(item, str) else _token_ids(item, f"prompt[{i}]") for i, item in enumerate(prompt)]
+    raise invalid("prompt", "is required: a string, an array of token ids, or an array of those" if prompt is None
+                  else "must be a string, an array of token ids, or an array of strings or of token-id arrays, "
+                       f"not {_kind(prompt)}")
+
+
+def _token_ids(values: list, name: str) -> list[int]:
+    if not isinstance(values, list):
+        raise invalid(name, f"must be an array of token ids, not {_kind(values)}")
+    return [_integer(item, f"{name}[{i}]", 0, UINT32_MAX) for i, item in enumerate(values)]

@@ -52,19 +52,43 @@ def tool_call_delta(call: derender_pb2.ToolCallDelta) -> dict:
     return delta
 
 
+def continuous_usage_json(usage: engine_pb2.Usage | None) -> dict | None:
+    """A streamed chunk's own usage (stream_options.continuous_usage_stats), in vLLM's fields."""
+    if usage is None:
+        return None
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
 class UsageTracker:
-    """The request's usage: derender's final chunks carry the total of the choices finished so far,
-    so the last one is the request's."""
+    """The request's usage. Derender's final chunks carry their stream's total over its choices
+    finished so far; a completion with several prompts has one stream per prompt (choice i belongs
+    to prompt i // choices_per_prompt, as merge numbers them), so the request's usage is the sum of
+    each prompt's latest total."""
 
-    def __init__(self) -> None:
+    def __init__(self, choices_per_prompt: int | None = None) -> None:
+        self.choices_per_prompt = choices_per_prompt  # None: one prompt
         self.usage = engine_pb2.Usage()
-        self.finished = 0
+        self._prompts: dict[int, engine_pb2.Usage] = {}
 
-    def add(self, chunk: derender_pb2.ChatChunk) -> None:
-        if chunk.finish_reason:
-            self.finished += 1
-            if chunk.HasField("usage"):
-                self.usage.CopyFrom(chunk.usage)
+    def add(self, chunk: derender_pb2.ChatChunk) -> engine_pb2.Usage | None:
+        """Take the chunk's usage; return the chunk's own (continuous usage stats): the prompt's
+        tokens and its choice's so far. Derender sends that in a chunk that does not end its choice
+        (when asked); a final chunk's own is what its choice added to its prompt's total."""
+        if not chunk.HasField("usage"):
+            return None
+        if not chunk.finish_reason:
+            return chunk.usage
+        prompt = 0 if self.choices_per_prompt is None else chunk.index // self.choices_per_prompt
+        before = self._prompts.get(prompt, engine_pb2.Usage())
+        own = engine_pb2.Usage(prompt_tokens=chunk.usage.prompt_tokens,
+                               completion_tokens=chunk.usage.completion_tokens - before.completion_tokens)
+        self._prompts[prompt] = chunk.usage
+        totals = self._prompts.values()
+        self.usage = engine_pb2.Usage(prompt_tokens=sum(u.prompt_tokens for u in totals),
+                                      completion_tokens=sum(u.completion_tokens for u in totals),
+                                      cached_tokens=sum(u.cached_tokens for u in totals))
+        return own
 
 
 @dataclass
@@ -99,9 +123,9 @@ class Choice:
 class Assembled:
     """A whole response collected from the stream of chunks (all choices)."""
 
-    def __init__(self) -> None:
+    def __init__(self, choices_per_prompt: int | None = None) -> None:
         self.choices: dict[int, Choice] = {}
-        self.usage = UsageTracker()
+        self.usage = UsageTracker(choices_per_prompt)
 
     def add(self, chunk: derender_pb2.ChatChunk) -> None:
         self.choices.setdefault(chunk.index, Choice(chunk.index)).add(chunk)
@@ -128,35 +152,48 @@ def chat_completion(response_id: str, model: str, assembled: Assembled, logprobs
             "choices": choices, "usage": usage_json(assembled.usage.usage)}
 
 
-def stream_event(head: dict, choice: dict, include_usage: bool) -> dict:
-    """One streamed chunk holding `choice`; `usage` is null in it when the usage chunk comes last."""
+@dataclass(frozen=True)
+class StreamUsage:
+    """Where a stream reports usage: include_usage, a usage chunk at the end; continuous (vLLM's
+    continuous_usage_stats, with include_usage), each chunk's own usage as well."""
+
+    include_usage: bool = False
+    continuous: bool = False
+
+
+def stream_event(head: dict, choice: dict, options: StreamUsage, own: engine_pb2.Usage | None = None) -> dict:
+    """One streamed chunk holding `choice`. With include_usage its `usage` is null (the usage chunk
+    comes last), or with continuous usage stats the chunk's own usage (`own`)."""
     out = {**head, "choices": [choice]}
-    if include_usage:
-        out["usage"] = None
+    if options.include_usage:
+        out["usage"] = continuous_usage_json(own) if options.continuous else None
     return out
 
 
 class ChatStream:
     """Chat completion chunks (`chat.completion.chunk`) for one streamed request."""
 
-    def __init__(self, response_id: str, model: str, include_usage: bool, logprobs: bool):
+    def __init__(self, response_id: str, model: str, usage: StreamUsage, logprobs: bool):
         self.head = {"id": response_id, "object": "chat.completion.chunk", "created": int(time.time()),
                      "model": model}
-        self.include_usage = include_usage
+        self.options = usage
         self.logprobs = logprobs
         self.usage = UsageTracker()
         self.announced = 0  # choices 0..announced-1 had their role chunk (`roles`)
 
-    def roles(self, n: int) -> list[dict]:
+    def roles(self, n: int, prompt_tokens: int = 0) -> list[dict]:
         """Each choice's first chunk, its role with content "" (as OpenAI's and vLLM's streams
-        begin), sent when the engine's first token arrives; derender's chunks then carry no role."""
+        begin); derender's chunks then carry no role. `prompt_tokens`: their usage, with
+        continuous usage stats (no token generated yet)."""
         self.announced = n
-        return [self._out({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                           "finish_reason": None}) for index in range(n)]
+        own = engine_pb2.Usage(prompt_tokens=prompt_tokens)
+        return [stream_event(self.head, {"index": index, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}, self.options, own)
+                for index in range(n)]
 
     def chunk(self, chunk: derender_pb2.ChatChunk) -> dict | None:
         """The OpenAI chunk for one derender chunk (None when it carries nothing to say)."""
-        self.usage.add(chunk)
+        own = self.usage.add(chunk)
         delta: dict = {}
         role = chunk.role if chunk.index >= self.announced else ""
         if role:
@@ -170,17 +207,14 @@ class ChatStream:
         reason = finish_reason(chunk)
         if not delta and reason is None and not chunk.logprobs:
             return None
-        return self._out({"index": chunk.index, "delta": delta,
-                          "logprobs": {"content": chat_logprobs(chunk.logprobs)} if self.logprobs and chunk.logprobs
-                          else None,
-                          "finish_reason": reason})
-
-    def _out(self, choice: dict) -> dict:
-        return stream_event(self.head, choice, self.include_usage)
+        return stream_event(self.head, {
+            "index": chunk.index, "delta": delta,
+            "logprobs": {"content": chat_logprobs(chunk.logprobs)} if self.logprobs and chunk.logprobs else None,
+            "finish_reason": reason}, self.options, own)
 
     def final(self) -> dict | None:
         """The usage chunk after the last choice (stream_options.include_usage), else None."""
-        if not self.include_usage:
+        if not self.options.include_usage:
             return None
         return {**self.head, "choices": [], "usage": usage_json(self.usage.usage)}
 
@@ -200,8 +234,22 @@ def completion_logprobs(entries, text_offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def text_completion(response_id: str, model: str, assembled: Assembled, logprobs: bool) -> dict:
-    choices = [{"index": choice.index, "text": "".join(choice.content),
+class Echo:
+    """Completions' `echo`: each choice's text starts with its prompt's text (choice i belongs to
+    prompt i // n, as merge numbers them)."""
+
+    def __init__(self, prompt_texts: list[str], n: int) -> None:
+        self.prompt_texts = prompt_texts
+        self.n = n
+
+    def text(self, index: int) -> str:
+        return self.prompt_texts[index // self.n]
+
+
+def text_completion(response_id: str, model: str, assembled: Assembled, logprobs: bool,
+                    echo: Echo | None = None) -> dict:
+    choices = [{"index": choice.index,
+                "text": (echo.text(choice.index) if echo is not None else "") + "".join(choice.content),
                 "logprobs": completion_logprobs(choice.logprobs, 0) if logprobs else None,
                 "finish_reason": choice.finish_reason}
                for choice in assembled.sorted()]
@@ -212,26 +260,34 @@ def text_completion(response_id: str, model: str, assembled: Assembled, logprobs
 class CompletionStream:
     """`text_completion` chunks for one streamed completion request."""
 
-    def __init__(self, response_id: str, model: str, include_usage: bool, logprobs: bool):
+    def __init__(self, response_id: str, model: str, usage: StreamUsage, logprobs: bool, n: int = 1,
+                 echo: Echo | None = None):
+        """`n`: choices per prompt (several prompts: choice i is prompt i // n's)."""
         self.head = {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": model}
-        self.include_usage = include_usage
+        self.options = usage
         self.logprobs = logprobs
-        self.usage = UsageTracker()
+        self.usage = UsageTracker(n)
         self.offsets: dict[int, int] = {}
+        self.echo = echo
+        self.echoed: set[int] = set()  # choices whose first chunk carried the prompt's text
 
     def chunk(self, chunk: derender_pb2.ChatChunk) -> dict | None:
-        self.usage.add(chunk)
+        own = self.usage.add(chunk)
         reason = finish_reason(chunk)
         if not chunk.content and reason is None and not chunk.logprobs:
             return None
         offset = self.offsets.get(chunk.index, 0)
         self.offsets[chunk.index] = offset + len(chunk.content)
-        choice = {"index": chunk.index, "text": chunk.content,
+        text = chunk.content
+        if self.echo is not None and chunk.index not in self.echoed:
+            self.echoed.add(chunk.index)
+            text = self.echo.text(chunk.index) + text
+        choice = {"index": chunk.index, "text": text,
                   "logprobs": completion_logprobs(chunk.logprobs, offset) if self.logprobs else None,
                   "finish_reason": reason}
-        return stream_event(self.head, choice, self.include_usage)
+        return stream_event(self.head, choice, self.options, own)
 
     def final(self) -> dict | None:
-        if not self.include_usage:
+        if not self.options.include_usage:
             return None
         return {**self.head, "choices": [], "usage": usage_json(self.usage.usage)}

@@ -88,6 +88,7 @@ def _fill(prompt: RenderedPrompt, generate_request: engine_pb2.GenerateRequest,
         context.tool_choice.mode = chat_pb2.TOOL_CHOICE_MODE_NONE  # a raw prompt offers no tools
     context.thinking_enabled = prompt.thinking_enabled
     context.prompt_opens_reasoning = prompt.prompt_opens_reasoning
+    context.usage_in_every_chunk = prompt.usage_in_every_chunk
 
 
 def chat_response_to_proto(prompt: RenderedPrompt, max_bytes: int) -> render_pb2.RenderChatResponse:

@@ -85,6 +85,7 @@ class RenderedPrompt:
     thinking_enabled: bool = False
     prompt_opens_reasoning: bool = False
     prompt_text: str | None = None  # the templated text, when the request asked for it
+    usage_in_every_chunk: bool = False  # derender's chunks all carry usage (the request asked for it)
 
 
 @dataclass(frozen=True, slots=True)

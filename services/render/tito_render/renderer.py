@@ -155,6 +155,7 @@ class Renderer:
         prompt = self._expand_media(chat, text, request.media_options)
         token_ids = self._tokenize(prompt.text)
         rendered = self._chat_prompt(request, request_id, chat, text, token_ids, prompt)
+        rendered.usage_in_every_chunk = request.usage_in_every_chunk
         if log.isEnabledFor(logging.INFO):
             log.info("rendered chat: %d messages, %d tools, %d images, %d videos (%s), %d prompt tokens, max_tokens %d",
                      len(chat.messages), len(request.tools), len(chat.images), len(chat.videos),
@@ -411,8 +412,10 @@ class Renderer:
             # A raw prompt carries no media items: placeholder tokens in it would point the engine
             # at encoder output that does not exist.
             locate_spans(token_ids, [], self.model.media.reserved_token_ids, field)
-        return self._finish(request_id or request.request_id, token_ids, request.sampling, request.cache_salt, field,
-                            explicit_structured_output(request.sampling))
+        rendered = self._finish(request_id or request.request_id, token_ids, request.sampling, request.cache_salt,
+                                field, explicit_structured_output(request.sampling))
+        rendered.usage_in_every_chunk = request.usage_in_every_chunk
+        return rendered
 
     def check_token_ids(self, token_ids: list[int], field: str) -> None:
         vocab = self.model.vocab_size

@@ -10,6 +10,8 @@
 - A tool-call turn without content: OpenAI clients send `content: null`, which the wire cannot
   carry (the field is just absent). A template that tests `content is none` (DeepSeek-R1, V3.1)
   gets the None it would get from such a client; others keep the key absent.
+- The `developer` role (OpenAI's newer name for the system prompt, which SDKs send): a template
+  that never names it gets it as `system`, as vLLM gives it (`developer_as_system`).
 
 Messages that need no change are passed on as they are; changed ones are copies.
 """
@@ -19,6 +21,8 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+
+from tito.errors import InvalidArgument
 
 _TESTS_ARGUMENTS_IS_STRING = re.compile(r"arguments(?:'\]|\"\])?\s+is\s+string")
 _TESTS_CONTENT_IS_NONE = re.compile(r"(?:\['content'\]|\[\"content\"\]|\.content)\s+is\s+(?:not\s+)?none")
@@ -51,6 +55,7 @@ def template_source(tokenizer: Any, override: str | None) -> str:
 
 def adapt_messages(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
     """The messages as `template` needs them (see the module docstring)."""
+    messages = developer_as_system(messages, template)
     wrap_arguments = "arguments" in template and not _TESTS_ARGUMENTS_IS_STRING.search(template)
     alias_thinking = "thinking" in template and "reasoning_content" not in template
     none_content = bool(_TESTS_CONTENT_IS_NONE.search(template))
@@ -77,3 +82,55 @@ def _adapt(message: dict[str, Any], wrap_arguments: bool, alias_thinking: bool,
             calls.append(call)
         adapted = dict(adapted, tool_calls=calls)
     return adapted
+
+
+def knows_developer_role(template: str) -> bool:
+    """Whether the template names the `developer` role (vLLM's test: the quoted name in its text)."""
+    return '"developer"' in template or "'developer'" in template
+
+
+def developer_as_system(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
+    """vLLM's rule (renderers/hf.py, `safe_apply_chat_template`): on a template that does not name
+    `developer`, developer messages become system messages, and when that leaves a system message
+    anywhere but first, or several, they are merged into one system message first (their texts
+    joined by a blank line), since templates such as Qwen's only read a leading system message.
+    A template that knows the role gets the messages unchanged."""
+    if knows_developer_role(template) or not any(message.get("role") == "developer" for message in messages):
+        return messages
+    converted = [dict(message, role="system") if message.get("role") == "developer" else message
+                 for message in messages]
+    return _merge_system_messages(converted)
+
+
+def _merge_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    texts: list[str] = []
+    others: list[dict[str, Any]] = []
+    merge = False
+    for index, message in enumerate(messages):
+        if message.get("role") != "system":
+            others.append(message)
+            continue
+        merge = merge or index > 0 or bool(texts)
+        text = _system_text(message.get("content"), index)
+        if text:
+            texts.append(text)
+    if not merge:
+        return messages
+    return [{"role": "system", "content": "\n\n".join(texts)}, *others]
+
+
+def _system_text(content: Any, index: int) -> str:
+    """A system message's text, its text parts joined by newlines (as vLLM joins them). vLLM drops
+    any other part there; here an image would lose its place in the prompt while its pixels still
+    go to the model, so it is refused instead, naming the part."""
+    if not isinstance(content, list):
+        return content or ""
+    texts = []
+    for position, part in enumerate(content):
+        if part.get("type") != "text":
+            raise InvalidArgument(
+                f"this model's chat template has no developer role: developer messages become system messages, "
+                f"merged into one text: send the {part.get('type')} in a user message",
+                reason="CHAT_TEMPLATE_ERROR", field=f"messages[{index}].content_parts[{position}]")
+        texts.append(part["text"])
+    return "\n".join(texts)

@@ -47,6 +47,30 @@ def test_logprobs_must_match_the_token_ids(tiny_tokenizer):
     assert error.value.field == "generate_response.logprobs[0].top[0].token_id"
 
 
+@pytest.mark.parametrize("every_chunk", [True, False])
+def test_usage_in_every_chunk_counts_the_prompt_and_the_choices_tokens_so_far(tiny_tokenizer, every_chunk):
+    texts = {0: "one two three four", 1: "five six"}
+    ids = {index: hf_of(tiny_tokenizer).encode(text, add_special_tokens=False) for index, text in texts.items()}
+    stream = DerenderStream(tiny_tokenizer, RequestContext(n=2, prompt_tokens=9, usage_in_every_chunk=every_chunk))
+    fed, content_chunks = {0: 0, 1: 0}, 0
+    for step in range(max(map(len, ids.values()))):
+        for index in (0, 1):
+            if step < len(ids[index]):
+                fed[index] += 1
+                for chunk in stream.feed(EngineOutput(index=index, token_ids=(ids[index][step],))):
+                    content_chunks += 1
+                    if every_chunk:  # the tokens generated, counted as vLLM counts them
+                        assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens) == (9, fed[index])
+                    else:
+                        assert chunk.usage is None
+    assert content_chunks >= 4
+    [first_final] = stream.feed(EngineOutput(index=1, finish_reason=FinishReason.STOP))
+    [last_final] = stream.feed(EngineOutput(index=0, finish_reason=FinishReason.STOP))
+    # Final chunks keep their meaning: every choice finished so far.
+    assert first_final.usage.completion_tokens == len(ids[1])
+    assert last_final.usage.completion_tokens == len(ids[0]) + len(ids[1])
+
+
 @pytest.mark.parametrize("field,value", [("tool_parser", "nope"), ("reasoning_parser", "qwen9")])
 def test_unknown_parser_names_are_rejected_naming_the_known_ones(tiny_tokenizer, field, value):
     with pytest.raises(InvalidArgument) as error:

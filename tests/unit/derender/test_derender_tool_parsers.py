@@ -189,6 +189,20 @@ def test_finish_reason_tool_calls_only_when_the_engine_stopped_normally(tiny_tok
     assert (name, json.loads(arguments)) == ("get_weather", {"city": "Oslo"})
 
 
+@pytest.mark.parametrize("choice,expected", [(ToolChoiceMode.AUTO, FinishReason.TOOL_CALLS),
+                                             (ToolChoiceMode.REQUIRED, FinishReason.TOOL_CALLS),
+                                             (ToolChoiceMode.NAMED, FinishReason.STOP)])
+def test_a_named_tool_choice_ends_with_stop_as_openai_and_vllm_end_it(tiny_tokenizer, choice, expected):
+    ctx = context(tool_choice=choice, tool_choice_function="get_weather" if choice == ToolChoiceMode.NAMED else "")
+    for streaming in (True, False):
+        stream = DerenderStream(tiny_tokenizer, ctx, streaming=streaming)
+        chunks = stream.feed(EngineOutput(index=0, token_ids=tuple(hf_of(tiny_tokenizer).encode(
+            CALL, add_special_tokens=False)), finish_reason=FinishReason.STOP))
+        assert chunks[-1].finish_reason == expected
+        [(_, name, _)] = merge([d for c in chunks for d in c.tool_calls])
+        assert name == "get_weather"
+
+
 def test_tool_choice_none_keeps_markup_as_content(tiny_tokenizer):
     chunks = stream_text(tiny_tokenizer, context(tool_choice=ToolChoiceMode.NONE), CALL)
     assert "".join(c.content for c in chunks) == CALL

@@ -6,6 +6,7 @@ the Struct that holds it; nothing where the JSON parser itself gave up), never a
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,7 +39,7 @@ FULL_CHAT: dict[str, Any] = {
         {"role": "tool", "tool_call_id": "c1", "content": "rain"},
         {"role": "assistant", "content": "Rain.", "reasoning_content": "It said rain."},
         {"role": "user", "content": "And tomorrow?"}],
-    "stream": True, "stream_options": {"include_usage": True},
+    "stream": True,
     "max_completion_tokens": 8, "max_tokens": 8, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1,
     "n": 2, "seed": 3, "stop": ["\n\n", "END"], "presence_penalty": 0.5, "frequency_penalty": 0.5,
     "repetition_penalty": 1.1, "min_tokens": 1, "ignore_eos": False, "stop_token_ids": [7],
@@ -51,8 +52,9 @@ FULL_CHAT: dict[str, Any] = {
                                                                "schema": SCHEMA, "strict": True}},
     "chat_template_kwargs": {"enable_thinking": False, "style": {"tone": ["dry"]}},
     "chat_template": "{{ messages[0].content }}", "add_generation_prompt": True, "continue_final_message": False,
-    "user": "user-1", "cache_salt": "salt",
-    "logit_bias": {}, "store": False,  # refused parameters, in the values that ask for nothing
+    "user": "user-1", "cache_salt": "salt", "metadata": {"team": "search"}, "service_tier": "auto", "store": False,
+    "logit_bias": {"5": -1.5, "7": 2},
+    "stream_options": {"include_usage": True, "continuous_usage_stats": True},
 }
 
 _COMPLETION_COMMON: dict[str, Any] = {
@@ -60,7 +62,7 @@ _COMPLETION_COMMON: dict[str, Any] = {
     **{name: FULL_CHAT[name] for name in COMPLETION_PARAMETERS if name in FULL_CHAT and name not in
        ("model", "stream", "stream_options", "logprobs")},
     "logprobs": 2, "add_special_tokens": True,
-    "echo": False, "suffix": "", "best_of": 1, "logit_bias": {}, "store": False,
+    "echo": False, "suffix": "", "best_of": 1,  # the last two refused, in the values that ask for nothing
 }
 FULL_COMPLETIONS = {"text": {**_COMPLETION_COMMON, "prompt": ["Once upon a time"]},
                     "token ids": {**_COMPLETION_COMMON, "prompt": [[1, 2, 3]]}}
@@ -131,7 +133,10 @@ def _refused(client, path: str, body: bytes) -> dict:
 
 
 def _related(param: str, position: str) -> bool:
-    """The refusal names the position, a place inside it, or the Struct that holds it."""
+    """The refusal names the position, a place inside it, or the Struct that holds it (logit_bias's
+    keys are token ids, named as indices: `logit_bias[5]` for the position `logit_bias.5`)."""
+    param = re.sub(r"\[(\d+)\]", r".\1", param)
+    position = re.sub(r"\[(\d+)\]", r".\1", position)
     return param.startswith(position) or position.startswith(param)
 
 

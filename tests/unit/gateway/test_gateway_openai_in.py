@@ -39,7 +39,7 @@ def test_logit_bias_string_keys_become_token_ids_on_chats_and_completions():
     bias = {"50256": -100, "7": 2.5, "0": 100.0}
     assert dict(chat(logit_bias=bias).request.sampling.logit_bias) == {50256: -100.0, 7: 2.5, 0: 100.0}
     completion = parse_completion({"model": MODEL, "prompt": "x", "logit_bias": bias}, MODEL)
-    assert dict(completion.request.sampling.logit_bias) == {50256: -100.0, 7: 2.5, 0: 100.0}
+    assert dict(completion.requests[0].sampling.logit_bias) == {50256: -100.0, 7: 2.5, 0: 100.0}
     assert not chat(logit_bias={}).request.sampling.logit_bias
     # A JSON integer past float's range goes on as infinity: render refuses it with every other bias out of range.
     assert dict(chat(logit_bias={"1": 10**400}).request.sampling.logit_bias) == {1: float("inf")}
@@ -74,7 +74,7 @@ def test_null_means_not_given():
     ({"messages": [{"role": "user", "content": "Hi", "refusal": "no"}]}, "messages[0].refusal"),
     ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
      "messages[0].content[0].type"),
-    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+    ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
 ])
 def test_unsupported_parameters_are_named(body, param):
     with pytest.raises(InvalidArgument) as info:
@@ -94,17 +94,53 @@ def test_unsupported_parameters_are_named(body, param):
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": 1}}, "stream_options.continuous_usage_stats"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": 1}}]}, "tools[0].function.strict"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": "object"}}},
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "strict": "true"}}},
      "response_format.json_schema.strict"),
+    ({"store": "yes"}, "store"),
+    ({"service_tier": "gold"}, "service_tier"),
+    ({"metadata": ["a"]}, "metadata"),
+    ({"metadata": {"team": 1}}, "metadata.team"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u", "detail": "max"}}]}]},
+     "messages[0].content[0].image_url.detail"),
 ])
 def test_wrong_types_and_signs_are_invalid_requests_naming_the_parameter(body, param):
     with pytest.raises(InvalidArgument) as info:
         chat(**body)
     assert info.value.reason == "INVALID_REQUEST" and info.value.field == param
+
+
+def test_account_parameters_are_accepted_and_not_used():
+    plain = chat().request
+    assert chat(user="u1", metadata={"team": "a"}, service_tier="flex", store=True).request == plain
+    assert chat(store=False, service_tier="auto", metadata={}).request == plain
+    completion = {"model": MODEL, "prompt": "x"}
+    assert parse_completion({**completion, "user": "u1", "metadata": {"team": "a"}, "service_tier": "default",
+                             "store": True}, MODEL).requests == parse_completion(completion, MODEL).requests
+
+
+@pytest.mark.parametrize("detail", ["auto", "low", "high"])
+def test_image_detail_is_accepted_and_left_to_the_models_processor(detail):
+    url = "data:image/png;base64,AA"
+    call = chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url,
+                                                                                         "detail": detail}}]}])
+    assert call.request.messages[0].content_parts[0] == chat_pb2.ContentPart(image=chat_pb2.ImageSource(url=url))
+
+
+@pytest.mark.parametrize("options, continuous", [
+    ({"include_usage": True, "continuous_usage_stats": True}, True),
+    ({"continuous_usage_stats": True}, False),  # as vLLM: usage on every chunk only with include_usage
+    ({"include_usage": True, "continuous_usage_stats": False}, False),
+])
+def test_continuous_usage_stats_asks_derender_for_usage_in_every_chunk(options, continuous):
+    call = chat(stream=True, stream_options=options)
+    assert call.stream.continuous_usage == continuous and call.request.usage_in_every_chunk == continuous
+    several = completion(prompt=["a", "b"], stream=True, stream_options=options)
+    assert [r.usage_in_every_chunk for r in several.requests] == [continuous] * 2
 
 
 def test_the_model_must_be_the_served_one():
@@ -138,18 +174,49 @@ def test_messages_tools_and_formats():
     assert chat(tool_choice="required").request.tool_choice.mode == chat_pb2.TOOL_CHOICE_MODE_REQUIRED
 
 
+def completion(**body):
+    return parse_completion({"model": MODEL, **body}, MODEL)
+
+
 def test_completion_prompts_text_or_token_ids():
-    assert parse_completion({"model": MODEL, "prompt": "hello"}, MODEL).request.prompt == "hello"
-    assert list(parse_completion({"model": MODEL, "prompt": [1, 2, 3]}, MODEL).request.prompt_token_ids) == [1, 2, 3]
-    assert parse_completion({"model": MODEL, "prompt": ["one"]}, MODEL).request.prompt == "one"
-    call = parse_completion({"model": MODEL, "prompt": "x", "logprobs": 3, "echo": False}, MODEL)
-    assert call.logprobs == 3 and call.request.sampling.top_logprobs == 3
+    assert completion(prompt="hello").requests[0].prompt == "hello"
+    assert list(completion(prompt=[1, 2, 3]).requests[0].prompt_token_ids) == [1, 2, 3]
+    assert completion(prompt=["one"]).requests[0].prompt == "one"
+    call = completion(prompt="x", logprobs=3, echo=False)
+    assert call.logprobs == 3 and call.requests[0].sampling.top_logprobs == 3 and not call.echo
+
+
+def test_several_prompts_are_one_render_request_each_with_the_same_options():
+    call = completion(prompt=["a", [5, 6], "c"], n=2, max_tokens=4, seed=1, add_special_tokens=False, cache_salt="s")
+    assert [(r.prompt, list(r.prompt_token_ids)) for r in call.requests] == [("a", []), ("", [5, 6]), ("c", [])]
+    assert all(r.sampling == call.requests[0].sampling and not r.add_special_tokens and r.cache_salt == "s"
+               for r in call.requests)
+    assert call.n == 2
+    call.set_request_id("r")  # each engine request needs its own id: vLLM's <id>-<prompt>
+    assert [r.request_id for r in call.requests] == ["r-0", "r-1", "r-2"]
+    one = completion(prompt="a")
+    one.set_request_id("r")
+    assert one.requests[0].request_id == "r"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": [[1, "a"]]}, "prompt[0][1]"),
+    ({"prompt": ["a", [-1]]}, "prompt[1][0]"),
+    ({"prompt": ["a", 3]}, "prompt"),
+    ({"prompt": ["a"] * 1025}, "prompt"),
+    ({"prompt": "x", "echo": "yes"}, "echo"),
+])
+def test_completion_prompts_that_are_not_prompts_are_named(body, param):
     with pytest.raises(InvalidArgument) as info:
-        parse_completion({"model": MODEL, "prompt": ["a", "b"]}, MODEL)
-    assert info.value.field == "prompt" and info.value.reason == "UNSUPPORTED_PARAMETER"
+        completion(**body)
+    assert (info.value.reason, info.value.field) == ("INVALID_REQUEST", param)
+
+
+def test_echo_is_taken_but_not_with_logprobs_which_would_need_the_prompts_logprobs():
+    assert completion(prompt="x", echo=True).echo
     with pytest.raises(InvalidArgument) as info:
-        parse_completion({"model": MODEL, "prompt": "x", "echo": True}, MODEL)
-    assert info.value.field == "echo"
+        completion(prompt="x", echo=True, logprobs=1)
+    assert (info.value.reason, info.value.field) == ("UNSUPPORTED_PARAMETER", "echo")
 
 
 @pytest.mark.parametrize("body", [b"", b"{", b"[1]", b'"x"', b'{"a": NaN}', b"\xff\xfe", b'{"a": "\xed\xa0\x80"}'])

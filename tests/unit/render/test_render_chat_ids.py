@@ -182,6 +182,14 @@ def test_derender_context_for_chat(renderer):
     assert ctx.n == 2 and ctx.logprobs
 
 
+@pytest.mark.parametrize("asked", [True, False])
+def test_usage_in_every_chunk_reaches_derenders_context(renderer, asked):
+    chat = render_pb2.RenderChatRequest(messages=[to_proto_message(msg("user", "x"))], usage_in_every_chunk=asked)
+    assert chat_response(renderer, chat).derender_context.usage_in_every_chunk == asked
+    completion = render_pb2.RenderCompletionRequest(prompt="x", usage_in_every_chunk=asked)
+    assert completion_response(renderer, completion).derender_context.usage_in_every_chunk == asked
+
+
 def test_thinking_flags_follow_template_kwargs(renderer):
     request = render_pb2.RenderChatRequest(messages=[to_proto_message(msg("user", "hi"))])
     request.chat_template_kwargs.CopyFrom(struct({"enable_thinking": False}))

@@ -63,7 +63,6 @@ CASES = {
                            "chat_template"),
     "template_raises": (dict(messages=[user()], chat_template="{{ raise_exception('only system allowed') }}"),
                         "chat_template"),
-    "model_template_raises": (dict(messages=[chat_pb2.ChatMessage(role="developer", content="x")]), "messages"),
     "continue_with_generation_prompt": (dict(messages=[user()], continue_final_message=True,
                                              add_generation_prompt=True), "continue_final_message"),
     "continue_without_content": (dict(messages=[user(), chat_pb2.ChatMessage(role="assistant")],
@@ -81,6 +80,14 @@ def test_chat_errors_name_the_field(renderer, name):
     with pytest.raises(InvalidArgument) as err:
         chat_response(renderer, render_pb2.RenderChatRequest(**fields))
     assert err.value.field == field, err.value.message
+
+
+def test_the_models_own_template_refusing_the_chat_names_messages(renderer, monkeypatch):
+    monkeypatch.setattr(renderer.model.tokenizer, "chat_template", "{{ raise_exception('only one turn') }}")
+    with pytest.raises(InvalidArgument) as err:
+        chat_response(renderer, render_pb2.RenderChatRequest(messages=[user()]))
+    assert (err.value.field, err.value.reason) == ("messages", "CHAT_TEMPLATE_ERROR")
+    assert "only one turn" in err.value.message
 
 
 def test_template_error_message_is_the_templates(renderer):
