@@ -104,6 +104,7 @@ from tito_models.tiny import BENCH_TEXT_MODEL
 from tito_client.pipeline import AsyncChatPipeline, Endpoints, wait_until_serving
 from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, render_pb2, render_pb2_grpc, sampling_pb2
 from tito_engine.config import EngineConfig
+from tito_engine.startup_plan import plan_startup
 from tito_engine.limits import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_RUNNING_SEQUENCES
 
 NUM_PROMPTS = 32
@@ -439,7 +440,8 @@ def engine_cpus(settings: Settings) -> tuple[frozenset[int] | None, frozenset[in
     """The CPUs tito's engine core takes by default for this model (--core-cpus auto, chosen from its
     work) and the ones it leaves (None: not pinned): the client (this process, a router's stand-in)
     and render / derender run on the latter."""
-    return EngineConfig(model=settings.model, device=settings.device).core_cpu_plan()
+    plan = plan_startup(EngineConfig(model=settings.model, device=settings.device)).cpus
+    return (None, None) if plan is None else (plan.core_cpus, plan.server_cpus)
 
 
 def keep_client_off_the_core(settings: Settings) -> None:

@@ -210,9 +210,12 @@ def beside_engine_flags(engine_config) -> list[str]:
     render -> engine -> derender at 0.68x of the engine alone with default placement, 1.03x with
     the services off the core's CPU)."""
     from tito.cpu_affinity import format_cpu_list
+    from tito_engine.startup_plan import plan_startup
 
-    core, others = engine_config.core_cpu_plan()
-    return ["--cpu-affinity", format_cpu_list(others)] if core is not None and others else []
+    plan = plan_startup(engine_config).cpus
+    if plan is None or plan.core_cpus is None or not plan.server_cpus:
+        return []
+    return ["--cpu-affinity", format_cpu_list(plan.server_cpus)]
 
 
 def service_commands(addresses: dict[str, str], model: str, device: str, log_level: str,

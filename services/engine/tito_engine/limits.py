@@ -1,8 +1,9 @@
 """The scheduler's limits and the engine's defaults, each written once.
 
-`EngineConfig` declares its flags with these defaults; the engine server hands the scheduler one
-`SchedulerLimits` built from the config, so a setting travels as one object from the command line
-to the step loop (in this process or, pickled, to the engine core process).
+`EngineConfig` declares its flags with these defaults; the start-up plan (tito_engine.startup_plan)
+hands the scheduler one `SchedulerLimits` built from the config and the device, so a setting
+travels as one object from the command line to the step loop (in this process or, pickled, to the
+engine core process).
 """
 
 from __future__ import annotations

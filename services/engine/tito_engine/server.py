@@ -17,13 +17,12 @@ from tito_engine.service.admission import Admission
 from tito_engine.service.backend import EngineBackend
 from tito_engine.config import EngineConfig
 from tito_engine.core.engine import Engine
-from tito_engine.core.engine_core import CoreProcessSpec
 from tito_engine.multimodal.features import FeaturePolicy
-from tito_engine.limits import DEFAULT_BLOCK_SIZE
-from tito_engine.model.runner import KVCacheSpec, warm_up_or_warn
+from tito_engine.model.runner import warm_up_or_warn
 from tito_engine.model_info import check_checkpoint
 from tito_engine.service.observe import EngineMetrics, RequestObserver
 from tito_engine.service.servicer import EngineServicer
+from tito_engine.startup_plan import StartupPlan, plan_startup
 
 SERVICE_NAME = "tito.v1.EngineService"
 
@@ -72,19 +71,17 @@ def feature_policy(config: EngineConfig) -> FeaturePolicy:
                          require_signed_features=config.require_signed_features)
 
 
-def _build_backend(config: EngineConfig) -> EngineBackend:
-    model_dir = resolve_model(config.model)
+def _build_backend(config: EngineConfig, plan: StartupPlan | None) -> EngineBackend:
+    """The backend the config names, loaded (`plan`: made here when the caller made none)."""
+    plan = plan or plan_startup(config)
     if config.backend == "vllm":
         from tito_engine.vllm.backend import VllmEngine
         from tito_engine.vllm.args import build_engine_args
 
-        return VllmEngine(build_engine_args(config, str(model_dir)), model_dir, model_id=config.model,
+        return VllmEngine(build_engine_args(config, str(plan.model_dir)), plan.model_dir, model_id=config.model,
                           max_waiting_requests=config.max_waiting_requests, kv_event_buffer=config.kv_events_buffer,
                           kv_flag_given=config.kv_cache_bytes is not None)
-    kv_cache = KVCacheSpec(block_size=config.block_size or DEFAULT_BLOCK_SIZE, num_blocks=config.kv_blocks,
-                           cache_bytes=config.kv_cache_bytes, memory_fraction=config.kv_memory_fraction,
-                           max_sequences=config.max_running_sequences)
-    spec = CoreProcessSpec.from_config(config, str(model_dir), kv_cache)
+    spec = plan.core_spec(config)
     if config.engine_process:
         return Engine.in_process(spec, max_waiting_requests=config.max_waiting_requests,
                                  kv_event_buffer=config.kv_events_buffer)
@@ -95,8 +92,10 @@ def _build_backend(config: EngineConfig) -> EngineBackend:
                   encoder_store_bytes=spec.encoder_store_bytes, kv_event_buffer=config.kv_events_buffer)
 
 
-async def create_server(config: EngineConfig, phases: StartupPhases | None = None) -> RunningServer:
-    """Start the server NOT_SERVING, load the model off the event loop, then turn SERVING."""
+async def create_server(config: EngineConfig, phases: StartupPhases | None = None,
+                        plan: StartupPlan | None = None) -> RunningServer:
+    """Start the server NOT_SERVING, load the model off the event loop, then turn SERVING. `plan`:
+    the start-up plan `serve` made (None: it is made here, with the model's load)."""
     phases = phases or StartupPhases()
     config.validate()
     # The port is bound (health NOT_SERVING, calls answered UNAVAILABLE) while the model loads.
@@ -111,7 +110,7 @@ async def create_server(config: EngineConfig, phases: StartupPhases | None = Non
         with phases.phase("model load", "in the engine core process" if config.engine_process
                           and config.backend == "native" else config.backend):
             with loading_model(config.model):
-                backend = await asyncio.to_thread(_build_backend, config)
+                backend = await asyncio.to_thread(_build_backend, config, plan)
     except BaseException:
         await running.stop(0)
         raise
@@ -147,13 +146,14 @@ async def create_server(config: EngineConfig, phases: StartupPhases | None = Non
 
 
 async def serve(config: EngineConfig, phases: StartupPhases | None = None) -> None:
-    """Serve until SIGTERM/SIGINT, this process on the CPUs the engine core leaves (--core-cpus)."""
-    plan = config.cpu_plan()
-    if plan is not None:
-        log.info("engine on CPU: %s", plan.describe())
-        if plan.server_cpus is not None:
+    """Serve until SIGTERM/SIGINT, this process on the CPUs the engine core leaves (--core-cpus):
+    the start-up plan is made once, here, and the core gets the CPUs of the same plan."""
+    plan = plan_startup(config)
+    if plan.cpus is not None:
+        log.info("engine on CPU: %s", plan.cpus.describe())
+        if plan.cpus.server_cpus is not None:
             from tito.cpu_affinity import run_on
 
-            run_on(plan.server_cpus)
-    running = await create_server(config, phases)
+            run_on(plan.cpus.server_cpus)
+    running = await create_server(config, phases, plan)
     await run_until_signal(running)

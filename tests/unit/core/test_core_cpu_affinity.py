@@ -8,6 +8,7 @@ from tito.config import ConfigError
 from tito.cpu_affinity import format_cpu_list, parse_cpu_list, split_for_core
 from tito_engine.config import EngineConfig
 from tito_engine.model.cpu_runtime import forward_dominates, forward_macs_per_token, plan_cpus
+from tito_engine.startup_plan import plan_startup
 
 TINY = 4_200_000  # multiply-adds per token of tiny-qwen2-h256
 REAL = 494_000_000  # Qwen2.5-0.5B's shape
@@ -77,39 +78,33 @@ def test_engine_cpu_settings_are_checked_at_start_up():
         EngineConfig(cpu_affinity="99999").validate()
     with pytest.raises(ConfigError, match="--core-cpus applies to the native backend only"):
         EngineConfig(backend="vllm", core_cpus="0").validate()
-    assert EngineConfig(backend="vllm").cpu_plan() is None
-    assert EngineConfig(engine_process=False, device="cpu").core_cpu_plan() == (None, None)
-    assert EngineConfig(engine_process=False, device="cpu", cpu_threads=3).cpu_plan().threads == 3
+    assert plan_startup(EngineConfig(backend="vllm")).cpus is None
+    on_a_thread = plan_startup(EngineConfig(engine_process=False, device="cpu")).cpus
+    assert (on_a_thread.core_cpus, on_a_thread.server_cpus) == (None, None)
+    assert plan_startup(EngineConfig(engine_process=False, device="cpu", cpu_threads=3)).cpus.threads == 3
 
 
 def test_nothing_is_pinned_where_the_os_has_no_cpu_affinity(monkeypatch):
     monkeypatch.delattr("os.sched_setaffinity")
-    plan_cpus.cache_clear()  # worked out once per process: forget this test's answer afterwards too
-    try:
-        assert placement("auto", "", 1, TINY) == (1, None, None)
-    finally:
-        plan_cpus.cache_clear()
+    assert placement("auto", "", 1, TINY) == (1, None, None)
 
 
 def test_the_lone_prefill_borrow_is_a_native_setting_passed_to_the_core(tiny_text_model):
-    from tito_engine.core.engine_core import CoreProcessSpec
-
     def spec(**flags):
         config = EngineConfig(device="cpu", cpu_affinity="0-1", model=str(tiny_text_model), **flags)
-        return CoreProcessSpec.from_config(config, "dir", None)
+        return plan_startup(config).core_spec(config)
 
-    assert (spec().cpus, spec().lone_prefill_cpus) == ({1}, {0})
-    assert (spec(cpu_lone_prefill_borrow=False).cpus, spec(cpu_lone_prefill_borrow=False).lone_prefill_cpus) == (
-        {1}, None)
+    assert (spec().cpus, spec().cpu_plan.lone_prefill_cpus) == ({1}, {0})
+    assert (spec(cpu_lone_prefill_borrow=False).cpus, spec(cpu_lone_prefill_borrow=False).cpu_plan.lone_prefill_cpus
+            ) == ({1}, None)
     with pytest.raises(ConfigError, match="--cpu-lone-prefill-borrow / --no-cpu-lone-prefill-borrow apply to the"):
         EngineConfig(backend="vllm", cpu_lone_prefill_borrow=True).validate()
 
 
 def test_packed_linears_are_a_native_setting_passed_to_the_core():
-    from tito_engine.core.engine_core import CoreProcessSpec
-
     assert EngineConfig().packs_linears and not EngineConfig(cpu_packed_linears=False).packs_linears
-    spec = CoreProcessSpec.from_config(EngineConfig(cpu_packed_linears=False), "dir", None)
+    config = EngineConfig(cpu_packed_linears=False)
+    spec = plan_startup(config).core_spec(config)
     assert spec.packed_linears is False
     with pytest.raises(ConfigError, match="--cpu-packed-linears / --no-cpu-packed-linears apply to the native"):
         EngineConfig(backend="vllm", cpu_packed_linears=False).validate()

@@ -32,7 +32,7 @@ ALLOWED = {
 #: The engine's layers, top first (services/engine/README.md, "Layers"): a module may import its own
 #: layer and the layers below it. The service layer is the port both backends plug into.
 ENGINE_LAYERS = (
-    ("entry", ("tito_engine.server", "tito_engine.config")),
+    ("entry", ("tito_engine.server", "tito_engine.startup_plan", "tito_engine.config")),
     ("backends", ("tito_engine.core", "tito_engine.vllm")),
     ("service", ("tito_engine.service",)),
     ("model execution", ("tito_engine.model",)),

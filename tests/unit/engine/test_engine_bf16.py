@@ -149,8 +149,8 @@ def test_dtype_is_a_flag_and_a_variable_that_reaches_the_core(capsys, monkeypatc
     import tito_engine.model.runner as runner_module
     from tito_cli import main as cli
     from tito.env_flags import apply_env
-    from tito_engine.core.engine_core import CoreProcessSpec
     from tito_engine.server import config_from_args
+    from tito_engine.startup_plan import plan_startup
 
     # The flag's way to the core, on any CPU: whether this one computes bf16 is the next test's concern.
     monkeypatch.setattr(runner_module, "cpu_supports", lambda dtype: True)
@@ -162,7 +162,7 @@ def test_dtype_is_a_flag_and_a_variable_that_reaches_the_core(capsys, monkeypatc
         apply_env(parser, cli.serve_parser(parser, "engine"), argv, args, environ)
         config = config_from_args(args)
         assert config.dtype == expected
-        assert CoreProcessSpec.from_config(config, "dir", None).dtype == expected
+        assert plan_startup(config).core_spec(config).dtype == expected
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "engine", "--dtype", "int8"])
     assert "invalid choice: 'int8'" in capsys.readouterr().err

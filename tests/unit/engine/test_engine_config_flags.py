@@ -13,6 +13,8 @@ from tito_engine.config import EngineConfig
 from tito_engine.limits import (DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_PREFILL_TOKENS_CPU, DEFAULT_MAX_RUNNING_SEQUENCES,
                                 SchedulerLimits)
 from tito_engine.server import config_from_args
+from tito_engine.startup_plan import plan_startup, scheduler_limits
+from tito_models.paths import resolve_model
 
 DEPRECATION = ("--max-running-requests (TITO_MAX_RUNNING_REQUESTS) is deprecated: use --max-running-sequences "
                "(TITO_MAX_RUNNING_SEQUENCES), same meaning")
@@ -77,9 +79,9 @@ def test_validation_names_the_new_flag_and_counts_choices():
 def test_the_scheduler_gets_its_settings_as_one_object():
     config = engine_config(["--max-running-sequences", "32", "--max-prefill-tokens-per-step", "512",
                             "--no-prefix-caching"])
-    assert config.scheduler_limits == SchedulerLimits(max_running_sequences=32, max_prefill_tokens=512,
-                                                      prefix_caching=False)
-    assert EngineConfig(device="cpu").scheduler_limits == SchedulerLimits(
+    assert scheduler_limits(config, on_cpu=False) == SchedulerLimits(max_running_sequences=32, max_prefill_tokens=512,
+                                                                     prefix_caching=False)
+    assert plan_startup(EngineConfig(device="cpu")).limits == SchedulerLimits(
         max_prefill_tokens=DEFAULT_MAX_PREFILL_TOKENS_CPU)
     assert SchedulerLimits().max_prefill_tokens == DEFAULT_MAX_PREFILL_TOKENS
     assert EngineConfig.max_prefill_tokens_per_step is None  # chosen by device
@@ -88,24 +90,26 @@ def test_the_scheduler_gets_its_settings_as_one_object():
 def test_the_prefill_budget_defaults_by_device_and_the_flag_wins(monkeypatch):
     import torch
 
-    assert EngineConfig(device="cpu").prefill_tokens_per_step() == DEFAULT_MAX_PREFILL_TOKENS_CPU == 512
+    def budget(config: EngineConfig) -> int:
+        return plan_startup(config).limits.max_prefill_tokens
+
+    assert budget(EngineConfig(device="cpu")) == DEFAULT_MAX_PREFILL_TOKENS_CPU == 512
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # choose_device("auto") picks CUDA
-    assert EngineConfig().prefill_tokens_per_step() == DEFAULT_MAX_PREFILL_TOKENS == 2048
-    assert EngineConfig(device="cpu", max_prefill_tokens_per_step=96).prefill_tokens_per_step() == 96
+    assert budget(EngineConfig()) == DEFAULT_MAX_PREFILL_TOKENS == 2048
+    assert budget(EngineConfig(device="cpu", max_prefill_tokens_per_step=96)) == 96
     with pytest.raises(ConfigError, match="max_prefill_tokens_per_step=0 must be >= 1 .*512 on CPU"):
         EngineConfig(max_prefill_tokens_per_step=0).validate()
 
 
 def test_the_core_process_spec_is_built_from_the_config_whole():
-    from tito_engine.core.engine_core import CoreProcessSpec
-
     config = EngineConfig(model="tiny-qwen2", device="cpu", max_model_len=256, cpu_threads=2, encoder_cache_bytes=0,
                           exclude_padding_ids=False, max_running_sequences=8, log_level="debug")
-    spec = CoreProcessSpec.from_config(config, "/models/m", kv_cache=None)
-    assert (spec.model_dir, spec.model_id, spec.device, spec.max_model_len, spec.cpu_threads) == (
-        "/models/m", "tiny-qwen2", "cpu", 256, 2)
+    plan = plan_startup(config)
+    spec = plan.core_spec(config)
+    assert (spec.model_dir, spec.model_id, spec.device, spec.max_model_len, spec.cpu_plan.threads) == (
+        str(resolve_model("tiny-qwen2")), "tiny-qwen2", "cpu", 256, 2)
     assert (spec.limits, spec.log_level, spec.encoder_cache_bytes, spec.exclude_padding_ids) == (
-        config.scheduler_limits, "debug", 0, False)
+        plan.limits, "debug", 0, False)
 
 
 def test_the_shared_encoder_store_flags_teach_their_use(tmp_path):

@@ -36,7 +36,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tito.errors import ConfigError, TitoError
 from tito.supervision import ChildProcess, spawn_context, stop_children
@@ -58,6 +58,9 @@ from tito_engine.request import ChoiceOutput, Request
 from tito_engine.limits import SchedulerLimits
 from tito_engine.scheduling.blocks import BlockMedia
 from tito_engine.scheduling.scheduler import Scheduler, run_step
+
+if TYPE_CHECKING:
+    from tito_engine.model.cpu_runtime import CpuPlan
 
 log = logging.getLogger(__name__)
 
@@ -411,41 +414,31 @@ class ThreadCore:
 
 @dataclass(frozen=True)
 class CoreProcessSpec:
-    """Everything a core host needs to load its runner and build its core, taken from the
-    EngineConfig whole (`from_config`); picklable, for the child process."""
+    """Everything a core host needs to load its runner and build its core, made once at start-up
+    (tito_engine.startup_plan) and passed down whole; picklable, for the child process."""
 
     model_dir: str
     model_id: str
     device: str
     max_model_len: int | None
     kv_cache: Any  # model_runner.KVCacheSpec
-    cpu_threads: int | None
     limits: SchedulerLimits
+    #: Threads and CPUs on CPU (model/cpu_runtime.CpuPlan), the plan the server pinned itself by;
+    #: None: not on CPU, or no plan (the runner then chooses its threads from the model's work).
+    cpu_plan: CpuPlan | None = None
     log_level: str = "info"
     encoder_cache_bytes: int = 0
     exclude_padding_ids: bool = True
     packed_linears: bool = True
     decode_kernel: bool | None = None  # decode attention in the CPU kernel (model/cpu_attention.py); None: auto
-    cpus: frozenset[int] | None = None  # the CPUs the core process runs on (EngineConfig.cpu_plan)
-    lone_prefill_cpus: frozenset[int] | None = None  # the CPUs a lone prefill's linears borrow (the server's)
     dtype: str = "auto"
     encoder_store_dir: str = ""  # the shared encoder store's directory ("" = none)
     encoder_store_bytes: int = 0
 
-    @classmethod
-    def from_config(cls, config: Any, model_dir: str, kv_cache: Any) -> "CoreProcessSpec":
-        """The spec of an EngineConfig's core, its model resolved to `model_dir`."""
-        plan = config.cpu_plan()
-        return cls(model_dir=model_dir, model_id=config.model, device=config.device,
-                   max_model_len=config.max_model_len, kv_cache=kv_cache,
-                   cpu_threads=plan.threads if plan is not None else None,
-                   limits=config.scheduler_limits, log_level=config.log_level,
-                   encoder_cache_bytes=config.encoder_cache_bytes, exclude_padding_ids=config.excludes_padding_ids,
-                   packed_linears=config.packs_linears, decode_kernel=config.cpu_decode_kernel,
-                   cpus=plan.core_cpus if plan is not None else None,
-                   lone_prefill_cpus=plan.lone_prefill_cpus if plan is not None else None,
-                   dtype=config.dtype, encoder_store_dir=config.encoder_store_dir,
-                   encoder_store_bytes=config.encoder_store_bytes)
+    @property
+    def cpus(self) -> frozenset[int] | None:
+        """The CPUs the core process runs on (None: not pinned)."""
+        return self.cpu_plan.core_cpus if self.cpu_plan is not None else None
 
     def load_runner(self) -> Any:
         """Load the model this spec names (in whichever process hosts the core)."""
@@ -453,11 +446,13 @@ class CoreProcessSpec:
 
         from tito_engine.model.runner import ModelRunner
 
+        plan = self.cpu_plan
         return ModelRunner(Path(self.model_dir), model_id=self.model_id, device=self.device,
-                           max_model_len=self.max_model_len, kv_cache=self.kv_cache, cpu_threads=self.cpu_threads,
+                           max_model_len=self.max_model_len, kv_cache=self.kv_cache,
+                           cpu_threads=plan.threads if plan is not None else None,
                            exclude_padding_ids=self.exclude_padding_ids, packed_linears=self.packed_linears,
                            dtype=self.dtype, decode_kernel=self.decode_kernel,
-                           lone_prefill_cpus=self.lone_prefill_cpus)
+                           lone_prefill_cpus=plan.lone_prefill_cpus if plan is not None else None)
 
 
 def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
@@ -470,11 +465,7 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
     from tito_engine.model.runner import warm_up_or_warn
 
     setup_logging(spec.log_level, "engine")
-    if spec.cpus is not None:  # before torch starts its threads: they inherit it
-        from tito.cpu_affinity import format_cpu_list, run_on
-
-        run_on(spec.cpus)
-        log.info("engine core process on CPUs %s", format_cpu_list(spec.cpus))
+    _run_on_planned_cpus(spec)
     try:
         runner = spec.load_runner()
     except BaseException as exc:  # noqa: BLE001 - report why the engine could not start
@@ -521,6 +512,16 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
     except (BrokenPipeError, OSError):
         pass
     _exit_now(0)
+
+
+def _run_on_planned_cpus(spec: CoreProcessSpec) -> None:
+    """Pin this process to the core's CPUs of the server's plan, if any: before torch starts its
+    threads, which inherit them."""
+    if spec.cpus is not None:
+        from tito.cpu_affinity import format_cpu_list, run_on
+
+        run_on(spec.cpus)
+        log.info("engine core process on CPUs %s", format_cpu_list(spec.cpus))
 
 
 def _exit_now(code: int) -> None:

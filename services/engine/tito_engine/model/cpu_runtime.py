@@ -2,7 +2,8 @@
 server (`plan_cpus`, chosen from the model's work), and the C allocator's settings.
 
 Threads and the allocator are process-wide, so they are set once, where the model is loaded
-(ModelRunner); the placement is worked out in the server before the core process starts.
+(ModelRunner); the placement is worked out once in the server, before the core process starts,
+and handed to the core (tito_engine.startup_plan).
 
 A lone prefill (the step's only row: nothing else is running, so the server has no tokens to
 stream) may borrow the server's CPUs for its linears (`lend_cpus_to_lone_prefill`, linear.wide_linears):
@@ -14,7 +15,6 @@ of 30 interleaved), and the first token of a chat through the gateway came ~3 ms
 from __future__ import annotations
 
 import ctypes
-import functools
 import json
 import logging
 import os
@@ -127,14 +127,13 @@ class CpuPlan:
         return f"{self.threads} torch thread(s), {where} ({self.reason})"
 
 
-@functools.lru_cache(maxsize=None)
 def plan_cpus(core_cpus: str, cpu_affinity: str, cpu_threads: int | None, macs_per_token: int,
               pin: bool = True, lone_prefill: bool = True) -> CpuPlan:
     """The CpuPlan for `--core-cpus`, `--cpu-threads`, within `--cpu-affinity` (default: the CPUs
     this process may use), for a model whose token costs `macs_per_token`; `pin=False` (the core
-    on a thread of the server, or no affinity call on this OS): threads only. Worked out once per
-    process (cached): the server pins itself by it before it starts the core, which must then get
-    the CPUs of the same plan, not a plan of what the server has left.
+    on a thread of the server, or no affinity call on this OS): threads only. The engine works it
+    out once, at start-up (tito_engine.startup_plan), before the server pins itself by it: asked
+    again afterwards, `allowed_cpus()` would answer with what the server has left.
 
     Threads (unless --cpu-threads): every CPU when the forward dominates (`forward_dominates`),
     else all but one, left to the server (and, with a list, the CPUs of the list).

@@ -135,6 +135,19 @@ def _load_model(model_dir: Path, dtype: torch.dtype) -> Any:
     return loader.from_pretrained(model_dir, dtype=dtype)
 
 
+def _load_model_quietly(model_dir: Path, dtype: torch.dtype) -> Any:
+    """`_load_model` without transformers' progress bar (one per load is noise in server logs)."""
+    from transformers.utils import logging as hf_logging
+
+    bar_was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return _load_model(model_dir, dtype)
+    finally:
+        if bar_was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 class ModelRunner:
     """Loads a causal LM, sizes its paged KV cache and runs one batched forward per step."""
 
@@ -143,32 +156,46 @@ class ModelRunner:
                  cpu_threads: int | None = None, exclude_padding_ids: bool = True, packed_linears: bool = True,
                  dtype: str = "auto", decode_kernel: bool | None = None,
                  lone_prefill_cpus: frozenset[int] | None = None):
-        """`lone_prefill_cpus`: CPUs (the server's) a lone prefill's linears borrow on CPU
+        """`cpu_threads` and `lone_prefill_cpus` come from the engine's CPU plan (cpu_runtime.CpuPlan,
+        made once at start-up); `cpu_threads` unset: chosen from the model's work, as that plan
+        chooses them. `lone_prefill_cpus`: CPUs (the server's) a lone prefill's linears borrow on CPU
         (cpu_runtime.lend_cpus_to_lone_prefill); None: every step on this process's threads."""
         self.model_dir = model_dir  # structured outputs read the tokenizer from here (constraints.py)
         self.device = choose_device(device)
         self.dtype, dtype_reason = choose_dtype(self.device, dtype, checkpoint_dtype(model_dir))
-        if self.device.type == "cpu":  # unset: chosen from the model's work, as the engine's plan does
-            set_cpu_threads(cpu_threads or plan_cpus("none", "", None, forward_macs_per_token(model_dir)).threads)
-            if keep_freed_memory():
-                log.debug("glibc malloc keeps freed memory for the next step (cpu_runtime.keep_freed_memory)")
         #: torch threads of a lone prefill's linears (linear.wide_linears); 0: the usual count.
         self.lone_prefill_threads = 0
-        if self.device.type == "cpu" and lone_prefill_cpus:
+        if self.device.type == "cpu":
+            self._set_up_cpu(cpu_threads, lone_prefill_cpus)
+        self.model = _load_model_quietly(model_dir, self.dtype).to(self.device).eval()
+        text_config = self._describe(model_id, max_model_len)
+        #: Logit columns set to -inf every step (sampler.mask_logits) when padding ids are
+        #: excluded; None when they are not or the model has none (then it costs nothing).
+        self.logits_mask = padding_mask(self.info.padding_ids, self.device) if exclude_padding_ids else None
+        self._token_masks: constraints.TokenMasks | None = None  # built by the first constrained step
+        self.cache = self._make_cache(text_config, kv_cache or KVCacheSpec())
+        self.choice_state = ModelChoiceState(self.device)
+        kernel = self._attention_kernel(decode_kernel)
+        self.decoder = self._build_decoder(model_id, packed_linears, kernel)
+        self._log_loaded(model_id, dtype_reason, kernel is not None)
+
+    def _set_up_cpu(self, cpu_threads: int | None, lone_prefill_cpus: frozenset[int] | None) -> None:
+        """The process-wide CPU settings (cpu_runtime): torch's threads, the allocator's thresholds,
+        and the threads a lone prefill borrows the server's CPUs with."""
+        # Unset (a runner built alone: tests, benchmarks): the threads the engine's plan would give.
+        set_cpu_threads(cpu_threads or plan_cpus("none", "", None, forward_macs_per_token(self.model_dir)).threads)
+        if keep_freed_memory():
+            log.debug("glibc malloc keeps freed memory for the next step (cpu_runtime.keep_freed_memory)")
+        if lone_prefill_cpus:
             self.lone_prefill_threads = lend_cpus_to_lone_prefill(lone_prefill_cpus)
             if self.lone_prefill_threads:
                 log.info("a lone prefill's linears run on %d threads, the extra ones on CPUs %s "
                          "(--no-cpu-lone-prefill-borrow: the core's alone)", self.lone_prefill_threads,
                          format_cpu_list(lone_prefill_cpus))
-        from transformers.utils import logging as hf_logging
 
-        bar_was_enabled = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()  # a progress bar per load is noise in server logs
-        try:
-            self.model = _load_model(model_dir, self.dtype).to(self.device).eval()
-        finally:
-            if bar_was_enabled:
-                hf_logging.enable_progress_bar()
+    def _describe(self, model_id: str, max_model_len: int | None) -> Any:
+        """Set the loaded model's identity (`info`: ids, limits, EOS ids, fingerprint) and what media
+        it takes (`mm_spec`, features.py admission; None for text-only models); its text config."""
         config = self.model.config
         text_config = getattr(config, "text_config", None) or config
         vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
@@ -176,27 +203,31 @@ class ModelRunner:
         if max_model_len is not None and max_model_len > model_max:
             log.warning("max_model_len=%d exceeds the model's max_position_embeddings=%d; quality may "
                         "degrade past it", max_model_len, model_max)
-        # What media the model takes and how (features.py admission); None for text-only models.
         self.info, self.mm_spec = describe_model(
-            model_dir, config, model_id=model_id, vocab_size=vocab_size, max_context_length=max_model_len or model_max,
-            dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
-        #: Logit columns set to -inf every step (sampler.mask_logits) when padding ids are
-        #: excluded; None when they are not or the model has none (then it costs nothing).
-        self.logits_mask = padding_mask(self.info.padding_ids, self.device) if exclude_padding_ids else None
-        self._token_masks: constraints.TokenMasks | None = None  # built by the first constrained step
-        self.cache = self._make_cache(text_config, kv_cache or KVCacheSpec())
-        self.choice_state = ModelChoiceState(self.device)
-        kernel = None
+            self.model_dir, config, model_id=model_id, vocab_size=vocab_size,
+            max_context_length=max_model_len or model_max, dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device))
+        return text_config
+
+    def _attention_kernel(self, decode_kernel: bool | None) -> AttentionKernel | None:
+        """The CPU kernel decode rows attend in, where it is asked for (None: where this process runs
+        one torch thread) and can run and be built; None: the torch path."""
         if decode_kernel is None:  # the kernel runs on one thread; SDPA spreads over torch's threads
             decode_kernel = torch.get_num_threads() == 1
         if decode_kernel and AttentionKernel.supports(self.dtype, self.device):
-            kernel = load_attention_kernel()  # None: it could not be built (logged), the torch path runs
+            return load_attention_kernel()  # None: it could not be built (logged), the torch path runs
+        return None
+
+    def _build_decoder(self, model_id: str, packed_linears: bool, kernel: AttentionKernel | None) -> BatchedDecoder:
+        """The batched forward over the model and the cache (linears packed on CPU unless told)."""
         try:
-            self.decoder = BatchedDecoder(self.model, self.cache, max_positions=self.info.max_context_length,
-                                          packed_linears=packed_linears and self.device.type == "cpu",
-                                          release_plain_weights=True, attention_kernel=kernel)
+            return BatchedDecoder(self.model, self.cache, max_positions=self.info.max_context_length,
+                                  packed_linears=packed_linears and self.device.type == "cpu",
+                                  release_plain_weights=True, attention_kernel=kernel)
         except ValueError as exc:  # an architecture (or a setting of one) the native forward does not run
             raise ConfigError(f"{model_id}: {exc}") from exc
+
+    def _log_loaded(self, model_id: str, dtype_reason: str, kernel: bool) -> None:
         log.info("loaded %s on %s (%s, %s): vocab %s%s, context %d, eos %s, fingerprint %s; KV cache %d blocks x %d "
                  "tokens (%.1f MiB)", model_id, self.info.device, self.info.dtype, dtype_reason,
                  _describe_vocab(self.info),
@@ -204,7 +235,7 @@ class ModelRunner:
                  self.info.max_context_length, list(self.info.eos_token_ids), self.info.fingerprint,
                  self.cache.num_blocks, self.cache.block_size,
                  self.cache.capacity_tokens * self.cache.layout.bytes_per_token / 2**20)
-        if kernel is not None:
+        if kernel:
             log.info("decode rows attend in the CPU kernel (--no-cpu-decode-kernel: the torch path)")
         if self.decoder.packed_linear_bytes:
             extra = self.decoder.packed_linear_bytes - self.decoder.released_weight_bytes
