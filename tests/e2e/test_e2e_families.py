@@ -5,13 +5,8 @@ the streamed text is their decoding."""
 
 from __future__ import annotations
 
-import base64
-import io
-
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from tito import tensors
@@ -19,6 +14,7 @@ from tito_client.pipeline import ChatPipeline, Endpoints
 from tito.v1 import chat_pb2, derender_pb2, multimodal_pb2, render_pb2
 
 from chat_checks import assert_chat_is_hf_greedy
+from images import noise_data_url as data_url
 from service_processes import running_services
 
 pytestmark = pytest.mark.e2e
@@ -33,13 +29,6 @@ def test_text_chat_is_hf_greedy(request, tmp_path, model_fixture):
         assert_chat_is_hf_greedy(addresses, model_dir, [
             chat_pb2.ChatMessage(role="system", content="You are terse."),
             chat_pb2.ChatMessage(role="user", content="Hello! Tell me about the sea and the sky.")])
-
-
-def data_url(width: int, height: int, seed: int) -> str:
-    pixels = np.random.RandomState(seed).randint(0, 256, size=(height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 @pytest.fixture(scope="module")

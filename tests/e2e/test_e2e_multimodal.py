@@ -4,13 +4,10 @@ a data: URL image through ChatPipeline streams the text of HF's greedy tokens.""
 
 from __future__ import annotations
 
-import base64
-import io
 import subprocess
 import sys
 
 import grpc
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -21,18 +18,12 @@ from tito.grpc_errors import error_details
 from tito_client.pipeline import ChatPipeline, Endpoints
 from tito.v1 import chat_pb2, engine_pb2, render_pb2
 
+from images import noise_data_url as data_url
 from service_processes import running_services
 
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 24
-
-
-def data_url(width: int, height: int, seed: int) -> str:
-    pixels = np.random.RandomState(seed).randint(0, 256, size=(height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 @pytest.fixture(scope="module")

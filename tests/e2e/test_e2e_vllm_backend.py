@@ -18,8 +18,9 @@ from tito_models.tiny import VL_MODEL_D64, ensure_model
 from tito.v1 import chat_pb2
 
 from chat_checks import assert_chat_is_hf_greedy
+from images import noise_data_url as data_url
 from service_processes import running_services
-from test_e2e_multimodal import chat_request, data_url, hf_greedy
+from test_e2e_multimodal import chat_request, hf_greedy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 

@@ -26,7 +26,7 @@ from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
 from tito_render.convert import chat_response
 
-from test_engine_multimodal import image, text  # the same request builders
+from chat_parts import image, text
 
 TIMEOUT = 60
 KEY, KEY_ID = b"engine-epd-test-key-0123456789abcdef", "k-epd"

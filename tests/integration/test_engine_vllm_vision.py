@@ -39,9 +39,10 @@ from tito_render.media.features import Signer
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
 
-from chat_parts import video
+from chat_parts import image, text, video
+from images import noise_png, solid_png
 from test_engine_families import hf_vl_greedy, hf_vl_inputs
-from test_engine_multimodal import generate, hf_greedy, image, png, render, text
+from test_engine_multimodal import generate, hf_greedy, render
 
 pytestmark = pytest.mark.vllm
 
@@ -52,9 +53,7 @@ TENSORS, METADATA = multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD
 
 
 def solid(width: int, height: int, rgb: tuple[int, int, int]) -> chat_pb2.ContentPart:
-    buffer = io.BytesIO()
-    Image.new("RGB", (width, height), rgb).save(buffer, "PNG")
-    return chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=buffer.getvalue()))
+    return chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=solid_png(width, height, rgb)))
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +178,7 @@ def test_metadata_only_item_vllm_never_saw_needs_tensors(stubs, renderer):
 
 
 def test_video_and_image_prompt_equals_native_and_hf(stubs, renderer, hf_model):
-    frames = chat_pb2.VideoFrames(frames=[chat_pb2.ImageSource(data=png(56, 56, seed=70 + k)) for k in range(4)],
+    frames = chat_pb2.VideoFrames(frames=[chat_pb2.ImageSource(data=noise_png(56, 56, seed=70 + k)) for k in range(4)],
                                   fps=2.0)
     request = render(renderer, text("A clip:"), chat_pb2.ContentPart(video=frames), text("and a still:"),
                      image(56, 84, seed=75), max_tokens=16)
@@ -320,7 +319,7 @@ def vllm_own_greedy(llm, hf_tokenizer, frames: int, fps: float, max_tokens: int)
     messages = [{"role": "user", "content": [{"type": "text", "text": "A clip:"}, {"type": "video"},
                                              {"type": "text", "text": "What moves?"}]}]
     prompt = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    pixels = np.stack([np.asarray(Image.open(io.BytesIO(png(56, 56, seed=50 + frames + k))).convert("RGB"))
+    pixels = np.stack([np.asarray(Image.open(io.BytesIO(noise_png(56, 56, seed=50 + frames + k))).convert("RGB"))
                        for k in range(frames)])
     metadata = {"fps": fps, "total_num_frames": frames, "frames_indices": list(range(frames)),
                 "duration": frames / fps, "width": 56, "height": 56, "do_sample_frames": False}
@@ -408,7 +407,7 @@ def test_vllms_cpu_build_computes_gemma3_images_causally_so_the_backend_refuses_
     from transformers import AutoProcessor
 
     prompt = "<|im_start|>user\nLook: <start_of_image> what is it?<|im_end|>\n<|im_start|>assistant\n"
-    picture = Image.open(io.BytesIO(png(64, 64, seed=3))).convert("RGB")
+    picture = Image.open(io.BytesIO(noise_png(64, 64, seed=3))).convert("RGB")
     inputs = AutoProcessor.from_pretrained(gemma3_dir)(text=prompt, images=[picture], return_tensors="pt")
     hf = AutoModelForImageTextToText.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
 

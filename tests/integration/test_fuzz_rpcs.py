@@ -11,7 +11,6 @@ A failing case prints its method, kind and seed, which reproduce it.
 from __future__ import annotations
 
 import base64
-import io
 import os
 import random
 from collections import Counter
@@ -19,9 +18,9 @@ from collections import Counter
 import grpc
 import pytest
 from google.protobuf import struct_pb2
-from PIL import Image
 
 from fuzz_requests import byte_cases, field_cases
+from images import solid_png
 from tito.grpc_errors import error_details
 from tito.v1 import (chat_pb2, derender_pb2, engine_pb2, engine_pb2_grpc, render_pb2,
                      render_pb2_grpc)
@@ -49,12 +48,6 @@ def servers(module_aio_server, tiny_vl_model):
     }
 
 
-def _png() -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", (64, 48), (200, 30, 30)).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
 def _seed_chat() -> render_pb2.RenderChatRequest:
     arguments = struct_pb2.Struct()
     arguments.update({"city": "Paris"})
@@ -69,7 +62,7 @@ def _seed_chat() -> render_pb2.RenderChatRequest:
             chat_pb2.ChatMessage(role="user", content_parts=[
                 chat_pb2.ContentPart(text="What colour, and the weather in Paris?"),
                 chat_pb2.ContentPart(image=chat_pb2.ImageSource(
-                    url="data:image/png;base64," + base64.b64encode(_png()).decode()))]),
+                    url="data:image/png;base64," + base64.b64encode(solid_png(64, 48, (200, 30, 30))).decode()))]),
             chat_pb2.ChatMessage(role="assistant", tool_calls=[chat_pb2.ToolCall(
                 id="call_1", type="function",
                 function=chat_pb2.FunctionCall(name="get_weather", arguments_object=arguments))]),

@@ -4,13 +4,10 @@ recompute without re-encoding, the two-phase admission split and its errors acro
 from __future__ import annotations
 
 import asyncio
-import io
 import pickle
 import time
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from tito.config import ConfigError
 from tito.errors import FailedPrecondition, FieldViolation, InvalidArgument
@@ -26,12 +23,7 @@ from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
 from tito_render.convert import chat_response
 
-
-def png(width: int, height: int, seed: int) -> bytes:
-    pixels = np.random.RandomState(seed).randint(0, 256, size=(height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return buffer.getvalue()
+from images import noise_png
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +35,7 @@ def render(renderer, seed: int, words: str, max_tokens: int, payload=multimodal_
     request = render_pb2.RenderChatRequest(
         messages=[chat_pb2.ChatMessage(role="user", content_parts=[
             chat_pb2.ContentPart(text=words),
-            chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=png(56, 56, seed)))])],
+            chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=noise_png(56, 56, seed)))])],
         mm_payload=payload,
         sampling=render_pb2.SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     return chat_response(renderer, request).generate_request

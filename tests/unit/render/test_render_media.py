@@ -4,7 +4,6 @@ is_embed; payload modes; content hashes; signing."""
 from __future__ import annotations
 
 import base64
-import io
 
 import numpy as np
 import pytest
@@ -21,20 +20,10 @@ from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
 from tito_render.convert import chat_response, model_info_to_proto
 
+from images import encoded as encode, noise_image as picture
+
 TENSORS, METADATA, NONE = (multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD_METADATA,
                            multimodal_pb2.MM_PAYLOAD_NONE)
-
-
-def picture(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
-    channels = len(mode)
-    pixels = np.random.RandomState(seed).randint(0, 256, size=(height, width, channels), dtype=np.uint8)
-    return Image.fromarray(pixels, mode)
-
-
-def encode(image: Image.Image, fmt: str = "PNG", **save) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, fmt, **save)
-    return buffer.getvalue()
 
 
 def image_part(data: bytes) -> chat_pb2.ContentPart:

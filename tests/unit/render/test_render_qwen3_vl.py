@@ -7,7 +7,6 @@ video size choice of Qwen3VLVideoProcessor."""
 from __future__ import annotations
 
 import importlib
-import io
 import sys
 import types
 
@@ -25,19 +24,11 @@ from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
 from tito_render.convert import chat_response
 
+from images import noise_image as picture, png
+
 TENSORS, METADATA, NONE = (multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD_METADATA,
                            multimodal_pb2.MM_PAYLOAD_NONE)
 IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 1005, 1006, 1003, 1004
-
-
-def picture(width: int, height: int, seed: int = 0) -> Image.Image:
-    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def png(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return buffer.getvalue()
 
 
 def frames_of(count: int, width: int = 80, height: int = 64, seed: int = 0) -> list[Image.Image]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import importlib
-import io
 import json
 import sys
 import types
@@ -27,19 +26,11 @@ from tito_render.model import load_render_model
 from tito_render.renderer import Renderer, RenderLimits
 from tito_render.convert import chat_response, model_info_to_proto
 
+from images import encoded, noise_image as picture, png
+
 TENSORS, METADATA, NONE = (multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD_METADATA,
                            multimodal_pb2.MM_PAYLOAD_NONE)
 VIDEO = "messages[0].content_parts[0].video"
-
-
-def picture(width: int, height: int, seed: int = 0) -> Image.Image:
-    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def png(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return buffer.getvalue()
 
 
 def frames_of(count: int, width: int = 100, height: int = 60, seed: int = 0) -> list[Image.Image]:
@@ -265,7 +256,7 @@ def test_hash_covers_frames_order_fps_and_settings(qwen):
     base = mm_hash(video_part(frames, fps=2))
     data_urls = chat_pb2.ContentPart(video=chat_pb2.VideoFrames(fps=2, frames=[
         chat_pb2.ImageSource(url="data:image/png;base64," + base64.b64encode(png(f)).decode()) for f in frames]))
-    webp = [_lossless_webp(f) for f in frames]
+    webp = [encoded(f, "WEBP", lossless=True) for f in frames]
     assert mm_hash(data_urls) == base == mm_hash(video_part(webp, fps=2))  # same pixels, other encodings
     assert mm_hash(video_part(frames[::-1], fps=2)) != base
     assert mm_hash(video_part(frames, fps=4)) != base
@@ -281,12 +272,6 @@ def test_streamed_hash_equals_hash_of_all_frames(qwen):
     frames = frames_of(3, 70, 50)
     (item,) = chat_response(qwen, chat(video_part(frames, fps=1.5))).generate_request.mm_features.items
     assert item.mm_hash == video_hash(frames, 1.5, "qwen2_vl", qwen.model.media.video.hash_options())
-
-
-def _lossless_webp(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, "WEBP", lossless=True)
-    return buffer.getvalue()
 
 
 def test_payload_modes_same_ids_and_placeholders(qwen):
