@@ -25,14 +25,13 @@ from tito.grpc_errors import error_details
 from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, multimodal_pb2, render_pb2
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
-from tito_render.config import RenderConfig
 from tito_render.media.features import Signer
-from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
 from tito_render.convert import chat_response
 
 from chat_parts import image, text
 from images import noise_png
+from renderers import load_renderer
 
 TIMEOUT = 60
 KEY, KEY_ID = b"engine-multimodal-test-key-0123456789", "k1"
@@ -84,13 +83,8 @@ def resign(item: multimodal_pb2.MultiModalItem) -> None:
 
 
 @pytest.fixture(scope="module")
-def renderer(tiny_vl_model) -> Renderer:
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))))
-
-
-@pytest.fixture(scope="module")
 def signed_renderer(tiny_vl_model) -> Renderer:
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))), signer=Signer(KEY, KEY_ID))
+    return load_renderer(tiny_vl_model, signer=Signer(KEY, KEY_ID))
 
 
 @pytest.fixture(scope="module")
@@ -432,7 +426,7 @@ def test_signed_metadata_only_item_hits_after_a_tensors_request(signed_engine, s
 
 @pytest.fixture(scope="module")
 def gemma_renderer(tiny_interleaved_vl_model) -> Renderer:
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_interleaved_vl_model))))
+    return load_renderer(tiny_interleaved_vl_model)
 
 
 @pytest.fixture(scope="module")

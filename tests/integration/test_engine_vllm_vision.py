@@ -34,13 +34,12 @@ from tito_engine.vllm.args import build_engine_args
 from tito_engine.vllm.backend import VllmEngine
 from tito_engine.vllm.inputs import MediaConverter
 from tito_models.tiny import VL_MODEL_D64, build_interleaved_vl_model, build_qwen2_5_vl_model, ensure_model
-from tito_render.config import RenderConfig
 from tito_render.media.features import Signer
-from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
 
 from chat_parts import image, text, video
 from images import noise_png, solid_png
+from renderers import load_renderer
 from test_engine_families import hf_vl_greedy, hf_vl_inputs
 from test_engine_multimodal import generate, hf_greedy, render
 
@@ -71,7 +70,7 @@ def key_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def renderer(vl_model) -> Renderer:
     """Render signing its items (both engines know the key): signed hashes may key vLLM's cache."""
-    return Renderer(load_render_model(RenderConfig(model=str(vl_model))), signer=Signer(KEY, KEY_ID))
+    return load_renderer(vl_model, signer=Signer(KEY, KEY_ID))
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +216,7 @@ def qwen2_5(module_aio_server, qwen2_5_dir):
     stubs = {name: engine_pb2_grpc.EngineServiceStub(module_aio_server(lambda config=config: create_server(config))
                                                      .channel()) for name, config in configs.items()}
     hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return Renderer(load_render_model(RenderConfig(model=str(model_dir)))), hf, stubs
+    return load_renderer(model_dir), hf, stubs
 
 
 def test_qwen2_5_vl_images_equal_native_and_hf(qwen2_5):

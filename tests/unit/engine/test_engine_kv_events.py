@@ -188,16 +188,11 @@ def test_media_keys_cover_the_blocks_an_item_overlaps_and_change_the_digest():
 
 # ------------------------------------------------------------------------------ media requests
 
-def test_media_requests_share_cached_blocks_by_content_and_events_carry_their_keys(tiny_vl_model):
+def test_media_requests_share_cached_blocks_by_content_and_events_carry_their_keys(tiny_vl_model, renderer):
     from tito.v1 import chat_pb2, render_pb2
     from tito_engine.service.convert import generate_input_from_proto
-    from tito_render.config import RenderConfig
-    from tito_render.model import load_render_model
-    from tito_render.renderer import Renderer
 
     from images import noise_png
-
-    renderer = Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))))
 
     def render(seed, salt=""):
         request = render_pb2.RenderChatRequest(

@@ -18,17 +18,9 @@ from tito_engine.multimodal.features import FeaturePolicy, resolve_cached, valid
 from tito_engine.model.runner import KVCacheSpec, ModelRunner
 from tito_engine.service.admission import Admission
 from tito_engine.service.convert import generate_input_from_proto, media_from_proto
-from tito_render.config import RenderConfig
-from tito_render.model import load_render_model
-from tito_render.renderer import Renderer
 from tito_render.convert import chat_response
 
 from images import noise_png
-
-
-@pytest.fixture(scope="module")
-def renderer(tiny_vl_model):
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))))
 
 
 def render(renderer, seed: int, words: str, max_tokens: int, payload=multimodal_pb2.MM_PAYLOAD_TENSORS):

@@ -18,13 +18,12 @@ from PIL import Image
 from tito.errors import InvalidArgument
 from tito.tensors import to_numpy
 from tito.v1 import chat_pb2, multimodal_pb2, render_pb2
-from tito_render.config import RenderConfig
 from tito_render.media.video import VideoSettings, load_video_settings, resized_size
-from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
 from tito_render.convert import chat_response
 
 from images import noise_image as picture, png
+from renderers import load_renderer
 
 TENSORS, METADATA, NONE = (multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD_METADATA,
                            multimodal_pb2.MM_PAYLOAD_NONE)
@@ -55,7 +54,7 @@ def chat(*parts: chat_pb2.ContentPart, **fields) -> render_pb2.RenderChatRequest
 
 @pytest.fixture(scope="module")
 def qwen3(tiny_qwen3_vl_model) -> Renderer:
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_qwen3_vl_model))))
+    return load_renderer(tiny_qwen3_vl_model)
 
 
 @pytest.fixture(scope="module")

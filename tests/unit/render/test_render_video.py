@@ -19,14 +19,13 @@ from tito import signing
 from tito.errors import InvalidArgument
 from tito.tensors import to_numpy
 from tito.v1 import chat_pb2, multimodal_pb2, render_pb2
-from tito_render.config import RenderConfig
 from tito_render.media.features import Signer
 from tito_render.media.video import VideoSettings, load_video_settings, patchify, resized_size
-from tito_render.model import load_render_model
 from tito_render.renderer import Renderer, RenderLimits
 from tito_render.convert import chat_response, model_info_to_proto
 
 from images import encoded, noise_image as picture, png
+from renderers import load_renderer
 
 TENSORS, METADATA, NONE = (multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD_METADATA,
                            multimodal_pb2.MM_PAYLOAD_NONE)
@@ -50,11 +49,6 @@ def text_part(text: str) -> chat_pb2.ContentPart:
 def chat(*parts: chat_pb2.ContentPart, **fields) -> render_pb2.RenderChatRequest:
     return render_pb2.RenderChatRequest(messages=[chat_pb2.ChatMessage(role="user", content_parts=list(parts))],
                                         **fields)
-
-
-@pytest.fixture(scope="module")
-def qwen(tiny_vl_model) -> Renderer:
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))))
 
 
 @pytest.fixture(scope="module")
@@ -290,7 +284,7 @@ def test_payload_modes_same_ids_and_placeholders(qwen):
 
 def test_signed_video_item_verifies(tiny_vl_model):
     key = b"k" * 32
-    renderer = Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))), signer=Signer(key, "key-1"))
+    renderer = load_renderer(tiny_vl_model, signer=Signer(key, "key-1"))
     (item,) = chat_response(renderer, chat(video_part(frames_of(2, 56, 56)))).generate_request.mm_features.items
     assert item.auth_key_id == "key-1" and signing.verify_item(item, {"key-1": key})
     item.kwargs["pixel_values_videos"].data = bytes(len(item.kwargs["pixel_values_videos"].data))
@@ -298,8 +292,7 @@ def test_signed_video_item_verifies(tiny_vl_model):
 
 
 def test_cache_reuses_a_processed_video(tiny_vl_model):
-    renderer = Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))),
-                        RenderLimits(media_cache_bytes=16 << 20))
+    renderer = load_renderer(tiny_vl_model, RenderLimits(media_cache_bytes=16 << 20))
     request = chat(video_part(frames_of(2, 84, 56)))
     first = chat_response(renderer, request)
     assert renderer.image_cache.misses >= 1 and renderer.image_cache.hits == 0
@@ -325,7 +318,7 @@ def strict(tiny_vl_model) -> Renderer:
 
     limits = RenderLimits(media=MediaPolicy(max_image_pixels=200 * 200), max_images_per_request=5,
                           max_video_frames=4)
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))), limits)
+    return load_renderer(tiny_vl_model, limits)
 
 
 def test_too_many_video_frames_names_the_first_frame_over(strict):
@@ -368,7 +361,7 @@ def test_typed_video_pad_is_refused(qwen):
 
 
 def test_gemma3_video_is_unsupported_modality(tiny_interleaved_vl_model):
-    gemma = Renderer(load_render_model(RenderConfig(model=str(tiny_interleaved_vl_model))))
+    gemma = load_renderer(tiny_interleaved_vl_model)
     err = render_error(gemma, chat(text_part("see"), video_part(frames_of(2, 30, 30))))
     assert (err.reason, err.field) == ("UNSUPPORTED_MODALITY", "messages[0].content_parts[1].video")
     assert "video" in err.message
@@ -418,7 +411,7 @@ def test_engine_admits_the_item_and_the_model_runs_forward(qwen, tiny_vl_model):
 
 @pytest.fixture(scope="module")
 def qwen25(tiny_qwen2_5_vl_model) -> Renderer:
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_qwen2_5_vl_model))))
+    return load_renderer(tiny_qwen2_5_vl_model)
 
 
 class StandInVideoProcessor:
