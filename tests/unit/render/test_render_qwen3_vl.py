@@ -6,10 +6,6 @@ video size choice of Qwen3VLVideoProcessor."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
-
 import numpy as np
 import pytest
 import torch
@@ -22,6 +18,7 @@ from tito_render.media.video import VideoSettings, load_video_settings, resized_
 from tito_render.renderer import Renderer
 from tito_render.convert import chat_response
 
+from hf_video import video_processor_class
 from images import noise_image as picture, png
 from renderers import load_renderer
 
@@ -59,25 +56,9 @@ def qwen3(tiny_qwen3_vl_model) -> Renderer:
 
 @pytest.fixture(scope="module")
 def hf_video_processor_class():
-    """transformers' Qwen3VLVideoProcessor class, imported behind a stand-in torchvision module (the
-    real one does not import here) so that its torch-only code (patchify, the size choice in resize)
-    and class defaults serve as the reference. The stand-in leaves sys.modules after."""
-    import transformers.video_processing_utils  # noqa: F401 - import before torchvision is faked
-
-    names = ["torchvision", "torchvision.transforms", "torchvision.transforms.v2",
-             "torchvision.transforms.v2.functional"]
-    module_name = "transformers.models.qwen3_vl.video_processing_qwen3_vl"
-    saved = {name: sys.modules.get(name) for name in [*names, module_name]}
-    for name in names:
-        sys.modules[name] = types.ModuleType(name)
-    try:
-        return importlib.import_module(module_name).Qwen3VLVideoProcessor
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+    """transformers' Qwen3VLVideoProcessor class: its torch-only code (patchify, the size choice in
+    resize) and class defaults serve as the reference."""
+    return video_processor_class("transformers.models.qwen3_vl.video_processing_qwen3_vl", "Qwen3VLVideoProcessor")
 
 
 def hf_video_size(video_processor_class, frames: int, height: int, width: int, settings: VideoSettings,

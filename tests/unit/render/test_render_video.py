@@ -5,10 +5,7 @@ code), frame padding, limits, hashes, payload modes, signing, engine admission a
 from __future__ import annotations
 
 import base64
-import importlib
 import json
-import sys
-import types
 
 import numpy as np
 import pytest
@@ -24,6 +21,7 @@ from tito_render.media.video import VideoSettings, load_video_settings, patchify
 from tito_render.renderer import Renderer, RenderLimits
 from tito_render.convert import chat_response, model_info_to_proto
 
+from hf_video import video_processor_class
 from images import encoded, noise_image as picture, png
 from renderers import load_renderer
 
@@ -53,25 +51,9 @@ def chat(*parts: chat_pb2.ContentPart, **fields) -> render_pb2.RenderChatRequest
 
 @pytest.fixture(scope="module")
 def hf_video_processor_class():
-    """transformers' Qwen2VLVideoProcessor class, imported with a stand-in torchvision module (the
-    real one does not install here) so that its torch-only code (patchify, the size choice in
-    resize) and class defaults can serve as the reference. The stand-in leaves sys.modules after."""
-    import transformers.video_processing_utils  # noqa: F401 - import before torchvision is faked
-
-    names = ["torchvision", "torchvision.transforms", "torchvision.transforms.v2",
-             "torchvision.transforms.v2.functional"]
-    module_name = "transformers.models.qwen2_vl.video_processing_qwen2_vl"
-    saved = {name: sys.modules.get(name) for name in [*names, module_name]}
-    for name in names:
-        sys.modules[name] = types.ModuleType(name)
-    try:
-        return importlib.import_module(module_name).Qwen2VLVideoProcessor
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+    """transformers' Qwen2VLVideoProcessor class: its torch-only code (patchify, the size choice in
+    resize) and class defaults serve as the reference."""
+    return video_processor_class("transformers.models.qwen2_vl.video_processing_qwen2_vl", "Qwen2VLVideoProcessor")
 
 
 def hf_reference(qwen: Renderer, frames: list[Image.Image], video_processor_class):
