@@ -14,6 +14,7 @@ from tito_derender.parsers import REASONING_PARSERS, TOOL_PARSERS
 from tito_derender.parsers.tool_stage import ToolStage
 from tito_derender.parsers.tools.markup import typed_value
 
+from markup_calls import coder, glm
 from parser_streams import chunkings, merge
 
 TOOLS = {
@@ -43,16 +44,6 @@ def ds_v31(name, arguments):
 
 def kimi(name, index, arguments):
     return f"{K_CALL}functions.{name}:{index}{K_ARGS}{arguments}{K_CALL_END}"
-
-
-def coder(name, **params):
-    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in params.items())
-    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
-
-
-def glm(name, **params):
-    body = "".join(f"\n<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>" for key, value in params.items())
-    return f"<tool_call>{name}{body}\n</tool_call>"
 
 
 # (tool parser, text, content, [(name, arguments)])
