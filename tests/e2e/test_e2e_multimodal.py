@@ -19,7 +19,7 @@ from tito_client.pipeline import ChatPipeline, Endpoints
 from tito.v1 import chat_pb2, engine_pb2, render_pb2
 
 from images import noise_data_url as data_url
-from service_processes import running_services
+from service_processes import running_services, signed_media_args
 
 pytestmark = pytest.mark.e2e
 
@@ -30,14 +30,7 @@ MAX_TOKENS = 24
 def services(tiny_vl_model, tmp_path_factory):
     """The three services as processes on Unix sockets; render and engine share an HMAC key file."""
     directory = tmp_path_factory.mktemp("mm-e2e")
-    key_file = directory / "hmac.key"
-    key_file.write_text("e2e-shared-key-0123456789abcdef\n")
-    extra = {
-        "render": ["--hmac-key-file", str(key_file), "--workers", "1"],
-        "engine": ["--hmac-key-file", str(key_file), "--require-signed-features"],
-        "derender": [],
-    }
-    with running_services(tiny_vl_model, directory, "auto", extra) as (addresses, _):
+    with running_services(tiny_vl_model, directory, "auto", signed_media_args(directory)) as (addresses, _):
         yield addresses
 
 
