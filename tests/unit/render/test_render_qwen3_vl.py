@@ -18,7 +18,7 @@ from tito_render.media.video import VideoSettings, load_video_settings, resized_
 from tito_render.renderer import Renderer
 from tito_render.convert import chat_response
 
-from hf_video import video_processor_class
+from hf_video import hf_video_rows, video_processor_class
 from images import noise_image as picture, png
 from renderers import load_renderer
 
@@ -91,26 +91,12 @@ def hf_reference(renderer: Renderer, frames: list[Image.Image], video_processor_
     """HF's video computation: the size Qwen3VLVideoProcessor.resize chooses, the model's image
     processor (PIL backend) resizing, rescaling and normalizing each frame to it, then
     Qwen3VLVideoProcessor.patchify (HF's code) padding the frames and laying out the patches."""
-    from transformers.image_utils import SizeDict
-
     processor = pil_image_processor(renderer)
     settings = renderer.model.media.video
     with monkeypatch.context() as patch:
         height, width = hf_video_size(video_processor_class, len(frames), frames[0].height, frames[0].width,
                                       settings, patch)
-    normalized = []
-    for frame in frames:
-        array = processor.process_image(frame, do_convert_rgb=True)  # [C, H, W] uint8
-        array = type(processor).__mro__[1].resize(processor, array, SizeDict(height=height, width=width),
-                                                  resample=settings.resample)
-        array = processor.rescale(array, settings.rescale_factor)
-        array = processor.normalize(array, list(settings.image_mean), list(settings.image_std))
-        normalized.append(array)
-    video = torch.from_numpy(np.stack(normalized))[None]  # [1, T, C, H, W]
-    rows, grid_t, grid_h, grid_w = video_processor_class.patchify(
-        None, video, patch_size=settings.patch_size, merge_size=settings.merge_size,
-        temporal_patch_size=settings.temporal_patch_size)
-    return rows[0].numpy(), np.array([[grid_t, grid_h, grid_w]], dtype=np.int64)
+    return hf_video_rows(processor, settings, frames, (height, width), video_processor_class)
 
 
 class StandInVideoProcessor:

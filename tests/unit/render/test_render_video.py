@@ -21,7 +21,7 @@ from tito_render.media.video import VideoSettings, load_video_settings, patchify
 from tito_render.renderer import Renderer, RenderLimits
 from tito_render.convert import chat_response, model_info_to_proto
 
-from hf_video import video_processor_class
+from hf_video import hf_video_rows, video_processor_class
 from images import encoded, noise_image as picture, png
 from renderers import load_renderer
 
@@ -60,24 +60,10 @@ def hf_reference(qwen: Renderer, frames: list[Image.Image], video_processor_clas
     """The HF computation: the model's own image processor (PIL backend) resizes, rescales and
     normalizes each frame to the video's size, then Qwen2VLVideoProcessor.patchify (HF's code)
     pads the frames and lays out the patches."""
-    from transformers.image_utils import SizeDict
-
     processor = qwen.model.media.image_processor
     settings = qwen.model.media.video
     height, width = resized_size(frames[0].height, frames[0].width, len(frames), settings)
-    normalized = []
-    for frame in frames:
-        array = processor.process_image(frame, do_convert_rgb=True)  # [C, H, W] uint8
-        array = type(processor).__mro__[1].resize(processor, array, SizeDict(height=height, width=width),
-                                                  resample=settings.resample)
-        array = processor.rescale(array, settings.rescale_factor)
-        array = processor.normalize(array, list(settings.image_mean), list(settings.image_std))
-        normalized.append(array)
-    video = torch.from_numpy(np.stack(normalized))[None]  # [1, T, C, H, W]
-    rows, grid_t, grid_h, grid_w = video_processor_class.patchify(
-        None, video, patch_size=settings.patch_size, merge_size=settings.merge_size,
-        temporal_patch_size=settings.temporal_patch_size)
-    return rows[0].numpy(), np.array([[grid_t, grid_h, grid_w]], dtype=np.int64)
+    return hf_video_rows(processor, settings, frames, (height, width), video_processor_class)
 
 
 def hf_ids(qwen: Renderer, dict_content: list[dict], grids: list[np.ndarray], image_grids=()) -> list[int]:
