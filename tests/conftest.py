@@ -141,6 +141,15 @@ def tiny_qwen3_vl_model(model_cache) -> Path:
     return ensure_model(QWEN3_VL_MODEL, model_cache)
 
 
+@pytest.fixture(scope="module")
+def renderer(tiny_vl_model):
+    """render's Renderer over the tiny Qwen2-VL, one per test module. A module that renders with
+    another model, limits or signer overrides this fixture with its own `load_renderer(...)`."""
+    from renderers import load_renderer  # importing render takes seconds: only modules that render pay it
+
+    return load_renderer(tiny_vl_model)
+
+
 @pytest.fixture(scope="session")
 def _demo_second_build(request, tmp_path_factory):
     """A second tito-demo build, for sessions with a test of `demo_rebuild`: a process of its own,

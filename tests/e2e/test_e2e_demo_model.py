@@ -6,7 +6,6 @@ of that distinctly."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -19,6 +18,7 @@ from tito_models import demo
 from tito_client.pipeline import ChatPipeline, Endpoints
 from tito.v1 import chat_pb2, engine_pb2, render_pb2
 
+from images import png
 from service_processes import running_services
 
 pytestmark = pytest.mark.e2e
@@ -34,9 +34,7 @@ def services(demo_model, tmp_path_factory):
 
 
 def _png(colour: str, width: int, height: int) -> bytes:
-    buffer = io.BytesIO()
-    demo.colour_image(colour, width, height, seed=width * 1000 + height).save(buffer, "PNG")
-    return buffer.getvalue()
+    return png(demo.colour_image(colour, width, height, seed=width * 1000 + height))
 
 
 def _chat(services, messages, *, thinking: bool = True, tools=(), max_tokens: int = 80) -> dict:

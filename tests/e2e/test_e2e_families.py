@@ -5,13 +5,8 @@ the streamed text is their decoding."""
 
 from __future__ import annotations
 
-import base64
-import io
-
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from tito import tensors
@@ -19,7 +14,8 @@ from tito_client.pipeline import ChatPipeline, Endpoints
 from tito.v1 import chat_pb2, derender_pb2, multimodal_pb2, render_pb2
 
 from chat_checks import assert_chat_is_hf_greedy
-from service_processes import running_services
+from images import noise_data_url as data_url
+from service_processes import running_services, signed_media_args
 
 pytestmark = pytest.mark.e2e
 
@@ -35,22 +31,11 @@ def test_text_chat_is_hf_greedy(request, tmp_path, model_fixture):
             chat_pb2.ChatMessage(role="user", content="Hello! Tell me about the sea and the sky.")])
 
 
-def data_url(width: int, height: int, seed: int) -> str:
-    pixels = np.random.RandomState(seed).randint(0, 256, size=(height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
 @pytest.fixture(scope="module")
 def vl_services(tiny_qwen2_5_vl_model, tmp_path_factory):
     """Render signs media items, the engine requires signed features."""
     directory = tmp_path_factory.mktemp("qwen2_5_vl-e2e")
-    key_file = directory / "hmac.key"
-    key_file.write_text("e2e-shared-key-0123456789abcdef\n")
-    extra = {"render": ["--hmac-key-file", str(key_file), "--workers", "1"],
-             "engine": ["--hmac-key-file", str(key_file), "--require-signed-features"], "derender": []}
-    with running_services(tiny_qwen2_5_vl_model, directory, "auto", extra) as (addresses, _):
+    with running_services(tiny_qwen2_5_vl_model, directory, "auto", signed_media_args(directory)) as (addresses, _):
         yield addresses
 
 
@@ -110,11 +95,7 @@ def test_media_chat_streams_the_text_of_hf_greedy_tokens(vl_services, tiny_qwen2
 def qwen3_vl_services(tiny_qwen3_vl_model, tmp_path_factory):
     """Render signs media items, the engine requires signed features."""
     directory = tmp_path_factory.mktemp("qwen3_vl-e2e")
-    key_file = directory / "hmac.key"
-    key_file.write_text("e2e-shared-key-0123456789abcdef\n")
-    extra = {"render": ["--hmac-key-file", str(key_file), "--workers", "1"],
-             "engine": ["--hmac-key-file", str(key_file), "--require-signed-features"], "derender": []}
-    with running_services(tiny_qwen3_vl_model, directory, "auto", extra) as (addresses, _):
+    with running_services(tiny_qwen3_vl_model, directory, "auto", signed_media_args(directory)) as (addresses, _):
         yield addresses
 
 

@@ -15,6 +15,7 @@ from tito.v1 import chat_pb2, engine_pb2, render_pb2
 from tito_client.pipeline import AsyncChatPipeline, Endpoints
 from tito_models.demo import GREETING_ANSWER
 
+from images import png_data_url
 from service_processes import running_gateway, running_services
 
 pytestmark = pytest.mark.e2e
@@ -173,14 +174,9 @@ def test_unknown_endpoint_is_a_404_in_openais_shape(stack):
 # -- every parameter ------------------------------------------------------------------------------
 
 def _png_data_url(colour: str) -> str:
-    import base64
-    import io
-
     from tito_models import demo
 
-    buffer = io.BytesIO()
-    demo.colour_image(colour, 90, 110, seed=7).save(buffer, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return png_data_url(demo.colour_image(colour, 90, 110, seed=7))
 
 
 def test_images_as_data_urls_and_reasoning_in_its_field(client):

@@ -4,13 +4,10 @@ a data: URL image through ChatPipeline streams the text of HF's greedy tokens.""
 
 from __future__ import annotations
 
-import base64
-import io
 import subprocess
 import sys
 
 import grpc
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -21,32 +18,19 @@ from tito.grpc_errors import error_details
 from tito_client.pipeline import ChatPipeline, Endpoints
 from tito.v1 import chat_pb2, engine_pb2, render_pb2
 
-from service_processes import running_services
+from images import noise_data_url as data_url
+from service_processes import running_services, signed_media_args
 
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 24
 
 
-def data_url(width: int, height: int, seed: int) -> str:
-    pixels = np.random.RandomState(seed).randint(0, 256, size=(height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
 @pytest.fixture(scope="module")
 def services(tiny_vl_model, tmp_path_factory):
     """The three services as processes on Unix sockets; render and engine share an HMAC key file."""
     directory = tmp_path_factory.mktemp("mm-e2e")
-    key_file = directory / "hmac.key"
-    key_file.write_text("e2e-shared-key-0123456789abcdef\n")
-    extra = {
-        "render": ["--hmac-key-file", str(key_file), "--workers", "1"],
-        "engine": ["--hmac-key-file", str(key_file), "--require-signed-features"],
-        "derender": [],
-    }
-    with running_services(tiny_vl_model, directory, "auto", extra) as (addresses, _):
+    with running_services(tiny_vl_model, directory, "auto", signed_media_args(directory)) as (addresses, _):
         yield addresses
 
 

@@ -17,7 +17,7 @@ from tito_client.pipeline import ChatPipeline, Endpoints
 from tito.v1 import chat_pb2, render_pb2
 
 from node_project import NODE_DIR, ensure_installed, run_tool
-from service_processes import running_services
+from service_processes import running_services, signed_media_args
 
 pytestmark = [pytest.mark.e2e, pytest.mark.node]
 
@@ -28,10 +28,7 @@ PROMPT = "What is in this picture?"
 @pytest.fixture(scope="module")
 def services(tiny_vl_model, tmp_path_factory):
     directory = tmp_path_factory.mktemp("node-e2e")
-    key_file = directory / "hmac.key"
-    key_file.write_text("node-e2e-shared-key-0123456789\n")
-    extra = {"render": ["--hmac-key-file", str(key_file), "--workers", "1"],
-             "engine": ["--hmac-key-file", str(key_file), "--require-signed-features"], "derender": []}
+    extra = signed_media_args(directory, key="node-e2e-shared-key-0123456789")
     with running_services(tiny_vl_model, directory, "auto", extra) as (addresses, _):
         yield addresses
 

@@ -18,8 +18,9 @@ from tito_models.tiny import VL_MODEL_D64, ensure_model
 from tito.v1 import chat_pb2
 
 from chat_checks import assert_chat_is_hf_greedy
-from service_processes import running_services
-from test_e2e_multimodal import chat_request, data_url, hf_greedy
+from images import noise_data_url as data_url
+from service_processes import running_services, signed_media_args
+from test_e2e_multimodal import chat_request, hf_greedy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -51,11 +52,7 @@ def test_the_vllm_engine_stops_cleanly_on_sigterm(services):
 def vl_services(model_cache, tmp_path_factory):
     model = ensure_model(VL_MODEL_D64, model_cache)
     directory = tmp_path_factory.mktemp("vllm-vl-sockets")
-    key_file = directory / "hmac.key"
-    key_file.write_text("e2e-vllm-shared-key-0123456789abcdef\n")
-    extra = {"render": ["--hmac-key-file", str(key_file), "--workers", "1"],
-             "engine": ["--hmac-key-file", str(key_file), "--require-signed-features", *VLLM_ENGINE_ARGS],
-             "derender": []}
+    extra = signed_media_args(directory, key="e2e-vllm-shared-key-0123456789abcdef", engine_args=VLLM_ENGINE_ARGS)
     with running_services(model, directory, extra_args=extra) as (addresses, _):
         yield model, addresses
 

@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
-import io
-
-import numpy as np
-from PIL import Image
-
 from tito.v1 import chat_pb2
 
-
-def png(width: int, height: int, seed: int) -> bytes:
-    pixels = np.random.RandomState(seed).randint(0, 256, size=(height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return buffer.getvalue()
+from images import noise_png
 
 
 def image(width: int, height: int, seed: int) -> chat_pb2.ContentPart:
-    return chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=png(width, height, seed)))
+    return chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=noise_png(width, height, seed)))
 
 
 def video(frames: int, fps: float, seed: int, width: int = 56, height: int = 56) -> chat_pb2.ContentPart:
     """`frames` noise frames (seeds `seed`, `seed + 1`, ...) at `fps`."""
     return chat_pb2.ContentPart(video=chat_pb2.VideoFrames(
-        frames=[chat_pb2.ImageSource(data=png(width, height, seed + k)) for k in range(frames)], fps=fps))
+        frames=[chat_pb2.ImageSource(data=noise_png(width, height, seed + k)) for k in range(frames)], fps=fps))
 
 
 def text(value: str) -> chat_pb2.ContentPart:

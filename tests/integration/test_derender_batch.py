@@ -30,12 +30,6 @@ def stub(server):
     channel.close()
 
 
-@pytest.fixture(scope="module")
-def hf_tokenizer(tiny_text_model):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(tiny_text_model))
-
-
 def response(**fields) -> engine_pb2.GenerateResponse:
     return engine_pb2.GenerateResponse(**fields)
 

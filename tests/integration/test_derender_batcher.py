@@ -26,12 +26,6 @@ def server(aio_server, tiny_text_model):
     return aio_server(lambda: create_server(DerenderConfig(address="127.0.0.1:0", model=str(tiny_text_model))))
 
 
-@pytest.fixture(scope="module")
-def hf_tokenizer(tiny_text_model):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(tiny_text_model))
-
-
 def run(coroutine_factory):
     return asyncio.run(coroutine_factory())
 

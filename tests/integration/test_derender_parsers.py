@@ -22,12 +22,6 @@ AGENT_OUTPUT = ('<think>\nThe user wants the weather.\n</think>\n\n<tool_call>\n
                 '"arguments": {"city": "Paris", "days": 3}}\n</tool_call>')
 
 
-@pytest.fixture(scope="module")
-def hf_tokenizer(tiny_text_model):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(tiny_text_model))
-
-
 @pytest.fixture
 def stub(aio_server, tiny_text_model):
     server = aio_server(lambda: create_server(DerenderConfig(address="127.0.0.1:0", model=str(tiny_text_model))))

@@ -14,6 +14,8 @@ from tito.v1 import derender_pb2, derender_pb2_grpc, engine_pb2, sampling_pb2
 from tito_derender.config import DerenderConfig
 from tito_derender.server import create_server
 
+from parser_streams import random_pieces
+
 DEADLINE = 20
 
 
@@ -29,12 +31,6 @@ def stub(server):
     channel.close()
 
 
-@pytest.fixture(scope="module")
-def hf_tokenizer(tiny_text_model):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(tiny_text_model))
-
-
 def context_message(**fields) -> derender_pb2.DerenderRequest:
     return derender_pb2.DerenderRequest(context=derender_pb2.DerenderContext(**fields))
 
@@ -43,21 +39,12 @@ def engine_message(**fields) -> derender_pb2.DerenderRequest:
     return derender_pb2.DerenderRequest(generate_response=engine_pb2.GenerateResponse(**fields))
 
 
-def split_randomly(ids, rng):
-    pieces, pos = [], 0
-    while pos < len(ids):
-        size = rng.randint(1, 4)
-        pieces.append(ids[pos:pos + size])
-        pos += size
-    return pieces
-
-
 def test_stream_content_equals_decode_with_finish_and_usage(stub, hf_tokenizer):
     prompt_ids = hf_tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
     ids = hf_tokenizer.encode(" Hello 日本, café 🎉!", add_special_tokens=False)
     im_end = hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
     requests = [context_message(request_id="it-1", prompt_tail_token_ids=prompt_ids[-3:], prompt_tokens=7)]
-    requests += [engine_message(index=0, token_ids=piece) for piece in split_randomly(ids, random.Random(5))]
+    requests += [engine_message(index=0, token_ids=piece) for piece in random_pieces(ids, random.Random(5), 4)]
     requests.append(engine_message(index=0, token_ids=[im_end], finish_reason=engine_pb2.FINISH_REASON_STOP,
                                    matched_stop_token_id=im_end,
                                    usage=engine_pb2.Usage(prompt_tokens=7, completion_tokens=len(ids) + 1)))

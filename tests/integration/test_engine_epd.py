@@ -20,13 +20,12 @@ from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, multimodal_pb2, rende
 from tito_engine.config import EngineConfig
 from tito_engine.multimodal.encoder_store import MAGIC, SharedEncoderStore, StoredHeader, checksum_bytes
 from tito_engine.server import create_server
-from tito_render.config import RenderConfig
 from tito_render.media.features import Signer
-from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
 from tito_render.convert import chat_response
 
-from test_engine_multimodal import image, text  # the same request builders
+from chat_parts import image, text
+from renderers import load_renderer
 
 TIMEOUT = 60
 KEY, KEY_ID = b"engine-epd-test-key-0123456789abcdef", "k-epd"
@@ -78,11 +77,6 @@ def refused(stub, request) -> dict:
 
 
 # --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def renderer(tiny_vl_model) -> Renderer:
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))))
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +264,7 @@ def test_an_evicted_entry_falls_back_to_tensors_when_the_item_has_them(engines, 
 
 @pytest.fixture(scope="module")
 def signed_renderer(tiny_vl_model) -> Renderer:
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))), signer=Signer(KEY, KEY_ID))
+    return load_renderer(tiny_vl_model, signer=Signer(KEY, KEY_ID))
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,11 @@ from tito import tensors
 from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, multimodal_pb2, render_pb2, sampling_pb2
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
-from tito_render.config import RenderConfig
-from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
 from tito_render.convert import chat_response
 
 from chat_parts import image, text, video
+from renderers import load_renderer
 
 TIMEOUT = 120
 
@@ -163,7 +162,7 @@ def hf_vl_greedy(model, request: engine_pb2.GenerateRequest) -> list[int]:
 
 @pytest.fixture(scope="module")
 def vl_renderer(tiny_qwen2_5_vl_model) -> Renderer:
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_qwen2_5_vl_model))))
+    return load_renderer(tiny_qwen2_5_vl_model)
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,12 @@ child-process core) for the admission rules, each of which is followed by a good
 
 from __future__ import annotations
 
-import io
 import threading
 import time
 
 import grpc
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from transformers import AutoModelForImageTextToText
 
 from tito import signing, tensors
@@ -28,11 +25,13 @@ from tito.grpc_errors import error_details
 from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, multimodal_pb2, render_pb2
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
-from tito_render.config import RenderConfig
 from tito_render.media.features import Signer
-from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
 from tito_render.convert import chat_response
+
+from chat_parts import image, text
+from images import noise_png
+from renderers import load_renderer
 
 TIMEOUT = 60
 KEY, KEY_ID = b"engine-multimodal-test-key-0123456789", "k1"
@@ -41,21 +40,6 @@ TENSORS, METADATA = multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD
 
 
 # --------------------------------------------------------------------------- building requests
-
-
-def png(width: int, height: int, seed: int) -> bytes:
-    pixels = np.random.RandomState(seed).randint(0, 256, size=(height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return buffer.getvalue()
-
-
-def image(width: int = 56, height: int = 56, seed: int = 0) -> chat_pb2.ContentPart:
-    return chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=png(width, height, seed)))
-
-
-def text(value: str) -> chat_pb2.ContentPart:
-    return chat_pb2.ContentPart(text=value)
 
 
 def render(renderer: Renderer, *parts, max_tokens: int = 12, payload: int = TENSORS) -> engine_pb2.GenerateRequest:
@@ -99,13 +83,8 @@ def resign(item: multimodal_pb2.MultiModalItem) -> None:
 
 
 @pytest.fixture(scope="module")
-def renderer(tiny_vl_model) -> Renderer:
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))))
-
-
-@pytest.fixture(scope="module")
 def signed_renderer(tiny_vl_model) -> Renderer:
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))), signer=Signer(KEY, KEY_ID))
+    return load_renderer(tiny_vl_model, signer=Signer(KEY, KEY_ID))
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +185,7 @@ def test_sixteen_mixed_requests_joining_at_different_steps_equal_hf(open_engine,
 
 
 def test_video_and_image_prompt_equals_hf_generate(open_engine, renderer, hf_model):
-    frames = chat_pb2.VideoFrames(frames=[chat_pb2.ImageSource(data=png(56, 56, seed=70 + k)) for k in range(4)],
+    frames = chat_pb2.VideoFrames(frames=[chat_pb2.ImageSource(data=noise_png(56, 56, seed=70 + k)) for k in range(4)],
                                   fps=2.0)
     request = render(renderer, text("A clip:"), chat_pb2.ContentPart(video=frames), text("and a still:"),
                      image(56, 84, seed=75), max_tokens=20)
@@ -455,7 +434,7 @@ def test_signed_metadata_only_item_hits_after_a_tensors_request(signed_engine, s
 
 @pytest.fixture(scope="module")
 def gemma_renderer(tiny_interleaved_vl_model) -> Renderer:
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_interleaved_vl_model))))
+    return load_renderer(tiny_interleaved_vl_model)
 
 
 @pytest.fixture(scope="module")

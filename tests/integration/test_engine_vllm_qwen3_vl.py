@@ -14,14 +14,13 @@ import pytest
 from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, multimodal_pb2, render_pb2
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
-from tito_render.config import RenderConfig
 from tito_render.media.features import Signer
-from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
 from tito_render.convert import chat_response
 
 import chat_parts
 from chat_parts import image, text
+from renderers import load_renderer
 
 pytestmark = pytest.mark.vllm
 
@@ -37,7 +36,7 @@ def video(frames: int, fps: float, seed: int, width: int = 64, height: int = 64)
 
 @pytest.fixture(scope="module")
 def renderer(tiny_qwen3_vl_model) -> Renderer:
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_qwen3_vl_model))), signer=Signer(KEY, KEY_ID))
+    return load_renderer(tiny_qwen3_vl_model, signer=Signer(KEY, KEY_ID))
 
 
 def render(renderer: Renderer, *parts, max_tokens: int = 16,

@@ -34,14 +34,14 @@ from tito_engine.vllm.args import build_engine_args
 from tito_engine.vllm.backend import VllmEngine
 from tito_engine.vllm.inputs import MediaConverter
 from tito_models.tiny import VL_MODEL_D64, build_interleaved_vl_model, build_qwen2_5_vl_model, ensure_model
-from tito_render.config import RenderConfig
 from tito_render.media.features import Signer
-from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
 
-from chat_parts import video
+from chat_parts import image, text, video
+from images import noise_png, solid_png
+from renderers import load_renderer
 from test_engine_families import hf_vl_greedy, hf_vl_inputs
-from test_engine_multimodal import generate, hf_greedy, image, png, render, text
+from test_engine_multimodal import generate, hf_greedy, render
 
 pytestmark = pytest.mark.vllm
 
@@ -52,9 +52,7 @@ TENSORS, METADATA = multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD
 
 
 def solid(width: int, height: int, rgb: tuple[int, int, int]) -> chat_pb2.ContentPart:
-    buffer = io.BytesIO()
-    Image.new("RGB", (width, height), rgb).save(buffer, "PNG")
-    return chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=buffer.getvalue()))
+    return chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=solid_png(width, height, rgb)))
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +70,7 @@ def key_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def renderer(vl_model) -> Renderer:
     """Render signing its items (both engines know the key): signed hashes may key vLLM's cache."""
-    return Renderer(load_render_model(RenderConfig(model=str(vl_model))), signer=Signer(KEY, KEY_ID))
+    return load_renderer(vl_model, signer=Signer(KEY, KEY_ID))
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +177,7 @@ def test_metadata_only_item_vllm_never_saw_needs_tensors(stubs, renderer):
 
 
 def test_video_and_image_prompt_equals_native_and_hf(stubs, renderer, hf_model):
-    frames = chat_pb2.VideoFrames(frames=[chat_pb2.ImageSource(data=png(56, 56, seed=70 + k)) for k in range(4)],
+    frames = chat_pb2.VideoFrames(frames=[chat_pb2.ImageSource(data=noise_png(56, 56, seed=70 + k)) for k in range(4)],
                                   fps=2.0)
     request = render(renderer, text("A clip:"), chat_pb2.ContentPart(video=frames), text("and a still:"),
                      image(56, 84, seed=75), max_tokens=16)
@@ -218,7 +216,7 @@ def qwen2_5(module_aio_server, qwen2_5_dir):
     stubs = {name: engine_pb2_grpc.EngineServiceStub(module_aio_server(lambda config=config: create_server(config))
                                                      .channel()) for name, config in configs.items()}
     hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return Renderer(load_render_model(RenderConfig(model=str(model_dir)))), hf, stubs
+    return load_renderer(model_dir), hf, stubs
 
 
 def test_qwen2_5_vl_images_equal_native_and_hf(qwen2_5):
@@ -320,7 +318,7 @@ def vllm_own_greedy(llm, hf_tokenizer, frames: int, fps: float, max_tokens: int)
     messages = [{"role": "user", "content": [{"type": "text", "text": "A clip:"}, {"type": "video"},
                                              {"type": "text", "text": "What moves?"}]}]
     prompt = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    pixels = np.stack([np.asarray(Image.open(io.BytesIO(png(56, 56, seed=50 + frames + k))).convert("RGB"))
+    pixels = np.stack([np.asarray(Image.open(io.BytesIO(noise_png(56, 56, seed=50 + frames + k))).convert("RGB"))
                        for k in range(frames)])
     metadata = {"fps": fps, "total_num_frames": frames, "frames_indices": list(range(frames)),
                 "duration": frames / fps, "width": 56, "height": 56, "do_sample_frames": False}
@@ -408,7 +406,7 @@ def test_vllms_cpu_build_computes_gemma3_images_causally_so_the_backend_refuses_
     from transformers import AutoProcessor
 
     prompt = "<|im_start|>user\nLook: <start_of_image> what is it?<|im_end|>\n<|im_start|>assistant\n"
-    picture = Image.open(io.BytesIO(png(64, 64, seed=3))).convert("RGB")
+    picture = Image.open(io.BytesIO(noise_png(64, 64, seed=3))).convert("RGB")
     inputs = AutoProcessor.from_pretrained(gemma3_dir)(text=prompt, images=[picture], return_tensors="pt")
     hf = AutoModelForImageTextToText.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
 

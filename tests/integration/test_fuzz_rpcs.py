@@ -27,8 +27,8 @@ import grpc
 import pytest
 from google.protobuf import struct_pb2
 
-from chat_parts import png
 from fuzz_requests import SweepCase, byte_cases, field_cases, field_sweep
+from images import noise_png
 from tito.grpc_errors import error_details
 from tito.v1 import (chat_pb2, derender_pb2, engine_pb2, engine_pb2_grpc, multimodal_pb2, render_pb2,
                      render_pb2_grpc)
@@ -77,7 +77,7 @@ def _seed_chat() -> render_pb2.RenderChatRequest:
             chat_pb2.ChatMessage(role="user", content_parts=[
                 chat_pb2.ContentPart(text="What colour, and the weather in Paris?"),
                 chat_pb2.ContentPart(image=chat_pb2.ImageSource(
-                    url="data:image/png;base64," + base64.b64encode(png(64, 48, seed=0)).decode()))]),
+                    url="data:image/png;base64," + base64.b64encode(noise_png(64, 48, seed=0)).decode()))]),
             chat_pb2.ChatMessage(role="assistant", tool_calls=[chat_pb2.ToolCall(
                 id="call_1", type="function",
                 function=chat_pb2.FunctionCall(name="get_weather", arguments_object=arguments))]),

@@ -7,14 +7,11 @@ serves /metrics on a free port (metrics_port=0).
 
 from __future__ import annotations
 
-import io
 import time
 import urllib.request
 
 import grpc
-import numpy as np
 import pytest
-from PIL import Image
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -31,14 +28,9 @@ from tito_engine.server import create_server as create_engine
 from tito_render.config import RenderConfig
 from tito_render.server import create_server as create_render
 
+from images import noise_png
+
 TIMEOUT = 60
-
-
-def png_bytes(width: int, height: int) -> bytes:
-    pixels = np.random.RandomState(0).randint(0, 256, size=(height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return buffer.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +61,7 @@ def one_chat(servers, spans):
     """One chat with an image, streamed through the three services; returns its chunks."""
     request = render_pb2.RenderChatRequest(
         messages=[chat_pb2.ChatMessage(role="user", content_parts=[
-            chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=png_bytes(32, 32))),
+            chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=noise_png(32, 32))),
             chat_pb2.ContentPart(text="What is in this picture?")])],
         sampling=render_pb2.SamplingOptions(max_tokens=6, min_tokens=6, temperature=0.0))
     endpoints = Endpoints(servers["render"].address, servers["engine"].address, servers["derender"].address)

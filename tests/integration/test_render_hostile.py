@@ -10,15 +10,12 @@ error (code, reason, field), never INTERNAL, and the server keeps serving the ne
 
 from __future__ import annotations
 
-import io
 import logging
 import math
 
 import grpc
-import numpy as np
 import pytest
 from google.protobuf import struct_pb2
-from PIL import Image
 
 from tito.errors import InvalidArgument
 from tito.grpc_errors import error_details
@@ -29,6 +26,8 @@ from tito.json_text import MAX_JSON_DEPTH
 from tito_render.messages import MAX_STRUCT_DEPTH, messages_to_dicts
 from tito_render.server import create_server
 
+from images import noise_png
+
 TIMEOUT = 30
 IMAGE = "messages[0].content_parts[0].image"
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -38,21 +37,15 @@ def user(text: str = "What is the weather in Paris?") -> chat_pb2.ChatMessage:
     return chat_pb2.ChatMessage(role="user", content=text)
 
 
-def png(seed: int = 0) -> bytes:
-    buffer = io.BytesIO()
-    Image.fromarray(np.random.RandomState(seed).randint(0, 256, (64, 64, 3), dtype=np.uint8)).save(buffer, "PNG")
-    return buffer.getvalue()
-
-
 @pytest.fixture(scope="module")
 def media_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("media")
     allowed = root / "allowed"
     allowed.mkdir()
-    (allowed / "cat.png").write_bytes(png())
+    (allowed / "cat.png").write_bytes(noise_png(64, 64))
     (allowed / "folder").mkdir()
-    (allowed / "locked.png").write_bytes(png())
-    (root / "secret.png").write_bytes(png())
+    (allowed / "locked.png").write_bytes(noise_png(64, 64))
+    (root / "secret.png").write_bytes(noise_png(64, 64))
     (allowed / "escape.png").symlink_to(root / "secret.png")
     (allowed / "dangling.png").symlink_to(root / "gone.png")
     return allowed
@@ -304,7 +297,7 @@ def test_a_request_has_one_pixel_budget_across_its_images(tiny_vl_model, aio_ser
     # No processed-image cache: a cached image is not decoded again, so it spends nothing.
     config = RenderConfig(model=str(tiny_vl_model), max_request_pixels=3 * 64 * 64 - 1, media_cache_mb=0)
     server = aio_server(lambda: create_server(config))
-    images = [chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=png(seed))) for seed in range(3)]
+    images = [chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=noise_png(64, 64, seed))) for seed in range(3)]
     with server.channel() as channel:
         stub = render_pb2_grpc.RenderServiceStub(channel)
         two = render_pb2.RenderChatRequest(messages=[chat_pb2.ChatMessage(

@@ -3,7 +3,6 @@ field-named errors after which the server keeps serving, the response-size limit
 
 from __future__ import annotations
 
-import io
 import os
 
 import grpc
@@ -18,13 +17,11 @@ from tito_render.config import RenderConfig
 from tito_render.server import create_server
 from tito_render.servicer import WORKER_PID_KEY
 
+from images import noise_image as picture, png
+
 TIMEOUT = 30
 KEY = b"0123456789abcdef0123456789abcdef"
 IMAGE = "messages[0].content_parts[0].image"
-
-
-def picture(width: int, height: int, seed: int = 0) -> Image.Image:
-    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8))
 
 
 def smooth(width: int, height: int) -> Image.Image:
@@ -32,12 +29,6 @@ def smooth(width: int, height: int) -> Image.Image:
     x = np.linspace(0, 255, width, dtype=np.float32)[None, :, None]
     y = np.linspace(0, 255, height, dtype=np.float32)[:, None, None]
     return Image.fromarray(np.broadcast_to((x + y) / 2, (height, width, 3)).astype(np.uint8))
-
-
-def png(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return buffer.getvalue()
 
 
 def image_chat(source: chat_pb2.ImageSource, **fields) -> render_pb2.RenderChatRequest:

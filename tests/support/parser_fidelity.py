@@ -24,6 +24,7 @@ from tito_derender.domain import EngineOutput, FinishReason, OutputDelta, Reques
 from tito_derender.parsers import reasoning_parser_for, tool_stage_for
 from tito_derender.stream import DerenderStream
 from hf_reference import hf_of
+from parser_streams import merge, random_pieces
 
 #: tool parser -> the family tokenizer its cases are encoded with.
 FAMILY_OF_PARSER = {"qwen3_coder": "qwen3_coder", "hermes": "qwen3_coder", "llama3_json": "qwen3_coder",
@@ -63,20 +64,6 @@ def case_id(case: Case) -> str:
     return f"{case.parser}-{case.label}" if case.label else case.parser
 
 
-def merge(deltas: list[ToolCallDelta]) -> list[tuple[str, str, str]]:
-    """(id, name, concatenated arguments) per call, checking the OpenAI delta shape."""
-    calls: list[list[str]] = []
-    for delta in deltas:
-        if delta.name:
-            assert delta.index == len(calls) and delta.type == "function" and delta.id, delta
-            assert delta.arguments == ""
-            calls.append([delta.id, delta.name, ""])
-        else:
-            assert not delta.id and not delta.type and delta.index < len(calls), delta
-            calls[delta.index][2] += delta.arguments
-    return [tuple(call) for call in calls]
-
-
 def _result(content: str, reasoning: str, deltas: list[ToolCallDelta]):
     calls = merge(deltas)
     return content, reasoning, [(name, arguments) for _, name, arguments in calls], [i for i, _, _ in calls]
@@ -106,15 +93,6 @@ def run_text(context: RequestContext, pieces: list[str], streaming: bool = True)
     return _result(content, thought, deltas)
 
 
-def _pieces(items: list, rng: random.Random, most: int) -> list[list]:
-    groups, position = [], 0
-    while position < len(items):
-        size = rng.randint(1, most)
-        groups.append(items[position:position + size])
-        position += size
-    return groups
-
-
 def check_case(case: Case, tokenizers: dict) -> None:
     tokenizer = tokenizers[FAMILY_OF_PARSER[case.parser]]
     ids = hf_of(tokenizer).encode(case.text, add_special_tokens=False)
@@ -129,10 +107,10 @@ def check_case(case: Case, tokenizers: dict) -> None:
     rng = random.Random(len(case.text))
     runs = {"one id per message": run_ids(tokenizer, context, [[i] for i in ids], case.finish, True)}
     for attempt in range(3):
-        runs[f"id groups {attempt}"] = run_ids(tokenizer, context, _pieces(ids, rng, 4), case.finish, True)
+        runs[f"id groups {attempt}"] = run_ids(tokenizer, context, random_pieces(ids, rng, 4), case.finish, True)
     runs["characters"] = run_text(context, list(case.text))
     for attempt in range(3):
-        runs[f"text pieces {attempt}"] = run_text(context, ["".join(p) for p in _pieces(list(case.text), rng, 9)])
+        runs[f"text pieces {attempt}"] = run_text(context, ["".join(p) for p in random_pieces(list(case.text), rng, 9)])
     for how, got in runs.items():
         assert got[:3] == whole[:3], (how, got, whole)
         if case.ids is not None:

@@ -4,7 +4,6 @@ render sends for the same chats (template, tools, image placeholders)."""
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 
 import pytest
@@ -14,6 +13,8 @@ from tito_models import demo
 from tito_models.paths import TINY_MODELS, resolve_model
 from tito.v1 import chat_pb2, render_pb2
 from tito_render.convert import chat_response
+
+from images import png
 
 
 def _file_hashes(directory) -> dict[str, str]:
@@ -31,12 +32,6 @@ def test_the_name_resolves_to_the_cached_build(demo_model, model_cache):
     assert demo.DEMO_MODEL in TINY_MODELS
     assert demo_model.name == f"{demo.DEMO_MODEL}-{demo.VERSION}"
     assert resolve_model(demo.DEMO_MODEL, model_cache) == demo_model
-
-
-def _png(image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return buffer.getvalue()
 
 
 def _proto_message(message: dict, image_png: bytes | None) -> chat_pb2.ChatMessage:
@@ -58,7 +53,7 @@ def _proto_message(message: dict, image_png: bytes | None) -> chat_pb2.ChatMessa
 
 
 def _render_request(chat: demo.Conversation) -> render_pb2.RenderChatRequest:
-    image = _png(demo.colour_image(*chat.image)) if chat.image else None
+    image = png(demo.colour_image(*chat.image)) if chat.image else None
     request = render_pb2.RenderChatRequest(messages=[_proto_message(m, image) for m in chat.messages],
                                            tools=[json_format.ParseDict(t, chat_pb2.Tool()) for t in chat.tools])
     if not chat.thinking:

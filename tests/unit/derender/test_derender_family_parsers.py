@@ -6,7 +6,6 @@ character at a time, random pieces) and equal to the complete (non-streamed) par
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
@@ -14,6 +13,9 @@ from tito_derender.domain import OutputDelta, ToolCallDelta
 from tito_derender.parsers import REASONING_PARSERS, TOOL_PARSERS
 from tito_derender.parsers.tool_stage import ToolStage
 from tito_derender.parsers.tools.markup import typed_value
+
+from markup_calls import coder, glm
+from parser_streams import chunkings, merge
 
 TOOLS = {
     "get_weather": {"type": "object", "properties": {
@@ -42,16 +44,6 @@ def ds_v31(name, arguments):
 
 def kimi(name, index, arguments):
     return f"{K_CALL}functions.{name}:{index}{K_ARGS}{arguments}{K_CALL_END}"
-
-
-def coder(name, **params):
-    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in params.items())
-    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
-
-
-def glm(name, **params):
-    body = "".join(f"\n<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>" for key, value in params.items())
-    return f"<tool_call>{name}{body}\n</tool_call>"
 
 
 # (tool parser, text, content, [(name, arguments)])
@@ -149,40 +141,13 @@ def parse(parser_name, pieces, streaming=True, accept=None):
     return content, deltas
 
 
-def merge(deltas: list[ToolCallDelta]) -> list[tuple[str, str, str]]:
-    """(id, name, concatenated arguments) per call, checking the OpenAI delta shape."""
-    calls: list[list[str]] = []
-    for delta in deltas:
-        if delta.name:
-            assert delta.index == len(calls) and delta.type == "function" and delta.id
-            assert delta.arguments == ""  # the first delta carries the name only
-            calls.append([delta.id, delta.name, ""])
-        else:
-            assert not delta.id and not delta.type and delta.index < len(calls)
-            calls[delta.index][2] += delta.arguments
-    return [tuple(call) for call in calls]
-
-
-def chunkings(text: str, seed: int):
-    rng = random.Random(seed)
-    yield [text]
-    yield list(text)
-    for _ in range(4):
-        pieces, position = [], 0
-        while position < len(text):
-            size = rng.randint(1, 9)
-            pieces.append(text[position:position + size])
-            position += size
-        yield pieces
-
-
 @pytest.mark.parametrize("parser_name,text,content,calls", CASES)
 def test_family_parser_table_complete_and_streamed(parser_name, text, content, calls):
     full_content, full_deltas = parse(parser_name, [text], streaming=False)
     full_calls = merge(full_deltas)
     assert full_content == content
     assert [(name, json.loads(arguments)) for _, name, arguments in full_calls] == calls
-    for pieces in chunkings(text, len(text)):
+    for pieces in chunkings(text, len(text), most=9):
         streamed_content, deltas = parse(parser_name, pieces)
         streamed_calls = merge(deltas)
         assert streamed_content == content, pieces
@@ -193,7 +158,7 @@ def test_family_parser_table_complete_and_streamed(parser_name, text, content, c
 def test_family_malformed_markup_is_content_never_an_error(parser_name, text):
     content, deltas = parse(parser_name, [text], streaming=False)
     assert (content, deltas) == (text, [])
-    for pieces in chunkings(text, 3):
+    for pieces in chunkings(text, 3, most=9):
         _, deltas = parse(parser_name, pieces)
         for _, _, arguments in merge(deltas):
             assert isinstance(json.loads(arguments), dict)
@@ -264,7 +229,7 @@ def test_harmony_channels_split_reasoning_content_and_calls(text, content, reaso
     full = run(stages(False), [text])
     assert full[:2] == (content, reasoning)
     assert [(n, json.loads(a)) for _, n, a in merge(full[2])] == calls
-    for pieces in chunkings(text, 7):
+    for pieces in chunkings(text, 7, most=9):
         streamed = run(stages(True), pieces)
         assert streamed[:2] == (content, reasoning), pieces
         assert [(n, a) for _, n, a in merge(streamed[2])] == [(n, a) for _, n, a in merge(full[2])]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from family_tokenizers import ensure_family_tokenizer
+from markup_calls import coder, glm
 from parser_fidelity import FAMILY_OF_PARSER, Case, case_id, check_case
 from tito_derender.tokenizer import TextTokenizer
 
@@ -16,16 +17,6 @@ from tito_derender.tokenizer import TextTokenizer
 def tokenizers(model_cache):
     return {family: TextTokenizer.load(ensure_family_tokenizer(family, model_cache))
             for family in set(FAMILY_OF_PARSER.values())}
-
-
-def coder(name, **params):
-    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in params.items())
-    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
-
-
-def glm(name, **params):
-    body = "".join(f"\n<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>" for key, value in params.items())
-    return f"<tool_call>{name}{body}\n</tool_call>"
 
 
 XML_FORMATS = {"qwen3_coder": coder, "glm45": glm}

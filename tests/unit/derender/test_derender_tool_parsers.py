@@ -5,7 +5,6 @@ parse; deltas have the OpenAI shape; malformed markup degrades to content."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
@@ -14,6 +13,8 @@ from tito_derender.domain import (
 from tito_derender.parsers import TOOL_PARSERS, tool_stage_for
 from tito_derender.parsers.tool_stage import ToolStage
 from tito_derender.stream import DerenderStream
+
+from parser_streams import chunkings, merge as merge_calls
 
 W = {"city": "Paris", "days": [1, 2.5e1], "q": "a\"b é", "nested": {"ok": True, "none": None}}
 W_JSON = json.dumps(W, ensure_ascii=False)
@@ -78,30 +79,8 @@ def parse(parser_name, pieces, streaming=True, accept=None):
 
 
 def merge(deltas: list[ToolCallDelta]) -> list[tuple[str, str, str]]:
-    """(id, name, concatenated arguments) per call, checking the OpenAI delta shape."""
-    calls: list[list[str]] = []
-    for delta in deltas:
-        if delta.name:
-            assert delta.index == len(calls) and delta.type == "function" and delta.id.startswith("call_")
-            assert delta.arguments == ""  # the first delta carries the name only
-            calls.append([delta.id, delta.name, ""])
-        else:
-            assert not delta.id and not delta.type and delta.index < len(calls)
-            calls[delta.index][2] += delta.arguments
-    return [tuple(call) for call in calls]
-
-
-def chunkings(text: str, seed: int):
-    rng = random.Random(seed)
-    yield [text]
-    yield list(text)
-    for _ in range(4):
-        pieces, position = [], 0
-        while position < len(text):
-            size = rng.randint(1, 7)
-            pieces.append(text[position:position + size])
-            position += size
-        yield pieces
+    """`parser_streams.merge`, every id in OpenAI's `call_...` shape: the ids these parsers mint."""
+    return merge_calls(deltas, id_prefix="call_")
 
 
 @pytest.mark.parametrize("parser_name,text,content,calls", CASES)

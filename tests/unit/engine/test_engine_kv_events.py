@@ -188,32 +188,17 @@ def test_media_keys_cover_the_blocks_an_item_overlaps_and_change_the_digest():
 
 # ------------------------------------------------------------------------------ media requests
 
-def _png(seed: int) -> bytes:
-    import io
-
-    import numpy as np
-    from PIL import Image
-
-    pixels = np.random.RandomState(seed).randint(0, 256, size=(56, 56, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return buffer.getvalue()
-
-
-def test_media_requests_share_cached_blocks_by_content_and_events_carry_their_keys(tiny_vl_model):
+def test_media_requests_share_cached_blocks_by_content_and_events_carry_their_keys(tiny_vl_model, renderer):
     from tito.v1 import chat_pb2, render_pb2
     from tito_engine.service.convert import generate_input_from_proto
-    from tito_render.config import RenderConfig
-    from tito_render.model import load_render_model
-    from tito_render.renderer import Renderer
 
-    renderer = Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))))
+    from images import noise_png
 
     def render(seed, salt=""):
         request = render_pb2.RenderChatRequest(
             messages=[chat_pb2.ChatMessage(role="user", content_parts=[
                 chat_pb2.ContentPart(text="A long shared preamble before the picture, then the picture"),
-                chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=_png(seed))),
+                chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=noise_png(56, 56, seed))),
                 chat_pb2.ContentPart(text="and a question after it")])],
             sampling=render_pb2.SamplingOptions(max_tokens=4, temperature=0.0, ignore_eos=True))
         generate_request = chat_response(renderer, request).generate_request

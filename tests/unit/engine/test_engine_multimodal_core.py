@@ -4,13 +4,10 @@ recompute without re-encoding, the two-phase admission split and its errors acro
 from __future__ import annotations
 
 import asyncio
-import io
 import pickle
 import time
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from tito.config import ConfigError
 from tito.errors import FailedPrecondition, FieldViolation, InvalidArgument
@@ -21,29 +18,16 @@ from tito_engine.multimodal.features import FeaturePolicy, resolve_cached, valid
 from tito_engine.model.runner import KVCacheSpec, ModelRunner
 from tito_engine.service.admission import Admission
 from tito_engine.service.convert import generate_input_from_proto, media_from_proto
-from tito_render.config import RenderConfig
-from tito_render.model import load_render_model
-from tito_render.renderer import Renderer
 from tito_render.convert import chat_response
 
-
-def png(width: int, height: int, seed: int) -> bytes:
-    pixels = np.random.RandomState(seed).randint(0, 256, size=(height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return buffer.getvalue()
-
-
-@pytest.fixture(scope="module")
-def renderer(tiny_vl_model):
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))))
+from images import noise_png
 
 
 def render(renderer, seed: int, words: str, max_tokens: int, payload=multimodal_pb2.MM_PAYLOAD_TENSORS):
     request = render_pb2.RenderChatRequest(
         messages=[chat_pb2.ChatMessage(role="user", content_parts=[
             chat_pb2.ContentPart(text=words),
-            chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=png(56, 56, seed)))])],
+            chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=noise_png(56, 56, seed)))])],
         mm_payload=payload,
         sampling=render_pb2.SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     return chat_response(renderer, request).generate_request

@@ -22,11 +22,11 @@ from tito_derender.domain import EngineOutput, FinishReason
 from tito_derender.stream import DerenderStream
 from tito_derender.tokenizer import TextTokenizer
 from tito_render.config import RenderConfig
-from tito_render.model import detect_parsers, load_render_model
-from tito_render.renderer import Renderer
+from tito_render.model import detect_parsers
 from tito_render.templates import chat_template
 from tito_render.convert import chat_response
 from hf_reference import hf_of
+from renderers import load_renderer
 
 # gpt-oss's template prints every parameter's description: give each one.
 PARAMS = {"properties": {"city": {"description": "City name", "type": "string"},
@@ -56,7 +56,7 @@ MAPPING_ARGUMENTS = {"qwen3_coder", "glm45", "gpt_oss"}
 def family(request, model_cache):
     name = request.param
     directory = ensure_family_tokenizer(name, model_cache)
-    return name, directory, Renderer(load_render_model(RenderConfig(model=str(directory))))
+    return name, directory, load_renderer(directory)
 
 
 def chat(name: str, with_result: bool = True) -> list[dict]:

@@ -4,7 +4,6 @@ once for the hash and the processor vs the PIL path, and no cache key without a 
 
 from __future__ import annotations
 
-import io
 import math
 
 import numpy as np
@@ -12,19 +11,19 @@ import pytest
 from google.protobuf import json_format, struct_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from PIL import Image
 from transformers import AutoTokenizer
 
 from tito.v1 import chat_pb2, render_pb2
 from tito_render.chat_template import _plain_backend, encode_prompt_text
-from tito_render.config import RenderConfig
 from tito_render.media.cache import ProcessedImageCache
 from tito_render.media.hashing import image_hash, rgb_pixels
 from tito_render.media.loader import to_rgb
 from tito_render.messages import struct_to_dict
-from tito_render.model import load_render_model
-from tito_render.renderer import Renderer, RenderLimits
+from tito_render.renderer import RenderLimits
 from tito_render.convert import chat_response
+
+from images import noise_image, noise_png
+from renderers import load_renderer
 
 
 @pytest.fixture(scope="module")
@@ -111,21 +110,10 @@ def test_struct_to_dict_refuses_what_message_to_dict_refuses(bad):
     assert str(ours.value) == str(reference.value)
 
 
-@pytest.fixture(scope="module")
-def qwen(tiny_vl_model) -> Renderer:
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))))
-
-
-def noise(width: int, height: int, mode: str, seed: int = 0) -> Image.Image:
-    shape = (height, width, len(mode)) if len(mode) > 1 else (height, width)
-    pixels = np.random.RandomState(seed).randint(0, 256, size=shape, dtype=np.uint8)
-    return Image.fromarray(pixels, mode)
-
-
 @pytest.mark.parametrize("mode,size", [("RGB", (300, 200)), ("RGBA", (64, 97)), ("RGB", (3, 3)), ("L", (50, 40))])
 def test_processor_on_packed_pixels_equals_pil_path(qwen, mode, size):
     media = qwen.model.media
-    image = to_rgb(noise(*size, mode))
+    image = to_rgb(noise_image(*size, mode=mode))
     pixels = rgb_pixels(image)
     assert pixels.tobytes() == image.tobytes()
     kwargs = media.call_kwargs(render_pb2.MediaOptions(), 64_000_000)
@@ -140,11 +128,9 @@ def test_processor_on_packed_pixels_equals_pil_path(qwen, mode, size):
 
 
 def test_no_cache_key_without_a_cache(tiny_vl_model, monkeypatch):
-    renderer = Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))), RenderLimits(media_cache_bytes=0))
-    buffer = io.BytesIO()
-    noise(40, 30, "RGB").save(buffer, "PNG")
+    renderer = load_renderer(tiny_vl_model, RenderLimits(media_cache_bytes=0))
     request = render_pb2.RenderChatRequest(messages=[chat_pb2.ChatMessage(role="user", content_parts=[
-        chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=buffer.getvalue()))])])
+        chat_pb2.ContentPart(image=chat_pb2.ImageSource(data=noise_png(40, 30)))])])
     expected = chat_response(renderer, request, "r")
 
     def refuse(*args, **kwargs):

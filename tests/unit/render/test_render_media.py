@@ -4,7 +4,6 @@ is_embed; payload modes; content hashes; signing."""
 from __future__ import annotations
 
 import base64
-import io
 
 import numpy as np
 import pytest
@@ -15,26 +14,15 @@ from tito.tensors import to_numpy
 from interleaved_spans import interleaved_image_span
 from tito_models.tiny import INTERLEAVED_VL_MODEL, ensure_model
 from tito.v1 import chat_pb2, multimodal_pb2, render_pb2
-from tito_render.config import RenderConfig
 from tito_render.media.features import Signer
-from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
 from tito_render.convert import chat_response, model_info_to_proto
 
+from images import encoded as encode, noise_image as picture
+from renderers import load_renderer
+
 TENSORS, METADATA, NONE = (multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD_METADATA,
                            multimodal_pb2.MM_PAYLOAD_NONE)
-
-
-def picture(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
-    channels = len(mode)
-    pixels = np.random.RandomState(seed).randint(0, 256, size=(height, width, channels), dtype=np.uint8)
-    return Image.fromarray(pixels, mode)
-
-
-def encode(image: Image.Image, fmt: str = "PNG", **save) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, fmt, **save)
-    return buffer.getvalue()
 
 
 def image_part(data: bytes) -> chat_pb2.ContentPart:
@@ -51,18 +39,13 @@ def chat(*parts: chat_pb2.ContentPart, **fields) -> render_pb2.RenderChatRequest
 
 
 @pytest.fixture(scope="module")
-def qwen(tiny_vl_model) -> Renderer:
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))))
-
-
-@pytest.fixture(scope="module")
 def gemma_model(model_cache):
     return ensure_model(INTERLEAVED_VL_MODEL, model_cache)
 
 
 @pytest.fixture(scope="module")
 def gemma(gemma_model) -> Renderer:
-    return Renderer(load_render_model(RenderConfig(model=str(gemma_model))))
+    return load_renderer(gemma_model)
 
 
 def hf_qwen_path(renderer: Renderer, dict_messages: list[dict], images: list[Image.Image]):
@@ -247,7 +230,7 @@ def test_two_identical_images_share_a_hash_and_get_distinct_spans(qwen):
 
 def test_signed_items_verify_and_tampering_breaks_them(tiny_vl_model):
     key = b"k" * 32
-    renderer = Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))), signer=Signer(key, "key-1"))
+    renderer = load_renderer(tiny_vl_model, signer=Signer(key, "key-1"))
     for mode in (TENSORS, METADATA, NONE):
         item = chat_response(renderer, chat(image_part(encode(picture(90, 90))), mm_payload=mode)) \
             .generate_request.mm_features.items[0]

@@ -3,11 +3,8 @@ the same items; tensors are never served from an entry made without them; bounde
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pytest
-from PIL import Image
 
 from tito.v1 import chat_pb2, multimodal_pb2, render_pb2
 from tito_render.config import RenderConfig
@@ -17,11 +14,7 @@ from tito_render.model import load_render_model
 from tito_render.renderer import Renderer, RenderLimits
 from tito_render.convert import chat_response
 
-
-def png(width: int, height: int, seed: int = 0) -> bytes:
-    buffer = io.BytesIO()
-    Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, "PNG")
-    return buffer.getvalue()
+from images import noise_png as png
 
 
 def chat(data: bytes, **fields) -> render_pb2.RenderChatRequest:

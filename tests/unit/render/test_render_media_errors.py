@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import base64
 import http.server
-import io
 import struct
 import threading
 import time
 import zlib
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from tito.errors import InvalidArgument, ResourceExhausted
 from tito.v1 import chat_pb2, multimodal_pb2, render_pb2
@@ -23,23 +20,9 @@ from tito_render.model import load_render_model
 from tito_render.renderer import Renderer, RenderLimits
 from tito_render.convert import chat_response, completion_response
 
+from images import jpeg, noise_image as picture, png
+
 IMAGE = "messages[0].content_parts[0].image"
-
-
-def picture(width: int, height: int, seed: int = 0) -> Image.Image:
-    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def png(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return buffer.getvalue()
-
-
-def jpeg(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, "JPEG")
-    return buffer.getvalue()
 
 
 def png_header_only(width: int, height: int) -> bytes:

@@ -6,11 +6,6 @@ video size choice of Qwen3VLVideoProcessor."""
 
 from __future__ import annotations
 
-import importlib
-import io
-import sys
-import types
-
 import numpy as np
 import pytest
 import torch
@@ -19,25 +14,17 @@ from PIL import Image
 from tito.errors import InvalidArgument
 from tito.tensors import to_numpy
 from tito.v1 import chat_pb2, multimodal_pb2, render_pb2
-from tito_render.config import RenderConfig
 from tito_render.media.video import VideoSettings, load_video_settings, resized_size
-from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
 from tito_render.convert import chat_response
+
+from hf_video import hf_video_rows, video_processor_class
+from images import noise_image as picture, png
+from renderers import load_renderer
 
 TENSORS, METADATA, NONE = (multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD_METADATA,
                            multimodal_pb2.MM_PAYLOAD_NONE)
 IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 1005, 1006, 1003, 1004
-
-
-def picture(width: int, height: int, seed: int = 0) -> Image.Image:
-    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def png(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return buffer.getvalue()
 
 
 def frames_of(count: int, width: int = 80, height: int = 64, seed: int = 0) -> list[Image.Image]:
@@ -64,30 +51,14 @@ def chat(*parts: chat_pb2.ContentPart, **fields) -> render_pb2.RenderChatRequest
 
 @pytest.fixture(scope="module")
 def qwen3(tiny_qwen3_vl_model) -> Renderer:
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_qwen3_vl_model))))
+    return load_renderer(tiny_qwen3_vl_model)
 
 
 @pytest.fixture(scope="module")
 def hf_video_processor_class():
-    """transformers' Qwen3VLVideoProcessor class, imported behind a stand-in torchvision module (the
-    real one does not import here) so that its torch-only code (patchify, the size choice in resize)
-    and class defaults serve as the reference. The stand-in leaves sys.modules after."""
-    import transformers.video_processing_utils  # noqa: F401 - import before torchvision is faked
-
-    names = ["torchvision", "torchvision.transforms", "torchvision.transforms.v2",
-             "torchvision.transforms.v2.functional"]
-    module_name = "transformers.models.qwen3_vl.video_processing_qwen3_vl"
-    saved = {name: sys.modules.get(name) for name in [*names, module_name]}
-    for name in names:
-        sys.modules[name] = types.ModuleType(name)
-    try:
-        return importlib.import_module(module_name).Qwen3VLVideoProcessor
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+    """transformers' Qwen3VLVideoProcessor class: its torch-only code (patchify, the size choice in
+    resize) and class defaults serve as the reference."""
+    return video_processor_class("transformers.models.qwen3_vl.video_processing_qwen3_vl", "Qwen3VLVideoProcessor")
 
 
 def hf_video_size(video_processor_class, frames: int, height: int, width: int, settings: VideoSettings,
@@ -120,26 +91,12 @@ def hf_reference(renderer: Renderer, frames: list[Image.Image], video_processor_
     """HF's video computation: the size Qwen3VLVideoProcessor.resize chooses, the model's image
     processor (PIL backend) resizing, rescaling and normalizing each frame to it, then
     Qwen3VLVideoProcessor.patchify (HF's code) padding the frames and laying out the patches."""
-    from transformers.image_utils import SizeDict
-
     processor = pil_image_processor(renderer)
     settings = renderer.model.media.video
     with monkeypatch.context() as patch:
         height, width = hf_video_size(video_processor_class, len(frames), frames[0].height, frames[0].width,
                                       settings, patch)
-    normalized = []
-    for frame in frames:
-        array = processor.process_image(frame, do_convert_rgb=True)  # [C, H, W] uint8
-        array = type(processor).__mro__[1].resize(processor, array, SizeDict(height=height, width=width),
-                                                  resample=settings.resample)
-        array = processor.rescale(array, settings.rescale_factor)
-        array = processor.normalize(array, list(settings.image_mean), list(settings.image_std))
-        normalized.append(array)
-    video = torch.from_numpy(np.stack(normalized))[None]  # [1, T, C, H, W]
-    rows, grid_t, grid_h, grid_w = video_processor_class.patchify(
-        None, video, patch_size=settings.patch_size, merge_size=settings.merge_size,
-        temporal_patch_size=settings.temporal_patch_size)
-    return rows[0].numpy(), np.array([[grid_t, grid_h, grid_w]], dtype=np.int64)
+    return hf_video_rows(processor, settings, frames, (height, width), video_processor_class)
 
 
 class StandInVideoProcessor:

@@ -9,14 +9,16 @@ from tito.config import ConfigError
 from tito.errors import InvalidArgument
 from tito.v1 import chat_pb2, render_pb2
 from tito_render.config import RenderConfig
-from tito_render.model import detect_parsers, load_render_model, resolve_context_length
+from tito_render.model import detect_parsers, resolve_context_length
 from tito_render.renderer import Renderer
 from tito_render.convert import chat_response, completion_response
+
+from renderers import load_renderer
 
 
 @pytest.fixture(scope="module")
 def renderer(tiny_text_model) -> Renderer:
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_text_model))))
+    return load_renderer(tiny_text_model)
 
 
 def user(text="hi") -> chat_pb2.ChatMessage:

@@ -5,11 +5,7 @@ code), frame padding, limits, hashes, payload modes, signing, engine admission a
 from __future__ import annotations
 
 import base64
-import importlib
-import io
 import json
-import sys
-import types
 
 import numpy as np
 import pytest
@@ -20,26 +16,18 @@ from tito import signing
 from tito.errors import InvalidArgument
 from tito.tensors import to_numpy
 from tito.v1 import chat_pb2, multimodal_pb2, render_pb2
-from tito_render.config import RenderConfig
 from tito_render.media.features import Signer
 from tito_render.media.video import VideoSettings, load_video_settings, patchify, resized_size
-from tito_render.model import load_render_model
 from tito_render.renderer import Renderer, RenderLimits
 from tito_render.convert import chat_response, model_info_to_proto
+
+from hf_video import hf_video_rows, video_processor_class
+from images import encoded, noise_image as picture, png
+from renderers import load_renderer
 
 TENSORS, METADATA, NONE = (multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD_METADATA,
                            multimodal_pb2.MM_PAYLOAD_NONE)
 VIDEO = "messages[0].content_parts[0].video"
-
-
-def picture(width: int, height: int, seed: int = 0) -> Image.Image:
-    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def png(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return buffer.getvalue()
 
 
 def frames_of(count: int, width: int = 100, height: int = 60, seed: int = 0) -> list[Image.Image]:
@@ -62,55 +50,20 @@ def chat(*parts: chat_pb2.ContentPart, **fields) -> render_pb2.RenderChatRequest
 
 
 @pytest.fixture(scope="module")
-def qwen(tiny_vl_model) -> Renderer:
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))))
-
-
-@pytest.fixture(scope="module")
 def hf_video_processor_class():
-    """transformers' Qwen2VLVideoProcessor class, imported with a stand-in torchvision module (the
-    real one does not install here) so that its torch-only code (patchify, the size choice in
-    resize) and class defaults can serve as the reference. The stand-in leaves sys.modules after."""
-    import transformers.video_processing_utils  # noqa: F401 - import before torchvision is faked
-
-    names = ["torchvision", "torchvision.transforms", "torchvision.transforms.v2",
-             "torchvision.transforms.v2.functional"]
-    module_name = "transformers.models.qwen2_vl.video_processing_qwen2_vl"
-    saved = {name: sys.modules.get(name) for name in [*names, module_name]}
-    for name in names:
-        sys.modules[name] = types.ModuleType(name)
-    try:
-        return importlib.import_module(module_name).Qwen2VLVideoProcessor
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+    """transformers' Qwen2VLVideoProcessor class: its torch-only code (patchify, the size choice in
+    resize) and class defaults serve as the reference."""
+    return video_processor_class("transformers.models.qwen2_vl.video_processing_qwen2_vl", "Qwen2VLVideoProcessor")
 
 
 def hf_reference(qwen: Renderer, frames: list[Image.Image], video_processor_class):
     """The HF computation: the model's own image processor (PIL backend) resizes, rescales and
     normalizes each frame to the video's size, then Qwen2VLVideoProcessor.patchify (HF's code)
     pads the frames and lays out the patches."""
-    from transformers.image_utils import SizeDict
-
     processor = qwen.model.media.image_processor
     settings = qwen.model.media.video
     height, width = resized_size(frames[0].height, frames[0].width, len(frames), settings)
-    normalized = []
-    for frame in frames:
-        array = processor.process_image(frame, do_convert_rgb=True)  # [C, H, W] uint8
-        array = type(processor).__mro__[1].resize(processor, array, SizeDict(height=height, width=width),
-                                                  resample=settings.resample)
-        array = processor.rescale(array, settings.rescale_factor)
-        array = processor.normalize(array, list(settings.image_mean), list(settings.image_std))
-        normalized.append(array)
-    video = torch.from_numpy(np.stack(normalized))[None]  # [1, T, C, H, W]
-    rows, grid_t, grid_h, grid_w = video_processor_class.patchify(
-        None, video, patch_size=settings.patch_size, merge_size=settings.merge_size,
-        temporal_patch_size=settings.temporal_patch_size)
-    return rows[0].numpy(), np.array([[grid_t, grid_h, grid_w]], dtype=np.int64)
+    return hf_video_rows(processor, settings, frames, (height, width), video_processor_class)
 
 
 def hf_ids(qwen: Renderer, dict_content: list[dict], grids: list[np.ndarray], image_grids=()) -> list[int]:
@@ -265,7 +218,7 @@ def test_hash_covers_frames_order_fps_and_settings(qwen):
     base = mm_hash(video_part(frames, fps=2))
     data_urls = chat_pb2.ContentPart(video=chat_pb2.VideoFrames(fps=2, frames=[
         chat_pb2.ImageSource(url="data:image/png;base64," + base64.b64encode(png(f)).decode()) for f in frames]))
-    webp = [_lossless_webp(f) for f in frames]
+    webp = [encoded(f, "WEBP", lossless=True) for f in frames]
     assert mm_hash(data_urls) == base == mm_hash(video_part(webp, fps=2))  # same pixels, other encodings
     assert mm_hash(video_part(frames[::-1], fps=2)) != base
     assert mm_hash(video_part(frames, fps=4)) != base
@@ -281,12 +234,6 @@ def test_streamed_hash_equals_hash_of_all_frames(qwen):
     frames = frames_of(3, 70, 50)
     (item,) = chat_response(qwen, chat(video_part(frames, fps=1.5))).generate_request.mm_features.items
     assert item.mm_hash == video_hash(frames, 1.5, "qwen2_vl", qwen.model.media.video.hash_options())
-
-
-def _lossless_webp(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, "WEBP", lossless=True)
-    return buffer.getvalue()
 
 
 def test_payload_modes_same_ids_and_placeholders(qwen):
@@ -305,7 +252,7 @@ def test_payload_modes_same_ids_and_placeholders(qwen):
 
 def test_signed_video_item_verifies(tiny_vl_model):
     key = b"k" * 32
-    renderer = Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))), signer=Signer(key, "key-1"))
+    renderer = load_renderer(tiny_vl_model, signer=Signer(key, "key-1"))
     (item,) = chat_response(renderer, chat(video_part(frames_of(2, 56, 56)))).generate_request.mm_features.items
     assert item.auth_key_id == "key-1" and signing.verify_item(item, {"key-1": key})
     item.kwargs["pixel_values_videos"].data = bytes(len(item.kwargs["pixel_values_videos"].data))
@@ -313,8 +260,7 @@ def test_signed_video_item_verifies(tiny_vl_model):
 
 
 def test_cache_reuses_a_processed_video(tiny_vl_model):
-    renderer = Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))),
-                        RenderLimits(media_cache_bytes=16 << 20))
+    renderer = load_renderer(tiny_vl_model, RenderLimits(media_cache_bytes=16 << 20))
     request = chat(video_part(frames_of(2, 84, 56)))
     first = chat_response(renderer, request)
     assert renderer.image_cache.misses >= 1 and renderer.image_cache.hits == 0
@@ -340,7 +286,7 @@ def strict(tiny_vl_model) -> Renderer:
 
     limits = RenderLimits(media=MediaPolicy(max_image_pixels=200 * 200), max_images_per_request=5,
                           max_video_frames=4)
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_vl_model))), limits)
+    return load_renderer(tiny_vl_model, limits)
 
 
 def test_too_many_video_frames_names_the_first_frame_over(strict):
@@ -383,7 +329,7 @@ def test_typed_video_pad_is_refused(qwen):
 
 
 def test_gemma3_video_is_unsupported_modality(tiny_interleaved_vl_model):
-    gemma = Renderer(load_render_model(RenderConfig(model=str(tiny_interleaved_vl_model))))
+    gemma = load_renderer(tiny_interleaved_vl_model)
     err = render_error(gemma, chat(text_part("see"), video_part(frames_of(2, 30, 30))))
     assert (err.reason, err.field) == ("UNSUPPORTED_MODALITY", "messages[0].content_parts[1].video")
     assert "video" in err.message
@@ -433,7 +379,7 @@ def test_engine_admits_the_item_and_the_model_runs_forward(qwen, tiny_vl_model):
 
 @pytest.fixture(scope="module")
 def qwen25(tiny_qwen2_5_vl_model) -> Renderer:
-    return Renderer(load_render_model(RenderConfig(model=str(tiny_qwen2_5_vl_model))))
+    return load_renderer(tiny_qwen2_5_vl_model)
 
 
 class StandInVideoProcessor:

@@ -6,7 +6,7 @@ back and forth with the gRPC event loop when both share a process; measured on 2
 model, that contention halved throughput. In its own process the core keeps a core to itself and
 talks to the server through one pipe: commands in, one batch of outputs per step out.
 
-Commands and answers are the typed messages of `core_messages.py`. Media arrive as
+Commands and answers are the typed messages of `messages.py` beside this module. Media arrive as
 `features.CheckedFeatures` (phase 1 of media admission, done in the server). The core owns the
 encoder cache, so phase 2 happens here at AddRequest: cache hits, EC
 descriptors, MM_TENSORS_REQUIRED. A refusal goes back as the request's only output: the

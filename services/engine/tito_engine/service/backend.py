@@ -1,7 +1,7 @@
 """The seam between the engine service and what runs the model.
 
 Two backends implement it: `native` (engine.Engine, tito's own continuous batching) and `vllm`
-(vllm_backend.VllmEngine, vLLM's AsyncLLM). The servicer admits every request (admission.py)
+(tito_engine.vllm.backend.VllmEngine, vLLM's AsyncLLM). The servicer admits every request (admission.py)
 before it reaches either, so both refuse the same requests the same way; a backend only queues,
 schedules, generates and reports.
 """

@@ -2,7 +2,7 @@
 
 vLLM brings its kernels, tensor/pipeline/data parallelism and multi-node executor; tito keeps the
 contract. Requests arrive admitted (admission.py, the same checks as the native engine), become
-vLLM inputs (vllm_inputs.py: token ids, sampling parameters with the contract's semantics,
+vLLM inputs (inputs.py: token ids, sampling parameters with the contract's semantics,
 media items), and their outputs come back as the same ChoiceOutputs the native engine streams.
 
 What vLLM raises for a caller's mistake maps into tito's error model here (one place); anything
