@@ -19,7 +19,7 @@ from tito_render.config import RenderConfig
 from tito_render.media.features import Signer
 from tito_render.model import load_render_model
 from tito_render.renderer import Renderer
-from tito_render.convert import chat_response, model_info_to_proto
+from tito_render.convert import chat_response, media_options_from_proto, model_info_to_proto
 
 TENSORS, METADATA, NONE = (multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD_METADATA,
                            multimodal_pb2.MM_PAYLOAD_NONE)
@@ -197,7 +197,7 @@ def test_qwen_metadata_grid_without_pixels_equals_processor(qwen, size, max_pixe
     options = render_pb2.MediaOptions()
     if max_pixels:
         options.max_pixels = max_pixels
-    kwargs = adapter.call_kwargs(options, 64_000_000)
+    kwargs = adapter.call_kwargs(media_options_from_proto(options), 64_000_000)
     image = picture(*size)
     full = adapter.process(image, kwargs, with_tensors=True)
     light = adapter.process(image, kwargs, with_tensors=False)
