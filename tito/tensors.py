@@ -43,13 +43,20 @@ def itemsize(dtype: int) -> int:
     return _NUMPY_BY_DTYPE[dtype].itemsize
 
 
+def dtype_number(dtype: np.dtype) -> int:
+    """The `tito.v1.Dtype` number of a numpy dtype of either byte order (TypeError: unsupported)."""
+    little = dtype if dtype.itemsize == 1 else dtype.newbyteorder("<")
+    if little.str not in _DTYPE_BY_NUMPY:
+        raise TypeError(f"unsupported tensor dtype {little}")
+    return _DTYPE_BY_NUMPY[little.str]
+
+
 def from_numpy(array: np.ndarray) -> tensor_pb2.Tensor:
     array = np.asarray(array)
+    dtype = dtype_number(array.dtype)
     little = array.dtype if array.dtype.itemsize == 1 else array.dtype.newbyteorder("<")
     array = np.asarray(array, dtype=little, order="C")  # keeps 0-d scalars 0-d
-    if little.str not in _DTYPE_BY_NUMPY:
-        raise TypeError(f"unsupported tensor dtype {array.dtype}")
-    return tensor_pb2.Tensor(dtype=_DTYPE_BY_NUMPY[little.str], shape=list(array.shape), data=array.tobytes())
+    return tensor_pb2.Tensor(dtype=dtype, shape=list(array.shape), data=array.tobytes())
 
 
 def from_torch(tensor) -> tensor_pb2.Tensor:

@@ -21,6 +21,7 @@ from tito.errors import InvalidArgument
 from tito.grpc_errors import error_details
 from tito.v1 import chat_pb2, derender_pb2, render_pb2, render_pb2_grpc
 from tito_render.config import RenderConfig
+from tito_render.convert import messages_from_proto
 from tito_render.media import loader
 from tito.json_text import MAX_JSON_DEPTH
 from tito_render.messages import MAX_STRUCT_DEPTH, messages_to_dicts
@@ -196,7 +197,7 @@ def test_thousands_deep_arguments_are_refused(text_stub):
     details = refused(text_stub, request)
     assert (details["code"], details["reason"]) == (INVALID, "MALFORMED_REQUEST"), details
     with pytest.raises(InvalidArgument) as err:
-        messages_to_dicts(list(request.messages))
+        messages_to_dicts(messages_from_proto(request.messages))
     assert (err.value.reason, err.value.field) == ("STRUCT_TOO_DEEP",
                                                    "messages[1].tool_calls[0].function.arguments_object")
 

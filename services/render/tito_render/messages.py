@@ -1,5 +1,5 @@
-"""Proto chat (messages, tools, tool_choice) -> the plain dicts Hugging Face chat templates expect,
-validating at the edge so that every caller mistake names its field.
+"""The chat (messages, tools, tool_choice: `domain` values) -> the plain dicts Hugging Face chat
+templates expect, validating so that every caller mistake names its request field.
 
 The dicts are exactly the OpenAI-style dicts a Python caller would pass to
 `tokenizer.apply_chat_template`: string content stays a string, content parts stay a list of
@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
-
-from google.protobuf import struct_pb2
 
 from tito.errors import InvalidArgument, Violations
 from tito.json_text import MAX_STRUCT_DEPTH, loads_bounded
-from tito.v1 import chat_pb2
+
+from tito_render.domain import (ChatMessage, ImagePart, ImageSource, JsonObject, TextPart, Tool, ToolCall,
+                                ToolChoice, ToolChoiceMode, VideoPart)
 
 ALLOWED_ROLES = ("system", "developer", "user", "assistant", "tool")
+_TOOL_CHOICE_MODES = frozenset(ToolChoiceMode)
 _MAX_SAFE_INT = 2**53
 
 
@@ -40,22 +42,22 @@ class StructValueError(ValueError):
         return "".join(parts).removeprefix(".")
 
 
-def struct_to_dict(struct: struct_pb2.Struct) -> dict[str, Any]:
-    """Struct -> plain dict for the template.
+def struct_to_dict(struct: JsonObject) -> dict[str, Any]:
+    """A Struct's values (`domain.JsonObject`) -> the plain dict for the template.
 
     Two repairs of what the wire loses: a Struct stores every number as a double, so integral
     numbers become ints again (JSON the client meant as {"minimum": 1} must not render as 1.0);
     and a Struct is a map without key order, so keys are sorted, making the rendered prompt (and
     its prefix-cache keys) the same for the same request whatever order the map arrived in.
 
-    The values are what `json_format.MessageToDict` gives (same messages for Infinity/NaN, raised
-    as `StructValueError`), walked directly: MessageToDict's generic printer costs several times
-    more per tool schema. Nesting past `MAX_STRUCT_DEPTH` is refused before it is walked, so a
-    value nested thousands deep cannot exhaust the recursion limit here or in the template."""
+    The values are what `json_format.MessageToDict` gives for the Struct (same messages for
+    Infinity/NaN, raised as `StructValueError`). Nesting past `MAX_STRUCT_DEPTH` is refused before
+    it is walked, so a value nested thousands deep cannot exhaust the recursion limit here or in
+    the template."""
     return _struct(struct, 1)
 
 
-def request_struct(struct: struct_pb2.Struct, field: str) -> dict[str, Any]:
+def request_struct(struct: JsonObject, field: str) -> dict[str, Any]:
     """`struct_to_dict` for a Struct the request carries at `field`: what it cannot hold is the
     caller's error, naming the field (and, in the message, where inside it)."""
     try:
@@ -69,25 +71,23 @@ def request_struct(struct: struct_pb2.Struct, field: str) -> dict[str, Any]:
                               f"finite ones", reason=exc.reason, field=field) from exc
 
 
-def _struct(struct: struct_pb2.Struct, depth: int) -> dict[str, Any]:
-    fields = struct.fields
+def _struct(struct: JsonObject, depth: int) -> dict[str, Any]:
     result = {}
-    for key in sorted(fields):
+    for key in sorted(struct):
         try:
-            result[key] = _value(fields[key], depth)
+            result[key] = _value(struct[key], depth)
         except StructValueError as exc:
             exc._path.append(key)
             raise
     return result
 
 
-def _value(value: struct_pb2.Value, depth: int) -> Any:
+def _value(value: Any, depth: int) -> Any:
     """`value`, held by a container at nesting level `depth`."""
-    kind = value.WhichOneof("kind")
-    if kind == "string_value":
-        return value.string_value
-    if kind == "number_value":
-        number = value.number_value
+    if isinstance(value, (str, bool)):
+        return value
+    if isinstance(value, (int, float)):
+        number = float(value)  # a Struct holds every number as a double
         if math.isinf(number):
             raise StructValueError("Fail to serialize Infinity for Value.number_value, which would parse as "
                                    "string_value", "NON_FINITE_NUMBER")
@@ -95,45 +95,42 @@ def _value(value: struct_pb2.Value, depth: int) -> Any:
             raise StructValueError("Fail to serialize NaN for Value.number_value, which would parse as string_value",
                                    "NON_FINITE_NUMBER")
         return int(number) if number.is_integer() and abs(number) < _MAX_SAFE_INT else number
-    if kind == "bool_value":
-        return value.bool_value
-    if kind in ("struct_value", "list_value") and depth >= MAX_STRUCT_DEPTH:
+    if isinstance(value, (dict, list)) and depth >= MAX_STRUCT_DEPTH:
         raise StructValueError(f"nested deeper than {MAX_STRUCT_DEPTH} levels", "STRUCT_TOO_DEEP")
-    if kind == "struct_value":
-        return _struct(value.struct_value, depth + 1)
-    if kind == "list_value":
+    if isinstance(value, dict):
+        return _struct(value, depth + 1)
+    if isinstance(value, list):
         result = []
-        for index, item in enumerate(value.list_value.values):
+        for index, item in enumerate(value):
             try:
                 result.append(_value(item, depth + 1))
             except StructValueError as exc:
                 exc._path.append(index)
                 raise
         return result
-    return None  # null_value, or no kind set (MessageToDict reads both as null)
+    return None  # null (a Value with no kind set reads as null too, as in MessageToDict)
 
 
-def _content(message: chat_pb2.ChatMessage, path: str, violations: Violations) -> Any:
+def _content(message: ChatMessage, path: str, violations: Violations) -> Any:
     has_parts = len(message.content_parts) > 0
-    if message.HasField("content") and has_parts:
+    if message.content is not None and has_parts:
         violations.add(f"{path}.content_parts", "set at most one of content and content_parts")
         return None
-    if message.HasField("content"):
+    if message.content is not None:
         return message.content
     if not has_parts:
         return None
     parts = []
     for j, part in enumerate(message.content_parts):
-        kind = part.WhichOneof("part")
-        if kind == "text":
+        if isinstance(part, TextPart):
             parts.append({"type": "text", "text": part.text})
-        elif kind == "image":
+        elif isinstance(part, ImagePart):
             # The template only needs to know an image is here; the media pipeline loads it
             # (collect_media) and expands the marker the template renders for it.
             parts.append({"type": "image"})
-        elif kind == "video":
+        elif isinstance(part, VideoPart):
             # Like images: the template marks the video, the media pipeline processes its frames.
-            if not part.video.frames:
+            if not part.frames:
                 violations.add(f"{path}.content_parts[{j}].video.frames", "a video needs at least one frame")
             parts.append({"type": "video"})
         else:
@@ -146,7 +143,7 @@ class ImageRef:
     """One image part of the chat, in prompt order, with its path in the request."""
 
     field: str
-    source: chat_pb2.ImageSource
+    source: ImageSource
 
 
 @dataclass(frozen=True)
@@ -154,7 +151,7 @@ class VideoRef:
     """One video part (its frames, in order) with its path in the request."""
 
     field: str
-    frames: tuple[chat_pb2.ImageSource, ...]
+    frames: tuple[ImageSource, ...]
     fps: float
 
     def frame_field(self, index: int) -> str:
@@ -168,7 +165,7 @@ def _too_many_images(field: str, max_images: int) -> InvalidArgument:
                            metadata={"limit": "max_images_per_request", "max": str(max_images)})
 
 
-def collect_media(messages: list[chat_pb2.ChatMessage], max_images: int,
+def collect_media(messages: Sequence[ChatMessage], max_images: int,
                   max_video_frames: int) -> list[ImageRef | VideoRef]:
     """The chat's image and video parts in order. Every image and every video frame counts toward
     `max_images`; a video holds at most `max_video_frames` frames. Over a limit is refused (naming
@@ -177,15 +174,16 @@ def collect_media(messages: list[chat_pb2.ChatMessage], max_images: int,
     count = 0
     for i, message in enumerate(messages):
         for j, part in enumerate(message.content_parts):
-            kind = part.WhichOneof("part")
-            field = f"messages[{i}].content_parts[{j}].{kind}"
-            if kind == "image":
+            if not isinstance(part, (ImagePart, VideoPart)):
+                continue
+            field = f"messages[{i}].content_parts[{j}].{part.KIND}"
+            if isinstance(part, ImagePart):
                 if count >= max_images:
                     raise _too_many_images(field, max_images)
                 count += 1
-                refs.append(ImageRef(field, part.image))
-            elif kind == "video":
-                ref = VideoRef(field, tuple(part.video.frames), float(part.video.fps))
+                refs.append(ImageRef(field, part.source))
+            else:
+                ref = VideoRef(field, part.frames, float(part.fps))
                 if len(ref.frames) > max_video_frames:
                     raise InvalidArgument(
                         f"video has {len(ref.frames)} frames, over the limit max_video_frames={max_video_frames} "
@@ -202,14 +200,13 @@ def collect_media(messages: list[chat_pb2.ChatMessage], max_images: int,
     return refs
 
 
-def _tool_call(call: chat_pb2.ToolCall, path: str, violations: Violations) -> dict[str, Any]:
+def _tool_call(call: ToolCall, path: str, violations: Violations) -> dict[str, Any]:
     if call.type not in ("", "function"):
         violations.add(f"{path}.type", f"tool call type {call.type!r} is not supported; use \"function\"")
     if not call.function.name:
         violations.add(f"{path}.function.name", "function name is empty")
     function: dict[str, Any] = {"name": call.function.name}
-    kind = call.function.WhichOneof("args")
-    if kind == "arguments":
+    if call.function.arguments is not None:
         try:
             parsed = loads_bounded(call.function.arguments, f"{path}.function.arguments")
         except ValueError as exc:
@@ -219,7 +216,7 @@ def _tool_call(call: chat_pb2.ToolCall, path: str, violations: Violations) -> di
         if problem:
             violations.add(f"{path}.function.arguments", f"arguments must be a JSON object: {problem}")
         function["arguments"] = call.function.arguments
-    elif kind == "arguments_object":
+    elif call.function.arguments_object is not None:
         function["arguments"] = request_struct(call.function.arguments_object, f"{path}.function.arguments_object")
     else:
         function["arguments"] = {}
@@ -231,7 +228,7 @@ def _tool_call(call: chat_pb2.ToolCall, path: str, violations: Violations) -> di
     return result
 
 
-def messages_to_dicts(messages: list[chat_pb2.ChatMessage]) -> list[dict[str, Any]]:
+def messages_to_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     """Validate and convert the chat; raises InvalidArgument naming every bad field."""
     violations = Violations()
     if not messages:
@@ -256,14 +253,14 @@ def messages_to_dicts(messages: list[chat_pb2.ChatMessage]) -> list[dict[str, An
         # A tool message without tool_call_id is allowed: Qwen-style templates never read it.
         if message.tool_call_id:
             entry["tool_call_id"] = message.tool_call_id
-        if message.HasField("reasoning_content"):
+        if message.reasoning_content is not None:
             entry["reasoning_content"] = message.reasoning_content
         result.append(entry)
     violations.raise_if_any()
     return result
 
 
-def tools_to_dicts(tools: list[chat_pb2.Tool]) -> list[dict[str, Any]] | None:
+def tools_to_dicts(tools: Sequence[Tool]) -> list[dict[str, Any]] | None:
     """Tools -> OpenAI tool dicts (None when there are none, as HF expects)."""
     if not tools:
         return None
@@ -282,35 +279,34 @@ def tools_to_dicts(tools: list[chat_pb2.Tool]) -> list[dict[str, Any]] | None:
         function: dict[str, Any] = {"name": name}
         if tool.function.description:
             function["description"] = tool.function.description
-        if tool.function.HasField("parameters"):
+        if tool.function.parameters is not None:
             function["parameters"] = request_struct(tool.function.parameters, f"tools[{i}].function.parameters")
-        if tool.function.HasField("strict"):
+        if tool.function.strict is not None:
             function["strict"] = tool.function.strict
         result.append({"type": "function", "function": function})
     violations.raise_if_any()
     return result
 
 
-def resolve_tool_choice(choice: chat_pb2.ToolChoice, tools: list[chat_pb2.Tool]) -> chat_pb2.ToolChoice:
+def resolve_tool_choice(choice: ToolChoice, tools: Sequence[Tool]) -> ToolChoice:
     """Validate tool_choice against the tools and make UNSPECIFIED explicit (AUTO with tools, NONE
     without). NONE keeps the tools in the prompt (as vLLM does by default): the model still sees
     them, derender then leaves any tool-call markup as plain content."""
     names = {tool.function.name for tool in tools}
-    kind = choice.WhichOneof("choice")
-    if kind == "function_name":
+    if choice.function_name is not None:
         if choice.function_name not in names:
             raise InvalidArgument(
                 f"tool_choice names function {choice.function_name!r}, which is not among the tools"
                 + (f" ({', '.join(sorted(names))})" if names else " (no tools were given)"),
                 reason="UNKNOWN_TOOL", field="tool_choice.function_name")
-        return chat_pb2.ToolChoice(function_name=choice.function_name)
-    mode = choice.mode if kind == "mode" else chat_pb2.TOOL_CHOICE_MODE_UNSPECIFIED
-    if mode not in chat_pb2.ToolChoiceMode.values():
+        return ToolChoice(function_name=choice.function_name)
+    mode = choice.mode
+    if mode not in _TOOL_CHOICE_MODES:
         raise InvalidArgument(f"unknown tool_choice mode {mode}", reason="INVALID_TOOL_CHOICE",
                               field="tool_choice.mode")
-    if mode == chat_pb2.TOOL_CHOICE_MODE_UNSPECIFIED:
-        mode = chat_pb2.TOOL_CHOICE_MODE_AUTO if tools else chat_pb2.TOOL_CHOICE_MODE_NONE
-    if mode == chat_pb2.TOOL_CHOICE_MODE_REQUIRED and not tools:
+    if mode == ToolChoiceMode.UNSPECIFIED:
+        mode = ToolChoiceMode.AUTO if tools else ToolChoiceMode.NONE
+    if mode == ToolChoiceMode.REQUIRED and not tools:
         raise InvalidArgument("tool_choice REQUIRED needs at least one tool", reason="INVALID_TOOL_CHOICE",
                               field="tool_choice.mode")
-    return chat_pb2.ToolChoice(mode=mode)
+    return ToolChoice(mode=ToolChoiceMode(mode))

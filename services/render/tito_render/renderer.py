@@ -1,8 +1,8 @@
 """Render requests into what the engine and derender need (blocking; call from a worker thread).
 
-request -> validate -> chat template / tokenize -> resolve sampling -> a `domain.RenderedPrompt`
-(convert.py makes the response: GenerateRequest + DerenderContext). Reads the request messages
-but builds no response and knows no grpc.
+request -> validate -> chat template / tokenize -> resolve sampling -> a `domain.RenderedPrompt`.
+Works on `domain` values only: convert.py makes them from the request message and makes the
+response (GenerateRequest + DerenderContext) from the result.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 from tito import tracing
 from tito.config import DEFAULT_MAX_MESSAGE_BYTES
 from tito.errors import FieldViolation, InvalidArgument
-from tito.v1 import chat_pb2, multimodal_pb2, render_pb2, sampling_pb2
+from tito.structured_output import StructuredOutputSpec
 
 from tito_render.chat_template import (DEFAULT_TEMPLATE_SECONDS, ChatRenderOptions, ends_inside_reasoning,
                                        render_chat_text)
-from tito_render.domain import RenderedPrompt, SamplingParams, Tokens
+from tito_render.domain import (ChatRequest, CompletionRequest, MediaOptions, MmPayload, Modality, RenderedPrompt,
+                                SamplingOptions, SamplingParams, TextPart, TokenizeRequest, Tokens, ToolChoice)
 from tito_render.media.cache import CachedImage, ProcessedImageCache
 from tito_render.media.features import TENSORS, Signer, build_item, resolve_payload
 from tito_render.media import video as video_math
@@ -42,7 +43,7 @@ from tito_render.structured import explicit_structured_output, reasoning_start, 
 
 log = logging.getLogger(__name__)
 
-_MM_PAYLOAD_VALUES = frozenset(multimodal_pb2.MmPayload.values())
+_MM_PAYLOAD_VALUES = frozenset(MmPayload)
 
 
 def new_request_id(given: str) -> str:
@@ -91,11 +92,11 @@ class CheckedChat:
 
     messages: list[dict]
     tools: list[dict] | None  # None when the request has none, as HF templates expect
-    tool_choice: chat_pb2.ToolChoice
+    tool_choice: ToolChoice
     options: ChatRenderOptions
     images: list[ImageRef]
     videos: list[VideoRef]
-    payload: int  # multimodal_pb2.MmPayload: what each media item carries to the engine
+    payload: int  # an MmPayload: what each media item carries to the engine
 
 
 @dataclass
@@ -121,26 +122,25 @@ class Renderer:
         self.on_media_processed: Callable[[str, int, float], None] | None = None
 
     # ------------------------------------------------------------------ chat
-    def chat_options(self, request: render_pb2.RenderChatRequest,
-                     time_remaining: float | None = None) -> ChatRenderOptions:
+    def chat_options(self, request: ChatRequest, time_remaining: float | None = None) -> ChatRenderOptions:
         """`time_remaining`: seconds left before the call's deadline (None: no deadline)."""
         kwargs = (request_struct(request.chat_template_kwargs, "chat_template_kwargs")
-                  if request.HasField("chat_template_kwargs") else {})
+                  if request.chat_template_kwargs is not None else {})
         if request.continue_final_message:
-            if request.HasField("add_generation_prompt") and request.add_generation_prompt:
+            if request.add_generation_prompt:
                 raise InvalidArgument("continue_final_message needs add_generation_prompt false (or unset)",
                                       reason="CONFLICTING_OPTIONS", field="continue_final_message")
             add_generation_prompt = False  # the default "true" yields to an explicit continuation
         else:
-            add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+            add_generation_prompt = request.add_generation_prompt if request.add_generation_prompt is not None else True
         return ChatRenderOptions(
-            chat_template=request.chat_template if request.HasField("chat_template") else None,
+            chat_template=request.chat_template,
             template_kwargs=kwargs, add_generation_prompt=add_generation_prompt,
             continue_final_message=request.continue_final_message,
             time_limit=min(self.limits.max_template_seconds, max(time_remaining, 0.0))
             if time_remaining is not None else self.limits.max_template_seconds)
 
-    def render_chat(self, request: render_pb2.RenderChatRequest, request_id: str = "",
+    def render_chat(self, request: ChatRequest, request_id: str = "",
                     time_remaining: float | None = None) -> RenderedPrompt:
         """`request_id` (when given) overrides the request's own (the servicer assigns one up front);
         `time_remaining` is what is left of the call's deadline (the template stops by then).
@@ -159,12 +159,12 @@ class Renderer:
         if log.isEnabledFor(logging.INFO):
             log.info("rendered chat: %d messages, %d tools, %d images, %d videos (%s), %d prompt tokens, max_tokens %d",
                      len(chat.messages), len(request.tools), len(chat.images), len(chat.videos),
-                     multimodal_pb2.MmPayload.Name(chat.payload), len(token_ids), rendered.sampling.max_tokens)
+                     f"MM_PAYLOAD_{MmPayload(chat.payload).name}", len(token_ids), rendered.sampling.max_tokens)
         return rendered
 
-    def _check_chat(self, request: render_pb2.RenderChatRequest, time_remaining: float | None) -> CheckedChat:
+    def _check_chat(self, request: ChatRequest, time_remaining: float | None) -> CheckedChat:
         """Stage 1: everything about the request that can be refused before any work is done."""
-        refs = collect_media(list(request.messages), self.limits.max_images_per_request,
+        refs = collect_media(request.messages, self.limits.max_images_per_request,
                              self.limits.max_video_frames)
         images = [ref for ref in refs if isinstance(ref, ImageRef)]
         videos = [ref for ref in refs if isinstance(ref, VideoRef)]
@@ -179,15 +179,16 @@ class Renderer:
             raise InvalidArgument(f"unknown mm_payload {request.mm_payload}", reason="INVALID_MM_PAYLOAD",
                                   field="mm_payload")
         for index, message in enumerate(request.messages):  # templates render every message's content
-            self.check_text_length(len(message.content), f"messages[{index}].content")
+            self.check_text_length(len(message.content or ""), f"messages[{index}].content")
             for part_index, part in enumerate(message.content_parts):
-                self.check_text_length(len(part.text), f"messages[{index}].content_parts[{part_index}].text")
-        messages = messages_to_dicts(list(request.messages))
+                if isinstance(part, TextPart):
+                    self.check_text_length(len(part.text), f"messages[{index}].content_parts[{part_index}].text")
+        messages = messages_to_dicts(request.messages)
         if request.continue_final_message and "content" not in messages[-1]:
             raise InvalidArgument("continue_final_message needs a final message with content to continue",
                                   reason="CONFLICTING_OPTIONS", field="continue_final_message")
-        return CheckedChat(messages=messages, tools=tools_to_dicts(list(request.tools)),
-                           tool_choice=resolve_tool_choice(request.tool_choice, list(request.tools)),
+        return CheckedChat(messages=messages, tools=tools_to_dicts(request.tools),
+                           tool_choice=resolve_tool_choice(request.tool_choice, request.tools),
                            options=self.chat_options(request, time_remaining), images=images, videos=videos,
                            payload=resolve_payload(request.mm_payload))
 
@@ -198,7 +199,7 @@ class Renderer:
         self.check_text_length(len(text), "messages")
         return text
 
-    def _expand_media(self, chat: CheckedChat, text: str, media_options: render_pb2.MediaOptions) -> PromptText:
+    def _expand_media(self, chat: CheckedChat, text: str, media_options: MediaOptions) -> PromptText:
         """Stage 3: process the chat's images and videos and replace each marker the template left
         with the item's placeholder tokens (as text); the items in prompt order."""
         media = self.model.media
@@ -230,7 +231,7 @@ class Renderer:
                                   field="messages")
         return token_ids
 
-    def _chat_prompt(self, request: render_pb2.RenderChatRequest, request_id: str, chat: CheckedChat, text: str,
+    def _chat_prompt(self, request: ChatRequest, request_id: str, chat: CheckedChat, text: str,
                      token_ids: list[int], prompt: PromptText) -> RenderedPrompt:
         """Stage 5: the engine's request (ids, media items, sampling, structured output) and
         derender's context, as values."""
@@ -248,7 +249,6 @@ class Renderer:
         rendered = self._finish(request_id or request.request_id, token_ids, request.sampling, request.cache_salt,
                                 "messages", constraint)
         rendered.items = items
-        rendered.tools = list(request.tools)
         rendered.tool_choice = chat.tool_choice
         if keeps_special_tokens_for_tools(self.model.tool_parser, bool(request.tools), chat.tool_choice,
                                           request.sampling):
@@ -260,7 +260,7 @@ class Renderer:
             rendered.prompt_text = text
         return rendered
 
-    def _process_images(self, media: MediaAdapter, refs: list[ImageRef], media_options: render_pb2.MediaOptions,
+    def _process_images(self, media: MediaAdapter, refs: list[ImageRef], media_options: MediaOptions,
                         payload: int, budget: PixelBudget) -> PromptMedia:
         """Validate media_options, then load, hash and process each image (fail fast, field-named)."""
         started = time.perf_counter()
@@ -301,7 +301,7 @@ class Renderer:
         self._media_done("image", len(refs), started)
         return PromptMedia(refs, processed, hashes)
 
-    def _process_videos(self, media: MediaAdapter, refs: list[VideoRef], media_options: render_pb2.MediaOptions,
+    def _process_videos(self, media: MediaAdapter, refs: list[VideoRef], media_options: MediaOptions,
                         payload: int, budget: PixelBudget) -> PromptMedia:
         """Load every frame (the image loader and limits), then hash and process each video."""
         if not refs:
@@ -388,8 +388,8 @@ class Renderer:
                                   metadata={"limit": "max_prompt_tokens", "max": str(limit)})
 
     # ------------------------------------------------------------ completion
-    def render_completion(self, request: render_pb2.RenderCompletionRequest, request_id: str = "") -> RenderedPrompt:
-        has_text, has_ids = request.HasField("prompt"), len(request.prompt_token_ids) > 0
+    def render_completion(self, request: CompletionRequest, request_id: str = "") -> RenderedPrompt:
+        has_text, has_ids = request.prompt is not None, len(request.prompt_token_ids) > 0
         if has_text == has_ids:
             raise InvalidArgument("set exactly one of prompt and prompt_token_ids", reason="INVALID_PROMPT",
                                   field="prompt",
@@ -397,7 +397,7 @@ class Renderer:
                                                              "set exactly one of prompt and prompt_token_ids")])
         if has_text:
             self.check_text_length(len(request.prompt), "prompt")
-            add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            add_special = request.add_special_tokens if request.add_special_tokens is not None else True
             with tracing.span("render.tokenize", characters=len(request.prompt)):
                 token_ids = self.encoder.encode(request.prompt, add_special_tokens=add_special)
             field = "prompt"
@@ -425,16 +425,16 @@ class Renderer:
                                       reason="TOKEN_ID_OUT_OF_RANGE", field=f"{field}[{i}]")
 
     # ------------------------------------------------------------ shared tail
-    def _finish(self, request_id: str, token_ids: list[int], sampling: render_pb2.SamplingOptions,
+    def _finish(self, request_id: str, token_ids: list[int], sampling: SamplingOptions,
                 cache_salt: str, prompt_field: str,
-                structured_output: sampling_pb2.StructuredOutput | None = None) -> RenderedPrompt:
+                structured_output: StructuredOutputSpec | None = None) -> RenderedPrompt:
         """What a chat and a completion share: the id, the resolved sampling and the parsers.
         `structured_output`: the checked constraint (structured.py), if any."""
         params = resolve_sampling(sampling, SamplingLimits(
             prompt_tokens=len(token_ids), max_context_length=self.model.max_context_length,
             vocab_size=self.model.vocab_size, generation_defaults=self.model.generation_defaults,
             prompt_field=prompt_field))
-        if self.model.keep_special_tokens and not sampling.HasField("skip_special_tokens"):
+        if self.model.keep_special_tokens and sampling.skip_special_tokens is None:
             params = _keeping_special_tokens(params)  # the parsers' markers are special tokens
         if structured_output is not None:
             params = dataclasses.replace(params, structured_output=structured_output)
@@ -443,18 +443,18 @@ class Renderer:
                               tool_parser=self.model.tool_parser)
 
     # ------------------------------------------------------------- tokenize
-    def tokenize(self, request: render_pb2.TokenizeRequest) -> Tokens:
+    def tokenize(self, request: TokenizeRequest) -> Tokens:
         self.check_text_length(len(request.text), "text")
         token_ids = self.encoder.encode(request.text, request.add_special_tokens)
         strings = self.model.tokenizer.convert_ids_to_tokens(token_ids) if request.return_token_strings else None
         return Tokens(token_ids, strings)
 
     def modalities(self) -> list[int]:
-        """The tito.v1.Modality numbers the model takes."""
+        """The modalities the model takes."""
         media = self.model.media
         if media is None:
             return []
-        return [multimodal_pb2.MODALITY_IMAGE] + ([multimodal_pb2.MODALITY_VIDEO] if media.video is not None else [])
+        return [Modality.IMAGE] + ([Modality.VIDEO] if media.video is not None else [])
 
 
 _HASH_POOL: ThreadPoolExecutor | None = None

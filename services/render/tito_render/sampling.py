@@ -19,9 +19,8 @@ from tito.contract import (INVALID_SAMPLING_PARAMS, MAX_STOP_STRING_CHARS, MAX_S
                            check_sampling_ranges)
 from tito.errors import InvalidArgument, Violations
 from tito.parsers import TOOL_PARSERS_NEEDING_SPECIAL_TOKENS
-from tito.v1 import chat_pb2, render_pb2
 
-from tito_render.domain import SamplingParams, TextOptions
+from tito_render.domain import SamplingOptions, SamplingParams, TextOptions, ToolChoice, ToolChoiceMode
 
 MAX_N = 128
 
@@ -48,16 +47,18 @@ class SamplingLimits:
     prompt_field: str = "messages"
 
 
-def _pick(options: render_pb2.SamplingOptions, name: str, defaults: dict[str, Any]) -> Any:
-    if options.HasField(name):
-        return getattr(options, name)
+def _pick(options: SamplingOptions, name: str, defaults: dict[str, Any]) -> Any:
+    value = getattr(options, name)
+    if value is not None:
+        return value
     return defaults.get(name, TITO_DEFAULTS.get(name))
 
 
-def _default_temperature(options: render_pb2.SamplingOptions, defaults: dict[str, Any]) -> float:
+def _default_temperature(options: SamplingOptions, defaults: dict[str, Any]) -> float:
     """The temperature of a request that sets none: greedy (0) for a `do_sample: false` model
     unless the request shapes sampling, else the generation config's, else tito's (1.0)."""
-    if defaults.get("do_sample") is False and not any(options.HasField(name) for name in SAMPLING_SHAPE_FIELDS):
+    if defaults.get("do_sample") is False and not any(
+            getattr(options, name) is not None for name in SAMPLING_SHAPE_FIELDS):
         return 0.0
     return float(defaults.get("temperature", TITO_DEFAULTS["temperature"]))
 
@@ -73,29 +74,28 @@ def check_context(limits: SamplingLimits) -> int:
     return remainder
 
 
-def resolve_sampling(options: render_pb2.SamplingOptions,
-                     limits: SamplingLimits) -> SamplingParams:
+def resolve_sampling(options: SamplingOptions, limits: SamplingLimits) -> SamplingParams:
     """Validate `options` (every problem named as sampling.<field>) and resolve them."""
     remainder = check_context(limits)
     defaults = limits.generation_defaults
     violations = Violations()
 
-    temperature = options.temperature if options.HasField("temperature") else _default_temperature(options, defaults)
+    temperature = options.temperature if options.temperature is not None else _default_temperature(options, defaults)
     top_p = float(_pick(options, "top_p", defaults))
     min_p = float(_pick(options, "min_p", defaults))
     repetition_penalty = float(_pick(options, "repetition_penalty", defaults))
     presence_penalty = float(_pick(options, "presence_penalty", defaults))
     frequency_penalty = float(_pick(options, "frequency_penalty", defaults))
     top_k = int(_pick(options, "top_k", defaults))
-    logprobs = options.logprobs if options.HasField("logprobs") else False
-    top_logprobs = options.top_logprobs if options.HasField("top_logprobs") else 0
+    logprobs = options.logprobs if options.logprobs is not None else False
+    top_logprobs = options.top_logprobs if options.top_logprobs is not None else 0
     check_sampling_ranges({"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
                            "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
                            "frequency_penalty": frequency_penalty, "top_logprobs": top_logprobs,
                            "logprobs": logprobs}, violations, "sampling")
     top_k = max(top_k, 0)  # -1 and 0 both mean "disabled"; emit the one documented default
 
-    if options.HasField("max_tokens"):
+    if options.max_tokens is not None:
         max_tokens = options.max_tokens
         if max_tokens < 1:
             violations.add("sampling.max_tokens", "max_tokens must be >= 1")
@@ -107,11 +107,11 @@ def resolve_sampling(options: render_pb2.SamplingOptions,
     else:
         generation_max = defaults.get("max_new_tokens")
         max_tokens = min(remainder, int(generation_max)) if generation_max and generation_max > 0 else remainder
-    min_tokens = options.min_tokens if options.HasField("min_tokens") else 0
+    min_tokens = options.min_tokens if options.min_tokens is not None else 0
     if min_tokens > max_tokens:
         violations.add("sampling.min_tokens", f"min_tokens={min_tokens} exceeds max_tokens={max_tokens}")
 
-    n = options.n if options.HasField("n") else int(TITO_DEFAULTS["n"])
+    n = options.n if options.n is not None else int(TITO_DEFAULTS["n"])
     if not 1 <= n <= MAX_N:
         violations.add("sampling.n", f"n={n} must be between 1 and {MAX_N}")
 
@@ -134,28 +134,28 @@ def resolve_sampling(options: render_pb2.SamplingOptions,
         max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty, stop_token_ids=tuple(options.stop_token_ids),
-        ignore_eos=options.ignore_eos if options.HasField("ignore_eos") else False, n=n,
+        ignore_eos=options.ignore_eos if options.ignore_eos is not None else False, n=n,
         logprobs=logprobs, top_logprobs=top_logprobs, text_options=text_options(options),
-        seed=options.seed if options.HasField("seed") else None, logit_bias=tuple(sorted(options.logit_bias.items())))
+        seed=options.seed, logit_bias=tuple(sorted(options.logit_bias.items())))
 
 
-def keeps_special_tokens_for_tools(tool_parser: str, has_tools: bool, tool_choice: chat_pb2.ToolChoice,
-                                   options: render_pb2.SamplingOptions) -> bool:
+def keeps_special_tokens_for_tools(tool_parser: str, has_tools: bool, tool_choice: ToolChoice,
+                                   options: SamplingOptions) -> bool:
     """Whether a chat's text must keep special tokens for its tool parser: the parser's markup is
     special tokens (Mistral's [TOOL_CALLS]), derender will parse calls (tools offered, tool_choice
     not none) and the request left skip_special_tokens unset (a request that sets it wins)."""
     return (tool_parser in TOOL_PARSERS_NEEDING_SPECIAL_TOKENS and has_tools
-            and tool_choice.mode != chat_pb2.TOOL_CHOICE_MODE_NONE
-            and not options.HasField("skip_special_tokens"))
+            and tool_choice.mode != ToolChoiceMode.NONE
+            and options.skip_special_tokens is None)
 
 
-def text_options(options: render_pb2.SamplingOptions) -> TextOptions:
+def text_options(options: SamplingOptions) -> TextOptions:
     """The string-level options derender applies, with their defaults made explicit."""
     return TextOptions(
         stop=tuple(options.stop),
         include_stop_str_in_output=options.include_stop_str_in_output
-        if options.HasField("include_stop_str_in_output") else False,
-        skip_special_tokens=options.skip_special_tokens if options.HasField("skip_special_tokens") else True,
+        if options.include_stop_str_in_output is not None else False,
+        skip_special_tokens=options.skip_special_tokens if options.skip_special_tokens is not None else True,
         # Default false: the text then equals the tokenizer's own decode (see the contract).
         spaces_between_special_tokens=options.spaces_between_special_tokens
-        if options.HasField("spaces_between_special_tokens") else False)
+        if options.spaces_between_special_tokens is not None else False)

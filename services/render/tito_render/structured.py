@@ -1,8 +1,8 @@
 """The request's intent as a structured-output constraint for the engine.
 
 Render is where the intent is known: OpenAI `response_format`, strict tools, `tool_choice`, or an
-explicit `sampling.structured_output`. The result goes into `SamplingParams.structured_output`; the
-engine owns the token masks, derender only sees text that already parses.
+explicit `sampling.structured_output`. The result (a `StructuredOutputSpec`) goes into
+`SamplingParams.structured_output`; the engine owns the token masks, derender only sees text that already parses.
 
 Which constraint, in order:
 1. tool_choice REQUIRED or a named function, on a model whose tool calls render knows how to
@@ -34,8 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tito.errors import InvalidArgument
-from tito.structured_output import StructuredOutputSpec, spec_from_proto, validate
-from tito.v1 import chat_pb2, render_pb2, sampling_pb2
+from tito.structured_output import StructuredOutputSpec, validate
+
+from tito_render.domain import ChatRequest, SamplingOptions, ToolChoice, ToolChoiceMode
 from tito_render.tool_markup import (CALL_JSON_MAX_WHITESPACE, MARKUPS, Format, ToolMarkup, calls_format,
                                     xml_grammar)
 
@@ -74,36 +75,35 @@ def reasoning_start(reasoning_parser: str, thinking_enabled: bool, prompt_text: 
     return ReasoningStart(reasoning_parser)
 
 
-def resolve_structured_output(request: render_pb2.RenderChatRequest, tools: list[dict[str, Any]] | None,
-                              tool_choice: chat_pb2.ToolChoice, tool_markup: str,
-                              reasoning: ReasoningStart | None = None) -> sampling_pb2.StructuredOutput | None:
+def resolve_structured_output(request: ChatRequest, tools: list[dict[str, Any]] | None,
+                              tool_choice: ToolChoice, tool_markup: str,
+                              reasoning: ReasoningStart | None = None) -> StructuredOutputSpec | None:
     """The constraint for a chat request (None: unconstrained), checked; raise InvalidArgument
     naming the request's field for a bad one. `tool_markup`: the model's MARKUPS key."""
     explicit = explicit_structured_output(request.sampling)
-    from_format = _from_response_format(request) if request.HasField("response_format") else None
+    from_format = _from_response_format(request) if request.response_format is not None else None
     markup = MARKUPS.get(tool_markup)
     forced_call = tools and markup is not None and (
-        tool_choice.WhichOneof("choice") == "function_name" or tool_choice.mode == chat_pb2.TOOL_CHOICE_MODE_REQUIRED)
+        tool_choice.function_name is not None or tool_choice.mode == ToolChoiceMode.REQUIRED)
     if explicit is not None and (forced_call or from_format is not None):
         raise InvalidArgument(
             "sampling.structured_output cannot be combined with response_format or a required tool call; "
             "send one of them", reason="CONFLICTING_OPTIONS", field="sampling.structured_output")
-    parallel = not request.HasField("parallel_tool_calls") or request.parallel_tool_calls
+    parallel = request.parallel_tool_calls is None or request.parallel_tool_calls
     if forced_call:
-        named = tool_choice.WhichOneof("choice") == "function_name"
+        named = tool_choice.function_name is not None
         names = [tool_choice.function_name] if named else None
         return _tool_calls(tools, markup, names, "tool_choice", parallel and not named, reasoning=reasoning)
     constraint = explicit if explicit is not None else from_format
     if constraint is not None:
         return after_reasoning(constraint, reasoning) if reasoning is not None else constraint
-    if tools and markup is not None and markup.trigger and tool_choice.mode == chat_pb2.TOOL_CHOICE_MODE_AUTO and any(
+    if tools and markup is not None and markup.trigger and tool_choice.mode == ToolChoiceMode.AUTO and any(
             tool["function"].get("strict") for tool in tools):
         return _tool_calls(tools, markup, None, "tools", parallel, triggered=True, reasoning=reasoning)
     return None
 
 
-def after_reasoning(constraint: sampling_pb2.StructuredOutput,
-                    reasoning: ReasoningStart) -> sampling_pb2.StructuredOutput:
+def after_reasoning(constraint: StructuredOutputSpec, reasoning: ReasoningStart) -> StructuredOutputSpec:
     """`constraint` applied only once the turn's reasoning has ended (a structural tag). A
     structural tag in xgrammar's legacy form (structures / triggers) cannot be nested: it is kept
     as it is, from the first token."""
@@ -113,8 +113,9 @@ def after_reasoning(constraint: sampling_pb2.StructuredOutput,
     if reasoning.parser == "gpt_oss":
         body = {"type": "sequence", "elements": [{"type": "const_string", "value": HARMONY_FINAL}, body]}
     tag = json.dumps({"type": "structural_tag", "format": _reasoning_then(reasoning, body)})
-    validate(StructuredOutputSpec("structural_tag", tag), field="sampling.structured_output")
-    return sampling_pb2.StructuredOutput(structural_tag=tag)
+    spec = StructuredOutputSpec("structural_tag", tag)
+    validate(spec, field="sampling.structured_output")
+    return spec
 
 
 def _reasoning_then(reasoning: ReasoningStart | None, body: Format) -> Format:
@@ -132,60 +133,59 @@ def _reasoning_then(reasoning: ReasoningStart | None, body: Format) -> Format:
     return {"type": "sequence", "elements": [prefix, body]}
 
 
-def _as_format(constraint: sampling_pb2.StructuredOutput) -> Format | None:
+def _as_format(constraint: StructuredOutputSpec) -> Format | None:
     """A constraint as a structural-tag format (None for a legacy-form structural tag)."""
-    kind = constraint.WhichOneof("constraint")
+    kind = constraint.kind
     if kind in ("json_schema", "json_object"):
-        schema = json.loads(constraint.json_schema) if kind == "json_schema" else ANY_OBJECT
+        schema = json.loads(constraint.value) if kind == "json_schema" else ANY_OBJECT
         return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": CALL_JSON_MAX_WHITESPACE}
     if kind == "regex":
-        return {"type": "regex", "pattern": constraint.regex}
+        return {"type": "regex", "pattern": constraint.value}
     if kind == "choice":
-        return {"type": "or", "elements": [{"type": "const_string", "value": c} for c in constraint.choice.choices]}
+        return {"type": "or", "elements": [{"type": "const_string", "value": c} for c in json.loads(constraint.value)]}
     if kind == "grammar":
-        return {"type": "grammar", "grammar": constraint.grammar}
-    tag = json.loads(constraint.structural_tag)
+        return {"type": "grammar", "grammar": constraint.value}
+    tag = json.loads(constraint.value)
     return tag.get("format") if isinstance(tag, dict) and tag.get("type") == "structural_tag" else None
 
 
-def explicit_structured_output(sampling: render_pb2.SamplingOptions) -> sampling_pb2.StructuredOutput | None:
+def explicit_structured_output(sampling: SamplingOptions) -> StructuredOutputSpec | None:
     """The caller's own sampling.structured_output, checked (None when absent or empty)."""
-    if not sampling.HasField("structured_output"):
-        return None
-    spec = spec_from_proto(sampling.structured_output)
+    spec = sampling.structured_output
     if spec is None:
         return None
     validate(spec, field=f"sampling.structured_output.{spec.kind}")
-    return sampling.structured_output
+    return spec
 
 
-def _from_response_format(request: render_pb2.RenderChatRequest) -> sampling_pb2.StructuredOutput | None:
+def _from_response_format(request: ChatRequest) -> StructuredOutputSpec | None:
     response_format = request.response_format
     kind = response_format.type
     if kind not in RESPONSE_FORMAT_TYPES:
         raise InvalidArgument(f"response_format.type {kind!r} is not supported; use text, json_object or json_schema",
                               reason=INVALID_RESPONSE_FORMAT, field="response_format.type")
-    if kind != "json_schema" and response_format.HasField("json_schema"):
+    if kind != "json_schema" and response_format.json_schema is not None:
         raise InvalidArgument(f"response_format.json_schema needs type json_schema (got {kind or 'text'!r})",
                               reason=INVALID_RESPONSE_FORMAT, field="response_format.json_schema")
     if kind == "json_object":
-        return sampling_pb2.StructuredOutput(json_object=sampling_pb2.JsonObjectConstraint())
+        return StructuredOutputSpec("json_object")
     if kind != "json_schema":
         return None
-    if not response_format.json_schema.HasField("schema"):
+    if response_format.json_schema is None or response_format.json_schema.schema is None:
         raise InvalidArgument("response_format type json_schema needs json_schema.schema (a JSON Schema object)",
                               reason=INVALID_RESPONSE_FORMAT, field="response_format.json_schema.schema")
     from tito_render.messages import request_struct
 
     field = "response_format.json_schema.schema"
     schema = json.dumps(request_struct(response_format.json_schema.schema, field))
-    validate(StructuredOutputSpec("json_schema", schema), field=field)
-    return sampling_pb2.StructuredOutput(json_schema=schema)
+    spec = StructuredOutputSpec("json_schema", schema)
+    validate(spec, field=field)
+    return spec
 
 
 def _tool_calls(tools: list[dict[str, Any]], markup: ToolMarkup, names: list[str] | None, field: str,
                 parallel: bool, triggered: bool = False,
-                reasoning: ReasoningStart | None = None) -> sampling_pb2.StructuredOutput:
+                reasoning: ReasoningStart | None = None) -> StructuredOutputSpec:
     """A structural tag: calls of the named tool (or of any tool), or with `triggered`, free
     text in which every call is well formed."""
     tags = []
@@ -201,9 +201,10 @@ def _tool_calls(tools: list[dict[str, Any]], markup: ToolMarkup, names: list[str
         tags.append(markup.call(function["name"], schema))
     structural_tag = json.dumps({"type": "structural_tag", "format": _reasoning_then(
         reasoning, calls_format(markup, tags, parallel, triggered))})
-    validate(StructuredOutputSpec("structural_tag", structural_tag), field=field)
+    tag = StructuredOutputSpec("structural_tag", structural_tag)
+    validate(tag, field=field)
     if markup.xml_arguments:
-        grammar = xml_grammar(structural_tag, markup.bare_values)
-        validate(StructuredOutputSpec("grammar", grammar), field=field)
-        return sampling_pb2.StructuredOutput(grammar=grammar)
-    return sampling_pb2.StructuredOutput(structural_tag=structural_tag)
+        grammar = StructuredOutputSpec("grammar", xml_grammar(structural_tag, markup.bare_values))
+        validate(grammar, field=field)
+        return grammar
+    return tag

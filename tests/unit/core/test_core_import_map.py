@@ -42,6 +42,16 @@ ENGINE_LAYERS = (
     ("shared types", ("tito_engine.request", "tito_engine.limits", "tito_engine")),
 )
 
+#: The services whose domain never sees a message, and their wire edge: the only modules of theirs
+#: (server, servicer, conversion) that may import generated stubs, protobuf or grpc. Below the edge
+#: the domain works on plain values, so a second protocol face adds a converter, never a path.
+WIRE_EDGES = {
+    "tito_render": ("tito_render.server", "tito_render.servicer", "tito_render.convert"),
+    "tito_derender": ("tito_derender.server", "tito_derender.servicer", "tito_derender.convert"),
+}
+#: What only the wire edge imports.
+WIRE_PACKAGES = ("tito.v1", "google.protobuf", "google.rpc", "grpc", "grpc_status", "grpc_health", "grpc_reflection")
+
 #: Layers that must not import torch (or anything that needs it), so either side of a seam can use them.
 TORCH_FREE = ("tito_engine.scheduling", "tito_engine.request", "tito_engine.limits", "tito_engine.model_info",
               "tito_engine.multimodal.specs", "tito_engine.multimodal.domain")
@@ -203,6 +213,25 @@ def test_torch_free_layers_reach_no_torch_module(prefix):
         seen.add(module)
         todo.extend(loaded[module])
     assert not seen & torch_modules, sorted(seen & torch_modules)
+
+
+def _within(name: str, prefixes) -> bool:
+    return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
+
+
+def _domain_modules(package: str) -> list[str]:
+    modules = [module for module in SOURCES if _top(module) == package and not _within(module, WIRE_EDGES[package])]
+    assert modules, package
+    return sorted(modules)
+
+
+@pytest.mark.parametrize("package", sorted(WIRE_EDGES))
+def test_domain_modules_import_no_stubs_protobuf_or_grpc(package):
+    """Only the wire edge converts: every other module of the service takes and returns domain values."""
+    wrong = sorted(f"{module} imports {name}" for module in _domain_modules(package)
+                   for name in _imports(SOURCES[module][0], module, SOURCES[module][1])
+                   if _within(name, WIRE_PACKAGES))
+    assert not wrong, wrong
 
 
 def test_the_engine_readme_layer_table_names_every_folder():

@@ -10,7 +10,14 @@ from tito.errors import InvalidArgument
 from tito.v1 import render_pb2
 from tito_engine.request import RawSamplingParams
 from tito_engine.service.validation import ModelLimits, resolve_sampling as engine_resolve
-from tito_render.sampling import SamplingLimits, resolve_sampling as render_resolve
+from tito_render.convert import sampling_options_from_proto
+from tito_render.sampling import SamplingLimits, resolve_sampling
+
+
+def render_resolve(options: render_pb2.SamplingOptions, limits: SamplingLimits):
+    """Render's resolution of `options`, converted as its servicer converts them."""
+    return resolve_sampling(sampling_options_from_proto(options), limits)
+
 
 BAD_VALUES = [("temperature", -0.5), ("temperature", math.nan), ("top_p", 0.0), ("top_p", 1.5),
               ("top_k", -2), ("min_p", 1.5), ("repetition_penalty", 0.0), ("presence_penalty", 2.5),

@@ -18,9 +18,9 @@ from tito_render.chat_template import _plain_backend, encode_prompt_text
 from tito_render.media.cache import ProcessedImageCache
 from tito_render.media.hashing import image_hash, rgb_pixels
 from tito_render.media.loader import to_rgb
-from tito_render.messages import struct_to_dict
+from tito_render.messages import struct_to_dict as template_dict
 from tito_render.renderer import RenderLimits
-from tito_render.convert import chat_response
+from tito_render.convert import chat_response, media_options_from_proto, struct_from_proto
 
 from images import noise_image, noise_png
 from renderers import load_renderer
@@ -77,6 +77,11 @@ json_values = st.recursive(
     max_leaves=12)
 
 
+def struct_to_dict(struct: struct_pb2.Struct):
+    """Render's conversion of `struct`: the servicer's (convert.py), then the template's (messages.py)."""
+    return template_dict(struct_from_proto(struct))
+
+
 def reference_struct_to_dict(struct: struct_pb2.Struct):
     """The definition: MessageToDict, integral doubles (below 2**53) back to ints, keys sorted."""
     def normalise(value):
@@ -116,7 +121,7 @@ def test_processor_on_packed_pixels_equals_pil_path(qwen, mode, size):
     image = to_rgb(noise_image(*size, mode=mode))
     pixels = rgb_pixels(image)
     assert pixels.tobytes() == image.tobytes()
-    kwargs = media.call_kwargs(render_pb2.MediaOptions(), 64_000_000)
+    kwargs = media.call_kwargs(media_options_from_proto(render_pb2.MediaOptions()), 64_000_000)
     via_pil = media.run_processor(image, kwargs)
     via_pixels = media.run_processor(image, kwargs, pixels)
     assert via_pil.keys() == via_pixels.keys()

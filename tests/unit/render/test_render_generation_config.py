@@ -10,6 +10,7 @@ import logging
 import pytest
 
 from tito.v1 import render_pb2
+from tito_render.convert import sampling_options_from_proto
 from tito_render.model import generation_defaults
 from tito_render.sampling import SamplingLimits, resolve_sampling
 
@@ -17,7 +18,7 @@ from tito_render.sampling import SamplingLimits, resolve_sampling
 def resolve(generation_config: dict, prompt_tokens: int = 10, **request):
     limits = SamplingLimits(prompt_tokens=prompt_tokens, max_context_length=100, vocab_size=1000,
                             generation_defaults=generation_defaults(generation_config))
-    return resolve_sampling(render_pb2.SamplingOptions(**request), limits)
+    return resolve_sampling(sampling_options_from_proto(render_pb2.SamplingOptions(**request)), limits)
 
 
 # (generation_config.json field, its value, the SamplingParams field, tito's default, a request value)

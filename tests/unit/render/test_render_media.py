@@ -16,7 +16,7 @@ from tito_models.tiny import INTERLEAVED_VL_MODEL, ensure_model
 from tito.v1 import chat_pb2, multimodal_pb2, render_pb2
 from tito_render.media.features import Signer
 from tito_render.renderer import Renderer
-from tito_render.convert import chat_response, model_info_to_proto
+from tito_render.convert import chat_response, media_options_from_proto, model_info_to_proto
 
 from images import encoded as encode, noise_image as picture
 from renderers import load_renderer
@@ -180,7 +180,7 @@ def test_qwen_metadata_grid_without_pixels_equals_processor(qwen, size, max_pixe
     options = render_pb2.MediaOptions()
     if max_pixels:
         options.max_pixels = max_pixels
-    kwargs = adapter.call_kwargs(options, 64_000_000)
+    kwargs = adapter.call_kwargs(media_options_from_proto(options), 64_000_000)
     image = picture(*size)
     full = adapter.process(image, kwargs, with_tensors=True)
     light = adapter.process(image, kwargs, with_tensors=False)

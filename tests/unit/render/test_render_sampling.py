@@ -7,16 +7,18 @@ import pytest
 from tito.contract import INVALID_SAMPLING_PARAMS
 from tito.errors import InvalidArgument
 from tito.v1 import render_pb2, sampling_pb2
-from tito_render.convert import sampling_to_proto
+from tito_render.convert import sampling_options_from_proto, sampling_to_proto
+from tito_render.domain import SamplingOptions
 from tito_render.sampling import SamplingLimits, resolve_sampling
 
 LIMITS = SamplingLimits(prompt_tokens=10, max_context_length=100, vocab_size=1000)
 
 
-def options(**fields) -> render_pb2.SamplingOptions:
+def options(**fields) -> SamplingOptions:
+    """The options as the servicer hands them to the domain (through the wire message: float32 values)."""
     stop = fields.pop("stop", [])
     stop_ids = fields.pop("stop_token_ids", [])
-    return render_pb2.SamplingOptions(stop=stop, stop_token_ids=stop_ids, **fields)
+    return sampling_options_from_proto(render_pb2.SamplingOptions(stop=stop, stop_token_ids=stop_ids, **fields))
 
 
 def test_tito_defaults_and_context_remainder():

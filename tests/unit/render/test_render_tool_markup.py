@@ -22,13 +22,14 @@ from google.protobuf import struct_pb2
 from transformers import AutoTokenizer
 
 from tests.support.family_tokenizers import ensure_family_tokenizer
-from tito.structured_output import grammar_of, spec_from_proto
+from tito.structured_output import StructuredOutputSpec, grammar_of
 from tito.v1 import chat_pb2, render_pb2
 from tito_derender.domain import OutputDelta
 from tito_derender.parsers import REASONING_PARSERS, TOOL_PARSERS
 from tito_derender.parsers.tool_stage import ToolStage
 from tito_derender.parsers.tools.markup import MarkupToolParser
 from tito_render.config import RenderConfig
+from tito_render.convert import chat_request_from_proto, tool_choice_from_proto
 from tito_render.model import load_render_model
 from tito_render.structured import ReasoningStart, resolve_structured_output
 
@@ -94,17 +95,18 @@ def constraint_for(markup: str, tool_choice: chat_pb2.ToolChoice, parallel: bool
                                            tools=[tool(name) for name in SCHEMAS], tool_choice=tool_choice)
     if parallel is not None:
         request.parallel_tool_calls = parallel
-    return resolve_structured_output(request, tools_dicts(), tool_choice, markup, reasoning)
+    return resolve_structured_output(chat_request_from_proto(request), tools_dicts(),
+                                     tool_choice_from_proto(tool_choice), markup, reasoning)
 
 
-_COMPILED: dict[tuple[int, bytes], object] = {}
+_COMPILED: dict[tuple[int, StructuredOutputSpec], object] = {}
 
 
 def compiled(compiler, constraint):
     """The engine's compile of `constraint` (cached: a compile costs more than a walk)."""
-    key = (id(compiler), constraint.SerializeToString())
+    key = (id(compiler), constraint)
     if key not in _COMPILED:
-        _COMPILED[key] = compiler.compile_grammar(grammar_of(spec_from_proto(constraint)))
+        _COMPILED[key] = compiler.compile_grammar(grammar_of(constraint))
     return _COMPILED[key]
 
 
@@ -323,10 +325,9 @@ def test_tool_calls_after_reasoning(tokenizers, family, reasoning_parser, markup
 ])
 def test_a_content_constraint_applies_after_the_reasoning(tokenizers, family, reasoning, before, after):
     from tito_render.structured import after_reasoning
-    from tito.v1 import sampling_pb2
 
     _, tokenizer, _, compiler = tokenizers(family)
-    constraint = after_reasoning(sampling_pb2.StructuredOutput(json_schema=json.dumps(WEATHER)), reasoning)
+    constraint = after_reasoning(StructuredOutputSpec("json_schema", json.dumps(WEATHER)), reasoning)
     answer = json.dumps({"city": "Paris", "days": 3, "unit": "c"})
     assert accepts(compiler, tokenizer, constraint, before + after + answer)
     assert not accepts(compiler, tokenizer, constraint, before + after + answer.replace('"c"', '"k"'))

@@ -14,20 +14,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from tito import signing
-from tito.tensors import from_numpy
-from tito.v1 import multimodal_pb2
+from tito.tensors import dtype_number
 
-from tito_render.domain import MediaItem, Placeholder, RawTensor
+from tito_render.domain import MediaItem, MmPayload, Placeholder, RawTensor
 from tito_render.media.processors import ProcessedImage
 
-TENSORS = multimodal_pb2.MM_PAYLOAD_TENSORS
-METADATA = multimodal_pb2.MM_PAYLOAD_METADATA
-NONE = multimodal_pb2.MM_PAYLOAD_NONE
+TENSORS = MmPayload.TENSORS
+METADATA = MmPayload.METADATA
+NONE = MmPayload.NONE
 
 
 def resolve_payload(mode: int) -> int:
     """UNSPECIFIED -> TENSORS; unknown values are refused by the caller (see renderer)."""
-    return TENSORS if mode == multimodal_pb2.MM_PAYLOAD_UNSPECIFIED else mode
+    return TENSORS if mode == MmPayload.UNSPECIFIED else mode
 
 
 @dataclass(frozen=True)
@@ -58,9 +57,8 @@ def build_item(processed: ProcessedImage, mm_hash: str, offset: int, payload: in
 def raw_tensor(array: np.ndarray) -> RawTensor:
     """`tito.tensors.from_numpy(array)` without the message: its bytes are made once here and put
     into the response as they are (a message's bytes field is copied on every read). The codec
-    still decides the dtype code (and refuses unsupported dtypes), from an empty array of the same
-    dtype."""
+    still decides the dtype code (and refuses unsupported dtypes)."""
     array = np.asarray(array)
+    code = dtype_number(array.dtype)
     little = array.dtype if array.dtype.itemsize == 1 else array.dtype.newbyteorder("<")
-    return RawTensor(from_numpy(np.empty(0, dtype=array.dtype)).dtype, tuple(array.shape),
-                     np.asarray(array, dtype=little, order="C").tobytes())
+    return RawTensor(code, tuple(array.shape), np.asarray(array, dtype=little, order="C").tobytes())

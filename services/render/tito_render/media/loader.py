@@ -1,6 +1,6 @@
 """Fetch and decode one image with limits, turning every caller mistake into a field-named error.
 
-Sources: raw bytes (`ImageSource.data`), `data:` URLs, local files under the configured media
+Sources (a `domain.ImageSource`): raw bytes (`data`), `data:` URLs, local files under the configured media
 directory (`file://` URLs or bare paths; nothing outside it, symlinks resolved first; every path
 that cannot be served answers alike, so that callers cannot probe which files exist), and
 `http(s)://` URLs only when remote media is enabled (total deadline and byte cap while reading).
@@ -28,7 +28,8 @@ from pathlib import Path
 from PIL import Image
 
 from tito.errors import InvalidArgument, ResourceExhausted
-from tito.v1 import chat_pb2
+
+from tito_render.domain import ImageSource
 
 #: Formats render decodes; anything else is refused before a plugin runs.
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
@@ -76,21 +77,20 @@ class PixelBudget:
                 field=field, metadata={"limit": "max_request_pixels", "max": str(self.limit)})
 
 
-def load_image(source: chat_pb2.ImageSource, field: str, policy: MediaPolicy) -> Image.Image:
+def load_image(source: ImageSource, field: str, policy: MediaPolicy) -> Image.Image:
     """The decoded RGB image `source` names (`field` is the ImageSource's path in the request)."""
     encoded, encoded_field = read_source(source, field, policy)
     return decode_image(encoded, encoded_field, policy)
 
 
-def read_source(source: chat_pb2.ImageSource, field: str, policy: MediaPolicy) -> tuple[bytes, str]:
+def read_source(source: ImageSource, field: str, policy: MediaPolicy) -> tuple[bytes, str]:
     """The encoded image bytes `source` names, and the field they came from (`<field>.data|url`)."""
-    kind = source.WhichOneof("source")
-    if kind == "data":
-        data = source.data  # each read of a bytes field copies it (upb): read it once
+    data = source.data
+    if data is not None:
         if len(data) > policy.max_image_bytes:
             raise _too_large(len(data), f"{field}.data", policy)
         return data, f"{field}.data"
-    if kind == "url":
+    if source.url is not None:
         return read_url(source.url, f"{field}.url", policy), f"{field}.url"
     raise InvalidArgument("image source is empty: set url or data", reason="EMPTY_IMAGE_SOURCE", field=field)
 

@@ -26,8 +26,8 @@ import numpy as np
 from PIL import Image
 
 from tito.errors import InvalidArgument, Violations
-from tito.v1 import multimodal_pb2, render_pb2
 
+from tito_render.domain import MediaOptions, Modality
 from tito_render.media import video as video_math
 from tito_render.media.video import VideoSettings
 
@@ -51,8 +51,8 @@ class ProcessedImage:
     kwargs: dict[str, np.ndarray] = field(default_factory=dict)
     #: Small per-item tensors the engine needs even without kwargs.
     metadata: dict[str, np.ndarray] = field(default_factory=dict)
-    #: MultiModalItem.modality (MODALITY_IMAGE or MODALITY_VIDEO).
-    modality: int = multimodal_pb2.MODALITY_IMAGE
+    #: The item's modality (IMAGE or VIDEO).
+    modality: int = Modality.IMAGE
 
 
 def _int_in(low: int, high: int | None = None) -> Callable[[Any], str | None]:
@@ -95,13 +95,13 @@ class MediaAdapter:
         return int(token_id)
 
     # ---------------------------------------------------------------- options
-    def call_kwargs(self, options: render_pb2.MediaOptions, max_image_pixels: int) -> dict[str, Any]:
+    def call_kwargs(self, options: MediaOptions, max_image_pixels: int) -> dict[str, Any]:
         """Validate media_options and turn them into image processor call kwargs."""
         from tito_render.messages import request_struct  # local: messages imports nothing from media
 
         violations = Violations()
         requested = (request_struct(options.processor_kwargs, "media_options.processor_kwargs")
-                     if options.HasField("processor_kwargs") else {})
+                     if options.processor_kwargs is not None else {})
         kwargs: dict[str, Any] = {}
         for key, value in requested.items():
             check = self.tunable.get(key)
@@ -116,9 +116,9 @@ class MediaAdapter:
                 violations.add(f"media_options.processor_kwargs.{key}", f"{key} {problem}")
             kwargs[key] = value
         for name in ("min_pixels", "max_pixels"):
-            if not options.HasField(name):
-                continue
             value = getattr(options, name)
+            if value is None:
+                continue
             if not self.has_pixel_bounds:
                 violations.add(f"media_options.{name}", f"the {self.family} image processor has a fixed input "
                                                         f"size; {name} does not apply")
@@ -142,7 +142,7 @@ class MediaAdapter:
         options = {**self._default_options, **kwargs}
         return json.loads(json.dumps(options, default=str))  # plain JSON types: tuples -> lists, enums -> str
 
-    def video_settings(self, options: render_pb2.MediaOptions) -> VideoSettings:
+    def video_settings(self, options: MediaOptions) -> VideoSettings:
         """The video settings for this request: media_options (checked by `call_kwargs`, which runs
         first) override min/max_pixels and resample as they do for images."""
         if self.video is None:
@@ -150,11 +150,8 @@ class MediaAdapter:
         from tito_render.messages import request_struct
 
         requested = (request_struct(options.processor_kwargs, "media_options.processor_kwargs")
-                     if options.HasField("processor_kwargs") else {})
-        settings = self.video.with_overrides(
-            options.min_pixels if options.HasField("min_pixels") else None,
-            options.max_pixels if options.HasField("max_pixels") else None,
-            requested.get("resample"))
+                     if options.processor_kwargs is not None else {})
+        settings = self.video.with_overrides(options.min_pixels, options.max_pixels, requested.get("resample"))
         if settings.min_pixels > settings.max_pixels:
             raise InvalidArgument(f"min_pixels={settings.min_pixels} exceeds max_pixels={settings.max_pixels} "
                                   f"(the video processor's bounds with media_options applied)",
@@ -283,7 +280,7 @@ class Qwen2VLAdapter(MediaAdapter):
             seconds = settings.temporal_patch_size / (fps or DEFAULT_VIDEO_FPS)
             metadata["second_per_grid_ts"] = np.array([seconds], dtype=np.float32)
         return ProcessedImage(span_text=self.video_marker * count, span_token_ids=(self.video_token_id,) * count,
-                              is_embed=None, kwargs=tensors, metadata=metadata, modality=multimodal_pb2.MODALITY_VIDEO)
+                              is_embed=None, kwargs=tensors, metadata=metadata, modality=Modality.VIDEO)
 
 
 class Qwen3VLAdapter(Qwen2VLAdapter):
@@ -325,7 +322,7 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
                         self.vision_end_token_id])
             mask.extend([False] * (len(stamp_ids) + 1) + [True] * per_frame + [False])
         return ProcessedImage(span_text="".join(text), span_token_ids=tuple(ids), is_embed=tuple(mask),
-                              kwargs=base.kwargs, metadata=base.metadata, modality=multimodal_pb2.MODALITY_VIDEO)
+                              kwargs=base.kwargs, metadata=base.metadata, modality=Modality.VIDEO)
 
 
 class Gemma3Adapter(MediaAdapter):
