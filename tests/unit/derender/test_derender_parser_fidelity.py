@@ -342,6 +342,25 @@ DROPPED_CLOSES = [
     Case("qwen3_coder", "<tool_call>\n<function=write_file>\n<parameter=path>\na\n</parameter>\n\n"
          "<parameter=mode>\n1\n</parameter>\n\n</function>\n\n</tool_call>", FILES, "",
          [("write_file", {"path": "a", "mode": 1})], label="blank-lines"),
+    # vLLM's test_extract_tool_calls_missing_closing_parameter_tag: a `<parameter=NAME>` naming an
+    # argument of the tool not given yet ends the open value; it used to swallow the next parameter
+    Case("qwen3_coder", "<tool_call>\n<function=write_file>\n<parameter=path>\na.txt\n<parameter=mode>\n7\n"
+         "</parameter>\n<parameter=content>\nhi\n</parameter>\n</function>\n</tool_call>", FILES, "",
+         [("write_file", {"path": "a.txt", "mode": 7, "content": "hi"})], label="one-close-dropped"),
+    Case("qwen3_coder", "<tool_call>\n<function=write_file>\n<parameter=content>\nx\n<parameter=path>\na.txt\n"
+         "<parameter=mode>\n7\n</function>\n</tool_call>", FILES, "",
+         [("write_file", {"content": "x", "path": "a.txt", "mode": 7})], label="every-close-dropped"),
+    # ... but a `<parameter=NAME>` for an argument already given is text of the value
+    Case("qwen3_coder", "<tool_call>\n<function=write_file>\n<parameter=path>\na.txt\n</parameter>\n"
+         "<parameter=content>\nuse <parameter=path> here\n</parameter>\n</function>\n</tool_call>", FILES, "",
+         [("write_file", {"path": "a.txt", "content": "use <parameter=path> here"})], label="given-name-in-a-value"),
+    Case("glm45", "<tool_call>write_file\n<arg_key>path</arg_key>\n<arg_value>a.txt<arg_key>mode</arg_key>\n"
+         "<arg_value>7</arg_value>\n</tool_call>", FILES, "", [("write_file", {"path": "a.txt", "mode": 7})],
+         label="arg-value-close-dropped"),
+    Case("glm45", "<tool_call>write_file\n<arg_key>path</arg_key>\n<arg_value>a.txt</arg_value>\n"
+         "<arg_key>content</arg_key>\n<arg_value>see <arg_key>path</arg_key> here</arg_value>\n</tool_call>", FILES, "",
+         [("write_file", {"path": "a.txt", "content": "see <arg_key>path</arg_key> here"})],
+         label="given-name-in-a-value"),
 ]
 
 

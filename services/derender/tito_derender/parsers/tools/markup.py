@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ast
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from tito_derender.parsers.markers import partial_marker_length
@@ -149,45 +149,61 @@ class MarkupToolParser(ToolParser):
         self._raw, self._closing, self._state = "", True, state
         return text[position + len(end):]
 
-    def _scan_value(self, text: str, closers: Mapping[str, tuple[str, ...]]) -> tuple[str, str, str] | None:
+    def _scan_value(self, text: str, closers: Mapping[str, tuple[str, ...]],
+                    openers: Collection[str] = ()) -> tuple[str, str, str] | None:
         """A value that may itself hold markup (code, XML, HTML a tool writes to a file), gathered
         over any number of feeds. It ends at a closing marker (a key of `closers`) only where,
         after optional whitespace, one of that marker's followers comes next (`</parameter>` then
         `<parameter=` or `</function>`): a closing marker followed by anything else is part of
-        the value. Returns (value, the closing marker, the text from the follower on, to read
-        next), or None when the end has not come yet; all of `text` is taken then (a possible
+        the value. It also ends where one of `openers` begins (the start of the next argument,
+        `<parameter=city>`, written by a model that dropped the closing marker). Returns (value,
+        the closing marker or opener, the text to read next: from the follower on, or after the
+        opener), or None when the end has not come yet; all of `text` is taken then (a possible
         end is kept in `_pending`, at most a marker, whitespace and a follower long), so each
-        character is scanned a bounded number of times."""
+        character is scanned a bounded number of times. Text known to be the value's goes to
+        `_value_text` as it is found."""
         buffer = self._pending + text
         self._pending = ""
         self._consume(text, len(text))
+        markers = (*closers, *openers)
         position = 0
         while True:
-            found = [(index, marker) for marker in closers if (index := buffer.find(marker, position)) >= 0]
+            found = [(index, marker) for marker in markers if (index := buffer.find(marker, position)) >= 0]
             if not found:
-                keep = max(partial_marker_length(buffer[position:], marker) for marker in closers)
-                self._parts.append(buffer[position:len(buffer) - keep])
+                keep = max(partial_marker_length(buffer[position:], marker) for marker in markers)
+                self._value_text(buffer[position:len(buffer) - keep])
                 self._pending = buffer[len(buffer) - keep:]
                 return None
             index, marker = min(found)
             after = buffer[index + len(marker):]
+            if marker in openers:
+                return self._value_end(buffer[position:index], marker, after)
             stripped = after.lstrip()
             followers = closers[marker]
-            follower = next((f for f in followers if stripped.startswith(f)), None)
-            if follower is not None:
-                value = "".join(self._parts) + buffer[position:index]
-                self._parts = []
-                rest = stripped
-                if not self._closing and rest:
-                    self._raw = self._raw[:len(self._raw) - len(rest)]  # read again by the next state
-                return value, marker, rest
+            if any(stripped.startswith(follower) for follower in followers):
+                return self._value_end(buffer[position:index], marker, stripped)
             maybe = not stripped or any(f.startswith(stripped) for f in followers)
             if maybe and len(after) - len(stripped) <= MAX_HEADER_CHARS:
-                self._parts.append(buffer[position:index])
+                self._value_text(buffer[position:index])
                 self._pending = buffer[index:]  # wait: whitespace, or the start of a follower
                 return None
-            self._parts.append(buffer[position:index + 1])  # part of the value: look further on
+            self._value_text(buffer[position:index + 1])  # part of the value: look further on
             position = index + 1
+
+    def _value_text(self, text: str) -> None:
+        """Text `_scan_value` found to be part of the value: kept, and passed to the call, which
+        streams a string value as it comes (KeyValueArguments.extend)."""
+        if text:
+            self._parts.append(text)
+            if isinstance(self._call, KeyValueArguments):
+                self._call.extend(text)
+
+    def _value_end(self, last: str, marker: str, rest: str) -> tuple[str, str, str]:
+        value = "".join(self._parts) + last
+        self._parts = []
+        if not self._closing and rest:
+            self._raw = self._raw[:len(self._raw) - len(rest)]  # read again by the next state
+        return value, marker, rest
 
     def _done(self) -> None:
         """The current call is complete: what follows up to the next call is closing markup."""
@@ -224,6 +240,12 @@ class MarkupToolParser(ToolParser):
         parameters = self.tools.get(function) or {}
         properties = parameters.get("properties") if isinstance(parameters, dict) else None
         return (properties.get(key) if isinstance(properties, dict) else None), parameters
+
+    def property_names(self, function: str) -> tuple[str, ...]:
+        """The argument names the schema of `function` declares (none for a tool without one)."""
+        parameters = self.tools.get(function)
+        properties = parameters.get("properties") if isinstance(parameters, dict) else None
+        return tuple(key for key in properties if isinstance(key, str)) if isinstance(properties, dict) else ()
 
 
 class ObjectArguments:
@@ -281,6 +303,9 @@ class KeyValueArguments:
         self._name = name
         self._unknown = unknown
         self._members: list[str] = []  # JSON members, kept while the call is not out
+        self.keys: set[str] = set()  # the argument names given so far
+        self._value: StringValueStream | None = None  # the string value streaming now
+        self._braced = False  # the arguments' "{" is out
         self.index: int | None = None
         self.status = PENDING
         if parser.streaming:
@@ -290,26 +315,68 @@ class KeyValueArguments:
     def name_sent(self) -> bool:
         return self.index is not None
 
+    def begin_value(self, key: str, *, trim_newline: bool = False, stop_at: str = "") -> None:
+        """The value of `key` begins. Streamed, a value the schema makes a plain string (string
+        types only; a key it does not name, where such keys are strings) goes out as its text is
+        found (`extend`), not once it is complete, so a long file a tool writes shows as it is
+        written: `"key": "` now, the text as it comes, the rest and `"` at `add`.
+        `trim_newline` and `stop_at` say what `StringValueStream` holds back."""
+        key = key.strip()
+        self._value = None
+        if not self.name_sent or not is_utf8(key) or not self._plain_string(key):
+            return
+        self._value = StringValueStream(key, trim_newline, stop_at)
+        self._send(json.dumps(key, ensure_ascii=False) + ': "', member=True)
+
+    def extend(self, text: str) -> None:
+        """More text of the value begun last (see begin_value)."""
+        if self._value is None:
+            return
+        if not is_utf8(text):  # no JSON string carries it: `add` will find the call malformed
+            self._value.stop()
+            return
+        ready = self._value.take(text)
+        if ready:
+            self._send(_json_string_body(ready))
+
+    def _plain_string(self, key: str) -> bool:
+        schema, root = self._parser.parameter_schema(self._name, key)
+        kinds = schema_types(schema, root)
+        return all(kind in _STRING_TYPES for kind in kinds) if kinds else self._unknown == "string"
+
     def add(self, key: str, raw_value: str) -> bool:
         """Add one argument; False (the call is malformed) for a key or value JSON cannot carry."""
+        streamed = self._value if self._value is not None and self._value.key == key else None
         schema, root = self._parser.parameter_schema(self._name, key)
         value = typed_value(raw_value, schema, self._unknown, root)
         if not is_utf8(key) or (isinstance(value, str) and not is_utf8(value)):
             return False
         member = json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
-        separator = ", " if self._members else "{"
+        if streamed is not None:  # its text went out as it came: the rest, and the string's end
+            self._value = None
+            self._send(_json_string_body(raw_value[streamed.sent:]) + '"')
+        elif self.name_sent:
+            self._send(member, member=True)
         self._members.append(member)
-        if self.name_sent:
-            self._parser._arguments(self.index, separator + member)
+        self.keys.add(key)
         return True
 
+    def _send(self, fragment: str, member: bool = False) -> None:
+        """Stream an arguments fragment; `member`: it begins a member (after "{" or ", ")."""
+        if member:
+            fragment = (", " if self._braced else "{") + fragment
+            self._braced = True
+        self._parser._arguments(self.index, fragment)
+
     def close(self) -> None:
-        text = "{" + ", ".join(self._members) + "}"
         if not self.name_sent:
             self.index = self._parser._start_call(self._name)
-            self._parser._arguments(self.index, text)
+            self._parser._arguments(self.index, "{" + ", ".join(self._members) + "}")
         else:
-            self._parser._arguments(self.index, "}" if self._members else "{}")
+            if self._value is not None:  # a string value cut off while it streamed: end its string
+                self._value = None
+                self._send('"')
+            self._send("}" if self._braced else "{}")
         self.status = DONE
 
     def fail(self, raw: str) -> str:
@@ -319,6 +386,56 @@ class KeyValueArguments:
             return raw
         self.close()
         return ""
+
+
+class StringValueStream:
+    """Which text of a string value that streams (KeyValueArguments.begin_value) can go out now.
+    Held back: with `trim_newline`, a leading newline and, until more text follows, a trailing
+    one (the newline the template writes on each side of a Qwen3-Coder value is not part of it);
+    from `stop_at` on (`<parameter=`), everything until the value ends, since the parser may yet
+    split the value there (Qwen3CoderToolParser._add_values); and what may be its start."""
+
+    def __init__(self, key: str, trim_newline: bool, stop_at: str) -> None:
+        self.key = key
+        self.sent = 0  # characters of the value sent
+        self._trim_newline = trim_newline
+        self._stop_at = stop_at
+        self._held = ""
+        self._started = False
+        self._stopped = False
+
+    def stop(self) -> None:
+        """Send nothing more until the value ends."""
+        self._stopped = True
+
+    def take(self, text: str) -> str:
+        """Of what is held and `text` (the value's next text), the part that can be sent now."""
+        if self._stopped:
+            return ""
+        text = self._held + text
+        if not self._started and text:
+            self._started = True
+            if self._trim_newline and text.startswith("\n"):
+                text = text[1:]
+        keep = 0
+        if self._stop_at:
+            position = text.find(self._stop_at)
+            if position >= 0:
+                self._stopped = True
+                keep = len(text) - position
+            else:
+                keep = partial_marker_length(text, self._stop_at)
+        ready = text[:len(text) - keep]
+        if self._trim_newline and ready.endswith("\n"):
+            ready = ready[:-1]
+        self._held = text[len(ready):]
+        self.sent += len(ready)
+        return ready
+
+
+def _json_string_body(text: str) -> str:
+    """`text` as it stands inside a JSON string (escaped, without the quotes)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
 _STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
