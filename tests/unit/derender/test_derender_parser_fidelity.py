@@ -204,6 +204,12 @@ def test_a_call_names_a_valid_function_among_the_tools(tokenizers, case):
 # -- 4. kimi_k2 ids that are only the call counter ----------------------------------------------
 
 ONE_TOOL = {"get_weather": WEATHER["get_weather"]}
+# vLLM's tests' tools for bare counter ids: two of them take a city
+BARE_TOOLS = {"read_file": {"type": "object", "properties": {"path": {"type": "string"}}},
+              "get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}}},
+              "book_flight": {"type": "object", "properties": {"city": {"type": "string"}}}}
+REQUIRED_DATE = dict(BARE_TOOLS, book_flight={"type": "object", "properties": {"city": {}, "date": {}},
+                                              "required": ["date"]})
 BARE_IDS = [
     Case("kimi_k2", K_BEGIN + kimi("0", '{"city": "Oslo"}') + K_END, ONE_TOOL, "", [("get_weather", {"city": "Oslo"})],
          ids=["0"], label="one-tool"),
@@ -211,11 +217,20 @@ BARE_IDS = [
          [("get_weather", {"city": "Oslo"})], ids=["3"], label="spaced"),
     Case("kimi_k2", K_BEGIN + kimi("0", '{"query": "x"}') + K_END, WEATHER, "", [("search", {"query": "x"})],
          tool_choice="search", ids=["0"], label="named-choice"),
-    Case("kimi_k2", K_BEGIN + kimi("0", '{"city": "Oslo"}') + K_END, WEATHER,
-         K_BEGIN + kimi("0", '{"city": "Oslo"}'), [], label="ambiguous"),
-    Case("kimi_k2", K_BEGIN + kimi("0", '{"city": "Oslo"}') + kimi("functions.search:1", '{"query": "x"}') + K_END,
-         WEATHER, K_BEGIN + kimi("0", '{"city": "Oslo"}'), [("search", {"query": "x"})], ids=["functions.search:1"],
-         label="ambiguous-then-named"),
+    # several tools: the one the arguments fit (vLLM's test_bare_counter_multiple_tools_*)
+    Case("kimi_k2", K_BEGIN + kimi("0", '{"city": "Oslo", "unit": "C"}') + K_END, BARE_TOOLS, "",
+         [("get_weather", {"city": "Oslo", "unit": "C"})], ids=["0"], label="fitting-arguments"),
+    Case("kimi_k2", K_BEGIN + kimi("0", '{"city": "Oslo"}') + K_END, BARE_TOOLS, K_BEGIN + kimi("0", '{"city": "Oslo"}'),
+         [], label="ambiguous"),
+    Case("kimi_k2", K_BEGIN + kimi("0", '{"path": "a", "mode": 1}') + K_END, BARE_TOOLS,
+         K_BEGIN + kimi("0", '{"path": "a", "mode": 1}'), [], label="fitting-no-tool"),
+    Case("kimi_k2", K_BEGIN + kimi("0", '{"city": "Oslo"}') + kimi("functions.read_file:1", '{"path": "a"}') + K_END,
+         BARE_TOOLS, K_BEGIN + kimi("0", '{"city": "Oslo"}'), [("read_file", {"path": "a"})],
+         ids=["functions.read_file:1"], label="ambiguous-then-named"),
+    # book_flight requires a date: {"city"} fits get_weather alone, {"city", "date"} book_flight
+    Case("kimi_k2", K_BEGIN + kimi("0", '{"city": "Oslo"}') + kimi("1", '{"city": "Oslo", "date": "today"}') + K_END,
+         REQUIRED_DATE, "", [("get_weather", {"city": "Oslo"}), ("book_flight", {"city": "Oslo", "date": "today"})],
+         ids=["0", "1"], label="required-properties"),
     Case("kimi_k2", K_BEGIN + kimi("functions.get_weather:0", '{"city": "A"}') + kimi("1", '{"city": "B"}') + K_END,
          ONE_TOOL, "", [("get_weather", {"city": "A"}), ("get_weather", {"city": "B"})],
          ids=["functions.get_weather:0", "1"], label="after-a-full-id"),
@@ -223,7 +238,7 @@ BARE_IDS = [
 
 
 @pytest.mark.parametrize("case", BARE_IDS, ids=case_id)
-def test_kimi_bare_counter_ids_call_the_only_tool_or_nothing(tokenizers, case):
+def test_kimi_bare_counter_ids_call_the_only_tool_or_the_one_the_arguments_fit(tokenizers, case):
     check_case(case, tokenizers)
 
 
