@@ -67,7 +67,10 @@ CASES = [
      [("search", {})]),
     ("qwen3_coder", "<tool_call>\n<function=search>\n<parameter=query>\nx < y\n<parameter=unknown>\nz\n</function>\n"
                     "</tool_call>", "", [("search", {"query": "x < y", "unknown": "z"})]),  # </parameter> dropped
-    ("qwen3_coder", "a <tool_ b <function=x> c", "a <tool_ b <function=x> c", []),
+    ("qwen3_coder", "a <tool_ b <function c <function= d", "a <tool_ b <function c <function= d", []),
+    # `<function=` alone opens a call too (a model that drops `<tool_call>`)
+    ("qwen3_coder", "Sure.\n<function=search>\n<parameter=query>\nx\n</parameter>\n</function> after", "Sure. after",
+     [("search", {"query": "x"})]),
     # -- deepseek_v3 (both forms)
     ("deepseek_v3", DS_BEGIN + ds_v3("get_weather", W_JSON) + DS_END, "", [("get_weather", W)]),
     ("deepseek_v3", "Checking." + DS_BEGIN + ds_v3("get_weather", '{"city": "Oslo"}') + "\n"

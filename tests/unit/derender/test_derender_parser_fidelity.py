@@ -160,19 +160,11 @@ ALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "g
                "gpt_oss")
 BAD_NAMES = {"not-among-tools": ("get_time", WEATHER), "template-text": (TEMPLATE_NAME, ODD_TOOLS),
              "leading-digit": ("9lives", dict(WEATHER, **{"9lives": {}}))}
-SECTION_ENDS = {"deepseek_v3": DS_END, "kimi_k2": K_END}
 
 
-def refused_content(parser: str, name: str) -> str:
-    """The text a call that is not a call leaves as content: all of it, but for the end of a
-    DeepSeek / Kimi section, which is read as such (the calls after a refused one are parsed)."""
-    text = markup_of(parser, name)
-    if parser == "kimi_k2" and " " in name:  # an id cannot hold spaces: the section is malformed, all content
-        return text
-    return text.removesuffix(SECTION_ENDS.get(parser, "\0"))
-
-
-NAME_CASES = [Case(parser, markup_of(parser, name), tools, refused_content(parser, name), [], label=label)
+# A call that is not a call leaves all its text as content (a DeepSeek / Kimi section's end
+# included: a section that made no call is no call markup).
+NAME_CASES = [Case(parser, markup_of(parser, name), tools, markup_of(parser, name), [], label=label)
               for parser in ALL_PARSERS for label, (name, tools) in BAD_NAMES.items()
               # pythonic's grammar has no name with spaces or a leading digit: not a call either way
               if not (parser == "pythonic" and label != "not-among-tools")]
@@ -220,10 +212,10 @@ BARE_IDS = [
     # several tools: the one the arguments fit (vLLM's test_bare_counter_multiple_tools_*)
     Case("kimi_k2", K_BEGIN + kimi("0", '{"city": "Oslo", "unit": "C"}') + K_END, BARE_TOOLS, "",
          [("get_weather", {"city": "Oslo", "unit": "C"})], ids=["0"], label="fitting-arguments"),
-    Case("kimi_k2", K_BEGIN + kimi("0", '{"city": "Oslo"}') + K_END, BARE_TOOLS, K_BEGIN + kimi("0", '{"city": "Oslo"}'),
-         [], label="ambiguous"),
+    Case("kimi_k2", K_BEGIN + kimi("0", '{"city": "Oslo"}') + K_END, BARE_TOOLS,
+         K_BEGIN + kimi("0", '{"city": "Oslo"}') + K_END, [], label="ambiguous"),
     Case("kimi_k2", K_BEGIN + kimi("0", '{"path": "a", "mode": 1}') + K_END, BARE_TOOLS,
-         K_BEGIN + kimi("0", '{"path": "a", "mode": 1}'), [], label="fitting-no-tool"),
+         K_BEGIN + kimi("0", '{"path": "a", "mode": 1}') + K_END, [], label="fitting-no-tool"),
     Case("kimi_k2", K_BEGIN + kimi("0", '{"city": "Oslo"}') + kimi("functions.read_file:1", '{"path": "a"}') + K_END,
          BARE_TOOLS, K_BEGIN + kimi("0", '{"city": "Oslo"}'), [("read_file", {"path": "a"})],
          ids=["functions.read_file:1"], label="ambiguous-then-named"),

@@ -69,13 +69,16 @@ class KimiK2ToolParser(MarkupToolParser):
         return self._open(text, SECTION_BEGIN, self._section)
 
     def _section(self, text: str) -> str | None:
-        return self._expect(text, {CALL_BEGIN: self._call_header, SECTION_END: self._content_state},
-                            opening=(CALL_BEGIN,))
+        return self._between_calls(text, CALL_BEGIN, self._call_header, SECTION_END)
+
+    def _broken(self, text: str) -> str:
+        """This call is none: its markup is content and the section goes on."""
+        return self._break_call(text, CALL_END, self._section)
 
     def _call_header(self, text: str) -> str | None:
         split = self._header(text, ARGUMENT_BEGIN)
         if not split:
-            return WAIT if split is None else self._give_up(text)
+            return WAIT if split is None else self._broken(text)
         before, _, after = split
         self._call_id = before.strip()
         self._name, self._candidates = "", []
@@ -88,7 +91,7 @@ class KimiK2ToolParser(MarkupToolParser):
         else:
             self._name = function_name(self._call_id) or ""
             if not self._name:
-                return self._give_up(text)
+                return self._broken(text)
             if not self.accept_name(self._name):
                 return self._reject(text, CALL_END, self._section)
         self._state = self._arguments_start
@@ -99,7 +102,7 @@ class KimiK2ToolParser(MarkupToolParser):
         if not stripped:
             return WAIT
         if stripped[0] != "{":
-            return self._give_up(text)
+            return self._broken(text)
         text = self._consume(text, len(text) - len(stripped))
         if self._name:
             self._call, self._state = ObjectArguments(self, self._name, self._call_id), self._object
@@ -108,7 +111,7 @@ class KimiK2ToolParser(MarkupToolParser):
         return text
 
     def _object(self, text: str) -> str | None:
-        return self._feed_object(text, self._call_end)
+        return self._feed_object(text, self._call_end, self._broken)
 
     def _unnamed_object(self, text: str) -> str | None:
         """The arguments of a call whose id is only a counter while the request accepts several
@@ -117,7 +120,7 @@ class KimiK2ToolParser(MarkupToolParser):
         consumed = self._lexer.feed(text)
         rest = self._consume(text, consumed)
         if self._lexer.error:
-            return self._give_up(rest)
+            return self._broken(rest)
         if not self._lexer.done:
             return rest
         arguments = self._raw[self._object_at:]

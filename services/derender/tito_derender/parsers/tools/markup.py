@@ -50,6 +50,7 @@ class MarkupToolParser(ToolParser):
         self._closing = False  # after a complete call, before the next one begins
         self._parts: list[str] = []  # a value gathered so far (see _scan_value)
         self._pending = ""  # the value's text from a possible closing marker on (see _scan_value)
+        self._calls_before_section = 0  # calls made before the open section (see _between_calls)
         self._state: Callable[[str], str | None] = self._content_state
 
     # -- the parser's interface
@@ -90,16 +91,28 @@ class MarkupToolParser(ToolParser):
 
     def _open(self, text: str, marker: str, state) -> str:
         """Content up to `marker`; from there on the markup is read by `state`."""
-        rest = self._content_until(text, marker)
-        if rest is None:
-            return ""
-        self._raw, self._call, self._closing, self._state = marker, None, False, state
-        return rest
+        return self._open_first(text, {marker: state})
 
-    def _expect(self, text: str, choices: dict, opening: tuple[str, ...] = ()):
+    def _open_first(self, text: str, states: Mapping[str, Callable[[str], str | None]]) -> str:
+        """Content up to the first of the markers `states` maps; from there on the markup is
+        read by its state (what may be the start of one is held)."""
+        found = [(position, marker) for marker in states if (position := text.find(marker)) >= 0]
+        if not found:
+            keep = max(partial_marker_length(text, marker) for marker in states)
+            self._content(text[:len(text) - keep])
+            self._held = text[len(text) - keep:]
+            return ""
+        position, marker = min(found)
+        self._content(text[:position])
+        self._raw, self._call, self._closing, self._state = marker, None, False, states[marker]
+        self._calls_before_section = self.calls_made
+        return text[position + len(marker):]
+
+    def _expect(self, text: str, choices: dict, opening: tuple[str, ...] = (), otherwise=None):
         """After optional whitespace, one of the literal `choices`: consume it and go to its
         state (a literal in `opening` begins a new call: its markup is kept from there). WAIT
-        while the text may still become one; give up (content) when it cannot."""
+        while the text may still become one; when it cannot, `otherwise(text)` (by default give
+        up: content)."""
         stripped = text.lstrip()
         if not stripped:
             return WAIT
@@ -113,7 +126,7 @@ class MarkupToolParser(ToolParser):
                 return state(rest) if getattr(state, "immediate", False) else rest
         if any(literal.startswith(stripped) for literal in choices):
             return WAIT
-        return self._give_up(text)
+        return (otherwise or self._give_up)(text)
 
     @staticmethod
     def _until(text: str, *markers: str) -> tuple[str, str, str] | None:
@@ -137,6 +150,43 @@ class MarkupToolParser(ToolParser):
         markup up to and including `end` is content; then read on in `state`."""
         self._state = lambda rest: self._skip_call(rest, end, state)
         return text
+
+    def _break_call(self, text: str, end: str, state) -> str:
+        """A call inside a section (DeepSeek's, Kimi's) breaks (an id or header that is none,
+        arguments that are no JSON object): its markup up to and including `end` is content (a
+        call already out has its arguments closed first), then the section is read on in `state`,
+        so the calls after it are still calls."""
+        call, raw = self._call, self._raw
+        if call is not None:
+            raw = call.fail(raw)
+        self._call, self._raw, self._parts, self._pending = None, raw, [], ""
+        return self._reject(text, end, state)
+
+    def _between_calls(self, text: str, call_begin: str, call_state, section_end: str) -> str | None:
+        """In a section, before a call: the next call (`call_begin`, read by `call_state`) or the
+        section's end. Other text there is content, and the section is read on (vLLM drops it).
+        A section that made no call was no call markup: its end is content too, so all its text
+        is (as it is for any markup that is no call)."""
+        stripped = text.lstrip()
+        if stripped.startswith(call_begin):
+            return self._expect(text, {call_begin: call_state}, opening=(call_begin,))
+        if stripped.startswith(section_end):
+            end = len(text) - len(stripped) + len(section_end)
+            if self.calls_made == self._calls_before_section:
+                self._content(("" if self._closing else self._raw) + text[:end])
+            self._raw, self._state = "", self._content_state
+            return text[end:]
+        if not stripped or call_begin.startswith(stripped) or section_end.startswith(stripped):
+            return WAIT
+        found = [position for marker in (call_begin, section_end) if (position := text.find(marker)) >= 0]
+        cut = min(found) if found else \
+            len(text) - max(partial_marker_length(text, marker) for marker in (call_begin, section_end))
+        self._content(("" if self._closing else self._raw) + text[:cut])
+        self._raw = ""
+        if found:
+            return text[cut:]
+        self._held = text[cut:]
+        return ""
 
     def _skip_call(self, text: str, end: str, state) -> str | None:
         position = text.find(end)
@@ -209,16 +259,17 @@ class MarkupToolParser(ToolParser):
         """The current call is complete: what follows up to the next call is closing markup."""
         self._call, self._raw, self._closing = None, "", True
 
-    def _feed_object(self, text: str, after: Callable[[str], str | None]) -> str | None:
+    def _feed_object(self, text: str, after: Callable[[str], str | None], broken=None) -> str | None:
         """Feed the call's JSON-object arguments; once the object is complete, the parser goes on
-        in state `after` (the format's closing markup). Broken arguments give the call up."""
+        in state `after` (the format's closing markup). Broken arguments give the call up (or
+        call `broken(rest)`)."""
         consumed = self._call.feed(text)
         if self._call.status == DONE:
             self._done()
             self._state = after
         text = text[consumed:]
         if self._call is not None and self._call.status == FAILED:
-            return self._give_up(text)
+            return (broken or self._give_up)(text)
         return text
 
     def _give_up(self, text: str) -> str:

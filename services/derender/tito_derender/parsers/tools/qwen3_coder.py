@@ -9,6 +9,8 @@
     </function>
     </tool_call>
 
+A `<function=NAME>` without the `<tool_call>` before it is a call too (a model that dropped it).
+
 Values are text, typed by the tool's JSON schema (see markup.typed_value: strings stay raw,
 numbers / booleans / objects are parsed; a key the schema does not know stays a string). The newline the template writes on each side of a value is not part of it.
 
@@ -58,7 +60,8 @@ class Qwen3CoderToolParser(MarkupToolParser):
         self._openers: tuple[str, ...] = ()  # where the open value ends for a model that dropped `</parameter>`
 
     def _content_state(self, text: str) -> str | None:
-        return self._open(text, START, self._function)
+        # `<function=` alone opens a call too: the model dropped `<tool_call>` (vLLM reads it so)
+        return self._open_first(text, {START: self._function, FUNCTION: self._function_name})
 
     def _function(self, text: str) -> str | None:
         return self._expect(text, {FUNCTION: self._function_name})
@@ -156,7 +159,7 @@ class Qwen3CoderToolParser(MarkupToolParser):
             return WAIT
         self._state = self._content_state  # a forgotten </tool_call>: the rest is content
         self._closing = False
-        return stripped
+        return text
 
 
 #: The parser of this format (tito.parsers finds it here by the format name).
