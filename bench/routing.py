@@ -1,6 +1,7 @@
 """Cache-aware routing over three native engines, against round robin, least load and one engine.
 
     .venv/bin/python bench/routing.py [--conversations 9] [--turns 4] [--rounds 2] [--new-tokens 12]
+    .venv/bin/python bench/routing.py --smoke   # 3 conversations of 2 turns, one round: checks that it runs
 
 Starts three `tito serve engine` processes (the tiny Qwen2-VL model, one CPU thread each, prefix
 caching on) on local ports and renders a multi-turn chat workload once, in this process: every
@@ -229,7 +230,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=12)
     parser.add_argument("--images-every", type=int, default=3, help="every Nth conversation starts with an image")
     parser.add_argument("--think-ms", type=float, default=50.0, help="pause between a turn's answer and the next")
-    asyncio.run(bench(parser.parse_args()))
+    parser.add_argument("--smoke", action="store_true", help="the smallest run: checks that it runs")
+    args = parser.parse_args()
+    if args.smoke:
+        args.conversations, args.turns, args.rounds, args.new_tokens, args.think_ms = 3, 2, 1, 2, 10.0
+    asyncio.run(bench(args))
 
 
 if __name__ == "__main__":
