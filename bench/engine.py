@@ -71,7 +71,8 @@ of the engine's processes (server + core, from /proc: Linux), which other load o
 machine disturbs much less.
 
 --smoke: the smallest run of the mode: 4 prompts, 4 new tokens, concurrency 2, one round, the
-last checkpoint; vLLM's setups (AsyncLLM, `vllm serve`, tito's vllm backend) are left out, and
+last checkpoint, tito's engine core in its server's process; vLLM's setups (AsyncLLM, `vllm
+serve`, tito's vllm backend) are left out, and
 --shape runs on the tiny model instead of building the real shape. It checks that the bench
 runs (tests/e2e/test_bench_smoke.py); its figures mean nothing.
 
@@ -248,10 +249,13 @@ class Settings:
     max_model_len: int | None = None  # None: the model's own
     kv_cache_bytes: int | None = None  # None: tito's default
     dtype: str | None = "float32"  # None: each side's default (auto: the checkpoint's, as each chooses)
+    engine_process: bool = True  # tito native: the engine core in its own process (--smoke: in the server's)
 
     def tito_flags(self, backend: str) -> list[str]:
         # The vllm backend refuses --device: vLLM runs where its build runs.
         flags = ["--device", self.device] if backend == "native" else []
+        if backend == "native" and not self.engine_process:
+            flags.append("--no-engine-process")
         if self.dtype is not None:
             flags += ["--dtype", self.dtype]
         flags += ["--model", self.model, "--max-running-sequences", str(self.max_running),
@@ -478,7 +482,8 @@ class ServeAll(Setup):
         self.addresses = {name: f"unix:{os.path.join(tmp, f'{name}.sock')}" for name in ("render", "engine", "derender")}
         flags = [flag for name, address in self.addresses.items() for flag in (f"--{name}-address", address)]
         env = {**os.environ, "TITO_PREFIX_CACHING": str(self.settings.prefix_caching).lower(),
-               "TITO_MAX_RUNNING_SEQUENCES": str(self.settings.max_running)}
+               "TITO_MAX_RUNNING_SEQUENCES": str(self.settings.max_running),
+               "TITO_ENGINE_PROCESS": str(self.settings.engine_process).lower()}
         self.process = spawn([sys.executable, "-m", "tito_cli", "serve", "all", "--model", self.settings.model,
                               "--device", self.settings.device, "--log-level", "warning", *flags],
                              os.path.join(tmp, "serve-all.log"), env=env)
@@ -1086,7 +1091,7 @@ def run_shape(args) -> None:
                             max_running=max(VLLM_MAX_NUM_SEQS, *args.concurrency),
                             max_model_len=model_max_len(model_dir) if args.smoke else SHAPE_MAX_MODEL_LEN,
                             kv_cache_bytes=KV_CACHE_BYTES if args.smoke else SHAPE_KV_CACHE_BYTES,
-                            dtype=SHAPE_DTYPES[checkpoint])
+                            dtype=SHAPE_DTYPES[checkpoint], engine_process=not args.smoke)
         setups = [TitoEngine(settings, "native")]
         if not args.smoke:
             setups.append(AsyncLLMWorker(settings))
@@ -1177,14 +1182,14 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.pipeline:
         settings = Settings(args.model, str(model_dir), args.device, args.prefix_caching,
-                            max_running=running_sequences(args.concurrency))
+                            max_running=running_sequences(args.concurrency), engine_process=not args.smoke)
         servers = ServeAll(settings, [tokenizer.decode(prompt) for prompt in prompts])
         measured = [EngineOnRendered(servers), WholePipeline(servers)]
         rounds = asyncio.run(bench([servers, *measured], list(range(len(prompts))), args, pause=0.0, only=measured))
         print_pipeline_report(rounds, args.concurrency)
     elif args.constrained:
         settings = Settings(args.model, str(model_dir), args.device, args.prefix_caching,
-                            max_running=running_sequences(args.concurrency))
+                            max_running=running_sequences(args.concurrency), engine_process=not args.smoke)
         base = TitoEngine(settings)
         setups = [ConstrainedShare(base, 0, UNCONSTRAINED), ConstrainedShare(base, 2, "half the rows constrained"),
                   ConstrainedShare(base, 1, "every row constrained")]
@@ -1194,7 +1199,8 @@ def main(argv: list[str] | None = None) -> None:
         # One value for every setting the four setups share (the default run keeps tito's defaults).
         settings = Settings(args.model, str(model_dir), args.device, args.prefix_caching,
                             max_running=max(VLLM_MAX_NUM_SEQS, *args.concurrency),
-                            max_model_len=model_max_len(model_dir), kv_cache_bytes=KV_CACHE_BYTES)
+                            max_model_len=model_max_len(model_dir), kv_cache_bytes=KV_CACHE_BYTES,
+                            engine_process=not args.smoke)
         setups = [TitoEngine(settings, "native")]
         if not args.smoke:
             setups += [TitoEngine(settings, "vllm"), AsyncLLMWorker(settings), VllmHttp(settings)]
@@ -1203,7 +1209,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         # Prefix caching off by default: every round sends the same prompts, and HF recomputes them.
         settings = Settings(args.model, str(model_dir), args.device, args.prefix_caching,
-                            max_running=running_sequences(args.concurrency))
+                            max_running=running_sequences(args.concurrency), engine_process=not args.smoke)
         baselines = hf_baselines(args, model_dir, tokenizer, prompts)
         rounds = asyncio.run(bench([TitoEngine(settings)], prompts, args, pause=0.0, after_top=baselines))
         print_default_report(rounds, len(prompts))

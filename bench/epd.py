@@ -123,7 +123,7 @@ async def main(args) -> int:
             for name, extra in (("single", {}), ("A", {"encoder_store_dir": store_dir}),
                                 ("B", {"encoder_store_dir": store_dir})):
                 config = EngineConfig(model=str(model), device="cpu", address="127.0.0.1:0", kv_blocks=512,
-                                      core_cpus="none", **extra)
+                                      core_cpus="none", engine_process=not args.smoke, **extra)
                 running = await create_server(config)
                 servers.append(running)
                 channel = grpc.aio.insecure_channel(running.address)

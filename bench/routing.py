@@ -90,13 +90,15 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_engines(count: int, tmp: str) -> tuple[list[str], list[subprocess.Popen]]:
+def start_engines(count: int, tmp: str, engine_process: bool = True) -> tuple[list[str], list[subprocess.Popen]]:
+    """`engine_process`: each engine core in its own process (--smoke: in its server's)."""
     addresses, processes = [], []
     for index in range(count):
         address = f"127.0.0.1:{free_port()}"
         log = open(os.path.join(tmp, f"engine-{index}.log"), "w+b")  # noqa: SIM115 (closed with the process)
         command = [sys.executable, "-m", "tito_cli", "serve", "engine", "--model", VL_MODEL, "--address", address,
-                   "--log-level", "warning", "--cpu-threads", "1", "--core-cpus", "none"]
+                   "--log-level", "warning", "--cpu-threads", "1", "--core-cpus", "none",
+                   *(() if engine_process else ("--no-engine-process",))]
         processes.append(subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True))
         processes[-1].log = log
         addresses.append(address)
@@ -197,7 +199,7 @@ async def bench(args) -> None:
           f"{sum(len(r.mm_features.items) for r in requests)} image items, {args.new_tokens} new tokens each",
           flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        addresses, processes = start_engines(3, tmp)
+        addresses, processes = start_engines(3, tmp, engine_process=not args.smoke)
         try:
             rounds = []
             for round_index in range(args.rounds):
