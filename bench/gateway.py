@@ -227,7 +227,8 @@ def main() -> int:
                                  "warning", *(arg for name, address in sockets.items()
                                               for arg in (f"--{name}-address", address)),
                                  "--gateway-address", tito_url.removeprefix("http://")], tmp / "tito.log", env=tito_env)
-        processes[VLLM] = None if args.smoke else spawn(vllm_cli("serve", model, "--dtype", "float32", "--no-enable-prefix-caching",
+        processes[VLLM] = None if args.smoke else spawn(vllm_cli(
+                                         "serve", model, "--dtype", "float32", "--no-enable-prefix-caching",
                                          "--enforce-eager", "--max-num-seqs", str(MAX_RUNNING),
                                          "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
                                          *(("--max-num-batched-tokens", str(args.vllm_batched_tokens))

@@ -187,7 +187,8 @@ def measure(service: str, what: str, make_call, model: str, calls_per_round: int
         channels = {name: grpc.insecure_channel(address) for name, address in addresses.items()}
         stubs = {name: make_call(channel) for name, channel in channels.items()}
         for stub in stubs.values():
-            calls_per_second(stub, min(calls_per_round, 5 if service == "engine" else 50))  # warm-up: connections, caches
+            # warm-up: connections up, caches warm
+            calls_per_second(stub, min(calls_per_round, 5 if service == "engine" else 50))
         pids = dict(zip(configs, (process.pid for process in processes)))
         rates: dict[str, list[float]] = {name: [] for name in configs}
         cpu = dict.fromkeys(configs, 0.0)

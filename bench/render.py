@@ -448,7 +448,8 @@ def main() -> int:
 
     png = test_image_png(args.image_size)
     f = image_figures(vl_model, png, args.image_size, args.image_repeats)
-    print(f"\none {args.image_size} image ({len(png)} bytes PNG), tiny-qwen2-vl (max_pixels {28 * 28 * 64}), median latency ms")
+    print(f"\none {args.image_size} image ({len(png)} bytes PNG), tiny-qwen2-vl (max_pixels {28 * 28 * 64}), "
+          "median latency ms")
     print(f"  in-process HF image processor (decoded image)       : {f['hf_processor_ms']:7.1f}")
     print(f"  in-process decode PNG + HF image processor          : {f['hf_decode_and_processor_ms']:7.1f}")
     print(f"  in-process decode PNG + SHA-256 of the pixels       : {f['decode_and_hash_ms']:7.1f}"

@@ -78,8 +78,9 @@ SEARCH_TOOL = {"search_web": obj(query={"anyOf": [{"type": "string"}, {"type": "
                                  count={"anyOf": [{"type": "integer"}, {"type": "null"}], "default": 5},
                                  verbose={"anyOf": [{"type": "boolean"}, {"type": "null"}]})}
 MISSING_CLOSE = ("Let me check the weather for you:\n<tool_call>\n<function=get_current_weather>\n<parameter=city>\n"
-                 "Dallas\n<parameter=state>\nTX\n</parameter>\n<parameter=unit>\nfahrenheit\n</parameter>\n</function>\n"
-                 "</tool_call>")
+                 "Dallas\n<parameter=state>\nTX\n</parameter>\n<parameter=unit>\nfahrenheit\n</parameter>\n"
+                 "</function>\n</tool_call>")
+NO_GT = "<tool_call>\n<function=get_current_weather\n<parameter=city>Dallas</parameter>\n</function>\n</tool_call>"
 NO_GT_THEN_VALID = ("<tool_call>\n<function=bad_func_no_gt\n</function>\n</tool_call>\n<tool_call>\n"
                     "<function=get_current_weather>\n<parameter=city>Dallas</parameter>\n"
                     "<parameter=state>TX</parameter>\n</function>\n</tool_call>")
@@ -111,8 +112,8 @@ QWEN_CASES = [
          [("test_anyof", {"anyof_int": 5, "anyof_str": "hello", "anyof_array": ["a", "b", "c"],
                           "anyof_obj": {"key": "value"}, "type_as_array": 42, "multi_non_null": "some text"})],
          "anyof_type_conversion", ANYOF_TOOL),
-    qwen("<tool_call>\n<function=search_web>\n<parameter=query>\nvllm tool parser\n</parameter>\n<parameter=count>\n10\n"
-         "</parameter>\n<parameter=verbose>\ntrue\n</parameter>\n</function>\n</tool_call>", "",
+    qwen("<tool_call>\n<function=search_web>\n<parameter=query>\nvllm tool parser\n</parameter>\n"
+         "<parameter=count>\n10\n</parameter>\n<parameter=verbose>\ntrue\n</parameter>\n</function>\n</tool_call>", "",
          [("search_web", {"query": "vllm tool parser", "count": 10, "verbose": True})],
          "anyof_type_conversion_streaming", SEARCH_TOOL),
     # `</parameter>` missing after Dallas: the `<parameter=state>` the tool declares ends the value
@@ -127,9 +128,7 @@ QWEN_CASES = [
          "I'll check the weather for you.", [dallas()], "missing_opening_tag"),
     # test_malformed_xml_no_gt_delimiter: vLLM asserts only that it does not crash; here the broken
     # header is no call: content, exactly the model's text
-    qwen("<tool_call>\n<function=get_current_weather\n<parameter=city>Dallas</parameter>\n</function>\n</tool_call>",
-         "<tool_call>\n<function=get_current_weather\n<parameter=city>Dallas</parameter>\n</function>\n</tool_call>", [],
-         "malformed_xml_no_gt_delimiter"),
+    qwen(NO_GT, NO_GT, [], "malformed_xml_no_gt_delimiter"),
     # test_none_tool_calls_filtered: the broken call is content, the valid one after it a call
     qwen(NO_GT_THEN_VALID, "<tool_call>\n<function=bad_func_no_gt\n</function>\n</tool_call>",
          [("get_current_weather", {"city": "Dallas", "state": "TX"})], "none_tool_calls_filtered"),
@@ -255,14 +254,16 @@ def test_vllm_kimi_k2_cases(tokenizers, case):
 
 # -- GLM-4.5 (test_glm4_moe_tool_parser.py) -----------------------------------------------------
 
-GLM_TOOLS = {"get_current_weather": obj(city="string", state="string", unit="string"), "get_weather": obj(city="string"),
+GLM_TOOLS = {"get_current_weather": obj(city="string", state="string", unit="string"),
+             "get_weather": obj(city="string"),
              "send_message": obj(recipient="string", message="string", priority="string"),
              "get_current_time": obj(), "get_time": obj(), "apply_diff": dict(obj(s="string"), required=["s"]),
              "calculate": {"type": "object"}}  # no properties: its values are JSON where they parse
 
 
 def glm_call(name: str, *pairs: tuple[str, str], indent: str = "") -> str:
-    body = "".join(f"\n{indent}<arg_key>{key}</arg_key>\n{indent}<arg_value>{value}</arg_value>" for key, value in pairs)
+    body = "".join(f"\n{indent}<arg_key>{key}</arg_key>\n{indent}<arg_value>{value}</arg_value>"
+                   for key, value in pairs)
     return f"<tool_call>{name}{body}\n{indent}</tool_call>"
 
 
@@ -272,7 +273,8 @@ def glm(text, content, calls, label, tools=GLM_TOOLS, **options):
 
 DALLAS_TX = (("city", "Dallas"), ("state", "TX"), ("unit", "fahrenheit"))
 BEIJING = (("city", "Beijing"), ("date", "2025-08-01"))
-INCOMPLETE = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Beijing</arg_value>\n<arg_key>date</arg_key>\n<arg_value>2025-08-01</arg_value>"
+INCOMPLETE = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Beijing</arg_value>\n"
+              "<arg_key>date</arg_key>\n<arg_value>2025-08-01</arg_value>")
 MALFORMED_KEY = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Seattle</arg_value>\n"
                  "<arg_key>incomplete_arg\n<arg_value>value</arg_value>\n</tool_call>")
 
@@ -297,7 +299,8 @@ GLM_CASES = [
         "I will help you get the weather.", [("get_weather", {"city": "Beijing", "date": "2025-08-01"})],
         "tool_call_with_chinese_content"),
     # no reasoning parser: the think block is content. differs: vLLM keeps the newline before the call
-    glm("<think>I want to get the weather.</think>\n\nI will help you get the weather.\n" + glm_call("get_weather", *BEIJING),
+    glm("<think>I want to get the weather.</think>\n\nI will help you get the weather.\n"
+        + glm_call("get_weather", *BEIJING),
         "<think>I want to get the weather.</think>\n\nI will help you get the weather.",
         [("get_weather", {"city": "Beijing", "date": "2025-08-01"})], "with_thinking_tags"),
     glm("<tool_call>get_current_time\n</tool_call>", "", [("get_current_time", {})], "empty_arguments"),
@@ -334,7 +337,8 @@ GLM_CASES = [
         {"calculate": obj(operation="string", a="number", b="number")}),
     glm("Checking Beijing.\n<tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Beijing</arg_value></tool_call>"
         "\nAlso Shanghai.\n<tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Shanghai</arg_value></tool_call>",
-        "Checking Beijing.\nAlso Shanghai.", [("get_weather", {"city": "Beijing"}), ("get_weather", {"city": "Shanghai"})],
+        "Checking Beijing.\nAlso Shanghai.",
+        [("get_weather", {"city": "Beijing"}), ("get_weather", {"city": "Shanghai"})],
         "content_between_tool_calls"),
 ]
 
@@ -363,9 +367,9 @@ WRITE_TO_FILE = {"write_to_file": obj(file_path="string", content="string")}
 
 
 @pytest.mark.parametrize("parser,text", [
-    ("glm45", "<tool_call>write_to_file\n<arg_key>file_path</arg_key><arg_value>/tmp/bubble_sort.py</arg_value>"
+    ("glm45", "<tool_call>write_to_file\n<arg_key>file_path</arg_key><arg_value>src/bubble_sort.py</arg_value>"
               f"<arg_key>content</arg_key><arg_value>{BUBBLE_SORT}</arg_value></tool_call>"),
-    ("qwen3_coder", "<tool_call>\n<function=write_to_file>\n<parameter=file_path>\n/tmp/bubble_sort.py\n</parameter>\n"
+    ("qwen3_coder", "<tool_call>\n<function=write_to_file>\n<parameter=file_path>\nsrc/bubble_sort.py\n</parameter>\n"
                     f"<parameter=content>\n{BUBBLE_SORT}\n</parameter>\n</function>\n</tool_call>"),
 ])
 def test_a_long_string_value_streams_as_it_is_written(parser, text):
@@ -376,5 +380,6 @@ def test_a_long_string_value_streams_as_it_is_written(parser, text):
     deltas = [call for index, line in enumerate(lines + [""])
               for call in stage.process(OutputDelta(content=line), final=index == len(lines)).tool_calls]
     [(_, name, arguments)] = merge(deltas)
-    assert (name, json.loads(arguments)) == ("write_to_file", {"file_path": "/tmp/bubble_sort.py", "content": BUBBLE_SORT})
+    expected = {"file_path": "src/bubble_sort.py", "content": BUBBLE_SORT}
+    assert (name, json.loads(arguments)) == ("write_to_file", expected)
     assert len([delta for delta in deltas if delta.arguments]) >= len(BUBBLE_SORT.splitlines())

@@ -107,7 +107,8 @@ class KimiK2ToolParser(MarkupToolParser):
         if self._name:
             self._call, self._state = ObjectArguments(self, self._name, self._call_id), self._object
         else:  # a bare counter id, several tools: which one is meant shows in the arguments
-            self._lexer, self._object_at, self._state = JsonLexer(object_only=True), len(self._raw), self._unnamed_object
+            self._lexer, self._object_at = JsonLexer(object_only=True), len(self._raw)
+            self._state = self._unnamed_object
         return text
 
     def _object(self, text: str) -> str | None:
