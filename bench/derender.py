@@ -1,6 +1,7 @@
 """Derender throughput: is the cost per token O(1) in the output length?
 
-Run: .venv/bin/python bench/derender.py   (about a minute on 2 cores)
+Run: .venv/bin/python bench/derender.py   (about a minute on 2 cores; --smoke: a few seconds, a short
+and a longer output, checks that it runs)
 
 For outputs of 128 and 8192 tokens (prose, then a Hermes tool call whose arguments hold more
 prose; tool parser "hermes" on, tools offered), one token per engine message, it measures:
@@ -19,6 +20,7 @@ Short outputs are repeated so each measurement runs long enough to time.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -47,21 +49,24 @@ PROSE = ("The quick brown fox jumps over the lazy dog while café owners in Zür
 TOOL = chat_pb2.Tool(type="function", function=chat_pb2.FunctionDefinition(name="write_file"))
 
 
+def encode(tokenizer: TextTokenizer, text: str) -> list[int]:
+    """`text`'s ids (derender's tokenizer only decodes: its `tokenizers` backend encodes)."""
+    return tokenizer.backend.encode(text, add_special_tokens=False).ids
+
+
 def output_ids(tokenizer: TextTokenizer, length: int) -> list[int]:
     """`length` ids: prose, then a tool call carrying prose in its arguments (about half each)."""
-    backend = tokenizer.hf.backend_tokenizer
-    encode = lambda text: backend.encode(text, add_special_tokens=False).ids  # noqa: E731
-    prose_ids = encode(PROSE * (length // 8 + 2))
+    prose_ids = encode(tokenizer, PROSE * (length // 8 + 2))
     argument = tokenizer.decode(prose_ids[: max(1, length // 2 - 30)])
     call = '\n<tool_call>\n' + json.dumps({"name": "write_file", "arguments": {"path": "notes.txt",
                                                                               "content": argument}}) + '\n</tool_call>'
-    call_ids = encode(call)
+    call_ids = encode(tokenizer, call)
     return prose_ids[:max(0, length - len(call_ids))] + call_ids
 
 
 def context_proto(tokenizer: TextTokenizer) -> derender_pb2.DerenderContext:
     return derender_pb2.DerenderContext(
-        request_id="bench", prompt_tail_token_ids=tokenizer.hf.encode("<|im_start|>assistant\n"),
+        request_id="bench", prompt_tail_token_ids=encode(tokenizer, "<|im_start|>assistant\n"),
         prompt_tokens=64, tool_parser="hermes", tools=[TOOL],
         tool_choice=chat_pb2.ToolChoice(mode=chat_pb2.TOOL_CHOICE_MODE_AUTO))
 
@@ -72,7 +77,11 @@ def engine_responses(ids: list[int]) -> list[engine_pb2.GenerateResponse]:
     return responses
 
 
-def repeats(length: int, budget_tokens: int = 24_000) -> int:
+#: Tokens each measurement covers at least (short outputs are repeated); --smoke: one pass.
+BUDGET_TOKENS = {"in-process": 24_000, "grpc": 16_000, "baseline": 2_000}
+
+
+def repeats(length: int, budget_tokens: int) -> int:
     return max(1, budget_tokens // length)
 
 
@@ -82,11 +91,11 @@ def check_result(tool_call_deltas: int) -> None:
 
 
 # ----------------------------------------------------------------------------- measurements
-def bench_in_process(tokenizer: TextTokenizer, ids: list[int]) -> float:
+def bench_in_process(tokenizer: TextTokenizer, ids: list[int], budget: int) -> float:
     """Seconds per token through DerenderStream (engine messages already converted)."""
     context = context_from_proto(context_proto(tokenizer))
     outputs = [output_from_proto(r) for r in engine_responses(ids)]
-    rounds = repeats(len(ids))
+    rounds = repeats(len(ids), budget)
     start = time.perf_counter()
     for _ in range(rounds):
         stream = DerenderStream(tokenizer, context)
@@ -99,9 +108,9 @@ def bench_in_process(tokenizer: TextTokenizer, ids: list[int]) -> float:
     return elapsed / (rounds * len(ids))
 
 
-def bench_baseline(tokenizer: TextTokenizer, ids: list[int]) -> float:
+def bench_baseline(tokenizer: TextTokenizer, ids: list[int], budget: int) -> float:
     """Seconds per token for the stateless approach: decode the whole output at every token."""
-    rounds = repeats(len(ids), budget_tokens=2_000) if len(ids) <= 1024 else 1
+    rounds = repeats(len(ids), budget) if len(ids) <= 1024 else 1
     decode = tokenizer.decode
     start = time.perf_counter()
     for _ in range(rounds):
@@ -165,11 +174,11 @@ class ServerProcess:
         self._process.wait(30)
 
 
-def bench_grpc(stub, tokenizer: TextTokenizer, ids: list[int]) -> float:
+def bench_grpc(stub, tokenizer: TextTokenizer, ids: list[int], budget: int) -> float:
     """Seconds per token over a real gRPC Derender stream (one per request)."""
     requests = [derender_pb2.DerenderRequest(context=context_proto(tokenizer))]
     requests += [derender_pb2.DerenderRequest(generate_response=r) for r in engine_responses(ids)]
-    rounds = repeats(len(ids), budget_tokens=16_000)
+    rounds = repeats(len(ids), budget)
     start = time.perf_counter()
     for _ in range(rounds):
         calls = sum(len(response.chunk.tool_calls) for response in stub.Derender(iter(requests), timeout=600))
@@ -180,11 +189,18 @@ def bench_grpc(stub, tokenizer: TextTokenizer, ids: list[int]) -> float:
 
 # ----------------------------------------------------------------------------- report
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest run (outputs of 32 and 256 tokens, one pass each): checks that it runs")
+    args = parser.parse_args()
     started = time.perf_counter()
+    short, long = (32, 256) if args.smoke else LENGTHS
+    budget = {name: 1 if args.smoke else tokens for name, tokens in BUDGET_TOKENS.items()}
     model = ensure_model(TEXT_MODEL, None)
     tokenizer = TextTokenizer.load(model)
-    sequences = {length: output_ids(tokenizer, length) for length in LENGTHS}
-    results = {"tito in-process (DerenderStream)": {n: bench_in_process(tokenizer, sequences[n]) for n in LENGTHS}}
+    sequences = {length: output_ids(tokenizer, length) for length in (short, long)}
+    results = {"tito in-process (DerenderStream)": {n: bench_in_process(tokenizer, sequences[n], budget["in-process"])
+                                                    for n in sequences}}
     for name, server_class in (("tito gRPC, server in own process", ServerProcess),
                                ("tito gRPC, server in client process", ServerThread)):
         server = server_class(model)
@@ -192,23 +208,25 @@ def main() -> None:
             address = server.address if isinstance(server, ServerProcess) else server.running.address
             with grpc.insecure_channel(address) as channel:
                 stub = derender_pb2_grpc.DerenderServiceStub(channel)
-                bench_grpc(stub, tokenizer, sequences[128])  # warm-up: connection, first stream
-                results[name] = {n: bench_grpc(stub, tokenizer, sequences[n]) for n in LENGTHS}
+                bench_grpc(stub, tokenizer, sequences[short], budget["grpc"])  # warm-up: connection, first stream
+                results[name] = {n: bench_grpc(stub, tokenizer, sequences[n], budget["grpc"]) for n in sequences}
         finally:
             server.stop()
-    results["baseline: re-decode all per token"] = {n: bench_baseline(tokenizer, sequences[n]) for n in LENGTHS}
+    results["baseline: re-decode all per token"] = {n: bench_baseline(tokenizer, sequences[n], budget["baseline"])
+                                                    for n in sequences}
 
     print(f"\nderender throughput, one token per engine message, hermes tool parser on "
-          f"(tiny-qwen2 tokenizer; actual lengths {', '.join(str(len(sequences[n])) for n in LENGTHS)}; "
+          f"(tiny-qwen2 tokenizer; actual lengths {', '.join(str(len(ids)) for ids in sequences.values())}; "
           f"{os.cpu_count()} CPUs)\n")
-    header = f"{'pipeline':40} {'tok/s @128':>12} {'tok/s @8192':>12} {'cost ratio 8192/128':>20}  verdict"
+    header = (f"{'pipeline':40} {f'tok/s @{short}':>12} {f'tok/s @{long}':>12} "
+              f"{f'cost ratio {long}/{short}':>20}  verdict")
     print(header)
     print("-" * len(header))
     for name, per_token in results.items():
-        ratio = per_token[8192] / per_token[128]
+        ratio = per_token[long] / per_token[short]
         verdict = "O(1) per token (<= 1.3)" if ratio <= 1.3 else "grows with length"
-        print(f"{name:40} {1 / per_token[128]:12,.0f} {1 / per_token[8192]:12,.0f} {ratio:20.2f}  {verdict}")
-    print(f"\n(cost ratio = seconds per token at 8192 / seconds per token at 128; total run "
+        print(f"{name:40} {1 / per_token[short]:12,.0f} {1 / per_token[long]:12,.0f} {ratio:20.2f}  {verdict}")
+    print(f"\n(cost ratio = seconds per token at {long} / seconds per token at {short}; total run "
           f"{time.perf_counter() - started:.0f} s)")
 
 

@@ -6,6 +6,7 @@
     .venv/bin/python bench/engine.py --constrained [--concurrency 32]
     .venv/bin/python bench/engine.py --pipeline [--concurrency 1 32]
     .venv/bin/python bench/engine.py --shape qwen2.5-0.5b [--checkpoints float32 bfloat16] [--repeats 2]
+    .venv/bin/python bench/engine.py [any mode] --smoke   # seconds: tito's side alone, checks that it runs
 
 Default run: starts the engine server as a subprocess on a Unix socket, sends the same 32 prompts
 of different lengths (greedy, ignore_eos, 64 new tokens each) at concurrency 1, 8 and 32 from a
@@ -69,6 +70,12 @@ every row constrained at the top concurrency): of wall-clock tok/s, and of token
 of the engine's processes (server + core, from /proc: Linux), which other load on a shared
 machine disturbs much less.
 
+--smoke: the smallest run of the mode: 4 prompts, 4 new tokens, concurrency 2, one round, the
+last checkpoint, tito's engine core in its server's process; vLLM's setups (AsyncLLM, `vllm
+serve`, tito's vllm backend) are left out, and
+--shape runs on the tiny model instead of building the real shape. It checks that the bench
+runs (tests/e2e/test_bench_smoke.py); its figures mean nothing.
+
 The machine may be shared (other load comes and goes within seconds), so the figures are measured
 in paired rounds: each round runs, at each concurrency, every setup back to back (the order rotates
 from round to round) and, at the top concurrency in the default run, the HF baselines right after
@@ -80,6 +87,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -242,10 +250,13 @@ class Settings:
     max_model_len: int | None = None  # None: the model's own
     kv_cache_bytes: int | None = None  # None: tito's default
     dtype: str | None = "float32"  # None: each side's default (auto: the checkpoint's, as each chooses)
+    engine_process: bool = True  # tito native: the engine core in its own process (--smoke: in the server's)
 
     def tito_flags(self, backend: str) -> list[str]:
         # The vllm backend refuses --device: vLLM runs where its build runs.
         flags = ["--device", self.device] if backend == "native" else []
+        if backend == "native" and not self.engine_process:
+            flags.append("--no-engine-process")
         if self.dtype is not None:
             flags += ["--dtype", self.dtype]
         flags += ["--model", self.model, "--max-running-sequences", str(self.max_running),
@@ -473,7 +484,8 @@ class ServeAll(Setup):
         self.addresses = {name: f"unix:{os.path.join(tmp, f'{name}.sock')}" for name in ("render", "engine", "derender")}
         flags = [flag for name, address in self.addresses.items() for flag in (f"--{name}-address", address)]
         env = {**os.environ, "TITO_PREFIX_CACHING": str(self.settings.prefix_caching).lower(),
-               "TITO_MAX_RUNNING_SEQUENCES": str(self.settings.max_running)}
+               "TITO_MAX_RUNNING_SEQUENCES": str(self.settings.max_running),
+               "TITO_ENGINE_PROCESS": str(self.settings.engine_process).lower()}
         self.process = spawn([sys.executable, "-m", "tito_cli", "serve", "all", "--model", self.settings.model,
                               "--device", self.settings.device, "--log-level", "warning", *flags],
                              os.path.join(tmp, "serve-all.log"), env=env)
@@ -915,7 +927,8 @@ def print_agreement(first_round: dict[int, dict[str, dict]], names: list[str]) -
         print(f"greedy tokens, round 1, {label}: {agreement(results, names)}")
 
 
-def print_default_report(rounds) -> None:
+def print_default_report(rounds, batch: int) -> None:
+    """`batch`: the prompts HF's static batch holds (all of them)."""
     top = max(rounds[0])
     every = [r[top][HF] for r in rounds]
     single, single_threads = max(b["single"] for b in every)
@@ -923,7 +936,7 @@ def print_default_report(rounds) -> None:
     print()
     print_header()
     print(f"{f'HF generate, one at a time ({single_threads} thr)':<44}{single:>10.0f}")
-    print(f"{f'HF generate, static batch of 32 ({static_threads} thr)':<44}{static:>10.0f}")
+    print(f"{f'HF generate, static batch of {batch} ({static_threads} thr)':<44}{static:>10.0f}")
     for concurrency in rounds[0]:
         best = max((r[concurrency][TITO_NATIVE] for r in rounds), key=lambda result: result["tok_s"])
         print_row(f"tito engine over gRPC, concurrency {concurrency}", best)
@@ -968,13 +981,14 @@ def print_pipeline_report(rounds, concurrencies: list[int]) -> None:
                     (">=", 0.90) if concurrency == max(concurrencies) else None)
 
 
-def print_vllm_report(rounds, concurrencies: list[int]) -> None:
-    names = [TITO_NATIVE, TITO_VLLM, ASYNCLLM, VLLM_HTTP]
+def print_vllm_report(rounds, concurrencies: list[int], names: list[str]) -> None:
+    """`names`: the setups measured (all four, or tito native alone with --smoke)."""
     print()
     print_header()
     print_setups(rounds, names)
-    print()
-    print_vllm_ratios(rounds, concurrencies)
+    if len(names) > 1:
+        print()
+        print_vllm_ratios(rounds, concurrencies)
     print()
     print_agreement(rounds[0], names)
 
@@ -1022,10 +1036,11 @@ def print_shape_report(checkpoint: str, rounds: list[dict], names: list[str], co
         for name in names:
             best = max((r[key][name] for r in rounds), key=lambda result: result["tok_s"])
             print_row(f"{name}, {key}", best)
-    print(f"paired rounds, median [min-max] of {len(rounds)} (tito native / {ASYNCLLM}):")
     top = max(concurrencies)
+    if ASYNCLLM in names:
+        print(f"paired rounds, median [min-max] of {len(rounds)} (tito native / {ASYNCLLM}):")
     for key in rounds[0]:
-        if key == "decode stall":
+        if key == "decode stall" or ASYNCLLM not in names:
             continue
         short_bound = 1.2 if key == f"c={top}" else 1.0 if key == "c=1" or key.startswith("1k") else None
         print_ratio(f"tok/s, {key}", paired(rounds, key, TITO_NATIVE, ASYNCLLM),
@@ -1066,19 +1081,23 @@ def run_shape(args) -> None:
 
     for checkpoint in args.checkpoints:
         name = shaped_model_name(args.shape, checkpoint)
-        model_dir = ensure_shaped_model(args.shape, checkpoint)
+        model_dir = resolve_model(BENCH_TEXT_MODEL) if args.smoke else ensure_shaped_model(args.shape, checkpoint)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        prompts = make_prompts(tokenizer, NUM_PROMPTS)
-        long = long_prompts(tokenizer, NUM_PROMPTS, LONG_PROMPT_TOKENS)
+        prompts = make_prompts(tokenizer, args.prompts)
+        long = long_prompts(tokenizer, args.prompts, LONG_PROMPT_TOKENS)
         lengths = [len(p) for p in prompts]
         print(f"\n{name}: {len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens, {args.new_tokens} new "
               f"tokens, greedy, prefix caching {'on' if args.prefix_caching else 'off'}, "
               f"{SHAPE_KV_CACHE_BYTES >> 20} MiB KV cache on every side", flush=True)
-        settings = Settings(name, str(model_dir), args.device, args.prefix_caching,
-                            max_running=max(VLLM_MAX_NUM_SEQS, *args.concurrency), max_model_len=SHAPE_MAX_MODEL_LEN,
-                            kv_cache_bytes=SHAPE_KV_CACHE_BYTES, dtype=SHAPE_DTYPES[checkpoint])
-        setups = [TitoEngine(settings, "native"), AsyncLLMWorker(settings)]
-        if not args.no_vllm_serve:
+        settings = Settings(str(model_dir) if args.smoke else name, str(model_dir), args.device, args.prefix_caching,
+                            max_running=max(VLLM_MAX_NUM_SEQS, *args.concurrency),
+                            max_model_len=model_max_len(model_dir) if args.smoke else SHAPE_MAX_MODEL_LEN,
+                            kv_cache_bytes=KV_CACHE_BYTES if args.smoke else SHAPE_KV_CACHE_BYTES,
+                            dtype=SHAPE_DTYPES[checkpoint], engine_process=not args.smoke)
+        setups = [TitoEngine(settings, "native")]
+        if not args.smoke:
+            setups.append(AsyncLLMWorker(settings))
+        if not args.smoke and not args.no_vllm_serve:
             setups.append(VllmHttp(settings))
         with_long = checkpoint == args.checkpoints[-1] and not args.no_long_prompts
         rounds = asyncio.run(bench(setups, prompts, args, pause=VLLM_IDLE_S,
@@ -1087,6 +1106,13 @@ def run_shape(args) -> None:
 
 
 # ------------------------------------------------------------------------------ main
+
+def running_sequences(concurrency: list[int]) -> int:
+    """The engine's --max-running-sequences for these concurrencies: the top one, but at least
+    the engine's default largest n per request, which may not exceed it."""
+    default_n = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "max_choices_per_request")
+    return max(default_n, *concurrency)
+
 
 def model_max_len(model_dir: Path) -> int:
     from transformers import AutoConfig
@@ -1124,13 +1150,19 @@ def main(argv: list[str] | None = None) -> None:
                         help="--shape: the checkpoint dtypes measured (the last also runs the long prompts)")
     parser.add_argument("--no-vllm-serve", action="store_true", help="--shape: leave vllm serve out")
     parser.add_argument("--no-long-prompts", action="store_true", help="--shape: leave the 1k-token rows out")
+    parser.add_argument("--prompts", type=int, default=NUM_PROMPTS, help="how many prompts each workload sends")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest run of the mode, tito's side alone: checks that it runs (see above)")
     parser.add_argument("--vllm-asyncllm-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.prompts, args.new_tokens, args.concurrency, args.repeats = 4, 4, [2], 1
+        args.hf_single_prompts, args.checkpoints = 1, args.checkpoints[-1:]
     if args.vllm_asyncllm_worker:
         asyncllm_worker()
         return
     if args.shape:
-        if args.repeats == parser.get_default("repeats"):
+        if args.repeats == parser.get_default("repeats") and not args.smoke:
             args.repeats = 2  # a round of the whole table takes ~10 minutes on 2 cores
         run_shape(args)
         return
@@ -1143,7 +1175,7 @@ def main(argv: list[str] | None = None) -> None:
     hf_logging.set_verbosity_error()
     model_dir = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = make_prompts(tokenizer, NUM_PROMPTS)
+    prompts = make_prompts(tokenizer, args.prompts)
     lengths = [len(p) for p in prompts]
     print(f"model {args.model} on {args.device}; {len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens "
           f"(mean {statistics.mean(lengths):.0f}), {args.new_tokens} new tokens each, greedy, ignore_eos; "
@@ -1152,14 +1184,14 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.pipeline:
         settings = Settings(args.model, str(model_dir), args.device, args.prefix_caching,
-                            max_running=max(args.concurrency))
+                            max_running=running_sequences(args.concurrency), engine_process=not args.smoke)
         servers = ServeAll(settings, [tokenizer.decode(prompt) for prompt in prompts])
         measured = [EngineOnRendered(servers), WholePipeline(servers)]
         rounds = asyncio.run(bench([servers, *measured], list(range(len(prompts))), args, pause=0.0, only=measured))
         print_pipeline_report(rounds, args.concurrency)
     elif args.constrained:
         settings = Settings(args.model, str(model_dir), args.device, args.prefix_caching,
-                            max_running=max(args.concurrency))
+                            max_running=running_sequences(args.concurrency), engine_process=not args.smoke)
         base = TitoEngine(settings)
         setups = [ConstrainedShare(base, 0, UNCONSTRAINED), ConstrainedShare(base, 2, "half the rows constrained"),
                   ConstrainedShare(base, 1, "every row constrained")]
@@ -1169,18 +1201,20 @@ def main(argv: list[str] | None = None) -> None:
         # One value for every setting the four setups share (the default run keeps tito's defaults).
         settings = Settings(args.model, str(model_dir), args.device, args.prefix_caching,
                             max_running=max(VLLM_MAX_NUM_SEQS, *args.concurrency),
-                            max_model_len=model_max_len(model_dir), kv_cache_bytes=KV_CACHE_BYTES)
-        setups = [TitoEngine(settings, "native"), TitoEngine(settings, "vllm"), AsyncLLMWorker(settings),
-                  VllmHttp(settings)]
-        rounds = asyncio.run(bench(setups, prompts, args, pause=VLLM_IDLE_S))
-        print_vllm_report(rounds, args.concurrency)
+                            max_model_len=model_max_len(model_dir), kv_cache_bytes=KV_CACHE_BYTES,
+                            engine_process=not args.smoke)
+        setups = [TitoEngine(settings, "native")]
+        if not args.smoke:
+            setups += [TitoEngine(settings, "vllm"), AsyncLLMWorker(settings), VllmHttp(settings)]
+        rounds = asyncio.run(bench(setups, prompts, args, pause=0.0 if args.smoke else VLLM_IDLE_S))
+        print_vllm_report(rounds, args.concurrency, [setup.name for setup in setups])
     else:
         # Prefix caching off by default: every round sends the same prompts, and HF recomputes them.
         settings = Settings(args.model, str(model_dir), args.device, args.prefix_caching,
-                            max_running=max(args.concurrency))
+                            max_running=running_sequences(args.concurrency), engine_process=not args.smoke)
         baselines = hf_baselines(args, model_dir, tokenizer, prompts)
         rounds = asyncio.run(bench([TitoEngine(settings)], prompts, args, pause=0.0, after_top=baselines))
-        print_default_report(rounds)
+        print_default_report(rounds, len(prompts))
 
 
 if __name__ == "__main__":

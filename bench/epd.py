@@ -1,6 +1,7 @@
 """Encode on one engine, generate on another: end-to-end time and bytes on the wire.
 
     .venv/bin/python bench/epd.py [--rounds 3] [--max-tokens 8] [--size 112]
+    .venv/bin/python bench/epd.py --smoke   # one round, 56x56 images, 2 new tokens: checks that it runs
 
 One run, three native engines of the tiny Qwen2-VL (`tiny-qwen2-vl`) served over gRPC on
 loopback from this process (each engine core in its own child process): `single` (no shared
@@ -122,7 +123,7 @@ async def main(args) -> int:
             for name, extra in (("single", {}), ("A", {"encoder_store_dir": store_dir}),
                                 ("B", {"encoder_store_dir": store_dir})):
                 config = EngineConfig(model=str(model), device="cpu", address="127.0.0.1:0", kv_blocks=512,
-                                      core_cpus="none", **extra)
+                                      core_cpus="none", engine_process=not args.smoke, **extra)
                 running = await create_server(config)
                 servers.append(running)
                 channel = grpc.aio.insecure_channel(running.address)
@@ -169,4 +170,8 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--size", type=int, default=112, help="image width and height in pixels")
-    sys.exit(asyncio.run(main(parser.parse_args())))
+    parser.add_argument("--smoke", action="store_true", help="the smallest run: checks that it runs")
+    arguments = parser.parse_args()
+    if arguments.smoke:
+        arguments.rounds, arguments.max_tokens, arguments.size = 1, 2, 56
+    sys.exit(asyncio.run(main(arguments)))

@@ -1,6 +1,7 @@
 """The OpenAI gateway measured by vLLM's own benchmark client, against `vllm serve`, in one run.
 
     .venv/bin/python bench/gateway.py [--rounds 2] [--concurrency 1 32] [--input-len 128] [--output-len 64]
+    .venv/bin/python bench/gateway.py --smoke   # tito alone, a few short chats: checks that it runs
 
 Starts, on one model (default tiny-qwen2-h256), float32, prefix caching off on both sides, 64 MiB
 of KV cache, at most 64 running sequences, each side at its own prompt tokens per step (tito's CPU
@@ -21,6 +22,10 @@ throughput, TTFT and TPOT p50/p99, then one line per concurrency:
     c=32 tito / vllm serve 1.07x [min-max]          output-token throughput, median over rounds
     c=32 TTFT p50 tito / vllm serve 0.80x [min-max]  lower is better
     c=32 gateway / AsyncChatPipeline direct 0.95x [min-max]
+
+--smoke: tito's half alone, in seconds: no vllm serve, and instead of `vllm bench serve` (whose
+import alone takes longer than the whole smoke run) the same kind of chats streamed from the
+gateway by httpx; 4 prompts of a few words, 4 output tokens, concurrency 2, one round.
 
 Targets (issue 19): tito >= vllm serve on throughput at both concurrencies and not worse on TTFT
 p50; the gateway >= 0.90 of the direct pipeline's throughput. vLLM's engine busy-polls for about a
@@ -110,6 +115,50 @@ def random_chats(model: str, count: int, args) -> list[str]:
     return [sample.prompt for sample in samples]
 
 
+def smoke_chats(count: int) -> list[str]:
+    """--smoke's prompts: a few words each (no vLLM dataset)."""
+    return [f"Count from {i} to {i + 3} in words." for i in range(count)]
+
+
+async def gateway_chats(url: str, model: str, prompts: list[str], concurrency: int, output_len: int) -> dict:
+    """--smoke's stand-in for `vllm bench serve`: the chats streamed from the gateway by httpx,
+    `concurrency` at a time; output tok/s and TTFT as `direct` measures them."""
+    import httpx
+
+    ttfts: list[float] = []
+    tokens = 0
+    queue = list(prompts)
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        async def worker():
+            nonlocal tokens
+            while queue:
+                body = {"model": model, "messages": [{"role": "user", "content": queue.pop(0)}], "stream": True,
+                        "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+                        "stream_options": {"include_usage": True}}
+                started, first = time.perf_counter(), None
+                async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                    response.raise_for_status()
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line.removeprefix("data: "))
+                        if first is None and any(c["delta"].get("content") for c in chunk["choices"]):
+                            first = time.perf_counter() - started
+                        tokens += (chunk.get("usage") or {}).get("completion_tokens", 0)
+                ttfts.append((first or 0.0) * 1000)
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    return rates(prompts, tokens, elapsed, ttfts)
+
+
+def rates(prompts: list[str], tokens: int, elapsed: float, ttfts: list[float]) -> dict:
+    ttfts = sorted(ttfts)
+    return {"req/s": len(prompts) / elapsed, "tok/s": tokens / elapsed, "ttft p50": statistics.median(ttfts),
+            "ttft p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], "tpot p50": float("nan"),
+            "tpot p99": float("nan")}
+
+
 async def direct(endpoints, prompts: list[str], concurrency: int, output_len: int) -> dict:
     """The same chats through AsyncChatPipeline, `concurrency` at a time: output tok/s and TTFT
     (derender batched as the gateway does it, so the ratio is the HTTP layer's cost)."""
@@ -137,10 +186,7 @@ async def direct(endpoints, prompts: list[str], concurrency: int, output_len: in
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
-    ttfts.sort()
-    return {"req/s": len(prompts) / elapsed, "tok/s": tokens / elapsed, "ttft p50": statistics.median(ttfts),
-            "ttft p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], "tpot p50": float("nan"),
-            "tpot p99": float("nan")}
+    return rates(prompts, tokens, elapsed, ttfts)
 
 
 def ratio_line(label: str, values: list[float]) -> str:
@@ -158,7 +204,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vllm-batched-tokens", type=int, default=None,
                         help="vllm serve --max-num-batched-tokens (default: vLLM's own, 2048 on CPU)")
+    parser.add_argument("--smoke", action="store_true", help="tito's half alone, the smallest run (see above)")
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.concurrency, args.output_len, args.min_prompts = 1, [2], 4, 4
+    setups = (TITO, DIRECT) if args.smoke else (TITO, VLLM, DIRECT)
+    pause = 0.0 if args.smoke else VLLM_IDLE_S
 
     from tito_client.pipeline import Endpoints, wait_until_serving
     from tito_models.paths import resolve_model
@@ -176,7 +227,8 @@ def main() -> int:
                                  "warning", *(arg for name, address in sockets.items()
                                               for arg in (f"--{name}-address", address)),
                                  "--gateway-address", tito_url.removeprefix("http://")], tmp / "tito.log", env=tito_env)
-        processes[VLLM] = spawn(vllm_cli("serve", model, "--dtype", "float32", "--no-enable-prefix-caching",
+        processes[VLLM] = None if args.smoke else spawn(vllm_cli(
+                                         "serve", model, "--dtype", "float32", "--no-enable-prefix-caching",
                                          "--enforce-eager", "--max-num-seqs", str(MAX_RUNNING),
                                          "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
                                          *(("--max-num-batched-tokens", str(args.vllm_batched_tokens))
@@ -187,43 +239,52 @@ def main() -> int:
         wait_healthy(tito_url, processes[TITO], TITO)
         for address in sockets.values():
             wait_until_serving(address, timeout=60)
-        wait_healthy(vllm_url, processes[VLLM], VLLM)
-        chats = {c: random_chats(model, num_prompts(c, args), args) for c in args.concurrency}
+        if not args.smoke:
+            wait_healthy(vllm_url, processes[VLLM], VLLM)
+        chats = {c: smoke_chats(num_prompts(c, args)) if args.smoke else random_chats(model, num_prompts(c, args), args)
+                 for c in args.concurrency}
         endpoints = Endpoints(**sockets)
         results: dict[tuple[str, int], list[dict]] = {}
         for round_index in range(args.rounds):
             for concurrency in args.concurrency:
                 order = [TITO, VLLM] if round_index % 2 == 0 else [VLLM, TITO]
-                for name in order:
-                    time.sleep(VLLM_IDLE_S)
+                for name in (order if not args.smoke else [TITO]):
+                    time.sleep(pause)
                     url = tito_url if name == TITO else vllm_url
                     results.setdefault((name, concurrency), []).append(
+                        asyncio.run(gateway_chats(url, model, chats[concurrency], concurrency, args.output_len))
+                        if args.smoke else
                         bench_serve(url, model, concurrency, args, tmp, f"{round_index}-{concurrency}-{len(name)}"))
-                time.sleep(VLLM_IDLE_S)
+                time.sleep(pause)
                 results.setdefault((DIRECT, concurrency), []).append(
                     asyncio.run(direct(endpoints, chats[concurrency], concurrency, args.output_len)))
                 print(f"round {round_index + 1}/{args.rounds} c={concurrency}: " + ", ".join(
-                    f"{name} {results[(name, concurrency)][-1]['tok/s']:.0f} tok/s" for name in (TITO, VLLM, DIRECT)),
-                    flush=True)
+                    f"{name} {results[(name, concurrency)][-1]['tok/s']:.0f} tok/s" for name in setups), flush=True)
     finally:
         for process in processes.values():
-            stop_process(process)
+            if process is not None:
+                stop_process(process)
 
-    print(f"\nmodel {args.model}, float32, prefix caching off, {args.input_len} prompt tokens (vLLM random dataset, "
-          f"seed {args.seed}), {args.output_len} output tokens (ignore_eos, greedy), {args.rounds} rounds; best round:")
+    prompts = "a few words each (--smoke)" if args.smoke else \
+        f"{args.input_len} prompt tokens (vLLM random dataset, seed {args.seed})"
+    print(f"\nmodel {args.model}, float32, prefix caching off, {prompts}, {args.output_len} output tokens "
+          f"(ignore_eos, greedy), {args.rounds} rounds; best round:")
     print(f"{'setup':<26} {'c':>3} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
           f"{'TPOT p99':>9}   (ms)")
     for concurrency in args.concurrency:
-        for name in (TITO, VLLM, DIRECT):
+        for name in setups:
             best = max(results[(name, concurrency)], key=lambda r: r["tok/s"])
             print(f"{name:<26} {concurrency:>3} {best['req/s']:>7.2f} {best['tok/s']:>8.1f} {best['ttft p50']:>9.1f} "
                   f"{best['ttft p99']:>9.1f} {best['tpot p50']:>9.1f} {best['tpot p99']:>9.1f}")
     print()
     for concurrency in args.concurrency:
-        tito, vllm, pipe = (results[(name, concurrency)] for name in (TITO, VLLM, DIRECT))
-        print(ratio_line(f"c={concurrency} tito / vllm serve", [t["tok/s"] / v["tok/s"] for t, v in zip(tito, vllm)]))
-        print(ratio_line(f"c={concurrency} TTFT p50 tito / vllm serve",
-                         [t["ttft p50"] / v["ttft p50"] for t, v in zip(tito, vllm)]))
+        tito, pipe = results[(TITO, concurrency)], results[(DIRECT, concurrency)]
+        if VLLM in setups:
+            vllm = results[(VLLM, concurrency)]
+            print(ratio_line(f"c={concurrency} tito / vllm serve",
+                             [t["tok/s"] / v["tok/s"] for t, v in zip(tito, vllm)]))
+            print(ratio_line(f"c={concurrency} TTFT p50 tito / vllm serve",
+                             [t["ttft p50"] / v["ttft p50"] for t, v in zip(tito, vllm)]))
         print(ratio_line(f"c={concurrency} gateway / AsyncChatPipeline direct",
                          [t["tok/s"] / d["tok/s"] for t, d in zip(tito, pipe)]))
     return 0

@@ -7,6 +7,7 @@ looks like) into something that yields masks, and the per-step cost at batch 32 
 Times are medians over rounds; the tokenizer conversion (done once per engine) is not counted.
 
     python bench/grammar_libraries.py [--rounds 5] [--steps 64]
+    python bench/grammar_libraries.py --smoke   # one round of 2 steps; a library that fails fails the run
 """
 
 from __future__ import annotations
@@ -158,7 +159,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--smoke", action="store_true", help="the smallest run: checks that it runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.steps = 1, 2
     torch.set_num_threads(1)
     tokenizer = _tokenizer()
     libraries = {"llguidance": bench_llguidance, "xgrammar": bench_xgrammar, "outlines_core": bench_outlines}
@@ -168,6 +172,8 @@ def main() -> None:
             try:
                 results[name].append(run(tokenizer, args.steps))
             except Exception as exc:  # noqa: BLE001 - report a library that cannot do it, go on
+                if args.smoke:  # the bench's own code broke, or a library's interface changed under it
+                    raise
                 print(f"{name}: failed: {type(exc).__name__}: {exc}")
     for name, rows in results.items():
         if rows:

@@ -2,6 +2,7 @@
 server, on the gateway's own workload shape, in one run.
 
     .venv/bin/python bench/http_stacks.py [--requests 256] [--concurrency 32] [--events 64] [--rounds 3]
+    .venv/bin/python bench/http_stacks.py --smoke   # 4 requests of 4 events, one round: checks that it runs
 
 Each server (a subprocess, one event loop, as the gateway runs) answers POST /v1/chat/completions
 with a JSON body parsed and `--events` SSE events of an OpenAI chunk's size, then `[DONE]`; an
@@ -115,7 +116,10 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--events", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="the smallest run: checks that it runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.requests, args.concurrency, args.events, args.rounds = 4, 2, 4, 1
     stacks = {"starlette+uvicorn": STARLETTE, "aiohttp": AIOHTTP}
     servers, ports = {}, {}
     try:

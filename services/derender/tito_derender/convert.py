@@ -6,7 +6,7 @@ from google.protobuf import json_format
 
 from tito.contract import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from tito.errors import InvalidArgument, quoted
-from tito.parsers import SCHEMA_TYPED_TOOL_PARSERS
+from tito.parsers import SCHEMA_READING_TOOL_PARSERS
 from tito.v1 import chat_pb2, derender_pb2, engine_pb2
 from tito_derender.detokenizer import TextOptions
 from tito_derender.domain import (
@@ -60,8 +60,8 @@ def tool_choice_from_proto(choice: chat_pb2.ToolChoice, has_tools: bool) -> tupl
 
 
 def tool_schemas(context: derender_pb2.DerenderContext) -> tuple[tuple[str, dict], ...]:
-    """The tools' parameter schemas, converted only for a parser that types values by them."""
-    if context.tool_parser not in SCHEMA_TYPED_TOOL_PARSERS:
+    """The tools' parameter schemas, converted only for a parser that reads them."""
+    if context.tool_parser not in SCHEMA_READING_TOOL_PARSERS:
         return ()
     return tuple((tool.function.name, json_format.MessageToDict(tool.function.parameters))
                  for tool in context.tools if tool.function.HasField("parameters"))

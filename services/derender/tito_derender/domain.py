@@ -43,8 +43,8 @@ class RequestContext:
     tool_parser: str = ""
     #: Names of the functions offered to the model.
     tool_names: tuple[str, ...] = ()
-    #: (name, JSON-schema parameters) of the offered functions, for the parsers that type
-    #: argument values by schema (SCHEMA_TYPED_TOOL_PARSERS); empty for the others.
+    #: (name, JSON-schema parameters) of the offered functions, for the parsers that read
+    #: them (SCHEMA_READING_TOOL_PARSERS); empty for the others.
     tool_schemas: tuple[tuple[str, dict], ...] = ()
     tool_choice: ToolChoiceMode = ToolChoiceMode.NONE
     tool_choice_function: str = ""

@@ -59,7 +59,10 @@ CASES = [
      [("search", {})]),
     ("qwen3_coder", "<tool_call>\n<function=search>\n<parameter=query>\nx < y\n<parameter=unknown>\nz\n</function>\n"
                     "</tool_call>", "", [("search", {"query": "x < y", "unknown": "z"})]),  # </parameter> dropped
-    ("qwen3_coder", "a <tool_ b <function=x> c", "a <tool_ b <function=x> c", []),
+    ("qwen3_coder", "a <tool_ b <function c <function= d", "a <tool_ b <function c <function= d", []),
+    # `<function=` alone opens a call too (a model that drops `<tool_call>`)
+    ("qwen3_coder", "Sure.\n<function=search>\n<parameter=query>\nx\n</parameter>\n</function> after", "Sure. after",
+     [("search", {"query": "x"})]),
     # -- deepseek_v3 (both forms)
     ("deepseek_v3", DS_BEGIN + ds_v3("get_weather", W_JSON) + DS_END, "", [("get_weather", W)]),
     ("deepseek_v3", "Checking." + DS_BEGIN + ds_v3("get_weather", '{"city": "Oslo"}') + "\n"
@@ -183,12 +186,26 @@ def test_named_tool_choice_accepts_only_that_function(parser_name, text):
         assert [(n, json.loads(a)) for _, n, a in merge(deltas)] == [("search", {"query": "x"})]
 
 
-def test_xml_arguments_stream_one_member_per_parameter():
-    _, deltas = parse("qwen3_coder", list(coder("get_weather", city="Oslo", days=2)))
+@pytest.mark.parametrize("parser_name,markup", [("qwen3_coder", coder), ("glm45", glm)])
+def test_xml_string_values_stream_as_they_come_typed_values_once_complete(parser_name, markup):
+    _, deltas = parse(parser_name, list(markup("get_weather", city="Oslo", days=2)))
     fragments = [d.arguments for d in deltas if not d.name and d.arguments]
-    # The last value is known complete at `</function>` (a `</parameter>` alone may be value text),
-    # so its member and the closing brace go out together.
-    assert fragments == ['{"city": "Oslo"', ', "days": 2}']
+    # A string value's text goes out as it comes (the newline before qwen3_coder's `</parameter>`
+    # held back: it is not part of the value); a typed one is known once complete, and the last
+    # one at the call's end (a closing marker alone may be value text), with the closing brace.
+    assert fragments == ['{"city": "', "O", "s", "l", "o", '"', ', "days": 2}']
+
+
+@pytest.mark.parametrize("text,arguments", [
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOs", {"city": "Os"}),
+    ("<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n</parameter>\n<parameter=city>\nOs\n",
+     {"days": 2, "city": "Os"}),
+    ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Os", {"city": "Os"}),
+])
+def test_a_streamed_string_value_cut_off_is_closed_into_valid_json(text, arguments):
+    _, deltas = parse("qwen3_coder" if "<function=" in text else "glm45", list(text))
+    [(_, name, streamed)] = merge(deltas)
+    assert (name, json.loads(streamed)) == ("get_weather", arguments)
 
 
 @pytest.mark.parametrize("raw,schema_type,unknown,expected", [

@@ -151,19 +151,11 @@ ALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "g
                "gpt_oss")
 BAD_NAMES = {"not-among-tools": ("get_time", WEATHER), "template-text": (TEMPLATE_NAME, ODD_TOOLS),
              "leading-digit": ("9lives", dict(WEATHER, **{"9lives": {}}))}
-SECTION_ENDS = {"deepseek_v3": DS_END, "kimi_k2": K_END}
 
 
-def refused_content(parser: str, name: str) -> str:
-    """The text a call that is not a call leaves as content: all of it, but for the end of a
-    DeepSeek / Kimi section, which is read as such (the calls after a refused one are parsed)."""
-    text = markup_of(parser, name)
-    if parser == "kimi_k2" and " " in name:  # an id cannot hold spaces: the section is malformed, all content
-        return text
-    return text.removesuffix(SECTION_ENDS.get(parser, "\0"))
-
-
-NAME_CASES = [Case(parser, markup_of(parser, name), tools, refused_content(parser, name), [], label=label)
+# A call that is not a call leaves all its text as content (a DeepSeek / Kimi section's end
+# included: a section that made no call is no call markup).
+NAME_CASES = [Case(parser, markup_of(parser, name), tools, markup_of(parser, name), [], label=label)
               for parser in ALL_PARSERS for label, (name, tools) in BAD_NAMES.items()
               # pythonic's grammar has no name with spaces or a leading digit: not a call either way
               if not (parser == "pythonic" and label != "not-among-tools")]
@@ -195,6 +187,12 @@ def test_a_call_names_a_valid_function_among_the_tools(tokenizers, case):
 # -- 4. kimi_k2 ids that are only the call counter ----------------------------------------------
 
 ONE_TOOL = {"get_weather": WEATHER["get_weather"]}
+# vLLM's tests' tools for bare counter ids: two of them take a city
+BARE_TOOLS = {"read_file": {"type": "object", "properties": {"path": {"type": "string"}}},
+              "get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}}},
+              "book_flight": {"type": "object", "properties": {"city": {"type": "string"}}}}
+REQUIRED_DATE = dict(BARE_TOOLS, book_flight={"type": "object", "properties": {"city": {}, "date": {}},
+                                              "required": ["date"]})
 BARE_IDS = [
     Case("kimi_k2", K_BEGIN + kimi("0", '{"city": "Oslo"}') + K_END, ONE_TOOL, "", [("get_weather", {"city": "Oslo"})],
          ids=["0"], label="one-tool"),
@@ -202,11 +200,20 @@ BARE_IDS = [
          [("get_weather", {"city": "Oslo"})], ids=["3"], label="spaced"),
     Case("kimi_k2", K_BEGIN + kimi("0", '{"query": "x"}') + K_END, WEATHER, "", [("search", {"query": "x"})],
          tool_choice="search", ids=["0"], label="named-choice"),
-    Case("kimi_k2", K_BEGIN + kimi("0", '{"city": "Oslo"}') + K_END, WEATHER,
-         K_BEGIN + kimi("0", '{"city": "Oslo"}'), [], label="ambiguous"),
-    Case("kimi_k2", K_BEGIN + kimi("0", '{"city": "Oslo"}') + kimi("functions.search:1", '{"query": "x"}') + K_END,
-         WEATHER, K_BEGIN + kimi("0", '{"city": "Oslo"}'), [("search", {"query": "x"})], ids=["functions.search:1"],
-         label="ambiguous-then-named"),
+    # several tools: the one the arguments fit (vLLM's test_bare_counter_multiple_tools_*)
+    Case("kimi_k2", K_BEGIN + kimi("0", '{"city": "Oslo", "unit": "C"}') + K_END, BARE_TOOLS, "",
+         [("get_weather", {"city": "Oslo", "unit": "C"})], ids=["0"], label="fitting-arguments"),
+    Case("kimi_k2", K_BEGIN + kimi("0", '{"city": "Oslo"}') + K_END, BARE_TOOLS,
+         K_BEGIN + kimi("0", '{"city": "Oslo"}') + K_END, [], label="ambiguous"),
+    Case("kimi_k2", K_BEGIN + kimi("0", '{"path": "a", "mode": 1}') + K_END, BARE_TOOLS,
+         K_BEGIN + kimi("0", '{"path": "a", "mode": 1}') + K_END, [], label="fitting-no-tool"),
+    Case("kimi_k2", K_BEGIN + kimi("0", '{"city": "Oslo"}') + kimi("functions.read_file:1", '{"path": "a"}') + K_END,
+         BARE_TOOLS, K_BEGIN + kimi("0", '{"city": "Oslo"}'), [("read_file", {"path": "a"})],
+         ids=["functions.read_file:1"], label="ambiguous-then-named"),
+    # book_flight requires a date: {"city"} fits get_weather alone, {"city", "date"} book_flight
+    Case("kimi_k2", K_BEGIN + kimi("0", '{"city": "Oslo"}') + kimi("1", '{"city": "Oslo", "date": "today"}') + K_END,
+         REQUIRED_DATE, "", [("get_weather", {"city": "Oslo"}), ("book_flight", {"city": "Oslo", "date": "today"})],
+         ids=["0", "1"], label="required-properties"),
     Case("kimi_k2", K_BEGIN + kimi("functions.get_weather:0", '{"city": "A"}') + kimi("1", '{"city": "B"}') + K_END,
          ONE_TOOL, "", [("get_weather", {"city": "A"}), ("get_weather", {"city": "B"})],
          ids=["functions.get_weather:0", "1"], label="after-a-full-id"),
@@ -214,7 +221,7 @@ BARE_IDS = [
 
 
 @pytest.mark.parametrize("case", BARE_IDS, ids=case_id)
-def test_kimi_bare_counter_ids_call_the_only_tool_or_nothing(tokenizers, case):
+def test_kimi_bare_counter_ids_call_the_only_tool_or_the_one_the_arguments_fit(tokenizers, case):
     check_case(case, tokenizers)
 
 
@@ -333,6 +340,25 @@ DROPPED_CLOSES = [
     Case("qwen3_coder", "<tool_call>\n<function=write_file>\n<parameter=path>\na\n</parameter>\n\n"
          "<parameter=mode>\n1\n</parameter>\n\n</function>\n\n</tool_call>", FILES, "",
          [("write_file", {"path": "a", "mode": 1})], label="blank-lines"),
+    # vLLM's test_extract_tool_calls_missing_closing_parameter_tag: a `<parameter=NAME>` naming an
+    # argument of the tool not given yet ends the open value; it used to swallow the next parameter
+    Case("qwen3_coder", "<tool_call>\n<function=write_file>\n<parameter=path>\na.txt\n<parameter=mode>\n7\n"
+         "</parameter>\n<parameter=content>\nhi\n</parameter>\n</function>\n</tool_call>", FILES, "",
+         [("write_file", {"path": "a.txt", "mode": 7, "content": "hi"})], label="one-close-dropped"),
+    Case("qwen3_coder", "<tool_call>\n<function=write_file>\n<parameter=content>\nx\n<parameter=path>\na.txt\n"
+         "<parameter=mode>\n7\n</function>\n</tool_call>", FILES, "",
+         [("write_file", {"content": "x", "path": "a.txt", "mode": 7})], label="every-close-dropped"),
+    # ... but a `<parameter=NAME>` for an argument already given is text of the value
+    Case("qwen3_coder", "<tool_call>\n<function=write_file>\n<parameter=path>\na.txt\n</parameter>\n"
+         "<parameter=content>\nuse <parameter=path> here\n</parameter>\n</function>\n</tool_call>", FILES, "",
+         [("write_file", {"path": "a.txt", "content": "use <parameter=path> here"})], label="given-name-in-a-value"),
+    Case("glm45", "<tool_call>write_file\n<arg_key>path</arg_key>\n<arg_value>a.txt<arg_key>mode</arg_key>\n"
+         "<arg_value>7</arg_value>\n</tool_call>", FILES, "", [("write_file", {"path": "a.txt", "mode": 7})],
+         label="arg-value-close-dropped"),
+    Case("glm45", "<tool_call>write_file\n<arg_key>path</arg_key>\n<arg_value>a.txt</arg_value>\n"
+         "<arg_key>content</arg_key>\n<arg_value>see <arg_key>path</arg_key> here</arg_value>\n</tool_call>", FILES, "",
+         [("write_file", {"path": "a.txt", "content": "see <arg_key>path</arg_key> here"})],
+         label="given-name-in-a-value"),
 ]
 
 

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from tito.errors import InvalidArgument
-from tito.v1 import derender_pb2, sampling_pb2
-from tito_derender.convert import text_options
+from tito.v1 import chat_pb2, derender_pb2, sampling_pb2
+from tito_derender.convert import context_from_proto, text_options
 from tito_derender.domain import (
     EngineOutput, FinishReason, PositionLogprobs, RequestContext, TokenLogprob, ToolChoiceMode)
 from tito_derender.full import derender_full
@@ -126,6 +126,17 @@ def test_full_fills_tool_calls_reasoning_and_content(tiny_tokenizer):
     assert second.tool_calls == [] and second.finish_reason == FinishReason.LENGTH
     assert second.content == '<tool_call>{"name": "get_weather", "arguments": {"city": '
     assert usage.completion_tokens == len(a) + len(broken)
+
+
+@pytest.mark.parametrize("tool_parser,reads_schemas", [("qwen3_coder", True), ("glm45", True), ("kimi_k2", True),
+                                                    ("hermes", False)])
+def test_the_tools_schemas_reach_the_parsers_that_read_them(tool_parser, reads_schemas):
+    """kimi_k2 matches a call with a bare counter id to its tool by the schemas."""
+    tool = chat_pb2.Tool(type="function", function=chat_pb2.FunctionDefinition(name="get_weather"))
+    tool.function.parameters.update({"type": "object", "properties": {"city": {"type": "string"}}})
+    context = context_from_proto(derender_pb2.DerenderContext(tool_parser=tool_parser, tools=[tool]))
+    expected = (("get_weather", {"type": "object", "properties": {"city": {"type": "string"}}}),)
+    assert context.tool_schemas == (expected if reads_schemas else ())
 
 
 def test_spaces_between_special_tokens_default_false_when_absent():

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from importlib import import_module
 
 from tito.errors import InvalidArgument, quoted
-from tito.parsers import (REASONING_PARSER_NAMES, SCHEMA_TYPED_TOOL_PARSERS, STRUCTURAL_REASONING_PARSERS,
+from tito.parsers import (REASONING_PARSER_NAMES, SCHEMA_READING_TOOL_PARSERS, STRUCTURAL_REASONING_PARSERS,
                           TOOL_PARSER_NAMES, TOOL_PARSERS_NEEDING_SPECIAL_TOKENS)
 from tito_derender.domain import RequestContext, ToolChoiceMode
 from tito_derender.parsers.harmony import HarmonyReasoningParser
@@ -43,7 +43,7 @@ def _tool_parser_class(name: str) -> type[ToolParser]:
 
 #: The tool-call formats of tito.parsers, by name -> ToolParser class.
 TOOL_PARSERS: dict[str, type[ToolParser]] = {name: _tool_parser_class(name) for name in TOOL_PARSER_NAMES}
-__all__ = ["REASONING_PARSERS", "SCHEMA_TYPED_TOOL_PARSERS", "STRUCTURAL_REASONING_PARSERS", "TOOL_PARSERS",
+__all__ = ["REASONING_PARSERS", "SCHEMA_READING_TOOL_PARSERS", "STRUCTURAL_REASONING_PARSERS", "TOOL_PARSERS",
            "needs_special_tokens", "reasoning_parser_for", "tool_stage_for", "validate_parser_names"]
 
 

@@ -5,7 +5,8 @@
 - V3.1: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...
   <｜tool▁calls▁end｜>`.
 
-Text before the section is content, as is text after it. The markers are added tokens of the
+Text before the section is content, as is text after it. In the section, a broken call's markup
+is content and the calls after it are still read. The markers are added tokens of the
 DeepSeek tokenizers (not special ones, so the default skip_special_tokens keeps them).
 """
 
@@ -35,13 +36,16 @@ class DeepSeekV3ToolParser(MarkupToolParser):
         return self._open(text, CALLS_BEGIN, self._section)
 
     def _section(self, text: str) -> str | None:
-        return self._expect(text, {CALL_BEGIN: self._call_header, CALLS_END: self._content_state},
-                            opening=(CALL_BEGIN,))
+        return self._between_calls(text, CALL_BEGIN, self._call_header, CALLS_END)
+
+    def _broken(self, text: str) -> str:
+        """This call is none: its markup is content and the section goes on."""
+        return self._break_call(text, CALL_END, self._section)
 
     def _call_header(self, text: str) -> str | None:
         split = self._header(text, SEP)
         if not split:
-            return WAIT if split is None else self._give_up(text)
+            return WAIT if split is None else self._broken(text)
         before, _, after = split
         kind = before.strip()
         self._fenced = kind == "function" and not after.lstrip().startswith("{")
@@ -54,21 +58,21 @@ class DeepSeekV3ToolParser(MarkupToolParser):
     def _v3_name(self, text: str) -> str | None:
         split = self._header(text, "\n")
         if not split:
-            return WAIT if split is None else self._give_up(text)
+            return WAIT if split is None else self._broken(text)
         before, _, after = split
         self._name = before.strip()
         self._state = self._v3_fence
         return self._consume(text, len(text) - len(after))
 
     def _v3_fence(self, text: str) -> str | None:
-        return self._expect(text, {FENCE_OPEN: self._arguments_start})
+        return self._expect(text, {FENCE_OPEN: self._arguments_start}, otherwise=self._broken)
 
     def _arguments_start(self, text: str) -> str | None:
         stripped = text.lstrip()
         if not stripped:
             return WAIT
         if stripped[0] != "{" or not self._name:
-            return self._give_up(text)
+            return self._broken(text)
         if not self.accept_name(self._name):
             return self._reject(text, CALL_END, self._section)
         text = self._consume(text, len(text) - len(stripped))
@@ -76,7 +80,7 @@ class DeepSeekV3ToolParser(MarkupToolParser):
         return text
 
     def _object(self, text: str) -> str | None:
-        return self._feed_object(text, self._v3_fence_close if self._fenced else self._call_end)
+        return self._feed_object(text, self._v3_fence_close if self._fenced else self._call_end, self._broken)
 
     def _v3_fence_close(self, text: str) -> str | None:
         return self._expect(text, {FENCE_CLOSE: self._call_end})

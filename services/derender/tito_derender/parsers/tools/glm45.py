@@ -34,6 +34,8 @@ class Glm45ToolParser(MarkupToolParser):
     def __init__(self, **options) -> None:
         super().__init__(**options)
         self._key = ""
+        self._properties: tuple[str, ...] = ()  # the argument names the called tool declares
+        self._openers: tuple[str, ...] = ()  # where the open value ends for a model that dropped `</arg_value>`
 
     def _content_state(self, text: str) -> str | None:
         return self._open(text, START, self._name)
@@ -48,6 +50,7 @@ class Glm45ToolParser(MarkupToolParser):
             return self._give_up(text)
         text = self._consume(text, len(text) - len(marker) - len(split[2]))  # up to the marker
         self._call = KeyValueArguments(self, name, "json")
+        self._properties = self.property_names(name)
         self._state = self._body
         return text
 
@@ -63,15 +66,29 @@ class Glm45ToolParser(MarkupToolParser):
         return self._consume(text, len(text) - len(after))
 
     def _value_open(self, text: str) -> str | None:
-        return self._expect(text, {VALUE: self._value})
+        return self._expect(text, {VALUE: self._value_start})
+
+    @immediate
+    def _value_start(self, text: str) -> str | None:
+        """The value of the current key begins. It ends early at an `<arg_key>NAME</arg_key>`
+        naming an argument of the tool that is not given yet (the model dropped `</arg_value>`);
+        other `<arg_key>` text stays in the value."""
+        given = self._call.keys | {self._key.strip()}
+        self._openers = tuple(f"{KEY}{name}{KEY_END}" for name in self._properties if name not in given)
+        self._call.begin_value(self._key)
+        self._state = self._value
+        return text
 
     def _value(self, text: str) -> str | None:
-        found = self._scan_value(text, VALUE_ENDS)
+        found = self._scan_value(text, VALUE_ENDS, self._openers)
         if found is None:
             return ""
-        value, _, rest = found
+        value, marker, rest = found
         if not self._call.add(self._key.strip(), value):
             return self._give_up(rest)
+        if marker in self._openers:  # the next key, its value's `</arg_value>` dropped
+            self._key, self._state = marker[len(KEY):-len(KEY_END)], self._value_open
+            return rest
         self._state = self._body
         return rest
 

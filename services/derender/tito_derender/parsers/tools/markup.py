@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ast
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from tito_derender.parsers.markers import partial_marker_length
@@ -50,6 +50,7 @@ class MarkupToolParser(ToolParser):
         self._closing = False  # after a complete call, before the next one begins
         self._parts: list[str] = []  # a value gathered so far (see _scan_value)
         self._pending = ""  # the value's text from a possible closing marker on (see _scan_value)
+        self._calls_before_section = 0  # calls made before the open section (see _between_calls)
         self._state: Callable[[str], str | None] = self._content_state
 
     # -- the parser's interface
@@ -90,16 +91,28 @@ class MarkupToolParser(ToolParser):
 
     def _open(self, text: str, marker: str, state) -> str:
         """Content up to `marker`; from there on the markup is read by `state`."""
-        rest = self._content_until(text, marker)
-        if rest is None:
-            return ""
-        self._raw, self._call, self._closing, self._state = marker, None, False, state
-        return rest
+        return self._open_first(text, {marker: state})
 
-    def _expect(self, text: str, choices: dict, opening: tuple[str, ...] = ()):
+    def _open_first(self, text: str, states: Mapping[str, Callable[[str], str | None]]) -> str:
+        """Content up to the first of the markers `states` maps; from there on the markup is
+        read by its state (what may be the start of one is held)."""
+        found = [(position, marker) for marker in states if (position := text.find(marker)) >= 0]
+        if not found:
+            keep = max(partial_marker_length(text, marker) for marker in states)
+            self._content(text[:len(text) - keep])
+            self._held = text[len(text) - keep:]
+            return ""
+        position, marker = min(found)
+        self._content(text[:position])
+        self._raw, self._call, self._closing, self._state = marker, None, False, states[marker]
+        self._calls_before_section = self.calls_made
+        return text[position + len(marker):]
+
+    def _expect(self, text: str, choices: dict, opening: tuple[str, ...] = (), otherwise=None):
         """After optional whitespace, one of the literal `choices`: consume it and go to its
         state (a literal in `opening` begins a new call: its markup is kept from there). WAIT
-        while the text may still become one; give up (content) when it cannot."""
+        while the text may still become one; when it cannot, `otherwise(text)` (by default give
+        up: content)."""
         stripped = text.lstrip()
         if not stripped:
             return WAIT
@@ -113,7 +126,7 @@ class MarkupToolParser(ToolParser):
                 return state(rest) if getattr(state, "immediate", False) else rest
         if any(literal.startswith(stripped) for literal in choices):
             return WAIT
-        return self._give_up(text)
+        return (otherwise or self._give_up)(text)
 
     @staticmethod
     def _until(text: str, *markers: str) -> tuple[str, str, str] | None:
@@ -138,6 +151,43 @@ class MarkupToolParser(ToolParser):
         self._state = lambda rest: self._skip_call(rest, end, state)
         return text
 
+    def _break_call(self, text: str, end: str, state) -> str:
+        """A call inside a section (DeepSeek's, Kimi's) breaks (an id or header that is none,
+        arguments that are no JSON object): its markup up to and including `end` is content (a
+        call already out has its arguments closed first), then the section is read on in `state`,
+        so the calls after it are still calls."""
+        call, raw = self._call, self._raw
+        if call is not None:
+            raw = call.fail(raw)
+        self._call, self._raw, self._parts, self._pending = None, raw, [], ""
+        return self._reject(text, end, state)
+
+    def _between_calls(self, text: str, call_begin: str, call_state, section_end: str) -> str | None:
+        """In a section, before a call: the next call (`call_begin`, read by `call_state`) or the
+        section's end. Other text there is content, and the section is read on (vLLM drops it).
+        A section that made no call was no call markup: its end is content too, so all its text
+        is (as it is for any markup that is no call)."""
+        stripped = text.lstrip()
+        if stripped.startswith(call_begin):
+            return self._expect(text, {call_begin: call_state}, opening=(call_begin,))
+        if stripped.startswith(section_end):
+            end = len(text) - len(stripped) + len(section_end)
+            if self.calls_made == self._calls_before_section:
+                self._content(("" if self._closing else self._raw) + text[:end])
+            self._raw, self._state = "", self._content_state
+            return text[end:]
+        if not stripped or call_begin.startswith(stripped) or section_end.startswith(stripped):
+            return WAIT
+        found = [position for marker in (call_begin, section_end) if (position := text.find(marker)) >= 0]
+        cut = min(found) if found else \
+            len(text) - max(partial_marker_length(text, marker) for marker in (call_begin, section_end))
+        self._content(("" if self._closing else self._raw) + text[:cut])
+        self._raw = ""
+        if found:
+            return text[cut:]
+        self._held = text[cut:]
+        return ""
+
     def _skip_call(self, text: str, end: str, state) -> str | None:
         position = text.find(end)
         if position < 0:  # content as it comes, but for what may be the start of `end`
@@ -149,60 +199,77 @@ class MarkupToolParser(ToolParser):
         self._raw, self._closing, self._state = "", True, state
         return text[position + len(end):]
 
-    def _scan_value(self, text: str, closers: Mapping[str, tuple[str, ...]]) -> tuple[str, str, str] | None:
+    def _scan_value(self, text: str, closers: Mapping[str, tuple[str, ...]],
+                    openers: Collection[str] = ()) -> tuple[str, str, str] | None:
         """A value that may itself hold markup (code, XML, HTML a tool writes to a file), gathered
         over any number of feeds. It ends at a closing marker (a key of `closers`) only where,
         after optional whitespace, one of that marker's followers comes next (`</parameter>` then
         `<parameter=` or `</function>`): a closing marker followed by anything else is part of
-        the value. Returns (value, the closing marker, the text from the follower on, to read
-        next), or None when the end has not come yet; all of `text` is taken then (a possible
+        the value. It also ends where one of `openers` begins (the start of the next argument,
+        `<parameter=city>`, written by a model that dropped the closing marker). Returns (value,
+        the closing marker or opener, the text to read next: from the follower on, or after the
+        opener), or None when the end has not come yet; all of `text` is taken then (a possible
         end is kept in `_pending`, at most a marker, whitespace and a follower long), so each
-        character is scanned a bounded number of times."""
+        character is scanned a bounded number of times. Text known to be the value's goes to
+        `_value_text` as it is found."""
         buffer = self._pending + text
         self._pending = ""
         self._consume(text, len(text))
+        markers = (*closers, *openers)
         position = 0
         while True:
-            found = [(index, marker) for marker in closers if (index := buffer.find(marker, position)) >= 0]
+            found = [(index, marker) for marker in markers if (index := buffer.find(marker, position)) >= 0]
             if not found:
-                keep = max(partial_marker_length(buffer[position:], marker) for marker in closers)
-                self._parts.append(buffer[position:len(buffer) - keep])
+                keep = max(partial_marker_length(buffer[position:], marker) for marker in markers)
+                self._value_text(buffer[position:len(buffer) - keep])
                 self._pending = buffer[len(buffer) - keep:]
                 return None
             index, marker = min(found)
             after = buffer[index + len(marker):]
+            if marker in openers:
+                return self._value_end(buffer[position:index], marker, after)
             stripped = after.lstrip()
             followers = closers[marker]
-            follower = next((f for f in followers if stripped.startswith(f)), None)
-            if follower is not None:
-                value = "".join(self._parts) + buffer[position:index]
-                self._parts = []
-                rest = stripped
-                if not self._closing and rest:
-                    self._raw = self._raw[:len(self._raw) - len(rest)]  # read again by the next state
-                return value, marker, rest
+            if any(stripped.startswith(follower) for follower in followers):
+                return self._value_end(buffer[position:index], marker, stripped)
             maybe = not stripped or any(f.startswith(stripped) for f in followers)
             if maybe and len(after) - len(stripped) <= MAX_HEADER_CHARS:
-                self._parts.append(buffer[position:index])
+                self._value_text(buffer[position:index])
                 self._pending = buffer[index:]  # wait: whitespace, or the start of a follower
                 return None
-            self._parts.append(buffer[position:index + 1])  # part of the value: look further on
+            self._value_text(buffer[position:index + 1])  # part of the value: look further on
             position = index + 1
+
+    def _value_text(self, text: str) -> None:
+        """Text `_scan_value` found to be part of the value: kept, and passed to the call, which
+        streams a string value as it comes (KeyValueArguments.extend)."""
+        if text:
+            self._parts.append(text)
+            if isinstance(self._call, KeyValueArguments):
+                self._call.extend(text)
+
+    def _value_end(self, last: str, marker: str, rest: str) -> tuple[str, str, str]:
+        value = "".join(self._parts) + last
+        self._parts = []
+        if not self._closing and rest:
+            self._raw = self._raw[:len(self._raw) - len(rest)]  # read again by the next state
+        return value, marker, rest
 
     def _done(self) -> None:
         """The current call is complete: what follows up to the next call is closing markup."""
         self._call, self._raw, self._closing = None, "", True
 
-    def _feed_object(self, text: str, after: Callable[[str], str | None]) -> str | None:
+    def _feed_object(self, text: str, after: Callable[[str], str | None], broken=None) -> str | None:
         """Feed the call's JSON-object arguments; once the object is complete, the parser goes on
-        in state `after` (the format's closing markup). Broken arguments give the call up."""
+        in state `after` (the format's closing markup). Broken arguments give the call up (or
+        call `broken(rest)`)."""
         consumed = self._call.feed(text)
         if self._call.status == DONE:
             self._done()
             self._state = after
         text = text[consumed:]
         if self._call is not None and self._call.status == FAILED:
-            return self._give_up(text)
+            return (broken or self._give_up)(text)
         return text
 
     def _give_up(self, text: str) -> str:
@@ -224,6 +291,12 @@ class MarkupToolParser(ToolParser):
         parameters = self.tools.get(function) or {}
         properties = parameters.get("properties") if isinstance(parameters, dict) else None
         return (properties.get(key) if isinstance(properties, dict) else None), parameters
+
+    def property_names(self, function: str) -> tuple[str, ...]:
+        """The argument names the schema of `function` declares (none for a tool without one)."""
+        parameters = self.tools.get(function)
+        properties = parameters.get("properties") if isinstance(parameters, dict) else None
+        return tuple(key for key in properties if isinstance(key, str)) if isinstance(properties, dict) else ()
 
 
 class ObjectArguments:
@@ -281,6 +354,9 @@ class KeyValueArguments:
         self._name = name
         self._unknown = unknown
         self._members: list[str] = []  # JSON members, kept while the call is not out
+        self.keys: set[str] = set()  # the argument names given so far
+        self._value: StringValueStream | None = None  # the string value streaming now
+        self._braced = False  # the arguments' "{" is out
         self.index: int | None = None
         self.status = PENDING
         if parser.streaming:
@@ -290,26 +366,68 @@ class KeyValueArguments:
     def name_sent(self) -> bool:
         return self.index is not None
 
+    def begin_value(self, key: str, *, trim_newline: bool = False, stop_at: str = "") -> None:
+        """The value of `key` begins. Streamed, a value the schema makes a plain string (string
+        types only; a key it does not name, where such keys are strings) goes out as its text is
+        found (`extend`), not once it is complete, so a long file a tool writes shows as it is
+        written: `"key": "` now, the text as it comes, the rest and `"` at `add`.
+        `trim_newline` and `stop_at` say what `StringValueStream` holds back."""
+        key = key.strip()
+        self._value = None
+        if not self.name_sent or not is_utf8(key) or not self._plain_string(key):
+            return
+        self._value = StringValueStream(key, trim_newline, stop_at)
+        self._send(json.dumps(key, ensure_ascii=False) + ': "', member=True)
+
+    def extend(self, text: str) -> None:
+        """More text of the value begun last (see begin_value)."""
+        if self._value is None:
+            return
+        if not is_utf8(text):  # no JSON string carries it: `add` will find the call malformed
+            self._value.stop()
+            return
+        ready = self._value.take(text)
+        if ready:
+            self._send(_json_string_body(ready))
+
+    def _plain_string(self, key: str) -> bool:
+        schema, root = self._parser.parameter_schema(self._name, key)
+        kinds = schema_types(schema, root)
+        return all(kind in _STRING_TYPES for kind in kinds) if kinds else self._unknown == "string"
+
     def add(self, key: str, raw_value: str) -> bool:
         """Add one argument; False (the call is malformed) for a key or value JSON cannot carry."""
+        streamed = self._value if self._value is not None and self._value.key == key else None
         schema, root = self._parser.parameter_schema(self._name, key)
         value = typed_value(raw_value, schema, self._unknown, root)
         if not is_utf8(key) or (isinstance(value, str) and not is_utf8(value)):
             return False
         member = json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
-        separator = ", " if self._members else "{"
+        if streamed is not None:  # its text went out as it came: the rest, and the string's end
+            self._value = None
+            self._send(_json_string_body(raw_value[streamed.sent:]) + '"')
+        elif self.name_sent:
+            self._send(member, member=True)
         self._members.append(member)
-        if self.name_sent:
-            self._parser._arguments(self.index, separator + member)
+        self.keys.add(key)
         return True
 
+    def _send(self, fragment: str, member: bool = False) -> None:
+        """Stream an arguments fragment; `member`: it begins a member (after "{" or ", ")."""
+        if member:
+            fragment = (", " if self._braced else "{") + fragment
+            self._braced = True
+        self._parser._arguments(self.index, fragment)
+
     def close(self) -> None:
-        text = "{" + ", ".join(self._members) + "}"
         if not self.name_sent:
             self.index = self._parser._start_call(self._name)
-            self._parser._arguments(self.index, text)
+            self._parser._arguments(self.index, "{" + ", ".join(self._members) + "}")
         else:
-            self._parser._arguments(self.index, "}" if self._members else "{}")
+            if self._value is not None:  # a string value cut off while it streamed: end its string
+                self._value = None
+                self._send('"')
+            self._send("}" if self._braced else "{}")
         self.status = DONE
 
     def fail(self, raw: str) -> str:
@@ -319,6 +437,56 @@ class KeyValueArguments:
             return raw
         self.close()
         return ""
+
+
+class StringValueStream:
+    """Which text of a string value that streams (KeyValueArguments.begin_value) can go out now.
+    Held back: with `trim_newline`, a leading newline and, until more text follows, a trailing
+    one (the newline the template writes on each side of a Qwen3-Coder value is not part of it);
+    from `stop_at` on (`<parameter=`), everything until the value ends, since the parser may yet
+    split the value there (Qwen3CoderToolParser._add_values); and what may be its start."""
+
+    def __init__(self, key: str, trim_newline: bool, stop_at: str) -> None:
+        self.key = key
+        self.sent = 0  # characters of the value sent
+        self._trim_newline = trim_newline
+        self._stop_at = stop_at
+        self._held = ""
+        self._started = False
+        self._stopped = False
+
+    def stop(self) -> None:
+        """Send nothing more until the value ends."""
+        self._stopped = True
+
+    def take(self, text: str) -> str:
+        """Of what is held and `text` (the value's next text), the part that can be sent now."""
+        if self._stopped:
+            return ""
+        text = self._held + text
+        if not self._started and text:
+            self._started = True
+            if self._trim_newline and text.startswith("\n"):
+                text = text[1:]
+        keep = 0
+        if self._stop_at:
+            position = text.find(self._stop_at)
+            if position >= 0:
+                self._stopped = True
+                keep = len(text) - position
+            else:
+                keep = partial_marker_length(text, self._stop_at)
+        ready = text[:len(text) - keep]
+        if self._trim_newline and ready.endswith("\n"):
+            ready = ready[:-1]
+        self._held = text[len(ready):]
+        self.sent += len(ready)
+        return ready
+
+
+def _json_string_body(text: str) -> str:
+    """`text` as it stands inside a JSON string (escaped, without the quotes)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
 _STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}

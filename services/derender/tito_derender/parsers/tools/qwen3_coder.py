@@ -9,14 +9,18 @@
     </function>
     </tool_call>
 
+A `<function=NAME>` without the `<tool_call>` before it is a call too (a model that dropped it).
+
 Values are text, typed by the tool's JSON schema (see markup.typed_value: strings stay raw,
 numbers / booleans / objects are parsed; a key the schema does not know stays a string). The newline the template writes on each side of a value is not part of it.
 
 A value may hold markup itself (code, XML, HTML a tool writes to a file, `<parameter=` or
 `<tool_call>` text included): it ends only at a `</parameter>` followed, after whitespace, by
-`<parameter=` or `</function>`, or at a `</function>` followed by `</tool_call>` (or the end of the
-output): a model that drops `</parameter>`. In such a value with no `</parameter>` at all, each
-`<parameter=` starts the next parameter. Arguments stream one member per completed parameter.
+`<parameter=` or `</function>`; for a model that drops `</parameter>`, at a `<parameter=NAME>`
+naming an argument of the tool not given yet, or at a `</function>` followed by `</tool_call>` (or
+the end of the output). In a value that ended at `</function>` with no `</parameter>` at all, each
+`<parameter=` starts the next parameter. Streamed, a string value goes out as its text comes;
+other values one member per completed parameter.
 """
 
 from __future__ import annotations
@@ -52,9 +56,12 @@ class Qwen3CoderToolParser(MarkupToolParser):
     def __init__(self, **options) -> None:
         super().__init__(**options)
         self._key = ""
+        self._properties: tuple[str, ...] = ()  # the argument names the called tool declares
+        self._openers: tuple[str, ...] = ()  # where the open value ends for a model that dropped `</parameter>`
 
     def _content_state(self, text: str) -> str | None:
-        return self._open(text, START, self._function)
+        # `<function=` alone opens a call too: the model dropped `<tool_call>` (vLLM reads it so)
+        return self._open_first(text, {START: self._function, FUNCTION: self._function_name})
 
     def _function(self, text: str) -> str | None:
         return self._expect(text, {FUNCTION: self._function_name})
@@ -69,6 +76,7 @@ class Qwen3CoderToolParser(MarkupToolParser):
             return self._give_up(text)
         text = self._consume(text, len(text) - len(after))
         self._call = KeyValueArguments(self, name, self.unknown_parameters)
+        self._properties = self.property_names(name)
         self._state = self._body
         return text
 
@@ -79,12 +87,21 @@ class Qwen3CoderToolParser(MarkupToolParser):
         split = self._header(text, ">")
         if not split:
             return WAIT if split is None else self._give_up(text)
-        self._key, _, after = split
-        self._state = self._parameter_value
+        key, _, after = split
+        self._begin_value(key)
         return self._consume(text, len(text) - len(after))
 
+    def _begin_value(self, key: str) -> None:
+        """The value of `key` begins. It ends early at a `<parameter=NAME>` naming an argument of
+        the tool that is not given yet (the model dropped `</parameter>`); any other
+        `<parameter=` text stays in the value (code or markup the tool writes)."""
+        self._key, self._state = key, self._parameter_value
+        given = self._call.keys | {key.strip()}
+        self._openers = tuple(f"{PARAMETER}{name}>" for name in self._properties if name not in given)
+        self._call.begin_value(key, trim_newline=True, stop_at=PARAMETER)
+
     def _parameter_value(self, text: str) -> str | None:
-        found = self._scan_value(text, VALUE_ENDS)
+        found = self._scan_value(text, VALUE_ENDS, self._openers)
         if found is None:
             return ""
         value, marker, rest = found
@@ -92,6 +109,9 @@ class Qwen3CoderToolParser(MarkupToolParser):
             return self._give_up(rest)
         if marker == FUNCTION_END:  # `</function>` right after the value (its `</parameter>` dropped)
             return self._function_end(rest)
+        if marker in self._openers:  # the next parameter, its `</parameter>` dropped
+            self._begin_value(marker[len(PARAMETER):-1])
+            return rest
         self._state = self._body
         return rest
 
@@ -139,7 +159,7 @@ class Qwen3CoderToolParser(MarkupToolParser):
             return WAIT
         self._state = self._content_state  # a forgotten </tool_call>: the rest is content
         self._closing = False
-        return stripped
+        return text
 
 
 #: The parser of this format (tito.parsers finds it here by the format name).
