@@ -2,7 +2,7 @@
 
     python tests/support/bench_smoke_runner.py RESULTS.json '["engine", "--vllm"]' '["derender"]' ...
 
-Each command runs as `python bench/NAME.py ARGS --smoke` would run it (the script as __main__ with
+Each command runs as `python bench/<name>.py ARGS --smoke` would run it (the script as __main__ with
 its own argv and the bench directory on the path), so the imports the benches share (torch,
 transformers, tito's services: seconds each) are paid once per runner, not once per command. A
 command's outcome (its exit status, or 1 and the traceback for an exception) goes to
@@ -44,7 +44,7 @@ def run(script: str, args: list[str]) -> tuple[int, str]:
 
 def main() -> int:
     results_path, *commands = sys.argv[1:]
-    sys.path.insert(0, str(BENCH))  # as `python bench/NAME.py` puts it there (benches import bench/processes.py)
+    sys.path.insert(0, str(BENCH))  # as `python bench/<name>.py` puts it there (benches import bench/processes.py)
     results = {}
     for command in commands:
         script, *args = json.loads(command)
