@@ -5,7 +5,8 @@ each call's final gRPC status whatever decided it: a handler's answer, an error 
 into a status, a refused token, a cancelled call. Per call it records
 `tito_grpc_requests_total{method,code}` and `tito_grpc_request_duration_seconds{method}` (when
 the server has metrics), and for tito.v1 methods opens a server span that continues the caller's
-W3C trace context (when tracing is on; tito.tracing; health checks and reflection are not traced). start_server adds it only when one of them is on.
+W3C trace context (when tracing is on; tito.tracing; health checks and reflection are not traced).
+start_server adds it only when one of them is on.
 """
 
 from __future__ import annotations

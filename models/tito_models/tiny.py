@@ -1,8 +1,8 @@
 """Deterministic, offline builder for tiny Hugging Face model directories.
 
-The models built here are random-weight toys (Qwen2, Qwen2-VL, Gemma3, Llama, Qwen3, Qwen2.5-VL, Qwen3-VL) used by the tests and
-as the default model of ``tito serve``.  Nothing is downloaded: the tokenizer is
-trained from a corpus embedded in this module and the weights come from
+The models built here are random-weight toys (Qwen2, Qwen2-VL, Gemma3, Llama, Qwen3, Qwen2.5-VL,
+Qwen3-VL) used by the tests and as the default model of ``tito serve``.  Nothing is downloaded:
+the tokenizer is trained from a corpus embedded in this module and the weights come from
 private generators seeded per parameter name (normal(0, 0.2) for matrices, so
 greedy output is varied), so every build writes byte-identical files.  Only
 ``tokenizers``, ``torch`` and ``transformers`` are needed, imported lazily.
@@ -106,7 +106,8 @@ Eleven models are available:
     (``Qwen2VLImageProcessorFast`` settings, patch 16, mean = std = 0.5, 4..64 merged tokens per
     image) and ``video_preprocessor_config.json`` (``Qwen3VLVideoProcessor``: 4096..131072 pixels
     over all frames, no frame sampling). Its chat template is the shared one, which renders image
-    and video parts as Qwen3-VL's does (``<|vision_start|><|image_pad|><|vision_end|>``, ``<|vision_start|><|video_pad|><|vision_end|>``).
+    and video parts as Qwen3-VL's does (``<|vision_start|><|image_pad|><|vision_end|>``,
+    ``<|vision_start|><|video_pad|><|vision_end|>``).
 
 These four use the shared tokenizer, chat template and generation config unchanged.
 
@@ -283,11 +284,13 @@ PAD_TOKEN = "<|endoftext|>"
 
 # Same split regex as transformers' Qwen2Tokenizer (PRETOKENIZE_REGEX).
 _QWEN2_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 # Fixed training corpus: varied English prose, code, JSON, numbers, punctuation,
-# chat/tool phrasing and some non-ASCII text.  Changing it changes every id.
+# chat/tool phrasing and some non-ASCII text.  Changing it changes every id, so its long lines
+# stay whole (the noqa at its end).
 _CORPUS = r'''
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
 Hello, world! How are you today? I am fine, thank you. What time is it? It is 10:45 in the morning.
@@ -369,14 +372,15 @@ Tabs	and	spaces    and
 newlines
 
 and blank lines end here.
-'''
+'''  # noqa: E501
 
 
 _VISION_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 _VISION_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 
 #: Qwen3-style chat template (tools, tool calls, tool responses, thinking,
-#: ``enable_thinking``) with Qwen2-VL style multimodal content parts.
+#: ``enable_thinking``) with Qwen2-VL style multimodal content parts. Its long lines are written
+#: as in Qwen3's template and kept whole, so the two compare line by line (the noqa at its end).
 CHAT_TEMPLATE = (
     r"""{%- macro render_content(content) -%}
     {%- if content is none or content is undefined -%}
@@ -490,7 +494,7 @@ CHAT_TEMPLATE = (
         {{- '<think>\n\n</think>\n\n' }}
     {%- endif %}
 {%- endif %}
-"""
+"""  # noqa: E501
 )
 
 # --------------------------------------------------------------------------- helpers
@@ -581,7 +585,10 @@ def _train_backend_tokenizer(extra_special_tokens: tuple[str, ...] = (), extra_t
     tokenizer = train_bpe()
 
     tokenizer.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False, lstrip=False, rstrip=False, single_word=False) for t in SPECIAL_TOKENS]
+        [
+            AddedToken(t, special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
+            for t in SPECIAL_TOKENS
+        ]
     )
     tokenizer.add_tokens(
         [
@@ -1126,8 +1133,9 @@ INTERLEAVED_TOKENS_PER_IMAGE = 16
 INTERLEAVED_SPAN_SEPARATOR = "\n\n"
 #: Gemma3's tokenizer has runs of one to four newlines as single tokens, and vLLM's Gemma3
 #: processor looks them up by their text (a byte-level BPE spells a newline "Ċ", so the shared
-#: vocabulary has none of them and vLLM refuses to start). The vLLM-loadable variant adds them as ordinary added tokens after the image tokens (ids 1016..1019);
-#: added tokens match longest first, so a run of newlines is one token, as in Gemma3.
+#: vocabulary has none of them and vLLM refuses to start). The vLLM-loadable variant adds them as
+#: ordinary added tokens after the image tokens (ids 1016..1019); added tokens match longest first,
+#: so a run of newlines is one token, as in Gemma3.
 NEWLINE_RUN_TOKENS = ("\n", "\n\n", "\n\n\n", "\n\n\n\n")
 
 

@@ -78,8 +78,8 @@ def test_a_model_without_weights_is_one_line_before_any_start_up_line(backend, n
                                log_level="info")
     # Not even the config / CPU placement / listening / bind lines: the model is checked first.
     assert code == 2 and len(lines) == 1, lines
-    assert lines[0] == f"tito serve engine: --model {no_weights}: no weight files (*.safetensors, pytorch_model*.bin) " \
-                       f"in {no_weights}"
+    assert lines[0] == (f"tito serve engine: --model {no_weights}: no weight files "
+                        f"(*.safetensors, pytorch_model*.bin) in {no_weights}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -96,7 +96,8 @@ def test_a_model_vllm_cannot_serve_is_one_line(unknown_architecture, tmp_path):
     code, lines = serve_engine("--address", f"unix:{tmp_path / 's.sock'}", "--model", str(unknown_architecture),
                                "--backend", "vllm")
     line = one_line(lines, vllm=True)
-    assert code == 2 and line.startswith(f"tito serve engine: vLLM cannot serve --model {unknown_architecture}: "), lines
+    assert code == 2, lines
+    assert line.startswith(f"tito serve engine: vLLM cannot serve --model {unknown_architecture}: "), lines
     assert "NoSuchForCausalLM" in line and len(line) < 400, lines
 
 

@@ -169,5 +169,6 @@ def test_a_long_valid_prompt_does_not_stall_other_renders(render_process):
                 with pytest.raises(grpc.RpcError):
                     stub.RenderChat(long, timeout=60)
     assert statistics.median(busy) < 2 * idle + 0.002
-    print(f"\nsmall render latency while long prompts render: p50 {statistics.median(busy) * 1000:.1f} ms, max {max(busy) * 1000:.1f} ms (idle p50 {idle * 1000:.1f} ms)")
+    print(f"\nsmall render latency while long prompts render: p50 {statistics.median(busy) * 1000:.1f} ms, "
+          f"max {max(busy) * 1000:.1f} ms (idle p50 {idle * 1000:.1f} ms)")
     assert max(busy) < 0.25, f"a small render waited {max(busy) * 1000:.0f} ms behind the long one"

@@ -37,7 +37,8 @@ def _name(common_name: str) -> x509.Name:
 
 def _write(path: Path, cert, key) -> tuple[str, str]:
     path.with_suffix(".crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    path.with_suffix(".key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+    path.with_suffix(".key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                           serialization.PrivateFormat.PKCS8,
                                                            serialization.NoEncryption()))
     return str(path.with_suffix(".crt")), str(path.with_suffix(".key"))
 

@@ -79,7 +79,8 @@ def test_full_with_tools_and_reasoning(stub, hf_tokenizer):
     response = stub.DerenderFull(derender_pb2.DerenderFullRequest(
         context=agent_context(hf_tokenizer),
         responses=[engine_pb2.GenerateResponse(index=0, token_ids=ids[:9]),
-                   engine_pb2.GenerateResponse(index=0, token_ids=ids[9:], finish_reason=engine_pb2.FINISH_REASON_STOP)]),
+                   engine_pb2.GenerateResponse(index=0, token_ids=ids[9:],
+                                               finish_reason=engine_pb2.FINISH_REASON_STOP)]),
         timeout=DEADLINE)
     [choice] = response.choices
     assert choice.finish_reason == engine_pb2.FINISH_REASON_TOOL_CALLS

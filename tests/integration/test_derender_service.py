@@ -141,7 +141,8 @@ def test_derender_full(stub, hf_tokenizer):
     request = derender_pb2.DerenderFullRequest(
         context=derender_pb2.DerenderContext(prompt_tokens=6, n=1),
         responses=[engine_pb2.GenerateResponse(index=0, token_ids=ids[:2]),
-                   engine_pb2.GenerateResponse(index=0, token_ids=ids[2:], finish_reason=engine_pb2.FINISH_REASON_LENGTH)])
+                   engine_pb2.GenerateResponse(index=0, token_ids=ids[2:],
+                                               finish_reason=engine_pb2.FINISH_REASON_LENGTH)])
     response = stub.DerenderFull(request, timeout=DEADLINE)
     [choice] = response.choices
     assert choice.message.role == "assistant" and choice.message.content == "complete answer 日本"

@@ -46,8 +46,8 @@ def prompts():
 @pytest.fixture(scope="module")
 def expected(hf_model, prompts):
     with torch.inference_mode():
-        return [hf_model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS
-                                  )[0, len(p):].tolist() for p in prompts]
+        return [hf_model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS,
+                                  min_new_tokens=NEW_TOKENS)[0, len(p):].tolist() for p in prompts]
 
 
 def greedy_request(prompt, request_id="", **sampling):

@@ -46,7 +46,8 @@ def prompts(count: int = 32) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def stubs(module_aio_server, tiny_text_model_d64):
     """One engine per backend on the same model and limits; the name -> stub."""
-    common = dict(model=str(tiny_text_model_d64), max_model_len=CONTEXT, max_running_sequences=64, max_choices_per_request=4)
+    common = dict(model=str(tiny_text_model_d64), max_model_len=CONTEXT, max_running_sequences=64,
+                  max_choices_per_request=4)
     configs = {
         "native": EngineConfig(device="cpu", engine_process=False, **common),
         "vllm": EngineConfig(backend="vllm", kv_cache_bytes=32 << 20, vllm_args=VLLM_ARGS, **common),

@@ -2,7 +2,8 @@
 == the native engine, on synthetic id sequences (short and >= 512 tokens), alone and at 32 at once.
 
 The tito server here is given no --dtype and no vLLM argument but `--enforce-eager` (both vLLMs
-run eager, to keep their start-up short on a small CPU): the defaults are what is under test. (vLLM's own `auto` computes a float32 checkpoint in bfloat16 on CPU; tito's `auto` keeps
+run eager, to keep their start-up short on a small CPU): the defaults are what is under test.
+(vLLM's own `auto` computes a float32 checkpoint in bfloat16 on CPU; tito's `auto` keeps
 float32 on both backends, and a backend left on vLLM's rule parted from the native engine's
 tokens within a few steps on these prompts.) The reference AsyncLLM is vLLM configured by hand
 for this checkpoint (float32), built without any tito code.

@@ -1,7 +1,8 @@
 """Images through the vllm backend over real gRPC, side by side with the native backend.
 
 Both backends serve `tiny-qwen2-vl-d64` (Qwen2-VL, head_dim 64: vLLM's CPU attention refuses 16)
-and a Qwen2.5-VL of the same text width (built here; windowed vision attention), in float32; requests come from render's own domain code (chat template, image processor, features
+and a Qwen2.5-VL of the same text width (built here; windowed vision attention), in float32;
+requests come from render's own domain code (chat template, image processor, features
 with tensors, HMAC tags), so the features vLLM receives are tito's, never vLLM's own processor's.
 Greedy tokens must equal the native backend's and Hugging Face `generate`'s on the same input_ids /
 pixel_values / image_grid_thw; for Qwen2.5-VL videos, whose M-RoPE text positions after the video

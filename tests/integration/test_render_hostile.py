@@ -374,7 +374,8 @@ def test_deep_response_format_and_tool_schemas_are_refused(text_stub, levels):
     parameters = as_tool.tools.add(type="function").function
     parameters.name = "f"
     parameters.parameters.CopyFrom(schema) if levels < 100 else _deep_into(parameters.parameters, levels)
-    for request, field in ((as_format, "response_format.json_schema.schema"), (as_tool, "tools[0].function.parameters")):
+    for request, field in ((as_format, "response_format.json_schema.schema"),
+                           (as_tool, "tools[0].function.parameters")):
         details = refused(text_stub, request)
         assert (details["code"], details["reason"]) == (INVALID, expected), details
         if expected == "STRUCT_TOO_DEEP":

@@ -50,9 +50,9 @@ _QWEN3 = _all(True, "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref
 # DeepSeek-V3 / R1 / V3.1: sentence markers special; roles, <think> and the tool markers are added
 # tokens that are not special (so the default skip_special_tokens keeps them).
 _DEEPSEEK = _all(True, "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>") + _all(
-    False, "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
-    "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>",
-    "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>")
+    False, "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>",
+    "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
+    "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>")
 # Kimi-K2: every reserved token is special.
 _KIMI = _all(True, "[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|start_header_id|>",
              "<|end_header_id|>", "[EOT]", "<|im_system|>", "<|tool_calls_section_begin|>",

@@ -101,7 +101,8 @@ class SchedulingSettings:
     # None: by device (startup_plan); the vllm backend then keeps vLLM's own default.
     max_prefill_tokens_per_step: int | None = setting(
         None, type=int,
-        default_text=f"native {DEFAULT_MAX_PREFILL_TOKENS} on CUDA, {DEFAULT_MAX_PREFILL_TOKENS_CPU} on CPU; vLLM its own",
+        default_text=f"native {DEFAULT_MAX_PREFILL_TOKENS} on CUDA, {DEFAULT_MAX_PREFILL_TOKENS_CPU} on CPU; "
+                     "vLLM its own",
         help="prompt tokens computed per step across requests; longer prompts are prefilled in chunks beside "
              "the running decodes (vllm: max_num_batched_tokens)")
     prefix_caching: bool = setting(True, help="reuse the KV of prompt blocks shared with earlier requests (same "
@@ -119,7 +120,8 @@ class SchedulingSettings:
                               f"model's max_position_embeddings)")
         if self.max_prefill_tokens_per_step is not None and self.max_prefill_tokens_per_step < 1:
             raise ConfigError(f"max_prefill_tokens_per_step={self.max_prefill_tokens_per_step} must be >= 1 "
-                              f"(default {DEFAULT_MAX_PREFILL_TOKENS} on CUDA, {DEFAULT_MAX_PREFILL_TOKENS_CPU} on CPU)")
+                              f"(default {DEFAULT_MAX_PREFILL_TOKENS} on CUDA, "
+                              f"{DEFAULT_MAX_PREFILL_TOKENS_CPU} on CPU)")
 
     def _check_choices(self) -> None:
         if not 1 <= self.max_choices_per_request <= self.max_running_sequences:

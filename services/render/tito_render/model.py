@@ -164,5 +164,6 @@ def load_render_model(config: RenderConfig) -> RenderModel:
                         keep_special_tokens=keeps_special_tokens(tokenizer, reasoning, tool),
                         vocabulary=vocabulary_of(tokenizer, model_config))
     log.info("loaded %s from %s: vocab %s, context %d, reasoning parser %r, tool parser %r, "
-             "generation defaults %s", config.model, path, model.vocabulary.describe(), limit, reasoning, tool, defaults)
+             "generation defaults %s", config.model, path, model.vocabulary.describe(), limit, reasoning, tool,
+             defaults)
     return model

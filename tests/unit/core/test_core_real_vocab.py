@@ -118,7 +118,8 @@ def test_rebuild_is_byte_identical_and_cached(tmp_path, tokenizer_dir, cache_dir
     assert sorted(p.name for p in again.iterdir()) == names
     for name in names:
         assert (again / name).read_bytes() == (tokenizer_dir / name).read_bytes(), name
-    assert tokenizer_dir == cache_dir / f"{tito_models.real_vocab.REAL_VOCAB_TOKENIZER}-{tito_models.real_vocab.VERSION}"
+    real_vocab = tito_models.real_vocab
+    assert tokenizer_dir == cache_dir / f"{real_vocab.REAL_VOCAB_TOKENIZER}-{real_vocab.VERSION}"
     stamp = (tokenizer_dir / "tokenizer.json").stat().st_mtime_ns
     assert ensure_real_vocab_tokenizer(cache_dir) == tokenizer_dir
     assert (tokenizer_dir / "tokenizer.json").stat().st_mtime_ns == stamp

@@ -7,7 +7,8 @@ import xgrammar
 from transformers import AutoTokenizer
 
 from tito.errors import InvalidArgument
-from tito.structured_output import INVALID_STRUCTURED_OUTPUT, StructuredOutputSpec, grammar_of, spec_from_proto, validate
+from tito.structured_output import (INVALID_STRUCTURED_OUTPUT, StructuredOutputSpec, grammar_of, spec_from_proto,
+                                    validate)
 from tito.v1 import sampling_pb2
 
 

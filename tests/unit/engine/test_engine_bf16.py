@@ -155,7 +155,8 @@ def test_dtype_is_a_flag_and_a_variable_that_reaches_the_core(capsys, monkeypatc
     # The flag's way to the core, on any CPU: whether this one computes bf16 is the next test's concern.
     monkeypatch.setattr(runner_module, "cpu_supports", lambda dtype: True)
     parser = cli.build_parser()
-    for argv, environ, expected in ((["--dtype", "bfloat16"], {}, "bfloat16"), ([], {"TITO_DTYPE": "float32"}, "float32"),
+    for argv, environ, expected in ((["--dtype", "bfloat16"], {}, "bfloat16"),
+                                    ([], {"TITO_DTYPE": "float32"}, "float32"),
                                     ([], {}, "auto")):
         argv = ["serve", "engine", *argv]
         args = parser.parse_args(argv)

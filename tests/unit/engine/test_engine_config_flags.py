@@ -10,8 +10,8 @@ from tito_cli import main as cli
 from tito.config import ConfigError
 from tito.env_flags import apply_env
 from tito_engine.config import EngineConfig
-from tito_engine.limits import (DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_PREFILL_TOKENS_CPU, DEFAULT_MAX_RUNNING_SEQUENCES,
-                                SchedulerLimits)
+from tito_engine.limits import (DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_PREFILL_TOKENS_CPU,
+                                DEFAULT_MAX_RUNNING_SEQUENCES, SchedulerLimits)
 from tito_engine.server import config_from_args
 from tito_engine.startup_plan import plan_startup, scheduler_limits
 from tito_models.paths import resolve_model
@@ -118,7 +118,8 @@ def test_the_shared_encoder_store_flags_teach_their_use(tmp_path):
     with pytest.raises(ConfigError, match="needs an encoder cache"):
         EngineConfig(encoder_store_dir=str(tmp_path), encoder_cache_bytes=0).validate()
     with pytest.raises(ConfigError, match="native backend only"):
-        EngineConfig(encoder_store_dir=str(tmp_path), backend="vllm", exclude_padding_ids=None)._validate_encoder_store()
+        config = EngineConfig(encoder_store_dir=str(tmp_path), backend="vllm", exclude_padding_ids=None)
+        config._validate_encoder_store()
     with pytest.raises(ConfigError, match="at least 1 MiB"):
         EngineConfig(encoder_store_dir=str(tmp_path), encoder_store_bytes=1000).validate()
     a_file = tmp_path / "file"

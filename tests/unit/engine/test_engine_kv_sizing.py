@@ -67,7 +67,8 @@ def test_this_machine_gives_the_0_5b_shape_32_contexts_of_2048_tokens():
 
 def test_the_native_runner_sizes_from_memory_and_logs_bytes_and_tokens(tiny_text_model, caplog):
     with caplog.at_level(logging.INFO, logger="tito_engine.model.runner"):
-        runner = ModelRunner(tiny_text_model, model_id="tiny-qwen2", device="cpu", kv_cache=KVCacheSpec(max_sequences=8))
+        runner = ModelRunner(tiny_text_model, model_id="tiny-qwen2", device="cpu",
+                             kv_cache=KVCacheSpec(max_sequences=8))
     layout = runner.cache.layout
     expected = kv_budget(available_host_memory(), layout.bytes_per_token, max_sequences=8,
                          context_length=runner.info.max_context_length)
@@ -78,6 +79,7 @@ def test_the_native_runner_sizes_from_memory_and_logs_bytes_and_tokens(tiny_text
 
 
 def test_a_fixed_size_wins(tiny_text_model):
-    runner = ModelRunner(tiny_text_model, model_id="tiny-qwen2", device="cpu", kv_cache=KVCacheSpec(cache_bytes=1 << 20))
+    runner = ModelRunner(tiny_text_model, model_id="tiny-qwen2", device="cpu",
+                         kv_cache=KVCacheSpec(cache_bytes=1 << 20))
     assert runner.cache.capacity_tokens * runner.cache.layout.bytes_per_token <= 1 << 20
     assert runner.cache.layout.dtype == torch.float32

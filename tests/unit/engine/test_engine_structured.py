@@ -129,7 +129,9 @@ def test_unconstrained_output_of_the_random_model_is_not_json(engine, tokenizer)
 def test_one_hundred_generated_schemas_validate_greedy_and_sampled(engine, tokenizer):
     schemas = generated_schemas()
     specs = [StructuredOutputSpec("json_schema", json.dumps(schema)) for schema in schemas]
-    inputs = [request(spec) for spec in specs] + [request(spec, temperature=1.0, seed=i) for i, spec in enumerate(specs)]
+    greedy = [request(spec) for spec in specs]
+    sampled = [request(spec, temperature=1.0, seed=i) for i, spec in enumerate(specs)]
+    inputs = greedy + sampled
     results = run_all(engine, inputs)
     checker = syntactic_format_checker()
     for i, (tokens, last) in enumerate(results):

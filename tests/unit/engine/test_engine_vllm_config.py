@@ -24,7 +24,8 @@ def vllm_config(*vllm_args, **fields) -> EngineConfig:
 
 def test_tito_flags_translate_and_vllm_arguments_pass_through():
     config = vllm_config("--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.5", "--dtype", "bfloat16",
-                         "--kv-cache-dtype", "fp8", "--enforce-eager", max_running_sequences=8, max_choices_per_request=4, max_model_len=512,
+                         "--kv-cache-dtype", "fp8", "--enforce-eager",
+                         max_running_sequences=8, max_choices_per_request=4, max_model_len=512,
                          prefix_caching=False, kv_cache_bytes=1 << 20, block_size=32, max_prefill_tokens_per_step=256)
     config.validate()
     args = build_engine_args(config, "/models/m")

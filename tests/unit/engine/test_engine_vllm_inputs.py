@@ -139,7 +139,8 @@ def test_logprobs_keep_the_top_by_rank_and_the_sampled_token():
 def test_a_constraint_goes_to_vllm_as_the_grammar_the_native_engine_compiles():
     from tito.structured_output import StructuredOutputSpec, grammar_of
 
-    spec = StructuredOutputSpec("json_schema", '{"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}}')
+    spec = StructuredOutputSpec("json_schema",
+                                '{"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}}')
     params = sampling_params(SamplingOptions(max_tokens=4, structured_output=spec), (1002,))
     assert params.structured_outputs.grammar == str(grammar_of(spec))
     assert "\\0-\\x1f" in params.structured_outputs.grammar  # control characters stay out of bounded strings

@@ -153,8 +153,9 @@ def test_the_model_must_be_the_served_one():
 def test_messages_tools_and_formats():
     call = chat(
         messages=[{"role": "system", "content": "s"},
-                  {"role": "user", "content": [{"type": "text", "text": "what?"},
-                                               {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]},
+                  {"role": "user", "content": [
+                      {"type": "text", "text": "what?"},
+                      {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]},
                   {"role": "assistant", "content": None, "reasoning": "hmm", "refusal": None,
                    "tool_calls": [{"id": "c1", "type": "function",
                                    "function": {"name": "f", "arguments": "{\"a\": 1}"}}]},

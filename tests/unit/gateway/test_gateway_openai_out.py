@@ -5,7 +5,9 @@ from __future__ import annotations
 from tito.v1 import derender_pb2, engine_pb2
 from tito_gateway import openai_out
 
-STOP, LENGTH, TOOLS = engine_pb2.FINISH_REASON_STOP, engine_pb2.FINISH_REASON_LENGTH, engine_pb2.FINISH_REASON_TOOL_CALLS
+STOP = engine_pb2.FINISH_REASON_STOP
+LENGTH = engine_pb2.FINISH_REASON_LENGTH
+TOOLS = engine_pb2.FINISH_REASON_TOOL_CALLS
 
 
 def chunks():

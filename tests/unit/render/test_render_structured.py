@@ -132,7 +132,8 @@ def test_auto_with_a_strict_tool_lets_text_through_but_checks_calls(renderer, ma
     constraint = constraint_of(renderer, chat(tools=[weather_tool(strict=True), add_tool()]))
     assert accepts(matcher_for(constraint), "Let me check.")
     assert accepts(matcher_for(constraint),
-                   'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "c"}}\n</tool_call>')
+                   'Sure. <tool_call>\n'
+                   '{"name": "get_weather", "arguments": {"city": "Rome", "unit": "c"}}\n</tool_call>')
     assert not matcher_for(constraint).accept_string(
         '<tool_call>\n{"name": "get_weather", "arguments": {"town": "Rome"}}')
 

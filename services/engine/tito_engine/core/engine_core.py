@@ -10,7 +10,8 @@ Commands and answers are the typed messages of `messages.py` beside this module.
 `features.CheckedFeatures` (phase 1 of media admission, done in the server). The core owns the
 encoder cache, so phase 2 happens here at AddRequest: cache hits, EC
 descriptors, MM_TENSORS_REQUIRED. A refusal goes back as the request's only output: the
-TitoError itself (it pickles whole: code, reason, field), before the request was ever scheduled. Admitted media requests are encoded before the next step, all new items of
+TitoError itself (it pickles whole: code, reason, field), before the request was ever scheduled.
+Admitted media requests are encoded before the next step, all new items of
 the requests that arrived together in one encoder call per modality (an item already in the
 encoder cache is not encoded again), and their `forward.MultiModalPrefill` is attached to the
 request: n > 1 forks and preemption-recompute reuse it, so the encoder never runs twice for them.
@@ -110,7 +111,8 @@ class EngineCore:
                         stats.hits if stats else 0, stats.misses if stats else 0, self.encoded_items,
                         self.store_loads)
 
-    def run(self, receive: Callable[[], Any], receive_ready: Callable[[], list], emit: Callable[[StepBatch], None]) -> None:
+    def run(self, receive: Callable[[], Any], receive_ready: Callable[[], list],
+            emit: Callable[[StepBatch], None]) -> None:
         """Serve until a StopCore command; `receive` blocks, `receive_ready` drains without blocking."""
         while True:
             try:

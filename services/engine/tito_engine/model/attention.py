@@ -6,7 +6,8 @@ where the CPU has AVX-512 (one call each); elsewhere decode rows attend in one p
 `scaled_dot_product_attention` call, or a few when their context lengths differ
 (`split_by_context`: rows of similar length share a call, so the K/V a step gathers follows each
 row's own context, not the longest row's); each prefill chunk attends on its own, over its own
-K/V when it starts the prompt, else over the blocks of its table. Masks are additive floats built once per step (SDPA on CPU converts a bool one on every
+K/V when it starts the prompt, else over the blocks of its table. Masks are additive floats built
+once per step (SDPA on CPU converts a bool one on every
 call): full causal, sliding window (a query at p attends to keys in (p - window, p]), and
 bidirectional spans inside a prefill chunk (Gemma3 image soft tokens).
 """

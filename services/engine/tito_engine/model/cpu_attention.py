@@ -297,7 +297,8 @@ paged_prefill(const float *q, int64_t q_stride, float *out, int64_t count, int64
     float *kt = malloc((size_t)(dim * padded) * sizeof(float));
     int64_t *slot = malloc((size_t)padded * sizeof(int64_t));
     if (kt == 0 || slot == 0) { free(kt); free(slot); return -1; }
-    for (int64_t p = key0; p < end; p++) slot[p] = table[p / block_size] * block_stride + (p % block_size) * token_stride;
+    for (int64_t p = key0; p < end; p++)
+        slot[p] = table[p / block_size] * block_stride + (p % block_size) * token_stride;
     const int64_t heads_at_once = group < TITO_MAX_ROWS ? group : TITO_MAX_ROWS;
     const int64_t per_block = TITO_MAX_ROWS / heads_at_once;  /* queries per row block */
     for (int64_t g = 0; g < kv_heads; g++) {

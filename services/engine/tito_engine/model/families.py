@@ -17,7 +17,8 @@ architectures, read once from the loaded Hugging Face module:
 Families (`FAMILIES`, keyed by the text config's model_type): `QwenFamily` (the Llama-style
 pre-norm decoder: Qwen2, Qwen2-VL's and Qwen2.5-VL's text models with their M-RoPE sections,
 Llama 2 / 3.x with any rotary scaling HF folds into `inv_freq`, Mistral), `Qwen3Family` (the same
-plus per-head q/k RMSNorm: Qwen3, and Qwen3-VL's text model with its interleaved M-RoPE sections) and `Gemma3Family` (Gemma3 text, alone or inside
+plus per-head q/k RMSNorm: Qwen3, and Qwen3-VL's text model with its interleaved M-RoPE sections)
+and `Gemma3Family` (Gemma3 text, alone or inside
 Gemma3ForConditionalGeneration). Each follows HF's op order (norm statistics in float32, casts
 where HF casts) so logits match HF's forward.
 """
@@ -177,8 +178,10 @@ class _PreNormLayer:
         self.kind, self.rope = kind, 0
         self.shape = (heads + 2 * kv_heads, head_dim)
         self.split = heads + kv_heads
-        self.ln1_w, self.ln1_eps = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
-        self.ln2_w, self.ln2_eps = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
+        self.ln1_w = layer.input_layernorm.weight
+        self.ln1_eps = layer.input_layernorm.variance_epsilon
+        self.ln2_w = layer.post_attention_layernorm.weight
+        self.ln2_eps = layer.post_attention_layernorm.variance_epsilon
         self.qk_norm_w = None
         if qk_norm:
             self.qk_eps = attn.q_norm.variance_epsilon
@@ -275,8 +278,10 @@ class _GemmaLayer:
                  layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm]
         if any(norm.eps != self.eps for norm in norms):
             raise ValueError("Gemma3 layers with norms of different eps are not supported")
-        self.ln_in, self.ln_post_attn = scale(layer.input_layernorm), scale(layer.post_attention_layernorm)
-        self.ln_pre_ff, self.ln_post_ff = scale(layer.pre_feedforward_layernorm), scale(layer.post_feedforward_layernorm)
+        self.ln_in = scale(layer.input_layernorm)
+        self.ln_post_attn = scale(layer.post_attention_layernorm)
+        self.ln_pre_ff = scale(layer.pre_feedforward_layernorm)
+        self.ln_post_ff = scale(layer.post_feedforward_layernorm)
         # q_norm and k_norm stacked per head: one norm call over [T, heads + kv_heads, head_dim].
         self.qk_norm = torch.cat([scale(attn.q_norm).expand(heads, head_dim),
                                   scale(attn.k_norm).expand(kv_heads, head_dim)])

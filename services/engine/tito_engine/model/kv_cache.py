@@ -3,7 +3,8 @@
 Storage per layer is `[num_blocks, block_size, kv_heads, head_dim]`. A token's slot in the flat
 view `[num_blocks * block_size, kv_heads, head_dim]` is `block_id * block_size + offset`, so a
 step's writes are one `index_copy_` per layer, and its reads gather whole blocks (one
-`index_select` of block ids per layer: 16x fewer, 16x larger copies than per token). Sequences own lists of block ids (their block tables); a block shared by
+`index_select` of block ids per layer: 16x fewer, 16x larger copies than per token). Sequences own
+lists of block ids (their block tables); a block shared by
 the choices of one request (the prompt's full blocks after a fork) carries a reference count and
 returns to the pool when the last owner lets go (the pool and its prefix cache:
 `tito_engine.scheduling.blocks`).
@@ -52,7 +53,8 @@ class PagedKVCache:
         self.keys = [torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
         self.values = [torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
         # KV events name where the blocks live the way vLLM does: "GPU" for an accelerator, else "CPU".
-        self.allocator = BlockAllocator(num_blocks, medium=MEDIUM_CPU if torch.device(device).type == "cpu" else MEDIUM_GPU)
+        medium = MEDIUM_CPU if torch.device(device).type == "cpu" else MEDIUM_GPU
+        self.allocator = BlockAllocator(num_blocks, medium=medium)
 
     @property
     def capacity_tokens(self) -> int:

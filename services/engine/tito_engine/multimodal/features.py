@@ -31,7 +31,8 @@ Rules, in the order they are checked (first violation wins):
    `second_per_grid_ts`, one positive float, default 1.0); the number of encoder output
    rows the item produces (Qwen2-VL: prod(grid_thw) // spatial_merge_size**2, Gemma3: fixed)
    equals its number of embed positions; for M-RoPE models the embed positions are one
-   contiguous run (a Qwen3-VL video: one run per frame, the timestamp text between); when kwargs are present they have plausible shapes and dtypes (Qwen2-VL
+   contiguous run (a Qwen3-VL video: one run per frame, the timestamp text between); when kwargs
+   are present they have plausible shapes and dtypes (Qwen2-VL
    `pixel_values` [prod(grid_thw), C*T*P*P] floating point).
 5. Token ids: every embed position holds the modality's placeholder token id, and no placeholder
    token id appears anywhere else (the ids and the features would disagree: HF models scatter
@@ -236,7 +237,8 @@ def _check_tensors(item: MediaItem, policy: FeaturePolicy, bytes_so_far: int, pa
             item_bytes += len(tensor.data)
     if item_bytes > policy.max_item_bytes:
         raise ResourceExhausted(f"{path} carries {item_bytes} tensor bytes; the limit per item is "
-                                f"{policy.max_item_bytes} (--max-mm-item-bytes)", reason="MM_ITEM_TOO_LARGE", field=path,
+                                f"{policy.max_item_bytes} (--max-mm-item-bytes)",
+                                reason="MM_ITEM_TOO_LARGE", field=path,
                                 metadata={"limit": "max_item_bytes", "value": str(policy.max_item_bytes)})
     if bytes_so_far + item_bytes > policy.max_request_bytes:
         raise ResourceExhausted(f"mm_features carries more than {policy.max_request_bytes} tensor bytes "

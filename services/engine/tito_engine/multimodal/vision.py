@@ -243,7 +243,8 @@ def mrope_positions(token_ids: Sequence[int], items: Sequence[EmbedItem], config
         run = item.embed_positions[item.embed_positions.index(start):][:count]
         if len(run) != count or run[-1] != start + count - 1:
             raise ValueError(f"{item.modality} item's embed positions are not runs of {count} tokens")
-        positions[0, start:start + count] = _time_positions(item, t, config).repeat_interleave(grid_h * grid_w) + current
+        times = _time_positions(item, t, config)
+        positions[0, start:start + count] = times.repeat_interleave(grid_h * grid_w) + current
         positions[1, start:start + count] = torch.arange(grid_h).repeat_interleave(grid_w).repeat(t) + current
         positions[2, start:start + count] = torch.arange(grid_w).repeat(t * grid_h) + current
         current += max(grid_h, grid_w)

@@ -19,7 +19,8 @@ from tito import signing
 from tito.errors import ResourceExhausted
 
 from tito_engine.multimodal.domain import EncoderCacheDescriptor, MediaItem
-from tito_engine.multimodal.features import CheckedFeatures, FeaturePolicy, validate_encode_structure, validate_structure
+from tito_engine.multimodal.features import (CheckedFeatures, FeaturePolicy, validate_encode_structure,
+                                             validate_structure)
 
 from tito_engine.multimodal.specs import ModelMultimodalSpec
 from tito_engine.scheduling.blocks import blocks_for_tokens

@@ -194,9 +194,9 @@ def check_can_start(vllm_config: Any, model_dir: str, *, model_id: str, kv_flag_
         weights = weight_bytes(model_dir, dtype, stored)
         free = available_host_memory()
         if kv + weights > free:
-            raise ConfigError(f"--kv-cache-bytes {kv} ({kv / 2**30:.2f} GiB) does not fit in memory: {free / 2**30:.2f} "
-                              f"GiB free, {weights / 2**30:.2f} GiB of it for the model's weights; lower "
-                              f"--kv-cache-bytes, or leave it out to size the cache from the free memory")
+            raise ConfigError(f"--kv-cache-bytes {kv} ({kv / 2**30:.2f} GiB) does not fit in memory: "
+                              f"{free / 2**30:.2f} GiB free, {weights / 2**30:.2f} GiB of it for the model's weights; "
+                              "lower --kv-cache-bytes, or leave it out to size the cache from the free memory")
 
 
 def check_attention(vllm_config: Any, model_id: str) -> None:

@@ -233,7 +233,8 @@ def frame_timestamps(num_frames: int, fps: float, temporal_patch_size: int) -> l
     if len(indices) % temporal_patch_size:
         indices.extend(indices[-1] for _ in range(temporal_patch_size - len(indices) % temporal_patch_size))
     seconds = [index / fps for index in indices]
-    return [(seconds[i] + seconds[i + temporal_patch_size - 1]) / 2 for i in range(0, len(seconds), temporal_patch_size)]
+    return [(seconds[i] + seconds[i + temporal_patch_size - 1]) / 2
+            for i in range(0, len(seconds), temporal_patch_size)]
 
 
 def resize_frame(frame: Image.Image, num_frames: int, settings: VideoSettings) -> Image.Image:
