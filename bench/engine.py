@@ -348,7 +348,8 @@ class TitoEngine(Setup):
 
     async def start(self, tmp: str) -> None:
         self.address = f"unix:{os.path.join(tmp, f'engine-{self.backend}.sock')}"
-        command = [sys.executable, "-m", "tito_cli", "serve", "engine", "--address", self.address, "--log-level", "warning",
+        command = [sys.executable, "-m", "tito_cli", "serve", "engine", "--address", self.address,
+                   "--log-level", "warning",
                    "--backend", self.backend, *self.settings.tito_flags(self.backend)]
         env = None
         if self.backend == "vllm":
@@ -481,7 +482,8 @@ class ServeAll(Setup):
             sampling=render_pb2.SamplingOptions(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
 
     async def start(self, tmp: str) -> None:
-        self.addresses = {name: f"unix:{os.path.join(tmp, f'{name}.sock')}" for name in ("render", "engine", "derender")}
+        self.addresses = {name: f"unix:{os.path.join(tmp, f'{name}.sock')}"
+                          for name in ("render", "engine", "derender")}
         flags = [flag for name, address in self.addresses.items() for flag in (f"--{name}-address", address)]
         env = {**os.environ, "TITO_PREFIX_CACHING": str(self.settings.prefix_caching).lower(),
                "TITO_MAX_RUNNING_SEQUENCES": str(self.settings.max_running),
@@ -841,7 +843,8 @@ def hf_baselines(args, model_dir, tokenizer, prompts) -> Callable[[], dict]:
     def baselines() -> dict:
         with torch.inference_mode():
             return {
-                "single": best_over_threads(lambda: hf_one_at_a_time(model, single_prompts, args.new_tokens, device, 1)),
+                "single": best_over_threads(
+                    lambda: hf_one_at_a_time(model, single_prompts, args.new_tokens, device, 1)),
                 "static": best_over_threads(lambda: hf_static_batch(model, prompts, args.new_tokens, pad_id,
                                                                     device, 1)),
             }
@@ -1027,7 +1030,8 @@ def shape_workloads(prompts, long, args, with_long: bool) -> list[dict]:
 
 
 def print_shape_report(checkpoint: str, rounds: list[dict], names: list[str], concurrencies: list[int]) -> None:
-    computed = "each side's default dtype" if SHAPE_DTYPES[checkpoint] is None else f"{SHAPE_DTYPES[checkpoint]} on both sides"
+    dtype = SHAPE_DTYPES[checkpoint]
+    computed = "each side's default dtype" if dtype is None else f"{dtype} on both sides"
     print(f"\n=== {checkpoint} checkpoint, {computed}; best round of {len(rounds)} ===")
     print_header()
     for key, results in rounds[0].items():
@@ -1062,7 +1066,8 @@ def print_shape_report(checkpoint: str, rounds: list[dict], names: list[str], co
             stalls = [r["decode stall"][name] for r in rounds]
             pick = {k: statistics.median(x[k] for x in stalls) for k in ("tpot_before", "tpot_during", "max_gap")}
             ttft = statistics.median(percentile(x["long_ttft"], 0.5) for x in stalls)
-            print(f"  {name:<40} TPOT before {pick['tpot_before']:.1f} ms, during prefill {pick['tpot_during']:.1f} ms, "
+            print(f"  {name:<40} TPOT before {pick['tpot_before']:.1f} ms, "
+                  f"during prefill {pick['tpot_during']:.1f} ms, "
                   f"longest gap {pick['max_gap']:.0f} ms; long prompts' TTFT p50 {ttft:.0f} ms")
     print_agreement({key: value for key, value in rounds[0].items() if key != "decode stall"}, names)
 

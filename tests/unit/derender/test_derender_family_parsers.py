@@ -334,7 +334,7 @@ from tito_derender.detokenizer import TextOptions  # noqa: E402
 from tito_derender.domain import EngineOutput, FinishReason, RequestContext, ToolChoiceMode  # noqa: E402
 from tito_derender.stream import DerenderStream  # noqa: E402
 from tito_derender.tokenizer import TextTokenizer  # noqa: E402
-from hf_reference import hf_of
+from hf_reference import hf_of  # noqa: E402
 
 FAMILY_OF_PARSER = {"qwen3_coder": "qwen3_coder", "deepseek_v3": "deepseek_v31", "kimi_k2": "kimi_k2",
                     "glm45": "glm45", "gpt_oss": "gpt_oss"}
@@ -451,6 +451,7 @@ def test_a_long_value_is_read_once_not_held_and_rescanned(parser_name, head, tai
 def test_harmony_structure_is_parsed_even_with_thinking_off(family_tokenizers):
     text = "<|channel|>analysis<|message|>hmm<|end|><|start|>assistant<|channel|>final<|message|>Hi!<|return|>"
     tokenizer = family_tokenizers["gpt_oss"]
-    ctx = RequestContext(reasoning_parser="gpt_oss", thinking_enabled=False, text=TextOptions(skip_special_tokens=False))
+    ctx = RequestContext(reasoning_parser="gpt_oss", thinking_enabled=False,
+                         text=TextOptions(skip_special_tokens=False))
     content, reasoning, _ = stream_ids(tokenizer, ctx, hf_of(tokenizer).encode(text, add_special_tokens=False))
     assert (content, reasoning) == ("Hi!", "hmm")

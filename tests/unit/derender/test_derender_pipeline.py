@@ -150,7 +150,7 @@ def test_spaces_between_special_tokens_default_false_when_absent():
 # -- fuzz: whatever a (random) model emits, derender answers with chunks, never an error --------
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from hf_reference import hf_of
+from hf_reference import hf_of  # noqa: E402
 
 _MARKUP = ["<think>", "</think>", "<tool_call>", "</tool_call>", '{"name": "get_weather", "arguments": {',
            '"city": "Oslo"', "}", "}}", "[", "]", "(", ")", ",", ":", '"', "\n", " STOP ", "日本", "🎉"]

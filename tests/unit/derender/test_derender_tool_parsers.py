@@ -202,7 +202,7 @@ import keyword  # noqa: E402
 
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from hf_reference import hf_of
+from hf_reference import hf_of  # noqa: E402
 
 _values = st.recursive(
     st.none() | st.booleans() | st.integers(-1000, 1000) | st.floats(-1e6, 1e6, allow_nan=False)

@@ -12,7 +12,8 @@
 A `<function=NAME>` without the `<tool_call>` before it is a call too (a model that dropped it).
 
 Values are text, typed by the tool's JSON schema (see markup.typed_value: strings stay raw,
-numbers / booleans / objects are parsed; a key the schema does not know stays a string). The newline the template writes on each side of a value is not part of it.
+numbers / booleans / objects are parsed; a key the schema does not know stays a string). The
+newline the template writes on each side of a value is not part of it.
 
 A value may hold markup itself (code, XML, HTML a tool writes to a file, `<parameter=` or
 `<tool_call>` text included): it ends only at a `</parameter>` followed, after whitespace, by
