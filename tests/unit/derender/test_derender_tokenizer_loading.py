@@ -40,7 +40,7 @@ def test_family_tokenizers_load_as_transformers_loads_them(family, model_cache):
 
 
 def test_sentencepiece_style_tokenizer_loads_as_transformers_loads_it(tmp_path):
-    from conftest import build_metaspace_tokenizer
+    from metaspace_tokenizer import build_metaspace_tokenizer
 
     directory = build_metaspace_tokenizer(tmp_path)
     _assert_same(TextTokenizer.load(directory), _through_transformers(directory))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import SERVED
+from gateway_fakes import SERVED
 
 
 def test_an_unknown_model_is_answered_as_openai_answers_it(client):

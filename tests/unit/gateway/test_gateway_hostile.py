@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from conftest import SERVED
+from gateway_fakes import SERVED
 from tito.json_text import MAX_JSON_DEPTH, MAX_STRUCT_DEPTH
 from tito_gateway.openai_in import CHAT_PARAMETERS, COMPLETION_PARAMETERS, MESSAGE_FIELDS, MESSAGE_NULL_FIELDS, NO_OPS
 
