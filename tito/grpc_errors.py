@@ -1,9 +1,11 @@
 """The one place where errors become gRPC statuses.
 
-`ErrorMappingInterceptor` wraps every tito.v1 handler of a server. A `TitoError` raised by domain
-code becomes its status code with `google.rpc.ErrorInfo` (reason, domain, metadata) and, for
-field problems, `google.rpc.BadRequest` details. Anything else is a bug: it is logged with its
-traceback and answered INTERNAL with a generic message. Cancellation passes through untouched.
+`ErrorMappingInterceptor` wraps every handler of the services a server lists (tito.v1's, and a
+protocol face's such as the engine's `vllm.grpc.engine.VllmEngine`; never health or reflection).
+A `TitoError` raised by domain code becomes its status code with `google.rpc.ErrorInfo` (reason,
+domain, metadata) and, for field problems, `google.rpc.BadRequest` details. Anything else is a
+bug: it is logged with its traceback and answered INTERNAL with a generic message. Cancellation
+passes through untouched.
 
 Two guarantees hold for every RPC, whatever the caller sends:
 - Request bytes that do not parse as the method's message (random bytes, truncations, invalid
@@ -175,15 +177,22 @@ def _wrap(behavior: Callable, method: str, streaming_response: bool) -> Callable
     return unary_wrapper
 
 
+def method_prefixes(service_names) -> tuple[str, ...]:
+    """The method-path prefixes of the named services ("/pkg.Service/")."""
+    return tuple(f"/{name}/" for name in service_names)
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Maps exceptions from tito.v1 handlers to rich statuses (see module docstring).
+    """Maps exceptions from the handlers of the methods under `prefixes` (default: every tito.v1
+    service) to rich statuses (see module docstring).
 
     Services are registered before the server starts and never change, so each method's
     wrapped handler is built once and reused: per call the interceptor costs one dict lookup.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, prefixes: tuple[str, ...] = (TITO_METHOD_PREFIX,)) -> None:
         self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
+        self._prefixes = prefixes
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
@@ -191,7 +200,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if cached is not None:
             return cached
         handler = await continuation(handler_call_details)
-        if handler is None or not method.startswith(TITO_METHOD_PREFIX):
+        if handler is None or not method.startswith(self._prefixes):
             return handler
         self._wrapped[method] = wrapped = self._wrap_handler(handler, method)
         return wrapped

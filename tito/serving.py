@@ -31,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tito import reflection
 from tito import tracing
 from tito.config import ConfigError, ServerConfig
-from tito.grpc_errors import ErrorMappingInterceptor
+from tito.grpc_errors import ErrorMappingInterceptor, method_prefixes
 from tito.security import OPEN_METHOD_PREFIXES, AuthInterceptor, read_token_file, server_credentials
 from tito.startup import freeze_startup_heap
 
@@ -125,7 +125,7 @@ async def start_server(
     if config.auth_token_file:  # first: an unauthenticated call goes no further
         open_prefixes = OPEN_METHOD_PREFIXES if config.auth_exempt_health else ()
         interceptors.append(AuthInterceptor(read_token_file(config.auth_token_file), open_prefixes))
-    interceptors.append(ErrorMappingInterceptor())
+    interceptors.append(ErrorMappingInterceptor(method_prefixes(names)))
     server = grpc.aio.server(interceptors=interceptors, options=server_options(config))
     register(server)
     health_servicer = health.aio.HealthServicer()

@@ -28,7 +28,7 @@ from tito_derender.domain import (
     Chunk, EngineOutput, FinishReason, OutputDelta, PositionLogprobs, RequestContext, TokenLogprobText,
     ToolChoiceMode, TopLogprobText, Usage)
 from tito_derender.parsers import reasoning_parser_for, tool_stage_for, validate_parser_names
-from tito_derender.stops import StopMatch, StopStringMatcher
+from tito.stop_strings import StopMatch, StopStringMatcher
 from tito_derender.tokenizer import TextTokenizer
 
 # Most choices one request may multiplex (render and the engine cap n lower still): state is kept

@@ -1,4 +1,7 @@
-"""Engine server: factory, CLI flags and entry point. gRPC wiring only; the work is in engine.py."""
+"""Engine server: factory, CLI flags and entry point. gRPC wiring only; the work is in engine.py.
+
+One server, two protocol faces on the same port over one backend: tito.v1's EngineService and
+SMG's vllm.grpc.engine.VllmEngine (tito_engine/smg/), both listed by health and reflection."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from tito.serving import RunningServer, observability, run_until_signal, start_s
 from tito.settings import add_settings
 from tito.startup import StartupPhases, loading_model
 from tito.v1 import engine_pb2_grpc
+from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from tito_engine.service.admission import Admission
 from tito_engine.service.backend import EngineBackend
@@ -22,6 +26,7 @@ from tito_engine.model.runner import warm_up_or_warn
 from tito_engine.model_info import check_checkpoint
 from tito_engine.service.observe import EngineMetrics, RequestObserver
 from tito_engine.service.servicer import EngineServicer
+from tito_engine.smg.servicer import SERVICE_NAME as SMG_SERVICE_NAME, SmgEngineServicer
 from tito_engine.startup_plan import StartupPlan, plan_startup
 
 SERVICE_NAME = "tito.v1.EngineService"
@@ -100,12 +105,16 @@ async def create_server(config: EngineConfig, phases: StartupPhases | None = Non
     config.validate()
     # The port is bound (health NOT_SERVING, calls answered UNAVAILABLE) while the model loads.
     servicer = EngineServicer()
+    smg_servicer = SmgEngineServicer()
     metrics = observability(config, "engine")
     engine_metrics = EngineMetrics(metrics, servicer.load_now) if metrics is not None else None
+
+    def register(server) -> None:
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(smg_servicer, server)
+
     with phases.phase("bind"):
-        running = await start_server(
-            config, [SERVICE_NAME],
-            lambda server: engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server), metrics)
+        running = await start_server(config, [SERVICE_NAME, SMG_SERVICE_NAME], register, metrics)
     try:
         with phases.phase("model load", "in the engine core process" if config.engine_process
                           and config.backend == "native" else config.backend):
@@ -117,8 +126,16 @@ async def create_server(config: EngineConfig, phases: StartupPhases | None = Non
     loop = asyncio.get_running_loop()
 
     # A dead model process cannot come back: tell load balancers to stop sending work here.
-    backend.on_core_lost = lambda: asyncio.run_coroutine_threadsafe(running.set_not_serving(), loop)
-    backend.on_core_restored = lambda: asyncio.run_coroutine_threadsafe(running.set_serving(), loop)
+    def core_lost() -> None:
+        smg_servicer.set_healthy(False)
+        asyncio.run_coroutine_threadsafe(running.set_not_serving(), loop)
+
+    def core_restored() -> None:
+        smg_servicer.set_healthy(True)
+        asyncio.run_coroutine_threadsafe(running.set_serving(), loop)
+
+    backend.on_core_lost = core_lost
+    backend.on_core_restored = core_restored
     with phases.phase("core start"):
         backend.start()
     running.add_cleanup(lambda: asyncio.to_thread(backend.stop))
@@ -137,6 +154,8 @@ async def create_server(config: EngineConfig, phases: StartupPhases | None = Non
     admission = Admission.for_backend(backend, feature_policy(config), config.max_choices_per_request)
     observer = RequestObserver(engine_metrics)
     servicer.attach(backend, admission, observer if observer.active else None)
+    smg_servicer.attach(backend, admission, plan.model_dir if plan else resolve_model(config.model),
+                        observer if observer.active else None)
     await running.set_serving()
     phases.serving()
     if config.hmac_key_file:

@@ -34,7 +34,7 @@ ALLOWED = {
 ENGINE_LAYERS = (
     ("entry", ("tito_engine.server", "tito_engine.startup_plan", "tito_engine.config")),
     ("backends", ("tito_engine.core", "tito_engine.vllm")),
-    ("service", ("tito_engine.service",)),
+    ("service", ("tito_engine.service", "tito_engine.smg")),
     ("model execution", ("tito_engine.model",)),
     ("model identity", ("tito_engine.model_info",)),
     ("multimodal", ("tito_engine.multimodal",)),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tito_derender.domain import EngineOutput, FinishReason, RequestContext
-from tito_derender.stops import StopMatch, StopStringMatcher
+from tito.stop_strings import StopMatch, StopStringMatcher
 from tito_derender.stream import DerenderStream
 from hf_reference import hf_of
 
