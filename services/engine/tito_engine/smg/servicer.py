@@ -100,8 +100,15 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     yield chunk_to_proto(face_output, prompt_tokens, top)
                 if face_output.output.finished:
                     yield complete_to_proto(face_output, prompt_tokens, top, face.stop_token_ids)
+            if stops is not None and stops.ended_a_choice and admitted.request_id:
+                # Stop strings ended choices the backend still runs: abort them and wait for the
+                # backend's own end, so once this stream ends the id is free and the load no
+                # longer counts the request (as after a choice the backend ended itself).
+                backend.abort([admitted.request_id])
+                async for _ in outputs:
+                    pass
         finally:
-            await outputs.aclose()  # on cancel, or once every choice ended: aborts what still runs
+            await outputs.aclose()  # on cancel: aborts the request in the engine
 
     async def Abort(self, request: vllm_engine_pb2.AbortRequest, context):
         self._engine.abort(list(request.request_ids))
@@ -147,6 +154,9 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if start == 0:
             start = 0 if log.oldest_sequence == 0 else None
         batches = log.subscribe(start)
+        # Headers now, not with the first batch (which may be minutes away on an idle engine):
+        # SMG takes a subscription that answers nothing for seconds for a dead worker.
+        await context.send_initial_metadata(())
         event_id = 0
         try:
             async for batch in batches:

@@ -123,9 +123,12 @@ class RequestStops:
         self._options = options
         self._tail = list(prompt_ids[-PROMPT_TAIL_TOKENS:])
         self._choices: dict[int, ChoiceStops] = {}
+        self.ended_a_choice = False  # a stop string ended a choice the backend is still generating
 
     def feed(self, index: int, token_ids: tuple[int, ...]) -> StopHit | None:
         choice = self._choices.get(index)
         if choice is None:
             choice = self._choices[index] = ChoiceStops(self._source, self._options, self._tail)
-        return choice.feed(token_ids)
+        hit = choice.feed(token_ids)
+        self.ended_a_choice = self.ended_a_choice or hit is not None
+        return hit
