@@ -4,8 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh --vllm
-# The vLLM backend's tests and the Node.js client's tests must run here, not skip: a missing vLLM,
-# or a missing node/npm, is a failure.
+# The vLLM backend's tests, the tests with SMG in front of an engine and the Node.js client's tests
+# must run here, not skip: a missing vLLM, smg (the test extra installs it) or node/npm is a failure.
 export TITO_REQUIRE_VLLM=1
+export TITO_REQUIRE_SMG=1
 export TITO_REQUIRE_NODE=1
 exec .venv/bin/python -m pytest "$@"

@@ -24,6 +24,7 @@ import pytest
 # not in the runtime package; test modules import it by module name.
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
+from smg_calls import smg_command  # noqa: E402
 from source_tree import PACKAGE_ROOTS  # noqa: E402
 from tito.contract import ERROR_REASONS  # noqa: E402
 from tito_models.demo import ensure_demo_model  # noqa: E402
@@ -69,13 +70,18 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Tests marked `vllm` skip where vLLM is not installed, and tests marked `node` where Node.js
-    or npm is missing, unless TITO_REQUIRE_VLLM / TITO_REQUIRE_NODE is set (the README's test
-    command sets both): there a missing tool fails them instead of hiding them."""
+    """Tests marked `vllm` skip where vLLM is not installed, tests marked `smg` where SMG's `smg`
+    command is, and tests marked `node` where Node.js or npm is missing, unless TITO_REQUIRE_VLLM /
+    TITO_REQUIRE_SMG / TITO_REQUIRE_NODE is set (the README's test command sets them): there a
+    missing tool fails them instead of hiding them."""
     if item.get_closest_marker("vllm") is not None and importlib.util.find_spec("vllm") is None:
         if os.environ.get("TITO_REQUIRE_VLLM"):
             pytest.fail("vLLM is not installed but TITO_REQUIRE_VLLM is set: run bash scripts/bootstrap.sh --vllm")
         pytest.skip("needs vLLM (bash scripts/bootstrap.sh --vllm)")
+    if item.get_closest_marker("smg") is not None and smg_command() is None:
+        if os.environ.get("TITO_REQUIRE_SMG"):
+            pytest.fail("the smg command is not installed but TITO_REQUIRE_SMG is set: run bash scripts/bootstrap.sh")
+        pytest.skip("needs SMG's smg command (PyPI smg, in tito's test extra: bash scripts/bootstrap.sh)")
     if item.get_closest_marker("node") is not None and not (shutil.which("node") and shutil.which("npm")):
         if os.environ.get("TITO_REQUIRE_NODE"):
             pytest.fail("Node.js and npm are not on PATH but TITO_REQUIRE_NODE is set: install Node.js 20 or newer")

@@ -86,3 +86,51 @@ def running_gateway(addresses: dict[str, str], extra_args: list[str] = (), schem
         yield base, process
     finally:
         stop_all([process])
+
+
+def wait_until_smg_serves(base: str, model: str, process, timeout: float = 120.0) -> None:
+    """Poll SMG's /v1/models until it lists `model` (its worker registered, tokenizer loaded)."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"smg exited with code {process.returncode}")
+        try:
+            reply = httpx.get(f"{base}/v1/models", timeout=2.0)
+            if reply.status_code == 200 and model in {entry.get("id") for entry in reply.json().get("data", [])}:
+                return
+            last = f"{reply.status_code} {reply.text[:200]}"
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(0.2)
+    raise TimeoutError(f"smg at {base} did not list {model} within {timeout:.0f}s (last: {last})")
+
+
+@contextmanager
+def running_smg(worker_addresses: Sequence[str], model: str, log_dir: Path,
+                extra_args: Sequence[str] = ()) -> Iterator[tuple[str, object]]:
+    """`smg launch --backend vllm` over the tito engines at `worker_addresses` (host:port), on free
+    ports of 127.0.0.1, serving `model`; stopped with SIGTERM afterwards. Yields its base URL and
+    the process."""
+    import subprocess
+
+    port, metrics_port = free_port(), free_port()
+    from smg_calls import smg_command
+
+    argv = [smg_command(), "launch", "--backend", "vllm",
+            "--worker-urls", *(f"grpc://{address}" for address in worker_addresses),
+            "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(metrics_port),
+            "--log-level", "warn", *extra_args]
+    with open(log_dir / "smg.log", "wb") as log:
+        # Its working directory is the log's: SMG writes nothing else, but keep it off the tree.
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=log_dir)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_smg_serves(base, model, process)
+        yield base, process
+    finally:
+        stop_all([process])

@@ -3,9 +3,19 @@ tests of the engine's SMG face."""
 
 from __future__ import annotations
 
+import shutil
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from smg_grpc_proto import vllm_engine_pb2
+
+
+def smg_command() -> str | None:
+    """SMG's `smg` command (PyPI smg, in tito's test extra): this environment's, even when its bin
+    is not on PATH; None when it is not installed."""
+    beside = Path(sys.executable).parent / "smg"
+    return str(beside) if beside.is_file() else shutil.which("smg")
 
 
 def smg_request(prompt, request_id="r", stream=True, **sampling) -> vllm_engine_pb2.GenerateRequest:

@@ -1,0 +1,156 @@
+"""End to end: the real SMG gateway (`smg launch --backend vllm`, PyPI smg) in front of one native
+tito engine process, which it drives over SMG's vllm.grpc.engine.VllmEngine, and the official
+`openai` SDK against SMG: chat whole and streamed, completions with the engine's own tokens, stop
+strings, seed, n, logprobs, json_schema; a client that drops its stream frees the engine's slot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import grpc
+import openai
+import pytest
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+from transformers import AutoTokenizer
+
+from tito.v1 import engine_pb2_grpc
+from tito_cli.main import stop_all
+from tito_client.pipeline import wait_until_serving
+
+from engine_calls import collect, request
+from service_processes import free_port, running_smg
+
+pytestmark = [pytest.mark.e2e, pytest.mark.smg]
+
+CONTEXT = 512
+GREEDY = {"temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def engine_address(tiny_text_model, tmp_path_factory):
+    """`tito serve engine` on a TCP port of 127.0.0.1 (SMG dials workers over TCP), SERVING."""
+    address = f"127.0.0.1:{free_port()}"
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "tito_cli", "serve", "engine", "--model",
+                                    str(tiny_text_model), "--address", address, "--max-model-len", str(CONTEXT),
+                                    "--log-level", "warning", "--no-engine-process"],
+                                   stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_until_serving(address, timeout=300)
+        yield address
+    finally:
+        stop_all([process])
+
+
+@pytest.fixture(scope="module")
+def smg(engine_address, tiny_text_model, tmp_path_factory):
+    # The tiny model's name says "qwen", for which SMG would run its thinking parser and report the
+    # whole answer as reasoning: passthrough keeps the text as the engine made it.
+    with running_smg([engine_address], str(tiny_text_model), tmp_path_factory.mktemp("smg"),
+                     ["--reasoning-parser", "passthrough"]) as (base, _):
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(smg):
+    with openai.OpenAI(base_url=f"{smg}/v1", api_key="none", max_retries=0, timeout=120) as sdk:
+        yield sdk
+
+
+@pytest.fixture(scope="module")
+def model(tiny_text_model) -> str:
+    return str(tiny_text_model)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_text_model):
+    return AutoTokenizer.from_pretrained(str(tiny_text_model))
+
+
+def _chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def _loads(engine_address) -> vllm_engine_pb2.SchedulerLoad:
+    with grpc.insecure_channel(engine_address) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        return stub.GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=30).loads[0]
+
+
+def test_completions_are_the_engines_own_greedy_tokens(client, model, engine_address, tokenizer):
+    prompt = "hello world, this is a test"
+    answer = client.completions.create(model=model, prompt=prompt, max_tokens=16, **GREEDY)
+    ids = tokenizer(prompt)["input_ids"]
+    with grpc.insecure_channel(engine_address) as channel:
+        tokens, _ = collect(engine_pb2_grpc.EngineServiceStub(channel).Generate(request(ids, max_tokens=16),
+                                                                                timeout=60))
+    assert answer.choices[0].text == tokenizer.decode(tokens[0], skip_special_tokens=True)
+    assert answer.usage.prompt_tokens == len(ids) and answer.usage.completion_tokens == len(tokens[0])
+
+
+def test_chat_whole_and_streamed_say_the_same(client, model):
+    whole = client.chat.completions.create(model=model, messages=_chat("hi"), max_tokens=24, **GREEDY)
+    stream = client.chat.completions.create(model=model, messages=_chat("hi"), max_tokens=24, stream=True, **GREEDY)
+    pieces, finish = [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert whole.choices[0].message.content and "".join(pieces) == whole.choices[0].message.content
+    assert whole.choices[0].finish_reason == finish
+    assert whole.usage.completion_tokens <= 24
+
+
+def test_a_stop_string_ends_the_answer(client, model):
+    text = client.completions.create(model=model, prompt="one two three", max_tokens=24, **GREEDY).choices[0].text
+    # Three characters from the middle that occur there first.
+    stop = next(text[i:i + 3] for i in range(4, len(text) - 3)
+                if text[i:i + 3].strip() and text.find(text[i:i + 3]) == i)
+    answer = client.completions.create(model=model, prompt="one two three", max_tokens=24, stop=[stop], **GREEDY)
+    assert answer.choices[0].finish_reason == "stop"
+    assert answer.choices[0].text == text[:text.index(stop)]
+
+
+def test_seed_n_and_logprobs(client, model):
+    def sampled(seed):
+        return client.chat.completions.create(model=model, messages=_chat("tell me"), max_tokens=16, temperature=1.0,
+                                              seed=seed, n=2, logprobs=True, top_logprobs=2)
+    first, again, other = sampled(11), sampled(11), sampled(12)
+    contents = [choice.message.content for choice in first.choices]
+    assert [choice.index for choice in first.choices] == [0, 1]
+    assert contents == [choice.message.content for choice in again.choices]
+    assert contents != [choice.message.content for choice in other.choices]
+    for choice in first.choices:
+        entries = choice.logprobs.content
+        assert entries and all(len(entry.top_logprobs) == 2 for entry in entries)
+        assert all(entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob for entry in entries)
+
+
+def test_json_schema_constrains_the_answer(client, model):
+    schema = {"type": "string", "enum": ["yes", "no"]}
+    answer = client.chat.completions.create(
+        model=model, messages=_chat("yes or no?"), max_tokens=16, **GREEDY,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert json.loads(answer.choices[0].message.content) in ("yes", "no")
+    assert answer.choices[0].finish_reason == "stop"
+
+
+def test_a_dropped_stream_frees_the_engines_slot(client, model, engine_address):
+    stream = client.chat.completions.create(model=model, messages=_chat("go on"), max_tokens=CONTEXT - 64,
+                                            stream=True, extra_body={"ignore_eos": True}, **GREEDY)
+    received = 0
+    for chunk in stream:
+        received += bool(chunk.choices and chunk.choices[0].delta.content)
+        if received == 3:
+            break
+    assert _loads(engine_address).num_running_reqs == 1
+    stream.close()
+    deadline = time.monotonic() + 15
+    while _loads(engine_address).num_running_reqs and time.monotonic() < deadline:
+        time.sleep(0.05)
+    load = _loads(engine_address)
+    assert load.num_running_reqs == load.num_waiting_reqs == 0
