@@ -44,16 +44,22 @@ def prompts(count: int = 32) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def stubs(module_aio_server, tiny_text_model_d64):
-    """One engine per backend on the same model and limits; the name -> stub."""
+def channels(module_aio_server, tiny_text_model_d64):
+    """One engine per backend on the same model and limits; the name -> a channel to it."""
     common = dict(model=str(tiny_text_model_d64), max_model_len=CONTEXT, max_running_sequences=64,
                   max_choices_per_request=4)
     configs = {
         "native": EngineConfig(device="cpu", engine_process=False, **common),
         "vllm": EngineConfig(backend="vllm", kv_cache_bytes=32 << 20, vllm_args=VLLM_ARGS, **common),
     }
-    return {name: engine_pb2_grpc.EngineServiceStub(
-        module_aio_server(lambda config=config: create_server(config)).channel()) for name, config in configs.items()}
+    return {name: module_aio_server(lambda config=config: create_server(config)).channel()
+            for name, config in configs.items()}
+
+
+@pytest.fixture(scope="module")
+def stubs(channels):
+    """The name -> the engine's tito.v1 stub."""
+    return {name: engine_pb2_grpc.EngineServiceStub(channel) for name, channel in channels.items()}
 
 
 @pytest.fixture(scope="module")
@@ -287,3 +293,33 @@ def test_structured_outputs_parse_on_both_backends(stubs, backend, tiny_text_mod
     details = error_details(caught.value)
     assert details["code"] == grpc.StatusCode.INVALID_ARGUMENT and details["reason"] == "INVALID_STRUCTURED_OUTPUT"
     assert details["fields"] == ["sampling_params.structured_output.regex"]
+
+
+def test_smg_face_serves_the_vllm_backend_as_the_native_one(channels, stubs):
+    """SMG's vllm.grpc.engine.VllmEngine on both backends: the same greedy tokens as tito.v1's
+    Generate, a stop string ending the choice, the same refusal with SMG's field names."""
+    from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+    from smg_calls import read_stream, smg_request
+
+    prompt = prompts(1)[0]
+    expected, _ = collect(stubs["native"].Generate(request(prompt, max_tokens=NEW_TOKENS, ignore_eos=True),
+                                                   timeout=TIMEOUT))
+    for name, channel in channels.items():
+        smg = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        for stream in (True, False):
+            got = read_stream(smg.Generate(smg_request(prompt, request_id=f"{name}-{stream}", max_tokens=NEW_TOKENS,
+                                                       ignore_eos=True, stream=stream), timeout=TIMEOUT))
+            assert got.tokens() == expected[0], (name, stream)
+            assert got.completes[0].finish_reason == "length"
+        stopped = read_stream(smg.Generate(smg_request(prompt, request_id=f"{name}-stop", max_tokens=NEW_TOKENS,
+                                                       ignore_eos=True, stop_token_ids=[expected[0][4]]),
+                                           timeout=TIMEOUT))
+        assert stopped.completes[0].matched_token_id == expected[0][4]
+        assert stopped.tokens() == expected[0][:expected[0].index(expected[0][4]) + 1]
+        with pytest.raises(grpc.RpcError) as caught:
+            list(smg.Generate(smg_request([5, 5000], request_id=f"{name}-bad"), timeout=TIMEOUT))
+        details = error_details(caught.value)
+        assert details["reason"] == "TOKEN_ID_OUT_OF_RANGE" and details["fields"] == ["tokenized.input_ids[1]"]
+        load = smg.GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=TIMEOUT).loads[0]
+        assert load.num_running_reqs == 0 and load.max_running_requests == 64
