@@ -299,11 +299,17 @@ HOSTILE = [
     ("every logprob", smg_request([5], request_id="h", logprobs=-1), "UNSUPPORTED_FIELD", "sampling_params.logprobs"),
     ("prompt logprobs", smg_request([5], request_id="h", prompt_logprobs=1), "UNSUPPORTED_FIELD",
      "sampling_params.prompt_logprobs"),
-    ("a placeholder past the prompt", vllm_engine_pb2.GenerateRequest(
+    # (On a vision model: tests/integration/test_engine_smg_media.py.)
+    ("an image to a text model, its placeholder past the prompt", vllm_engine_pb2.GenerateRequest(
         request_id="h", tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[5, 6]),
-        mm_inputs=vllm_engine_pb2.MultimodalInputs(mm_placeholders=[vllm_engine_pb2.PlaceholderRange(offset=9,
-                                                                                                     length=4)])),
-     "UNSUPPORTED_FIELD", "mm_inputs"),
+        mm_inputs=vllm_engine_pb2.MultimodalInputs(
+            mm_hashes=["h"], mm_placeholders=[vllm_engine_pb2.PlaceholderRange(offset=9, length=4)])),
+     "UNSUPPORTED_MODALITY", "mm_inputs.items[0].modality"),
+    ("a media batch without hashes", vllm_engine_pb2.GenerateRequest(
+        request_id="h", tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[5, 6]),
+        mm_inputs=vllm_engine_pb2.MultimodalInputs(mm_placeholders=[vllm_engine_pb2.PlaceholderRange(offset=0,
+                                                                                                     length=1)])),
+     "INVALID_MM_PAYLOAD", "mm_inputs.mm_hashes"),
     ("max_tokens past the context", smg_request([5], request_id="h", max_tokens=10**6), "INVALID_SAMPLING_PARAMS",
      "sampling_params.max_tokens"),
     ("an empty prompt", smg_request([], request_id="h"), "EMPTY_PROMPT", "tokenized.input_ids"),

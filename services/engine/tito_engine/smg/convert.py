@@ -22,9 +22,11 @@ from tito.structured_output import StructuredOutputSpec
 
 from tito_engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
 from tito_engine.model_info import ModelInfo
+from tito_engine.multimodal.items import MODALITY_NAMES
 from tito_engine.request import ChoiceOutput, FinishReason, GenerateInput, RawSamplingParams
 from tito_engine.service.backend import LoadSnapshot
 from tito_engine.smg.facts import ModelFacts
+from tito_engine.smg.media import media_from_proto
 from tito_engine.smg.stops import StopStringOptions, check_stop_strings
 from tito_engine.smg.stream import FaceOutput
 
@@ -37,7 +39,8 @@ _FIELD_NAMES = (
     ("token_ids", "tokenized.input_ids"),
     ("sampling_params.top_logprobs", "sampling_params.logprobs"),
     ("sampling_params.structured_output.", "sampling_params."),
-    ("mm_features", "mm_inputs"),
+    # The i-th media item in prompt order, over mm_inputs and extra_mm_inputs together.
+    ("mm_features.items", "mm_inputs.items"),
 )
 _U64 = (1 << 64) - 1
 
@@ -134,9 +137,10 @@ def _check_served(request: vllm_engine_pb2.GenerateRequest) -> None:
     if request.HasField("media_refs"):
         raise _unsupported("media_refs", "this worker does not fetch media (GetServerInfo.mm_processor is empty): "
                            "send preprocessed mm_inputs")
-    if request.HasField("mm_inputs") or request.extra_mm_inputs:
-        raise _unsupported("mm_inputs", "media over this protocol is not served by this engine yet; send the "
-                           "request through tito.v1 EngineService.Generate with mm_features")
+    if (request.HasField("mm_inputs") or request.extra_mm_inputs) and \
+            request.sampling_params.HasField("truncate_prompt_tokens"):
+        raise _unsupported("sampling_params.truncate_prompt_tokens", "a prompt with media is not truncated (its "
+                           "placeholders would move); leave truncate_prompt_tokens unset")
     if request.HasField("kv_transfer_params") or request.HasField("kv_transfer_params_json"):
         raise _unsupported("kv_transfer_params_json", "this engine does no prefill/decode KV transfer")
     if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
@@ -164,8 +168,11 @@ def generate_from_proto(request: vllm_engine_pb2.GenerateRequest, *, max_context
     stops = tuple(params.stop)
     check_stop_strings(stops, "sampling_params.stop")
     sampling = sampling_from_proto(params)
-    generate = GenerateInput(request_id=request.request_id, token_ids=_prompt(request, max_context_length),
-                             sampling=sampling)
+    prompt = _prompt(request, max_context_length)
+    items = media_from_proto(request, prompt)
+    generate = GenerateInput(request_id=request.request_id, token_ids=prompt, sampling=sampling,
+                             mm_modalities=[MODALITY_NAMES.get(item.modality, f"modality {item.modality}")
+                                            for item in items], mm_items=items)
     options = StopStringOptions(stops, params.include_stop_str_in_output, params.skip_special_tokens,
                                 params.min_tokens) if stops else None
     return SmgGenerate(generate, request.stream, options, frozenset(params.stop_token_ids))
