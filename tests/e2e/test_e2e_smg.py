@@ -1,7 +1,9 @@
 """End to end: the real SMG gateway (`smg launch --backend vllm`, PyPI smg) in front of one native
 tito engine process, which it drives over SMG's vllm.grpc.engine.VllmEngine, and the official
 `openai` SDK against SMG: chat whole and streamed, completions with the engine's own tokens, stop
-strings, seed, n, logprobs, json_schema; a client that drops its stream frees the engine's slot."""
+strings, seed, n, logprobs, json_schema; a client that drops its stream frees the engine's slot.
+Over tito-demo: SMG's own reasoning and tool-call parsers read the engine's tokens (the `<think>`
+block, the `get_weather` call), and SMG's Responses API answers."""
 
 from __future__ import annotations
 
@@ -154,3 +156,47 @@ def test_a_dropped_stream_frees_the_engines_slot(client, model, engine_address):
         time.sleep(0.05)
     load = _loads(engine_address)
     assert load.num_running_reqs == load.num_waiting_reqs == 0
+
+
+@pytest.fixture(scope="module")
+def demo_client(demo_model, tmp_path_factory):
+    """SMG with its own Qwen parsers over a tito engine serving tito-demo (thinks, calls get_weather)."""
+    address = f"127.0.0.1:{free_port()}"
+    with open(tmp_path_factory.mktemp("demo-engine") / "engine.log", "wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "tito_cli", "serve", "engine", "--model", str(demo_model),
+                                    "--address", address, "--log-level", "warning", "--no-engine-process"],
+                                   stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_until_serving(address, timeout=300)
+        with running_smg([address], str(demo_model), tmp_path_factory.mktemp("demo-smg"),
+                         ["--reasoning-parser", "qwen3", "--tool-call-parser", "qwen"]) as (base, _):
+            with openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120) as sdk:
+                yield sdk, str(demo_model)
+    finally:
+        stop_all([process])
+
+
+def test_smgs_reasoning_and_tool_parsers_read_the_engines_tokens(demo_client):
+    from tito_models import demo
+
+    client, model = demo_client
+    greeting = client.chat.completions.create(model=model, messages=_chat("Hello! What can you do?"),
+                                              max_tokens=80, **GREEDY)
+    message = greeting.choices[0].message
+    assert message.content.strip() == demo.GREETING_ANSWER
+    assert message.reasoning_content.strip() == "The user says hello. I will say what I can do."
+    weather = client.chat.completions.create(model=model, messages=_chat("What is the weather in Tokyo?"),
+                                             tools=[demo.WEATHER_TOOL], max_tokens=80, **GREEDY)
+    choice = weather.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Tokyo"}
+
+
+def test_the_responses_api_through_smg(demo_client):
+    from tito_models import demo
+
+    client, model = demo_client
+    answer = client.responses.create(model=model, input="Hello! What can you do?", max_output_tokens=80,
+                                     temperature=0)
+    assert answer.output_text.strip() == demo.GREETING_ANSWER
