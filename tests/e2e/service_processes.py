@@ -45,8 +45,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_until_healthy(url: str, process, timeout: float = 120.0, verify=True) -> None:
-    """Poll `url` (a gateway's /health) until it answers 200; fail if `process` exits first."""
+def wait_until_healthy(url: str, process, timeout: float = 120.0, verify=True, accept=None,
+                       name: str = "the gateway") -> None:
+    """Poll `url` (a gateway's /health) until it answers 200 (and `accept(reply)`, when given, is
+    true); fail if `process` exits first."""
     import time
 
     import httpx
@@ -55,10 +57,10 @@ def wait_until_healthy(url: str, process, timeout: float = 120.0, verify=True) -
     last = "no answer"
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"the gateway exited with code {process.returncode}")
+            raise RuntimeError(f"{name} exited with code {process.returncode}")
         try:
             reply = httpx.get(url, timeout=2.0, verify=verify)
-            if reply.status_code == 200:
+            if reply.status_code == 200 and (accept is None or accept(reply)):
                 return
             last = f"{reply.status_code} {reply.text[:200]}"
         except httpx.HTTPError as exc:
@@ -88,28 +90,6 @@ def running_gateway(addresses: dict[str, str], extra_args: list[str] = (), schem
         stop_all([process])
 
 
-def wait_until_smg_serves(base: str, model: str, process, timeout: float = 120.0) -> None:
-    """Poll SMG's /v1/models until it lists `model` (its worker registered, tokenizer loaded)."""
-    import time
-
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    last = "no answer"
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"smg exited with code {process.returncode}")
-        try:
-            reply = httpx.get(f"{base}/v1/models", timeout=2.0)
-            if reply.status_code == 200 and model in {entry.get("id") for entry in reply.json().get("data", [])}:
-                return
-            last = f"{reply.status_code} {reply.text[:200]}"
-        except httpx.HTTPError as exc:
-            last = repr(exc)
-        time.sleep(0.2)
-    raise TimeoutError(f"smg at {base} did not list {model} within {timeout:.0f}s (last: {last})")
-
-
 @contextmanager
 def running_smg(worker_addresses: Sequence[str], model: str, log_dir: Path,
                 extra_args: Sequence[str] = ()) -> Iterator[tuple[str, object]]:
@@ -130,7 +110,9 @@ def running_smg(worker_addresses: Sequence[str], model: str, log_dir: Path,
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=log_dir)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_until_smg_serves(base, model, process)
+        # Listed once its worker is registered and the tokenizer loaded.
+        wait_until_healthy(f"{base}/v1/models", process, name="smg",
+                           accept=lambda reply: model in {entry.get("id") for entry in reply.json().get("data", [])})
         yield base, process
     finally:
         stop_all([process])

@@ -18,7 +18,7 @@ from smg_grpc_proto import vllm_engine_pb2
 from smg_grpc_proto.generated import common_pb2
 
 from tito.errors import InvalidArgument, TitoError
-from tito.structured_output import StructuredOutputSpec
+from tito.structured_output import StructuredOutputSpec, spec_from_proto
 
 from tito_engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
 from tito_engine.model_info import ModelInfo
@@ -86,15 +86,11 @@ def _optional(message, name: str):
 
 
 def constraint_from_proto(params: vllm_engine_pb2.SamplingParams) -> StructuredOutputSpec | None:
-    """The oneof `constraint` as tito's spec: the kinds carry the same names and meanings."""
-    kind = params.WhichOneof("constraint")
-    if kind is None or (kind == "json_object" and not params.json_object):
+    """The oneof `constraint` as tito's spec: tito.v1's StructuredOutput has the same oneof, with the
+    same kinds, names and meanings; only `json_object` false (set, but asking for nothing) differs."""
+    if params.WhichOneof("constraint") == "json_object" and not params.json_object:
         return None
-    if kind == "choice":
-        return StructuredOutputSpec.choice(params.choice.choices)
-    if kind == "json_object":
-        return StructuredOutputSpec("json_object")
-    return StructuredOutputSpec(kind, getattr(params, kind))
+    return spec_from_proto(params)
 
 
 def sampling_from_proto(params: vllm_engine_pb2.SamplingParams) -> RawSamplingParams:
