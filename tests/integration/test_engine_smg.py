@@ -128,6 +128,15 @@ def test_seeded_samples_and_logprobs_equal_tito_v1(smg, tito):
     assert tokens[0] != tokens[1]  # the seed differs per choice, as on tito.v1
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(smg, tito):
+    prompt = PROMPTS[3]
+    expected, _ = collect(tito.Generate(request(prompt[-4:], max_tokens=6), timeout=TIMEOUT))
+    got = generate(smg, prompt, max_tokens=6, truncate_prompt_tokens=4, stream=False)
+    assert got.tokens() == expected[0] and got.completes[0].prompt_tokens == 4
+    whole = generate(smg, prompt, max_tokens=6, truncate_prompt_tokens=-1, stream=False)  # -1: the context
+    assert whole.completes[0].prompt_tokens == len(prompt)
+
+
 def test_max_tokens_unset_runs_to_the_context_limit(smg):
     prompt = PROMPTS[3]
     got = generate(smg, prompt, ignore_eos=True, stream=False)
