@@ -118,7 +118,8 @@ async def create_server(config: EngineConfig, phases: StartupPhases | None = Non
 
     # A dead model process cannot come back: tell load balancers to stop sending work here.
     backend.on_core_lost = lambda: asyncio.run_coroutine_threadsafe(running.set_not_serving(), loop)
-    backend.on_core_restored = lambda: asyncio.run_coroutine_threadsafe(running.set_serving(), loop)
+    backend.on_core_restored = lambda: None if servicer.drain_state.draining else asyncio.run_coroutine_threadsafe(
+        running.set_serving(), loop)
     with phases.phase("core start"):
         backend.start()
     running.add_cleanup(lambda: asyncio.to_thread(backend.stop))
@@ -137,12 +138,24 @@ async def create_server(config: EngineConfig, phases: StartupPhases | None = Non
     admission = Admission.for_backend(backend, feature_policy(config), config.max_choices_per_request)
     observer = RequestObserver(engine_metrics)
     servicer.attach(backend, admission, observer if observer.active else None)
+    servicer.on_drain(config.grace_seconds, running.set_not_serving)
+    running.add_drainer(lambda grace: _drain_before_stop(servicer, grace))
     await running.set_serving()
     phases.serving()
     if config.hmac_key_file:
         log.info("media item tags are verified (key id %r); unsigned items are %s", config.hmac_key_id,
                  "refused" if config.require_signed_features else "accepted but not trusted for cache hits")
     return running
+
+
+async def _drain_before_stop(servicer: EngineServicer, grace_seconds: float) -> None:
+    """SIGTERM: drain (drain.py); the streams the grace period did not see finish end as "engine
+    gone" at its end, a moment later they have left, and then the server stops."""
+    in_flight = await servicer.drain(grace_seconds)
+    if in_flight:
+        log.info("draining: %d requests in flight, %.1fs to finish", in_flight, grace_seconds)
+    if not await servicer.drain_state.wait_idle(grace_seconds + 5.0):
+        log.warning("draining: %d requests still in flight after the grace period", servicer.drain_state.in_flight)
 
 
 async def serve(config: EngineConfig, phases: StartupPhases | None = None) -> None:
