@@ -273,6 +273,16 @@ def test_a_cancelled_stream_is_not_migrated():
     assert len(taken) == 2 and not router.engines["b"].requests
 
 
+def test_a_media_chat_continues_with_the_same_features():
+    original = request(max_tokens=8, min_tokens=8)
+    item = original.mm_features.items.add(mm_hash="img-1")
+    item.placeholder.offset, item.placeholder.length = 1, 2
+    router = FakeRouter({"a": FakeEngine(fail_after=3), "b": FakeEngine()})
+    assert ids_of(collect(stream(router, original))) == run_model(original)[0]
+    continuation = router.engines["b"].requests[0]
+    assert continuation.mm_features == original.mm_features  # placeholders stay where they were
+
+
 def test_progress_rewrites_usage_only_after_a_move():
     progress = ChoiceProgress(request())
     first = engine_pb2.GenerateResponse(token_ids=[1, 2], usage=engine_pb2.Usage(prompt_tokens=4,
