@@ -173,8 +173,9 @@ def test_draining_engines_finish_or_hand_over_their_chats_and_take_no_new_ones(f
 
     async def main():
         with EngineRouter(addresses, policy="round_robin", load_interval=0.05) as router:
-            pipelines = [AsyncChatPipeline(Endpoints(render, addresses[0], derender), timeout=TIMEOUT, router=router)
-                         for _ in requests]  # one each: last_engine says where each chat ended
+            # One pipeline each (last_engine says where each chat ended), on DerenderBatch as the gateway runs.
+            pipelines = [AsyncChatPipeline(Endpoints(render, addresses[0], derender), timeout=TIMEOUT, router=router,
+                                           batch_derender=True) for _ in requests]
             started = [asyncio.Event() for _ in requests]
             tasks = await stream_all(pipelines, requests, started)
             await asyncio.gather(*(event.wait() for event in started))
