@@ -1,7 +1,7 @@
 """Chats through render -> routed engine -> derender over three real native engines: a follow-up
 turn goes to the engine that holds its prefix (and is served from its cache), an engine killed
-mid-run loses no chat (each continues on another engine, request migration) and draining engines
-finish or hand over theirs while new chats go elsewhere."""
+mid-run loses no chat (each continues on another engine, request migration), draining engines
+finish or hand over theirs while new chats go elsewhere, and a rolling restart loses nothing."""
 
 from __future__ import annotations
 
@@ -183,6 +183,11 @@ def test_draining_engines_finish_or_hand_over_their_chats_and_take_no_new_ones(f
             assert homes == set(addresses)
             async with grpc.aio.insecure_channel(patient.address) as channel:
                 stub = engine_pb2_grpc.EngineServiceStub(channel)
+                with pytest.raises(grpc.RpcError) as wrong:
+                    await stub.Drain(engine_pb2.DrainRequest(grace_seconds=-1.0), timeout=5)
+                assert wrong.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert error_details(wrong.value)["fields"] == ["grace_seconds"]
+                assert not (await stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=5)).draining  # refused: no drain
                 drained = await stub.Drain(engine_pb2.DrainRequest(grace_seconds=60.0), timeout=5)
                 assert drained.in_flight_requests == 1
                 assert (await stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=5)).draining
@@ -206,5 +211,55 @@ def test_draining_engines_finish_or_hand_over_their_chats_and_take_no_new_ones(f
                 assert usage_of(chunks).completion_tokens > 0 and pipelines[0].last_engine == survivor.address
             for pipeline in pipelines:
                 await pipeline.close()
+
+    asyncio.run(main())
+
+
+def test_a_rolling_restart_of_every_engine_under_load_loses_no_chat(fleet, tiny_text_model, aio_server):
+    """Each engine in turn stops as SIGTERM stops it (drain, a short grace period) while chats run
+    on it, and a new engine starts on its address; chats keep coming all along. Every chat
+    completes with its solo run's text."""
+    render, derender, engines = fleet
+    addresses = [engine.address for engine in engines]
+    requests = long_chats(6, max_tokens=200)
+    with EngineRouter([addresses[0]], load_interval=0.05) as router, \
+            ChatPipeline(Endpoints(render, addresses[0], derender), timeout=TIMEOUT, router=router) as pipeline:
+        expected = solo_runs(pipeline, requests)
+
+    def replacement(address: str):
+        return aio_server(lambda: create_engine(EngineConfig(address=address, model=str(tiny_text_model), device="cpu",
+                                                             engine_process=False, max_model_len=2048)))
+
+    async def main():
+        with EngineRouter(addresses, policy="least_load", load_interval=0.05) as router:
+            async with AsyncChatPipeline(Endpoints(render, addresses[0], derender), timeout=TIMEOUT,
+                                         router=router) as pipeline:
+                restarting = True
+                outcomes: list[tuple[int, tuple]] = []
+                busy_at_stop: list[int] = []
+
+                async def worker(first: int):
+                    k = first
+                    while restarting:
+                        chunks = [chunk async for chunk in pipeline.stream_chat(requests[k % len(requests)])]
+                        outcomes.append((k % len(requests), outcome(chunks)))
+                        k += 1
+
+                async def rolling_restart():
+                    nonlocal restarting
+                    for engine in engines:
+                        await asyncio.to_thread(wait_for, lambda: router.status()[engine.address]["in_flight"] > 0,
+                                                "chats on the engine about to restart")
+                        busy_at_stop.append(router.status()[engine.address]["in_flight"])
+                        await asyncio.to_thread(engine.call, lambda: engine.running.stop(0.2))  # SIGTERM's path
+                        await asyncio.to_thread(replacement, engine.address)
+                        await asyncio.to_thread(wait_for, lambda: router.status()[engine.address]["reachable"]
+                                                and not router.status()[engine.address]["draining"], "it is back")
+                    restarting = False
+
+                await asyncio.gather(rolling_restart(), *(worker(first) for first in range(6)))
+                assert len(busy_at_stop) == 3 and min(busy_at_stop) > 0
+                assert len(outcomes) >= 6
+                assert [result for k, result in outcomes] == [expected[k] for k, _ in outcomes]
 
     asyncio.run(main())
