@@ -104,4 +104,4 @@ def test_an_engine_sigkilled_and_restarted_mid_stream_loses_no_chat(engines, tin
     for engine in engines:  # nothing running or waiting anywhere: no slot left behind
         with grpc.insecure_channel(engine.address) as channel:
             load = engine_pb2_grpc.EngineServiceStub(channel).GetLoad(engine_pb2.GetLoadRequest(), timeout=10)
-        assert load.running_requests + load.waiting_requests == 0
+        assert (load.running_requests, load.waiting_requests, load.kv_blocks_used) == (0, 0, 0)

@@ -105,7 +105,7 @@ def long_chats(count: int, max_tokens: int) -> list[render_pb2.RenderChatRequest
 def idle(engine) -> bool:
     with engine.channel() as channel:
         load = engine_pb2_grpc.EngineServiceStub(channel).GetLoad(engine_pb2.GetLoadRequest(), timeout=5)
-    return load.running_requests + load.waiting_requests == 0
+    return load.running_requests + load.waiting_requests + load.kv_blocks_used == 0  # no KV block held
 
 
 async def stream_all(pipelines, requests, started: list[asyncio.Event]):
