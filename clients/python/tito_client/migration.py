@@ -18,8 +18,9 @@ penalties count the earlier output on a native engine. Media requests carry the 
 (the generated ids follow the prompt, so every placeholder stays where it was).
 
 Not migrated (the error reaches the caller as before): a caller's mistake (any status but
-UNAVAILABLE), a request with n > 1 or a structured-output constraint (a grammar's state is not
-carried), more than `migration_limit` moves of one request, or no other engine to go to.
+UNAVAILABLE, and RESOURCE_EXHAUSTED QUEUE_FULL: that engine's queue, not the request), a
+request with n > 1 or a structured-output constraint (a grammar's state is not carried), more
+than `migration_limit` moves of one request, or no other engine to go to.
 """
 
 from __future__ import annotations
@@ -31,12 +32,18 @@ from tito.v1 import engine_pb2
 
 #: The reason a draining engine gives (tito_engine.service.drain): send the request elsewhere.
 ENGINE_DRAINING = "ENGINE_DRAINING"
+#: An engine's waiting queue is full: a limit of that engine, not of the request.
+QUEUE_FULL = "QUEUE_FULL"
 
 
 def engine_gone(error: grpc.RpcError) -> bool:
-    """The engine went away or asks the caller to go elsewhere; never a caller's mistake (those
-    are INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION, ...)."""
-    return error.code() == grpc.StatusCode.UNAVAILABLE
+    """The engine went away or asks the caller to go elsewhere (UNAVAILABLE, or its own queue is
+    full); never a caller's mistake (INVALID_ARGUMENT, a RESOURCE_EXHAUSTED the request itself
+    causes such as KV_CACHE_TOO_SMALL, FAILED_PRECONDITION, ...)."""
+    code = error.code()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return True
+    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and error_details(error)["reason"] == QUEUE_FULL
 
 
 def engine_draining(error: grpc.RpcError) -> bool:

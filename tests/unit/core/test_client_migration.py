@@ -10,6 +10,8 @@ from contextlib import contextmanager
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from tito.v1 import engine_pb2, sampling_pb2
 from tito_client.engine_stream import AsyncMigratingStream, MigratingStream
@@ -21,15 +23,25 @@ STOP = 999
 
 
 class FakeRpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode):
+    """A status as an engine sends it: code, and an ErrorInfo reason when given."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str | None = None):
         super().__init__(code.name)
         self._code = code
+        self._trailing = ()
+        if reason is not None:
+            status = status_pb2.Status(code=code.value[0], message=code.name)
+            status.details.add().Pack(error_details_pb2.ErrorInfo(reason=reason, domain="tito.dev"))
+            self._trailing = rpc_status.to_status(status).trailing_metadata
 
     def code(self) -> grpc.StatusCode:
         return self._code
 
     def details(self) -> str:
         return self._code.name
+
+    def trailing_metadata(self):
+        return self._trailing
 
 
 def next_token(ids: list[int]) -> int:
@@ -57,8 +69,8 @@ def run_model(request: engine_pb2.GenerateRequest):
 class FakeEngine:
     """Streams `run_model`'s tokens one message each; fails with `fail_code` after `fail_after` tokens."""
 
-    def __init__(self, fail_after: int | None = None, fail_code=grpc.StatusCode.UNAVAILABLE):
-        self.fail_after, self.fail_code = fail_after, fail_code
+    def __init__(self, fail_after: int | None = None, fail_code=grpc.StatusCode.UNAVAILABLE, reason=None):
+        self.fail_after, self.fail_code, self.reason = fail_after, fail_code, reason
         self.requests: list[engine_pb2.GenerateRequest] = []
 
     def responses(self, request):
@@ -66,7 +78,7 @@ class FakeEngine:
         out, finish = run_model(request)
         for position, token in enumerate(out):
             if self.fail_after is not None and position == self.fail_after:
-                raise FakeRpcError(self.fail_code)
+                raise FakeRpcError(self.fail_code, self.reason)
             last = position == len(out) - 1
             response = engine_pb2.GenerateResponse(index=0, token_ids=[token])
             if last:
@@ -190,6 +202,23 @@ def test_a_callers_mistake_or_deadline_is_never_migrated(code):
         collect(stream(router, request()))
     assert failed.value.code() == code
     assert not router.engines["b"].requests
+
+
+@pytest.mark.parametrize("code, reason, moves", [
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "QUEUE_FULL", True),  # that engine's queue: another may have room
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "KV_CACHE_TOO_SMALL", False),  # the request itself: nowhere fits it
+    (grpc.StatusCode.UNAVAILABLE, "ENGINE_DRAINING", True),
+    (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_SAMPLING_PARAMS", False),
+])
+def test_what_moves_is_decided_by_the_status_and_its_reason(code, reason, moves):
+    original = request()
+    router = FakeRouter({"a": FakeEngine(fail_after=0, fail_code=code, reason=reason), "b": FakeEngine()})
+    if moves:
+        assert ids_of(collect(stream(router, original))) == run_model(original)[0]
+    else:
+        with pytest.raises(grpc.RpcError):
+            collect(stream(router, original))
+    assert bool(router.engines["b"].requests) == moves
 
 
 def test_the_migration_limit_bounds_the_moves_of_one_chat():
