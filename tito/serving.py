@@ -9,9 +9,10 @@ With `--metrics-port` or tracing on, an `ObservingInterceptor` (tito.grpc_observ
 call first, and the server's /metrics endpoint starts and stops with it (`observability`).
 With `health_address` a second, plaintext listener serves the same health status and nothing else
 (Kubernetes gRPC probes speak neither TLS nor Unix sockets).
-`run_until_signal` serves until SIGTERM/SIGINT, then enters graceful shutdown (health turns
-NOT_SERVING, new calls are refused) and gives in-flight calls `grace_seconds` to finish; before
-serving it moves the start-up heap out of the garbage collector's reach (`freeze_startup_heap`).
+`run_until_signal` serves until SIGTERM/SIGINT, then enters graceful shutdown (a service's
+drainer first, e.g. the engine's Drain; then health turns NOT_SERVING, new calls are refused) and
+gives in-flight calls `grace_seconds` to finish; before serving it moves the start-up heap out of
+the garbage collector's reach (`freeze_startup_heap`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,13 @@ class RunningServer:
     endpoints: dict[str, str] = field(default_factory=dict)
     # Run when shutdown begins, before in-flight calls are waited for (e.g. ending endless streams).
     closers: list[Callable[[], object]] = field(default_factory=list)
+    # Run first when shutdown begins, with the grace seconds: a service's own way to hand its work
+    # over before calls are refused (the engine drains: routers move its chats elsewhere).
+    drainers: list[Callable[[float], Awaitable[object]]] = field(default_factory=list)
+
+    def add_drainer(self, drainer: Callable[[float], Awaitable[object]]) -> None:
+        """Await `drainer(grace_seconds)` as shutdown begins, before anything else."""
+        self.drainers.append(drainer)
 
     def add_closer(self, closer: Callable[[], object]) -> None:
         """Run `closer` (sync) as shutdown begins, so calls that never end by themselves (event
@@ -74,7 +82,10 @@ class RunningServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self, grace: float | None = None) -> None:
-        """Graceful shutdown: health NOT_SERVING, refuse new calls, let in-flight ones finish."""
+        """Graceful shutdown: drain, health NOT_SERVING, refuse new calls, let in-flight ones finish."""
+        grace_seconds = self.grace_seconds if grace is None else grace
+        for drainer in self.drainers:
+            await drainer(grace_seconds)
         await self.health.enter_graceful_shutdown()
         for closer in self.closers:
             closer()

@@ -73,6 +73,7 @@ def test_the_readme_commands_are_found():
     """The parser reads what the READMEs write (a change of their form must not empty the list)."""
     assert ("engine", "--vllm") in COMMANDS and ("engine", "--shape", "qwen2.5-0.5b") in COMMANDS
     assert ("derender",) in COMMANDS and ("epd",) in COMMANDS
+    assert ("failover",) in COMMANDS  # three engines, one killed and restarted: request migration's cost
 
 
 def run_smoke(commands: list[tuple[str, ...]], cache_dir: Path, results: Path) -> dict[str, dict]:

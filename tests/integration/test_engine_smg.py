@@ -123,7 +123,7 @@ def test_seeded_samples_and_logprobs_equal_tito_v1(smg, tito):
         complete = got.completes[index]
         assert list(complete.output_ids) == tokens[index] and complete.index == index
         logprobs = complete.output_logprobs
-        assert list(logprobs.token_ids) == tokens[index] and len(logprobs.top_logprobs) == 8
+        assert list(logprobs.token_ids) == tokens[index] and len(logprobs.top_logprobs) == len(tokens[index])
         assert all(len(top.token_ids) == 3 and top.values[0] >= top.values[-1] for top in logprobs.top_logprobs)
     assert tokens[0] != tokens[1]  # the seed differs per choice, as on tito.v1
 
@@ -369,3 +369,24 @@ def test_a_kv_event_subscription_answers_at_once_on_an_idle_engine(smg):
     waiter.join(5)
     live.cancel()
     assert done, "no headers within 5 s"
+
+
+def test_a_draining_engine_refuses_new_streams_on_smgs_face_and_ends_the_rest_as_gone(aio_server, tiny_text_model):
+    """Drain (tito.v1's RPC, or SIGTERM) covers both faces: SMG's health turns unhealthy, a new
+    Generate is UNAVAILABLE ENGINE_DRAINING, and a stream the grace period outlives ends with the
+    same status (so SMG retries it elsewhere) rather than as a finished choice."""
+    config = EngineConfig(model=str(tiny_text_model), device="cpu", engine_process=False, max_model_len=CONTEXT,
+                          block_size=16)
+    channel = aio_server(lambda: create_server(config)).channel()
+    smg_stub, tito_stub = vllm_engine_pb2_grpc.VllmEngineStub(channel), engine_pb2_grpc.EngineServiceStub(channel)
+    running = smg_stub.Generate(smg_request(PROMPTS[0], request_id="outlives-grace", max_tokens=CONTEXT - 8,
+                                            ignore_eos=True), timeout=TIMEOUT)
+    assert next(running).WhichOneof("response") == "chunk"
+
+    tito_stub.Drain(engine_pb2.DrainRequest(grace_seconds=0.2), timeout=TIMEOUT)
+
+    assert not smg_stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=TIMEOUT).healthy
+    refused = refusal(lambda: smg_stub.Generate(smg_request(PROMPTS[1], max_tokens=4), timeout=TIMEOUT))
+    assert (refused["code"], refused["reason"]) == (grpc.StatusCode.UNAVAILABLE, "ENGINE_DRAINING")
+    ended = refusal(lambda: read_stream(running))
+    assert (ended["code"], ended["reason"]) == (grpc.StatusCode.UNAVAILABLE, "ENGINE_DRAINING")

@@ -116,6 +116,26 @@ def test_seeded_sampling_repeats_and_choices_differ(stubs):
                for final in finals.values())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_migrated_choice_continues_on_both_backends(stubs, backend):
+    """Request migration: another engine continues a choice from its 7th token (the first 6 at the
+    end of the prompt, prior_output_tokens=6, the budget reduced by 6). Greedy: the uninterrupted
+    run's tokens on either backend. Seeded: the same on the native backend (draws derive from the
+    output position); vLLM's generator restarts from the seed (documented), so only the count holds."""
+    stub, prompt = stubs[backend], prompts(1)[0]
+    whole = greedy_tokens(stub, prompt)
+    tokens, finals = generate(stub, request(prompt + whole[:6], max_tokens=NEW_TOKENS - 6, ignore_eos=True,
+                                            prior_output_tokens=6))
+    assert tokens[0] == whole[6:] and finals[0].finish_reason == engine_pb2.FINISH_REASON_LENGTH
+    seeded = dict(temperature=1.0, top_p=0.9, seed=5, ignore_eos=True)
+    sampled = generate(stub, request(prompt, max_tokens=NEW_TOKENS, **seeded))[0][0]
+    resumed = generate(stub, request(prompt + sampled[:6], max_tokens=NEW_TOKENS - 6, prior_output_tokens=6,
+                                     **seeded))[0][0]
+    assert len(resumed) == NEW_TOKENS - 6
+    if backend == "native":
+        assert resumed == sampled[6:]
+
+
 def test_greedy_choices_logprobs_and_stop_tokens(stubs):
     prompt = prompts(2)[1]
     native_tokens, _ = generate(stubs["native"], request(prompt, n=2, max_tokens=5, ignore_eos=True))

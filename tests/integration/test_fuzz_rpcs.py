@@ -45,7 +45,7 @@ BUGS = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADL
 
 
 @pytest.fixture(scope="module")
-def servers(module_aio_server, tiny_vl_model, tmp_path_factory):
+def servers(module_aio_server, tiny_vl_model, tiny_text_model, tmp_path_factory):
     """Render signs media items and the engine verifies the tags present (unsigned items are
     served too) and shares an encoder store: the fuzz reaches the signature and store checks."""
     model = str(tiny_vl_model)
@@ -60,6 +60,8 @@ def servers(module_aio_server, tiny_vl_model, tmp_path_factory):
                                                                        engine_process=False, encoder_store_dir=store,
                                                                        **signing))),
         "derender": module_aio_server(lambda: create_derender(DerenderConfig(model=model))),
+        "engine_drained": module_aio_server(lambda: create_engine(EngineConfig(
+            model=str(tiny_text_model), device="cpu", max_model_len=512, engine_process=False))),
     }
 
 
@@ -127,6 +129,7 @@ def seeds(servers, rendered):
         "/tito.v1.EngineService/GetLoad": engine_pb2.GetLoadRequest(),
         "/tito.v1.EngineService/SubscribeKvEvents": engine_pb2.SubscribeKvEventsRequest(start_sequence=0),
         "/tito.v1.EngineService/ResetPrefixCache": engine_pb2.ResetPrefixCacheRequest(),
+        "/tito.v1.EngineService/Drain": engine_pb2.DrainRequest(grace_seconds=5.0),
         "/tito.v1.DerenderService/Derender": stream,
         "/tito.v1.DerenderService/DerenderBatch": batch,
         "/tito.v1.DerenderService/DerenderFull": derender_pb2.DerenderFullRequest(
@@ -172,10 +175,15 @@ SERVICE_DESCRIPTORS = {
     "engine": engine_pb2.DESCRIPTOR.services_by_name["EngineService"],
     "derender": derender_pb2.DESCRIPTOR.services_by_name["DerenderService"],
 }
-#: Every RPC of every service, as the descriptors declare them: path -> (service, method descriptor).
-RPCS = {f"/{descriptor.full_name}/{method.name}": (service, method)
+#: RPCs that change their server for good (a drained engine admits nothing more): fuzzed on a
+#: server of their own, so the other RPCs' fuzz still finds a working one.
+ONE_WAY = {"/tito.v1.EngineService/Drain": "engine_drained"}
+#: Every RPC of every service, as the descriptors declare them: path -> (server, method descriptor).
+RPCS = {f"/{descriptor.full_name}/{method.name}": (ONE_WAY.get(f"/{descriptor.full_name}/{method.name}", service),
+                                                   method)
         for service, descriptor in SERVICE_DESCRIPTORS.items() for method in descriptor.methods}
-SERVICES = {service: [path for path, (owner, _) in RPCS.items() if owner == service] for service in SERVICE_DESCRIPTORS}
+SERVICES = {service: [path for path, (owner, _) in RPCS.items() if owner == service]
+            for service in (*SERVICE_DESCRIPTORS, *ONE_WAY.values())}
 STREAMING_RESPONSE = {path for path, (_, method) in RPCS.items() if method.server_streaming}
 BIDI = {path for path, (_, method) in RPCS.items() if method.client_streaming}
 #: Streams that only end when the caller leaves: called with a short deadline, at which a stream

@@ -137,7 +137,7 @@ def reasoning_and_content(pipeline, request):
     return ("".join(c.reasoning_content for c in chunks), "".join(c.content for c in chunks), chunks[-1].finish_reason)
 
 
-@pytest.mark.parametrize("seed", [4])
+@pytest.mark.parametrize("seed", [1])
 def test_a_reasoning_turn_reasons_freely_then_its_content_validates(pipeline, seed):
     """Thinking on (the tiny model's default): the schema applies only after </think>, as in vLLM.
     A random-weight model writes </think> by chance; this seed makes it do so within max_tokens."""

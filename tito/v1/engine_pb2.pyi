@@ -149,7 +149,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "kv_blocks_total", "kv_blocks_used", "kv_block_size", "encoder_cache_hits", "encoder_cache_misses", "prefix_cache_hit_tokens", "finished_requests", "encoded_items", "encoder_store_loads")
+    __slots__ = ("running_requests", "waiting_requests", "kv_blocks_total", "kv_blocks_used", "kv_block_size", "encoder_cache_hits", "encoder_cache_misses", "prefix_cache_hit_tokens", "finished_requests", "encoded_items", "encoder_store_loads", "draining")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,7 @@ class GetLoadResponse(_message.Message):
     FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ENCODED_ITEMS_FIELD_NUMBER: _ClassVar[int]
     ENCODER_STORE_LOADS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     kv_blocks_total: int
@@ -172,7 +173,8 @@ class GetLoadResponse(_message.Message):
     finished_requests: int
     encoded_items: int
     encoder_store_loads: int
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., encoder_cache_hits: _Optional[int] = ..., encoder_cache_misses: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., encoded_items: _Optional[int] = ..., encoder_store_loads: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., encoder_cache_hits: _Optional[int] = ..., encoder_cache_misses: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., encoded_items: _Optional[int] = ..., encoder_store_loads: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class SubscribeKvEventsRequest(_message.Message):
     __slots__ = ("start_sequence",)
@@ -255,3 +257,15 @@ class ResetPrefixCacheRequest(_message.Message):
 class ResetPrefixCacheResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("grace_seconds",)
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    grace_seconds: float
+    def __init__(self, grace_seconds: _Optional[float] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("in_flight_requests",)
+    IN_FLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    in_flight_requests: int
+    def __init__(self, in_flight_requests: _Optional[int] = ...) -> None: ...

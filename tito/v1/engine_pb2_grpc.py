@@ -71,6 +71,11 @@ class EngineServiceStub:
                 request_serializer=tito_dot_v1_dot_engine__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=tito_dot_v1_dot_engine__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/tito.v1.EngineService/Drain',
+                request_serializer=tito_dot_v1_dot_engine__pb2.DrainRequest.SerializeToString,
+                response_deserializer=tito_dot_v1_dot_engine__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -135,6 +140,19 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Drain prepares the engine to stop without losing a request: it stops admitting (new
+        Generate calls are refused with UNAVAILABLE, reason ENGINE_DRAINING: send them to another
+        engine), turns the standard health service NOT_SERVING and GetLoad's `draining` on, lets
+        the Generate streams in flight run for up to the grace period, then ends the rest with
+        UNAVAILABLE ENGINE_DRAINING, so a router continues them on another engine (request
+        migration, tito_client.migration). It returns at once; poll GetLoad until nothing runs.
+        Idempotent; SIGTERM drains the same way (grace: --grace-seconds) before the server stops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -172,6 +190,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=tito_dot_v1_dot_engine__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=tito_dot_v1_dot_engine__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=tito_dot_v1_dot_engine__pb2.DrainRequest.FromString,
+                    response_serializer=tito_dot_v1_dot_engine__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -365,6 +388,33 @@ class EngineService:
             '/tito.v1.EngineService/ResetPrefixCache',
             tito_dot_v1_dot_engine__pb2.ResetPrefixCacheRequest.SerializeToString,
             tito_dot_v1_dot_engine__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tito.v1.EngineService/Drain',
+            tito_dot_v1_dot_engine__pb2.DrainRequest.SerializeToString,
+            tito_dot_v1_dot_engine__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

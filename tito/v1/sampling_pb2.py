@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tito/v1/sampling.proto\x12\x07tito.v1\"\xcd\x01\n\x11OutputTextOptions\x12\x0c\n\x04stop\x18\x01 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x02 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\xfb\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x0e\n\x01n\x18\r \x01(\rH\x05\x88\x01\x01\x12\x10\n\x08logprobs\x18\x0e \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\r\x12\x30\n\x0ctext_options\x18\x10 \x01(\x0b\x32\x1a.tito.v1.OutputTextOptions\x12\x34\n\x11structured_output\x18\x11 \x01(\x0b\x32\x19.tito.v1.StructuredOutput\x12:\n\nlogit_bias\x18\x12 \x03(\x0b\x32&.tito.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x04\n\x02_n\"\xd8\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x34\n\x0bjson_object\x18\x02 \x01(\x0b\x32\x1d.tito.v1.JsonObjectConstraintH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x19.tito.v1.ChoiceConstraintH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x16\n\x14JsonObjectConstraint\"#\n\x10\x43hoiceConstraint\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tito/v1/sampling.proto\x12\x07tito.v1\"\xcd\x01\n\x11OutputTextOptions\x12\x0c\n\x04stop\x18\x01 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x02 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\x98\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x0e\n\x01n\x18\r \x01(\rH\x05\x88\x01\x01\x12\x10\n\x08logprobs\x18\x0e \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\r\x12\x30\n\x0ctext_options\x18\x10 \x01(\x0b\x32\x1a.tito.v1.OutputTextOptions\x12\x34\n\x11structured_output\x18\x11 \x01(\x0b\x32\x19.tito.v1.StructuredOutput\x12:\n\nlogit_bias\x18\x12 \x03(\x0b\x32&.tito.v1.SamplingParams.LogitBiasEntry\x12\x1b\n\x13prior_output_tokens\x18\x13 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x04\n\x02_n\"\xd8\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x34\n\x0bjson_object\x18\x02 \x01(\x0b\x32\x1d.tito.v1.JsonObjectConstraintH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x19.tito.v1.ChoiceConstraintH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x16\n\x14JsonObjectConstraint\"#\n\x10\x43hoiceConstraint\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,13 +36,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OUTPUTTEXTOPTIONS']._serialized_start=36
   _globals['_OUTPUTTEXTOPTIONS']._serialized_end=241
   _globals['_SAMPLINGPARAMS']._serialized_start=244
-  _globals['_SAMPLINGPARAMS']._serialized_end=879
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=752
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=800
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=882
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1098
-  _globals['_JSONOBJECTCONSTRAINT']._serialized_start=1100
-  _globals['_JSONOBJECTCONSTRAINT']._serialized_end=1122
-  _globals['_CHOICECONSTRAINT']._serialized_start=1124
-  _globals['_CHOICECONSTRAINT']._serialized_end=1159
+  _globals['_SAMPLINGPARAMS']._serialized_end=908
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=781
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=829
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=911
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1127
+  _globals['_JSONOBJECTCONSTRAINT']._serialized_start=1129
+  _globals['_JSONOBJECTCONSTRAINT']._serialized_end=1151
+  _globals['_CHOICECONSTRAINT']._serialized_start=1153
+  _globals['_CHOICECONSTRAINT']._serialized_end=1188
 # @@protoc_insertion_point(module_scope)

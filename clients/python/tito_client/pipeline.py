@@ -10,7 +10,8 @@ Every call carries a deadline.
 for a router that serves many chats at once from one event loop. Either takes an
 `routing.EngineRouter` to spread chats over several engines (cache-aware by default): each
 rendered request goes to the engine the router picks, and an engine that fails with UNAVAILABLE
-is left out of later picks at once.
+is left out of later picks at once, while the chats it was serving continue on another engine
+(request migration: engine_stream.py, migration.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tito import tracing
 from tito.security import ClientSecurity
 from tito_client.derender_batch import DerenderBatcher
+from tito_client.engine_stream import AsyncMigratingStream, MigratingStream
 from tito_client.routing import EngineRouter
 from tito.v1 import (
     derender_pb2,
@@ -102,17 +104,13 @@ class ChatPipeline:
         self._engines: dict[str, engine_pb2_grpc.EngineServiceStub] = {}
         self.last_engine: str | None = None  # where the latest chat went (with a router)
 
-    def _engine_for(self, request) -> tuple[engine_pb2_grpc.EngineServiceStub, str | None]:
-        if self.router is None:
-            return self.engine, None
-        address = self.router.pick(request).address
+    def _engine_at(self, address: str) -> engine_pb2_grpc.EngineServiceStub:
         stub = self._engines.get(address)
         if stub is None:
             channel = self._security.channel(address, options=self._options)
             self._channels.append(channel)
             stub = self._engines[address] = engine_pb2_grpc.EngineServiceStub(channel)
-        self.last_engine = address
-        return stub, address
+        return stub
 
     def close(self) -> None:
         for channel in self._channels:
@@ -141,16 +139,20 @@ class ChatPipeline:
 
     def _stream_chat(self, request: render_pb2.RenderChatRequest, metadata) -> Iterator[derender_pb2.ChatChunk]:
         rendered = self.render.RenderChat(request, timeout=self.timeout, metadata=metadata)
-        engine, address = self._engine_for(rendered.generate_request)
-        if address is None:
-            yield from self._generate(rendered, engine, metadata)
+        if self.router is None:
+            yield from self._generate(rendered, self.engine.Generate(rendered.generate_request, timeout=self.timeout,
+                                                                     metadata=metadata), metadata)
             return
-        with self.router.track(address):
-            yield from self._generate(rendered, engine, metadata)
+        address = self.last_engine = self.router.pick(rendered.generate_request).address
+        generation = MigratingStream(self.router, lambda where, generate: self._engine_at(where).Generate(
+            generate, timeout=self.timeout, metadata=metadata), rendered.generate_request, address)
+        try:
+            yield from self._generate(rendered, generation, metadata)
+        finally:
+            self.last_engine = generation.address
 
-    def _generate(self, rendered, engine, metadata) -> Iterator[derender_pb2.ChatChunk]:
-        generation = engine.Generate(rendered.generate_request, timeout=self.timeout, metadata=metadata)
-
+    def _generate(self, rendered, generation, metadata) -> Iterator[derender_pb2.ChatChunk]:
+        """`generation`: the engine's Generate call, or a MigratingStream standing for it."""
         engine_errors: list[grpc.RpcError] = []
 
         def derender_requests():
@@ -209,16 +211,13 @@ class AsyncChatPipeline:
         self.last_engine: str | None = None  # where the latest chat went (with a router)
         self.derender_batcher = DerenderBatcher(self.derender, self._metadata) if batch_derender else None
 
-    def _engine_for(self, request) -> tuple[engine_pb2_grpc.EngineServiceStub, str | None]:
-        if self.router is None:
-            return self.engine, None
-        address = self.last_engine = self.router.pick(request).address
+    def _engine_at(self, address: str) -> engine_pb2_grpc.EngineServiceStub:
         stub = self._engines.get(address)
         if stub is None:
             channel = self._security.aio_channel(address, options=_channel_options(address, self._max_message_bytes))
             self._channels.append(channel)
             stub = self._engines[address] = engine_pb2_grpc.EngineServiceStub(channel)
-        return stub, address
+        return stub
 
     async def close(self) -> None:
         if self.derender_batcher is not None:
@@ -279,22 +278,27 @@ class AsyncChatPipeline:
 
     async def _stream_rendered(self, rendered, metadata, on_generating: OnGenerating | None
                                ) -> AsyncIterator[derender_pb2.ChatChunk]:
-        engine, address = self._engine_for(rendered.generate_request)
-        if address is None:
-            async for chunk in self._generate(rendered, engine, metadata, on_generating):
+        if self.router is None:
+            generation = self.engine.Generate(rendered.generate_request, timeout=self.timeout, metadata=metadata)
+            async for chunk in self._generate(rendered, generation, metadata, on_generating):
                 yield chunk
             return
-        with self.router.track(address):
-            async for chunk in self._generate(rendered, engine, metadata, on_generating):
+        address = self.last_engine = self.router.pick(rendered.generate_request).address
+        generation = AsyncMigratingStream(self.router, lambda where, generate: self._engine_at(where).Generate(
+            generate, timeout=self.timeout, metadata=metadata), rendered.generate_request, address)
+        try:
+            async for chunk in self._generate(rendered, generation, metadata, on_generating):
                 yield chunk
+        finally:
+            self.last_engine = generation.address
 
-    async def _generate(self, rendered, engine, metadata, on_generating: OnGenerating | None
+    async def _generate(self, rendered, generation, metadata, on_generating: OnGenerating | None
                         ) -> AsyncIterator[derender_pb2.ChatChunk]:
+        """`generation`: the engine's Generate call, or an AsyncMigratingStream standing for it."""
         if self.derender_batcher is not None:
-            async for chunk in self._generate_batched(rendered, engine, metadata, on_generating):
+            async for chunk in self._generate_batched(rendered, generation, on_generating):
                 yield chunk
             return
-        generation = engine.Generate(rendered.generate_request, timeout=self.timeout, metadata=metadata)
         engine_errors: list[grpc.RpcError] = []
 
         async def derender_requests():
@@ -328,11 +332,10 @@ class AsyncChatPipeline:
         if engine_errors:
             raise engine_errors[0]
 
-    async def _generate_batched(self, rendered, engine, metadata, on_generating: OnGenerating | None
+    async def _generate_batched(self, rendered, generation, on_generating: OnGenerating | None
                                 ) -> AsyncIterator[derender_pb2.ChatChunk]:
         """`_generate` with the chat's derender stream on the shared DerenderBatch call: a task
         forwards the engine's responses, and the chunks come back through the batcher."""
-        generation = engine.Generate(rendered.generate_request, timeout=self.timeout, metadata=metadata)
         stream = self.derender_batcher.open(rendered.derender_context, self.timeout)
         engine_errors: list[grpc.RpcError] = []
 

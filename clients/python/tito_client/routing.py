@@ -16,7 +16,10 @@ Engines come and go: from a static list, or from DNS (`dns:///engines.default.sv
 headless Service: every address it resolves to is an engine, re-resolved periodically). An
 engine whose event stream stops (or fails) is routed to by load only until its stream recovers
 (its view is rebuilt by replaying from where it left off, or from the oldest buffered batch when
-that was dropped). An engine that does not answer `GetLoad` is left out until it does.
+that was dropped). An engine that does not answer `GetLoad` is left out until it does; one that
+reports `draining` (EngineService.Drain, SIGTERM) or refuses a request as draining is left out at
+once. A chat whose engine goes away mid-stream moves to another engine, up to `migration_limit`
+times (migration.py, engine_stream.py).
 
 Policies: `cache_aware` (the default), `least_load`, `round_robin`.
 
@@ -43,6 +46,7 @@ import grpc
 from tito.grpc_errors import error_details
 from tito.security import ClientSecurity
 from tito.v1 import engine_pb2, engine_pb2_grpc
+from tito_client.migration import engine_draining
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +152,7 @@ class Engine:
     view: EngineView = field(default_factory=EngineView)
     events_live: bool = False  # its event stream is connected and in sync
     reachable: bool = True  # it answered its last GetLoad
+    draining: bool = False  # it is draining (GetLoad said so, or it refused a request as draining)
     reported_load: int = 0  # running + waiting requests at its last GetLoad
     in_flight: int = 0  # requests this router has running there
     block_size: int = 0  # GetLoad's kv_block_size
@@ -180,10 +185,15 @@ class EngineRouter:
     def __init__(self, engines: Sequence[str] | str, *, policy: str = "cache_aware",
                  security: ClientSecurity = ClientSecurity(), load_interval: float = 0.25,
                  resolve_interval: float = 5.0, retry_interval: float = 0.5,
-                 resolver: Callable[[str, int], list[str]] | None = None):
+                 resolver: Callable[[str, int], list[str]] | None = None, migration_limit: int = 3):
+        """`migration_limit`: how many times one request may move to another engine after its
+        engine went away mid-stream (0: never; migration.py)."""
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r} must be one of {', '.join(POLICIES)}")
+        if migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
         self.policy = policy
+        self.migration_limit = migration_limit
         self._spec = [engines] if isinstance(engines, str) else list(engines)
         if not self._spec:
             raise ValueError("give at least one engine address (host:port) or dns:///NAME:PORT")
@@ -232,10 +242,14 @@ class EngineRouter:
         with self._lock:
             return list(self._engines)
 
-    def pick(self, request: engine_pb2.GenerateRequest) -> Choice:
-        """The engine for `request` under the router's policy."""
+    def pick(self, request: engine_pb2.GenerateRequest, avoid: str | None = None) -> Choice:
+        """The engine for `request` under the router's policy; `avoid` (the engine a chat just
+        left) only when no other engine is available."""
         with self._lock:
-            candidates = [engine for engine in self._engines.values() if engine.reachable and not engine.stopped]
+            candidates = [engine for engine in self._engines.values()
+                          if engine.reachable and not engine.draining and not engine.stopped]
+            if avoid is not None and len(candidates) > 1:
+                candidates = [engine for engine in candidates if engine.address != avoid] or candidates
             if not candidates:
                 raise NoEngineAvailable(f"no engine is reachable (known: {', '.join(self._engines) or 'none'})")
             if self.policy == "round_robin":
@@ -264,7 +278,7 @@ class EngineRouter:
     @contextmanager
     def track(self, address: str):
         """Count a request in flight on `address` while the block runs; a connection failure
-        (UNAVAILABLE) marks the engine unreachable at once, so new requests go elsewhere."""
+        (UNAVAILABLE) marks the engine unreachable (or draining) at once, so new requests go elsewhere."""
         with self._lock:
             engine = self._engines.get(address)
             if engine is not None:
@@ -272,7 +286,9 @@ class EngineRouter:
         try:
             yield
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            if engine_draining(exc):
+                self.mark_draining(address)
+            elif exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self.mark_unreachable(address)
             raise
         finally:
@@ -286,10 +302,17 @@ class EngineRouter:
             if engine is not None:
                 engine.reachable = False
 
-    def status(self) -> dict[str, dict]:
-        """Per engine: reachable, events_live, load, cached blocks known (for operators and tests)."""
+    def mark_draining(self, address: str) -> None:
         with self._lock:
-            return {address: {"reachable": e.reachable, "events_live": e.events_live, "load": e.load,
+            engine = self._engines.get(address)
+            if engine is not None:
+                engine.draining = True
+
+    def status(self) -> dict[str, dict]:
+        """Per engine: reachable, draining, events_live, load, cached blocks known (for operators and tests)."""
+        with self._lock:
+            return {address: {"reachable": e.reachable, "draining": e.draining, "events_live": e.events_live,
+                              "load": e.load,
                               "in_flight": e.in_flight, "cached_blocks": len(e.view.key_of)}
                     for address, e in self._engines.items()}
 
@@ -360,6 +383,7 @@ class EngineRouter:
             return
         with self._lock:
             engine.reachable = True
+            engine.draining = load.draining
             engine.reported_load = load.running_requests + load.waiting_requests
             engine.block_size = load.kv_block_size
 

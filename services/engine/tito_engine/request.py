@@ -62,6 +62,7 @@ class RawSamplingParams:
     top_logprobs: int = 0
     structured_output: Any = None  # constraints.StructuredOutputSpec or None
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias, unchecked
+    prior_output_tokens: int = 0  # request migration: the prompt's last ids are this choice's output
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,9 @@ class SamplingOptions:
     top_logprobs: int = 0  # alternatives per position (validation: needs logprobs)
     structured_output: Any = None  # constraints.StructuredOutputSpec (validated) or None
     logit_bias: LogitBias | None = None  # None: no bias
+    # Request migration: the prompt's last `prior_output_tokens` ids are output an earlier engine
+    # generated; seeded draws and presence/frequency penalties go on from there.
+    prior_output_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -184,7 +188,7 @@ class Sequence:
         self.block_table: list[int] = []  # KV block ids, owned (or shared after a fork)
         self.num_computed = 0  # tokens of prompt + output whose K/V are in the cache
         self.awaiting_fork = False  # a choice n > 1 that starts from choice 0's prefilled prompt
-        self.generator = generator  # torch.Generator for seeded requests, else None
+        self.generator = generator  # sampler.ChoiceGenerator for seeded requests, else None
         self.prompt_mask: Any = None  # lazily built by the sampler for repetition_penalty
         self.logit_bias: Any = None  # the options' LogitBias as (ids, biases) tensors, lazily built by the sampler
         self.matcher: Any = None  # the grammar matcher of a constrained choice (constraints.py)

@@ -131,6 +131,9 @@ async def create_server(config: EngineConfig, phases: StartupPhases | None = Non
         asyncio.run_coroutine_threadsafe(running.set_not_serving(), loop)
 
     def core_restored() -> None:
+        # A draining engine stays NOT_SERVING on both faces: the restart does not undo the drain.
+        if servicer.drain_state.draining:
+            return
         smg_servicer.set_healthy(True)
         asyncio.run_coroutine_threadsafe(running.set_serving(), loop)
 
@@ -155,13 +158,25 @@ async def create_server(config: EngineConfig, phases: StartupPhases | None = Non
     observer = RequestObserver(engine_metrics)
     servicer.attach(backend, admission, observer if observer.active else None)
     smg_servicer.attach(backend, admission, plan.model_dir if plan else resolve_model(config.model),
-                        observer if observer.active else None)
+                        observer if observer.active else None, drain=servicer.drain_state)
+    servicer.on_drain(config.grace_seconds, running.set_not_serving)
+    running.add_drainer(lambda grace: _drain_before_stop(servicer, grace))
     await running.set_serving()
     phases.serving()
     if config.hmac_key_file:
         log.info("media item tags are verified (key id %r); unsigned items are %s", config.hmac_key_id,
                  "refused" if config.require_signed_features else "accepted but not trusted for cache hits")
     return running
+
+
+async def _drain_before_stop(servicer: EngineServicer, grace_seconds: float) -> None:
+    """SIGTERM: drain (drain.py); the streams the grace period did not see finish end as "engine
+    gone" at its end, a moment later they have left, and then the server stops."""
+    in_flight = await servicer.drain(grace_seconds)
+    if in_flight:
+        log.info("draining: %d requests in flight, %.1fs to finish", in_flight, grace_seconds)
+    if not await servicer.drain_state.wait_idle(grace_seconds + 5.0):
+        log.warning("draining: %d requests still in flight after the grace period", servicer.drain_state.in_flight)
 
 
 async def serve(config: EngineConfig, phases: StartupPhases | None = None) -> None:

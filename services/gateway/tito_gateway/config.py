@@ -29,6 +29,11 @@ class GatewayConfig(ServerConfig):
                                   help="with several engines (or a dns:/// target): how each request's engine is "
                                        "chosen (tito_client.routing: cache_aware = the longest cached prefix, then "
                                        "the least load)")
+    migration_limit: int = setting(3, group=UPSTREAM,
+                                   help="with several engines (or a dns:/// target): how many times one chat may "
+                                        "move to another engine when its engine goes away mid-stream (killed, "
+                                        "restarting, draining); it continues from the tokens it has, the client "
+                                        "sees one stream. 0: never (the chat fails with the engine's status)")
     derender_address: str = setting("127.0.0.1:50053", group=UPSTREAM, help="derender's address")
     derender_batch: bool = setting(True, group=UPSTREAM,
                                    help="carry every chat's derender stream over one DerenderBatch call (one "
@@ -74,6 +79,8 @@ class GatewayConfig(ServerConfig):
                 validate_address(address.removeprefix("dns:").lstrip("/"), "--engine-address (after dns:///)")
             else:
                 validate_address(address, "--engine-address")
+        if self.migration_limit < 0:
+            raise ConfigError(f"--migration-limit {self.migration_limit}: must be >= 0 (0: chats never move)")
         if self.metrics_port is not None:
             raise ConfigError("the gateway serves /metrics on its own --address: leave --metrics-port out")
         if self.health_address:

@@ -172,7 +172,8 @@ async def create_server(config: GatewayConfig, phases: StartupPhases | None = No
     token = read_token_file(config.auth_token_file) if config.auth_token_file else ""
     upstream = Upstream(config.render_address, config.engine_addresses(), config.derender_address,
                         config.upstream_timeout, config.upstream_security(), config.max_message_bytes,
-                        config.routing_policy, batch_derender=config.derender_batch)
+                        config.routing_policy, batch_derender=config.derender_batch,
+                        migration_limit=config.migration_limit)
     gateway = Gateway(upstream, served_model_name=config.served_model_name, token=token,
                       auth_exempt_health=config.auth_exempt_health, max_body_bytes=config.max_body_bytes,
                       max_concurrent_requests=config.max_concurrent_requests, body_timeout=config.idle_timeout)

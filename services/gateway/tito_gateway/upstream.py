@@ -1,7 +1,8 @@
 """The services behind the gateway: one AsyncChatPipeline, and with several engines (a list, or a
 `dns:///name:port` target such as a headless Service) tito_client's `EngineRouter` choosing the
 engine of each request: cache-aware by default (the engine that holds the longest prefix of the
-rendered tokens, from every engine's KV events), or least_load / round_robin."""
+rendered tokens, from every engine's KV events), or least_load / round_robin. A chat whose engine
+goes away mid-stream continues on another (request migration, up to --migration-limit moves)."""
 
 from __future__ import annotations
 
@@ -16,17 +17,19 @@ class Upstream:
 
     def __init__(self, render: str, engines: list[str], derender: str, timeout: float,
                  security: ClientSecurity, max_message_bytes: int, policy: str = "cache_aware",
-                 batch_derender: bool = True):
+                 batch_derender: bool = True, migration_limit: int = 3):
         """`security`: TLS and token for every TCP address; Unix sockets (sidecars in the same pod)
         are reached in plaintext, with the token. `batch_derender`: the chats' derender streams
-        share one DerenderBatch call (AsyncChatPipeline)."""
+        share one DerenderBatch call (AsyncChatPipeline). `migration_limit`: the router's moves of
+        one chat whose engine went away (tito_client.migration)."""
         self.addresses = list(engines)
         plain = ClientSecurity(token_file=security.token_file)
         sidecars = plain if render.startswith("unix:") and derender.startswith("unix:") else security
         engine_security = plain if len(engines) == 1 and engines[0].startswith("unix:") else security
         routed = len(engines) > 1 or engines[0].startswith("dns:")
         self.router = EngineRouter(engines if len(engines) > 1 else engines[0], policy=policy,
-                                   security=engine_security).start() if routed else None
+                                   security=engine_security,
+                                   migration_limit=migration_limit).start() if routed else None
         self.pipeline = AsyncChatPipeline(Endpoints(render, engines[0], derender), timeout=timeout,
                                           max_message_bytes=max_message_bytes, security=engine_security,
                                           router=self.router, sidecar_security=sidecars,

@@ -92,6 +92,7 @@ class ScriptedEngine(engine_pb2_grpc.EngineServiceServicer):
         self.lock = threading.Lock()
         self.oldest = 0
         self.down = False  # GetLoad fails
+        self.draining = False  # GetLoad says it drains
 
     def push(self, batch):
         with self.lock:
@@ -108,7 +109,7 @@ class ScriptedEngine(engine_pb2_grpc.EngineServiceServicer):
     def GetLoad(self, request, context):
         if self.down:
             context.abort(grpc.StatusCode.UNAVAILABLE, "down")
-        return engine_pb2.GetLoadResponse(running_requests=self.load, kv_block_size=BLOCK)
+        return engine_pb2.GetLoadResponse(running_requests=self.load, kv_block_size=BLOCK, draining=self.draining)
 
     def SubscribeKvEvents(self, request, context):
         start = request.start_sequence if request.HasField("start_sequence") else None
@@ -188,6 +189,24 @@ def test_cache_aware_picks_the_longest_prefix_then_the_least_load(engines):
         assert router.pick(chat).address == b
         router.policy = "round_robin"
         assert {router.pick(chat).address for _ in range(3)} == {a, b, c}
+
+
+def test_a_draining_engine_gets_no_new_request_and_a_moved_chat_avoids_the_engine_it_left(engines):
+    (a, engine_a), (b, engine_b) = engines(2)
+    engine_a.load, engine_b.load = 0, 4
+    chat = generate_request([7] * 12)
+    with EngineRouter([a, b], policy="least_load", load_interval=0.02) as router:
+        wait_for(lambda: router.status()[b]["load"] == 4, "the loads polled")
+        assert router.pick(chat).address == a
+        assert router.pick(chat, avoid=a).address == b  # a chat that left a goes elsewhere...
+        engine_a.draining = True
+        wait_for(lambda: router.status()[a]["draining"], "a's drain seen")
+        assert router.pick(chat).address == b  # ...and nothing new goes to a draining engine
+        assert router.pick(chat, avoid=b).address == b  # avoided, but the only one left
+        engine_a.draining = False  # a restarted engine at the same address serves again
+        wait_for(lambda: router.pick(chat).address == a, "a back")
+    with pytest.raises(ValueError):
+        EngineRouter([a], migration_limit=-1)
 
 
 def test_an_engine_whose_events_stop_is_routed_by_load_until_they_resume(engines):

@@ -29,6 +29,7 @@ def draw(options, seed, steps=20, index=0, neighbours=0):
         rows = [row(SamplingOptions(max_tokens=1, temperature=1.0)) for _ in range(neighbours)] + [target]
         values = logits(1, seed=step).expand(len(rows), -1).contiguous()
         tokens.append(sample_batch(values, rows)[0][-1])
+        target.seq.output_ids.append(tokens[-1])  # as the scheduler does: the next draw is the next position
     return tokens
 
 
@@ -53,8 +54,41 @@ def test_sampling_follows_the_distribution():
     values = torch.tensor([[0.0, math.log(3.0)] + [-1e9] * (VOCAB - 2)])
     options = SamplingOptions(max_tokens=1, temperature=1.0)
     rows = [row(options, seed=7)]
-    ones = sum(sample_batch(values, rows)[0][0] for _ in range(2000))
+    ones = 0
+    for _ in range(2000):  # one seeded choice drawing 2,000 positions
+        token = sample_batch(values, rows)[0][0]
+        rows[0].seq.output_ids.append(token)
+        ones += token
     assert 0.70 < ones / 2000 < 0.80  # p(token 1) = 0.75
+
+
+def test_a_continued_choice_draws_what_the_uninterrupted_one_would_have():
+    """Request migration: another engine continues a seeded choice from its 5th token (the first
+    5 at the end of its prompt, prior_output_tokens=5) and draws the same tokens as the choice that
+    was never interrupted, because each draw derives from (seed, position), not from the draws before."""
+    options = SamplingOptions(max_tokens=12, temperature=1.0, top_k=50)
+    whole = draw(options, 42, steps=12)
+    continued_options = SamplingOptions(max_tokens=7, temperature=1.0, top_k=50, prior_output_tokens=5)
+    continued = row(continued_options, seed=42, prompt_ids=(1, 2, *whole[:5]))
+    tokens = []
+    for step in range(5, 12):
+        tokens.append(sample_batch(logits(1, seed=step), [continued])[0][0])
+        continued.seq.output_ids.append(tokens[-1])
+    assert tokens == whole[5:]
+    fresh = row(SamplingOptions(max_tokens=7, temperature=1.0, top_k=50), seed=42, prompt_ids=(1, 2, *whole[:5]))
+    assert [sample_batch(logits(1, seed=step), [fresh])[0][0] for step in range(5, 12)] != whole[5:]
+
+
+def test_presence_and_frequency_penalties_count_a_continued_choices_earlier_output():
+    values = torch.zeros(1, VOCAB)
+    values[0, 7] = 1.0
+    values[0, 8] = 0.9
+    options = SamplingOptions(max_tokens=1, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5)
+    assert sample_batch(values, [row(options, output_ids=(7,))])[0] == [8]  # 7 was said: penalised
+    continued = SamplingOptions(max_tokens=1, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5,
+                                prior_output_tokens=1)
+    assert sample_batch(values, [row(continued, prompt_ids=(1, 7))])[0] == [8]  # the same 7, said elsewhere
+    assert sample_batch(values, [row(options, prompt_ids=(1, 7))])[0] == [7]  # a prompt's 7 is not output
 
 
 def test_top_k_top_p_min_p_restrict_the_support_per_row():
@@ -65,9 +99,10 @@ def test_top_k_top_p_min_p_restrict_the_support_per_row():
             row(SamplingOptions(max_tokens=1, temperature=1.0, min_p=1.0), seed=3),
             row(SamplingOptions(max_tokens=1, temperature=50.0), seed=4)]
     seen = [set() for _ in rows]
-    for _ in range(60):
+    for _ in range(60):  # 60 positions of each seeded choice
         for i, token in enumerate(sample_batch(values, rows)[0]):
             seen[i].add(token)
+            rows[i].seq.output_ids.append(token)
     best = values.argmax(-1).tolist()
     assert seen[0] <= top3[0] and len(seen[0]) > 1
     assert seen[1] == {best[1]} and seen[2] == {best[2]}

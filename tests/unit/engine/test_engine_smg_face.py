@@ -29,9 +29,10 @@ def test_tito_field_paths_in_smgs_names():
     assert smg_field("sampling_params.structured_output.regex") == "sampling_params.regex"
     assert smg_field("sampling_params.stop_token_ids[0]") == "sampling_params.stop_token_ids[0]"
     assert smg_field("mm_features.items[1].placeholder") == "mm_inputs.items[1].placeholder"
-    error = with_smg_fields(InvalidArgument("token_ids[2]: out of range", reason="R", field="token_ids[2]"))
+    error = with_smg_fields(InvalidArgument("token_ids[2]: out of range", reason="TOKEN_ID_OUT_OF_RANGE",
+                                            field="token_ids[2]"))
     assert error.message == "tokenized.input_ids[2]: out of range" and error.field == "tokenized.input_ids[2]"
-    assert isinstance(error, InvalidArgument) and error.reason == "R"
+    assert isinstance(error, InvalidArgument) and error.reason == "TOKEN_ID_OUT_OF_RANGE"
 
 
 def test_sampling_fields_mean_what_smgs_servicer_makes_of_them():

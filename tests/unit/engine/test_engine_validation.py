@@ -50,12 +50,20 @@ def test_prompt_errors_name_the_field(token_ids, field):
     ({"stop_token_ids": (5, 100)}, "sampling_params.stop_token_ids[1]"),
     ({"max_tokens": 4, "min_tokens": 5}, "sampling_params.min_tokens"),
     ({"logit_bias": {5: 1.0, 100: -1.0}}, "sampling_params.logit_bias[100]"),  # more: test_core_sampling_ranges.py
+    ({"prior_output_tokens": 3}, "sampling_params.prior_output_tokens"),  # the whole prompt is output
+    ({"prior_output_tokens": 1, "n": 2}, "sampling_params.prior_output_tokens"),  # continues one choice
+    ({"prior_output_tokens": 1, "structured_output": object()}, "sampling_params.prior_output_tokens"),
 ])
 def test_sampling_errors_name_the_field(sampling, field):
     with pytest.raises(InvalidArgument) as exc:
         check(**sampling)
     assert field_of(exc) == field
     assert exc.value.reason == "INVALID_SAMPLING_PARAMS"
+
+
+def test_a_continued_choice_keeps_its_prior_output_count():
+    assert check(prior_output_tokens=2, max_tokens=5).prior_output_tokens == 2
+    assert check().prior_output_tokens == 0
 
 
 def test_max_tokens_exactly_filling_the_context_is_accepted():

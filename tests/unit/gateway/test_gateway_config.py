@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tito.config import ConfigError
+from tito.security import ClientSecurity
 from tito_gateway.config import GatewayConfig
+from tito_gateway.upstream import Upstream
 
 
 def test_defaults_validate():
@@ -22,6 +26,7 @@ def test_defaults_validate():
     ({"max_body_bytes": 10}, "--max-body-bytes"),
     ({"max_concurrent_requests": 0}, "--max-concurrent-requests"),
     ({"idle_timeout": 0}, "--idle-timeout"),
+    ({"migration_limit": -1}, "--migration-limit"),
 ])
 def test_mistakes_are_refused_by_name(fields, words):
     with pytest.raises(ConfigError) as info:
@@ -34,3 +39,15 @@ def test_engine_targets():
     config.validate()
     assert config.engine_addresses() == ["10.0.0.1:50052", "10.0.0.2:50052"]
     GatewayConfig(engine_address="dns:///tito-engine:50052").validate()
+
+
+def test_the_migration_limit_reaches_the_router():
+    async def main():
+        upstream = Upstream("127.0.0.1:1", ["127.0.0.1:2", "127.0.0.1:3"], "127.0.0.1:4", 1.0, ClientSecurity(),
+                            1 << 20, migration_limit=5)
+        try:
+            return upstream.router.migration_limit
+        finally:
+            await upstream.close()
+
+    assert asyncio.run(main()) == 5

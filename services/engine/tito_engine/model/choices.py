@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from tito_engine.model import constraints
-from tito_engine.model.sampler import make_generator
+from tito_engine.model.sampler import ChoiceGenerator, make_generator
 
 
 class ModelChoiceState:
@@ -18,7 +18,7 @@ class ModelChoiceState:
     def __init__(self, device: torch.device | str):
         self.device = device
 
-    def new_generator(self, seed: int, index: int) -> torch.Generator:
+    def new_generator(self, seed: int, index: int) -> ChoiceGenerator:
         return make_generator(seed, index, self.device)
 
     def new_matcher(self, grammar: Any) -> Any:

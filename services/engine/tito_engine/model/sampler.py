@@ -5,7 +5,10 @@ are applied in that order (vLLM's: the bias before the penalties) as batched ten
 rows take the argmax; sampled rows draw by the exponential race (argmax of probs / Exp(1) noise,
 which samples the categorical exactly). Rows of seeded requests draw their noise from their own
 `torch.Generator`, so a seed gives the same tokens whatever else shares the batch; unseeded rows
-share one draw from the global generator.
+share one draw from the global generator. A seeded choice's generator is re-seeded before each
+draw from (seed, choice, output position) rather than run on from its first state, so a choice
+that another engine continues after a failure (request migration: `prior_output_tokens`) draws
+exactly what it would have drawn here.
 
 Padding ids (valid ids the tokenizer does not name, tito.vocab) are excluded by default: the
 model runner precomputes their index once, and `mask_logits` sets those columns of the step's
@@ -25,7 +28,9 @@ whatever its bias.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
+import struct
 
 import torch
 
@@ -35,12 +40,26 @@ from tito_engine.scheduling.plan import SampleRow
 _SEED_MASK = 2**64 - 1
 
 
-def make_generator(seed: int | None, choice_index: int, device: torch.device | str) -> torch.Generator:
+class ChoiceGenerator:
+    """The random source of one seeded choice. Each draw's state is a function of the choice's seed
+    and the output position alone, never of the draws before it: the same position draws the same
+    noise on any engine, which makes a migrated choice's continuation exact."""
+
+    def __init__(self, seed: int, device: torch.device | str):
+        self.seed = seed
+        self._generator = torch.Generator(device=device)
+
+    def at(self, position: int) -> torch.Generator:
+        """The generator in its state for the draw of output token `position` (0-based)."""
+        digest = hashlib.blake2b(struct.pack("<QQ", self.seed, position), digest_size=8).digest()
+        self._generator.manual_seed(int.from_bytes(digest, "little"))
+        return self._generator
+
+
+def make_generator(seed: int | None, choice_index: int, device: torch.device | str) -> ChoiceGenerator:
     """A generator for one choice; choices of one seeded request differ but are reproducible."""
-    generator = torch.Generator(device=device)
     base = secrets.randbits(63) if seed is None else seed
-    generator.manual_seed((base + choice_index) & _SEED_MASK)
-    return generator
+    return ChoiceGenerator((base + choice_index) & _SEED_MASK, device)
 
 
 def mask_logits(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -108,8 +127,10 @@ def _apply_penalties(row_logits: torch.Tensor, row: SampleRow) -> None:
     options, seq = row.options, row.seq
     vocab = row_logits.shape[0]
     device = row_logits.device
-    output = torch.tensor(seq.output_ids, dtype=torch.long, device=device)
-    counts = torch.bincount(output, minlength=vocab)[:vocab] if seq.output_ids else torch.zeros(
+    prior = options.prior_output_tokens  # a migrated choice's earlier output sits at the prompt's end
+    output_ids = row.prompt_ids[len(row.prompt_ids) - prior:] + seq.output_ids if prior else seq.output_ids
+    output = torch.tensor(output_ids, dtype=torch.long, device=device)
+    counts = torch.bincount(output, minlength=vocab)[:vocab] if output_ids else torch.zeros(
         vocab, dtype=torch.long, device=device)
     if options.repetition_penalty != 1.0:
         if seq.prompt_mask is None:
@@ -155,7 +176,9 @@ def _draw(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     if len(seeded) < count:
         noise.exponential_()
     for i in seeded:
-        noise[i] = torch.empty(vocab, dtype=probs.dtype, device=device).exponential_(generator=rows[i].seq.generator)
+        row = rows[i]
+        generator = row.seq.generator.at(row.options.prior_output_tokens + len(row.seq.output_ids))
+        noise[i] = torch.empty(vocab, dtype=probs.dtype, device=device).exponential_(generator=generator)
     return (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
 
 

@@ -48,6 +48,7 @@ def sampling_from_proto(params: sampling_pb2.SamplingParams) -> RawSamplingParam
         top_logprobs=params.top_logprobs,
         structured_output=structured_output_from_proto(params),
         logit_bias=dict(params.logit_bias),
+        prior_output_tokens=params.prior_output_tokens,
     )
 
 

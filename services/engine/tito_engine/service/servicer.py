@@ -1,19 +1,25 @@
 """tito.v1.EngineService over grpc.aio: protos in, domain calls, protos out. Nothing else.
 
 Every request passes the same admission (admission.py) and then goes to the backend seam
-(backend.py): the native engine or vLLM, which cannot tell the servicer apart.
+(backend.py): the native engine or vLLM, which cannot tell the servicer apart. Every Generate
+stream is known to the drain state (drain.py), which refuses new ones while draining and ends the
+ones the grace period did not see finish as "engine gone".
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
+from collections.abc import Awaitable, Callable
 
-from tito.errors import LoadingGate
+from tito.errors import InvalidArgument, LoadingGate
 from tito.logs import bind_request_id
 from tito.v1 import engine_pb2, engine_pb2_grpc
 
 from tito_engine.service.admission import Admission
 from tito_engine.service.backend import EngineBackend, LoadSnapshot
+from tito_engine.service.drain import Drain, draining_error
 from tito_engine.service.convert import (MODALITIES, descriptor_to_proto, generate_input_from_proto, kv_batch_to_proto,
                                          media_from_proto, output_to_proto)
 from tito_engine.service.observe import RequestObserver
@@ -24,6 +30,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._backend: LoadingGate[EngineBackend] = LoadingGate("the engine")
         self._admission: Admission | None = None
         self._observer: RequestObserver | None = None
+        self.drain_state = Drain(lambda request_ids: self._engine.abort(request_ids))
+        self._drain_grace = 0.0
+        self._on_drain: Callable[[], Awaitable[None]] | None = None
 
     def attach(self, backend: EngineBackend, admission: Admission, observer: RequestObserver | None = None) -> None:
         """Start answering with `backend` (the server is bound before the model finishes loading);
@@ -31,6 +40,18 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._admission = admission
         self._observer = observer
         self._backend.open(backend)
+
+    def on_drain(self, grace_seconds: float, announce: Callable[[], Awaitable[None]]) -> None:
+        """Drain's default grace period, and what tells the world (health NOT_SERVING)."""
+        self._drain_grace = grace_seconds
+        self._on_drain = announce
+
+    async def drain(self, grace_seconds: float | None = None) -> int:
+        """Start draining (drain.py); return the streams in flight."""
+        in_flight = self.drain_state.start(self._drain_grace if grace_seconds is None else grace_seconds)
+        if self._on_drain is not None:
+            await self._on_drain()
+        return in_flight
 
     def load_now(self) -> LoadSnapshot | None:
         """The backend's load, or None while the model loads (for metrics read at scrape time)."""
@@ -44,19 +65,27 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         if request.request_id:
             bind_request_id(request.request_id)
         backend = self._engine
-        generate = generate_input_from_proto(request)
-        if generate.sampling.structured_output is not None:  # checking a grammar can take ms: off the loop
-            admitted = await asyncio.to_thread(self._admission.admit, generate)
-        else:
-            admitted = self._admission.admit(generate)
-        outputs = backend.generate(admitted)
-        if self._observer is not None:
-            outputs = self._observer.observe(outputs)
+        ticket = self.drain_state.enter(request.request_id)  # refused at once while draining
         try:
-            async for output in outputs:
-                yield output_to_proto(output)
+            generate = dataclasses.replace(generate_input_from_proto(request), request_id=ticket.request_id)
+            if generate.sampling.structured_output is not None:  # checking a grammar can take ms: off the loop
+                admitted = await asyncio.to_thread(self._admission.admit, generate)
+            else:
+                admitted = self._admission.admit(generate)
+            outputs = backend.generate(admitted)
+            if self._observer is not None:
+                outputs = self._observer.observe(outputs)
+            try:
+                async for output in outputs:
+                    if self.drain_state.ended_by_drain(output):
+                        if output.token_ids:  # what it made before the abort: the router continues after it
+                            yield output_to_proto(dataclasses.replace(output, finish_reason=None, usage=None))
+                        raise draining_error()
+                    yield output_to_proto(output)
+            finally:
+                await outputs.aclose()  # on cancel: aborts the request in the engine
         finally:
-            await outputs.aclose()  # on cancel: aborts the request in the engine
+            self.drain_state.leave(ticket)
 
     async def Encode(self, request: engine_pb2.EncodeRequest, context):
         if request.request_id:
@@ -100,7 +129,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             encoder_cache_misses=load.encoder_cache_misses,
             encoded_items=load.encoded_items,
             encoder_store_loads=load.encoder_store_loads,
+            draining=self.drain_state.draining,
         )
+
+    async def Drain(self, request: engine_pb2.DrainRequest, context):
+        grace = request.grace_seconds if request.HasField("grace_seconds") else None
+        if grace is not None and not (math.isfinite(grace) and grace >= 0):
+            raise InvalidArgument(f"grace_seconds must be a finite number >= 0, got {grace}", reason="INVALID_DRAIN",
+                                  field="grace_seconds")
+        return engine_pb2.DrainResponse(in_flight_requests=await self.drain(grace))
 
     async def SubscribeKvEvents(self, request: engine_pb2.SubscribeKvEventsRequest, context):
         start = request.start_sequence if request.HasField("start_sequence") else None

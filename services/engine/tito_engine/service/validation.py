@@ -81,6 +81,7 @@ def resolve_sampling(raw: RawSamplingParams, prompt_len: int, limits: ModelLimit
             violations.add(field(f"stop_token_ids[{position}]"),
                            f"token id {token_id} is outside the vocabulary [0, {limits.vocab_size})")
     check_logit_bias(raw.logit_bias, limits.vocab_size, violations, field("logit_bias"))
+    _check_prior_output(raw, n, prompt_len, violations)
 
     room = limits.max_context_length - prompt_len
     if raw.max_tokens is not None:
@@ -115,4 +116,20 @@ def resolve_sampling(raw: RawSamplingParams, prompt_len: int, limits: ModelLimit
         top_logprobs=raw.top_logprobs,
         structured_output=raw.structured_output,
         logit_bias=LogitBias.from_mapping(raw.logit_bias),
+        prior_output_tokens=raw.prior_output_tokens,
     )
+
+
+def _check_prior_output(raw: RawSamplingParams, n: int, prompt_len: int, violations: Violations) -> None:
+    """A continued choice (request migration) is one choice whose prompt still holds the original
+    prompt; a grammar's state cannot be rebuilt from the ids, so constrained choices do not continue."""
+    prior = raw.prior_output_tokens
+    if not prior:
+        return
+    name = "sampling_params.prior_output_tokens"
+    if prior >= prompt_len:
+        violations.add(name, f"must be below the number of token_ids ({prompt_len}), got {prior}")
+    if n != 1:
+        violations.add(name, f"continues one choice: needs n = 1, got n = {n}")
+    if raw.structured_output is not None:
+        violations.add(name, "cannot continue a choice under structured_output (its grammar state is not carried)")

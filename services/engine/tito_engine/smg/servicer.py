@@ -8,6 +8,7 @@ statuses with ErrorInfo and BadRequest, the fields named as this protocol names 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -20,6 +21,7 @@ from tito.logs import bind_request_id
 
 from tito_engine.service.admission import Admission, AdmittedRequest
 from tito_engine.service.backend import EngineBackend
+from tito_engine.service.drain import Drain, draining_error
 from tito_engine.service.observe import RequestObserver
 from tito_engine.smg.convert import (SmgGenerate, chunk_to_proto, complete_to_proto, generate_from_proto,
                                      kv_batch_to_proto, model_info_to_proto, scheduler_load_to_proto,
@@ -47,11 +49,14 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._started = time.time()
         self._last_receive = 0.0
         self._healthy = True
+        self._drain: Drain | None = None
 
     def attach(self, backend: EngineBackend, admission: Admission, model_dir: Path,
-               observer: RequestObserver | None = None) -> None:
-        """Start answering with `backend` (the same backend and admission tito.v1's servicer has)."""
+               observer: RequestObserver | None = None, drain: Drain | None = None) -> None:
+        """Start answering with `backend` (the same backend, admission and drain state tito.v1's
+        servicer has: a draining engine refuses new streams on both faces)."""
         self._admission = admission
+        self._drain = drain
         self._observer = observer
         self._model_dir = str(model_dir)
         self._facts = read_model_facts(Path(model_dir))
@@ -83,6 +88,19 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._last_receive = time.time()
         backend = self._engine
         face = generate_from_proto(request, max_context_length=backend.info.max_context_length)
+        if self._drain is None:
+            async for message in self._generate(backend, face):
+                yield message
+            return
+        ticket = self._drain.enter(face.generate.request_id)  # refused at once while draining
+        face = dataclasses.replace(face, generate=dataclasses.replace(face.generate, request_id=ticket.request_id))
+        try:
+            async for message in self._generate(backend, face):
+                yield message
+        finally:
+            self._drain.leave(ticket)
+
+    async def _generate(self, backend: EngineBackend, face: SmgGenerate):
         admitted = await self._admit(face)
         stops = None
         if face.stops is not None:
@@ -96,6 +114,8 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         try:
             async for face_output in face_outputs(outputs, choices=admitted.options.n, stream=face.stream,
                                                   prompt_tokens=prompt_tokens, stops=stops):
+                if self._drain is not None and self._drain.ended_by_drain(face_output.output):
+                    raise draining_error()  # SMG retries elsewhere; the stream must not look finished
                 if face.stream:
                     yield chunk_to_proto(face_output, prompt_tokens, top)
                 if face_output.output.finished:
@@ -117,6 +137,8 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def HealthCheck(self, request, context):
         if not self._backend.is_open:
             return vllm_engine_pb2.HealthCheckResponse(healthy=False, message="the engine is loading its model")
+        if self._drain is not None and self._drain.draining:
+            return vllm_engine_pb2.HealthCheckResponse(healthy=False, message="the engine is draining before it stops")
         if not self._healthy:
             return vllm_engine_pb2.HealthCheckResponse(healthy=False, message="the engine's model process exited")
         return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="Healthy")
