@@ -44,6 +44,7 @@ class StartupPlan:
                                encoder_cache_bytes=config.encoder_cache_bytes,
                                exclude_padding_ids=config.excludes_padding_ids, packed_linears=config.packs_linears,
                                decode_kernel=config.cpu_decode_kernel, dtype=config.dtype,
+                               quantization=config.quantization,
                                encoder_store_dir=config.encoder_store_dir,
                                encoder_store_bytes=config.encoder_store_bytes)
 

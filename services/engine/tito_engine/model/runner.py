@@ -155,8 +155,9 @@ class ModelRunner:
                  max_model_len: int | None = None, kv_cache: KVCacheSpec | None = None,
                  cpu_threads: int | None = None, exclude_padding_ids: bool = True, packed_linears: bool = True,
                  dtype: str = "auto", decode_kernel: bool | None = None,
-                 lone_prefill_cpus: frozenset[int] | None = None):
-        """`cpu_threads` and `lone_prefill_cpus` come from the engine's CPU plan (cpu_runtime.CpuPlan,
+                 lone_prefill_cpus: frozenset[int] | None = None, quantization: str = "none"):
+        """`quantization`: the scheme the linears run in (model/quantization; none: as stored).
+        `cpu_threads` and `lone_prefill_cpus` come from the engine's CPU plan (cpu_runtime.CpuPlan,
         made once at start-up); `cpu_threads` unset: chosen from the model's work, as that plan
         chooses them. `lone_prefill_cpus`: CPUs (the server's) a lone prefill's linears borrow on CPU
         (cpu_runtime.lend_cpus_to_lone_prefill); None: every step on this process's threads."""
@@ -176,7 +177,7 @@ class ModelRunner:
         self.cache = self._make_cache(text_config, kv_cache or KVCacheSpec())
         self.choice_state = ModelChoiceState(self.device)
         kernel = self._attention_kernel(decode_kernel)
-        self.decoder = self._build_decoder(model_id, packed_linears, kernel)
+        self.decoder = self._build_decoder(model_id, packed_linears, kernel, quantization)
         self._log_loaded(model_id, dtype_reason, kernel is not None)
 
     def _set_up_cpu(self, cpu_threads: int | None, lone_prefill_cpus: frozenset[int] | None) -> None:
@@ -218,12 +219,13 @@ class ModelRunner:
             return load_attention_kernel()  # None: it could not be built (logged), the torch path runs
         return None
 
-    def _build_decoder(self, model_id: str, packed_linears: bool, kernel: AttentionKernel | None) -> BatchedDecoder:
+    def _build_decoder(self, model_id: str, packed_linears: bool, kernel: AttentionKernel | None,
+                       quantization: str) -> BatchedDecoder:
         """The batched forward over the model and the cache (linears packed on CPU unless told)."""
         try:
             return BatchedDecoder(self.model, self.cache, max_positions=self.info.max_context_length,
                                   packed_linears=packed_linears and self.device.type == "cpu",
-                                  release_plain_weights=True, attention_kernel=kernel)
+                                  release_plain_weights=True, attention_kernel=kernel, quantization=quantization)
         except ValueError as exc:  # an architecture (or a setting of one) the native forward does not run
             raise ConfigError(f"{model_id}: {exc}") from exc
 
@@ -235,6 +237,10 @@ class ModelRunner:
                  self.info.max_context_length, list(self.info.eos_token_ids), self.info.fingerprint,
                  self.cache.num_blocks, self.cache.block_size,
                  self.cache.capacity_tokens * self.cache.layout.bytes_per_token / 2**20)
+        quantized = self.decoder.quantized
+        if quantized.count:
+            log.info("%d linears quantized (%.1f MiB as stored now, %.1f MiB of float weights freed)", quantized.count,
+                     quantized.quantized_bytes / 2**20, quantized.float_bytes_freed / 2**20)
         if kernel:
             log.info("decode rows attend in the CPU kernel (--no-cpu-decode-kernel: the torch path)")
         if self.decoder.packed_linear_bytes:
