@@ -27,6 +27,8 @@ from tito_engine.model.cpu_runtime import (forward_macs_per_token, keep_freed_me
                                            plan_cpus, set_cpu_threads)
 from tito_engine.model.forward import BatchedDecoder, MultiModalPrefill
 from tito_engine.model.linear import wide_linears
+from tito_engine.model.quantization import checkpoint_quantization
+from tito_engine.model.quantization.gptq import load_gptq_model
 from tito_engine.model.kv_cache import KVLayout, PagedKVCache
 from tito_engine.kv_sizing import available_host_memory, kv_budget
 from tito_engine.limits import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_SEQUENCES
@@ -135,6 +137,21 @@ def _load_model(model_dir: Path, dtype: torch.dtype) -> Any:
     return loader.from_pretrained(model_dir, dtype=dtype)
 
 
+def _load_quantized_or_float(model_dir: Path, dtype: torch.dtype, quantization: str) -> tuple[Any, Any]:
+    """The model, and what its linears run in: `quantization` for a float checkpoint, the checkpoint's
+    own (a GptqConfig holding its int4 weights) for a quantized one (model/quantization)."""
+    gptq = checkpoint_quantization(model_dir)
+    if gptq is None:
+        return _load_model_quietly(model_dir, dtype), quantization
+    if quantization != "none":
+        raise ConfigError(f"--quantization {quantization}: {model_dir} is already quantized (GPTQ int4); drop the flag")
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    vision = getattr(AutoConfig.from_pretrained(model_dir), "vision_config", None) is not None
+    loader = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    return load_gptq_model(model_dir, dtype, gptq, loader), gptq
+
+
 def _load_model_quietly(model_dir: Path, dtype: torch.dtype) -> Any:
     """`_load_model` without transformers' progress bar (one per load is noise in server logs)."""
     from transformers.utils import logging as hf_logging
@@ -168,7 +185,8 @@ class ModelRunner:
         self.lone_prefill_threads = 0
         if self.device.type == "cpu":
             self._set_up_cpu(cpu_threads, lone_prefill_cpus)
-        self.model = _load_model_quietly(model_dir, self.dtype).to(self.device).eval()
+        self.model, quantization = _load_quantized_or_float(model_dir, self.dtype, quantization)
+        self.model = self.model.to(self.device).eval()
         text_config = self._describe(model_id, max_model_len)
         #: Logit columns set to -inf every step (sampler.mask_logits) when padding ids are
         #: excluded; None when they are not or the model has none (then it costs nothing).
@@ -220,7 +238,7 @@ class ModelRunner:
         return None
 
     def _build_decoder(self, model_id: str, packed_linears: bool, kernel: AttentionKernel | None,
-                       quantization: str) -> BatchedDecoder:
+                       quantization: Any) -> BatchedDecoder:
         """The batched forward over the model and the cache (linears packed on CPU unless told)."""
         try:
             return BatchedDecoder(self.model, self.cache, max_positions=self.info.max_context_length,

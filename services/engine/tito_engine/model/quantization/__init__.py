@@ -1,6 +1,10 @@
 """Quantized linears for the native forward: the projections of every layer (q/k/v, o, gate/up,
 down) and the output layer swapped for quantized ones once the model is loaded.
 
+int4 checkpoints in GPTQ's layout (gptq.py: `quantization_config` in config.json picks it, no flag)
+run their projections as Int4Linear (int4.py); their output layer stays float, as those
+checkpoints store it.
+
 `--quantization int8` (`quantize_linears`): weight-only int8 per output channel (int8.py), computed
 at load from any float checkpoint. The output layer is quantized too: in a c=1 decode it is the
 largest single read (Qwen2.5-0.5B: 136 M of its 494 M parameters); when it is tied to the
@@ -19,10 +23,15 @@ from typing import Any
 
 import torch
 
+from tito.config import ConfigError
+
 from tito_engine.model.linear import Linear
+from tito_engine.model.quantization.gptq import GptqConfig, Int4Weights, checkpoint_quantization
+from tito_engine.model.quantization.int4 import Int4Linear
 from tito_engine.model.quantization.int8 import Int8Linear, int8_linear
 
-__all__ = ["SCHEMES", "Int8Linear", "QuantizedLinears", "quantize_linears"]
+__all__ = ["SCHEMES", "GptqConfig", "Int4Linear", "Int8Linear", "QuantizedLinears", "checkpoint_quantization",
+           "quantize_linears"]
 
 #: What `--quantization` takes: none (the checkpoint's weights as they are) or int8.
 SCHEMES = ("none", "int8")
@@ -56,8 +65,40 @@ def _free_float(linear: Linear) -> int:
     return linear.weight.numel() * linear.weight.element_size()
 
 
-def quantize_linears(family: Any, scheme: str) -> QuantizedLinears:
-    """Replace the family's linears by `scheme`'s (see SCHEMES); none: nothing changes."""
+def _gptq_linear(linear: Linear, config: GptqConfig, names: dict[int, str]) -> Int4Linear | None:
+    """The Int4Linear of a (fused) linear whose modules the checkpoint stores in GPTQ's layout;
+    None when it stores them in float."""
+    parts = [config.tensors.get(names.get(id(module), "")) for module in linear.sources]
+    if all(part is None for part in parts):
+        return None
+    if any(part is None for part in parts):
+        raise ConfigError(f"a GPTQ checkpoint with only some of {[names.get(id(m)) for m in linear.sources]} quantized "
+                          f"is not loaded (they run fused)")
+    weights = Int4Weights(torch.cat([part.q for part in parts]), torch.cat([part.scales for part in parts]),
+                          parts[0].group_size)
+    return Int4Linear(weights, linear.bias, linear.weight.dtype, linear.weight.device)
+
+
+def _load_gptq(family: Any, config: GptqConfig, model: Any) -> QuantizedLinears:
+    names = {id(module): name for name, module in model.named_modules()}
+    count = quantized = freed = 0
+    for owner, name in _slots(family):
+        linear = getattr(owner, name)
+        replacement = _gptq_linear(linear, config, names) if isinstance(linear, Linear) else None
+        if replacement is None:
+            continue
+        setattr(owner, name, replacement)
+        freed += _free_float(linear)
+        count, quantized = count + 1, quantized + replacement.weight_bytes
+    config.tensors.clear()  # the unpacked copies are the linears' now
+    return QuantizedLinears(count, quantized, freed)
+
+
+def quantize_linears(family: Any, scheme: "str | GptqConfig", model: Any = None) -> QuantizedLinears:
+    """Replace the family's linears by `scheme`'s (see SCHEMES, or a GPTQ checkpoint's int4 weights,
+    found by the names of `model`'s modules); none: nothing changes."""
+    if isinstance(scheme, GptqConfig):
+        return _load_gptq(family, scheme, model)
     if scheme == "none":
         return QuantizedLinears()
     if scheme != "int8":

@@ -1,0 +1,132 @@
+"""int4 checkpoints in GPTQ's layout, written by the test (tests/support/gptq_checkpoint.py) bit by
+bit as AutoGPTQ saves them: the loader's weights equal a plain-torch dequantization of the values
+written, greedy tokens equal HF's forward on those dequantized weights, and every layout outside
+the one covered is refused at start-up in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine_greedy import engine_greedy, hf_greedy_with_gaps
+from gptq_checkpoint import PROJECTIONS, write_gptq_checkpoint
+from tito.config import ConfigError
+from tito.cpu_isa import cpu_supports
+from tito_engine.config import EngineConfig
+from tito_engine.model.quantization import Int4Linear, checkpoint_quantization
+from tito_engine.model.runner import ModelRunner
+from tito_engine.startup_plan import plan_startup
+
+GROUP = 32
+NEW_TOKENS = 16
+TIE_MARGIN = 1e-3
+
+
+@pytest.fixture(scope="module")
+def gptq_model(tiny_text_model, tmp_path_factory):
+    """(checkpoint directory, {module: (q, scales)} as written)."""
+    out = tmp_path_factory.mktemp("gptq") / "tiny-qwen2-gptq"
+    return out, write_gptq_checkpoint(tiny_text_model, out, GROUP)
+
+
+def reference_weight(values, module: str) -> torch.Tensor:
+    q, scales = values[module]
+    return (q.float() - 8) * scales.float().repeat_interleave(GROUP, dim=1)
+
+
+def linear_weight(linear: Int4Linear, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weight a linear computes with, read back through a call on the identity."""
+    out = linear(torch.eye(in_features, dtype=dtype))
+    return (out - (linear.bias if linear.bias is not None else 0)).float().t()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_loaded_int4_weights_equal_the_plain_torch_dequantization(gptq_model, dtype):
+    if dtype == "bfloat16" and not cpu_supports(torch.bfloat16):
+        pytest.skip("this CPU has no bfloat16 instructions")
+    model_dir, values = gptq_model
+    runner = ModelRunner(model_dir, model_id="gptq", device="cpu", dtype=dtype)
+    assert runner.decoder.quantized.count == 4 * len(runner.decoder.family.layers)  # the output layer stays float
+    for index, layer in enumerate(runner.decoder.family.layers):
+        prefix = f"model.layers.{index}."
+        expected = {
+            "qkv": torch.cat([reference_weight(values, prefix + f"self_attn.{n}") for n in ("q_proj", "k_proj",
+                                                                                              "v_proj")]),
+            "o": reference_weight(values, prefix + "self_attn.o_proj"),
+            "gate_up": torch.cat([reference_weight(values, prefix + f"mlp.{n}") for n in ("gate_proj", "up_proj")]),
+            "down": reference_weight(values, prefix + "mlp.down_proj"),
+        }
+        for name, weight in expected.items():
+            linear = getattr(layer, name)
+            assert isinstance(linear, Int4Linear)
+            got = linear_weight(linear, weight.shape[1], runner.dtype)
+            if dtype == "float32":
+                torch.testing.assert_close(got, weight, rtol=0, atol=1e-6)
+            else:  # the identity's product comes back in bfloat16
+                torch.testing.assert_close(got, weight, rtol=1e-2, atol=1e-3)
+
+
+def dequantized_hf(model_dir, values) -> torch.nn.Module:
+    """HF's float model of the same weights: the checkpoint's config without quantization_config,
+    every quantized linear set to its plain-torch dequantization."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir.parent / "float", dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.rpartition(".")[2] in PROJECTIONS:
+                module.weight = torch.nn.Parameter(reference_weight(values, name))
+    model.generation_config.eos_token_id = None
+    model.config.eos_token_id = None
+    return model
+
+
+def test_int4_greedy_tokens_equal_hf_on_dequantized_weights(gptq_model, tiny_text_model):
+    model_dir, values = gptq_model
+    (model_dir.parent / "float").mkdir(exist_ok=True)
+    for path in tiny_text_model.iterdir():
+        if path.is_file():
+            (model_dir.parent / "float" / path.name).write_bytes(path.read_bytes())
+    runner = ModelRunner(model_dir, model_id="gptq", device="cpu", dtype="float32")
+    batch = [[(13 * i + 5 * j) % (runner.info.vocab_size - 20) + 5 for j in range(2 + 4 * i)] for i in range(8)]
+    got = engine_greedy(runner, batch, NEW_TOKENS)
+    reference = dequantized_hf(model_dir, values)
+    equal, parted = 0, []
+    for index, (prompt, tokens) in enumerate(zip(batch, got)):
+        expected, gaps = hf_greedy_with_gaps(reference, prompt, NEW_TOKENS)
+        if tokens == expected:
+            equal += 1
+            continue
+        first = next(i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b)
+        assert gaps[first] <= TIE_MARGIN, f"prompt {index} parts at step {first}: {tokens} vs {expected}"
+        parted.append((index, first))
+    assert equal >= len(batch) - 1, f"{equal}/{len(batch)} equal; parted at ties {parted}"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"sym": False}, "GPTQ with {'bits': 4, 'sym': False"),
+    ({"bits": 8}, "GPTQ with {'bits': 8"),
+    ({"checkpoint_format": "gptq_v2"}, "'checkpoint_format': 'gptq_v2'"),
+    ({"lm_head": True}, "'lm_head': True"),
+    ({"desc_act": True}, "desc_act"),
+    ({"quant_method": "awq"}, "quant_method 'awq' is not loaded"),
+    ({"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors' is not loaded"),
+])
+def test_other_layouts_are_refused_at_start_up_in_one_line(gptq_model, tmp_path, overrides, message):
+    model_dir, _ = gptq_model
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"].update(overrides)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="the native engine loads GPTQ 4-bit symmetric") as refused:
+        checkpoint_quantization(tmp_path)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(ConfigError, match="--backend vllm"):
+        plan_startup(EngineConfig(model=str(tmp_path)))
+
+
+def test_int8_on_a_gptq_checkpoint_is_refused_at_start_up(gptq_model):
+    model_dir, _ = gptq_model
+    assert checkpoint_quantization(model_dir).group_size == GROUP
+    with pytest.raises(ConfigError, match="already quantized"):
+        plan_startup(EngineConfig(model=str(model_dir), quantization="int8"))
