@@ -17,6 +17,7 @@ from tito.config import ConfigError
 from tito.cpu_isa import cpu_supports
 from tito_engine.config import EngineConfig
 from tito_engine.model.quantization import Int4Linear, checkpoint_quantization
+from tito_engine.model.quantization.gptq import Int4Weights
 from tito_engine.model.runner import ModelRunner
 from tito_engine.startup_plan import plan_startup
 
@@ -67,6 +68,27 @@ def test_loaded_int4_weights_equal_the_plain_torch_dequantization(gptq_model, dt
                 torch.testing.assert_close(got, weight, rtol=0, atol=1e-6)
             else:  # the identity's product comes back in bfloat16
                 torch.testing.assert_close(got, weight, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_int4_linear_paths_equal_the_dequantized_matmul(rows):
+    """float32: the int8 kernel with a scale per group, and the dequantize-per-call path (CUDA's, or no
+    compiler); bfloat16: torch's packed int4 matmul."""
+    generator = torch.Generator().manual_seed(rows)
+    q = torch.randint(0, 16, (48, 128), generator=generator, dtype=torch.uint8)
+    weights = Int4Weights(q, torch.rand(48, 128 // GROUP, generator=generator) * 0.01, GROUP)
+    x, bias = torch.randn(rows, 128, generator=generator), torch.randn(48, generator=generator)
+    expected = torch.nn.functional.linear(x, weights.dequantize(), bias)
+    kernel_path = Int4Linear(weights, bias, torch.float32, torch.device("cpu"))
+    assert kernel_path._kernel is not None, "the int8 kernel did not build (a C compiler is part of the test machine)"
+    torch.testing.assert_close(kernel_path(x), expected, rtol=1e-4, atol=1e-4)
+    kernel_path._kernel = None
+    torch.testing.assert_close(kernel_path(x), expected, rtol=1e-4, atol=1e-4)
+    assert kernel_path.weight_bytes == 48 * 128 + 48 * 4 * 4
+    if cpu_supports(torch.bfloat16):
+        packed = Int4Linear(weights, bias, torch.bfloat16, torch.device("cpu"))
+        assert packed.weight_bytes == 48 * 64 + 48 * 4 * 4  # half a byte a value
+        torch.testing.assert_close(packed(x.bfloat16()).float(), expected, rtol=3e-2, atol=3e-2)
 
 
 def dequantized_hf(model_dir, values) -> torch.nn.Module:

@@ -2,10 +2,11 @@
 
 * CPU, bfloat16 / float16: torch's `_weight_int4pack_mm_for_cpu` on the weight repacked once into
   its layout (half a byte per weight, group scales beside it);
-* CPU float32 and CUDA: the weight kept as one byte per value and dequantized to the compute dtype
-  per call, then a plain matmul: correct everywhere, memory-bound on the dequantized copy (torch's
-  int4 CPU kernel is not vectorized for float32 activations: ~40 ms for a [1, 896] x [4864, 896] call
-  measured here). Compute in bfloat16 (`--dtype bfloat16`) for int4's speed on CPU.
+* CPU, float32: the values held as int8 (q - 8, one byte each) and tito's int8 kernel with a scale
+  per group (int8_kernel.py: torch's int4 CPU kernel is not vectorized for float32 activations,
+  ~40 ms for a [1, 896] x [4864, 896] call measured here);
+* CUDA, or no C compiler: the weight dequantized to the compute dtype per call, then a plain
+  matmul: correct everywhere, memory-bound on the dequantized copy.
 """
 
 from __future__ import annotations
@@ -14,43 +15,51 @@ import torch
 import torch.nn.functional as F
 
 from tito_engine.model.quantization.gptq import SYMMETRIC_ZERO, Int4Weights
+from tito_engine.model.quantization.int8_kernel import load_int8_kernel
 
 
 def _packs_for_cpu(dtype: torch.dtype, device: torch.device, weights: Int4Weights) -> bool:
-    return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
-            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and weights.q.shape[1] % 2 == 0)
+    """Whether torch's int4 CPU kernel takes this weight (its packing needs N % 16 == 0, K even)."""
+    out_features, in_features = weights.q.shape
+    return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and out_features % 16 == 0
+            and in_features % 2 == 0 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
 
 
 class Int4Linear:
     """y = x W^T + b with W = (q - 8) * group scales (see the module docstring)."""
 
-    __slots__ = ("weights", "bias", "shape", "dtype", "_packed", "_scales_and_zeros")
+    __slots__ = ("centred", "scales", "group_size", "bias", "shape", "_packed", "_scales_and_zeros", "_kernel")
 
     def __init__(self, weights: Int4Weights, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device):
         self.shape = tuple(weights.q.shape)
         self.bias = None if bias is None else bias.detach().to(device, dtype)
-        self.dtype = dtype
-        self._packed = None
+        self.group_size = weights.group_size
+        self.scales = weights.scales.to(device).contiguous()  # float32 [N, groups]
+        self._packed = self._scales_and_zeros = self._kernel = None
+        self.centred = torch.empty(0, dtype=torch.int8)
         if _packs_for_cpu(dtype, device, weights):
             self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weights.q.int(), 1)
-            scales = weights.scales.t().contiguous()  # [groups, N]
+            scales = self.scales.t().contiguous()  # [groups, N]
             # torch's kernel computes (q - 8) * scale + zero: the symmetric zero point is its own.
             self._scales_and_zeros = torch.stack([scales, torch.zeros_like(scales)], dim=-1).to(dtype)
-            self.weights = Int4Weights(torch.empty(0, dtype=torch.uint8), weights.scales, weights.group_size)
-        else:
-            self.weights = Int4Weights(weights.q.to(device), weights.scales.to(device), weights.group_size)
+            return
+        self.centred = (weights.q.to(torch.int16) - SYMMETRIC_ZERO).to(torch.int8).to(device)  # [N, K] in -8..7
+        if device.type == "cpu" and dtype == torch.float32:
+            kernel = load_int8_kernel()
+            self._kernel = kernel if kernel is not None and kernel.takes(self.shape[1], self.group_size) else None
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes a call reads of this weight: the int4 values (half a byte each when packed) and scales."""
+        """Bytes a call reads of this weight: the values (half a byte each when packed, else one) and scales."""
         values = self.shape[0] * self.shape[1]
-        return (values // 2 if self._packed is not None else values) + self.weights.scales.numel() * 4
+        return (values // 2 if self._packed is not None else values) + self.scales.numel() * 4
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel is not None:
+            return self._kernel.linear(x, self.centred, self.scales, self.bias)
         if self._packed is not None:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self._packed, self.weights.group_size,
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self._packed, self.group_size,
                                                             self._scales_and_zeros)
         else:
-            scales = self.weights.scales.to(x.dtype).repeat_interleave(self.weights.group_size, dim=1)
-            y = F.linear(x, (self.weights.q.to(x.dtype) - SYMMETRIC_ZERO) * scales)
+            y = F.linear(x, self.centred.to(x.dtype) * self.scales.to(x.dtype).repeat_interleave(self.group_size, 1))
         return y if self.bias is None else y + self.bias

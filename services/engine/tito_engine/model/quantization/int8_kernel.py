@@ -1,5 +1,6 @@
 """A C kernel for weight-only int8 linears in float32: y = (x . q^T) * scale (+ bias), the int8
-weight widened to float32 in registers (one load of a byte per weight, never a float copy).
+weight widened to float32 in registers (one load of a byte per weight, never a float copy). The
+scales are per output channel (int8) or per group of inputs (int4 values held as int8, int4.py).
 
 torch has no fast float32 path for int8 weights on CPU: `_weight_int8pack_mm` vectorizes bfloat16
 activations only (measured here, one thread, [1, 896] x [4864, 896]: 21.8 ms in float32 against
@@ -76,54 +77,76 @@ static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 static inline float vsum(vf v) { return v; }
 #endif
 
-/* out[i, j] = scale[j] * sum_k x[i, k] * w[j, k] (+ bias[j]) for MB activation rows by NB weight rows. */
+static inline vf vbroadcast(float v) {
+#if defined(__AVX512F__)
+    return _mm512_set1_ps(v);
+#elif defined(__AVX2__) && defined(__FMA__)
+    return _mm256_set1_ps(v);
+#else
+    return v;
+#endif
+}
+
+/* out[i, j] = sum over groups g of scale[j, g] * sum_{k in g} x[i, k] * w[j, k] (+ bias[j]) for MB
+ * activation rows by NB weight rows; `group` inputs per scale (K: one scale per row), `groups` = K / group. */
 #define TILE(MB, NB) \
-static void tile_##MB##x##NB(const float *x, const int8_t *w, int64_t K, const float *scale, \
-                             const float *bias, float *out, int64_t ldo) { \
-    vf acc[MB][NB]; \
-    for (int i = 0; i < MB; i++) for (int j = 0; j < NB; j++) acc[i][j] = vzero(); \
-    for (int64_t k = 0; k < K; k += LANES) { \
-        vf wf[NB]; \
-        for (int j = 0; j < NB; j++) wf[j] = vload_i8(w + j * K + k); \
-        for (int i = 0; i < MB; i++) { \
-            vf xv = vload(x + i * K + k); \
-            for (int j = 0; j < NB; j++) acc[i][j] = vfma(xv, wf[j], acc[i][j]); \
+static void tile_##MB##x##NB(const float *x, const int8_t *w, int64_t K, int64_t group, const float *scale, \
+                             int64_t groups, const float *bias, float *out, int64_t ldo) { \
+    vf total[MB][NB]; \
+    for (int i = 0; i < MB; i++) for (int j = 0; j < NB; j++) total[i][j] = vzero(); \
+    for (int64_t g = 0; g < groups; g++) { \
+        vf acc[MB][NB]; \
+        for (int i = 0; i < MB; i++) for (int j = 0; j < NB; j++) acc[i][j] = vzero(); \
+        for (int64_t k = g * group; k < (g + 1) * group; k += LANES) { \
+            vf wf[NB]; \
+            for (int j = 0; j < NB; j++) wf[j] = vload_i8(w + j * K + k); \
+            for (int i = 0; i < MB; i++) { \
+                vf xv = vload(x + i * K + k); \
+                for (int j = 0; j < NB; j++) acc[i][j] = vfma(xv, wf[j], acc[i][j]); \
+            } \
+        } \
+        for (int j = 0; j < NB; j++) { \
+            vf s = vbroadcast(scale[j * groups + g]); \
+            for (int i = 0; i < MB; i++) total[i][j] = vfma(acc[i][j], s, total[i][j]); \
         } \
     } \
     for (int i = 0; i < MB; i++) for (int j = 0; j < NB; j++) \
-        out[i * ldo + j] = vsum(acc[i][j]) * scale[j] + (bias ? bias[j] : 0.0f); \
+        out[i * ldo + j] = vsum(total[i][j]) + (bias ? bias[j] : 0.0f); \
 }
 TILE(4, 4)
 TILE(1, 4)
 TILE(4, 1)
 TILE(1, 1)
 
-/* The K the kernel takes is a multiple of this (the caller checks). */
+/* The K and group sizes the kernel takes are multiples of this (the caller checks). */
 int tito_int8_lanes(void) { return LANES; }
 
 static void weight_rows(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t n, int64_t width,
-                        const float *scale, const float *bias, float *out, int64_t N) {
+                        int64_t group, const float *scale, const float *bias, float *out, int64_t N) {
     const float *b = bias ? bias + n : 0;
+    int64_t groups = K / group;
+    const float *s = scale + n * groups;
     int64_t m = 0;
     if (width == 4) {
-        for (; m + 4 <= M; m += 4) tile_4x4(x + m * K, w + n * K, K, scale + n, b, out + m * N + n, N);
-        for (; m < M; m++) tile_1x4(x + m * K, w + n * K, K, scale + n, b, out + m * N + n, N);
+        for (; m + 4 <= M; m += 4) tile_4x4(x + m * K, w + n * K, K, group, s, groups, b, out + m * N + n, N);
+        for (; m < M; m++) tile_1x4(x + m * K, w + n * K, K, group, s, groups, b, out + m * N + n, N);
     } else {
-        for (; m + 4 <= M; m += 4) tile_4x1(x + m * K, w + n * K, K, scale + n, b, out + m * N + n, N);
-        for (; m < M; m++) tile_1x1(x + m * K, w + n * K, K, scale + n, b, out + m * N + n, N);
+        for (; m + 4 <= M; m += 4) tile_4x1(x + m * K, w + n * K, K, group, s, groups, b, out + m * N + n, N);
+        for (; m < M; m++) tile_1x1(x + m * K, w + n * K, K, group, s, groups, b, out + m * N + n, N);
     }
 }
 
-/* out [M, N] = x [M, K] . w [N, K]^T * scale [N] (+ bias [N]); rows contiguous; `threads` share the
- * weight rows (each reads its own part of the weight once). */
-void tito_int8_linear_f32(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t N,
+/* out [M, N] = x [M, K] . (w [N, K] * scale [N, K / group] per group)^T (+ bias [N]); rows contiguous.
+ * `threads` share the weight rows (each reads its own part of the weight once) when the weight is
+ * large enough to be worth waking them. */
+void tito_int8_linear_f32(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t N, int64_t group,
                           const float *scale, const float *bias, float *out, int threads) {
     int64_t blocks = N / 4;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N * K >= (1 << 20))
     for (int64_t block = 0; block < blocks; block++)
-        weight_rows(x, M, K, w, block * 4, 4, scale, bias, out, N);
+        weight_rows(x, M, K, w, block * 4, 4, group, scale, bias, out, N);
     for (int64_t n = blocks * 4; n < N; n++)
-        weight_rows(x, M, K, w, n, 1, scale, bias, out, N);
+        weight_rows(x, M, K, w, n, 1, group, scale, bias, out, N);
 }
 """
 
@@ -145,18 +168,21 @@ def _build(compiler: str, target: Path, compile_flags: tuple[str, ...]) -> None:
 
 
 class Int8Kernel:
-    """The loaded kernel: `linear(x, q, scale, bias)` for float32 x [M, K] with K a multiple of `lanes`."""
+    """The loaded kernel: `linear(x, q, scale, bias)` for float32 x [M, K] and int8 q [N, K] with
+    scale [N] (per output channel) or [N, K / group] (per group of inputs); K and the group a
+    multiple of `lanes`."""
 
     def __init__(self, function, lanes: int):
         self._function, self.lanes = function, lanes
 
-    def takes(self, in_features: int) -> bool:
-        return in_features % self.lanes == 0
+    def takes(self, in_features: int, group: int | None = None) -> bool:
+        return in_features % self.lanes == 0 and (group or in_features) % self.lanes == 0
 
     def linear(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x = x.contiguous()
         out = torch.empty(x.shape[0], q.shape[0], dtype=torch.float32)
-        self._function(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), q.shape[0], scale.data_ptr(),
+        group = q.shape[1] // (scale.shape[1] if scale.dim() == 2 else 1)
+        self._function(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), q.shape[0], group, scale.data_ptr(),
                        bias.data_ptr() if bias is not None else None, out.data_ptr(), torch.get_num_threads())
         return out
 
@@ -183,6 +209,6 @@ def load_int8_kernel() -> Int8Kernel | None:
                     "torch's slower path", exc)
         return None
     function = library.tito_int8_linear_f32
-    function.argtypes, function.restype = (_P, _I, _I, _P, _I, _P, _P, _P, ctypes.c_int), None
+    function.argtypes, function.restype = (_P, _I, _I, _P, _I, _I, _P, _P, _P, ctypes.c_int), None
     library.tito_int8_lanes.restype = ctypes.c_int
     return Int8Kernel(function, library.tito_int8_lanes())
