@@ -22,6 +22,7 @@ from tito_engine.model.quantization import Int8Linear
 from tito_engine.model.quantization.int8 import dequantize_per_channel, quantize_per_channel
 from tito_engine.model.quantization.int8_kernel import load_int8_kernel
 from tito_engine.model.runner import ModelRunner
+from tito_engine.startup_plan import plan_startup
 
 NEW_TOKENS = 16
 #: HF's top-two logit gap below which float32 sums taken in another order may order them either way.
@@ -129,7 +130,10 @@ def test_quantized_linears_free_the_float_weights(tiny_text_model):
     assert runner.model.model.layers[0].mlp.down_proj.weight.numel() == 0
 
 
-def test_quantization_is_validated_at_start_up():
-    EngineConfig(model="tiny-qwen2", quantization="int8").validate()
+def test_quantization_is_validated_at_start_up_and_reaches_the_core():
+    config = EngineConfig(model="tiny-qwen2", quantization="int8")
+    config.validate()
+    runner = plan_startup(config).core_spec(config).load_runner()
+    assert isinstance(runner.decoder.family.layers[0].qkv, Int8Linear)
     with pytest.raises(ConfigError, match="the native backend takes --quantization int8"):
         EngineConfig(model="tiny-qwen2", quantization="int4").validate()
