@@ -64,9 +64,10 @@ def plan_startup(config: EngineConfig) -> StartupPlan:
 def _check_quantization(config: EngineConfig, model_dir: Path) -> None:
     """Refuse now, before any process starts, a quantized layout the native engine does not load
     (checkpoint_quantization raises) and --quantization on an already quantized checkpoint."""
-    if checkpoint_quantization(model_dir) is not None and config.quantization != "none":
-        raise ConfigError(f"--quantization {config.quantization}: {config.model} is already quantized (GPTQ int4); "
-                          f"drop the flag")
+    int4 = checkpoint_quantization(model_dir)
+    if int4 is not None and config.quantization != "none":
+        raise ConfigError(f"--quantization {config.quantization}: {config.model} is already quantized ({int4.method} "
+                          f"int4); drop the flag")
 
 
 def scheduler_limits(config: EngineConfig, on_cpu: bool) -> SchedulerLimits:

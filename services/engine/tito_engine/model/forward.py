@@ -34,7 +34,7 @@ from tito_engine.model.families import default_bidirectional_spans, family_for, 
 from tito_engine.model.kv_cache import PagedKVCache
 from tito_engine.model.cpu_attention import AttentionKernel
 from tito_engine.model.linear import pack_linears
-from tito_engine.model.quantization import GptqConfig, quantize_linears
+from tito_engine.model.quantization import Int4Checkpoint, quantize_linears
 from tito_engine.scheduling.plan import RowInput
 
 __all__ = ["BatchedDecoder", "MultiModalPrefill", "text_model_of"]
@@ -118,13 +118,13 @@ class BatchedDecoder:
 
     def __init__(self, model: Any, cache: PagedKVCache, max_positions: int, packed_linears: bool = False,
                  release_plain_weights: bool = False, attention_kernel: AttentionKernel | None = None,
-                 quantization: "str | GptqConfig" = "none"):
+                 quantization: "str | Int4Checkpoint" = "none"):
         """`packed_linears`: on CPU, run the linears on oneDNN-packed copies of their weights
         (linear.py: faster from a few rows a step on). `release_plain_weights`: free the plain
         weights the packed ones replace for every call (the HF model's text linears then hold no
         data: only this decoder may run it). `attention_kernel`: attends the decode rows and the
         prefill chunks it takes on CPU (cpu_attention.py). `quantization`: the scheme the
-        projections and output layer run in, or a GPTQ checkpoint's int4 weights (model/quantization;
+        projections and output layer run in, or an int4 (GPTQ / AWQ) checkpoint's weights (model/quantization;
         none: the checkpoint's weights)."""
         self.family = family = family_for(model)
         self.quantized = quantize_linears(family, quantization, model)

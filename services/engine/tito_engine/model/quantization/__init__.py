@@ -1,7 +1,8 @@
 """Quantized linears for the native forward: the projections of every layer (q/k/v, o, gate/up,
 down) and the output layer swapped for quantized ones once the model is loaded.
 
-int4 checkpoints in GPTQ's layout (gptq.py: `quantization_config` in config.json picks it, no flag)
+int4 checkpoints in GPTQ's and AWQ's layouts (int4_checkpoint.py: `quantization_config` in config.json
+picks them, no flag)
 run their projections as Int4Linear (int4.py); their output layer stays float, as those
 checkpoints store it.
 
@@ -26,11 +27,11 @@ import torch
 from tito.config import ConfigError
 
 from tito_engine.model.linear import Linear
-from tito_engine.model.quantization.gptq import GptqConfig, Int4Weights, checkpoint_quantization
+from tito_engine.model.quantization.int4_checkpoint import Int4Checkpoint, Int4Weights, checkpoint_quantization
 from tito_engine.model.quantization.int4 import Int4Linear
 from tito_engine.model.quantization.int8 import Int8Linear, int8_linear
 
-__all__ = ["SCHEMES", "GptqConfig", "Int4Linear", "Int8Linear", "QuantizedLinears", "checkpoint_quantization",
+__all__ = ["SCHEMES", "Int4Checkpoint", "Int4Linear", "Int8Linear", "QuantizedLinears", "checkpoint_quantization",
            "quantize_linears"]
 
 #: What `--quantization` takes: none (the checkpoint's weights as they are) or int8.
@@ -65,26 +66,26 @@ def _free_float(linear: Linear) -> int:
     return linear.weight.numel() * linear.weight.element_size()
 
 
-def _gptq_linear(linear: Linear, config: GptqConfig, names: dict[int, str]) -> Int4Linear | None:
-    """The Int4Linear of a (fused) linear whose modules the checkpoint stores in GPTQ's layout;
+def _int4_linear(linear: Linear, config: Int4Checkpoint, names: dict[int, str]) -> Int4Linear | None:
+    """The Int4Linear of a (fused) linear whose modules the checkpoint stores in int4;
     None when it stores them in float."""
     parts = [config.tensors.get(names.get(id(module), "")) for module in linear.sources]
     if all(part is None for part in parts):
         return None
     if any(part is None for part in parts):
-        raise ConfigError(f"a GPTQ checkpoint with only some of {[names.get(id(m)) for m in linear.sources]} quantized "
-                          f"is not loaded (they run fused)")
+        modules = [names.get(id(module)) for module in linear.sources]
+        raise ConfigError(f"an int4 checkpoint with only some of {modules} quantized is not loaded (they run fused)")
     weights = Int4Weights(torch.cat([part.q for part in parts]), torch.cat([part.scales for part in parts]),
-                          parts[0].group_size)
+                          torch.cat([part.zeros for part in parts]), parts[0].group_size)
     return Int4Linear(weights, linear.bias, linear.weight.dtype, linear.weight.device)
 
 
-def _load_gptq(family: Any, config: GptqConfig, model: Any) -> QuantizedLinears:
+def _load_int4(family: Any, config: Int4Checkpoint, model: Any) -> QuantizedLinears:
     names = {id(module): name for name, module in model.named_modules()}
     count = quantized = freed = 0
     for owner, name in _slots(family):
         linear = getattr(owner, name)
-        replacement = _gptq_linear(linear, config, names) if isinstance(linear, Linear) else None
+        replacement = _int4_linear(linear, config, names) if isinstance(linear, Linear) else None
         if replacement is None:
             continue
         setattr(owner, name, replacement)
@@ -94,11 +95,11 @@ def _load_gptq(family: Any, config: GptqConfig, model: Any) -> QuantizedLinears:
     return QuantizedLinears(count, quantized, freed)
 
 
-def quantize_linears(family: Any, scheme: "str | GptqConfig", model: Any = None) -> QuantizedLinears:
-    """Replace the family's linears by `scheme`'s (see SCHEMES, or a GPTQ checkpoint's int4 weights,
+def quantize_linears(family: Any, scheme: "str | Int4Checkpoint", model: Any = None) -> QuantizedLinears:
+    """Replace the family's linears by `scheme`'s (see SCHEMES, or an int4 checkpoint's weights,
     found by the names of `model`'s modules); none: nothing changes."""
-    if isinstance(scheme, GptqConfig):
-        return _load_gptq(family, scheme, model)
+    if isinstance(scheme, Int4Checkpoint):
+        return _load_int4(family, scheme, model)
     if scheme == "none":
         return QuantizedLinears()
     if scheme != "int8":

@@ -1,8 +1,9 @@
-"""int4 linears (group-wise, symmetric: GPTQ's 4-bit layout, gptq.py), activations in the compute dtype.
+"""int4 linears (group-wise, with a zero point per group: GPTQ's and AWQ's layouts, int4_checkpoint.py),
+activations in the compute dtype.
 
 * CPU, bfloat16 / float16: torch's `_weight_int4pack_mm_for_cpu` on the weight repacked once into
   its layout (half a byte per weight, group scales beside it);
-* CPU, float32: the values held as int8 (q - 8, one byte each) and tito's int8 kernel with a scale
+* CPU, float32: the values held as int8 (q - zero, one byte each) and tito's int8 kernel with a scale
   per group (int8_kernel.py: torch's int4 CPU kernel is not vectorized for float32 activations,
   ~40 ms for a [1, 896] x [4864, 896] call measured here);
 * CUDA, or no C compiler: the weight dequantized to the compute dtype per call, then a plain
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tito_engine.model.quantization.gptq import SYMMETRIC_ZERO, Int4Weights
+from tito_engine.model.quantization.int4_checkpoint import SYMMETRIC_ZERO, Int4Weights
 from tito_engine.model.quantization.int8_kernel import load_int8_kernel
 
 
@@ -26,7 +27,7 @@ def _packs_for_cpu(dtype: torch.dtype, device: torch.device, weights: Int4Weight
 
 
 class Int4Linear:
-    """y = x W^T + b with W = (q - 8) * group scales (see the module docstring)."""
+    """y = x W^T + b with W = (q - zero) * scale per group (see the module docstring)."""
 
     __slots__ = ("centred", "scales", "group_size", "bias", "shape", "_packed", "_scales_and_zeros", "_kernel")
 
@@ -40,10 +41,11 @@ class Int4Linear:
         if _packs_for_cpu(dtype, device, weights):
             self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weights.q.int(), 1)
             scales = self.scales.t().contiguous()  # [groups, N]
-            # torch's kernel computes (q - 8) * scale + zero: the symmetric zero point is its own.
-            self._scales_and_zeros = torch.stack([scales, torch.zeros_like(scales)], dim=-1).to(dtype)
+            # torch's kernel computes (q - 8) * scale + offset: (q - zero) * scale needs (8 - zero) * scale.
+            offsets = (SYMMETRIC_ZERO - weights.zeros.t().float()) * scales
+            self._scales_and_zeros = torch.stack([scales, offsets], dim=-1).to(dtype)
             return
-        self.centred = (weights.q.to(torch.int16) - SYMMETRIC_ZERO).to(torch.int8).to(device)  # [N, K] in -8..7
+        self.centred = weights.centred().to(device)  # [N, K] in -15..15
         if device.type == "cpu" and dtype == torch.float32:
             kernel = load_int8_kernel()
             self._kernel = kernel if kernel is not None and kernel.takes(self.shape[1], self.group_size) else None
