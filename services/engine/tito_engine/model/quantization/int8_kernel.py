@@ -23,14 +23,11 @@ import ctypes
 import functools
 import hashlib
 import logging
-import os
 import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from tito_engine.model.cpu_attention import _cache_dir, _compile_flags, _compiler, _cpu_identity
+from tito_engine.model.cpu_attention import _build, _cache_dir, _compile_flags, _compiler, _cpu_identity
 
 log = logging.getLogger(__name__)
 
@@ -153,20 +150,6 @@ void tito_int8_linear_f32(const float *x, int64_t M, int64_t K, const int8_t *w,
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
-def _build(compiler: str, target: Path, compile_flags: tuple[str, ...]) -> None:
-    """Compile SOURCE to `target` through a temporary file renamed into place (cpu_attention._build)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as work:
-        source, obj, shared = Path(work, "kernel.c"), Path(work, "kernel.o"), Path(work, "kernel.so")
-        source.write_text(SOURCE)
-        for command in ([compiler, *compile_flags, "-c", str(source), "-o", str(obj)],
-                        [compiler, *LINK_FLAGS, str(obj), "-o", str(shared)]):
-            done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(shared, target)
-
-
 class Int8Kernel:
     """The loaded kernel: `linear(x, q, scale, bias)` for float32 x [M, K] and int8 q [N, K] with
     scale [N] (per output channel) or [N, K / group] (per group of inputs); K and the group a
@@ -201,7 +184,7 @@ def load_int8_kernel() -> Int8Kernel | None:
                              .encode()).hexdigest()[:24]
         target = _cache_dir() / f"int8_linear_{key}.so"
         if not target.exists():
-            _build(compiler, target, compile_flags)
+            _build(compiler, target, compile_flags, SOURCE, LINK_FLAGS)
             log.info("built the int8 linear kernel: %s", target)
         library = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
