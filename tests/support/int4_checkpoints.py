@@ -7,6 +7,9 @@ inputs, `qzeros` int32 [groups, N / 8] packed along the outputs holding zero - 1
 AWQ (AutoAWQ gemm): `qweight` int32 [K, N / 8] and `qzeros` int32 [groups, N / 8] packed along the
 outputs in AWQ's order (nibble p of column c holds output 8c + (0, 2, 4, 6, 1, 3, 5, 7)[p]),
 `scales` float16 [groups, N]; asymmetric (min-max per group, zero points 0..15).
+compressed-tensors pack-quantized (llm-compressor W4A16): `weight_packed` int32 [N, K / 8] packed
+along the inputs, the signed values + 8; `weight_scale` [N, groups]; `weight_shape` int64 (N, K);
+symmetric as GPTQ.
 Both with `quantization_config` in config.json.
 
 The quantization is plain round-to-nearest, without the tools' error feedback: the loader is what
@@ -69,10 +72,27 @@ def pack_awq(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: 
             "qzeros": _pack_along_columns(zeros.t().contiguous(), AWQ_ORDER), "scales": scales.t().contiguous()}
 
 
+def pack_compressed_tensors(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                            group: int) -> dict[str, torch.Tensor]:
+    return {"weight_packed": _pack_along_columns(q, tuple(range(8))), "weight_scale": scales.contiguous(),
+            "weight_shape": torch.tensor(q.shape, dtype=torch.int64)}
+
+
+def _compressed_tensors_config(group: int) -> dict:
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group,
+               "dynamic": False, "actorder": None, "observer": "minmax"}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None}},
+            "ignore": ["lm_head"]}
+
+
 FORMATS = {
-    "gptq": (quantize_gptq, pack_gptq, {"quant_method": "gptq", "bits": 4, "desc_act": False, "sym": True,
-                                        "checkpoint_format": "gptq"}),
-    "awq": (quantize_awq, pack_awq, {"quant_method": "awq", "bits": 4, "zero_point": True, "version": "gemm"}),
+    "gptq": (quantize_gptq, pack_gptq, lambda group: {"quant_method": "gptq", "bits": 4, "group_size": group,
+                                                      "desc_act": False, "sym": True, "checkpoint_format": "gptq"}),
+    "awq": (quantize_awq, pack_awq, lambda group: {"quant_method": "awq", "bits": 4, "group_size": group,
+                                                   "zero_point": True, "version": "gemm"}),
+    "compressed-tensors": (quantize_gptq, pack_compressed_tensors, _compressed_tensors_config),
 }
 
 
@@ -94,7 +114,7 @@ def write_int4_checkpoint(model_dir: Path, out_dir: Path, method: str, group: in
             written[key] = tensor
     save_file(written, str(out_dir / "model.safetensors"))
     config = json.loads((model_dir / "config.json").read_text())
-    config["quantization_config"] = {**settings, "group_size": group, **config_overrides}
+    config["quantization_config"] = {**settings(group), **config_overrides}
     (out_dir / "config.json").write_text(json.dumps(config))
     for path in model_dir.iterdir():
         if path.name not in ("config.json", "model.safetensors") and path.is_file():

@@ -46,8 +46,8 @@ class ModelSettings:
                               "bfloat16 for float32 checkpoints (vllm: dtype)")
     quantization: str = setting(
         "none", help="weights in fewer bits: native int8 = weight-only int8 per output channel, computed at load "
-                     "from any float checkpoint (int4 GPTQ / AWQ checkpoints are read from their config.json, no "
-                     "flag); vllm: vLLM's --quantization, passed through (e.g. fp8)")
+                     "from any float checkpoint (int4 GPTQ / AWQ / compressed-tensors checkpoints are read from "
+                     "their config.json, no flag); vllm: vLLM's --quantization, passed through (e.g. fp8)")
     # Admission, the contract and the error model are the same for both backends.
     backend: str = setting("native", choices=("native", "vllm"),
                            help="what runs the model: native (tito's engine) or vllm (vLLM's AsyncLLM; vLLM "
@@ -76,8 +76,9 @@ class ModelSettings:
 
         if self.quantization not in SCHEMES:
             raise ConfigError(f"quantization={self.quantization!r}: the native backend takes --quantization int8 "
-                              f"(weight-only int8 from a float checkpoint) or none; GPTQ / AWQ int4 checkpoints need "
-                              f"no flag (their config.json says so); other schemes: --backend vllm --quantization NAME")
+                              f"(weight-only int8 from a float checkpoint) or none; int4 GPTQ / AWQ / "
+                              f"compressed-tensors checkpoints need no flag (their config.json says so); other "
+                              f"schemes: --backend vllm --quantization NAME")
 
 
 @dataclass

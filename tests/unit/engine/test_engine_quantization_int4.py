@@ -1,4 +1,4 @@
-"""int4 checkpoints in GPTQ's and AWQ's layouts, written by the test bit by bit as those tools save
+"""int4 checkpoints in GPTQ's, AWQ's and compressed-tensors' layouts, written by the test bit by bit as those tools save
 them (tests/support/int4_checkpoints.py): the loader's weights equal a plain-torch dequantization
 of the values written, greedy tokens equal HF's forward on those dequantized weights, and every
 layout outside the ones covered is refused at start-up in one line."""
@@ -24,7 +24,7 @@ from tito_engine.startup_plan import plan_startup
 GROUP = 32
 NEW_TOKENS = 16
 TIE_MARGIN = 1e-3
-METHODS = ["gptq", "awq"]
+METHODS = ["gptq", "awq", "compressed-tensors"]
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +140,12 @@ REFUSED = [
     ("gptq", {"desc_act": True}, "desc_act"),
     ("awq", {"version": "gemv"}, "'version': 'gemv'"),
     ("awq", {"zero_point": False}, "'zero_point': False"),
-    ("awq", {"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors' is not loaded"),
     ("awq", {"quant_method": "fp8"}, "quant_method 'fp8' is not loaded"),
+    ("compressed-tensors", {"format": "float-quantized"}, "compressed-tensors format 'float-quantized'"),
+    ("compressed-tensors", {"config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                                                                      "strategy": "channel"},
+                                                          "input_activations": {"num_bits": 8}}}},
+     "'num_bits': 8"),
 ]
 
 

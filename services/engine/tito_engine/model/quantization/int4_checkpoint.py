@@ -1,8 +1,10 @@
-"""int4 checkpoints in GPTQ's and AWQ's layouts: what config.json's `quantization_config` says, the
-packed tensors read from the checkpoint, and the model built around them.
+"""int4 checkpoints in GPTQ's, AWQ's and compressed-tensors' layouts: what config.json's
+`quantization_config` says, the packed tensors read from the checkpoint, and the model built
+around them.
 
-Per quantized linear `NAME` of in_features K, out_features N, group size G (both as vLLM 0.32's
-`quantization/auto_gptq.py` and `auto_awq.py` load them):
+Per quantized linear `NAME` of in_features K, out_features N, group size G (as vLLM 0.32's
+`quantization/auto_gptq.py`, `auto_awq.py` and `compressed_tensors/schemes/compressed_tensors_wNa16.py`
+load them):
 
 GPTQ (AutoGPTQ / GPTQModel, `checkpoint_format` "gptq"):
   - `NAME.qweight` int32 [K / 8, N]: weight (k, n) in bits 4 * (k % 8) of row k // 8, unsigned 0..15;
@@ -13,14 +15,20 @@ AWQ (AutoAWQ, `version` "gemm"):
     4 * p where p is i's place in AWQ's order (0, 2, 4, 6, 1, 3, 5, 7);
   - `NAME.qzeros` int32 [K / G, N / 8]: zero points (as they are), packed like qweight;
   - `NAME.scales` float16 [K / G, N].
-Both: w[n, k] = (q - zero[g(k), n]) * scales[g(k), n]; `NAME.bias` in float when there is one.
+compressed-tensors `pack-quantized` (llm-compressor's W4A16):
+  - `NAME.weight_packed` int32 [N, K / 8]: weight (n, k) in bits 4 * (k % 8) of column k // 8,
+    stored as the signed value + 8;
+  - `NAME.weight_scale` [N, K / G] in the model's dtype; `NAME.weight_shape` int64 (N, K).
+All: w[n, k] = (q - zero[g(k), n]) * scales[g(k), n]; `NAME.bias` in float when there is one.
 
 Covered: 4 bits; GPTQ symmetric (every zero point 8) without activation order (desc_act false or a
-trivial g_idx); AWQ gemm with zero points; groups of G or (GPTQ) one group per channel; the output
-layer in float; linears a checkpoint leaves in float stay float. Everything else (other widths,
-asymmetric GPTQ, desc_act, gptq_v2, `dynamic` rules, a quantized lm_head, AWQ gemv / without zero
-points, compressed-tensors, FP8 and other `quant_method`s) is refused at start-up in one line
-(`checkpoint_quantization`).
+trivial g_idx); AWQ gemm with zero points; compressed-tensors pack-quantized with one config group
+of symmetric int weights, group or channel strategy, no activation order and no activation
+quantization; groups of G or one group per channel; the output layer in float; linears a
+checkpoint leaves in float stay float. Everything else (other widths, asymmetric GPTQ or
+compressed-tensors, desc_act / actorder, gptq_v2, `dynamic` rules, a quantized lm_head, AWQ gemv or
+without zero points, other compressed-tensors formats (W8A8, FP8, NVFP4, ...), and other
+`quant_method`s) is refused at start-up in one line (`checkpoint_quantization`).
 """
 
 from __future__ import annotations
@@ -35,21 +43,23 @@ import torch
 from tito.config import ConfigError
 
 #: Tensors of a quantized linear, by suffix (AWQ has no g_idx).
-INT4_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
+INT4_TENSORS = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_shape")
+#: The tensor that marks a linear as quantized, by method.
+PACKED_TENSOR = {"gptq": "qweight", "awq": "qweight", "compressed-tensors": "weight_packed"}
 BITS = 4
 #: GPTQ's symmetric zero point for 4 bits (stored as 7 in the "gptq" format, which stores zero - 1).
 SYMMETRIC_ZERO = 8
 #: AWQ's place of output i (of 8) inside an int32: nibble p holds output AWQ_ORDER[p].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-COVERED = ("GPTQ 4-bit symmetric without desc_act (checkpoint_format gptq) and AWQ 4-bit gemm with zero points, "
-           "lm_head in float")
+COVERED = ("GPTQ 4-bit symmetric without desc_act (checkpoint_format gptq), AWQ 4-bit gemm with zero points and "
+           "compressed-tensors pack-quantized 4-bit symmetric, lm_head in float")
 
 
 @dataclass(frozen=True)
 class Int4Checkpoint:
     """A checkpoint's int4 settings (config.json `quantization_config`)."""
 
-    method: str  # gptq or awq
+    method: str  # gptq, awq or compressed-tensors
     group_size: int  # -1: one group per output channel
     #: Unpacked int4 weights by module name, filled by `load_int4_model`.
     tensors: dict[str, "Int4Weights"] = field(default_factory=dict, compare=False)
@@ -103,6 +113,24 @@ def _awq(model_dir: Path, settings: dict) -> Int4Checkpoint:
     return Int4Checkpoint("awq", group_size)
 
 
+def _compressed_tensors(model_dir: Path, settings: dict) -> Int4Checkpoint:
+    groups = settings.get("config_groups") or {}
+    if settings.get("format") != "pack-quantized" or len(groups) != 1:
+        raise _refuse(model_dir, f"compressed-tensors format {settings.get('format')!r} with {len(groups)} config "
+                                 f"groups")
+    scheme = next(iter(groups.values()))
+    weights = scheme.get("weights") or {}
+    found = {"num_bits": weights.get("num_bits"), "type": weights.get("type"),
+             "symmetric": weights.get("symmetric"), "actorder": weights.get("actorder") or None,
+             "dynamic": weights.get("dynamic", False), "input_activations": scheme.get("input_activations")}
+    expected = {"num_bits": BITS, "type": "int", "symmetric": True, "actorder": None, "dynamic": False,
+                "input_activations": None}
+    strategy = weights.get("strategy")
+    if found != expected or strategy not in ("group", "channel"):
+        raise _refuse(model_dir, f"compressed-tensors weights {found}, strategy {strategy!r}")
+    return Int4Checkpoint("compressed-tensors", int(weights.get("group_size") or -1) if strategy == "group" else -1)
+
+
 def checkpoint_quantization(model_dir: Path) -> Int4Checkpoint | None:
     """The checkpoint's quantization (None: a float checkpoint); a layout the native engine does not
     load raises ConfigError in one line naming what it found."""
@@ -118,6 +146,8 @@ def checkpoint_quantization(model_dir: Path) -> Int4Checkpoint | None:
         return _gptq(model_dir, settings)
     if method == "awq":
         return _awq(model_dir, settings)
+    if method == "compressed-tensors":
+        return _compressed_tensors(model_dir, settings)
     raise _refuse(model_dir, f"quant_method {method or '(none)'!r} is not loaded")
 
 
@@ -171,7 +201,21 @@ def unpack_awq(name: str, tensors: dict[str, torch.Tensor], group_size: int) -> 
     return Int4Weights(q, scales.float().t().contiguous(), zeros.t().contiguous(), group)
 
 
-_UNPACK = {"gptq": unpack_gptq, "awq": unpack_awq}
+def unpack_compressed_tensors(name: str, tensors: dict[str, torch.Tensor], group_size: int) -> Int4Weights:
+    """One linear's compressed-tensors pack-quantized tensors as Int4Weights (zero point 8: the
+    signed values were stored + 8)."""
+    packed, scales = tensors["weight_packed"], tensors["weight_scale"]
+    out_features, in_features = (int(size) for size in tensors["weight_shape"])
+    q = _unpack_columns(packed)[:, :in_features].contiguous()  # [N, K]
+    if q.shape != (out_features, in_features):
+        raise ConfigError(f"{name}: weight_packed {tuple(packed.shape)} does not hold weight_shape "
+                          f"{(out_features, in_features)}")
+    group = _groups(name, in_features, out_features, scales.t(), group_size)
+    return Int4Weights(q, scales.float().contiguous(), torch.full_like(scales, SYMMETRIC_ZERO, dtype=torch.uint8),
+                       group)
+
+
+_UNPACK = {"gptq": unpack_gptq, "awq": unpack_awq, "compressed-tensors": unpack_compressed_tensors}
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -193,10 +237,11 @@ def load_int4_model(model_dir: Path, dtype: torch.dtype, checkpoint: Int4Checkpo
     hf_config = AutoConfig.from_pretrained(model_dir)
     for holder in (hf_config, getattr(hf_config, "text_config", None)):
         if holder is not None and getattr(holder, "quantization_config", None) is not None:
-            del holder.quantization_config  # transformers would look for a GPTQ / AWQ library to run it
+            del holder.quantization_config  # transformers would look for the quantization's library to run it
     model = loader.from_config(hf_config, dtype=dtype)
     state = _read_safetensors(model_dir)
-    quantized = {key.rsplit(".", 1)[0] for key in state if key.endswith(".qweight")}
+    marker = "." + PACKED_TENSOR[checkpoint.method]
+    quantized = {key.removesuffix(marker) for key in state if key.endswith(marker)}
     unpack = _UNPACK[checkpoint.method]
     for name in sorted(quantized):
         parts = {suffix: state.pop(f"{name}.{suffix}") for suffix in INT4_TENSORS if f"{name}.{suffix}" in state}
