@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tito.config import ConfigError
 from tito_models.paths import resolve_model
 
 from tito_engine.config import EngineConfig
@@ -22,7 +21,7 @@ from tito_engine.core.engine_core import CoreProcessSpec
 from tito_engine.limits import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_PREFILL_TOKENS_CPU,
                                 SchedulerLimits)
 from tito_engine.model.cpu_runtime import CpuPlan, forward_macs_per_token, plan_cpus
-from tito_engine.model.quantization import checkpoint_quantization
+from tito_engine.model.quantization import scheme_for
 from tito_engine.model.runner import KVCacheSpec, choose_device
 
 
@@ -54,20 +53,11 @@ class StartupPlan:
 def plan_startup(config: EngineConfig) -> StartupPlan:
     """The StartupPlan of a validated config on this machine."""
     model_dir = resolve_model(config.model)
-    if config.backend == "native":
-        _check_quantization(config, model_dir)
+    if config.backend == "native":  # a quantized layout it cannot load, or --quantization on one: refused now
+        scheme_for(model_dir, config.quantization)
     on_cpu = config.backend == "native" and choose_device(config.device).type == "cpu"
     return StartupPlan(model_dir=model_dir, cpus=_cpu_plan(config, model_dir) if on_cpu else None,
                        limits=scheduler_limits(config, on_cpu))
-
-
-def _check_quantization(config: EngineConfig, model_dir: Path) -> None:
-    """Refuse now, before any process starts, a quantized layout the native engine does not load
-    (checkpoint_quantization raises) and --quantization on an already quantized checkpoint."""
-    int4 = checkpoint_quantization(model_dir)
-    if int4 is not None and config.quantization != "none":
-        raise ConfigError(f"--quantization {config.quantization}: {config.model} is already quantized ({int4.method} "
-                          f"int4); drop the flag")
 
 
 def scheduler_limits(config: EngineConfig, on_cpu: bool) -> SchedulerLimits:

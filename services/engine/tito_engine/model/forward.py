@@ -124,8 +124,8 @@ class BatchedDecoder:
         weights the packed ones replace for every call (the HF model's text linears then hold no
         data: only this decoder may run it). `attention_kernel`: attends the decode rows and the
         prefill chunks it takes on CPU (cpu_attention.py). `quantization`: the scheme the
-        projections and output layer run in, or an int4 (GPTQ / AWQ) checkpoint's weights (model/quantization;
-        none: the checkpoint's weights)."""
+        projections and output layer run in, or an int4 checkpoint's own weights
+        (model/quantization.scheme_for; none: the checkpoint's float weights)."""
         self.family = family = family_for(model)
         self.quantized = quantize_linears(family, quantization, model)
         self.packed_linear_bytes, self.released_weight_bytes = (

@@ -27,7 +27,7 @@ from tito_engine.model.cpu_runtime import (forward_macs_per_token, keep_freed_me
                                            plan_cpus, set_cpu_threads)
 from tito_engine.model.forward import BatchedDecoder, MultiModalPrefill
 from tito_engine.model.linear import wide_linears
-from tito_engine.model.quantization import checkpoint_quantization
+from tito_engine.model.quantization import Int4Checkpoint, scheme_for
 from tito_engine.model.quantization.int4_checkpoint import load_int4_model
 from tito_engine.model.kv_cache import KVLayout, PagedKVCache
 from tito_engine.kv_sizing import available_host_memory, kv_budget
@@ -138,19 +138,16 @@ def _load_model(model_dir: Path, dtype: torch.dtype) -> Any:
 
 
 def _load_quantized_or_float(model_dir: Path, dtype: torch.dtype, quantization: str) -> tuple[Any, Any]:
-    """The model, and what its linears run in: `quantization` for a float checkpoint, the checkpoint's
-    own (an Int4Checkpoint holding its int4 weights) for a quantized one (model/quantization)."""
-    int4 = checkpoint_quantization(model_dir)
-    if int4 is None:
-        return _load_model_quietly(model_dir, dtype), quantization
-    if quantization != "none":
-        raise ConfigError(f"--quantization {quantization}: {model_dir} is already quantized ({int4.method} int4); "
-                          f"drop the flag")
+    """The model, and what its linears run in (model/quantization.scheme_for): `quantization` for a
+    float checkpoint, an Int4Checkpoint holding its int4 weights for a quantized one."""
+    scheme = scheme_for(model_dir, quantization)
+    if not isinstance(scheme, Int4Checkpoint):
+        return _load_model_quietly(model_dir, dtype), scheme
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     vision = getattr(AutoConfig.from_pretrained(model_dir), "vision_config", None) is not None
     loader = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    return load_int4_model(model_dir, dtype, int4, loader), int4
+    return load_int4_model(model_dir, dtype, scheme, loader), scheme
 
 
 def _load_model_quietly(model_dir: Path, dtype: torch.dtype) -> Any:

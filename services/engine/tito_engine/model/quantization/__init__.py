@@ -32,7 +32,7 @@ from tito_engine.model.quantization.int4 import Int4Linear
 from tito_engine.model.quantization.int8 import Int8Linear, int8_linear
 
 __all__ = ["SCHEMES", "Int4Checkpoint", "Int4Linear", "Int8Linear", "QuantizedLinears", "checkpoint_quantization",
-           "quantize_linears"]
+           "quantize_linears", "scheme_for"]
 
 #: What `--quantization` takes: none (the checkpoint's weights as they are) or int8.
 SCHEMES = ("none", "int8")
@@ -46,6 +46,19 @@ class QuantizedLinears:
     count: int = 0
     quantized_bytes: int = 0
     float_bytes_freed: int = 0
+
+
+def scheme_for(model_dir: Any, quantization: str) -> "str | Int4Checkpoint":
+    """What a checkpoint's linears run in: `--quantization` (SCHEMES) for a float checkpoint, the
+    checkpoint's own int4 layout for a quantized one. A layout the native engine does not load, or
+    --quantization on an already quantized checkpoint, raises ConfigError (in one line)."""
+    int4 = checkpoint_quantization(model_dir)
+    if int4 is None:
+        return quantization
+    if quantization != "none":
+        raise ConfigError(f"--quantization {quantization}: {model_dir} is already quantized ({int4.method} int4); "
+                          f"drop the flag")
+    return int4
 
 
 def _slots(family: Any) -> Iterator[tuple[Any, str]]:
