@@ -3,6 +3,7 @@ engine's forward reads per second, as a ratio to what this machine reads, in one
 
     .venv/bin/python bench/decode_bandwidth.py [--model tiny-qwen2-h256] [--quantization none int8]
     .venv/bin/python bench/decode_bandwidth.py --shape qwen2.5-0.5b [--checkpoint float32] [--quantization none int8]
+                                               [--threads 1]
     .venv/bin/python bench/decode_bandwidth.py --smoke   # seconds: a small buffer, the tiny model, a few steps
 
 A one-row decode step reads every weight once (each layer's projections and the output layer;
@@ -12,9 +13,11 @@ token / step time against the machine's bandwidth measured here, in the same run
   - copy: `copy_()` of one such buffer into another, bytes read plus written per second;
 each with one torch thread and with all of them (best of --repeats). The engine's step is the
 ModelRunner's forward on one row (what the engine core runs per step at c=1, sampling aside),
-with the threads the engine's CPU plan gives the model (cpu_runtime.plan_cpus); its ratio is
-against the read bandwidth at that thread count. Weight bytes are what the linears hold as they
-are read: float32 / bfloat16 as loaded, int8 values and their scales under --quantization int8.
+with the threads the engine's CPU plan gives the model (cpu_runtime.plan_cpus), or --threads; its
+ratio is against the read bandwidth at that thread count (on a machine other work keeps busy, one
+thread gives steadier figures: a step on two threads waits for whichever is descheduled). Weight
+bytes are what the linears hold as they are read: float32 / bfloat16 as loaded, int8 values and
+their scales under --quantization int8, int4 values and scales for an int4 checkpoint (--model).
 """
 
 from __future__ import annotations
@@ -88,8 +91,8 @@ def decode_step_seconds(runner: ModelRunner, steps: int) -> float:
     return statistics.median(times[1:] if len(times) > 1 else times)
 
 
-def engine_row(model_dir: Path, name: str, quantization: str, steps: int) -> dict:
-    runner = ModelRunner(model_dir, model_id=name, device="cpu", quantization=quantization,
+def engine_row(model_dir: Path, name: str, quantization: str, steps: int, threads: int | None) -> dict:
+    runner = ModelRunner(model_dir, model_id=name, device="cpu", quantization=quantization, cpu_threads=threads,
                          kv_cache=KVCacheSpec(num_blocks=-(-(PROMPT_TOKENS + steps + 1) // 16) + 1))
     row = {"quantization": quantization, "dtype": runner.info.dtype, "threads": torch.get_num_threads(),
            "bytes": weight_bytes(runner), "step": decode_step_seconds(runner, steps)}
@@ -105,6 +108,8 @@ def main() -> None:
     parser.add_argument("--checkpoint", default="float32", choices=("float32", "bfloat16"),
                         help="--shape: the checkpoint's dtype")
     parser.add_argument("--quantization", nargs="+", default=["none", "int8"])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of the forward (default: the "
+                                                                      "engine's CPU plan for the model)")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per row (their median)")
     parser.add_argument("--buffer-mib", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
@@ -129,7 +134,7 @@ def main() -> None:
     print(f"{'quantization':>12} {'dtype':>9} {'threads':>7} {'weights MB':>10} {'step ms':>8} {'GB/s':>6} "
           f"{'/ read bw':>9}")
     for quantization in args.quantization:
-        row = engine_row(model_dir, name, quantization, args.steps)
+        row = engine_row(model_dir, name, quantization, args.steps, args.threads)
         rate = row["bytes"] / row["step"]
         reference = bandwidth.get(row["threads"]) or memory_bandwidth(args.buffer_mib << 20, row["threads"], 1)
         print(f"{quantization:>12} {row['dtype']:>9} {row['threads']:>7} {row['bytes'] / 1e6:>10.1f} "
