@@ -137,3 +137,19 @@ def test_quantization_is_validated_at_start_up_and_reaches_the_core():
     assert isinstance(runner.decoder.family.layers[0].qkv, Int8Linear)
     with pytest.raises(ConfigError, match="the native backend takes --quantization int8"):
         EngineConfig(model="tiny-qwen2", quantization="int4").validate()
+
+
+def test_the_kernel_builds_without_openmp_where_openmp_cannot_be_built(monkeypatch, tmp_path):
+    import tito_engine.model.quantization.int8_kernel as int8_kernel
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(int8_kernel, "EXTRA_FLAGS", ("-fno-such-option-anywhere",))  # the OpenMP build fails
+    load_int8_kernel.cache_clear()
+    try:
+        kernel = load_int8_kernel()
+        assert kernel is not None
+        weight, x = torch.randn(8, 32), torch.randn(2, 32)
+        expected = torch.nn.functional.linear(x, dequantize_per_channel(*quantize_per_channel(weight)))
+        torch.testing.assert_close(Int8Linear(weight, None, kernel)(x), expected, rtol=1e-4, atol=1e-4)
+    finally:
+        load_int8_kernel.cache_clear()  # the next caller builds (or finds) the usual kernel

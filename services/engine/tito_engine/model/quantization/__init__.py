@@ -1,10 +1,9 @@
 """Quantized linears for the native forward: the projections of every layer (q/k/v, o, gate/up,
 down) and the output layer swapped for quantized ones once the model is loaded.
 
-int4 checkpoints in GPTQ's and AWQ's layouts (int4_checkpoint.py: `quantization_config` in config.json
-picks them, no flag)
-run their projections as Int4Linear (int4.py); their output layer stays float, as those
-checkpoints store it.
+int4 checkpoints in GPTQ's, AWQ's and compressed-tensors' layouts (int4_checkpoint.py:
+`quantization_config` in config.json picks them, no flag; `scheme_for`) run their projections as
+Int4Linear (int4.py); their output layer stays float, as those checkpoints store it.
 
 `--quantization int8` (`quantize_linears`): weight-only int8 per output channel (int8.py), computed
 at load from any float checkpoint. The output layer is quantized too: in a c=1 decode it is the

@@ -13,8 +13,9 @@ multiply-add); built as an AVX2 machine gets it (`CFLAGS=-mno-avx512f`): one row
 
 It is compiled at first use like the attention kernels (cpu_attention: the machine's `cc` or `$CC`,
 -march=native then `$CFLAGS`, cached per source, flags, compiler and CPU) with OpenMP, the runtime
-torch already loaded (libgomp), splitting the weight rows over torch's intra-op threads. No
-compiler, or a failed build: None, and the caller takes torch's path (logged).
+torch already loaded (libgomp), splitting the weight rows over torch's intra-op threads; where
+OpenMP cannot be built, without it (one thread). No compiler, or a failed build: None, and the
+caller takes torch's path (logged).
 """
 
 from __future__ import annotations
@@ -170,6 +171,17 @@ class Int8Kernel:
         return out
 
 
+def _built(compiler: str, version: str, compile_flags: tuple[str, ...], link_flags: tuple[str, ...]) -> ctypes.CDLL:
+    """The kernel built with these flags (cached per source, flags, compiler and CPU), loaded."""
+    key = hashlib.sha256("\0".join((SOURCE, *compile_flags, *link_flags, compiler, version, _cpu_identity()))
+                         .encode()).hexdigest()[:24]
+    target = _cache_dir() / f"int8_linear_{key}.so"
+    if not target.exists():
+        _build(compiler, target, compile_flags, SOURCE, link_flags)
+        log.info("built the int8 linear kernel: %s", target)
+    return ctypes.CDLL(str(target))
+
+
 @functools.cache
 def load_int8_kernel() -> Int8Kernel | None:
     """The compiled kernel, built once per machine and cached; None (logged once) when it cannot be."""
@@ -179,14 +191,11 @@ def load_int8_kernel() -> Int8Kernel | None:
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        compile_flags = (*_compile_flags(), *EXTRA_FLAGS)
-        key = hashlib.sha256("\0".join((SOURCE, *compile_flags, *LINK_FLAGS, compiler, version, _cpu_identity()))
-                             .encode()).hexdigest()[:24]
-        target = _cache_dir() / f"int8_linear_{key}.so"
-        if not target.exists():
-            _build(compiler, target, compile_flags, SOURCE, LINK_FLAGS)
-            log.info("built the int8 linear kernel: %s", target)
-        library = ctypes.CDLL(str(target))
+        try:
+            library = _built(compiler, version, (*_compile_flags(), *EXTRA_FLAGS), LINK_FLAGS)
+        except RuntimeError as exc:  # no OpenMP for this compiler: the kernel runs on one thread
+            log.info("the int8 linear kernel is built without OpenMP (%s)", str(exc)[-200:])
+            library = _built(compiler, version, _compile_flags(), ("-shared",))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("the int8 linear kernel could not be built or loaded (%s): float32 int8 linears run on "
                     "torch's slower path", exc)
