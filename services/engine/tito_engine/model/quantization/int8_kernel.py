@@ -5,11 +5,12 @@ scales are per output channel (int8) or per group of inputs (int4 values held as
 torch has no fast float32 path for int8 weights on CPU: `_weight_int8pack_mm` vectorizes bfloat16
 activations only (measured here, one thread, [1, 896] x [4864, 896]: 21.8 ms in float32 against
 0.95 ms in bfloat16), and `_int_mm` quantizes the activations too (a W8A8 scheme, and it needs 17
-rows or more). This kernel tiles 4 activation rows by 4 weight rows, so each weight byte, once
-widened, feeds four rows. Measured on AMD EPYC (AVX-512, one thread, weights cache-hot): one row
+rows or more). This kernel tiles 4 activation rows (3 on AVX2) by 4 weight rows, so each weight
+byte, once widened, feeds several rows. Measured on AMD EPYC (AVX-512, one thread, weights cache-hot): one row
 [1, 896] x [4864, 896] 157 us against 383 us for the oneDNN-packed float32 weight (2.4x), 4 rows
 408 against 513 us, 32 rows 3.4 against 2.7 ms (compute-bound: the widening costs as much as the
-multiply-add); built as an AVX2 machine gets it (`CFLAGS=-mno-avx512f`): one row 175 against 469 us.
+multiply-add); built as an AVX2 machine gets it (`CFLAGS=-mno-avx512f`): one row 175 against 469 us,
+32 rows 4.6 against 3.8 ms (5.5 ms with 4-row tiles: AVX2's 16 registers spill them).
 
 It is compiled at first use like the attention kernels (cpu_attention: the machine's `cc` or `$CC`,
 -march=native then `$CFLAGS`, cached per source, flags, compiler and CPU) with OpenMP, the runtime
@@ -85,9 +86,18 @@ static inline vf vbroadcast(float v) {
 #endif
 }
 
+/* Activation rows per tile: with four weight rows, ROWS x 4 accumulators stay in registers (AVX-512
+ * has 32 vector registers, AVX2 16: measured at 32 rows, 4 and 3 rows are the fastest tiles there). */
+#if LANES == 16
+#define ROWS 4
+#else
+#define ROWS 3
+#endif
+
 /* out[i, j] = sum over groups g of scale[j, g] * sum_{k in g} x[i, k] * w[j, k] (+ bias[j]) for MB
  * activation rows by NB weight rows; `group` inputs per scale (K: one scale per row), `groups` = K / group. */
-#define TILE(MB, NB) \
+#define TILE(MB, NB) TILE_(MB, NB)
+#define TILE_(MB, NB) \
 static void tile_##MB##x##NB(const float *x, const int8_t *w, int64_t K, int64_t group, const float *scale, \
                              int64_t groups, const float *bias, float *out, int64_t ldo) { \
     vf total[MB][NB]; \
@@ -111,9 +121,11 @@ static void tile_##MB##x##NB(const float *x, const int8_t *w, int64_t K, int64_t
     for (int i = 0; i < MB; i++) for (int j = 0; j < NB; j++) \
         out[i * ldo + j] = vsum(total[i][j]) + (bias ? bias[j] : 0.0f); \
 }
-TILE(4, 4)
+#define TILE_NAME(MB, NB) TILE_NAME_(MB, NB)
+#define TILE_NAME_(MB, NB) tile_##MB##x##NB
+TILE(ROWS, 4)
 TILE(1, 4)
-TILE(4, 1)
+TILE(ROWS, 1)
 TILE(1, 1)
 
 /* The K and group sizes the kernel takes are multiples of this (the caller checks). */
@@ -126,10 +138,12 @@ static void weight_rows(const float *x, int64_t M, int64_t K, const int8_t *w, i
     const float *s = scale + n * groups;
     int64_t m = 0;
     if (width == 4) {
-        for (; m + 4 <= M; m += 4) tile_4x4(x + m * K, w + n * K, K, group, s, groups, b, out + m * N + n, N);
+        for (; m + ROWS <= M; m += ROWS)
+            TILE_NAME(ROWS, 4)(x + m * K, w + n * K, K, group, s, groups, b, out + m * N + n, N);
         for (; m < M; m++) tile_1x4(x + m * K, w + n * K, K, group, s, groups, b, out + m * N + n, N);
     } else {
-        for (; m + 4 <= M; m += 4) tile_4x1(x + m * K, w + n * K, K, group, s, groups, b, out + m * N + n, N);
+        for (; m + ROWS <= M; m += ROWS)
+            TILE_NAME(ROWS, 1)(x + m * K, w + n * K, K, group, s, groups, b, out + m * N + n, N);
         for (; m < M; m++) tile_1x1(x + m * K, w + n * K, K, group, s, groups, b, out + m * N + n, N);
     }
 }
