@@ -1,5 +1,5 @@
 """Write a float checkpoint again in an int4 layout, as the quantization tools save it (the layouts
-vLLM's `quantization/auto_gptq.py` and `auto_awq.py` load), bit by bit:
+vLLM's `auto_gptq`, `auto_awq` and `compressed_tensors` quantization modules load), bit by bit:
 
 GPTQ (AutoGPTQ / GPTQModel): per quantized linear `qweight` int32 [K / 8, N] packed along the
 inputs, `qzeros` int32 [groups, N / 8] packed along the outputs holding zero - 1, `scales` float16

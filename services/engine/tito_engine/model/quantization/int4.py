@@ -1,5 +1,5 @@
-"""int4 linears (group-wise, with a zero point per group: GPTQ's and AWQ's layouts, int4_checkpoint.py),
-activations in the compute dtype.
+"""int4 linears (group-wise, a zero point per group: GPTQ's, AWQ's and compressed-tensors' layouts,
+int4_checkpoint.py), activations in the compute dtype.
 
 * CPU, bfloat16 / float16: torch's `_weight_int4pack_mm_for_cpu` on the weight repacked once into
   its layout (half a byte per weight, group scales beside it);

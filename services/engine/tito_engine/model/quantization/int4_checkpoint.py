@@ -2,9 +2,9 @@
 `quantization_config` says, the packed tensors read from the checkpoint, and the model built
 around them.
 
-Per quantized linear `NAME` of in_features K, out_features N, group size G (as vLLM 0.32's
-`quantization/auto_gptq.py`, `auto_awq.py` and `compressed_tensors/schemes/compressed_tensors_wNa16.py`
-load them):
+Per quantized linear `NAME` of in_features K, out_features N, group size G (as vLLM 0.32 loads them:
+its modules `auto_gptq`, `auto_awq` and `compressed_tensors.schemes.compressed_tensors_wNa16` under
+`vllm.model_executor.layers.quantization`):
 
 GPTQ (AutoGPTQ / GPTQModel, `checkpoint_format` "gptq"):
   - `NAME.qweight` int32 [K / 8, N]: weight (k, n) in bits 4 * (k % 8) of row k // 8, unsigned 0..15;
