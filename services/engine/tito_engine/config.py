@@ -44,6 +44,10 @@ class ModelSettings:
                          help="what the model computes in: auto = the checkpoint's dtype where the device computes it "
                               "natively (bf16 on a CPU with AVX512-BF16/AMX), float32 on other CPUs; on CUDA "
                               "bfloat16 for float32 checkpoints (vllm: dtype)")
+    quantization: str = setting(
+        "none", help="weights in fewer bits: native int8 = weight-only int8 per output channel, computed at load "
+                     "from any float checkpoint (int4 GPTQ / AWQ / compressed-tensors checkpoints are read from "
+                     "their config.json, no flag); vllm: vLLM's --quantization, passed through (e.g. fp8)")
     # Admission, the contract and the error model are the same for both backends.
     backend: str = setting("native", choices=("native", "vllm"),
                            help="what runs the model: native (tito's engine) or vllm (vLLM's AsyncLLM; vLLM "
@@ -60,6 +64,21 @@ class ModelSettings:
             choose_dtype(choose_device(self.device), self.dtype)
         if self.backend not in ("native", "vllm"):
             raise ConfigError(f"backend={self.backend!r} must be native (tito's own engine, the default) or vllm")
+        self._check_quantization()
+
+    def _check_quantization(self) -> None:
+        if self.backend == "vllm":
+            from tito_engine.vllm.args import check_vllm_quantization
+
+            check_vllm_quantization(self.quantization)
+            return
+        from tito_engine.model.quantization import SCHEMES
+
+        if self.quantization not in SCHEMES:
+            raise ConfigError(f"quantization={self.quantization!r}: the native backend takes --quantization int8 "
+                              f"(weight-only int8 from a float checkpoint) or none; int4 GPTQ / AWQ / "
+                              f"compressed-tensors checkpoints need no flag (their config.json says so); other "
+                              f"schemes: --backend vllm --quantization NAME")
 
 
 @dataclass

@@ -21,6 +21,7 @@ from tito_engine.core.engine_core import CoreProcessSpec
 from tito_engine.limits import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_PREFILL_TOKENS_CPU,
                                 SchedulerLimits)
 from tito_engine.model.cpu_runtime import CpuPlan, forward_macs_per_token, plan_cpus
+from tito_engine.model.quantization import scheme_for
 from tito_engine.model.runner import KVCacheSpec, choose_device
 
 
@@ -44,6 +45,7 @@ class StartupPlan:
                                encoder_cache_bytes=config.encoder_cache_bytes,
                                exclude_padding_ids=config.excludes_padding_ids, packed_linears=config.packs_linears,
                                decode_kernel=config.cpu_decode_kernel, dtype=config.dtype,
+                               quantization=config.quantization,
                                encoder_store_dir=config.encoder_store_dir,
                                encoder_store_bytes=config.encoder_store_bytes)
 
@@ -51,6 +53,8 @@ class StartupPlan:
 def plan_startup(config: EngineConfig) -> StartupPlan:
     """The StartupPlan of a validated config on this machine."""
     model_dir = resolve_model(config.model)
+    if config.backend == "native":  # a quantized layout it cannot load, or --quantization on one: refused now
+        scheme_for(model_dir, config.quantization)
     on_cpu = config.backend == "native" and choose_device(config.device).type == "cpu"
     return StartupPlan(model_dir=model_dir, cpus=_cpu_plan(config, model_dir) if on_cpu else None,
                        limits=scheduler_limits(config, on_cpu))

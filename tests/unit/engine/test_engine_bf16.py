@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from tito_engine.model.forward import RowInput
+from engine_greedy import engine_greedy, hf_greedy_with_gaps
 from tito.cpu_isa import cpu_supports
 from tito_engine.model.runner import ModelRunner, checkpoint_dtype, choose_dtype
 from tito.config import ConfigError
@@ -34,30 +34,6 @@ needs_bf16 = pytest.mark.skipif(not cpu_supports(torch.bfloat16), reason="this C
 
 def prompts(vocab: int) -> list[list[int]]:
     return [[(11 * i + 7 * j) % (vocab - 20) + 5 for j in range(3 + 5 * i)] for i in range(12)]
-
-
-def engine_greedy(runner: ModelRunner, batch: list[list[int]]) -> list[list[int]]:
-    """Greedy tokens of every prompt, all prompts batched in each step (prefill, then decodes)."""
-    block = runner.cache.block_size
-    tables = [runner.cache.allocator.allocate(-(-(len(p) + NEW_TOKENS) // block)) for p in batch]
-    logits = runner.execute([RowInput(p, 0, t, True) for p, t in zip(batch, tables)])
-    outputs = [[int(token)] for token in logits.argmax(-1)]
-    for step in range(1, NEW_TOKENS):
-        rows = [RowInput([out[-1]], len(p) + step - 1, t, True) for p, out, t in zip(batch, outputs, tables)]
-        for out, token in zip(outputs, runner.execute(rows).argmax(-1)):
-            out.append(int(token))
-    return outputs
-
-
-def hf_greedy_with_gaps(model, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """HF generate's greedy tokens and, per step, the gap between its top two logits. EOS neither
-    stops nor is banned (min_new_tokens would ban it and change the argmax): the raw argmax, as
-    the engine's rows here."""
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS, output_logits=True,
-                             return_dict_in_generate=True)
-    gaps = [float(top[0] - top[1]) for top in (step[0].float().topk(2).values for step in out.logits)]
-    return out.sequences[0, len(prompt):].tolist(), gaps
 
 
 FAMILIES = ["tiny_text_model", "tiny_llama_model", "tiny_qwen3_model", "tiny_interleaved_vl_model",
@@ -77,10 +53,10 @@ def test_bf16_greedy_tokens_equal_hf_generate_in_bf16(family, request):
     hf.generation_config.eos_token_id = None  # generate merges its defaults from here and the config
     hf.config.get_text_config().eos_token_id = None
     batch = prompts(runner.info.vocab_size)
-    got = engine_greedy(runner, batch)
+    got = engine_greedy(runner, batch, NEW_TOKENS)
     equal, parted = 0, []
     for index, (prompt, tokens) in enumerate(zip(batch, got)):
-        expected, gaps = hf_greedy_with_gaps(hf, prompt)
+        expected, gaps = hf_greedy_with_gaps(hf, prompt, NEW_TOKENS)
         if tokens == expected:
             equal += 1
             continue

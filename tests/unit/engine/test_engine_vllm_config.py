@@ -40,6 +40,18 @@ def test_tito_flags_translate_and_vllm_arguments_pass_through():
     assert args.mm_device_do_normalize is False
 
 
+def test_quantization_passes_through_to_vllm_and_is_checked_against_its_methods():
+    config = vllm_config(quantization="fp8", kv_cache_bytes=1 << 20)
+    config.validate()
+    assert build_engine_args(config, "/models/m").quantization == "fp8"
+    # none: vLLM reads the checkpoint's own quantization_config.
+    assert build_engine_args(vllm_config(kv_cache_bytes=1 << 20), "/models/m").quantization is None
+    with pytest.raises(ConfigError, match="'int4' is not a vLLM quantization method; vLLM takes one of .*gptq"):
+        vllm_config(quantization="int4").validate()
+    with pytest.raises(ConfigError, match="set by tito's --quantization"):
+        vllm_config("--quantization", "fp8").validate()
+
+
 def test_with_no_prefill_budget_given_vllm_keeps_its_own_default():
     from vllm.engine.arg_utils import AsyncEngineArgs
 

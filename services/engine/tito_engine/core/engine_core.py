@@ -434,6 +434,7 @@ class CoreProcessSpec:
     packed_linears: bool = True
     decode_kernel: bool | None = None  # decode attention in the CPU kernel (model/cpu_attention.py); None: auto
     dtype: str = "auto"
+    quantization: str = "none"
     encoder_store_dir: str = ""  # the shared encoder store's directory ("" = none)
     encoder_store_bytes: int = 0
 
@@ -454,7 +455,8 @@ class CoreProcessSpec:
                            cpu_threads=plan.threads if plan is not None else None,
                            exclude_padding_ids=self.exclude_padding_ids, packed_linears=self.packed_linears,
                            dtype=self.dtype, decode_kernel=self.decode_kernel,
-                           lone_prefill_cpus=plan.lone_prefill_cpus if plan is not None else None)
+                           lone_prefill_cpus=plan.lone_prefill_cpus if plan is not None else None,
+                           quantization=self.quantization)
 
 
 def _child_main(spec: CoreProcessSpec, conn: Any) -> None:

@@ -378,15 +378,17 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(wanted)) or platform.machine()
 
 
-def _build(compiler: str, target: Path, compile_flags: tuple[str, ...]) -> None:
-    """Compile SOURCE to `target`, through a temporary file renamed into place (processes that
-    build at once each write their own, and a reader never sees half a file)."""
+def _build(compiler: str, target: Path, compile_flags: tuple[str, ...], code: str = SOURCE,
+           link_flags: tuple[str, ...] = (*LINK_FLAGS, "-lm")) -> None:
+    """Compile `code` (these kernels' SOURCE, or another kernel's) to `target`, through a temporary
+    file renamed into place (processes that build at once each write their own, and a reader never
+    sees half a file)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         source, obj, shared = Path(work, "kernel.c"), Path(work, "kernel.o"), Path(work, "kernel.so")
-        source.write_text(SOURCE)
+        source.write_text(code)
         for command in ([compiler, *compile_flags, "-c", str(source), "-o", str(obj)],
-                        [compiler, *LINK_FLAGS, str(obj), "-o", str(shared), "-lm"]):
+                        [compiler, str(obj), "-o", str(shared), *link_flags]):
             done = subprocess.run(command, capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")

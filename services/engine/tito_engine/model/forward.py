@@ -34,6 +34,7 @@ from tito_engine.model.families import default_bidirectional_spans, family_for, 
 from tito_engine.model.kv_cache import PagedKVCache
 from tito_engine.model.cpu_attention import AttentionKernel
 from tito_engine.model.linear import pack_linears
+from tito_engine.model.quantization import Int4Checkpoint, quantize_linears
 from tito_engine.scheduling.plan import RowInput
 
 __all__ = ["BatchedDecoder", "MultiModalPrefill", "text_model_of"]
@@ -116,13 +117,17 @@ class BatchedDecoder:
     """The batched forward over a paged cache for one loaded model (any family in families.py)."""
 
     def __init__(self, model: Any, cache: PagedKVCache, max_positions: int, packed_linears: bool = False,
-                 release_plain_weights: bool = False, attention_kernel: AttentionKernel | None = None):
+                 release_plain_weights: bool = False, attention_kernel: AttentionKernel | None = None,
+                 quantization: "str | Int4Checkpoint" = "none"):
         """`packed_linears`: on CPU, run the linears on oneDNN-packed copies of their weights
         (linear.py: faster from a few rows a step on). `release_plain_weights`: free the plain
         weights the packed ones replace for every call (the HF model's text linears then hold no
         data: only this decoder may run it). `attention_kernel`: attends the decode rows and the
-        prefill chunks it takes on CPU (cpu_attention.py)."""
+        prefill chunks it takes on CPU (cpu_attention.py). `quantization`: the scheme the
+        projections and output layer run in, or an int4 checkpoint's own weights
+        (model/quantization.scheme_for; none: the checkpoint's float weights)."""
         self.family = family = family_for(model)
+        self.quantized = quantize_linears(family, quantization, model)
         self.packed_linear_bytes, self.released_weight_bytes = (
             pack_linears(linears_of(family), release_plain_weights) if packed_linears else (0, 0))
         self.cache = cache

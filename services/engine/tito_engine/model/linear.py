@@ -100,6 +100,12 @@ class Linear:
         finally:
             torch.set_num_threads(_wide.usual)
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a call reads of this weight (either copy: the same values in another layout)."""
+        dtype = self.weight.dtype if self.weight is not None else self._packed.dtype
+        return self.shape[0] * self.shape[1] * dtype.itemsize
+
     def pack(self) -> int:
         """Keep a copy of the weight in oneDNN's layout; its size in bytes."""
         out_features, in_features = self.shape
@@ -143,7 +149,7 @@ def pack_linears(linears: Iterable[Linear], release_plain: bool = False) -> tupl
     weights freed by `release_plain`), (0, 0) when this build or device has no packed path. A
     packed path that disagrees with F.linear on a probe is not used (logged): the unpacked one is
     always correct."""
-    linears = list(linears)
+    linears = [linear for linear in linears if isinstance(linear, Linear)]  # quantized ones have their own kernels
     if not linears or not can_pack(linears[0].weight):
         return 0, 0
     probe = linears[0]

@@ -27,6 +27,8 @@ from tito_engine.model.cpu_runtime import (forward_macs_per_token, keep_freed_me
                                            plan_cpus, set_cpu_threads)
 from tito_engine.model.forward import BatchedDecoder, MultiModalPrefill
 from tito_engine.model.linear import wide_linears
+from tito_engine.model.quantization import Int4Checkpoint, scheme_for
+from tito_engine.model.quantization.int4_checkpoint import load_int4_model
 from tito_engine.model.kv_cache import KVLayout, PagedKVCache
 from tito_engine.kv_sizing import available_host_memory, kv_budget
 from tito_engine.limits import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_SEQUENCES
@@ -135,6 +137,19 @@ def _load_model(model_dir: Path, dtype: torch.dtype) -> Any:
     return loader.from_pretrained(model_dir, dtype=dtype)
 
 
+def _load_quantized_or_float(model_dir: Path, dtype: torch.dtype, quantization: str) -> tuple[Any, Any]:
+    """The model, and what its linears run in (model/quantization.scheme_for): `quantization` for a
+    float checkpoint, an Int4Checkpoint holding its int4 weights for a quantized one."""
+    scheme = scheme_for(model_dir, quantization)
+    if not isinstance(scheme, Int4Checkpoint):
+        return _load_model_quietly(model_dir, dtype), scheme
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    vision = getattr(AutoConfig.from_pretrained(model_dir), "vision_config", None) is not None
+    loader = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    return load_int4_model(model_dir, dtype, scheme, loader), scheme
+
+
 def _load_model_quietly(model_dir: Path, dtype: torch.dtype) -> Any:
     """`_load_model` without transformers' progress bar (one per load is noise in server logs)."""
     from transformers.utils import logging as hf_logging
@@ -155,8 +170,9 @@ class ModelRunner:
                  max_model_len: int | None = None, kv_cache: KVCacheSpec | None = None,
                  cpu_threads: int | None = None, exclude_padding_ids: bool = True, packed_linears: bool = True,
                  dtype: str = "auto", decode_kernel: bool | None = None,
-                 lone_prefill_cpus: frozenset[int] | None = None):
-        """`cpu_threads` and `lone_prefill_cpus` come from the engine's CPU plan (cpu_runtime.CpuPlan,
+                 lone_prefill_cpus: frozenset[int] | None = None, quantization: str = "none"):
+        """`quantization`: the scheme the linears run in (model/quantization; none: as stored).
+        `cpu_threads` and `lone_prefill_cpus` come from the engine's CPU plan (cpu_runtime.CpuPlan,
         made once at start-up); `cpu_threads` unset: chosen from the model's work, as that plan
         chooses them. `lone_prefill_cpus`: CPUs (the server's) a lone prefill's linears borrow on CPU
         (cpu_runtime.lend_cpus_to_lone_prefill); None: every step on this process's threads."""
@@ -167,7 +183,8 @@ class ModelRunner:
         self.lone_prefill_threads = 0
         if self.device.type == "cpu":
             self._set_up_cpu(cpu_threads, lone_prefill_cpus)
-        self.model = _load_model_quietly(model_dir, self.dtype).to(self.device).eval()
+        self.model, quantization = _load_quantized_or_float(model_dir, self.dtype, quantization)
+        self.model = self.model.to(self.device).eval()
         text_config = self._describe(model_id, max_model_len)
         #: Logit columns set to -inf every step (sampler.mask_logits) when padding ids are
         #: excluded; None when they are not or the model has none (then it costs nothing).
@@ -176,7 +193,7 @@ class ModelRunner:
         self.cache = self._make_cache(text_config, kv_cache or KVCacheSpec())
         self.choice_state = ModelChoiceState(self.device)
         kernel = self._attention_kernel(decode_kernel)
-        self.decoder = self._build_decoder(model_id, packed_linears, kernel)
+        self.decoder = self._build_decoder(model_id, packed_linears, kernel, quantization)
         self._log_loaded(model_id, dtype_reason, kernel is not None)
 
     def _set_up_cpu(self, cpu_threads: int | None, lone_prefill_cpus: frozenset[int] | None) -> None:
@@ -218,12 +235,13 @@ class ModelRunner:
             return load_attention_kernel()  # None: it could not be built (logged), the torch path runs
         return None
 
-    def _build_decoder(self, model_id: str, packed_linears: bool, kernel: AttentionKernel | None) -> BatchedDecoder:
+    def _build_decoder(self, model_id: str, packed_linears: bool, kernel: AttentionKernel | None,
+                       quantization: Any) -> BatchedDecoder:
         """The batched forward over the model and the cache (linears packed on CPU unless told)."""
         try:
             return BatchedDecoder(self.model, self.cache, max_positions=self.info.max_context_length,
                                   packed_linears=packed_linears and self.device.type == "cpu",
-                                  release_plain_weights=True, attention_kernel=kernel)
+                                  release_plain_weights=True, attention_kernel=kernel, quantization=quantization)
         except ValueError as exc:  # an architecture (or a setting of one) the native forward does not run
             raise ConfigError(f"{model_id}: {exc}") from exc
 
@@ -235,6 +253,10 @@ class ModelRunner:
                  self.info.max_context_length, list(self.info.eos_token_ids), self.info.fingerprint,
                  self.cache.num_blocks, self.cache.block_size,
                  self.cache.capacity_tokens * self.cache.layout.bytes_per_token / 2**20)
+        quantized = self.decoder.quantized
+        if quantized.count:
+            log.info("%d linears quantized (%.1f MiB as stored now, %.1f MiB of float weights freed)", quantized.count,
+                     quantized.quantized_bytes / 2**20, quantized.float_bytes_freed / 2**20)
         if kernel:
             log.info("decode rows attend in the CPU kernel (--no-cpu-decode-kernel: the torch path)")
         if self.decoder.packed_linear_bytes:

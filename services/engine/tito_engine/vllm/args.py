@@ -51,6 +51,7 @@ TITO_FLAGS = {
     "block_size": "--block-size",
     "max_num_batched_tokens": "--max-prefill-tokens-per-step",
     "kv_cache_memory_bytes": "--kv-cache-bytes (or --kv-memory-fraction)",
+    "quantization": "--quantization",
     # Render resolves every sampling field (the model's generation_config.json included); the engine
     # applies no defaults of its own, so vLLM's generation_config is pinned to "vllm".
     "generation_config": "render's resolved sampling parameters",
@@ -108,6 +109,20 @@ def check_vllm_args(vllm_args: Sequence[str], dtype: str = "auto", kv_memory_fra
                           "cache; give one")
     if dtype != "auto" and "dtype" in given:
         raise ConfigError(f"--dtype is given twice (tito's --dtype {dtype} and vLLM's after `--`); give it once")
+
+
+def check_vllm_quantization(quantization: str) -> None:
+    """tito's --quantization under --backend vllm: none, or one of vLLM's own methods (passed through)."""
+    if quantization == "none":
+        return
+    try:
+        from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+    except ImportError as exc:
+        raise ConfigError(f"--quantization {quantization} with --backend vllm needs vLLM in this environment ({exc})"
+                          ) from None
+    if quantization not in QUANTIZATION_METHODS:
+        raise ConfigError(f"--quantization {quantization!r} is not a vLLM quantization method; vLLM takes one of "
+                          f"{', '.join(sorted(QUANTIZATION_METHODS))} (or none)")
 
 
 def _on_cpu() -> bool:
@@ -231,6 +246,8 @@ def build_engine_args(config: Any, model_dir: str) -> Any:
         engine_args.max_num_batched_tokens = config.max_prefill_tokens_per_step
     if config.max_model_len is not None:
         engine_args.max_model_len = config.max_model_len
+    if config.quantization != "none":  # none: vLLM reads the checkpoint's own quantization_config
+        engine_args.quantization = config.quantization
     if config.block_size is not None:
         engine_args.block_size = config.block_size
     if "dtype" not in given:  # vLLM's own --dtype after `--` (tito's is auto then) is taken as given
