@@ -34,6 +34,7 @@ from tito_gateway import merge, openai_in, openai_out
 from tito_gateway.errors import UPSTREAM_ERROR, HttpError, from_exception
 from tito_gateway.observe import CONTENT_TYPE, GatewayMetrics
 from tito_gateway.upstream import Upstream
+from tito_gateway.vllm_api.routes import VllmApi
 
 log = logging.getLogger(__name__)
 
@@ -365,6 +366,7 @@ class Gateway:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
+            *VllmApi(self).routes(),  # vLLM's token-in/token-out API (vllm_api/)
         ]
         return Starlette(routes=routes, exception_handlers={HTTPException: http_error, ClientDisconnect: client_gone})
 

@@ -1,0 +1,9 @@
+"""vLLM's token-in/token-out HTTP API (vLLM 0.32's `vllm/entrypoints/scale_out/`) on the gateway.
+
+The render endpoints answer a chat or a prompt as vLLM's `GenerateRequest` JSON, the generate
+endpoint takes that JSON (token ids in) and answers token ids out, the derender endpoints turn
+a generate response into OpenAI's chat or completion answer, and abort stops a generate by id.
+Each module is one step: `generate_in` (vLLM's request JSON -> the engine's GenerateRequest),
+`generate_out` (the engine's responses -> vLLM's JSON), `render_out` (render's response ->
+vLLM's GenerateRequest JSON), `derender_in` (vLLM's derender bodies -> derender's stream),
+`shapes` (vLLM's error JSON), `routes` (the HTTP handlers)."""
