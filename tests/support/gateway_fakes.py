@@ -117,7 +117,7 @@ class FakeEngine:
         for index, token in enumerate(request.token_ids):
             if token >= VOCAB:
                 raise InvalidArgument(f"token_ids[{index}] is {token}, outside the vocabulary [0, {VOCAB})",
-                                      reason="INVALID_TOKEN_ID", field="token_ids")
+                                      reason="TOKEN_ID_OUT_OF_RANGE", field=f"token_ids[{index}]")
         params = request.sampling_params
         count = params.max_tokens if params.HasField("max_tokens") else 4
         shift = params.seed if params.HasField("seed") and params.temperature > 0 else 0

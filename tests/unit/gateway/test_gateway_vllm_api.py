@@ -213,7 +213,7 @@ BAD_GENERATE = [
     ({"token_ids": [], "sampling_params": {}}, 400, "token_ids"),
     ({"token_ids": "12", "sampling_params": {}}, 400, "token_ids"),
     ({"token_ids": [1]}, 400, "sampling_params"),
-    ({"token_ids": [VOCAB], "sampling_params": {}}, 400, "token_ids"),
+    ({"token_ids": [1, VOCAB], "sampling_params": {}}, 400, "token_ids[1]"),
     ({"token_ids": [1], "sampling_params": {"stop": ["x"]}}, 400, "sampling_params.stop"),
     ({"token_ids": [1], "sampling_params": {"prompt_logprobs": 1}}, 400, "sampling_params.prompt_logprobs"),
     ({"token_ids": [1], "sampling_params": {"logprobs": -1}}, 400, "sampling_params.logprobs"),
