@@ -1,6 +1,7 @@
 """End to end: vLLM's token-in/token-out HTTP API on `tito serve gateway` over the three services
 as processes (the demo model). Render endpoint -> generate endpoint -> derender endpoint gives
-the text /v1/chat/completions gives for the same greedy chat; an RL-style loop gets logprobs and
+the text /v1/chat/completions gives for the same greedy chat, and so do the render endpoint's ids
+forwarded to the chat (`kv_transfer_params.prompt_token_ids`); an RL-style loop gets logprobs and
 reproduces its samples by seed; an abort ends a running generate; the real services' refusals
 arrive as vLLM's error JSON naming the field."""
 
@@ -57,6 +58,16 @@ def test_render_generate_derender_gives_the_chats_text(http):
               for choice in json.loads(line[6:])["choices"] for token in choice["token_ids"]]
     assert streamed.text.endswith("data: [DONE]\n\n")
     assert tokens == generated["choices"][0]["token_ids"]
+
+
+def test_forwarded_prompt_ids_give_the_chats_text(http):
+    chat = {"model": MODEL, "messages": GREETING, "max_tokens": 48, "temperature": 0, **NO_THINKING}
+    direct = _ok(http.post("/v1/chat/completions", json=chat))
+    rendered = _ok(http.post("/v1/chat/completions/render", json=chat))
+    reused = _ok(http.post("/v1/chat/completions", json={
+        **chat, "kv_transfer_params": {"prompt_token_ids": rendered["token_ids"]}}))
+    assert reused["choices"][0]["message"] == direct["choices"][0]["message"]
+    assert reused["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
 
 
 def test_completion_render_generate_derender_gives_the_completions_text(http):

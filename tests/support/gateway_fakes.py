@@ -73,6 +73,10 @@ class FakeRenderer(FakeRender):
         super().__init__(model_id)
         self.calls: dict[str, int] = {"RenderChat": 0, "RenderCompletion": 0}
 
+    async def GetModelInfo(self, request, timeout=None, metadata=None):  # noqa: N802 - the stub's name
+        return render_pb2.RenderServiceGetModelInfoResponse(model_id=self.model_id, max_context_length=4096,
+                                                           vocab_size=VOCAB)
+
     async def RenderChat(self, request, timeout=None, metadata=None):  # noqa: N802 - the stub's name
         self.calls["RenderChat"] += 1
         request = type(request).FromString(request.SerializeToString())
@@ -168,7 +172,8 @@ class FakeDerender:
 
 
 class TokensPipeline(FakePipeline):
-    """FakePipeline with render, the engine and derender behind the token-in/token-out path."""
+    """FakePipeline with render, the engine and derender behind the token-in/token-out path and
+    the chat (render -> engine -> derender, or a render answer kept -> engine -> derender)."""
 
     def __init__(self, model_id: str) -> None:
         super().__init__(model_id)
@@ -179,6 +184,20 @@ class TokensPipeline(FakePipeline):
 
     def generate(self, request):
         return self.engine.generate(request)
+
+    async def stream_chat(self, request, on_generating=None):
+        rendered = await self.render.RenderChat(request)
+        async for chunk in self.stream_rendered(rendered, on_generating):
+            yield chunk
+
+    async def stream_rendered(self, rendered, on_generating=None):
+        async def requests():
+            yield derender_pb2.DerenderRequest(context=rendered.derender_context)
+            async for response in self.engine.generate(rendered.generate_request):
+                yield derender_pb2.DerenderRequest(generate_response=response)
+
+        async for reply in self.derender.Derender(requests()):
+            yield reply.chunk
 
     async def abort(self, request_ids):
         return await self.engine.abort(request_ids)

@@ -286,6 +286,13 @@ class AsyncChatPipeline:
             aborted.extend(reply.aborted_request_ids)
         return aborted
 
+    async def stream_rendered(self, rendered, on_generating: OnGenerating | None = None
+                              ) -> AsyncIterator[derender_pb2.ChatChunk]:
+        """Chat chunks for a request rendered already (a RenderChatResponse kept or rebuilt by the
+        caller): the engine the router picks, then derender, as `stream_chat` does after render."""
+        async for chunk in self._stream_rendered(rendered, self._metadata, on_generating):
+            yield chunk
+
     async def check_health(self, timeout: float = 2.0) -> dict[str, str]:
         """Each service's health status name ("SERVING", "NOT_SERVING", or the gRPC code of a
         failed check), by service: render, engine, derender."""

@@ -286,3 +286,58 @@ def test_bad_render_and_derender_bodies(client):
     mismatched = client.post("/v1/completions/derender", json={"generate_responses": [{"choices": []}],
                                                                "prompt_tokens": [1, 2]})
     assert mismatched.status_code == 400 and mismatched.json()["error"]["param"] == "prompt_tokens"
+
+
+# -- the chat's reuse path: kv_transfer_params.prompt_token_ids ----------------------------------
+
+def _chat(client, body: dict) -> dict:
+    reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_forwarded_ids_skip_render_and_give_the_plain_chats_answer(client, upstream):
+    plain = _chat(client, CHAT)
+    rendered = _rendered(client)
+    calls = dict(upstream.pipeline.render.calls)
+    reused = _chat(client, {**CHAT, "kv_transfer_params": {"prompt_token_ids": rendered["token_ids"]}})
+    assert upstream.pipeline.render.calls == calls  # render was not called again
+    assert reused["choices"][0]["message"] == plain["choices"][0]["message"]
+    assert reused["usage"] == plain["usage"]
+    first, last = upstream.pipeline.engine.requests[0], upstream.pipeline.engine.requests[-1]
+    assert list(last.token_ids) == list(first.token_ids) == rendered["token_ids"]
+    assert last.sampling_params == first.sampling_params
+
+
+def test_forwarded_ids_without_a_kept_render_run_as_forwarded(client, upstream):
+    reused = _chat(client, {**CHAT, "kv_transfer_params": {"prompt_token_ids": [40, 41]}})
+    assert upstream.pipeline.render.calls["RenderChat"] == 1  # derender's context: render's answer
+    assert list(upstream.pipeline.engine.requests[-1].token_ids) == [40, 41]
+    assert reused["choices"][0]["message"]["content"] == "<42><43><44>"
+    assert reused["usage"]["prompt_tokens"] == 2
+
+
+def test_a_media_chat_with_forwarded_ids_is_rendered(client, upstream):
+    media = {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}],
+        "kv_transfer_params": {"prompt_token_ids": [40, 41]}}
+    _chat(client, media)
+    assert upstream.pipeline.render.calls["RenderChat"] == 1
+    assert list(upstream.pipeline.engine.requests[-1].token_ids) != [40, 41]
+
+
+@pytest.mark.parametrize("ids", [[True], [1.0], [-1], [], "12", [1, None]])
+def test_bad_forwarded_ids_are_refused(client, upstream, ids):
+    reply = client.post("/v1/chat/completions", json={**CHAT, "kv_transfer_params": {"prompt_token_ids": ids}})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "kv_transfer_params.prompt_token_ids"
+    assert upstream.pipeline.engine.requests == []
+
+
+def test_forwarded_ids_outside_the_vocabulary_and_other_transfer_params_are_refused(client, upstream):
+    outside = client.post("/v1/chat/completions", json={**CHAT, "stream": True,
+                                                        "kv_transfer_params": {"prompt_token_ids": [1, VOCAB]}})
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "kv_transfer_params.prompt_token_ids"
+    other = client.post("/v1/chat/completions", json={**CHAT, "kv_transfer_params": {"do_remote_decode": True}})
+    assert other.status_code == 400 and other.json()["error"]["param"] == "kv_transfer_params.do_remote_decode"
+    assert upstream.pipeline.engine.requests == []

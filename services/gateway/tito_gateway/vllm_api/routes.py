@@ -26,7 +26,7 @@ from tito.logs import bind_request_id
 from tito.v1 import derender_pb2, multimodal_pb2
 from tito_gateway import openai_in, openai_out
 from tito_gateway.errors import HttpError, from_exception
-from tito_gateway.vllm_api import derender_in, generate_in, generate_out, render_out, shapes
+from tito_gateway.vllm_api import derender_in, generate_in, generate_out, render_out, reuse, shapes
 
 #: The prefix vLLM gives a generate's request id in its answer (`generate-tokens-<id>`).
 GENERATE_PREFIX = "generate-tokens-"
@@ -70,6 +70,7 @@ class VllmApi:
 
     def __init__(self, gateway) -> None:
         self.gateway = gateway
+        self.rendered_chats = reuse.RenderedChats()  # the render endpoint's answers, for the reuse path
 
     @property
     def pipeline(self):
@@ -161,6 +162,8 @@ class VllmApi:
         pipeline = self.pipeline
         rendered = await pipeline.render.RenderChat(call.request, timeout=pipeline.timeout,
                                                     metadata=pipeline._metadata)
+        if not rendered.generate_request.mm_features.items:  # a media chat is rendered again, as vLLM does
+            self.rendered_chats.put(reuse.chat_key(rest), rendered)
         body = render_out.generate_request_json(rendered.generate_request, rendered.derender_context, call.model,
                                                 call.stream.stream, values.get("stream_options"))
         return Response(dumps(body), media_type="application/json")
@@ -180,6 +183,36 @@ class VllmApi:
                                                  call.stream.stream, values.get("stream_options"))
                 for one in rendered]
         return Response(dumps(body), media_type="application/json")
+
+    # -- the chat's reuse path -------------------------------------------------------------------
+
+    def parse_chat(self, values: dict, served_model: str) -> openai_in.ChatCall:
+        """openai_in.parse_chat, plus vLLM's `kv_transfer_params.prompt_token_ids` (reuse.py)."""
+        rest, ids = reuse.split_forwarded_ids(values)
+        call = openai_in.parse_chat(rest, served_model)
+        if ids is None:
+            return call
+        return reuse.ReusedChatCall(call.model, call.request, call.stream, call.logprobs, tuple(ids),
+                                    reuse.chat_key(rest))
+
+    async def reused_chunks(self, call: reuse.ReusedChatCall, on_generating=None) -> AsyncIterator:
+        """The chat's chunks on its forwarded ids: the render answer the render endpoint kept for
+        it, else render's answer now (for derender's context), with the forwarded ids."""
+        info = await self.gateway.model_info()
+        for index, token in enumerate(call.prompt_ids):
+            if info.vocab_size and token >= info.vocab_size:  # vLLM checks before its stream starts too
+                raise openai_in.invalid(reuse.FIELD, f"[{index}] is {token}, outside the vocabulary "
+                                                     f"[0, {info.vocab_size})")
+        rendered = self.rendered_chats.get(call.key, call.prompt_ids)
+        if rendered is None:
+            pipeline = self.pipeline
+            rendered = await pipeline.render.RenderChat(call.request, timeout=pipeline.timeout,
+                                                        metadata=pipeline._metadata)
+        reuse.with_forwarded_ids(rendered, call.prompt_ids, call.request.request_id)
+        # This chat's stream options, not those of the render call that made the kept answer.
+        rendered.derender_context.usage_in_every_chunk = call.request.usage_in_every_chunk
+        async for chunk in self.pipeline.stream_rendered(rendered, on_generating):
+            yield chunk
 
     # -- generate ----------------------------------------------------------------------------------
 
