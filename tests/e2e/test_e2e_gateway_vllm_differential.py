@@ -1,8 +1,8 @@
 """Differential: tito's gateway against `vllm serve --enable-scale-out` on the same tiny checkpoint,
 over vLLM's token-in/token-out HTTP API. The render endpoints give the same token ids for the
 same chats and prompts; a GenerateRequest either server rendered gives the same greedy tokens on
-either server's /inference/v1/generate (cross-wired both ways); the same bad requests get the
-same status codes."""
+either server's /inference/v1/generate (cross-wired both ways); derender of the same tokens gives
+the same text; the same bad requests get the same status codes."""
 
 from __future__ import annotations
 
@@ -30,6 +30,23 @@ BAD_GENERATE = [
     {"token_ids": [1, 2]},
     {"token_ids": "abc", "sampling_params": {}},
     {"token_ids": [1, 2], "sampling_params": {}, "output_mode": "bogus"},
+    {"token_ids": [1, 2], "sampling_params": {"max_tokens": 0}},
+    {"token_ids": [1, 2], "sampling_params": {"temperature": -1.0}},
+    {"token_ids": [1, 2], "sampling_params": {"top_p": 0.0}},
+    {"token_ids": [1, 2], "sampling_params": {}, "cache_salt": ""},
+    {"token_ids": [1, 2], "sampling_params": {}, "features": {
+        "mm_hashes": {"image": ["ab" * 16]}, "mm_placeholders": {"video": [{"offset": 0, "length": 1}]}}},
+    {"token_ids": [1, 2], "sampling_params": {}, "features": {
+        "mm_hashes": {"image": ["ab" * 16]}, "mm_placeholders": {"image": [{"offset": 1, "length": 5}]}}},
+    {"token_ids": [1, 2], "sampling_params": {}, "features": {
+        "mm_hashes": {"image": ["ab" * 16, "cd" * 16]}, "mm_placeholders": {"image": [{"offset": 0, "length": 1}]}}},
+]
+BAD_RENDER = [
+    ("/v1/chat/completions/render", {"model": MODEL}, 400),
+    ("/v1/chat/completions/render", {"model": MODEL, "messages": "hi"}, 400),
+    ("/v1/chat/completions/render", {"model": "nope", "messages": CHATS[0]}, 404),
+    ("/v1/completions/render", {"model": MODEL}, 400),
+    ("/v1/completions/render", {"model": "nope", "prompt": "x"}, 404),
 ]
 
 
@@ -88,6 +105,25 @@ def test_a_render_answer_is_accepted_whole_by_the_other_servers_generate(servers
     ours = _post(vllm, "/inference/v1/generate", tito_rendered)["choices"][0]["token_ids"]
     theirs = _post(tito, "/inference/v1/generate", vllm_rendered)["choices"][0]["token_ids"]
     assert ours == theirs and len(ours) <= 4
+
+
+def test_derender_of_the_same_tokens_gives_the_same_text(servers):
+    tito, vllm = servers
+    for messages in CHATS:
+        chat = {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0}
+        rendered = _post(tito, "/v1/chat/completions/render", chat)
+        generated = _post(tito, "/inference/v1/generate", rendered)
+        body = {"generate_response": generated, "prompt_token_ids": rendered["token_ids"],
+                "prompt_tokens": len(rendered["token_ids"]), "chat_request": chat}
+        ours, theirs = (_post(base, "/v1/chat/completions/derender", body)["choices"][0] for base in (tito, vllm))
+        assert ours["message"].get("content") == theirs["message"].get("content"), messages
+        assert ours["finish_reason"] == theirs["finish_reason"]
+
+
+@pytest.mark.parametrize(("path", "body", "status"), BAD_RENDER)
+def test_bad_render_requests_get_the_same_status(servers, path, body, status):
+    tito, vllm = servers
+    assert [httpx.post(base + path, json=body, timeout=60).status_code for base in (tito, vllm)] == [status] * 2
 
 
 @pytest.mark.parametrize("body", BAD_GENERATE)
