@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
-
-from service_processes import free_port
+from service_processes import free_port, wait_until_healthy
 
 BENCH_PROCESSES = Path(__file__).resolve().parents[2] / "bench" / "processes.py"
 #: A vLLM start-up on a busy 2-core machine.
@@ -41,18 +38,10 @@ def running_vllm_serve(model: Path, log_dir: Path, extra: list[str] = ()) -> Ite
                               env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"vllm serve exited: {processes.log_tail(process)}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vllm serve did not start in {START_TIMEOUT_S}s")
-            time.sleep(1.0)
+        try:
+            wait_until_healthy(f"{base}/health", process, timeout=START_TIMEOUT_S)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"vllm serve: {exc}\n{processes.log_tail(process)}") from None
         yield base
     finally:
         processes.stop_process(process)
