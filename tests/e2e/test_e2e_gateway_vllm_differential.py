@@ -1,8 +1,8 @@
 """Differential: tito's gateway against `vllm serve --enable-scale-out` on the same tiny checkpoint,
 over vLLM's token-in/token-out HTTP API. The render endpoints give the same token ids for the
-same chats and prompts; a GenerateRequest either server rendered gives the same greedy tokens on
-either server's /inference/v1/generate (cross-wired both ways); derender of the same tokens gives
-the same text; the same bad requests get the same status codes."""
+same chats, prompts and Anthropic Messages bodies; a GenerateRequest either server rendered gives
+the same greedy tokens on either server's /inference/v1/generate (cross-wired both ways);
+derender of the same tokens gives the same text; the same bad requests get the same status codes."""
 
 from __future__ import annotations
 
@@ -82,6 +82,23 @@ def test_render_endpoints_give_the_same_token_ids(servers):
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 8}
         (ours,), (theirs,) = (_post(base, "/v1/completions/render", body) for base in (tito, vllm))
         assert ours["token_ids"] == theirs["token_ids"], prompt
+
+
+MESSAGES = [
+    {"system": "Be brief.", "messages": [{"role": "user", "content": "Hello there"}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]},
+                  {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another one?"}],
+     "stop_sequences": ["END"], "temperature": 0.5},
+]
+
+
+def test_messages_render_gives_the_same_token_ids(servers):
+    tito, vllm = servers
+    for body in MESSAGES:
+        body = {"model": MODEL, "max_tokens": 8, **body}
+        ours, theirs = (_post(base, "/v1/messages/render", body) for base in (tito, vllm))
+        assert ours["token_ids"] == theirs["token_ids"], body
+        assert ours["sampling_params"].get("stop") == theirs["sampling_params"].get("stop")
 
 
 def test_greedy_generate_gives_the_same_tokens_cross_wired(servers):

@@ -74,6 +74,37 @@ def test_render_chat_answers_vllms_generate_request(client, upstream):
         assert set(rendered) == set(protocol.GenerateRequest.model_fields)
 
 
+def test_render_messages_renders_the_chat_vllm_converts_it_to(client):
+    messages = {"model": SERVED, "max_tokens": 3, "system": [{"type": "text", "text": "Be brief."},
+                                                             {"type": "text", "text": "x-anthropic-billing-header: 1"}],
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}]},
+                             {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "Bye"}],
+                "stop_sequences": ["END"], "temperature": 0}
+    chat = {"model": SERVED, "max_tokens": 3, "stop": ["END"], "temperature": 0, "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "Bye"}]}
+    ours = client.post("/v1/messages/render", json=messages)
+    assert ours.status_code == 200, ours.text
+    rendered = ours.json()
+    assert rendered["token_ids"] == _rendered(client, chat)["token_ids"]
+    assert rendered["sampling_params"]["stop"] == ["END"]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
+    ({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f"}]}, "tools"),
+    ({"max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t"}]}]},
+     "messages[0].content[0].type"),
+    ({"max_tokens": 2, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled"}},
+     "thinking"),
+])
+def test_render_messages_refuses_what_it_does_not_map(client, body, param):
+    reply = client.post("/v1/messages/render", json={"model": SERVED, **body})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+
+
 def test_render_completion_answers_one_request_per_prompt(client):
     reply = client.post("/v1/completions/render", json={"model": SERVED, "prompt": ["ab", [5, 6, 7]],
                                                         "max_tokens": 2})

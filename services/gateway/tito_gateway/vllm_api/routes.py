@@ -26,7 +26,7 @@ from tito.logs import bind_request_id
 from tito.v1 import derender_pb2, multimodal_pb2
 from tito_gateway import openai_in, openai_out
 from tito_gateway.errors import HttpError, from_exception
-from tito_gateway.vllm_api import derender_in, generate_in, generate_out, render_out, reuse, shapes
+from tito_gateway.vllm_api import derender_in, generate_in, generate_out, messages_in, render_out, reuse, shapes
 
 #: The prefix vLLM gives a generate's request id in its answer (`generate-tokens-<id>`).
 GENERATE_PREFIX = "generate-tokens-"
@@ -79,6 +79,7 @@ class VllmApi:
     def routes(self) -> list[Route]:
         endpoints = (("/v1/chat/completions/render", "render_chat", self.render_chat),
                      ("/v1/completions/render", "render_completion", self.render_completion),
+                     ("/v1/messages/render", "render_messages", self.render_messages),
                      ("/inference/v1/generate", "generate", self.generate),
                      ("/v1/chat/completions/derender", "derender_chat", self.derender_chat),
                      ("/v1/completions/derender", "derender_completion", self.derender_completion),
@@ -167,6 +168,12 @@ class VllmApi:
         body = render_out.generate_request_json(rendered.generate_request, rendered.derender_context, call.model,
                                                 call.stream.stream, values.get("stream_options"))
         return Response(dumps(body), media_type="application/json")
+
+    async def render_messages(self, request: Request, values: dict, rid: str) -> Response:
+        """Anthropic's Messages body, converted to the chat vLLM renders for it (messages_in)."""
+        rest, _ = self._render_options(values)
+        return await self.render_chat(request, {**messages_in.to_chat(rest),
+                                                **{key: values[key] for key in RENDER_ONLY if key in values}}, rid)
 
     async def render_completion(self, request: Request, values: dict, rid: str) -> Response:
         rest, given_id = self._render_options(values)
