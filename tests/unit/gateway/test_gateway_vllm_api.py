@@ -152,6 +152,9 @@ def test_generate_streams_chunks_then_usage_then_done(client):
     assert tokens == {0: [12, 13], 1: [13, 14]}
     assert usage == {"request_id": chunks[0]["request_id"], "usage": {"prompt_tokens": 2, "total_tokens": 6,
                      "completion_tokens": 4}, "output_mode": "tokens", "choices": []}
+    metrics = client.get("/metrics").text
+    assert 'tito_gateway_requests_total{endpoint="generate",status="200"} 1.0' in metrics
+    assert 'tito_gateway_time_to_first_token_seconds_count{endpoint="generate"} 1.0' in metrics
     protocol = _vllm_protocol()
     if protocol is not None:
         for event in events:

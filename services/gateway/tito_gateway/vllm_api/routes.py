@@ -242,11 +242,13 @@ class VllmApi:
         return Response(dumps(whole.json(response_id, model)), media_type="application/json")
 
     async def _generate_stream(self, call, response_id: str, responses: AsyncIterator) -> Response:
+        started = time.monotonic()
         try:
             first = await _next_or_none(responses)  # an error before the first token is an HTTP status
         except BaseException:
             await responses.aclose()
             raise
+        self.gateway.metrics.ttft.labels("generate").observe(time.monotonic() - started)
         shape = generate_out.Stream(call, response_id)
         return StreamingResponse(self._events(shape, first, responses), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
