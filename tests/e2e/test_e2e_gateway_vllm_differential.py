@@ -1,6 +1,6 @@
 """Differential: tito's gateway against `vllm serve --enable-scale-out` on the same tiny checkpoint,
 over vLLM's token-in/token-out HTTP API. The render endpoints give the same token ids for the
-same chats, prompts and Anthropic Messages bodies; a GenerateRequest either server rendered gives
+same chats, prompts, Anthropic Messages and OpenAI Responses bodies; a GenerateRequest either server rendered gives
 the same greedy tokens on either server's /inference/v1/generate (cross-wired both ways);
 derender of the same tokens gives the same text; the same bad requests get the same status codes."""
 
@@ -99,6 +99,22 @@ def test_messages_render_gives_the_same_token_ids(servers):
         ours, theirs = (_post(base, "/v1/messages/render", body) for base in (tito, vllm))
         assert ours["token_ids"] == theirs["token_ids"], body
         assert ours["sampling_params"].get("stop") == theirs["sampling_params"].get("stop")
+
+
+RESPONSES = [
+    {"input": "Hello there"},
+    {"instructions": "Be brief.", "input": [{"role": "user", "content": "Name a colour."},
+                                            {"role": "assistant", "content": "Blue."},
+                                            {"role": "user", "content": [{"type": "input_text", "text": "More?"}]}]},
+]
+
+
+def test_responses_render_gives_the_same_token_ids(servers):
+    tito, vllm = servers
+    for body in RESPONSES:
+        body = {"model": MODEL, "max_output_tokens": 8, **body}
+        ours, theirs = (_post(base, "/v1/responses/render", body) for base in (tito, vllm))
+        assert ours["token_ids"] == theirs["token_ids"], body
 
 
 def test_greedy_generate_gives_the_same_tokens_cross_wired(servers):

@@ -105,6 +105,35 @@ def test_render_messages_refuses_what_it_does_not_map(client, body, param):
     assert reply.json()["error"]["param"] == param
 
 
+def test_render_responses_renders_the_chat_vllm_builds_for_it(client):
+    body = {"model": SERVED, "max_output_tokens": 3, "instructions": "Be brief.", "request_id": "r9",
+            "input": [{"type": "message", "role": "user", "content": "Hello"},
+                      {"role": "assistant", "content": [{"type": "output_text", "text": "Hi"}]},
+                      {"role": "user", "content": "Bye"}]}
+    chat = {"model": SERVED, "max_tokens": 3, "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "Bye"}]}
+    ours = client.post("/v1/responses/render", json=body)
+    assert ours.status_code == 200, ours.text
+    assert ours.json()["token_ids"] == _rendered(client, chat)["token_ids"]
+    assert ours.json()["request_id"] == "resp_r9" and ours.json()["sampling_params"]["max_tokens"] == 3
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({}, "input"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+    ({"input": [{"type": "function_call", "role": "assistant", "content": "x"}]}, "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].type"),
+    ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning"),
+])
+def test_render_responses_refuses_what_it_does_not_map(client, body, param):
+    reply = client.post("/v1/responses/render", json={"model": SERVED, **body})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+
+
 def test_render_completion_answers_one_request_per_prompt(client):
     reply = client.post("/v1/completions/render", json={"model": SERVED, "prompt": ["ab", [5, 6, 7]],
                                                         "max_tokens": 2})

@@ -5,5 +5,7 @@ endpoint takes that JSON (token ids in) and answers token ids out, the derender 
 a generate response into OpenAI's chat or completion answer, and abort stops a generate by id.
 Each module is one step: `generate_in` (vLLM's request JSON -> the engine's GenerateRequest),
 `generate_out` (the engine's responses -> vLLM's JSON), `render_out` (render's response ->
-vLLM's GenerateRequest JSON), `derender_in` (vLLM's derender bodies -> derender's stream),
-`shapes` (vLLM's error JSON), `routes` (the HTTP handlers)."""
+vLLM's GenerateRequest JSON), `messages_in` / `responses_in` (Anthropic's Messages and OpenAI's
+Responses bodies -> the chat vLLM renders for them), `derender_in` (vLLM's derender bodies ->
+derender's stream), `reuse` (the chat's `kv_transfer_params.prompt_token_ids`), `shapes` (vLLM's
+error JSON), `routes` (the HTTP handlers)."""

@@ -26,7 +26,8 @@ from tito.logs import bind_request_id
 from tito.v1 import derender_pb2, multimodal_pb2
 from tito_gateway import openai_in, openai_out
 from tito_gateway.errors import HttpError, from_exception
-from tito_gateway.vllm_api import derender_in, generate_in, generate_out, messages_in, render_out, reuse, shapes
+from tito_gateway.vllm_api import (derender_in, generate_in, generate_out, messages_in, render_out, responses_in,
+                                   reuse, shapes)
 
 #: The prefix vLLM gives a generate's request id in its answer (`generate-tokens-<id>`).
 GENERATE_PREFIX = "generate-tokens-"
@@ -80,6 +81,7 @@ class VllmApi:
         endpoints = (("/v1/chat/completions/render", "render_chat", self.render_chat),
                      ("/v1/completions/render", "render_completion", self.render_completion),
                      ("/v1/messages/render", "render_messages", self.render_messages),
+                     ("/v1/responses/render", "render_responses", self.render_responses),
                      ("/inference/v1/generate", "generate", self.generate),
                      ("/v1/chat/completions/derender", "derender_chat", self.derender_chat),
                      ("/v1/completions/derender", "derender_completion", self.derender_completion),
@@ -174,6 +176,17 @@ class VllmApi:
         rest, _ = self._render_options(values)
         return await self.render_chat(request, {**messages_in.to_chat(rest),
                                                 **{key: values[key] for key in RENDER_ONLY if key in values}}, rid)
+
+    async def render_responses(self, request: Request, values: dict, rid: str) -> Response:
+        """OpenAI's Responses body, converted to the chat vLLM renders for it (responses_in); the
+        request id is `resp_<id>`, as vLLM names a response."""
+        rest, given_id = self._render_options(values)
+        chat = responses_in.to_chat(rest)
+        response = await self.render_chat(request, {**chat, **{key: values[key] for key in ("mm_payload", "priority")
+                                                               if key in values}}, rid)
+        body = json.loads(response.body)
+        body["request_id"] = f"resp_{given_id or rid}"
+        return Response(dumps(body), media_type="application/json")
 
     async def render_completion(self, request: Request, values: dict, rid: str) -> Response:
         rest, given_id = self._render_options(values)
