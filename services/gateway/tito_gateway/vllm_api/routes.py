@@ -158,34 +158,32 @@ class VllmApi:
 
     async def render_chat(self, request: Request, values: dict, rid: str) -> Response:
         rest, given_id = self._render_options(values)
-        call = openai_in.parse_chat(rest, await self.gateway.served_model())
+        return await self._render_chat(rest, f"chatcmpl-{given_id or rid}", values.get("stream_options"))
+
+    async def render_messages(self, request: Request, values: dict, rid: str) -> Response:
+        """Anthropic's Messages body, rendered as the chat vLLM converts it to (messages_in)."""
+        rest, given_id = self._render_options(values)
+        return await self._render_chat(messages_in.to_chat(rest), f"chatcmpl-{given_id or rid}", None)
+
+    async def render_responses(self, request: Request, values: dict, rid: str) -> Response:
+        """OpenAI's Responses body, rendered as the chat vLLM builds for it (responses_in); the
+        request id is `resp_<id>`, as vLLM names a response."""
+        rest, given_id = self._render_options(values)
+        return await self._render_chat(responses_in.to_chat(rest), f"resp_{given_id or rid}", None)
+
+    async def _render_chat(self, chat: dict, request_id: str, stream_options: dict | None) -> Response:
+        """An OpenAI chat body through render, answered as vLLM's GenerateRequest."""
+        call = openai_in.parse_chat(chat, await self.gateway.served_model())
         # Hashes and placeholders only: vLLM's serialized tensors are not tito's to write.
         call.request.mm_payload = multimodal_pb2.MM_PAYLOAD_NONE
-        call.request.request_id = f"chatcmpl-{given_id or rid}"
+        call.request.request_id = request_id
         pipeline = self.pipeline
         rendered = await pipeline.render.RenderChat(call.request, timeout=pipeline.timeout,
                                                     metadata=pipeline._metadata)
         if not rendered.generate_request.mm_features.items:  # a media chat is rendered again, as vLLM does
-            self.rendered_chats.put(reuse.chat_key(rest), rendered)
+            self.rendered_chats.put(reuse.chat_key(chat), rendered)
         body = render_out.generate_request_json(rendered.generate_request, rendered.derender_context, call.model,
-                                                call.stream.stream, values.get("stream_options"))
-        return Response(dumps(body), media_type="application/json")
-
-    async def render_messages(self, request: Request, values: dict, rid: str) -> Response:
-        """Anthropic's Messages body, converted to the chat vLLM renders for it (messages_in)."""
-        rest, _ = self._render_options(values)
-        return await self.render_chat(request, {**messages_in.to_chat(rest),
-                                                **{key: values[key] for key in RENDER_ONLY if key in values}}, rid)
-
-    async def render_responses(self, request: Request, values: dict, rid: str) -> Response:
-        """OpenAI's Responses body, converted to the chat vLLM renders for it (responses_in); the
-        request id is `resp_<id>`, as vLLM names a response."""
-        rest, given_id = self._render_options(values)
-        chat = responses_in.to_chat(rest)
-        response = await self.render_chat(request, {**chat, **{key: values[key] for key in ("mm_payload", "priority")
-                                                               if key in values}}, rid)
-        body = json.loads(response.body)
-        body["request_id"] = f"resp_{given_id or rid}"
+                                                call.stream.stream, stream_options)
         return Response(dumps(body), media_type="application/json")
 
     async def render_completion(self, request: Request, values: dict, rid: str) -> Response:
