@@ -3,7 +3,8 @@ each request crosses the protobuf wire as it would on its way to render."""
 
 from __future__ import annotations
 
-from tito.v1 import derender_pb2, engine_pb2, render_pb2
+from tito.errors import InvalidArgument
+from tito.v1 import derender_pb2, engine_pb2, render_pb2, sampling_pb2
 
 SERVED = "served-model"
 SERVING = {"render": "SERVING", "engine": "SERVING", "derender": "SERVING"}
@@ -50,3 +51,159 @@ class FakeUpstream:
 
     async def health(self) -> dict[str, str]:
         return dict(self.states)
+
+
+# -- the token-in/token-out path (vLLM's API on the gateway) -----------------------------------
+
+#: The fake model's vocabulary: ids in [0, VOCAB) are valid, as the engine checks them.
+VOCAB = 1000
+
+
+def prompt_ids_of(text: str) -> list[int]:
+    """The fake render's tokenizer: one id per character."""
+    return [ord(character) % VOCAB for character in text] or [1]
+
+
+class FakeRenderer(FakeRender):
+    """Render's RenderChat and RenderCompletion: a prompt of one id per character of the messages'
+    text, the sampling options resolved as render resolves the ones the tests use, and a call
+    count per RPC (`calls`)."""
+
+    def __init__(self, model_id: str) -> None:
+        super().__init__(model_id)
+        self.calls: dict[str, int] = {"RenderChat": 0, "RenderCompletion": 0}
+
+    async def GetModelInfo(self, request, timeout=None, metadata=None):  # noqa: N802 - the stub's name
+        return render_pb2.RenderServiceGetModelInfoResponse(model_id=self.model_id, max_context_length=4096,
+                                                           vocab_size=VOCAB)
+
+    async def RenderChat(self, request, timeout=None, metadata=None):  # noqa: N802 - the stub's name
+        self.calls["RenderChat"] += 1
+        request = type(request).FromString(request.SerializeToString())
+        text = "".join(f"{m.role}:{m.content}" for m in request.messages)
+        return self._rendered(render_pb2.RenderChatResponse, request, prompt_ids_of(text))
+
+    async def RenderCompletion(self, request, timeout=None, metadata=None):  # noqa: N802 - the stub's name
+        self.calls["RenderCompletion"] += 1
+        request = type(request).FromString(request.SerializeToString())
+        ids = list(request.prompt_token_ids) or prompt_ids_of(request.prompt)
+        return self._rendered(render_pb2.RenderCompletionResponse, request, ids)
+
+    @staticmethod
+    def _rendered(kind, request, ids: list[int]):
+        options = request.sampling
+        params = sampling_pb2.SamplingParams(stop_token_ids=options.stop_token_ids, logprobs=options.logprobs,
+                                             top_logprobs=options.top_logprobs)
+        for name in ("max_tokens", "temperature", "top_p", "seed", "n"):
+            if options.HasField(name):
+                setattr(params, name, getattr(options, name))
+        generate = engine_pb2.GenerateRequest(request_id=request.request_id, token_ids=ids, sampling_params=params,
+                                              cache_salt=request.cache_salt)
+        context = derender_pb2.DerenderContext(
+            request_id=request.request_id, prompt_tail_token_ids=ids[-4:], prompt_tokens=len(ids),
+            n=max(1, options.n), logprobs=options.logprobs,
+            text_options=sampling_pb2.OutputTextOptions(stop=options.stop))
+        return kind(generate_request=generate, derender_context=context)
+
+
+class FakeEngine:
+    """The engine's Generate and Abort: refuses ids outside [0, VOCAB) as the engine does; choice
+    i answers max_tokens (default 4) ids counting up from the prompt's last id plus i (plus the
+    seed, when sampling), with logprobs when asked; `aborted` keeps what Abort was sent."""
+
+    def __init__(self) -> None:
+        self.requests: list[engine_pb2.GenerateRequest] = []
+        self.aborted: list[str] = []
+
+    async def generate(self, request: engine_pb2.GenerateRequest):
+        request = engine_pb2.GenerateRequest.FromString(request.SerializeToString())
+        self.requests.append(request)
+        for index, token in enumerate(request.token_ids):
+            if token >= VOCAB:
+                raise InvalidArgument(f"token_ids[{index}] is {token}, outside the vocabulary [0, {VOCAB})",
+                                      reason="TOKEN_ID_OUT_OF_RANGE", field=f"token_ids[{index}]")
+        params = request.sampling_params
+        count = params.max_tokens if params.HasField("max_tokens") else 4
+        shift = params.seed if params.HasField("seed") and params.temperature > 0 else 0
+        for choice in range(params.n if params.HasField("n") else 1):
+            ids = [(request.token_ids[-1] + choice + shift + k + 1) % VOCAB for k in range(count)]
+            for position, token in enumerate(ids):
+                last = position == len(ids) - 1
+                yield engine_pb2.GenerateResponse(
+                    index=choice, token_ids=[token],
+                    logprobs=[_position(token, params.top_logprobs)] if params.logprobs else [],
+                    finish_reason=engine_pb2.FINISH_REASON_LENGTH if last else engine_pb2.FINISH_REASON_UNSPECIFIED,
+                    usage=engine_pb2.Usage(prompt_tokens=len(request.token_ids), completion_tokens=count)
+                    if last else None)
+
+    async def abort(self, request_ids: list[str]) -> list[str]:
+        self.aborted.extend(request_ids)
+        return list(request_ids)
+
+
+def _position(token: int, top: int) -> engine_pb2.PositionLogprobs:
+    sampled = engine_pb2.TokenLogprob(token_id=token, logprob=-0.25, rank=1)
+    others = [engine_pb2.TokenLogprob(token_id=(token + k) % VOCAB, logprob=-1.0 - k, rank=k + 1)
+              for k in range(1, top)]
+    return engine_pb2.PositionLogprobs(sampled=sampled, top=[sampled, *others][:top])
+
+
+class FakeDerender:
+    """Derender's Derender stream: each engine response's ids as text (`<id>` each), its end with
+    the finish reason and usage (completion tokens of every choice finished so far, as derender
+    counts them)."""
+
+    def Derender(self, requests, timeout=None, metadata=None):  # noqa: N802 - the stub's name
+        return self._chunks(requests)
+
+    async def _chunks(self, requests):
+        context, finished = None, 0
+        async for message in requests:
+            if message.HasField("context"):
+                context = message.context
+                continue
+            response = message.generate_response
+            chunk = derender_pb2.ChatChunk(index=response.index, content="".join(f"<{t}>" for t in response.token_ids),
+                                           finish_reason=response.finish_reason)
+            if response.finish_reason:
+                finished += response.usage.completion_tokens
+                chunk.usage.CopyFrom(engine_pb2.Usage(prompt_tokens=context.prompt_tokens, completion_tokens=finished))
+            yield derender_pb2.DerenderResponse(chunk=chunk)
+
+
+class TokensPipeline(FakePipeline):
+    """FakePipeline with render, the engine and derender behind the token-in/token-out path and
+    the chat (render -> engine -> derender, or a render answer kept -> engine -> derender)."""
+
+    def __init__(self, model_id: str) -> None:
+        super().__init__(model_id)
+        self.render = FakeRenderer(model_id)
+        self.engine = FakeEngine()
+        self.derender = FakeDerender()
+        self.timeout = 10.0
+
+    def generate(self, request):
+        return self.engine.generate(request)
+
+    async def stream_chat(self, request, on_generating=None):
+        rendered = await self.render.RenderChat(request)
+        async for chunk in self.stream_rendered(rendered, on_generating):
+            yield chunk
+
+    async def stream_rendered(self, rendered, on_generating=None):
+        async def requests():
+            yield derender_pb2.DerenderRequest(context=rendered.derender_context)
+            async for response in self.engine.generate(rendered.generate_request):
+                yield derender_pb2.DerenderRequest(generate_response=response)
+
+        async for reply in self.derender.Derender(requests()):
+            yield reply.chunk
+
+    async def abort(self, request_ids):
+        return await self.engine.abort(request_ids)
+
+
+class TokensUpstream(FakeUpstream):
+    def __init__(self, model_id: str) -> None:
+        super().__init__(model_id)
+        self.pipeline = TokensPipeline(model_id)

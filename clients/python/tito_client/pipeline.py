@@ -33,6 +33,7 @@ from tito_client.routing import EngineRouter
 from tito.v1 import (
     derender_pb2,
     derender_pb2_grpc,
+    engine_pb2,
     engine_pb2_grpc,
     render_pb2,
     render_pb2_grpc,
@@ -210,6 +211,8 @@ class AsyncChatPipeline:
         self._engines: dict[str, engine_pb2_grpc.EngineServiceStub] = {}
         self.last_engine: str | None = None  # where the latest chat went (with a router)
         self.derender_batcher = DerenderBatcher(self.derender, self._metadata) if batch_derender else None
+        #: The engine of each request `generate` is running, by request id, for `abort`.
+        self._generating: dict[str, engine_pb2_grpc.EngineServiceStub] = {}
 
     def _engine_at(self, address: str) -> engine_pb2_grpc.EngineServiceStub:
         stub = self._engines.get(address)
@@ -245,6 +248,48 @@ class AsyncChatPipeline:
         """A raw prompt (text or token ids) through RenderCompletion -> engine -> derender: chunks
         as for a chat, with the text in `content` (a completion has no parsers)."""
         async for chunk in self._traced("completion", request, self.render.RenderCompletion, on_generating):
+            yield chunk
+
+    async def generate(self, request: engine_pb2.GenerateRequest) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        """The engine's responses to a request rendered already (token ids in, token ids out: no
+        render, no derender), from the engine the router picks as for a chat. While it runs,
+        `abort` reaches it by its request id."""
+        engine, address = self._engine_for(request)
+        rid = request.request_id
+        if rid:
+            self._generating[rid] = engine
+        try:
+            if address is None:
+                async for response in engine.Generate(request, timeout=self.timeout, metadata=self._metadata):
+                    yield response
+                return
+            with self.router.track(address):
+                async for response in engine.Generate(request, timeout=self.timeout, metadata=self._metadata):
+                    yield response
+        finally:
+            if rid and self._generating.get(rid) is engine:
+                del self._generating[rid]
+
+    async def abort(self, request_ids: list[str]) -> list[str]:
+        """Abort the requests `generate` is running (by id) on their engines: their streams end
+        with FINISH_REASON_ABORT. Ids it is not running are skipped; returns those aborted."""
+        by_engine: dict[int, tuple[engine_pb2_grpc.EngineServiceStub, list[str]]] = {}
+        for rid in request_ids:
+            engine = self._generating.get(rid)
+            if engine is not None:
+                by_engine.setdefault(id(engine), (engine, []))[1].append(rid)
+        aborted: list[str] = []
+        for engine, ids in by_engine.values():
+            reply = await engine.Abort(engine_pb2.AbortRequest(request_ids=ids), timeout=self.timeout,
+                                       metadata=self._metadata)
+            aborted.extend(reply.aborted_request_ids)
+        return aborted
+
+    async def stream_rendered(self, rendered, on_generating: OnGenerating | None = None
+                              ) -> AsyncIterator[derender_pb2.ChatChunk]:
+        """Chat chunks for a request rendered already (a RenderChatResponse kept or rebuilt by the
+        caller): the engine the router picks, then derender, as `stream_chat` does after render."""
+        async for chunk in self._stream_rendered(rendered, self._metadata, on_generating):
             yield chunk
 
     async def check_health(self, timeout: float = 2.0) -> dict[str, str]:

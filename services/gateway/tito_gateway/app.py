@@ -34,6 +34,8 @@ from tito_gateway import merge, openai_in, openai_out
 from tito_gateway.errors import UPSTREAM_ERROR, HttpError, from_exception
 from tito_gateway.observe import CONTENT_TYPE, GatewayMetrics
 from tito_gateway.upstream import Upstream
+from tito_gateway.vllm_api.reuse import ReusedChatCall
+from tito_gateway.vllm_api.routes import VllmApi
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,7 @@ class Gateway:
         self.active = 0
         self.metrics = GatewayMetrics()
         self.created = int(time.time())
+        self.vllm = VllmApi(self)  # vLLM's token-in/token-out endpoints and the chat's reuse path
 
     # -- the caller ------------------------------------------------------------------------------
 
@@ -132,13 +135,15 @@ class Gateway:
     # -- endpoints --------------------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._completion(request, "chat", openai_in.parse_chat, "chatcmpl-", self._chat_chunks)
+        return await self._completion(request, "chat", self.vllm.parse_chat, "chatcmpl-", self._chat_chunks)
 
     async def completions(self, request: Request) -> Response:
         return await self._completion(request, "completions", openai_in.parse_completion, "cmpl-",
                                       self._completion_chunks)
 
     def _chat_chunks(self, call: openai_in.ChatCall, on_generating=None) -> AsyncIterator:
+        if isinstance(call, ReusedChatCall):  # kv_transfer_params.prompt_token_ids: no render again
+            return self.vllm.reused_chunks(call, on_generating)
         return self.upstream.pipeline.stream_chat(call.request, on_generating=on_generating)
 
     def _completion_chunks(self, call: openai_in.CompletionCall, on_generating=None) -> AsyncIterator:
@@ -365,6 +370,7 @@ class Gateway:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
+            *self.vllm.routes(),  # vLLM's token-in/token-out API (vllm_api/)
         ]
         return Starlette(routes=routes, exception_handlers={HTTPException: http_error, ClientDisconnect: client_gone})
 

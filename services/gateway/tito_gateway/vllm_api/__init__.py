@@ -1,0 +1,11 @@
+"""vLLM's token-in/token-out HTTP API (vLLM 0.32's `vllm/entrypoints/scale_out/`) on the gateway.
+
+The render endpoints answer a chat or a prompt as vLLM's `GenerateRequest` JSON, the generate
+endpoint takes that JSON (token ids in) and answers token ids out, the derender endpoints turn
+a generate response into OpenAI's chat or completion answer, and abort stops a generate by id.
+Each module is one step: `generate_in` (vLLM's request JSON -> the engine's GenerateRequest),
+`generate_out` (the engine's responses -> vLLM's JSON), `render_out` (render's response ->
+vLLM's GenerateRequest JSON), `messages_in` / `responses_in` (Anthropic's Messages and OpenAI's
+Responses bodies -> the chat vLLM renders for them), `derender_in` (vLLM's derender bodies ->
+derender's stream), `reuse` (the chat's `kv_transfer_params.prompt_token_ids`), `shapes` (vLLM's
+error JSON), `routes` (the HTTP handlers)."""

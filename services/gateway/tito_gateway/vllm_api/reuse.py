@@ -1,0 +1,118 @@
+"""The decode-side reuse path of `/v1/chat/completions` (vLLM's `kv_transfer_params.prompt_token_ids`):
+a router that rendered the chat already forwards its token ids, and the chat runs on them.
+
+Domain code: no HTTP here. The ids are checked as vLLM 0.32 checks them (a non-empty list of
+JSON integers >= 0, exact types: `true` and `1.0` are refused; a 400 naming
+`kv_transfer_params.prompt_token_ids`), and ignored, the chat rendered, where vLLM ignores them:
+a chat with media (vLLM 0.32 renders it; it has no forwarded features yet).
+
+The gateway has no tokenizer, template or parser of its own, so derender's context (parsers,
+thinking switch, tools, stop strings) and the resolved sampling come from a render answer: the
+one `/v1/chat/completions/render` made for the same chat body and the same ids, kept in a
+bounded table (`RenderedChats`), so the router that rendered here never pays render twice. On
+a miss (another gateway replica rendered it, or the entry was evicted) render runs on the chat
+again for that context, and the engine still gets the forwarded ids, as vLLM runs them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from tito.v1 import render_pb2
+from tito_gateway.openai_in import ChatCall, invalid, unsupported
+from tito_gateway.vllm_api.derender_in import PROMPT_TAIL
+
+FIELD = "kv_transfer_params.prompt_token_ids"
+#: Body fields that change neither render's answer nor derender's context.
+NOT_IN_KEY = frozenset(("kv_transfer_params", "stream", "stream_options", "request_id", "mm_payload", "priority",
+                        "user", "metadata", "service_tier", "store"))
+#: Render answers kept (a text chat's is a few KB: the ids and derender's context).
+MAX_ENTRIES = 1024
+
+
+@dataclass(frozen=True)
+class ReusedChatCall(ChatCall):
+    """A chat with forwarded prompt ids: `key` finds its render answer in RenderedChats."""
+
+    prompt_ids: tuple[int, ...] = ()
+    key: str = ""
+
+
+def split_forwarded_ids(values: dict[str, Any]) -> tuple[dict[str, Any], list[int] | None]:
+    """The body without `kv_transfer_params`, and the ids to reuse (None: render the chat)."""
+    params = values.get("kv_transfer_params")
+    rest = {key: value for key, value in values.items() if key != "kv_transfer_params"}
+    if params is None:
+        return rest, None
+    if not isinstance(params, dict):
+        raise invalid("kv_transfer_params", "must be an object")
+    for key in params:
+        if key != "prompt_token_ids":
+            raise unsupported(f"kv_transfer_params.{key[:64]}", "KV transfer between engines is not supported by "
+                                                                "tito's engines yet")
+    ids = params.get("prompt_token_ids")
+    if ids is None or _has_media(values.get("messages")):
+        return rest, None
+    # bool is an int subclass, hence the exact type check (as vLLM's).
+    if not isinstance(ids, list) or not ids or any(type(token) is not int or token < 0 for token in ids):
+        raise invalid(FIELD, "must be a non-empty list of non-negative integers")
+    return rest, ids
+
+
+def _has_media(messages: Any) -> bool:
+    if not isinstance(messages, list):
+        return False
+    return any(isinstance(part, dict) and part.get("type", "text") != "text"
+               for message in messages if isinstance(message, dict)
+               for part in (message.get("content") if isinstance(message.get("content"), list) else ()))
+
+
+def chat_key(values: dict[str, Any]) -> str:
+    """The chat body's digest, over what shapes render's answer."""
+    kept = {key: value for key, value in values.items() if key not in NOT_IN_KEY}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _ids_key(key: str, ids) -> str:
+    return key + ":" + hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()
+
+
+class RenderedChats:
+    """Render answers by chat body and prompt ids, least recently used out first."""
+
+    def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, bytes] = OrderedDict()
+
+    def put(self, key: str, rendered: render_pb2.RenderChatResponse) -> None:
+        entry = _ids_key(key, rendered.generate_request.token_ids)
+        self._entries[entry] = rendered.SerializeToString()
+        self._entries.move_to_end(entry)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def get(self, key: str, ids) -> render_pb2.RenderChatResponse | None:
+        """A copy of the answer kept for this chat and these ids, None when none is."""
+        entry = _ids_key(key, ids)
+        kept = self._entries.get(entry)
+        if kept is None:
+            return None
+        self._entries.move_to_end(entry)
+        return render_pb2.RenderChatResponse.FromString(kept)
+
+
+def with_forwarded_ids(rendered: render_pb2.RenderChatResponse, ids, request_id: str
+                       ) -> render_pb2.RenderChatResponse:
+    """`rendered` running `ids` under `request_id`: the prompt tail and count derender seeds
+    from are the forwarded prompt's."""
+    request, context = rendered.generate_request, rendered.derender_context
+    del request.token_ids[:]
+    request.token_ids.extend(ids)
+    request.request_id = context.request_id = request_id
+    del context.prompt_tail_token_ids[:]
+    context.prompt_tail_token_ids.extend(ids[-PROMPT_TAIL:])
+    context.prompt_tokens = len(ids)
+    return rendered

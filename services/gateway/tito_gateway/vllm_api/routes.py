@@ -1,0 +1,419 @@
+"""The HTTP handlers of vLLM's token-in/token-out API on the gateway (Starlette routes).
+
+Thin, as the gateway's own: each handler checks the caller (bearer token, body size,
+concurrency) as `Gateway` does, parses the body (generate_in, derender_in, openai_in), runs it
+through tito's client (render, the engine the router picks, derender) and writes vLLM's shapes
+(render_out, generate_out, openai_out). Every error goes through the gateway's one mapping
+(errors.from_exception) and is written in vLLM's error JSON (shapes). A streamed generate reports
+an error found before its first token as an HTTP status, and one found later as an SSE
+`data: {"error": ...}` event before `[DONE]`, as vLLM's does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from tito.errors import InvalidArgument, ResourceExhausted, TitoError
+from tito.logs import bind_request_id
+from tito.v1 import derender_pb2, multimodal_pb2
+from tito_gateway import openai_in, openai_out
+from tito_gateway.errors import HttpError, from_exception
+from tito_gateway.vllm_api import (derender_in, generate_in, generate_out, messages_in, render_out, responses_in,
+                                   reuse, shapes)
+
+#: The prefix vLLM gives a generate's request id in its answer (`generate-tokens-<id>`).
+GENERATE_PREFIX = "generate-tokens-"
+#: Parameters of vLLM's render endpoints that the OpenAI endpoints do not take.
+RENDER_ONLY = ("mm_payload", "request_id", "priority")
+MM_PAYLOADS = ("tensors", "none")
+#: Engine / render field names (what errors.openai_param leaves of them) -> vLLM's body names.
+SAMPLING_PARAMS = {"temperature", "top_p", "top_k", "min_p", "seed", "n", "max_tokens", "min_tokens",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "stop_token_ids", "ignore_eos",
+                   "logprobs"}
+
+Handler = Callable[[Request, dict, str], Awaitable[Response]]
+
+
+def dumps(value) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def vllm_param(param: str | None) -> str | None:
+    """A field the engine named, as vLLM's generate body names it."""
+    if param is None:
+        return None
+    if param == "top_logprobs":
+        return "sampling_params.logprobs"
+    if param in SAMPLING_PARAMS or param.split("[")[0] in ("logit_bias", "stop_token_ids"):
+        return f"sampling_params.{param}"
+    if param.startswith("structured_output"):
+        return "sampling_params.structured_outputs" + param[len("structured_output"):]
+    if param.startswith("mm_features"):
+        return "features"
+    return param
+
+
+def error_response(error: HttpError, headers: dict | None = None, param: str | None = None) -> Response:
+    return Response(dumps(shapes.error_json(error, param)), status_code=error.status,
+                    media_type="application/json", headers=headers)
+
+
+class VllmApi:
+    """vLLM's endpoints over a `Gateway`'s upstream, limits and metrics."""
+
+    def __init__(self, gateway) -> None:
+        self.gateway = gateway
+        self.rendered_chats = reuse.RenderedChats()  # the render endpoint's answers, for the reuse path
+
+    @property
+    def pipeline(self):
+        return self.gateway.upstream.pipeline
+
+    def routes(self) -> list[Route]:
+        endpoints = (("/v1/chat/completions/render", "render_chat", self.render_chat),
+                     ("/v1/completions/render", "render_completion", self.render_completion),
+                     ("/v1/messages/render", "render_messages", self.render_messages),
+                     ("/v1/responses/render", "render_responses", self.render_responses),
+                     ("/inference/v1/generate", "generate", self.generate),
+                     ("/v1/chat/completions/derender", "derender_chat", self.derender_chat),
+                     ("/v1/completions/derender", "derender_completion", self.derender_completion),
+                     ("/inference/v1/abort_requests", "abort_requests", self.abort))
+        return [Route(path, self._endpoint(name, handler), methods=["POST"]) for path, name, handler in endpoints]
+
+    def _endpoint(self, name: str, handler: Handler):
+        async def endpoint(request: Request) -> Response:
+            return await self._serve(request, name, handler)
+        return endpoint
+
+    async def _serve(self, request: Request, name: str, handler: Handler) -> Response:
+        """The caller's checks, the body, then `handler`; one error mapping in vLLM's shape."""
+        gateway = self.gateway
+        started = time.monotonic()
+        headers: dict[str, str] = {}
+        admitted = False
+        try:
+            gateway.authorize(request)
+            rid = gateway.request_id(request)
+            headers["x-request-id"] = rid
+            bind_request_id(rid)
+            if gateway.active >= gateway.max_concurrent_requests:
+                raise ResourceExhausted(f"the gateway is serving as many requests as it allows "
+                                        f"({gateway.max_concurrent_requests}); retry shortly",
+                                        reason="TOO_MANY_REQUESTS")
+            gateway.active += 1
+            gateway.metrics.in_flight.inc()
+            admitted = True
+            values = openai_in.parse_body(await gateway.read_body(request))
+            response = await handler(request, values, rid)
+            response.headers.update(headers)
+            if isinstance(response, StreamingResponse):
+                admitted = False  # the stream releases its slot when it ends
+            else:
+                self._count(name, str(response.status_code), started)
+            return response
+        except ClientDisconnect:
+            self._count(name, "499", started)
+            return Response(status_code=499)
+        except (TitoError, Exception) as exc:  # the one mapping (errors.from_exception)
+            error = from_exception(exc)
+            self._count(name, str(error.status), started)
+            # The gateway's own refusals name vLLM's field already; a service's is translated.
+            if isinstance(exc, TitoError):
+                param = exc.field
+            else:
+                param = vllm_param(error.param) if name == "generate" else None
+            return error_response(error, headers, param)
+        finally:
+            if admitted:
+                self._release()
+
+    def _release(self) -> None:
+        self.gateway.active -= 1
+        self.gateway.metrics.in_flight.dec()
+
+    def _count(self, name: str, status: str, started: float) -> None:
+        self.gateway.metrics.requests.labels(name, status).inc()
+        self.gateway.metrics.duration.labels(name).observe(time.monotonic() - started)
+
+    # -- render ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _render_options(values: dict) -> tuple[dict, str | None]:
+        """vLLM's render-only parameters taken out of `values` (the rest is an OpenAI body)."""
+        rest = {key: value for key, value in values.items() if key not in RENDER_ONLY}
+        payload = openai_in._string(values.get("mm_payload"), "mm_payload")
+        if payload is not None and payload not in MM_PAYLOADS:
+            raise openai_in.invalid("mm_payload", f"must be one of {', '.join(MM_PAYLOADS)}")
+        if openai_in._integer(values.get("priority"), "priority", -(2**63), 2**63 - 1):
+            raise openai_in.unsupported("priority", "tito's engines schedule first come, first served")
+        return rest, openai_in._string(values.get("request_id"), "request_id")
+
+    async def render_chat(self, request: Request, values: dict, rid: str) -> Response:
+        rest, given_id = self._render_options(values)
+        return await self._render_chat(rest, f"chatcmpl-{given_id or rid}", values.get("stream_options"))
+
+    async def render_messages(self, request: Request, values: dict, rid: str) -> Response:
+        """Anthropic's Messages body, rendered as the chat vLLM converts it to (messages_in)."""
+        rest, given_id = self._render_options(values)
+        return await self._render_chat(messages_in.to_chat(rest), f"chatcmpl-{given_id or rid}", None)
+
+    async def render_responses(self, request: Request, values: dict, rid: str) -> Response:
+        """OpenAI's Responses body, rendered as the chat vLLM builds for it (responses_in); the
+        request id is `resp_<id>`, as vLLM names a response."""
+        rest, given_id = self._render_options(values)
+        return await self._render_chat(responses_in.to_chat(rest), f"resp_{given_id or rid}", None)
+
+    async def _render_chat(self, chat: dict, request_id: str, stream_options: dict | None) -> Response:
+        """An OpenAI chat body through render, answered as vLLM's GenerateRequest."""
+        call = openai_in.parse_chat(chat, await self.gateway.served_model())
+        # Hashes and placeholders only: vLLM's serialized tensors are not tito's to write.
+        call.request.mm_payload = multimodal_pb2.MM_PAYLOAD_NONE
+        call.request.request_id = request_id
+        pipeline = self.pipeline
+        rendered = await pipeline.render.RenderChat(call.request, timeout=pipeline.timeout,
+                                                    metadata=pipeline._metadata)
+        if not rendered.generate_request.mm_features.items:  # a media chat is rendered again, as vLLM does
+            self.rendered_chats.put(reuse.chat_key(chat), rendered)
+        body = render_out.generate_request_json(rendered.generate_request, rendered.derender_context, call.model,
+                                                call.stream.stream, stream_options)
+        return Response(dumps(body), media_type="application/json")
+
+    async def render_completion(self, request: Request, values: dict, rid: str) -> Response:
+        rest, given_id = self._render_options(values)
+        call = openai_in.parse_completion(rest, await self.gateway.served_model())
+        if call.echo:
+            raise openai_in.unsupported("echo", "the render endpoint returns what the engine runs; echo is the "
+                                                "answer's (vLLM's render drops it too)")
+        call.set_request_id(f"cmpl-{given_id or rid}")
+        pipeline = self.pipeline
+        rendered = await asyncio.gather(*(pipeline.render.RenderCompletion(one, timeout=pipeline.timeout,
+                                                                           metadata=pipeline._metadata)
+                                          for one in call.requests))
+        body = [render_out.generate_request_json(one.generate_request, one.derender_context, call.model,
+                                                 call.stream.stream, values.get("stream_options"))
+                for one in rendered]
+        return Response(dumps(body), media_type="application/json")
+
+    # -- the chat's reuse path -------------------------------------------------------------------
+
+    def parse_chat(self, values: dict, served_model: str) -> openai_in.ChatCall:
+        """openai_in.parse_chat, plus vLLM's `kv_transfer_params.prompt_token_ids` (reuse.py)."""
+        rest, ids = reuse.split_forwarded_ids(values)
+        call = openai_in.parse_chat(rest, served_model)
+        if ids is None:
+            return call
+        return reuse.ReusedChatCall(call.model, call.request, call.stream, call.logprobs, tuple(ids),
+                                    reuse.chat_key(rest))
+
+    async def reused_chunks(self, call: reuse.ReusedChatCall, on_generating=None) -> AsyncIterator:
+        """The chat's chunks on its forwarded ids: the render answer the render endpoint kept for
+        it, else render's answer now (for derender's context), with the forwarded ids."""
+        info = await self.gateway.model_info()
+        for index, token in enumerate(call.prompt_ids):
+            if info.vocab_size and token >= info.vocab_size:  # vLLM checks before its stream starts too
+                raise openai_in.invalid(reuse.FIELD, f"[{index}] is {token}, outside the vocabulary "
+                                                     f"[0, {info.vocab_size})")
+        rendered = self.rendered_chats.get(call.key, call.prompt_ids)
+        if rendered is None:
+            pipeline = self.pipeline
+            rendered = await pipeline.render.RenderChat(call.request, timeout=pipeline.timeout,
+                                                        metadata=pipeline._metadata)
+        reuse.with_forwarded_ids(rendered, call.prompt_ids, call.request.request_id)
+        # This chat's stream options, not those of the render call that made the kept answer.
+        rendered.derender_context.usage_in_every_chunk = call.request.usage_in_every_chunk
+        async for chunk in self.pipeline.stream_rendered(rendered, on_generating):
+            yield chunk
+
+    # -- generate ----------------------------------------------------------------------------------
+
+    async def generate(self, request: Request, values: dict, rid: str) -> Response:
+        call = generate_in.parse_generate(values, await self.gateway.served_model())
+        if not call.request.request_id:
+            call.request.request_id = rid
+        response_id = GENERATE_PREFIX + call.request.request_id
+        model = call.model or await self.gateway.served_model()
+        responses = self.pipeline.generate(call.request)
+        if call.stream:
+            return await self._generate_stream(call, response_id, responses)
+        whole = generate_out.Whole(call)
+
+        async def collect() -> None:
+            async for response in responses:
+                whole.add(response)
+
+        await _unless_gone(request, collect())
+        return Response(dumps(whole.json(response_id, model)), media_type="application/json")
+
+    async def _generate_stream(self, call, response_id: str, responses: AsyncIterator) -> Response:
+        started = time.monotonic()
+        try:
+            first = await _next_or_none(responses)  # an error before the first token is an HTTP status
+        except BaseException:
+            await responses.aclose()
+            raise
+        self.gateway.metrics.ttft.labels("generate").observe(time.monotonic() - started)
+        shape = generate_out.Stream(call, response_id)
+        return StreamingResponse(self._events(shape, first, responses), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
+
+    async def _events(self, shape: generate_out.Stream, first, responses: AsyncIterator) -> AsyncIterator[bytes]:
+        started = time.monotonic()
+        status = "200"
+        try:
+            response = first
+            while response is not None:
+                chunk = shape.chunk(response)
+                if chunk is not None:
+                    yield b"data: " + dumps(chunk) + b"\n\n"
+                response = await _next_or_none(responses)
+            final = shape.final()
+            if final is not None:
+                yield b"data: " + dumps(final) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "499"  # the client went away; closing `responses` cancels the engine stream
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported in the stream, then the stream ends
+            error = from_exception(exc)
+            status = str(error.status)
+            yield b"data: " + dumps(shapes.error_json(error, vllm_param(error.param))) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            with contextlib.suppress(BaseException):
+                await responses.aclose()
+            self._release()
+            self._count("generate", status, started)
+
+    async def abort(self, request: Request, values: dict, rid: str) -> Response:
+        ids = values.get("request_ids")
+        if ids is None:
+            raise InvalidArgument("Missing 'request_ids' in request body", reason="INVALID_REQUEST",
+                                  field="request_ids")
+        if not isinstance(ids, list) or any(not isinstance(one, str) for one in ids):
+            raise InvalidArgument("request_ids must be an array of strings", reason="INVALID_REQUEST",
+                                  field="request_ids")
+        # Either spelling: the id the caller sent, or the one the generate answer carries.
+        await self.pipeline.abort([one.removeprefix(GENERATE_PREFIX) for one in ids])
+        return Response(status_code=200)
+
+    # -- derender ----------------------------------------------------------------------------------
+
+    async def derender_chat(self, request: Request, values: dict, rid: str) -> Response:
+        body = derender_in.check_body(values, derender_in.CHAT_FIELDS)
+        served = await self.gateway.served_model()
+        model = body.string("model") or served
+        generated = values.get("generate_response")
+        prompt_tokens = body.integer("prompt_tokens", 0, openai_in.UINT32_MAX)
+        responses = derender_in.engine_responses(generated, "generate_response", prompt_tokens)
+        seed = derender_in.seed_ids(values, generated, "generate_response")
+        chat_values = body.obj("chat_request")
+        logprobs = any(response.logprobs for response in responses)
+        if chat_values is not None:
+            call = openai_in.parse_chat(chat_values, served)
+            call.request.mm_payload = multimodal_pb2.MM_PAYLOAD_NONE  # derender needs no tensors
+            pipeline = self.pipeline
+            rendered = await pipeline.render.RenderChat(call.request, timeout=pipeline.timeout,
+                                                        metadata=pipeline._metadata)
+            context = rendered.derender_context
+            context.n = max(context.n, len(responses))
+            context.prompt_tokens = prompt_tokens or 0
+            logprobs = call.logprobs
+        else:
+            info = await self.gateway.model_info()
+            if info.reasoning_parser or info.tool_parser:
+                raise openai_in.invalid("chat_request", "chat_request is required when a tool or reasoning parser "
+                                                        "is configured because plain detokenization would leak raw "
+                                                        "parser markup into content.")
+            context = derender_in.plain_context(generated.get("request_id", ""), seed, prompt_tokens or 0,
+                                                len(responses), logprobs)
+        assembled = openai_out.Assembled()
+        await self._derender(context, responses, assembled, 0, 1)
+        response_id = generated.get("request_id") or f"chatcmpl-{rid}"
+        return Response(dumps(openai_out.chat_completion(response_id, model, assembled, logprobs)),
+                        media_type="application/json")
+
+    async def derender_completion(self, request: Request, values: dict, rid: str) -> Response:
+        body = derender_in.check_body(values, derender_in.COMPLETION_FIELDS)
+        served = await self.gateway.served_model()
+        model = body.string("model") or served
+        generated = values.get("generate_responses")
+        if not isinstance(generated, list) or not generated:
+            raise openai_in.invalid("generate_responses", "is required: a non-empty array of generate responses")
+        counts = values.get("prompt_tokens") or [None] * len(generated)
+        seeds = values.get("prompt_token_ids") or [None] * len(generated)
+        if len(counts) != len(generated) or len(seeds) != len(generated):
+            raise openai_in.invalid("prompt_tokens", "prompt_tokens and prompt_token_ids must hold one entry per "
+                                                     "generate response")
+        completion = body.obj("completion_request")
+        text = None
+        if completion is not None:
+            call = openai_in.parse_completion(completion, served)
+            text = derender_in.text_options(call.requests[0].sampling)
+        per_prompt = [derender_in.engine_responses(one, f"generate_responses[{p}]",
+                                                   openai_in._integer(counts[p], f"prompt_tokens[{p}]", 0,
+                                                                      openai_in.UINT32_MAX))
+                      for p, one in enumerate(generated)]
+        n = max(len(responses) for responses in per_prompt) or 1
+        logprobs = any(r.logprobs for responses in per_prompt for r in responses)
+        assembled = openai_out.Assembled(n)
+        for p, responses in enumerate(per_prompt):
+            seed = derender_in.seed_ids({"prompt_token_ids": seeds[p]}, generated[p], f"prompt_token_ids[{p}]")
+            context = derender_in.plain_context(str(generated[p].get("request_id", "")), seed,
+                                                responses[0].usage.prompt_tokens if responses else 0,
+                                                len(responses), logprobs, text)
+            await self._derender(context, responses, assembled, p, n)
+        response_id = generated[0].get("request_id") or f"cmpl-{rid}"
+        return Response(dumps(openai_out.text_completion(response_id, model, assembled, logprobs)),
+                        media_type="application/json")
+
+    async def _derender(self, context: derender_pb2.DerenderContext, responses: list, assembled, prompt: int,
+                        n: int) -> None:
+        """One Derender stream: the context, then every response; its chunks into `assembled`
+        (renumbered for prompt `prompt` of a completion, as merge numbers them)."""
+        async def requests():
+            yield derender_pb2.DerenderRequest(context=context)
+            for response in responses:
+                yield derender_pb2.DerenderRequest(generate_response=response)
+
+        pipeline = self.pipeline
+        async for reply in pipeline.derender.Derender(requests(), timeout=pipeline.timeout,
+                                                      metadata=pipeline._metadata):
+            chunk = reply.chunk
+            chunk.index += prompt * n
+            assembled.add(chunk)
+
+
+async def _next_or_none(responses: AsyncIterator):
+    try:
+        return await anext(responses)
+    except StopAsyncIteration:
+        return None
+
+
+async def _unless_gone(request: Request, work: Awaitable) -> None:
+    """Run `work`; a client that goes away first cancels it (and the engine stream with it)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientDisconnect()
+    task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        if (await request.receive())["type"] == "http.disconnect":
+            return

@@ -1,0 +1,167 @@
+"""Differential: tito's gateway against `vllm serve --enable-scale-out` on the same tiny checkpoint,
+over vLLM's token-in/token-out HTTP API. The render endpoints give the same token ids for the
+same chats, prompts, Anthropic Messages and OpenAI Responses bodies; a GenerateRequest either server rendered gives
+the same greedy tokens on either server's /inference/v1/generate (cross-wired both ways);
+derender of the same tokens gives the same text; the same bad requests get the same status codes."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from service_processes import running_gateway, running_services
+from vllm_serve import running_vllm_serve
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
+
+MODEL = "tiny"
+CHATS = [
+    [{"role": "user", "content": "Hello there"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is two plus two?"}],
+    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+     {"role": "user", "content": "Another one?"}],
+    [{"role": "user", "content": "Tell me a story about a cat and a dog, in three sentences."}],
+]
+PROMPTS = ["The quick brown fox", "Once upon a time"]
+GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+BAD_GENERATE = [
+    {"token_ids": [], "sampling_params": {}},
+    {"token_ids": [-1], "sampling_params": {}},
+    {"token_ids": [1, 2]},
+    {"token_ids": "abc", "sampling_params": {}},
+    {"token_ids": [1, 2], "sampling_params": {}, "output_mode": "bogus"},
+    {"token_ids": [1, 2], "sampling_params": {"max_tokens": 0}},
+    {"token_ids": [1, 2], "sampling_params": {"temperature": -1.0}},
+    {"token_ids": [1, 2], "sampling_params": {"top_p": 0.0}},
+    {"token_ids": [1, 2], "sampling_params": {}, "cache_salt": ""},
+    {"token_ids": [1, 2], "sampling_params": {}, "features": {
+        "mm_hashes": {"image": ["ab" * 16]}, "mm_placeholders": {"video": [{"offset": 0, "length": 1}]}}},
+    {"token_ids": [1, 2], "sampling_params": {}, "features": {
+        "mm_hashes": {"image": ["ab" * 16]}, "mm_placeholders": {"image": [{"offset": 1, "length": 5}]}}},
+    {"token_ids": [1, 2], "sampling_params": {}, "features": {
+        "mm_hashes": {"image": ["ab" * 16, "cd" * 16]}, "mm_placeholders": {"image": [{"offset": 0, "length": 1}]}}},
+]
+BAD_RENDER = [
+    ("/v1/chat/completions/render", {"model": MODEL}, 400),
+    ("/v1/chat/completions/render", {"model": MODEL, "messages": "hi"}, 400),
+    ("/v1/chat/completions/render", {"model": "nope", "messages": CHATS[0]}, 404),
+    ("/v1/completions/render", {"model": MODEL}, 400),
+    ("/v1/completions/render", {"model": "nope", "prompt": "x"}, 404),
+]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_text_model_d64, tmp_path_factory):
+    """(tito's gateway, vllm serve) base URLs, both serving the model as MODEL."""
+    with running_services(tiny_text_model_d64, tmp_path_factory.mktemp("sockets")) as (addresses, _):
+        with running_gateway(addresses, ["--served-model-name", MODEL]) as (tito, _process):
+            with running_vllm_serve(tiny_text_model_d64, tmp_path_factory.mktemp("vllm"),
+                                    ["--enable-scale-out", "--served-model-name", MODEL]) as vllm:
+                yield tito, vllm
+
+
+def _post(base: str, path: str, body) -> dict:
+    reply = httpx.post(base + path, json=body, timeout=300)
+    assert reply.status_code == 200, f"{base}{path}: {reply.text[:500]}"
+    return reply.json()
+
+
+def _generate_tokens(base: str, rendered: dict) -> list[int]:
+    body = {"token_ids": rendered["token_ids"], "sampling_params": dict(GREEDY)}
+    return _post(base, "/inference/v1/generate", body)["choices"][0]["token_ids"]
+
+
+def test_render_endpoints_give_the_same_token_ids(servers):
+    tito, vllm = servers
+    for messages in CHATS:
+        body = {"model": MODEL, "messages": messages, "max_tokens": 8}
+        ours, theirs = (_post(base, "/v1/chat/completions/render", body) for base in (tito, vllm))
+        assert ours["token_ids"] == theirs["token_ids"], messages
+        assert ours["sampling_params"]["max_tokens"] == theirs["sampling_params"]["max_tokens"] == 8
+    for prompt in PROMPTS:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 8}
+        (ours,), (theirs,) = (_post(base, "/v1/completions/render", body) for base in (tito, vllm))
+        assert ours["token_ids"] == theirs["token_ids"], prompt
+
+
+MESSAGES = [
+    {"system": "Be brief.", "messages": [{"role": "user", "content": "Hello there"}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]},
+                  {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another one?"}],
+     "stop_sequences": ["END"], "temperature": 0.5},
+]
+
+
+def test_messages_render_gives_the_same_token_ids(servers):
+    tito, vllm = servers
+    for body in MESSAGES:
+        body = {"model": MODEL, "max_tokens": 8, **body}
+        ours, theirs = (_post(base, "/v1/messages/render", body) for base in (tito, vllm))
+        assert ours["token_ids"] == theirs["token_ids"], body
+        assert ours["sampling_params"].get("stop") == theirs["sampling_params"].get("stop")
+
+
+RESPONSES = [
+    {"input": "Hello there"},
+    {"instructions": "Be brief.", "input": [{"role": "user", "content": "Name a colour."},
+                                            {"role": "assistant", "content": "Blue."},
+                                            {"role": "user", "content": [{"type": "input_text", "text": "More?"}]}]},
+]
+
+
+def test_responses_render_gives_the_same_token_ids(servers):
+    tito, vllm = servers
+    for body in RESPONSES:
+        body = {"model": MODEL, "max_output_tokens": 8, **body}
+        ours, theirs = (_post(base, "/v1/responses/render", body) for base in (tito, vllm))
+        assert ours["token_ids"] == theirs["token_ids"], body
+
+
+def test_greedy_generate_gives_the_same_tokens_cross_wired(servers):
+    tito, vllm = servers
+    for messages in CHATS[:2]:
+        body = {"model": MODEL, "messages": messages}
+        tito_rendered = _post(tito, "/v1/chat/completions/render", body)
+        vllm_rendered = _post(vllm, "/v1/chat/completions/render", body)
+        ours = _generate_tokens(tito, tito_rendered)
+        assert len(ours) == GREEDY["max_tokens"]
+        assert _generate_tokens(vllm, vllm_rendered) == ours  # each alone
+        assert _generate_tokens(tito, vllm_rendered) == ours  # vLLM's render -> tito's generate
+        assert _generate_tokens(vllm, tito_rendered) == ours  # tito's render -> vLLM's generate
+
+
+def test_a_render_answer_is_accepted_whole_by_the_other_servers_generate(servers):
+    tito, vllm = servers
+    body = {"model": MODEL, "messages": CHATS[0], "max_tokens": 4, "temperature": 0}
+    tito_rendered = _post(tito, "/v1/chat/completions/render", body)
+    vllm_rendered = _post(vllm, "/v1/chat/completions/render", body)
+    ours = _post(vllm, "/inference/v1/generate", tito_rendered)["choices"][0]["token_ids"]
+    theirs = _post(tito, "/inference/v1/generate", vllm_rendered)["choices"][0]["token_ids"]
+    assert ours == theirs and len(ours) <= 4
+
+
+def test_derender_of_the_same_tokens_gives_the_same_text(servers):
+    tito, vllm = servers
+    for messages in CHATS:
+        chat = {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0}
+        rendered = _post(tito, "/v1/chat/completions/render", chat)
+        generated = _post(tito, "/inference/v1/generate", rendered)
+        body = {"generate_response": generated, "prompt_token_ids": rendered["token_ids"],
+                "prompt_tokens": len(rendered["token_ids"]), "chat_request": chat}
+        ours, theirs = (_post(base, "/v1/chat/completions/derender", body)["choices"][0] for base in (tito, vllm))
+        assert ours["message"].get("content") == theirs["message"].get("content"), messages
+        assert ours["finish_reason"] == theirs["finish_reason"]
+
+
+@pytest.mark.parametrize(("path", "body", "status"), BAD_RENDER)
+def test_bad_render_requests_get_the_same_status(servers, path, body, status):
+    tito, vllm = servers
+    assert [httpx.post(base + path, json=body, timeout=60).status_code for base in (tito, vllm)] == [status] * 2
+
+
+@pytest.mark.parametrize("body", BAD_GENERATE)
+def test_bad_requests_get_the_same_status(servers, body):
+    tito, vllm = servers
+    statuses = [httpx.post(base + "/inference/v1/generate", json=body, timeout=60).status_code
+                for base in (tito, vllm)]
+    assert statuses[0] == statuses[1] == 400

@@ -1,0 +1,406 @@
+"""vLLM's token-in/token-out API on the gateway, over a fake of the three services
+(tests/support/gateway_fakes.py): render endpoints answer vLLM's GenerateRequest, generate takes
+it (whole and streamed, logprobs, features) and derender turns the answer into OpenAI's; hostile
+bodies are 4xx in vLLM's error shape naming the field. Where vLLM is installed its own pydantic
+models check every answer's shape."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from gateway_fakes import SERVED, VOCAB, TokensUpstream
+from starlette.testclient import TestClient
+
+from tito_gateway.app import Gateway
+
+CHAT = {"model": SERVED, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3, "temperature": 0}
+
+
+@pytest.fixture
+def upstream() -> TokensUpstream:
+    return TokensUpstream(model_id=SERVED)
+
+
+@pytest.fixture
+def client(upstream) -> Iterator[TestClient]:
+    with TestClient(Gateway(upstream, max_body_bytes=64 * 1024).asgi(), raise_server_exceptions=False) as http:
+        yield http
+
+
+def _vllm_protocol():
+    """vLLM's scale-out protocol module, or None where vLLM is not installed."""
+    try:
+        from vllm.entrypoints.scale_out.token_in_token_out import protocol
+    except ImportError:
+        return None
+    return protocol
+
+
+def _rendered(client, body=CHAT) -> dict:
+    reply = client.post("/v1/chat/completions/render", json=body)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def _generate(client, body: dict) -> dict:
+    reply = client.post("/inference/v1/generate", json=body)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def _events(reply) -> list:
+    lines = [line for line in reply.text.split("\n\n") if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+def test_render_chat_answers_vllms_generate_request(client, upstream):
+    rendered = _rendered(client, {**CHAT, "stop": ["END"], "seed": 5, "mm_payload": "none", "request_id": "r1"})
+    assert rendered["request_id"] == "chatcmpl-r1"
+    assert rendered["token_ids"] == [ord(c) % VOCAB for c in "user:Hello"]
+    assert rendered["sampling_params"]["max_tokens"] == 3
+    assert rendered["sampling_params"]["temperature"] == 0.0
+    assert rendered["sampling_params"]["seed"] == 5
+    assert rendered["sampling_params"]["stop"] == ["END"]
+    assert rendered["output_mode"] == "tokens" and rendered["features"] is None
+    assert upstream.pipeline.render.calls["RenderChat"] == 1
+    protocol = _vllm_protocol()
+    if protocol is not None:  # vLLM's own model takes it, field for field
+        request = protocol.GenerateRequest.model_validate(rendered)
+        assert request.sampling_params.max_tokens == 3 and request.sampling_params.stop == ["END"]
+        assert set(rendered) == set(protocol.GenerateRequest.model_fields)
+
+
+def test_render_messages_renders_the_chat_vllm_converts_it_to(client):
+    messages = {"model": SERVED, "max_tokens": 3, "system": [{"type": "text", "text": "Be brief."},
+                                                             {"type": "text", "text": "x-anthropic-billing-header: 1"}],
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}]},
+                             {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "Bye"}],
+                "stop_sequences": ["END"], "temperature": 0}
+    chat = {"model": SERVED, "max_tokens": 3, "stop": ["END"], "temperature": 0, "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "Bye"}]}
+    ours = client.post("/v1/messages/render", json=messages)
+    assert ours.status_code == 200, ours.text
+    rendered = ours.json()
+    assert rendered["token_ids"] == _rendered(client, chat)["token_ids"]
+    assert rendered["sampling_params"]["stop"] == ["END"]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
+    ({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f"}]}, "tools"),
+    ({"max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t"}]}]},
+     "messages[0].content[0].type"),
+    ({"max_tokens": 2, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled"}},
+     "thinking"),
+])
+def test_render_messages_refuses_what_it_does_not_map(client, body, param):
+    reply = client.post("/v1/messages/render", json={"model": SERVED, **body})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+
+
+def test_render_responses_renders_the_chat_vllm_builds_for_it(client):
+    body = {"model": SERVED, "max_output_tokens": 3, "instructions": "Be brief.", "request_id": "r9",
+            "input": [{"type": "message", "role": "user", "content": "Hello"},
+                      {"role": "assistant", "content": [{"type": "output_text", "text": "Hi"}]},
+                      {"role": "user", "content": "Bye"}]}
+    chat = {"model": SERVED, "max_tokens": 3, "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "Bye"}]}
+    ours = client.post("/v1/responses/render", json=body)
+    assert ours.status_code == 200, ours.text
+    assert ours.json()["token_ids"] == _rendered(client, chat)["token_ids"]
+    assert ours.json()["request_id"] == "resp_r9" and ours.json()["sampling_params"]["max_tokens"] == 3
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({}, "input"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+    ({"input": [{"type": "function_call", "role": "assistant", "content": "x"}]}, "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].type"),
+    ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning"),
+])
+def test_render_responses_refuses_what_it_does_not_map(client, body, param):
+    reply = client.post("/v1/responses/render", json={"model": SERVED, **body})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+
+
+def test_render_completion_answers_one_request_per_prompt(client):
+    reply = client.post("/v1/completions/render", json={"model": SERVED, "prompt": ["ab", [5, 6, 7]],
+                                                        "max_tokens": 2})
+    assert reply.status_code == 200, reply.text
+    first, second = reply.json()
+    assert first["token_ids"] == [97, 98] and second["token_ids"] == [5, 6, 7]
+    assert first["request_id"].endswith("-0") and second["request_id"].endswith("-1")
+
+
+def test_rendered_request_generates_whole_with_logprobs(client, upstream):
+    rendered = _rendered(client)
+    rendered["sampling_params"]["logprobs"] = 2
+    answer = _generate(client, rendered)
+    last = rendered["token_ids"][-1]
+    choice = answer["choices"][0]
+    assert choice["token_ids"] == [(last + k + 1) % VOCAB for k in range(3)]
+    assert choice["finish_reason"] == "length" and choice["stop_reason"] is None
+    entry = choice["logprobs"]["content"][0]
+    assert entry["token_id"] == choice["token_ids"][0] and entry["logprob"] == -0.25 and entry["rank"] == 1
+    assert [top["token_id"] for top in entry["top_logprobs"]] == [entry["token_id"], entry["token_id"] + 1]
+    assert answer["usage"] == {"prompt_tokens": len(rendered["token_ids"]), "total_tokens":
+                               len(rendered["token_ids"]) + 3, "completion_tokens": 3, "prompt_tokens_details": None}
+    assert answer["request_id"] == "generate-tokens-" + rendered["request_id"]
+    sent = upstream.pipeline.engine.requests[-1]
+    assert list(sent.token_ids) == rendered["token_ids"] and sent.sampling_params.top_logprobs == 2
+    protocol = _vllm_protocol()
+    if protocol is not None:
+        assert protocol.GenerateTokensResponse.model_validate(answer).choices[0].token_ids == choice["token_ids"]
+
+
+def test_generate_streams_chunks_then_usage_then_done(client):
+    body = {"token_ids": [10, 11], "sampling_params": {"max_tokens": 2, "n": 2}, "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True}
+    with client.stream("POST", "/inference/v1/generate", json=body) as reply:
+        reply.read()
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+    events = _events(reply)
+    *chunks, usage = events
+    assert chunks[0]["prompt_token_ids"] == [10, 11]  # the first chunk only, as vLLM sends it
+    assert all("prompt_token_ids" not in chunk for chunk in chunks[1:])
+    tokens = {0: [], 1: []}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        tokens[choice["index"]] += choice["token_ids"]
+    assert tokens == {0: [12, 13], 1: [13, 14]}
+    assert usage == {"request_id": chunks[0]["request_id"], "usage": {"prompt_tokens": 2, "total_tokens": 6,
+                     "completion_tokens": 4}, "output_mode": "tokens", "choices": []}
+    metrics = client.get("/metrics").text
+    assert 'tito_gateway_requests_total{endpoint="generate",status="200"} 1.0' in metrics
+    assert 'tito_gateway_time_to_first_token_seconds_count{endpoint="generate"} 1.0' in metrics
+    protocol = _vllm_protocol()
+    if protocol is not None:
+        for event in events:
+            protocol.GenerateTokensStreamResponse.model_validate(event)
+
+
+def test_same_seed_gives_same_tokens(client):
+    body = {"token_ids": [3, 4], "sampling_params": {"max_tokens": 4, "temperature": 1.0, "seed": 7}}
+    first, again = _generate(client, body), _generate(client, body)
+    other = _generate(client, {**body, "sampling_params": {**body["sampling_params"], "seed": 8}})
+    assert first["choices"][0]["token_ids"] == again["choices"][0]["token_ids"]
+    assert other["choices"][0]["token_ids"] != first["choices"][0]["token_ids"]
+
+
+def test_sampling_params_map_to_the_engines(client, upstream):
+    _generate(client, {"token_ids": [1], "cache_salt": "tenant-a", "sampling_params": {
+        "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "presence_penalty": 0.2,
+        "frequency_penalty": 0.3, "repetition_penalty": 1.1, "seed": 3, "max_tokens": 2, "min_tokens": 1,
+        "ignore_eos": True, "stop_token_ids": [9], "logit_bias": {"7": -100}, "skip_special_tokens": False,
+        "structured_outputs": {"regex": "a+"}, "stop": [], "bad_words": [], "output_kind": 2}})
+    sent = upstream.pipeline.engine.requests[-1]
+    params = sent.sampling_params
+    assert sent.cache_salt == "tenant-a"
+    assert (round(params.temperature, 3), round(params.top_p, 3), params.top_k, params.seed, params.max_tokens,
+            params.min_tokens, params.ignore_eos, list(params.stop_token_ids)) == (0.5, 0.9, 5, 3, 2, 1, True, [9])
+    assert dict(params.logit_bias) == {7: -100.0} and params.structured_output.regex == "a+"
+
+
+def test_features_become_the_engines_items_in_prompt_order(client, upstream):
+    features = {"mm_hashes": {"image": ["ab" * 16, "cd" * 16]},
+                "mm_placeholders": {"image": [{"offset": 5, "length": 2}, {"offset": 1, "length": 3,
+                                                                            "is_embed": [True, False, True]}]}}
+    _generate(client, {"token_ids": list(range(8)), "features": features, "sampling_params": {"max_tokens": 1}})
+    items = upstream.pipeline.engine.requests[-1].mm_features.items
+    assert [(item.mm_hash, item.placeholder.offset, item.placeholder.length) for item in items] == [
+        ("cd" * 16, 1, 3), ("ab" * 16, 5, 2)]
+    assert list(items[0].placeholder.is_embed) == [True, False, True]
+
+
+def test_abort_reaches_the_engine_by_either_id(client, upstream):
+    reply = client.post("/inference/v1/abort_requests", json={"request_ids": ["a", "generate-tokens-b"]})
+    assert reply.status_code == 200
+    assert upstream.pipeline.engine.aborted == ["a", "b"]
+    missing = client.post("/inference/v1/abort_requests", json={})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "request_ids"
+
+
+def test_derender_chat_renders_the_chat_request_for_its_context(client, upstream):
+    rendered = _rendered(client)
+    answer = _generate(client, rendered)
+    reply = client.post("/v1/chat/completions/derender", json={
+        "generate_response": answer, "prompt_token_ids": rendered["token_ids"],
+        "prompt_tokens": len(rendered["token_ids"]), "chat_request": CHAT})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    ids = answer["choices"][0]["token_ids"]
+    assert body["choices"][0]["message"]["content"] == "".join(f"<{t}>" for t in ids)
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["prompt_tokens"] == len(rendered["token_ids"]) and body["usage"]["completion_tokens"] == 3
+    assert body["id"] == answer["request_id"]
+    assert upstream.pipeline.render.calls["RenderChat"] == 2  # the render endpoint's, then derender's context
+
+
+def test_derender_chat_without_chat_request_decodes_plainly(client, upstream):
+    answer = _generate(client, {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}})
+    reply = client.post("/v1/chat/completions/derender", json={"generate_response": answer})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["content"] == "<3><4>"
+    assert upstream.pipeline.render.calls["RenderChat"] == 0
+
+
+def test_derender_completion_numbers_choices_per_prompt(client):
+    answers = [_generate(client, {"token_ids": [p], "sampling_params": {"max_tokens": 1, "n": 2}})
+               for p in (10, 20)]
+    reply = client.post("/v1/completions/derender", json={
+        "generate_responses": answers, "prompt_tokens": [1, 1],
+        "completion_request": {"model": SERVED, "prompt": "x", "stop": ["zz"]}})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "<11>"), (1, "<12>"), (2, "<21>"), (3, "<22>")]
+    assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 4
+
+
+# -- hostile input: 4xx in vLLM's error shape, naming the field ---------------------------------
+
+BAD_GENERATE = [
+    ({"token_ids": [True], "sampling_params": {}}, 400, "token_ids[0]"),
+    ({"token_ids": [1.0], "sampling_params": {}}, 400, "token_ids[0]"),
+    ({"token_ids": [-1], "sampling_params": {}}, 400, "token_ids[0]"),
+    ({"token_ids": [], "sampling_params": {}}, 400, "token_ids"),
+    ({"token_ids": "12", "sampling_params": {}}, 400, "token_ids"),
+    ({"token_ids": [1]}, 400, "sampling_params"),
+    ({"token_ids": [1, VOCAB], "sampling_params": {}}, 400, "token_ids[1]"),
+    ({"token_ids": [1], "sampling_params": {"stop": ["x"]}}, 400, "sampling_params.stop"),
+    ({"token_ids": [1], "sampling_params": {"prompt_logprobs": 1}}, 400, "sampling_params.prompt_logprobs"),
+    ({"token_ids": [1], "sampling_params": {"logprobs": -1}}, 400, "sampling_params.logprobs"),
+    ({"token_ids": [1], "sampling_params": {"temprature": 1}}, 400, "sampling_params.temprature"),
+    ({"token_ids": [1], "sampling_params": {"max_tokens": "8"}}, 400, "sampling_params.max_tokens"),
+    ({"token_ids": [1], "sampling_params": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, 400,
+     "sampling_params.structured_outputs"),
+    ({"token_ids": [1], "sampling_params": {}, "output_mode": "text"}, 400, "output_mode"),
+    ({"token_ids": [1], "sampling_params": {}, "content_parts": [{"type": "image_url", "url": "x"}]}, 400,
+     "content_parts"),
+    ({"token_ids": [1], "sampling_params": {}, "kv_transfer_params": {"do_remote_decode": True}}, 400,
+     "kv_transfer_params"),
+    ({"token_ids": [1], "sampling_params": {}, "priority": 3}, 400, "priority"),
+    ({"token_ids": [1], "sampling_params": {}, "model": "other"}, 404, None),
+    ({"token_ids": [1], "sampling_params": {}, "cache_salt": ""}, 400, "cache_salt"),
+    ({"token_ids": [1], "sampling_params": {}, "surprise": 1}, 400, "surprise"),
+    ({"token_ids": [1, 2], "sampling_params": {}, "features": {
+        "mm_hashes": {"image": ["ab" * 16]}, "mm_placeholders": {"image": [{"offset": 1, "length": 5}]}}}, 400,
+     "features.mm_placeholders.image[0]"),
+    ({"token_ids": [1, 2], "sampling_params": {}, "features": {
+        "mm_hashes": {"image": ["ab" * 16]}, "mm_placeholders": {"video": [{"offset": 0, "length": 1}]}}}, 400,
+     "features.mm_placeholders"),
+    ({"token_ids": [1, 2], "sampling_params": {}, "features": {
+        "mm_hashes": {"image": ["ab" * 16, "cd" * 16]}, "mm_placeholders": {"image": [{"offset": 0, "length": 1}]}}},
+     400, "features.mm_placeholders.image"),
+    ({"token_ids": [1, 2], "sampling_params": {}, "features": {
+        "mm_hashes": {"image": ["ab" * 16]}, "mm_placeholders": {"image": [{"offset": 0, "length": 1}]},
+        "kwargs_data": {"image": ["%%%not base64%%%"]}}}, 400, "features.kwargs_data"),
+    ({"token_ids": [1, 2, 3], "sampling_params": {}, "features": {
+        "mm_hashes": {"image": ["ab" * 16, "cd" * 16]},
+        "mm_placeholders": {"image": [{"offset": 0, "length": 2}, {"offset": 1, "length": 2}]}}}, 400,
+     "features.mm_placeholders"),
+    ({"token_ids": [1, 2], "sampling_params": {}, "features": {
+        "mm_hashes": {"audio3d": ["ab" * 16]}, "mm_placeholders": {"audio3d": [{"offset": 0, "length": 1}]}}}, 400,
+     "features.mm_hashes.audio3d"),
+    ({"token_ids": [1, 2], "sampling_params": {}, "features": {
+        "mm_hashes": {"image": ["ab" * 16]},
+        "mm_placeholders": {"image": [{"offset": 0, "length": 2, "is_embed": [True]}]}}}, 400,
+     "features.mm_placeholders.image[0].is_embed"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD_GENERATE)
+def test_bad_generate_bodies_are_refused_naming_the_field(client, body, status, param):
+    reply = client.post("/inference/v1/generate", json=body)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == status and error["param"] == param
+    assert error["type"] == ("BadRequestError" if status == 400 else "NotFoundError")
+
+
+def test_hostile_bodies_are_refused_before_any_service(client, upstream):
+    huge = client.post("/inference/v1/generate", content=b"{\"token_ids\": [" + b"1," * 40_000 + b"1]}")
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == 413
+    deep = client.post("/inference/v1/generate", content=b"[" * 200 + b"]" * 200)
+    assert deep.status_code == 400 and deep.json()["error"]["code"] == 400
+    assert client.post("/v1/chat/completions/render", content=b"{not json").status_code == 400
+    assert upstream.pipeline.engine.requests == [] and upstream.pipeline.render.calls["RenderChat"] == 0
+
+
+def test_bad_render_and_derender_bodies(client):
+    unknown = client.post("/v1/chat/completions/render", json={**CHAT, "mm_payload": "pixels"})
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "mm_payload"
+    streamed = client.post("/v1/chat/completions/derender", json={"stream": True, "generate_chunk": {}})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
+    bad_ids = client.post("/v1/chat/completions/derender", json={"generate_response": {
+        "request_id": "x", "choices": [{"index": 0, "token_ids": [True]}]}})
+    assert bad_ids.status_code == 400
+    assert bad_ids.json()["error"]["param"] == "generate_response.choices[0].token_ids[0]"
+    mismatched = client.post("/v1/completions/derender", json={"generate_responses": [{"choices": []}],
+                                                               "prompt_tokens": [1, 2]})
+    assert mismatched.status_code == 400 and mismatched.json()["error"]["param"] == "prompt_tokens"
+
+
+# -- the chat's reuse path: kv_transfer_params.prompt_token_ids ----------------------------------
+
+def _chat(client, body: dict) -> dict:
+    reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_forwarded_ids_skip_render_and_give_the_plain_chats_answer(client, upstream):
+    plain = _chat(client, CHAT)
+    rendered = _rendered(client)
+    calls = dict(upstream.pipeline.render.calls)
+    reused = _chat(client, {**CHAT, "kv_transfer_params": {"prompt_token_ids": rendered["token_ids"]}})
+    assert upstream.pipeline.render.calls == calls  # render was not called again
+    assert reused["choices"][0]["message"] == plain["choices"][0]["message"]
+    assert reused["usage"] == plain["usage"]
+    first, last = upstream.pipeline.engine.requests[0], upstream.pipeline.engine.requests[-1]
+    assert list(last.token_ids) == list(first.token_ids) == rendered["token_ids"]
+    assert last.sampling_params == first.sampling_params
+
+
+def test_forwarded_ids_without_a_kept_render_run_as_forwarded(client, upstream):
+    reused = _chat(client, {**CHAT, "kv_transfer_params": {"prompt_token_ids": [40, 41]}})
+    assert upstream.pipeline.render.calls["RenderChat"] == 1  # derender's context: render's answer
+    assert list(upstream.pipeline.engine.requests[-1].token_ids) == [40, 41]
+    assert reused["choices"][0]["message"]["content"] == "<42><43><44>"
+    assert reused["usage"]["prompt_tokens"] == 2
+
+
+def test_a_media_chat_with_forwarded_ids_is_rendered(client, upstream):
+    media = {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}],
+        "kv_transfer_params": {"prompt_token_ids": [40, 41]}}
+    _chat(client, media)
+    assert upstream.pipeline.render.calls["RenderChat"] == 1
+    assert list(upstream.pipeline.engine.requests[-1].token_ids) != [40, 41]
+
+
+@pytest.mark.parametrize("ids", [[True], [1.0], [-1], [], "12", [1, None]])
+def test_bad_forwarded_ids_are_refused(client, upstream, ids):
+    reply = client.post("/v1/chat/completions", json={**CHAT, "kv_transfer_params": {"prompt_token_ids": ids}})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "kv_transfer_params.prompt_token_ids"
+    assert upstream.pipeline.engine.requests == []
+
+
+def test_forwarded_ids_outside_the_vocabulary_and_other_transfer_params_are_refused(client, upstream):
+    outside = client.post("/v1/chat/completions", json={**CHAT, "stream": True,
+                                                        "kv_transfer_params": {"prompt_token_ids": [1, VOCAB]}})
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "kv_transfer_params.prompt_token_ids"
+    other = client.post("/v1/chat/completions", json={**CHAT, "kv_transfer_params": {"do_remote_decode": True}})
+    assert other.status_code == 400 and other.json()["error"]["param"] == "kv_transfer_params.do_remote_decode"
+    assert upstream.pipeline.engine.requests == []
