@@ -102,10 +102,16 @@ class AsyncMigratingStream:
         self._state = _Migrations(router, request, address)
         self._open = open_call
         self._call = None
+        self._request_id = request.request_id
 
     @property
     def address(self) -> str:
         return self._state.address
+
+    @property
+    def request_id(self) -> str:
+        """The id the engine serving the choice now knows it by (a continuation's id differs)."""
+        return self._request_id
 
     def cancel(self) -> None:
         self._state.cancelled = True
@@ -131,3 +137,4 @@ class AsyncMigratingStream:
                         yield state.progress.length_finish()
                     return
                 address, request = moved
+                self._request_id = request.request_id

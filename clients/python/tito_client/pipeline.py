@@ -184,6 +184,15 @@ class ChatPipeline:
             raise engine_errors[0]
 
 
+@dataclass(frozen=True)
+class _Running:
+    """Where a `generate` call runs now, for `abort`: its engine and the id that engine knows it by
+    (both change when the request moves to another engine)."""
+
+    engine: Callable[[], engine_pb2_grpc.EngineServiceStub]
+    request_id: Callable[[], str]
+
+
 class AsyncChatPipeline:
     """`ChatPipeline` on asyncio (grpc.aio): many chats from one event loop, each a task.
 
@@ -212,7 +221,7 @@ class AsyncChatPipeline:
         self.last_engine: str | None = None  # where the latest chat went (with a router)
         self.derender_batcher = DerenderBatcher(self.derender, self._metadata) if batch_derender else None
         #: The engine of each request `generate` is running, by request id, for `abort`.
-        self._generating: dict[str, engine_pb2_grpc.EngineServiceStub] = {}
+        self._generating: dict[str, _Running] = {}
 
     def _engine_at(self, address: str) -> engine_pb2_grpc.EngineServiceStub:
         stub = self._engines.get(address)
@@ -252,37 +261,43 @@ class AsyncChatPipeline:
 
     async def generate(self, request: engine_pb2.GenerateRequest) -> AsyncIterator[engine_pb2.GenerateResponse]:
         """The engine's responses to a request rendered already (token ids in, token ids out: no
-        render, no derender), from the engine the router picks as for a chat. While it runs,
-        `abort` reaches it by its request id."""
-        engine, address = self._engine_for(request)
+        render, no derender), from the engine the router picks as for a chat, moved to another
+        engine as a chat is when its engine goes away. While it runs, `abort` reaches it by its
+        request id."""
+        if self.router is None:
+            generation = self.engine.Generate(request, timeout=self.timeout, metadata=self._metadata)
+            running = _Running(lambda: self.engine, lambda: request.request_id)
+        else:
+            address = self.last_engine = self.router.pick(request).address
+            generation = AsyncMigratingStream(self.router, lambda where, generate: self._engine_at(where).Generate(
+                generate, timeout=self.timeout, metadata=self._metadata), request, address)
+            running = _Running(lambda: self._engine_at(generation.address), lambda: generation.request_id)
         rid = request.request_id
         if rid:
-            self._generating[rid] = engine
+            self._generating[rid] = running
         try:
-            if address is None:
-                async for response in engine.Generate(request, timeout=self.timeout, metadata=self._metadata):
-                    yield response
-                return
-            with self.router.track(address):
-                async for response in engine.Generate(request, timeout=self.timeout, metadata=self._metadata):
-                    yield response
+            async for response in generation:
+                yield response
         finally:
-            if rid and self._generating.get(rid) is engine:
+            if rid and self._generating.get(rid) is running:
                 del self._generating[rid]
 
     async def abort(self, request_ids: list[str]) -> list[str]:
-        """Abort the requests `generate` is running (by id) on their engines: their streams end
-        with FINISH_REASON_ABORT. Ids it is not running are skipped; returns those aborted."""
-        by_engine: dict[int, tuple[engine_pb2_grpc.EngineServiceStub, list[str]]] = {}
+        """Abort the requests `generate` is running (by id) on the engines serving them now: their
+        streams end with FINISH_REASON_ABORT. Ids it is not running are skipped; returns those
+        aborted (by the ids the caller gave)."""
+        by_engine: dict[int, tuple[engine_pb2_grpc.EngineServiceStub, dict[str, str]]] = {}
         for rid in request_ids:
-            engine = self._generating.get(rid)
-            if engine is not None:
-                by_engine.setdefault(id(engine), (engine, []))[1].append(rid)
+            running = self._generating.get(rid)
+            if running is not None:
+                engine = running.engine()
+                by_engine.setdefault(id(engine), (engine, {}))[1][running.request_id()] = rid
         aborted: list[str] = []
-        for engine, ids in by_engine.values():
-            reply = await engine.Abort(engine_pb2.AbortRequest(request_ids=ids), timeout=self.timeout,
+        for engine, callers_ids in by_engine.values():
+            reply = await engine.Abort(engine_pb2.AbortRequest(request_ids=list(callers_ids)), timeout=self.timeout,
                                        metadata=self._metadata)
-            aborted.extend(reply.aborted_request_ids)
+            aborted.extend(callers_ids[engine_id] for engine_id in reply.aborted_request_ids
+                           if engine_id in callers_ids)
         return aborted
 
     async def stream_rendered(self, rendered, on_generating: OnGenerating | None = None
