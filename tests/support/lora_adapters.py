@@ -1,0 +1,68 @@
+"""PEFT LoRA adapters the tests make themselves, and HF + PEFT generation as the reference.
+
+PEFT initialises lora_B to zeros (a fresh adapter changes nothing); these adapters draw every
+lora_A and lora_B from a seeded generator instead, at a scale that moves the tiny models' greedy
+tokens, so an adapter the engine failed to apply (or applied to the wrong rows) shows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One test adapter: its name, rank, alpha, targets, seed, and PEFT's use_rslora."""
+
+    name: str
+    rank: int
+    targets: tuple[str, ...]
+    seed: int
+    alpha: int = 16
+    rslora: bool = False
+
+
+#: Three adapters of different ranks and targets (attention only, MLP only, everything with rslora).
+ADAPTERS = (
+    AdapterSpec("attn-r8", 8, ("q_proj", "v_proj"), seed=1),
+    AdapterSpec("mlp-r16", 16, ("gate_proj", "up_proj", "down_proj"), seed=2, alpha=32),
+    AdapterSpec("all-r16", 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                seed=3, rslora=True),
+)
+
+
+def make_adapter(model_dir: Path, spec: AdapterSpec, out_dir: Path, scale: float = 0.3) -> Path:
+    """Write `spec` as PEFT's save_pretrained does, for the base model in `model_dir`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets), lora_dropout=0.0,
+                        use_rslora=spec.rslora, task_type="CAUSAL_LM")
+    model = get_peft_model(base, config)
+    generator = torch.Generator().manual_seed(spec.seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def peft_generate(model_dir: Path, adapter_dir: Path | None, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens of HF + PEFT's `generate` (the base model alone when `adapter_dir` is None)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir).eval()
+    with torch.inference_mode():
+        output = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                                pad_token_id=0)
+    return output[0, len(prompt):].tolist()
