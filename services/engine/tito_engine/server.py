@@ -89,7 +89,8 @@ def _build_backend(config: EngineConfig, plan: StartupPlan | None) -> EngineBack
     warm_up_or_warn(runner, spec.limits.max_prefill_tokens)
     return Engine(runner, limits=spec.limits, max_waiting_requests=config.max_waiting_requests,
                   encoder_cache_bytes=spec.encoder_cache_bytes, encoder_store_dir=spec.encoder_store_dir,
-                  encoder_store_bytes=spec.encoder_store_bytes, kv_event_buffer=config.kv_events_buffer)
+                  encoder_store_bytes=spec.encoder_store_bytes, kv_event_buffer=config.kv_events_buffer,
+                  lora_dir=spec.lora_dir, lora_modules=spec.lora_modules)
 
 
 async def create_server(config: EngineConfig, phases: StartupPhases | None = None,

@@ -45,7 +45,9 @@ class StartupPlan:
                                exclude_padding_ids=config.excludes_padding_ids, packed_linears=config.packs_linears,
                                decode_kernel=config.cpu_decode_kernel, dtype=config.dtype,
                                encoder_store_dir=config.encoder_store_dir,
-                               encoder_store_bytes=config.encoder_store_bytes)
+                               encoder_store_bytes=config.encoder_store_bytes, lora_dir=config.lora_dir,
+                               lora_modules=config.lora_module_pairs(), max_loras=config.max_loras,
+                               max_lora_rank=config.max_lora_rank)
 
 
 def plan_startup(config: EngineConfig) -> StartupPlan:

@@ -24,6 +24,7 @@ from tito.config import ConfigError
 from tito.errors import FailedPrecondition, InvalidArgument, TitoError, Unavailable
 
 from tito_engine.kv_events import KvEventLog
+from tito_engine.lora_types import lora_disabled
 from tito_engine.service.admission import AdmittedRequest, KVCapacity
 from tito_engine.service.backend import LoadSnapshot, check_can_accept
 from tito_engine.multimodal.features import CheckedFeatures
@@ -144,6 +145,8 @@ class VllmEngine:
             max_context_length=model_config.max_model_len, dtype=str(model_config.dtype).removeprefix("torch."),
             device=_device_name(vllm_config), multimodal=model_config.is_multimodal_model)
         self.max_running_sequences = vllm_config.scheduler_config.max_num_seqs
+        # LoRA adapters are the native backend's for now: admission refuses lora_name (LORA_DISABLED).
+        self.max_loras = self.max_lora_rank = 0
         self.max_waiting_requests = max_waiting_requests
         cache_config = vllm_config.cache_config
         self.kv_capacity = KVCapacity(
@@ -261,6 +264,15 @@ class VllmEngine:
             raise FailedPrecondition("vLLM resets its prefix cache only while no request holds KV blocks; retry "
                                      "when the engine is idle (GetLoad running_requests 0)",
                                      reason="PREFIX_CACHE_BUSY")
+
+    async def load_lora_adapter(self, name: str, path: str) -> Any:
+        raise lora_disabled()
+
+    async def unload_lora_adapter(self, name: str) -> int:
+        raise lora_disabled()
+
+    async def list_lora_adapters(self) -> tuple:
+        return ()
 
     def abort(self, request_ids: list[str]) -> list[str]:
         with self._lock:
