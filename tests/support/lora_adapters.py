@@ -52,17 +52,31 @@ def make_adapter(model_dir: Path, spec: AdapterSpec, out_dir: Path, scale: float
     return out_dir
 
 
-def peft_generate(model_dir: Path, adapter_dir: Path | None, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy tokens of HF + PEFT's `generate` (the base model alone when `adapter_dir` is None)."""
-    from transformers import AutoModelForCausalLM
+class PeftReference:
+    """HF + PEFT's greedy `generate` over one base model with several adapters loaded (PEFT's own
+    adapter switching), and with adapters disabled for the base model."""
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    if adapter_dir is not None:
+    def __init__(self, model_dir: Path, adapters: dict[str, Path]):
         from peft import PeftModel
+        from transformers import AutoModelForCausalLM
 
-        model = PeftModel.from_pretrained(model, adapter_dir).eval()
-    with torch.inference_mode():
-        output = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                                pad_token_id=0)
-    return output[0, len(prompt):].tolist()
+        base = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        (first, first_dir), *rest = adapters.items()
+        self.model = PeftModel.from_pretrained(base, first_dir, adapter_name=first).eval()
+        for name, directory in rest:
+            self.model.load_adapter(directory, adapter_name=name)
+
+    def generate(self, adapter: str | None, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """Greedy tokens under `adapter` (None: the base model)."""
+        if adapter is None:
+            with self.model.disable_adapter():
+                return self._generate(prompt, max_new_tokens)
+        self.model.set_adapter(adapter)
+        return self._generate(prompt, max_new_tokens)
+
+    def _generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        with torch.inference_mode():
+            ids = torch.tensor([prompt])
+            output = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                         do_sample=False)
+        return output[0, len(prompt):].tolist()
