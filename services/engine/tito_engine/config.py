@@ -262,7 +262,7 @@ class LoraSettings:
     lora_dir: str = setting("", help="directory LoRA adapters are loaded from (LoadLoraAdapter paths and "
                                      "--lora-modules resolve inside it; nothing outside is read); unset: the "
                                      "engine serves no adapters")
-    lora_modules: tuple[str, ...] = setting((), nargs="*", metavar="NAME=DIR", default_text="none",
+    lora_modules: tuple[str, ...] = setting((), type=str, nargs="*", metavar="NAME=DIR", default_text="none",
                                             help="adapters to load at start, each NAME=DIR with DIR under --lora-dir")
     max_loras: int = setting(4, help="LoRA adapters resident in the model at once (one batch mixes them "
                                      "freely); the least recently used idle one makes room for another")
