@@ -13,7 +13,6 @@ over the limit, two loads of one name at once, all slots busy; and unloading an 
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
@@ -22,10 +21,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
 from engine_calls import collect, request
-from lora_adapters import ADAPTERS, AdapterSpec, PeftReference, make_adapter
+from lora_adapters import ADAPTERS, AdapterSpec, PeftReference, make_adapter, q_proj_adapter, write_adapter
 from tito.grpc_errors import error_details
 from tito.v1 import engine_pb2, engine_pb2_grpc
 from tito_client import LoraAdapters
@@ -185,22 +183,10 @@ def test_an_unknown_adapter_is_not_found_by_name(qwen2):
     assert _generate(qwen2.stub, _prompt(3))[0]  # the engine serves on
 
 
-def _write_adapter(directory: Path, config: dict, tensors: dict[str, torch.Tensor]) -> str:
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True)
-    (directory / "adapter_config.json").write_text(json.dumps(config))
-    save_file(tensors, str(directory / "adapter_model.safetensors"))
-    return directory.name
-
-
 @pytest.mark.parametrize("case", ["outside", "absolute", "missing", "corrupt", "other-base", "layer-past-the-model",
                                   "rank"])
 def test_a_bad_adapter_is_refused_naming_why(qwen2, case, tmp_path):
     root = qwen2.root
-    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
-    key = "base_model.model.model.layers.{}.self_attn.q_proj.lora_{}.weight"
-    good = {key.format(0, "A"): torch.zeros(4, 64), key.format(0, "B"): torch.zeros(64, 4)}
     if case == "outside":
         path, expected = "../" + tmp_path.name, ("INVALID_ARGUMENT", "LORA_PATH_NOT_ALLOWED")
     elif case == "absolute":
@@ -209,15 +195,14 @@ def test_a_bad_adapter_is_refused_naming_why(qwen2, case, tmp_path):
         (root / "empty").mkdir(exist_ok=True)
         path, expected = "empty", ("INVALID_ARGUMENT", "LORA_ADAPTER_INVALID")
     elif case == "corrupt":
-        path = _write_adapter(root / "corrupt", config, good)
+        path = write_adapter(root / "corrupt", *q_proj_adapter(64))
         (root / path / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
         expected = ("INVALID_ARGUMENT", "LORA_ADAPTER_INVALID")
     elif case == "other-base":  # trained for a model of hidden size 128
-        wide = {key.format(0, "A"): torch.zeros(4, 128), key.format(0, "B"): torch.zeros(128, 4)}
-        path, expected = _write_adapter(root / "wide", config, wide), ("INVALID_ARGUMENT", "LORA_BASE_MISMATCH")
+        path, expected = write_adapter(root / "wide", *q_proj_adapter(128)), ("INVALID_ARGUMENT", "LORA_BASE_MISMATCH")
     elif case == "layer-past-the-model":
-        deep = {key.format(7, "A"): torch.zeros(4, 64), key.format(7, "B"): torch.zeros(64, 4)}
-        path, expected = _write_adapter(root / "deep", config, deep), ("INVALID_ARGUMENT", "LORA_BASE_MISMATCH")
+        path = write_adapter(root / "deep", *q_proj_adapter(64, layer=7))
+        expected = ("INVALID_ARGUMENT", "LORA_BASE_MISMATCH")
     else:
         spec = AdapterSpec("big", 32, ("q_proj",), seed=4)
         path = make_adapter(qwen2.model_dir, spec, root / "rank32").name

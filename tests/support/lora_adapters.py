@@ -52,6 +52,27 @@ def make_adapter(model_dir: Path, spec: AdapterSpec, out_dir: Path, scale: float
     return out_dir
 
 
+def write_adapter(directory: Path, config: dict, tensors: dict[str, torch.Tensor]) -> str:
+    """An adapter directory written by hand (a config and tensors as given, checked by nobody):
+    for the refusals, and for models PEFT's causal-LM classes do not load. Returns its name."""
+    import json
+
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True)
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    return directory.name
+
+
+def q_proj_adapter(hidden: int, rank: int = 4, layer: int = 0) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The config and tensors of a rank-`rank` adapter of one layer's q_proj ([hidden, hidden])."""
+    key = "base_model.model.model.layers.{}.self_attn.q_proj.lora_{}.weight"
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj"]}
+    tensors = {key.format(layer, "A"): torch.zeros(rank, hidden), key.format(layer, "B"): torch.zeros(hidden, rank)}
+    return config, tensors
+
+
 class PeftReference:
     """HF + PEFT's greedy `generate` over one base model with several adapters loaded (PEFT's own
     adapter switching), and with adapters disabled for the base model."""

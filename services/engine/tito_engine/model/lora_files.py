@@ -73,12 +73,18 @@ def resolve_adapter_dir(root: Path, path: str) -> Path:
         raise InvalidArgument("lora_path is empty: name the adapter's directory under the engine's --lora-dir",
                               reason=PATH_NOT_ALLOWED, field=PATH_FIELD)
     base = root.resolve()
-    candidate = (base / path).resolve()
-    if candidate != base and base not in candidate.parents:
-        raise InvalidArgument(f"lora_path {path!r} is outside the engine's --lora-dir; adapters are loaded only "
-                              f"from directories under it", reason=PATH_NOT_ALLOWED, field=PATH_FIELD)
-    if not candidate.is_dir():
-        raise InvalidArgument(f"lora_path {path!r} is not a directory under the engine's --lora-dir",
+    try:
+        candidate = (base / path).resolve()
+        inside = candidate == base or base in candidate.parents
+        is_dir = inside and candidate.is_dir()
+    except (OSError, ValueError) as exc:  # a NUL byte, a name longer than the file system takes
+        raise InvalidArgument(f"lora_path {path[:200]!r} is not a usable path ({exc})", reason=PATH_NOT_ALLOWED,
+                              field=PATH_FIELD) from None
+    if not inside:
+        raise InvalidArgument(f"lora_path {path[:200]!r} is outside the engine's --lora-dir; adapters are loaded "
+                              f"only from directories under it", reason=PATH_NOT_ALLOWED, field=PATH_FIELD)
+    if not is_dir:
+        raise InvalidArgument(f"lora_path {path[:200]!r} is not a directory under the engine's --lora-dir",
                               reason=ADAPTER_INVALID, field=PATH_FIELD)
     return candidate
 

@@ -152,6 +152,10 @@ def _load_model_quietly(model_dir: Path, dtype: torch.dtype) -> Any:
 class ModelRunner:
     """Loads a causal LM, sizes its paged KV cache and runs one batched forward per step."""
 
+    #: The LoRA adapter slots (model/lora.py); None: the engine serves the base model only, and its
+    #: linears are untouched.
+    lora: LoraSlots | None = None
+
     def __init__(self, model_dir: Path, *, model_id: str, device: str = "auto",
                  max_model_len: int | None = None, kv_cache: KVCacheSpec | None = None,
                  cpu_threads: int | None = None, exclude_padding_ids: bool = True, packed_linears: bool = True,
@@ -179,8 +183,8 @@ class ModelRunner:
         self.choice_state = ModelChoiceState(self.device)
         kernel = self._attention_kernel(decode_kernel)
         self.decoder = self._build_decoder(model_id, packed_linears, kernel)
-        #: The adapter slots (None: the engine serves the base model only, and its linears are untouched).
-        self.lora: LoraSlots | None = LoraSlots(self.decoder, max_loras, max_lora_rank) if max_loras else None
+        if max_loras:
+            self.lora = LoraSlots(self.decoder, max_loras, max_lora_rank)
         self._log_loaded(model_id, dtype_reason, kernel is not None)
 
     def _set_up_cpu(self, cpu_threads: int | None, lone_prefill_cpus: frozenset[int] | None) -> None:
