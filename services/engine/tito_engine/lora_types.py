@@ -1,15 +1,15 @@
-"""LoRA adapters as both backends and the servicer describe them, and the rule for their names.
-Torch-free and grpc-free (the servicer converts these to tito.v1.LoraAdapterInfo)."""
+"""LoRA adapters as both backends and the servicer describe them (the rule for their names is
+tito.lora_names', shared with render). Torch-free and grpc-free (the servicer converts these to
+tito.v1.LoraAdapterInfo)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-from tito.errors import FailedPrecondition, InvalidArgument
+from tito.errors import FailedPrecondition
+from tito.lora_names import check_lora_name
 
-#: What an adapter's name may be: it travels as OpenAI's `model`, in KV events and in logs.
-_NAME = re.compile(r"^[A-Za-z0-9._\-/:]{1,128}$")
+__all__ = ["LORA_DISABLED", "LoraAdapterInfo", "check_lora_name", "lora_disabled"]
 
 LORA_DISABLED = "LORA_DISABLED"
 
@@ -24,13 +24,6 @@ class LoraAdapterInfo:
     target_modules: tuple[str, ...]
     active_requests: int = 0  # running or waiting requests that use it
     resident: bool = False  # in one of the model's adapter slots now
-
-
-def check_lora_name(name: str, field: str = "lora_name") -> None:
-    """Refuse a name that could not have been loaded (INVALID_ARGUMENT naming `field`)."""
-    if not _NAME.match(name):
-        raise InvalidArgument(f"{field} {name[:140]!r} is not an adapter name: 1 to 128 letters, digits or ._-/:",
-                              reason="INVALID_REQUEST", field=field)
 
 
 def lora_disabled(field: str = "lora_name") -> FailedPrecondition:
