@@ -301,6 +301,11 @@ class EngineRouter:
             if engine is not None:
                 engine.reachable = False
 
+    def adapters(self) -> list[str]:
+        """The LoRA adapters any reachable engine held at its last GetLoad, sorted."""
+        with self._lock:
+            return sorted(set().union(*(e.adapters for e in self._engines.values() if e.reachable)))
+
     def status(self) -> dict[str, dict]:
         """Per engine: reachable, events_live, load, cached blocks known (for operators and tests)."""
         with self._lock:

@@ -44,6 +44,10 @@ TOO_MANY_REQUESTS = "TOO_MANY_REQUESTS"
 UNKNOWN_ENDPOINT = "UNKNOWN_ENDPOINT"
 MODEL_LOADING = "MODEL_LOADING"
 OPEN_PATHS = ("/health", "/metrics")
+#: How long the engines' list of LoRA adapters is trusted, and how often a request naming an
+#: adapter not on it may ask again (seconds).
+ADAPTERS_MAX_AGE = 5.0
+ADAPTERS_MIN_AGE = 0.5
 
 
 def dumps(value) -> bytes:
@@ -63,6 +67,9 @@ class Gateway:
         self.upstream = upstream
         self._model = served_model_name
         self._model_info: render_pb2.RenderServiceGetModelInfoResponse | None = None
+        # The LoRA adapters `model` may name, as last asked of the engines, and when.
+        self._adapters: list = []
+        self._adapters_at = float("-inf")
         self._expected = f"Bearer {token}".encode() if token else None
         self.auth_exempt_health = auth_exempt_health
         self.max_body_bytes = max_body_bytes
@@ -129,6 +136,24 @@ class Gateway:
                                                                   timeout=10.0, metadata=pipeline._metadata)
         return self._model_info
 
+    async def lora_adapters(self, wanted: str = "") -> list:
+        """The engines' LoRA adapters (tito.v1.LoraAdapterInfo), asked again when the last answer
+        is older than ADAPTERS_MAX_AGE seconds or lacks `wanted` (an adapter just loaded is
+        usable at once), at most once per ADAPTERS_MIN_AGE."""
+        age = time.monotonic() - self._adapters_at
+        known = any(adapter.name == wanted for adapter in self._adapters) if wanted else True
+        if age > ADAPTERS_MAX_AGE or (not known and age > ADAPTERS_MIN_AGE):
+            self._adapters = await self.upstream.lora_adapters()
+            self._adapters_at = time.monotonic()
+        return self._adapters
+
+    async def _adapter_names(self, body: dict) -> frozenset[str]:
+        """The adapters a request's `model` may name (none asked for when it is the served model)."""
+        model = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(model, str) or model == await self.served_model():
+            return frozenset()
+        return frozenset(adapter.name for adapter in await self.lora_adapters(model))
+
     # -- endpoints --------------------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response:
@@ -179,7 +204,8 @@ class Gateway:
             self.active += 1
             self.metrics.in_flight.inc()
             admitted = True
-            call = parse(openai_in.parse_body(await self.read_body(request)), await self.served_model())
+            body = openai_in.parse_body(await self.read_body(request))
+            call = parse(body, await self.served_model(), await self._adapter_names(body))
             call.set_request_id(rid)
             response_id = prefix + rid
             if call.stream.stream:
@@ -307,11 +333,15 @@ class Gateway:
             await self.check_ready()
             name = await self.served_model()
             info = await self.model_info()
+            adapters = await self.lora_adapters()
         except (TitoError, Exception) as exc:
             return error_response(from_exception(exc))
-        return JSONResponse({"object": "list", "data": [{
-            "id": name, "object": "model", "created": self.created, "owned_by": "tito",
-            "max_model_len": info.max_context_length}]})
+        base = {"id": name, "object": "model", "created": self.created, "owned_by": "tito",
+                "max_model_len": info.max_context_length}
+        # An adapter's card names its base model as `parent`, as vLLM's list does.
+        return JSONResponse({"object": "list", "data": [base] + [
+            {**base, "id": adapter.name, "root": adapter.path or adapter.name, "parent": name}
+            for adapter in adapters]})
 
     async def check_ready(self) -> None:
         """Raise UNAVAILABLE (503) unless every service is SERVING, as /health answers. The model

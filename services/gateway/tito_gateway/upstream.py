@@ -5,6 +5,8 @@ rendered tokens, from every engine's KV events), or least_load / round_robin."""
 
 from __future__ import annotations
 
+import grpc
+
 from tito.security import ClientSecurity
 from tito.v1 import engine_pb2
 from tito_client.pipeline import AsyncChatPipeline, Endpoints
@@ -36,6 +38,19 @@ class Upstream:
         await self.pipeline.close()
         if self.router is not None:
             self.router.close()
+
+    async def lora_adapters(self) -> list[engine_pb2.LoraAdapterInfo]:
+        """The LoRA adapters behind the gateway: with a router, those its engines reported at their
+        last GetLoad (by name); else the engine's ListLoraAdapters (none when it cannot say)."""
+        if self.router is not None:
+            return [engine_pb2.LoraAdapterInfo(name=name) for name in self.router.adapters()]
+        pipeline = self.pipeline
+        try:
+            response = await pipeline.engine.ListLoraAdapters(engine_pb2.ListLoraAdaptersRequest(), timeout=10.0,
+                                                              metadata=pipeline._metadata)
+        except grpc.RpcError:  # an older engine, or one not serving yet: no adapters to offer
+            return []
+        return list(response.adapters)
 
     async def health(self) -> dict[str, str]:
         """Each service's health: render, engine, derender (with a router, the engine is SERVING

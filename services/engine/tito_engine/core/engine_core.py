@@ -353,7 +353,9 @@ class EngineCore:
 
     def _lora_command(self, command: LoadLora | UnloadLora | ListLoras) -> LoraAdapters | LoraUnloaded:
         if self.lora is None:
-            raise lora_disabled("lora_name" if not isinstance(command, ListLoras) else None)
+            if isinstance(command, ListLoras):
+                return LoraAdapters(())  # an engine without adapters holds none
+            raise lora_disabled()
         match command:
             case LoadLora(name=name, path=path):
                 return LoraAdapters((self.lora.load(name, path),))
