@@ -25,7 +25,7 @@ import pytest
 from engine_calls import collect, request
 from lora_adapters import ADAPTERS, AdapterSpec, PeftReference, make_adapter, q_proj_adapter, write_adapter
 from tito.grpc_errors import error_details
-from tito.v1 import engine_pb2, engine_pb2_grpc
+from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, render_pb2, render_pb2_grpc
 from tito_client import LoraAdapters
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
@@ -44,6 +44,7 @@ class Served:
     reference: PeftReference
     model_dir: Path
     root: Path
+    address: str = ""
 
 
 def _prompt(seed: int, length: int = 9) -> list[int]:
@@ -72,7 +73,7 @@ def _served(start, model_dir: Path, root: Path) -> Served:
     stub, channel = _serve(start, model_dir, root, max_loras=3,
                            lora_modules=tuple(f"{name}={name}" for name in directories))
     return Served(stub, LoraAdapters(channel, timeout=TIMEOUT), PeftReference(model_dir, directories), model_dir,
-                  root)
+                  root, channel._channel.target().decode())
 
 
 @pytest.fixture(scope="module")
@@ -310,3 +311,63 @@ def test_an_engine_without_lora_dir_refuses_adapters(aio_server, tiny_text_model
         grpc.StatusCode.FAILED_PRECONDITION, "LORA_DISABLED", ["lora_name"])
     details = _refusal(lambda: LoraAdapters(channel, timeout=TIMEOUT).load("a", "a"))
     assert details["reason"] == "LORA_DISABLED"
+
+
+# ---------------------------------------------------------------------------- through the gateway
+
+
+class _StoppableGateway:
+    """A started gateway as AioServer stops servers (`stop(grace)`)."""
+
+    def __init__(self, running):
+        self.running, self.address = running, running.address
+
+    async def stop(self, grace: float) -> None:
+        await self.running.stop()
+
+
+def test_the_openai_sdk_selects_an_adapter_by_model_through_the_three_services(qwen2, module_aio_server,
+                                                                              tiny_text_model):
+    """render -> engine -> derender behind the gateway: `model` names the adapter, /v1/models lists
+    it with its parent, and the reply is HF + PEFT's greedy tokens for the rendered chat."""
+    import openai
+    from transformers import AutoTokenizer
+
+    from tito_derender.config import DerenderConfig
+    from tito_derender.server import create_server as create_derender
+    from tito_gateway.config import GatewayConfig
+    from tito_gateway.server import create_server as create_gateway
+    from tito_render.config import RenderConfig
+    from tito_render.server import create_server as create_render
+
+    model = str(tiny_text_model)
+    render = module_aio_server(lambda: create_render(RenderConfig(model=model)))
+    derender = module_aio_server(lambda: create_derender(DerenderConfig(model=model)))
+
+    async def gateway():
+        return _StoppableGateway(await create_gateway(GatewayConfig(
+            address="127.0.0.1:0", render_address=render.address, engine_address=qwen2.address,
+            derender_address=derender.address, served_model_name="tiny")))
+
+    base_url = f"http://{module_aio_server(gateway).address}/v1"
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    cards = {card.id: card for card in client.models.list().data}
+    assert set(cards) == {"tiny", *NAMES} and cards["mlp-r16"].model_extra["parent"] == "tiny"
+
+    messages = [{"role": "user", "content": "Say hello"}]
+    with render.channel() as channel:
+        rendered = render_pb2_grpc.RenderServiceStub(channel).RenderChat(render_pb2.RenderChatRequest(
+            messages=[chat_pb2.ChatMessage(role="user", content="Say hello")]), timeout=TIMEOUT)
+    prompt = list(rendered.generate_request.token_ids)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    texts = {}
+    for name in ("tiny", "mlp-r16"):
+        reply = client.chat.completions.create(model=name, messages=messages, max_tokens=6, temperature=0)
+        assert reply.model == name
+        expected = qwen2.reference.generate(None if name == "tiny" else name, prompt, 6)
+        assert reply.usage.completion_tokens == len(expected)
+        texts[name] = reply.choices[0].message.content
+        assert texts[name] == tokenizer.decode(expected, skip_special_tokens=True)
+    assert texts["tiny"] != texts["mlp-r16"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-adapter", messages=messages, max_tokens=2)

@@ -122,6 +122,8 @@ class EngineCore:
     def run(self, receive: Callable[[], Any], receive_ready: Callable[[], list],
             emit: Callable[[StepBatch], None]) -> None:
         """Serve until a StopCore command; `receive` blocks, `receive_ready` drains without blocking."""
+        if self.lora is not None and self.lora.infos:
+            emit(self._batch([]))  # the load names the --lora-modules adapters before any request
         while True:
             try:
                 if self._serve(receive, receive_ready, emit):
