@@ -256,8 +256,9 @@ class NativeSettings:
 
 @dataclass
 class LoraSettings:
-    """LoRA adapters (native backend): where they may be read from, which load at start, and how
-    many and how large the model holds (core/lora_registry.py, model/lora.py)."""
+    """LoRA adapters: where they may be read from, which load at start, and how many and how large
+    the model holds (native: core/lora_registry.py, model/lora.py; vllm: vllm/lora.py, vLLM's
+    enable_lora, max_loras, max_lora_rank)."""
 
     lora_dir: str = setting("", help="directory LoRA adapters are loaded from (LoadLoraAdapter paths and "
                                      "--lora-modules resolve inside it; nothing outside is read); unset: the "
@@ -272,13 +273,11 @@ class LoraSettings:
         """--lora-modules as (name, directory) pairs (checked by _check_lora)."""
         return tuple(tuple(module.split("=", 1)) for module in self.lora_modules)  # type: ignore[misc]
 
-    def _check_lora(self, backend: str) -> None:
+    def _check_lora(self) -> None:
         if not self.lora_dir:
             if self.lora_modules:
                 raise ConfigError("--lora-modules needs --lora-dir, the directory the adapters lie under")
             return
-        if backend != "native":
-            raise ConfigError("--lora-dir applies to the native backend only for now; drop it or use --backend native")
         if not Path(self.lora_dir).is_dir():
             raise ConfigError(f"--lora-dir {self.lora_dir!r} is not a directory")
         if not 1 <= self.max_loras <= 256:
@@ -414,7 +413,7 @@ class EngineConfig(MediaSettings, KvEventSettings, LoraSettings, NativeSettings,
         self._validate_media()
         self._validate_encoder_store()
         self._check_kv_events()
-        self._check_lora(self.backend)
+        self._check_lora()
         self._check_choices()
 
     def _validate_encoder_store(self) -> None:

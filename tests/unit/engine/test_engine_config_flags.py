@@ -146,5 +146,3 @@ def test_the_lora_flags_reach_the_core_and_refuse_what_cannot_serve(tmp_path):
                               ({"lora_dir": str(tmp_path), "max_lora_rank": 0}, "max_lora_rank=0 must be between 1")):
         with pytest.raises(ConfigError, match=message):
             EngineConfig(**settings).validate()
-    with pytest.raises(ConfigError, match="--lora-dir applies to the native backend only"):
-        EngineConfig(lora_dir=str(tmp_path), backend="vllm", exclude_padding_ids=None)._check_lora("vllm")

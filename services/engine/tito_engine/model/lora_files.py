@@ -89,15 +89,30 @@ def resolve_adapter_dir(root: Path, path: str) -> Path:
     return candidate
 
 
+def read_adapter_config(directory: Path, max_rank: int) -> dict[str, Any]:
+    """The adapter's checked adapter_config.json (rank within `max_rank`), its weights file
+    present: what a backend that reads the weights itself (vLLM) is handed."""
+    config = _parse_config(_read(directory / CONFIG_FILE))
+    _check_rank(config["r"], max_rank)
+    if not (directory / WEIGHTS_FILE).is_file():
+        raise _invalid(f"the adapter has no {WEIGHTS_FILE}; PEFT's save_pretrained writes {CONFIG_FILE} and "
+                       f"{WEIGHTS_FILE}")
+    return config
+
+
+def _check_rank(rank: int, max_rank: int) -> None:
+    if rank > max_rank:
+        raise InvalidArgument(f"the adapter's rank {rank} exceeds the engine's --max-lora-rank {max_rank}",
+                              reason=RANK_TOO_LARGE, field=PATH_FIELD)
+
+
 def read_adapter(directory: Path, shapes: BaseShapes, max_rank: int, dtype: torch.dtype) -> LoraAdapter:
     """The adapter in `directory`, checked against the base model and the rank limit."""
     config_bytes = _read(directory / CONFIG_FILE)
     weight_bytes = _read(directory / WEIGHTS_FILE)
     config = _parse_config(config_bytes)
     rank = config["r"]
-    if rank > max_rank:
-        raise InvalidArgument(f"the adapter's rank {rank} exceeds the engine's --max-lora-rank {max_rank}",
-                              reason=RANK_TOO_LARGE, field=PATH_FIELD)
+    _check_rank(rank, max_rank)
     alpha = float(config.get("lora_alpha", rank))
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     weights = _weights(_parse_tensors(weight_bytes), shapes, rank, dtype)
