@@ -371,3 +371,55 @@ def test_the_openai_sdk_selects_an_adapter_by_model_through_the_three_services(q
     assert texts["tiny"] != texts["mlp-r16"]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-adapter", messages=messages, max_tokens=2)
+
+
+def test_chats_over_four_adapters_while_one_comes_and_goes_equal_their_solo_runs(aio_server, tiny_text_model,
+                                                                                  tmp_path):
+    """64 chats over four adapters, one of them unloaded and loaded again over and over meanwhile:
+    each chat finishes with its solo run's tokens, or (its adapter away when it arrived) is refused
+    NOT_FOUND; the engine serves on."""
+    names = ["w", "x", "y", "z"]
+    for index, name in enumerate(names):
+        make_adapter(tiny_text_model, AdapterSpec(name, 8, ("q_proj", "up_proj"), seed=30 + index), tmp_path / name)
+    stub, channel = _serve(aio_server, tiny_text_model, tmp_path, max_loras=4,
+                           lora_modules=tuple(f"{name}={name}" for name in names))
+    adapters = LoraAdapters(channel, timeout=TIMEOUT)
+    prompts = [_prompt(200 + index, 5 + index) for index in range(8)]
+    solo = {(name, index): _generate(stub, prompt, name)[0] for name in names for index, prompt in enumerate(prompts)}
+    outcomes: list[str] = []
+    stop = threading.Event()
+
+    def churn() -> None:  # "z" comes and goes while the chats run
+        while not stop.is_set():
+            adapters.unload("z")
+            while True:  # back as soon as the requests still using it have finished
+                try:
+                    adapters.load("z", "z")
+                    break
+                except grpc.RpcError as error:
+                    assert error_details(error)["reason"] == "LORA_ADAPTER_EXISTS"
+                    time.sleep(0.005)
+
+    def chat(number: int) -> None:
+        name, index = names[number % 4], (number // 4) % len(prompts)
+        time.sleep(0.002 * number)
+        try:
+            tokens, _ = _generate(stub, prompts[index], name)
+        except grpc.RpcError as error:
+            assert (name, error_details(error)["reason"]) == ("z", "LORA_ADAPTER_NOT_FOUND")
+            outcomes.append("refused")
+            return
+        assert tokens == solo[(name, index)], (name, index)
+        outcomes.append("equal")
+
+    churner = threading.Thread(target=churn)
+    churner.start()
+    chats = [threading.Thread(target=chat, args=(number,)) for number in range(64)]
+    for thread in chats:
+        thread.start()
+    for thread in chats:
+        thread.join(TIMEOUT)
+    stop.set()
+    churner.join(TIMEOUT)
+    assert len(outcomes) == 64 and outcomes.count("equal") >= 48, outcomes
+    assert sorted(adapter.name for adapter in adapters.list()) == names

@@ -3,18 +3,28 @@ the linears that add each token's adapter.
 
 Slot 0 is the base model; slots 1..max_loras hold resident adapters. For each layer and each of
 the forward's fused linears (qkv, o, gate_up, down: families.py fuses q/k/v and gate/up), the
-slots' A matrices are stacked into one `[slots, parts x max_rank, in]` tensor and their B
-matrices into `[slots, out, parts x max_rank]`, B block-diagonal over the fused parts (q's rows
-read q's rank columns only) and pre-multiplied by the adapter's scaling. An adapter of a smaller
-rank, or one that leaves a module out, leaves zeros there, which add nothing.
+slots' A matrices are stacked into one `[slots, W, in]` tensor and their B matrices, transposed,
+into `[slots, W, out]`, where W = parts x max_rank: B is block-diagonal over the fused parts (q's
+outputs read q's rank columns only) and pre-multiplied by the adapter's scaling. An adapter of a
+smaller rank, or one that leaves a module out, leaves zeros there, which add nothing.
 
 A step's rows may use different adapters and the base model at once. Before the forward, the
-runner groups the step's packed tokens by slot (`LoraSlots.begin_step`); each `LoraLinear` then
-runs its base linear once over every token, as without adapters, and adds `(x A^T) B^T` to the
-tokens of each adapter present in the step, one pair of small matmuls per adapter (a segmented
-matmul): never a forward per adapter. Base-model tokens are never touched, so their results are
-the same bits as in an engine without adapters, and a step with no adapter rows skips the whole
-add (one attribute read per linear).
+runner groups the step's packed tokens by their row's slot (`LoraSlots.begin_step`); each
+`LoraLinear` runs its base linear once over every token, exactly as without adapters, then adds
+the adapters' part to the adapter tokens only:
+
+* one adapter in the step: `(x A^T) B` with that slot's matrices;
+* several: one matmul against every adapter slot's A at once (`[tokens, max_loras x W]`), the
+  columns of other slots than each token's zeroed by a mask built once per step, and one matmul
+  against every slot's B: four tensor operations per linear whatever the number of adapters (a
+  loop over the adapters cost four per adapter, and at 32 rows per step on CPU each operation's
+  fixed cost, not its arithmetic, is the price). It spends max_loras x the arithmetic of one
+  adapter's low-rank product, which for ranks far below the hidden size stays a fraction of the
+  base linear's.
+
+Never a forward per adapter. Base-model tokens are never written (the add goes to the adapter
+tokens' rows only), so their results are the same bits as in an engine without adapters, and a
+step with no adapter rows skips the add entirely (one attribute read per linear).
 """
 
 from __future__ import annotations
@@ -34,30 +44,53 @@ FUSED_TARGETS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_
 
 
 class LoraStep:
-    """The adapters of the step being run: (slot, packed token indices or None for every token)
-    per adapter present; empty when every row uses the base model."""
+    """The adapters of the step being run (`LoraSlots.begin_step`).
 
-    __slots__ = ("segments",)
+    `rows`: the packed tokens of adapter rows (None: every token); `slot`: the one adapter's slot
+    when the step has one, else 0; `masks`: for several adapters, per width W, a `[len(rows),
+    max_loras x W]` 0/1 matrix keeping each token's own slot's columns. `active` is False when
+    every row uses the base model."""
+
+    __slots__ = ("active", "rows", "slot", "masks")
 
     def __init__(self):
-        self.segments: tuple[tuple[int, torch.Tensor | None], ...] = ()
+        self.clear()
+
+    def clear(self) -> None:
+        self.active = False
+        self.rows: torch.Tensor | None = None
+        self.slot = 0
+        self.masks: dict[int, torch.Tensor] = {}
 
 
 class LoraLinear:
-    """A fused linear plus the adapters of the step's tokens (see the module docstring)."""
+    """A fused linear plus the adapters of the step's tokens (see the module docstring).
+    `a`: `[slots, W, in]`; `b`: `[slots, W, out]` (B transposed, scaled)."""
 
-    __slots__ = ("base", "a", "b", "step")
+    __slots__ = ("base", "a", "b", "step", "width", "a_all", "b_all")
 
     def __init__(self, base: Any, a: torch.Tensor, b: torch.Tensor, step: LoraStep):
         self.base, self.a, self.b, self.step = base, a, b, step
+        self.width = a.shape[1]
+        # Every adapter slot at once, as views of the stacks (kept current by LoraSlots.write).
+        self.a_all = a[1:].reshape(-1, a.shape[2]).T  # [in, max_loras * W]
+        self.b_all = b[1:].reshape(-1, b.shape[2])  # [max_loras * W, out]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        for slot, rows in self.step.segments:
-            if rows is None:  # every token of the step uses this adapter
-                y += (x @ self.a[slot].T) @ self.b[slot].T
-            else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ self.a[slot].T) @ self.b[slot].T)
+        step = self.step
+        if not step.active:
+            return y
+        rows = step.rows
+        xs = x if rows is None else x.index_select(0, rows)
+        if step.slot:
+            delta = (xs @ self.a[step.slot].T) @ self.b[step.slot]
+        else:
+            delta = ((xs @ self.a_all) * step.masks[self.width]) @ self.b_all
+        if rows is None:
+            y += delta
+        else:
+            y.index_add_(0, rows, delta)
         return y
 
 
@@ -85,7 +118,10 @@ class LoraSlots:
             "q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
             "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)})
         self._layouts = {name: _layout(parts, self.shapes) for name, parts in FUSED_TARGETS.items()}
-        # Per layer, per fused linear: (A [slots, parts * rank, in], B [slots, out, parts * rank]).
+        # Per width W of a fused linear: which adapter slot (0-based) each of its all-slots columns reads.
+        self._column_slots = {width: torch.arange(max_loras, device=self.device).repeat_interleave(width)
+                              for width in {len(layout.parts) * max_rank for layout in self._layouts.values()}}
+        # Per layer, per fused linear: (A [slots, W, in], B transposed [slots, W, out]), W = parts * rank.
         self._stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
         slots = max_loras + 1
         for layer in family.layers:
@@ -95,7 +131,7 @@ class LoraSlots:
                 out_features, in_features = base.shape
                 width = len(layout.parts) * max_rank
                 a = torch.zeros(slots, width, in_features, dtype=self.dtype, device=self.device)
-                b = torch.zeros(slots, out_features, width, dtype=self.dtype, device=self.device)
+                b = torch.zeros(slots, width, out_features, dtype=self.dtype, device=self.device)
                 stacks[name] = (a, b)
                 setattr(layer, name, LoraLinear(base, a, b, self.step))
             self._stacks.append(stacks)
@@ -116,7 +152,8 @@ class LoraSlots:
             column = layout.parts.index(module) * self.max_rank
             start, end = layout.out_ranges[module]
             stack_a[slot, column:column + rank] = a.to(self.device)
-            stack_b[slot, start:end, column:column + rank] = (b.float() * adapter.scaling).to(self.device, self.dtype)
+            scaled = (b.float() * adapter.scaling).T
+            stack_b[slot, column:column + rank, start:end] = scaled.to(self.device, self.dtype)
 
     @torch.inference_mode()
     def clear(self, slot: int) -> None:
@@ -130,28 +167,33 @@ class LoraSlots:
 
     def begin_step(self, rows: list[RowInput]) -> None:
         """Group the step's packed tokens by their row's adapter slot (the forward packs the rows'
-        tokens in order)."""
-        ranges: dict[int, list[tuple[int, int]]] = {}
+        tokens in order) and build what LoraLinear needs for this step."""
+        step = self.step
+        step.clear()
+        index: list[int] = []
+        slots: list[int] = []
         offset = 0
         for row in rows:
             count = len(row.token_ids)
             if row.lora_slot:
-                ranges.setdefault(row.lora_slot, []).append((offset, offset + count))
+                index.extend(range(offset, offset + count))
+                slots.extend([row.lora_slot] * count)
             offset += count
-        if not ranges:
-            self.step.segments = ()
+        if not index:
             return
-        segments = []
-        for slot, spans in ranges.items():
-            if len(spans) == 1 and spans[0] == (0, offset):
-                segments.append((slot, None))
-                continue
-            index = [position for start, end in spans for position in range(start, end)]
-            segments.append((slot, torch.tensor(index, dtype=torch.long, device=self.device)))
-        self.step.segments = tuple(segments)
+        step.active = True
+        if len(index) < offset:
+            step.rows = torch.tensor(index, dtype=torch.long, device=self.device)
+        present = set(slots)
+        if len(present) == 1:
+            step.slot = slots[0]
+            return
+        token_slot = torch.tensor(slots, dtype=torch.long, device=self.device) - 1
+        for width, column_slot in self._column_slots.items():
+            step.masks[width] = (token_slot[:, None] == column_slot[None, :]).to(self.dtype)
 
     def end_step(self) -> None:
-        self.step.segments = ()
+        self.step.clear()
 
 
 def _layout(parts: tuple[str, ...], shapes: BaseShapes) -> _FusedLayout:
