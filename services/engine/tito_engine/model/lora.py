@@ -11,20 +11,17 @@ smaller rank, or one that leaves a module out, leaves zeros there, which add not
 A step's rows may use different adapters and the base model at once. Before the forward, the
 runner groups the step's packed tokens by their row's slot (`LoraSlots.begin_step`); each
 `LoraLinear` runs its base linear once over every token, exactly as without adapters, then adds
-the adapters' part to the adapter tokens only:
+`(x A^T) B` to each adapter's tokens with that slot's matrices: one small matmul pair per adapter
+present in the step (a segmented matmul), never a forward per adapter. Base-model tokens are never
+written (the add goes to the adapter tokens' rows only), so their results are the same bits as in
+an engine without adapters, and a step with no adapter rows skips the add entirely (one attribute
+read per linear).
 
-* one adapter in the step: `(x A^T) B` with that slot's matrices;
-* several: one matmul against every adapter slot's A at once (`[tokens, max_loras x W]`), the
-  columns of other slots than each token's zeroed by a mask built once per step, and one matmul
-  against every slot's B: four tensor operations per linear whatever the number of adapters (a
-  loop over the adapters cost four per adapter, and at 32 rows per step on CPU each operation's
-  fixed cost, not its arithmetic, is the price). It spends max_loras x the arithmetic of one
-  adapter's low-rank product, which for ranks far below the hidden size stays a fraction of the
-  base linear's.
-
-Never a forward per adapter. Base-model tokens are never written (the add goes to the adapter
-tokens' rows only), so their results are the same bits as in an engine without adapters, and a
-step with no adapter rows skips the add entirely (one attribute read per linear).
+One masked product against every slot at once (four tensor operations per linear whatever the
+number of adapters) was measured against this and lost: on CPU a small matmul's time grows with
+its columns from a few dozen on, and max_loras x the rank of columns cost more than the
+operations it saved (bench/lora.py's model on 2 shared AMD EPYC cores, 32 decode rows over 4
+adapters: 44 ms a step against 30, the base model alone 21).
 """
 
 from __future__ import annotations
@@ -44,14 +41,12 @@ FUSED_TARGETS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_
 
 
 class LoraStep:
-    """The adapters of the step being run (`LoraSlots.begin_step`).
+    """The adapters of the step being run (`LoraSlots.begin_step`): `rows`, the packed tokens of
+    adapter rows (None: every token), and per adapter present its slot, its tokens' places among
+    `rows` (None: all of them) and their packed positions (None: every token). `active` is False
+    when every row uses the base model."""
 
-    `rows`: the packed tokens of adapter rows (None: every token); `slot`: the one adapter's slot
-    when the step has one, else 0; `masks`: for several adapters, per width W, a `[len(rows),
-    max_loras x W]` 0/1 matrix keeping each token's own slot's columns. `active` is False when
-    every row uses the base model."""
-
-    __slots__ = ("active", "rows", "slot", "masks")
+    __slots__ = ("active", "rows", "segments")
 
     def __init__(self):
         self.clear()
@@ -59,22 +54,17 @@ class LoraStep:
     def clear(self) -> None:
         self.active = False
         self.rows: torch.Tensor | None = None
-        self.slot = 0
-        self.masks: dict[int, torch.Tensor] = {}
+        self.segments: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = []
 
 
 class LoraLinear:
     """A fused linear plus the adapters of the step's tokens (see the module docstring).
     `a`: `[slots, W, in]`; `b`: `[slots, W, out]` (B transposed, scaled)."""
 
-    __slots__ = ("base", "a", "b", "step", "width", "a_all", "b_all")
+    __slots__ = ("base", "a", "b", "step")
 
     def __init__(self, base: Any, a: torch.Tensor, b: torch.Tensor, step: LoraStep):
         self.base, self.a, self.b, self.step = base, a, b, step
-        self.width = a.shape[1]
-        # Every adapter slot at once, as views of the stacks (kept current by LoraSlots.write).
-        self.a_all = a[1:].reshape(-1, a.shape[2]).T  # [in, max_loras * W]
-        self.b_all = b[1:].reshape(-1, b.shape[2])  # [max_loras * W, out]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -83,15 +73,18 @@ class LoraLinear:
             return y
         rows = step.rows
         xs = x if rows is None else x.index_select(0, rows)
-        if step.slot:
-            delta = (xs @ self.a[step.slot].T) @ self.b[step.slot]
-        else:
-            delta = ((xs @ self.a_all) * step.masks[self.width]) @ self.b_all
-        if rows is None:
-            y += delta
-        else:
-            y.index_add_(0, rows, delta)
+        for slot, own, target in step.segments:
+            part = xs if own is None else xs.index_select(0, own)
+            _add(y, target, (part @ self.a[slot].T) @ self.b[slot])
         return y
+
+
+def _add(y: torch.Tensor, rows: torch.Tensor | None, delta: torch.Tensor) -> None:
+    """y[rows] += delta (rows None: every row), in place."""
+    if rows is None:
+        y += delta
+    else:
+        y.index_add_(0, rows, delta)
 
 
 @dataclass(frozen=True)
@@ -118,9 +111,6 @@ class LoraSlots:
             "q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
             "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)})
         self._layouts = {name: _layout(parts, self.shapes) for name, parts in FUSED_TARGETS.items()}
-        # Per width W of a fused linear: which adapter slot (0-based) each of its all-slots columns reads.
-        self._column_slots = {width: torch.arange(max_loras, device=self.device).repeat_interleave(width)
-                              for width in {len(layout.parts) * max_rank for layout in self._layouts.values()}}
         # Per layer, per fused linear: (A [slots, W, in], B transposed [slots, W, out]), W = parts * rank.
         self._stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
         slots = max_loras + 1
@@ -184,13 +174,14 @@ class LoraSlots:
         step.active = True
         if len(index) < offset:
             step.rows = torch.tensor(index, dtype=torch.long, device=self.device)
-        present = set(slots)
+        present = sorted(set(slots))
         if len(present) == 1:
-            step.slot = slots[0]
+            step.segments = [(present[0], None, step.rows)]
             return
-        token_slot = torch.tensor(slots, dtype=torch.long, device=self.device) - 1
-        for width, column_slot in self._column_slots.items():
-            step.masks[width] = (token_slot[:, None] == column_slot[None, :]).to(self.dtype)
+        for slot in present:
+            own = [place for place, token_slot in enumerate(slots) if token_slot == slot]
+            step.segments.append((slot, torch.tensor(own, dtype=torch.long, device=self.device),
+                                  torch.tensor([index[place] for place in own], dtype=torch.long, device=self.device)))
 
     def end_step(self) -> None:
         self.step.clear()
