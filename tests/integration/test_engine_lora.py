@@ -347,7 +347,7 @@ def test_the_openai_sdk_selects_an_adapter_by_model_through_the_three_services(q
     async def gateway():
         return _StoppableGateway(await create_gateway(GatewayConfig(
             address="127.0.0.1:0", render_address=render.address, engine_address=qwen2.address,
-            derender_address=derender.address, served_model_name="tiny")))
+            derender_address=derender.address, served_model_name="tiny", allow_runtime_lora_updating=True)))
 
     base_url = f"http://{module_aio_server(gateway).address}/v1"
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
@@ -371,6 +371,15 @@ def test_the_openai_sdk_selects_an_adapter_by_model_through_the_three_services(q
     assert texts["tiny"] != texts["mlp-r16"]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-adapter", messages=messages, max_tokens=2)
+
+    # vLLM's loading endpoints (--allow-runtime-lora-updating): loaded on the engine, usable at once.
+    make_adapter(tiny_text_model, AdapterSpec("late", 8, ("o_proj",), seed=9), qwen2.root / "late")
+    loaded = client.post("/load_lora_adapter", body={"lora_name": "late", "lora_path": "late"}, cast_to=str)
+    assert loaded == "Success: LoRA adapter 'late' added successfully."
+    reply = client.chat.completions.create(model="late", messages=messages, max_tokens=6, temperature=0)
+    assert reply.usage.completion_tokens > 0 and "late" in {card.id for card in client.models.list().data}
+    client.post("/unload_lora_adapter", body={"lora_name": "late"}, cast_to=str)
+    assert "late" not in [adapter.name for adapter in qwen2.adapters.list()]
 
 
 def test_chats_over_four_adapters_while_one_comes_and_goes_equal_their_solo_runs(aio_server, tiny_text_model,

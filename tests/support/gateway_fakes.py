@@ -55,5 +55,11 @@ class FakeUpstream:
         self.adapter_lists += 1
         return [engine_pb2.LoraAdapterInfo(name=name, path=f"adapters/{name}") for name in self.adapters]
 
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        self.adapters.append(name)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        self.adapters.remove(name)
+
     async def health(self) -> dict[str, str]:
         return dict(self.states)

@@ -301,6 +301,14 @@ class EngineRouter:
             if engine is not None:
                 engine.reachable = False
 
+    def poll_loads(self) -> None:
+        """Ask every engine's GetLoad now rather than at the next poll (e.g. after loading an
+        adapter everywhere, so the next pick knows it)."""
+        with self._lock:
+            engines = list(self._engines.values())
+        for engine in engines:
+            self._poll_load(engine)
+
     def adapters(self) -> list[str]:
         """The LoRA adapters any reachable engine held at its last GetLoad, sorted."""
         with self._lock:

@@ -63,8 +63,10 @@ class Gateway:
 
     def __init__(self, upstream: Upstream, *, served_model_name: str = "", token: str = "",
                  auth_exempt_health: bool = True, max_body_bytes: int = 32 * 1024 * 1024,
-                 max_concurrent_requests: int = 1024, body_timeout: float = 30.0):
+                 max_concurrent_requests: int = 1024, body_timeout: float = 30.0, lora_updating: bool = False):
+        """`lora_updating`: serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter."""
         self.upstream = upstream
+        self.lora_updating = lora_updating
         self._model = served_model_name
         self._model_info: render_pb2.RenderServiceGetModelInfoResponse | None = None
         # The LoRA adapters `model` may name, as last asked of the engines, and when.
@@ -372,6 +374,35 @@ class Gateway:
             return error_response(from_exception(exc))
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
 
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"}: loaded on every engine."""
+        return await self._update_adapters(request, ("lora_name", "lora_path"), "added")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's POST /v1/unload_lora_adapter {"lora_name"}: unloaded from every engine."""
+        return await self._update_adapters(request, ("lora_name",), "removed")
+
+    async def _update_adapters(self, request: Request, fields: tuple[str, ...], done: str) -> Response:
+        try:
+            self.authorize(request)
+            body = openai_in.parse_body(await self.read_body(request))
+            values = []
+            for field in fields:
+                value = body.get(field)
+                if not isinstance(value, str) or not value:
+                    raise InvalidArgument(f"{field} is required: a non-empty string", reason="INVALID_REQUEST",
+                                          field=field)
+                values.append(value)
+            if done == "added":
+                await self.upstream.load_lora_adapter(*values)
+            else:
+                await self.upstream.unload_lora_adapter(*values)
+        except (TitoError, Exception) as exc:
+            return error_response(from_exception(exc))
+        self._adapters_at = float("-inf")  # the next request naming it asks the engines again
+        # vLLM's answer, word for word (plain text).
+        return Response(f"Success: LoRA adapter '{values[0]}' {done} successfully.", media_type="text/plain")
+
     # -- the application --------------------------------------------------------------------------
 
     def asgi(self) -> Starlette:
@@ -396,6 +427,9 @@ class Gateway:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ]
+        if self.lora_updating:
+            routes += [Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+                       Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"])]
         return Starlette(routes=routes, exception_handlers={HTTPException: http_error, ClientDisconnect: client_gone})
 
 

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from gateway_fakes import SERVED
-from tito_gateway.app import ADAPTERS_MIN_AGE
+from starlette.testclient import TestClient
+from tito_gateway.app import ADAPTERS_MIN_AGE, Gateway
 
 
 def test_an_unknown_model_is_answered_as_openai_answers_it(client):
@@ -60,3 +61,18 @@ def test_a_model_naming_a_lora_adapter_selects_it_and_the_list_names_its_parent(
     models = client.get("/v1/models").json()["data"]
     assert [(model["id"], model.get("parent"), model.get("root")) for model in models] == [
         (SERVED, None, None), ("sql", SERVED, "adapters/sql")]
+
+
+def test_vllms_lora_loading_endpoints_only_where_the_operator_allows_them(client, upstream):
+    body = {"lora_name": "sql", "lora_path": "sql-r16"}
+    assert client.post("/v1/load_lora_adapter", json=body).status_code == 404  # off by default
+    with TestClient(Gateway(upstream, lora_updating=True).asgi(), raise_server_exceptions=False) as http:
+        reply = http.post("/v1/load_lora_adapter", json=body)
+        assert (reply.status_code, reply.text) == (200, "Success: LoRA adapter 'sql' added successfully.")
+        chat = {"model": "sql", "messages": [{"role": "user", "content": "Hi"}]}
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200  # usable at once
+        missing = http.post("/v1/load_lora_adapter", json={"lora_name": "x"})
+        assert (missing.status_code, missing.json()["error"]["param"]) == (400, "lora_path")
+        reply = http.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
+        assert (reply.status_code, reply.text) == (200, "Success: LoRA adapter 'sql' removed successfully.")
+    assert upstream.adapters == []
