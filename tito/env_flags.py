@@ -87,6 +87,13 @@ def parse_env_value(action: argparse.Action, name: str, raw: str):
         if isinstance(action, argparse._StoreConstAction) and not isinstance(action, argparse.BooleanOptionalAction):
             return action.const if on else action.default
         return on
+    if action.nargs in ("*", "+"):  # several values: separated by spaces
+        return [parse_env_value_one(action, name, word) for word in raw.split()]
+    return parse_env_value_one(action, name, raw)
+
+
+def parse_env_value_one(action: argparse.Action, name: str, raw: str):
+    """One value of a flag's, converted and checked like the flag's own."""
     value = raw
     if action.type is not None:
         try:

@@ -98,6 +98,12 @@ class NotFound(TitoError):
     code_name = "NOT_FOUND"
 
 
+class AlreadyExists(TitoError):
+    """A thing the caller asked to create (by name) exists already."""
+
+    code_name = "ALREADY_EXISTS"
+
+
 class OutOfRange(TitoError):
     """A position the caller named (e.g. a sequence number) lies outside what the server holds."""
 

@@ -57,6 +57,9 @@ class Setting:
     #: `add_arguments` does not.
     common: bool = False
     deprecated_flag: str | None = None
+    #: argparse's nargs for a flag that takes several values (e.g. "*"); its TITO_* variable
+    #: then holds them separated by spaces.
+    nargs: str | None = None
 
 
 def setting(default: Any, *, help: str, **options: Any) -> Any:  # noqa: A002 - argparse's word
@@ -151,6 +154,8 @@ def _argparse_options(item: Declared) -> dict[str, Any]:
         options["choices"] = item.setting.choices
     if item.setting.metavar is not None:
         options["metavar"] = item.setting.metavar
+    if item.setting.nargs is not None:
+        options["nargs"] = item.setting.nargs
     return options
 
 

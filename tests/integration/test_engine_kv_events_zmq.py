@@ -45,10 +45,12 @@ def as_vllm(batch: engine_pb2.SubscribeKvEventsResponse):
         if kind == "block_stored":
             stored = event.block_stored
             extra = None
-            if stored.extra_keys:
-                extra = [tuple([*([key.mm_hash, key.offset] for key in keys.media),
+            lora = [stored.lora_name] if stored.lora_name else []
+            if stored.extra_keys or lora:
+                entries = stored.extra_keys or [engine_pb2.BlockExtraKeys()] * len(stored.block_hashes)
+                extra = [tuple([*lora, *([key.mm_hash, key.offset] for key in keys.media),
                                 *([keys.cache_salt] if keys.cache_salt else [])]) or None
-                         for keys in stored.extra_keys]
+                         for keys in entries]
             events.append(BlockStored(
                 block_hashes=[_hash(h) for h in stored.block_hashes],
                 parent_block_hash=_hash(stored.parent_block_hash) if stored.HasField("parent_block_hash") else None,

@@ -29,9 +29,11 @@ from google.protobuf import struct_pb2
 
 from fuzz_requests import SweepCase, byte_cases, field_cases, field_sweep
 from images import noise_png
+from lora_adapters import q_proj_adapter, write_adapter
 from tito.grpc_errors import error_details
 from tito.v1 import (chat_pb2, derender_pb2, engine_pb2, engine_pb2_grpc, multimodal_pb2, render_pb2,
                      render_pb2_grpc)
+from tito_client import LoraAdapters
 from tito_derender.config import DerenderConfig
 from tito_derender.server import create_server as create_derender
 from tito_engine.config import EngineConfig
@@ -53,12 +55,15 @@ def servers(module_aio_server, tiny_vl_model, tiny_text_model, tmp_path_factory)
     key_file.write_bytes(b"fuzz-hmac-key-0123456789abcdef-0123456789\n")
     signing = {"hmac_key_file": str(key_file), "hmac_key_id": "fuzz"}
     store = str(tmp_path_factory.mktemp("fuzz-encoder-store"))
+    lora_dir = tmp_path_factory.mktemp("fuzz-lora")  # one adapter, loaded at start as "fuzz"
+    write_adapter(lora_dir / "adapter", *q_proj_adapter(64))
     return {
         "render": module_aio_server(lambda: create_render(RenderConfig(model=model, **signing))),
         # A short context keeps every generation the fuzzer starts short.
         "engine": module_aio_server(lambda: create_engine(EngineConfig(model=model, device="cpu", max_model_len=512,
                                                                        engine_process=False, encoder_store_dir=store,
-                                                                       **signing))),
+                                                                       lora_dir=str(lora_dir),
+                                                                       lora_modules=("fuzz=adapter",), **signing))),
         "derender": module_aio_server(lambda: create_derender(DerenderConfig(model=model))),
         "engine_drained": module_aio_server(lambda: create_engine(EngineConfig(
             model=str(tiny_text_model), device="cpu", max_model_len=512, engine_process=False))),
@@ -130,6 +135,10 @@ def seeds(servers, rendered):
         "/tito.v1.EngineService/SubscribeKvEvents": engine_pb2.SubscribeKvEventsRequest(start_sequence=0),
         "/tito.v1.EngineService/ResetPrefixCache": engine_pb2.ResetPrefixCacheRequest(),
         "/tito.v1.EngineService/Drain": engine_pb2.DrainRequest(grace_seconds=5.0),
+        "/tito.v1.EngineService/LoadLoraAdapter": engine_pb2.LoadLoraAdapterRequest(lora_name="fuzz-2",
+                                                                                     lora_path="adapter"),
+        "/tito.v1.EngineService/UnloadLoraAdapter": engine_pb2.UnloadLoraAdapterRequest(lora_name="fuzz-2"),
+        "/tito.v1.EngineService/ListLoraAdapters": engine_pb2.ListLoraAdaptersRequest(),
         "/tito.v1.DerenderService/Derender": stream,
         "/tito.v1.DerenderService/DerenderBatch": batch,
         "/tito.v1.DerenderService/DerenderFull": derender_pb2.DerenderFullRequest(
@@ -259,6 +268,20 @@ def test_fuzzed_requests_never_break_a_service(servers, seeds, service):
             assert (load.running_requests, load.waiting_requests) == (0, 0)
 
 
+#: RPCs that change what the engine holds: their seed answers OK only from the state it expects.
+ADAPTER_CHANGES = ("/tito.v1.EngineService/LoadLoraAdapter", "/tito.v1.EngineService/UnloadLoraAdapter")
+
+
+def _hold_only_the_seed_adapter(channel, loaded: bool) -> None:
+    """Unload every adapter the fuzz loaded; hold the seeds' "fuzz-2" when `loaded` (for Unload's seed)."""
+    adapters = LoraAdapters(channel, timeout=TIMEOUT)
+    for adapter in adapters.list():
+        if adapter.name != "fuzz":
+            adapters.unload(adapter.name)
+    if loaded:
+        adapters.load("fuzz-2", "adapter")
+
+
 def _good(seeds, method):
     seed = seeds[method]
     return [m.SerializeToString() for m in seed] if isinstance(seed, list) else seed.SerializeToString()
@@ -313,6 +336,8 @@ def test_every_field_of_every_rpc_alone_never_breaks_a_service(servers, seeds, s
               ", ".join(f"{code}={count}" for code, count in sorted(outcomes.items())))
         assert not bugs, f"{method}: {len(bugs)} cases answered as bugs:\n" + "\n".join(bugs)
         # Still fully working, and nothing left behind.
+        if method in ADAPTER_CHANGES:
+            _hold_only_the_seed_adapter(channel, loaded=method.endswith("/UnloadLoraAdapter"))
         assert _call(channel, method, _good(seeds, method)) == grpc.StatusCode.OK
         if service == "engine":
             load = engine_pb2_grpc.EngineServiceStub(channel).GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT)

@@ -43,11 +43,24 @@ class FakePipeline:
 
 
 class FakeUpstream:
-    """Upstream's face: the pipeline and each service's health (`states`, settable)."""
+    """Upstream's face: the pipeline, each service's health (`states`, settable) and the engines'
+    LoRA adapters (`adapters`, names; `adapter_lists` counts the times they were asked for)."""
 
     def __init__(self, model_id: str) -> None:
         self.pipeline = FakePipeline(model_id)
         self.states = dict(SERVING)
+        self.adapters: list[str] = []
+        self.adapter_lists = 0
+
+    async def lora_adapters(self) -> list[engine_pb2.LoraAdapterInfo]:
+        self.adapter_lists += 1
+        return [engine_pb2.LoraAdapterInfo(name=name, path=f"adapters/{name}") for name in self.adapters]
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        self.adapters.append(name)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        self.adapters.remove(name)
 
     async def health(self) -> dict[str, str]:
         return dict(self.states)

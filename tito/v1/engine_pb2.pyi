@@ -23,18 +23,20 @@ FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_TOOL_CALLS: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "mm_features", "sampling_params", "cache_salt")
+    __slots__ = ("request_id", "token_ids", "mm_features", "sampling_params", "cache_salt", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MM_FEATURES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     mm_features: _multimodal_pb2.MultiModalFeatures
     sampling_params: _sampling_pb2.SamplingParams
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., mm_features: _Optional[_Union[_multimodal_pb2.MultiModalFeatures, _Mapping]] = ..., sampling_params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., mm_features: _Optional[_Union[_multimodal_pb2.MultiModalFeatures, _Mapping]] = ..., sampling_params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "rank")
@@ -121,7 +123,7 @@ class ModalityInfo(_message.Message):
     def __init__(self, modality: _Optional[_Union[_multimodal_pb2.Modality, str]] = ..., placeholder_token: _Optional[str] = ..., placeholder_token_id: _Optional[int] = ...) -> None: ...
 
 class EngineServiceGetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "max_context_length", "eos_token_ids", "modalities", "dtype", "device", "model_fingerprint", "max_running_requests", "tokenizer_vocab_size")
+    __slots__ = ("model_id", "vocab_size", "max_context_length", "eos_token_ids", "modalities", "dtype", "device", "model_fingerprint", "max_running_requests", "tokenizer_vocab_size", "lora_adapters", "max_loras", "max_lora_rank")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +134,9 @@ class EngineServiceGetModelInfoResponse(_message.Message):
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     max_context_length: int
@@ -142,14 +147,17 @@ class EngineServiceGetModelInfoResponse(_message.Message):
     model_fingerprint: str
     max_running_requests: int
     tokenizer_vocab_size: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., modalities: _Optional[_Iterable[_Union[ModalityInfo, _Mapping]]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_running_requests: _Optional[int] = ..., tokenizer_vocab_size: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
+    max_loras: int
+    max_lora_rank: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., modalities: _Optional[_Iterable[_Union[ModalityInfo, _Mapping]]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_running_requests: _Optional[int] = ..., tokenizer_vocab_size: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "kv_blocks_total", "kv_blocks_used", "kv_block_size", "encoder_cache_hits", "encoder_cache_misses", "prefix_cache_hit_tokens", "finished_requests", "encoded_items", "encoder_store_loads", "draining")
+    __slots__ = ("running_requests", "waiting_requests", "kv_blocks_total", "kv_blocks_used", "kv_block_size", "encoder_cache_hits", "encoder_cache_misses", "prefix_cache_hit_tokens", "finished_requests", "encoded_items", "encoder_store_loads", "draining", "lora_adapters")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +170,7 @@ class GetLoadResponse(_message.Message):
     ENCODED_ITEMS_FIELD_NUMBER: _ClassVar[int]
     ENCODER_STORE_LOADS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     kv_blocks_total: int
@@ -174,7 +183,8 @@ class GetLoadResponse(_message.Message):
     encoded_items: int
     encoder_store_loads: int
     draining: bool
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., encoder_cache_hits: _Optional[int] = ..., encoder_cache_misses: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., encoded_items: _Optional[int] = ..., encoder_store_loads: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., encoder_cache_hits: _Optional[int] = ..., encoder_cache_misses: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., encoded_items: _Optional[int] = ..., encoder_store_loads: _Optional[int] = ..., draining: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ...) -> None: ...
 
 class SubscribeKvEventsRequest(_message.Message):
     __slots__ = ("start_sequence",)
@@ -269,3 +279,55 @@ class DrainResponse(_message.Message):
     IN_FLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     in_flight_requests: int
     def __init__(self, in_flight_requests: _Optional[int] = ...) -> None: ...
+
+class LoraAdapterInfo(_message.Message):
+    __slots__ = ("name", "path", "rank", "target_modules", "active_requests", "resident")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    active_requests: int
+    resident: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., active_requests: _Optional[int] = ..., resident: _Optional[bool] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class LoadLoraAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoraAdapterInfo
+    def __init__(self, adapter: _Optional[_Union[LoraAdapterInfo, _Mapping]] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterResponse(_message.Message):
+    __slots__ = ("active_requests",)
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    active_requests: int
+    def __init__(self, active_requests: _Optional[int] = ...) -> None: ...
+
+class ListLoraAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLoraAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ...) -> None: ...

@@ -76,6 +76,21 @@ class EngineServiceStub:
                 request_serializer=tito_dot_v1_dot_engine__pb2.DrainRequest.SerializeToString,
                 response_deserializer=tito_dot_v1_dot_engine__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/tito.v1.EngineService/LoadLoraAdapter',
+                request_serializer=tito_dot_v1_dot_engine__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=tito_dot_v1_dot_engine__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/tito.v1.EngineService/UnloadLoraAdapter',
+                request_serializer=tito_dot_v1_dot_engine__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=tito_dot_v1_dot_engine__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/tito.v1.EngineService/ListLoraAdapters',
+                request_serializer=tito_dot_v1_dot_engine__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=tito_dot_v1_dot_engine__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -153,6 +168,29 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoadLoraAdapter loads a PEFT LoRA adapter from a directory under the engine's --lora-dir and
+        makes it available to GenerateRequest.lora_name (same auth as every RPC).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """UnloadLoraAdapter forgets an adapter: requests already using it finish, new ones naming it are
+        refused with NOT_FOUND; its slot is freed once the last of them ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """ListLoraAdapters lists the adapters the engine holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -195,6 +233,21 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=tito_dot_v1_dot_engine__pb2.DrainRequest.FromString,
                     response_serializer=tito_dot_v1_dot_engine__pb2.DrainResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=tito_dot_v1_dot_engine__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=tito_dot_v1_dot_engine__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=tito_dot_v1_dot_engine__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=tito_dot_v1_dot_engine__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=tito_dot_v1_dot_engine__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=tito_dot_v1_dot_engine__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -415,6 +468,87 @@ class EngineService:
             '/tito.v1.EngineService/Drain',
             tito_dot_v1_dot_engine__pb2.DrainRequest.SerializeToString,
             tito_dot_v1_dot_engine__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tito.v1.EngineService/LoadLoraAdapter',
+            tito_dot_v1_dot_engine__pb2.LoadLoraAdapterRequest.SerializeToString,
+            tito_dot_v1_dot_engine__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tito.v1.EngineService/UnloadLoraAdapter',
+            tito_dot_v1_dot_engine__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            tito_dot_v1_dot_engine__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tito.v1.EngineService/ListLoraAdapters',
+            tito_dot_v1_dot_engine__pb2.ListLoraAdaptersRequest.SerializeToString,
+            tito_dot_v1_dot_engine__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -96,7 +96,7 @@ class MediaOptions(_message.Message):
     def __init__(self, min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., processor_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class RenderChatRequest(_message.Message):
-    __slots__ = ("request_id", "messages", "tools", "tool_choice", "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "sampling", "mm_payload", "media_options", "cache_salt", "return_prompt_text", "response_format", "parallel_tool_calls", "usage_in_every_chunk")
+    __slots__ = ("request_id", "messages", "tools", "tool_choice", "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "sampling", "mm_payload", "media_options", "cache_salt", "return_prompt_text", "response_format", "parallel_tool_calls", "usage_in_every_chunk", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class RenderChatRequest(_message.Message):
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     USAGE_IN_EVERY_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[_chat_pb2.ChatMessage]
     tools: _containers.RepeatedCompositeFieldContainer[_chat_pb2.Tool]
@@ -129,7 +130,8 @@ class RenderChatRequest(_message.Message):
     response_format: ResponseFormat
     parallel_tool_calls: bool
     usage_in_every_chunk: bool
-    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_chat_pb2.ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[_chat_pb2.Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_chat_pb2.ToolChoice, _Mapping]] = ..., chat_template: _Optional[str] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., mm_payload: _Optional[_Union[_multimodal_pb2.MmPayload, str]] = ..., media_options: _Optional[_Union[MediaOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., return_prompt_text: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., usage_in_every_chunk: _Optional[bool] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_chat_pb2.ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[_chat_pb2.Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_chat_pb2.ToolChoice, _Mapping]] = ..., chat_template: _Optional[str] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., mm_payload: _Optional[_Union[_multimodal_pb2.MmPayload, str]] = ..., media_options: _Optional[_Union[MediaOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., return_prompt_text: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., usage_in_every_chunk: _Optional[bool] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class RenderChatResponse(_message.Message):
     __slots__ = ("generate_request", "derender_context", "prompt_text")
@@ -142,7 +144,7 @@ class RenderChatResponse(_message.Message):
     def __init__(self, generate_request: _Optional[_Union[_engine_pb2.GenerateRequest, _Mapping]] = ..., derender_context: _Optional[_Union[_derender_pb2.DerenderContext, _Mapping]] = ..., prompt_text: _Optional[str] = ...) -> None: ...
 
 class RenderCompletionRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "add_special_tokens", "sampling", "cache_salt", "usage_in_every_chunk")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "add_special_tokens", "sampling", "cache_salt", "usage_in_every_chunk", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +152,7 @@ class RenderCompletionRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     USAGE_IN_EVERY_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -157,7 +160,8 @@ class RenderCompletionRequest(_message.Message):
     sampling: SamplingOptions
     cache_salt: str
     usage_in_every_chunk: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., add_special_tokens: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., usage_in_every_chunk: _Optional[bool] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., add_special_tokens: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., usage_in_every_chunk: _Optional[bool] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class RenderCompletionResponse(_message.Message):
     __slots__ = ("generate_request", "derender_context")

@@ -12,6 +12,11 @@ ids. A request's chain keys are computed the same way from its `GenerateRequest`
 with the most leading blocks wins, ties and cold prompts go to the least loaded (`GetLoad`, plus
 what this router has in flight there).
 
+LoRA adapters: a chain starts from the adapter's name (`BlockStored.lora_name`,
+`GenerateRequest.lora_name`), so blocks computed under one adapter never count for another or for
+the base model; and a request naming an adapter goes only to engines that hold it (GetLoad lists
+their adapters), by prefix and load among them, or, when none does, to the least loaded engine.
+
 Engines come and go: from a static list, or from DNS (`dns:///engines.default.svc:50052`, a
 headless Service: every address it resolves to is an engine, re-resolved periodically). An
 engine whose event stream stops (or fails) is routed to by load only until its stream recovers
@@ -68,11 +73,18 @@ def _chain(parent: bytes, tokens: Sequence[int], media: Iterable[tuple[str, int]
     return digest.digest()
 
 
+def chain_root(lora_name: str) -> bytes:
+    """Where a prompt's chain starts: the base model's root, or one per LoRA adapter."""
+    if not lora_name:
+        return _ROOT
+    return hashlib.blake2b(_ROOT + b"lora\0" + lora_name.encode(), digest_size=16).digest()
+
+
 def request_keys(request: engine_pb2.GenerateRequest, block_size: int) -> list[bytes]:
     """Chain keys of the request's full prompt blocks, as engines' events describe them."""
     tokens = request.token_ids
     items = [(item.mm_hash, item.placeholder.offset, item.placeholder.length) for item in request.mm_features.items]
-    keys, parent = [], _ROOT
+    keys, parent = [], chain_root(request.lora_name)
     for index in range(len(tokens) // block_size):
         start, end = index * block_size, (index + 1) * block_size
         media = [(mm_hash, offset - start) for mm_hash, offset, length in items
@@ -123,7 +135,7 @@ class EngineView:
             if parent is None:  # its parent was never seen (evicted, or before our view): unreachable
                 return
         else:
-            parent = _ROOT
+            parent = chain_root(stored.lora_name)
         for index, block_id in enumerate(stored.block_hashes):
             keys = stored.extra_keys[index] if index < len(stored.extra_keys) else None
             media = [(key.mm_hash, key.offset) for key in keys.media] if keys is not None else []
@@ -156,6 +168,7 @@ class Engine:
     reported_load: int = 0  # running + waiting requests at its last GetLoad
     in_flight: int = 0  # requests this router has running there
     block_size: int = 0  # GetLoad's kv_block_size
+    adapters: frozenset[str] = frozenset()  # the LoRA adapters it held at its last GetLoad
     stopped: bool = False
     channel: grpc.Channel | None = None
     stream: object = None  # the SubscribeKvEvents call, to cancel it
@@ -252,6 +265,8 @@ class EngineRouter:
                 candidates = [engine for engine in candidates if engine.address != avoid] or candidates
             if not candidates:
                 raise NoEngineAvailable(f"no engine is reachable (known: {', '.join(self._engines) or 'none'})")
+            if request.lora_name:  # only where the adapter is held, when it is held anywhere
+                candidates = [e for e in candidates if request.lora_name in e.adapters] or candidates
             if self.policy == "round_robin":
                 engine = candidates[next(self._round_robin) % len(candidates)]
                 return Choice(engine.address, self._matched(engine, request, {}), self.policy)
@@ -301,6 +316,19 @@ class EngineRouter:
             engine = self._engines.get(address)
             if engine is not None:
                 engine.reachable = False
+
+    def poll_loads(self) -> None:
+        """Ask every engine's GetLoad now rather than at the next poll (e.g. after loading an
+        adapter everywhere, so the next pick knows it)."""
+        with self._lock:
+            engines = list(self._engines.values())
+        for engine in engines:
+            self._poll_load(engine)
+
+    def adapters(self) -> list[str]:
+        """The LoRA adapters any reachable engine held at its last GetLoad, sorted."""
+        with self._lock:
+            return sorted(set().union(*(e.adapters for e in self._engines.values() if e.reachable)))
 
     def mark_draining(self, address: str) -> None:
         with self._lock:
@@ -386,6 +414,7 @@ class EngineRouter:
             engine.draining = load.draining
             engine.reported_load = load.running_requests + load.waiting_requests
             engine.block_size = load.kv_block_size
+            engine.adapters = frozenset(adapter.name for adapter in load.lora_adapters)
 
     def _follow_events(self, engine: Engine) -> None:
         """Keep `engine`'s view in sync with its events; on any break, route it by load only

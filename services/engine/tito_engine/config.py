@@ -274,6 +274,44 @@ class NativeSettings:
 
 
 @dataclass
+class LoraSettings:
+    """LoRA adapters: where they may be read from, which load at start, and how many and how large
+    the model holds (native: core/lora_registry.py, model/lora.py; vllm: vllm/lora.py, vLLM's
+    enable_lora, max_loras, max_lora_rank)."""
+
+    lora_dir: str = setting("", help="directory LoRA adapters are loaded from (LoadLoraAdapter paths and "
+                                     "--lora-modules resolve inside it; nothing outside is read); unset: the "
+                                     "engine serves no adapters")
+    lora_modules: tuple[str, ...] = setting((), type=str, nargs="*", metavar="NAME=DIR", default_text="none",
+                                            help="adapters to load at start, each NAME=DIR with DIR under --lora-dir")
+    max_loras: int = setting(4, help="LoRA adapters resident in the model at once (one batch mixes them "
+                                     "freely); the least recently used idle one makes room for another")
+    max_lora_rank: int = setting(16, help="largest adapter rank the engine loads (the slots are this wide)")
+
+    def lora_module_pairs(self) -> tuple[tuple[str, str], ...]:
+        """--lora-modules as (name, directory) pairs (checked by _check_lora)."""
+        return tuple(tuple(module.split("=", 1)) for module in self.lora_modules)  # type: ignore[misc]
+
+    def _check_lora(self) -> None:
+        if not self.lora_dir:
+            if self.lora_modules:
+                raise ConfigError("--lora-modules needs --lora-dir, the directory the adapters lie under")
+            return
+        if not Path(self.lora_dir).is_dir():
+            raise ConfigError(f"--lora-dir {self.lora_dir!r} is not a directory")
+        if not 1 <= self.max_loras <= 256:
+            raise ConfigError(f"max_loras={self.max_loras} must be between 1 and 256 (default 4)")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ConfigError(f"max_lora_rank={self.max_lora_rank} must be between 1 and 512 (default 16)")
+        names = [module.split("=", 1)[0] for module in self.lora_modules]
+        for module, name in zip(self.lora_modules, names):
+            if "=" not in module or not name or not module.split("=", 1)[1]:
+                raise ConfigError(f"--lora-modules {module!r} must be NAME=DIR (e.g. sql=adapters/sql)")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"--lora-modules names an adapter twice ({' '.join(self.lora_modules)})")
+
+
+@dataclass
 class KvEventSettings:
     """Where the KV cache's events go beyond SubscribeKvEvents (both backends)."""
 
@@ -377,7 +415,7 @@ def _check_writable_directory(directory: str) -> None:
 # dataclasses collects the fields (and so the flags, their --help lines and the README table) along
 # the bases from the last to the first: the sections read from ModelSettings down to MediaSettings.
 @dataclass
-class EngineConfig(MediaSettings, KvEventSettings, NativeSettings, KvCacheSettings, SchedulingSettings,
+class EngineConfig(MediaSettings, KvEventSettings, LoraSettings, NativeSettings, KvCacheSettings, SchedulingSettings,
                    VllmSettings, ModelSettings, ServerConfig):
     """What the engine serves and how much work it takes on at once: the sections above, each
     field one flag; `validate()` checks them at start-up with messages that say what to give."""
@@ -394,6 +432,7 @@ class EngineConfig(MediaSettings, KvEventSettings, NativeSettings, KvCacheSettin
         self._validate_media()
         self._validate_encoder_store()
         self._check_kv_events()
+        self._check_lora()
         self._check_choices()
 
     def _validate_encoder_store(self) -> None:

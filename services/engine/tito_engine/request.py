@@ -122,6 +122,8 @@ class GenerateInput:
     mm_items: tuple[MediaItem, ...] = ()
     # Mixed into prefix-cache keys: requests only share cached prompt blocks with the same salt.
     cache_salt: str = ""
+    # The LoRA adapter to generate with, by name ("" = the base model).
+    lora_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,11 @@ class Request:
         self.admit_order = -1
         self.key = -1  # the engine's id of this submission (request ids may be reused later)
         self.cache_salt = ""
+        # The LoRA adapter (empty: the base model): its name (KV events), the key its prefix-cache
+        # blocks are chained under (name and weights' fingerprint), and its slot in the model.
+        self.lora_name = ""
+        self.lora_key = ""
+        self.lora_slot = 0
         self.block_hashes: list[bytes] | None = None  # prefix-cache digests of the prompt's full blocks
         self.block_keys: list[Any] = []  # kv_events.BlockKeys per full block: what events publish
         self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache (first admission)

@@ -85,7 +85,8 @@ def _build_backend(config: EngineConfig, plan: StartupPlan | None) -> EngineBack
 
         return VllmEngine(build_engine_args(config, str(plan.model_dir)), plan.model_dir, model_id=config.model,
                           max_waiting_requests=config.max_waiting_requests, kv_event_buffer=config.kv_events_buffer,
-                          kv_flag_given=config.kv_cache_bytes is not None)
+                          kv_flag_given=config.kv_cache_bytes is not None, lora_dir=config.lora_dir,
+                          lora_modules=config.lora_module_pairs())
     spec = plan.core_spec(config)
     if config.engine_process:
         return Engine.in_process(spec, max_waiting_requests=config.max_waiting_requests,
@@ -94,7 +95,8 @@ def _build_backend(config: EngineConfig, plan: StartupPlan | None) -> EngineBack
     warm_up_or_warn(runner, spec.limits.max_prefill_tokens)
     return Engine(runner, limits=spec.limits, max_waiting_requests=config.max_waiting_requests,
                   encoder_cache_bytes=spec.encoder_cache_bytes, encoder_store_dir=spec.encoder_store_dir,
-                  encoder_store_bytes=spec.encoder_store_bytes, kv_event_buffer=config.kv_events_buffer)
+                  encoder_store_bytes=spec.encoder_store_bytes, kv_event_buffer=config.kv_events_buffer,
+                  lora_dir=spec.lora_dir, lora_modules=spec.lora_modules)
 
 
 async def create_server(config: EngineConfig, phases: StartupPhases | None = None,

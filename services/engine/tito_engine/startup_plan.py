@@ -47,7 +47,9 @@ class StartupPlan:
                                decode_kernel=config.cpu_decode_kernel, dtype=config.dtype,
                                quantization=config.quantization,
                                encoder_store_dir=config.encoder_store_dir,
-                               encoder_store_bytes=config.encoder_store_bytes)
+                               encoder_store_bytes=config.encoder_store_bytes, lora_dir=config.lora_dir,
+                               lora_modules=config.lora_module_pairs(), max_loras=config.max_loras,
+                               max_lora_rank=config.max_lora_rank)
 
 
 def plan_startup(config: EngineConfig) -> StartupPlan:

@@ -46,6 +46,10 @@ TOO_MANY_REQUESTS = "TOO_MANY_REQUESTS"
 UNKNOWN_ENDPOINT = "UNKNOWN_ENDPOINT"
 MODEL_LOADING = "MODEL_LOADING"
 OPEN_PATHS = ("/health", "/metrics")
+#: How long the engines' list of LoRA adapters is trusted, and how often a request naming an
+#: adapter not on it may ask again (seconds).
+ADAPTERS_MAX_AGE = 5.0
+ADAPTERS_MIN_AGE = 0.5
 
 
 def dumps(value) -> bytes:
@@ -61,10 +65,15 @@ class Gateway:
 
     def __init__(self, upstream: Upstream, *, served_model_name: str = "", token: str = "",
                  auth_exempt_health: bool = True, max_body_bytes: int = 32 * 1024 * 1024,
-                 max_concurrent_requests: int = 1024, body_timeout: float = 30.0):
+                 max_concurrent_requests: int = 1024, body_timeout: float = 30.0, lora_updating: bool = False):
+        """`lora_updating`: serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter."""
         self.upstream = upstream
+        self.lora_updating = lora_updating
         self._model = served_model_name
         self._model_info: render_pb2.RenderServiceGetModelInfoResponse | None = None
+        # The LoRA adapters `model` may name, as last asked of the engines, and when.
+        self._adapters: list = []
+        self._adapters_at = float("-inf")
         self._expected = f"Bearer {token}".encode() if token else None
         self.auth_exempt_health = auth_exempt_health
         self.max_body_bytes = max_body_bytes
@@ -132,6 +141,24 @@ class Gateway:
                                                                   timeout=10.0, metadata=pipeline._metadata)
         return self._model_info
 
+    async def lora_adapters(self, wanted: str = "") -> list:
+        """The engines' LoRA adapters (tito.v1.LoraAdapterInfo), asked again when the last answer
+        is older than ADAPTERS_MAX_AGE seconds or lacks `wanted` (an adapter just loaded is
+        usable at once), at most once per ADAPTERS_MIN_AGE."""
+        age = time.monotonic() - self._adapters_at
+        known = any(adapter.name == wanted for adapter in self._adapters) if wanted else True
+        if age > ADAPTERS_MAX_AGE or (not known and age > ADAPTERS_MIN_AGE):
+            self._adapters = await self.upstream.lora_adapters()
+            self._adapters_at = time.monotonic()
+        return self._adapters
+
+    async def _adapter_names(self, body: dict) -> frozenset[str]:
+        """The adapters a request's `model` may name (none asked for when it is the served model)."""
+        model = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(model, str) or model == await self.served_model():
+            return frozenset()
+        return frozenset(adapter.name for adapter in await self.lora_adapters(model))
+
     # -- endpoints --------------------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response:
@@ -184,7 +211,8 @@ class Gateway:
             self.active += 1
             self.metrics.in_flight.inc()
             admitted = True
-            call = parse(openai_in.parse_body(await self.read_body(request)), await self.served_model())
+            body = openai_in.parse_body(await self.read_body(request))
+            call = parse(body, await self.served_model(), await self._adapter_names(body))
             call.set_request_id(rid)
             response_id = prefix + rid
             if call.stream.stream:
@@ -312,11 +340,15 @@ class Gateway:
             await self.check_ready()
             name = await self.served_model()
             info = await self.model_info()
+            adapters = await self.lora_adapters()
         except (TitoError, Exception) as exc:
             return error_response(from_exception(exc))
-        return JSONResponse({"object": "list", "data": [{
-            "id": name, "object": "model", "created": self.created, "owned_by": "tito",
-            "max_model_len": info.max_context_length}]})
+        base = {"id": name, "object": "model", "created": self.created, "owned_by": "tito",
+                "max_model_len": info.max_context_length}
+        # An adapter's card names its base model as `parent`, as vLLM's list does.
+        return JSONResponse({"object": "list", "data": [base] + [
+            {**base, "id": adapter.name, "root": adapter.path or adapter.name, "parent": name}
+            for adapter in adapters]})
 
     async def check_ready(self) -> None:
         """Raise UNAVAILABLE (503) unless every service is SERVING, as /health answers. The model
@@ -347,6 +379,35 @@ class Gateway:
             return error_response(from_exception(exc))
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
 
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"}: loaded on every engine."""
+        return await self._update_adapters(request, ("lora_name", "lora_path"), "added")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's POST /v1/unload_lora_adapter {"lora_name"}: unloaded from every engine."""
+        return await self._update_adapters(request, ("lora_name",), "removed")
+
+    async def _update_adapters(self, request: Request, fields: tuple[str, ...], done: str) -> Response:
+        try:
+            self.authorize(request)
+            body = openai_in.parse_body(await self.read_body(request))
+            values = []
+            for field in fields:
+                value = body.get(field)
+                if not isinstance(value, str) or not value:
+                    raise InvalidArgument(f"{field} is required: a non-empty string", reason="INVALID_REQUEST",
+                                          field=field)
+                values.append(value)
+            if done == "added":
+                await self.upstream.load_lora_adapter(*values)
+            else:
+                await self.upstream.unload_lora_adapter(*values)
+        except (TitoError, Exception) as exc:
+            return error_response(from_exception(exc))
+        self._adapters_at = float("-inf")  # the next request naming it asks the engines again
+        # vLLM's answer, word for word (plain text).
+        return Response(f"Success: LoRA adapter '{values[0]}' {done} successfully.", media_type="text/plain")
+
     # -- the application --------------------------------------------------------------------------
 
     def asgi(self) -> Starlette:
@@ -372,6 +433,9 @@ class Gateway:
             Route("/metrics", self.prometheus, methods=["GET"]),
             *self.vllm.routes(),  # vLLM's token-in/token-out API (vllm_api/)
         ]
+        if self.lora_updating:
+            routes += [Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+                       Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"])]
         return Starlette(routes=routes, exception_handlers={HTTPException: http_error, ClientDisconnect: client_gone})
 
 

@@ -47,6 +47,9 @@ class GatewayConfig(ServerConfig):
     upstream_timeout: float = setting(600.0, group=UPSTREAM, help="deadline of each call to the services, seconds")
     served_model_name: str = setting("", help="the model name clients send and /v1/models lists",
                                      default_text="render's model id")
+    allow_runtime_lora_updating: bool = setting(
+        False, help="serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (each engine's "
+                    "LoadLoraAdapter / UnloadLoraAdapter; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     max_body_bytes: int = setting(DEFAULT_MAX_BODY_BYTES, group=HTTP,
                                   help="largest request body accepted (larger: 413)")
     max_concurrent_requests: int = setting(1024, group=HTTP,

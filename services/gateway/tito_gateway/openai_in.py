@@ -10,6 +10,7 @@ are refused alike; the gateway checks only what the protobuf types cannot carry 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Container
 from typing import Any
 
 from google.protobuf import struct_pb2
@@ -222,12 +223,19 @@ def _schema(value: Any, name: str) -> struct_pb2.Struct | None:
     return _struct(value, name)
 
 
-def check_model(body: Body, served: str) -> str:
+def check_model(body: Body, served: str, adapters: Container[str] = ()) -> str:
+    """The request's `model`: the served model, or a LoRA adapter of it that an engine holds."""
     model = body.string("model", required=True)
-    if model != served:  # OpenAI's answer, word for word (its param is null); errors.py spells the code
+    if model != served and model not in adapters:
+        # OpenAI's answer, word for word (its param is null); errors.py spells the code
         raise NotFound(f"The model `{model[:256]}` does not exist or you do not have access to it.",
                        reason=MODEL_NOT_FOUND)
     return model
+
+
+def _adapter(model: str, served: str) -> str:
+    """The lora_name render passes to the engine: the model when it is an adapter, else empty."""
+    return "" if model == served else model
 
 
 def _stream_options(body: Body) -> StreamOptions:
@@ -332,11 +340,12 @@ MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "tool_call_
 MESSAGE_NULL_FIELDS = frozenset(("refusal", "audio", "annotations", "function_call"))
 
 
-def parse_chat(values: dict[str, Any], served_model: str) -> ChatCall:
+def parse_chat(values: dict[str, Any], served_model: str, adapters: Container[str] = ()) -> ChatCall:
+    """`adapters`: the LoRA adapters `model` may also name (then the engine generates with it)."""
     body = Body(values, CHAT_PARAMETERS)
-    model = check_model(body, served_model)
+    model = check_model(body, served_model, adapters)
     stream = _stream_options(body)
-    request = render_pb2.RenderChatRequest()
+    request = render_pb2.RenderChatRequest(lora_name=_adapter(model, served_model))
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise invalid("messages", "is required: an array of messages" if messages is None
@@ -534,11 +543,12 @@ def _response_format(value: dict) -> render_pb2.ResponseFormat:
 
 # -- completions --------------------------------------------------------------------------------
 
-def parse_completion(values: dict[str, Any], served_model: str) -> CompletionCall:
+def parse_completion(values: dict[str, Any], served_model: str, adapters: Container[str] = ()) -> CompletionCall:
+    """`adapters`: as parse_chat's."""
     body = Body(values, COMPLETION_PARAMETERS)
-    model = check_model(body, served_model)
+    model = check_model(body, served_model, adapters)
     stream = _stream_options(body)
-    template = render_pb2.RenderCompletionRequest()
+    template = render_pb2.RenderCompletionRequest(lora_name=_adapter(model, served_model))
     sampling = _sampling(body)
     logprobs = body.integer("logprobs", 0, 20)
     if logprobs is not None:

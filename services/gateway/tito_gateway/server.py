@@ -175,6 +175,7 @@ async def create_server(config: GatewayConfig, phases: StartupPhases | None = No
                         config.routing_policy, batch_derender=config.derender_batch,
                         migration_limit=config.migration_limit)
     gateway = Gateway(upstream, served_model_name=config.served_model_name, token=token,
+                      lora_updating=config.allow_runtime_lora_updating,
                       auth_exempt_health=config.auth_exempt_health, max_body_bytes=config.max_body_bytes,
                       max_concurrent_requests=config.max_concurrent_requests, body_timeout=config.idle_timeout)
     protocol = type("Guarded", (GuardedProtocol,), {"idle_timeout": config.idle_timeout,

@@ -6,8 +6,12 @@ goes away mid-stream continues on another (request migration, up to --migration-
 
 from __future__ import annotations
 
+import asyncio
+
+import grpc
+
 from tito.security import ClientSecurity
-from tito.v1 import engine_pb2
+from tito.v1 import engine_pb2, engine_pb2_grpc
 from tito_client.pipeline import AsyncChatPipeline, Endpoints
 from tito_client.routing import EngineRouter, NoEngineAvailable
 
@@ -23,9 +27,11 @@ class Upstream:
         share one DerenderBatch call (AsyncChatPipeline). `migration_limit`: the router's moves of
         one chat whose engine went away (tito_client.migration)."""
         self.addresses = list(engines)
+        self._timeout = timeout
         plain = ClientSecurity(token_file=security.token_file)
         sidecars = plain if render.startswith("unix:") and derender.startswith("unix:") else security
         engine_security = plain if len(engines) == 1 and engines[0].startswith("unix:") else security
+        self._engine_security = engine_security
         routed = len(engines) > 1 or engines[0].startswith("dns:")
         self.router = EngineRouter(engines if len(engines) > 1 else engines[0], policy=policy,
                                    security=engine_security,
@@ -39,6 +45,42 @@ class Upstream:
         await self.pipeline.close()
         if self.router is not None:
             self.router.close()
+
+    async def lora_adapters(self) -> list[engine_pb2.LoraAdapterInfo]:
+        """The LoRA adapters behind the gateway: with a router, those its engines reported at their
+        last GetLoad (by name); else the engine's ListLoraAdapters (none when it cannot say)."""
+        if self.router is not None:
+            return [engine_pb2.LoraAdapterInfo(name=name) for name in self.router.adapters()]
+        pipeline = self.pipeline
+        try:
+            response = await pipeline.engine.ListLoraAdapters(engine_pb2.ListLoraAdaptersRequest(), timeout=10.0,
+                                                              metadata=pipeline._metadata)
+        except grpc.RpcError:  # an older engine, or one not serving yet: no adapters to offer
+            return []
+        return list(response.adapters)
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """LoadLoraAdapter on every engine (the first refusal is raised)."""
+        request = engine_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+        await self._every_engine(lambda stub: stub.LoadLoraAdapter(request, timeout=self._timeout,
+                                                                   metadata=self.pipeline._metadata))
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """UnloadLoraAdapter on every engine."""
+        request = engine_pb2.UnloadLoraAdapterRequest(lora_name=name)
+        await self._every_engine(lambda stub: stub.UnloadLoraAdapter(request, timeout=self._timeout,
+                                                                     metadata=self.pipeline._metadata))
+
+    async def _every_engine(self, call) -> None:
+        if self.router is None:
+            await call(self.pipeline.engine)
+            return
+        try:
+            for address in self.router.addresses():
+                async with self._engine_security.aio_channel(address) as channel:
+                    await call(engine_pb2_grpc.EngineServiceStub(channel))
+        finally:  # the router's view of who holds which adapter, current for the next request
+            await asyncio.to_thread(self.router.poll_loads)
 
     async def health(self) -> dict[str, str]:
         """Each service's health: render, engine, derender (with a router, the engine is SERVING

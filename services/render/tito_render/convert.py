@@ -169,7 +169,7 @@ def chat_request_from_proto(request: render_pb2.RenderChatRequest) -> ChatReques
         media_options=media_options_from_proto(request.media_options), cache_salt=request.cache_salt,
         return_prompt_text=request.return_prompt_text, response_format=_response_format_from_proto(request),
         parallel_tool_calls=_optional(request, "parallel_tool_calls"),
-        usage_in_every_chunk=request.usage_in_every_chunk)
+        usage_in_every_chunk=request.usage_in_every_chunk, lora_name=request.lora_name)
 
 
 def completion_request_from_proto(request: render_pb2.RenderCompletionRequest) -> CompletionRequest:
@@ -177,7 +177,7 @@ def completion_request_from_proto(request: render_pb2.RenderCompletionRequest) -
         prompt=_optional(request, "prompt"), prompt_token_ids=tuple(request.prompt_token_ids),
         request_id=request.request_id, add_special_tokens=_optional(request, "add_special_tokens"),
         sampling=sampling_options_from_proto(request.sampling), cache_salt=request.cache_salt,
-        usage_in_every_chunk=request.usage_in_every_chunk)
+        usage_in_every_chunk=request.usage_in_every_chunk, lora_name=request.lora_name)
 
 
 def tokenize_request_from_proto(request: render_pb2.TokenizeRequest) -> TokenizeRequest:
@@ -264,6 +264,7 @@ def _fill(prompt: RenderedPrompt, generate_request: engine_pb2.GenerateRequest,
         item_to_proto(item, generate_request.mm_features.items.add())
     sampling_to_proto(prompt.sampling, generate_request.sampling_params)
     generate_request.cache_salt = prompt.cache_salt
+    generate_request.lora_name = prompt.lora_name
     context.request_id = prompt.request_id
     context.prompt_tail_token_ids.extend(prompt.token_ids[-PROMPT_TAIL_TOKENS:])
     context.prompt_tokens = len(prompt.token_ids)

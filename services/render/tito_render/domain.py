@@ -209,6 +209,7 @@ class ChatRequest:
     response_format: ResponseFormat | None = None
     parallel_tool_calls: bool | None = None
     usage_in_every_chunk: bool = False
+    lora_name: str = ""  # the LoRA adapter the engine generates with ("" = the base model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +223,7 @@ class CompletionRequest:
     sampling: SamplingOptions = SamplingOptions()
     cache_salt: str = ""
     usage_in_every_chunk: bool = False
+    lora_name: str = ""  # the LoRA adapter the engine generates with ("" = the base model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,6 +309,7 @@ class RenderedPrompt:
     prompt_opens_reasoning: bool = False
     prompt_text: str | None = None  # the templated text, when the request asked for it
     usage_in_every_chunk: bool = False  # derender's chunks all carry usage (the request asked for it)
+    lora_name: str = ""  # the LoRA adapter the request names, for the engine ("" = the base model)
 
 
 @dataclass(frozen=True, slots=True)

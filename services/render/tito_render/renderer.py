@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from tito import tracing
 from tito.config import DEFAULT_MAX_MESSAGE_BYTES
 from tito.errors import FieldViolation, InvalidArgument
+from tito.lora_names import check_lora_name
 from tito.structured_output import StructuredOutputSpec
 
 from tito_render.chat_template import (DEFAULT_TEMPLATE_SECONDS, ChatRenderOptions, ends_inside_reasoning,
@@ -248,6 +249,7 @@ class Renderer:
                                                self.model.tool_markup or self.model.tool_parser, reasoning)
         rendered = self._finish(request_id or request.request_id, token_ids, request.sampling, request.cache_salt,
                                 "messages", constraint)
+        rendered.lora_name = _lora_name(request.lora_name)
         rendered.items = items
         rendered.tool_choice = chat.tool_choice
         if keeps_special_tokens_for_tools(self.model.tool_parser, bool(request.tools), chat.tool_choice,
@@ -415,6 +417,7 @@ class Renderer:
         rendered = self._finish(request_id or request.request_id, token_ids, request.sampling, request.cache_salt,
                                 field, explicit_structured_output(request.sampling))
         rendered.usage_in_every_chunk = request.usage_in_every_chunk
+        rendered.lora_name = _lora_name(request.lora_name)
         return rendered
 
     def check_token_ids(self, token_ids: list[int], field: str) -> None:
@@ -479,6 +482,14 @@ def _frames_key(encoded: list[tuple[bytes, str]]) -> bytes:
         digest.update(data)
     return digest.digest()
 
+
+
+def _lora_name(name: str) -> str:
+    """The adapter a request names, checked against the rule every service shares (an empty name:
+    the base model). Whether an engine holds it is the engine's to say."""
+    if name:
+        check_lora_name(name)
+    return name
 
 
 def _keeping_special_tokens(params: SamplingParams) -> SamplingParams:

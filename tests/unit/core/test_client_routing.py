@@ -19,18 +19,19 @@ from tito_client.routing import EngineRouter, EngineView, NoEngineAvailable, req
 BLOCK = 4
 
 
-def generate_request(tokens, salt="", media=()):
-    message = engine_pb2.GenerateRequest(token_ids=tokens, cache_salt=salt)
+def generate_request(tokens, salt="", media=(), lora_name=""):
+    message = engine_pb2.GenerateRequest(token_ids=tokens, cache_salt=salt, lora_name=lora_name)
     for mm_hash, offset, length in media:
         message.mm_features.items.add(mm_hash=mm_hash, placeholder=multimodal_pb2.PlaceholderRange(
             offset=offset, length=length))
     return message
 
 
-def stored_batch(sequence, tokens, ids, salt="", media=(), parent=None):
+def stored_batch(sequence, tokens, ids, salt="", media=(), parent=None, lora_name=""):
     """A BlockStored batch for full blocks of `tokens`, keyed as an engine keys them."""
     batch = engine_pb2.SubscribeKvEventsResponse(sequence=sequence, timestamp=time.time())
     stored = batch.events.add().block_stored
+    stored.lora_name = lora_name
     stored.block_hashes.extend(ids)
     stored.token_ids.extend(tokens)
     stored.block_size = BLOCK
@@ -93,6 +94,7 @@ class ScriptedEngine(engine_pb2_grpc.EngineServiceServicer):
         self.oldest = 0
         self.down = False  # GetLoad fails
         self.draining = False  # GetLoad says it drains
+        self.adapters: list[str] = []  # LoRA adapters GetLoad reports
 
     def push(self, batch):
         with self.lock:
@@ -109,7 +111,9 @@ class ScriptedEngine(engine_pb2_grpc.EngineServiceServicer):
     def GetLoad(self, request, context):
         if self.down:
             context.abort(grpc.StatusCode.UNAVAILABLE, "down")
-        return engine_pb2.GetLoadResponse(running_requests=self.load, kv_block_size=BLOCK, draining=self.draining)
+        return engine_pb2.GetLoadResponse(running_requests=self.load, kv_block_size=BLOCK, draining=self.draining,
+                                          lora_adapters=[engine_pb2.LoraAdapterInfo(name=name)
+                                                         for name in self.adapters])
 
     def SubscribeKvEvents(self, request, context):
         start = request.start_sequence if request.HasField("start_sequence") else None
@@ -256,6 +260,32 @@ def test_engines_come_and_go_with_dns_and_unreachable_ones_are_left_out(engines)
         engine_b.down = False
         wait_for(lambda: router.status()[b]["reachable"], "b answered GetLoad again")
         assert router.pick(generate_request([1] * 8)).address == b
+
+
+def test_chain_keys_start_from_the_adapter():
+    tokens = list(range(10, 22))
+    view = EngineView()
+    view.apply(stored_batch(0, tokens, [b"x0", b"x1", b"x2"], lora_name="sql"))
+    assert view.matched_blocks(request_keys(generate_request(tokens, lora_name="sql"), BLOCK)) == 3
+    assert view.matched_blocks(request_keys(generate_request(tokens), BLOCK)) == 0  # the base model
+    assert view.matched_blocks(request_keys(generate_request(tokens, lora_name="chat"), BLOCK)) == 0
+    view.apply(stored_batch(1, list(range(22, 26)), [b"x3"], parent=b"x2"))  # continuations inherit it
+    assert view.matched_blocks(request_keys(generate_request(list(range(10, 26)), lora_name="sql"), BLOCK)) == 4
+
+
+def test_an_adapters_requests_go_where_it_is_held(engines):
+    (a, engine_a), (b, engine_b), (c, engine_c) = engines(3)
+    engine_a.load, engine_b.load, engine_c.load = 0, 5, 3
+    engine_b.adapters, engine_c.adapters = ["sql"], ["sql", "chat"]
+    system = list(range(100, 112))
+    engine_b.push(stored_batch(0, system, [b"b0", b"b1", b"b2"], lora_name="sql"))
+    with EngineRouter([a, b, c], load_interval=0.02) as router:
+        wait_for(lambda: router.status()[b]["cached_blocks"] == 3, "b's events indexed")
+        wait_for(lambda: router.pick(generate_request([1] * 8, lora_name="chat")).address == c, "c's adapters polled")
+        assert router.pick(generate_request(system + [1], lora_name="sql")).address == b  # its prefix, though busier
+        assert router.pick(generate_request([7] * 8, lora_name="sql")).address == c  # cold: the less loaded holder
+        assert router.pick(generate_request(system + [1])).address == a  # the base model: anywhere, by load
+        assert router.pick(generate_request([7] * 8, lora_name="nowhere")).address == a  # held nowhere: least load
 
 
 def test_policy_names_are_checked():

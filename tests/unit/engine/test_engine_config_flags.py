@@ -127,3 +127,22 @@ def test_the_shared_encoder_store_flags_teach_their_use(tmp_path):
     with pytest.raises(ConfigError, match="is not a directory"):
         EngineConfig(encoder_store_dir=str(a_file)).validate()
     EngineConfig(encoder_store_dir=str(tmp_path / "new" / "store")).validate()  # created by the engine
+
+
+def test_the_lora_flags_reach_the_core_and_refuse_what_cannot_serve(tmp_path):
+    (tmp_path / "sql").mkdir()
+    config = engine_config(["--model", "tiny-qwen2", "--device", "cpu", "--lora-dir", str(tmp_path), "--lora-modules",
+                            "sql=sql", "chat=chat/v2", "--max-loras", "2"])
+    spec = plan_startup(config).core_spec(config)
+    assert (spec.lora_dir, spec.lora_modules, spec.max_loras, spec.max_lora_rank) == (
+        str(tmp_path), (("sql", "sql"), ("chat", "chat/v2")), 2, 16)
+    from_env = engine_config([], {"TITO_LORA_DIR": str(tmp_path), "TITO_LORA_MODULES": "a=x b=y"})
+    assert from_env.lora_module_pairs() == (("a", "x"), ("b", "y"))
+    for settings, message in (({"lora_modules": ("a=x",)}, "--lora-modules needs --lora-dir"),
+                              ({"lora_dir": str(tmp_path), "lora_modules": ("a",)}, "must be NAME=DIR"),
+                              ({"lora_dir": str(tmp_path), "lora_modules": ("a=x", "a=y")}, "names an adapter twice"),
+                              ({"lora_dir": str(tmp_path / "missing")}, "is not a directory"),
+                              ({"lora_dir": str(tmp_path), "max_loras": 0}, "max_loras=0 must be between 1"),
+                              ({"lora_dir": str(tmp_path), "max_lora_rank": 0}, "max_lora_rank=0 must be between 1")):
+        with pytest.raises(ConfigError, match=message):
+            EngineConfig(**settings).validate()

@@ -251,3 +251,15 @@ def test_media_requests_share_cached_blocks_by_content_and_events_carry_their_ke
         asyncio.run(main())
     finally:
         engine.stop()
+
+
+def test_the_zmq_wire_puts_the_lora_name_first_in_each_blocks_extra_keys_as_vllm_does():
+    from tito_engine.kv_events import KvEventBatch
+    from tito_engine.service.kv_publisher import to_wire
+
+    plain = BlockStored((b"a" * 32, b"b" * 32), None, tuple(range(8)), 4, None, "CPU", "sql")
+    salted = BlockStored((b"c" * 32,), None, tuple(range(4)), 4, (BlockKeys((MediaKey("m", 1),), "s"),), "CPU", "sql")
+    base = BlockStored((b"d" * 32,), None, tuple(range(4)), 4, None, "CPU", None)
+    wire = to_wire(KvEventBatch(0, 0.0, (plain, salted, base))).events
+    assert [event.extra_keys for event in wire] == [[("sql",), ("sql",)], [("sql", ("m", 1), "s")], None]
+    assert [event.lora_name for event in wire] == ["sql", "sql", None]

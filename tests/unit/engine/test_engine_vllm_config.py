@@ -52,6 +52,14 @@ def test_quantization_passes_through_to_vllm_and_is_checked_against_its_methods(
         vllm_config("--quantization", "fp8").validate()
 
 
+def test_lora_flags_turn_on_vllm_s_own_lora_support(tmp_path):
+    config = vllm_config(lora_dir=str(tmp_path), max_loras=3, max_lora_rank=32, kv_cache_bytes=1 << 20)
+    config.validate()
+    args = build_engine_args(config, "/models/m")
+    assert (args.enable_lora, args.max_loras, args.max_lora_rank) == (True, 3, 32)
+    assert not build_engine_args(vllm_config(kv_cache_bytes=1 << 20), "/models/m").enable_lora
+
+
 def test_with_no_prefill_budget_given_vllm_keeps_its_own_default():
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -114,6 +122,8 @@ def test_vllm_s_own_dtype_after_the_double_dash_is_kept(tmp_path):
     (("--enable-prefix-caching",), "--prefix-caching"),
     (("--generation-config", "auto"), "render's resolved sampling"),
     (("--mm-device-do-normalize",), "pixel values arrive normalized"),
+    (("--enable-lora",), "--lora-dir"),
+    (("--max-loras", "2"), "--max-loras"),
     (("--tensor-paralel-size", "2"), "unrecognized arguments"),
     (("--gpu-memory-utilization", "lots"), "invalid"),
 ])

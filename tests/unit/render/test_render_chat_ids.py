@@ -10,6 +10,7 @@ from google.protobuf import struct_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tito.errors import InvalidArgument
 from tito.v1 import chat_pb2, render_pb2
 from tito_render.config import RenderConfig
 from tito_render.model import load_render_model
@@ -225,6 +226,19 @@ def test_completion_text_and_ids(renderer):
     assert list(ids.generate_request.token_ids) == [5, 6, 7]
     assert ids.generate_request.cache_salt == "s"
     assert ids.generate_request.sampling_params.max_tokens == renderer.model.max_context_length - 3
+
+
+def test_the_lora_adapter_is_copied_into_the_generate_request_and_renders_as_the_base(renderer):
+    messages = [to_proto_message(msg("user", "hello"))]
+    base = chat_response(renderer, render_pb2.RenderChatRequest(messages=messages))
+    adapted = chat_response(renderer, render_pb2.RenderChatRequest(messages=messages, lora_name="sql-r16"))
+    assert adapted.generate_request.lora_name == "sql-r16" and base.generate_request.lora_name == ""
+    assert adapted.generate_request.token_ids == base.generate_request.token_ids
+    completion = completion_response(renderer, render_pb2.RenderCompletionRequest(prompt="x", lora_name="chat/v2"))
+    assert completion.generate_request.lora_name == "chat/v2"
+    with pytest.raises(InvalidArgument) as refused:
+        chat_response(renderer, render_pb2.RenderChatRequest(messages=messages, lora_name="no spaces"))
+    assert refused.value.field == "lora_name"
 
 
 def test_tokenize(renderer):

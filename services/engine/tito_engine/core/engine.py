@@ -33,13 +33,14 @@ from tito.supervision import retry
 
 from tito_engine.service.admission import AdmittedRequest, KVCapacity
 from tito_engine.service.backend import LoadSnapshot, check_can_accept
-from tito_engine.core.messages import (AbortRequest, AddRequest, CoreLoad, EncodeItems, EncodeResult,
-                                       PrefixCacheReset, ResetPrefixCache, StepBatch)
+from tito_engine.core.messages import (AbortRequest, AddRequest, CoreLoad, EncodeItems, EncodeResult, ListLoras,
+                                       LoadLora, PrefixCacheReset, ResetPrefixCache, StepBatch, UnloadLora)
 from tito_engine.core.engine_core import CoreProcessSpec, ProcessCore, ThreadCore
 from tito_engine.core.seams import CoreHost, CoreRunner
 from tito_engine.multimodal.domain import EncoderCacheDescriptor
 from tito_engine.multimodal.features import CheckedFeatures
 from tito_engine.kv_events import DEFAULT_KV_EVENT_BUFFER, AllBlocksCleared, KvEventLog
+from tito_engine.lora_types import LoraAdapterInfo
 from tito_engine.request import ChoiceOutput, FinishReason, Submission, Usage
 from tito_engine.limits import DEFAULT_MAX_WAITING_REQUESTS, SchedulerLimits
 
@@ -53,19 +54,23 @@ class Engine:
     def __init__(self, runner: CoreRunner | None = None, *, limits: SchedulerLimits = SchedulerLimits(),
                  max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS, core: CoreHost | None = None,
                  encoder_cache_bytes: int = 0, encoder_store_dir: str = "", encoder_store_bytes: int = 0,
-                 kv_event_buffer: int = DEFAULT_KV_EVENT_BUFFER):
+                 kv_event_buffer: int = DEFAULT_KV_EVENT_BUFFER, lora_dir: str = "",
+                 lora_modules: tuple[tuple[str, str], ...] = ()):
         """`runner` hosts the core on a thread of this process; `core` passes a ready host instead
         (built with the same `limits`). `kv_event_buffer`: KV event batches kept for replay.
 
         `encoder_cache_bytes` sizes the thread-hosted core's encoder cache; `encoder_store_dir`
-        (bounded by `encoder_store_bytes`) is the shared encoder store it writes Encode's outputs to. Requests arrive
+        (bounded by `encoder_store_bytes`) is the shared encoder store it writes Encode's outputs to.
+        `lora_dir` and `lora_modules`: the thread-hosted core's LoRA adapters (engine_core.EngineCore). Requests arrive
         admitted (admission.py): this class only queues, schedules and streams them.
         """
         if core is None and runner is None:
             raise ValueError("Engine needs a runner (hosted on a thread here) or a ready core host")
         self._core: CoreHost = core if core is not None else ThreadCore(runner, limits, encoder_cache_bytes,
-                                                                        encoder_store_dir, encoder_store_bytes)
+                                                                        encoder_store_dir, encoder_store_bytes,
+                                                                        lora_dir, lora_modules)
         self.info = self._core.info
+        self.max_loras, self.max_lora_rank = self._core.max_loras, self._core.max_lora_rank
         self.mm_spec = self._core.mm_spec
         self.max_running_sequences = limits.max_running_sequences
         self.max_waiting_requests = max_waiting_requests
@@ -131,7 +136,7 @@ class Engine:
         # the core honours an abort that overtakes its add. Media phase 2 (the encoder cache)
         # runs in the core at the add.
         self._core.send(AddRequest(submission.key, request_id, list(admitted.token_ids), admitted.options,
-                                   admitted.features or None, arrival_time, admitted.cache_salt))
+                                   admitted.features or None, arrival_time, admitted.cache_salt, admitted.lora_name))
         return submission
 
     async def encode(self, checked: CheckedFeatures) -> list[EncoderCacheDescriptor]:
@@ -145,6 +150,20 @@ class Engine:
         """Empty the prefix cache; subscribers of kv_events see AllBlocksCleared before this returns."""
         result = await self._call(ResetPrefixCache)
         assert isinstance(result, PrefixCacheReset)
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo:
+        """LoadLoraAdapter: the core reads, checks and holds the adapter (core/lora_registry.py)."""
+        result = await self._call(lambda key: LoadLora(key, name, path))
+        return result.adapters[0]
+
+    async def unload_lora_adapter(self, name: str) -> int:
+        """UnloadLoraAdapter: the requests still using the adapter (they finish with it)."""
+        result = await self._call(lambda key: UnloadLora(key, name))
+        return result.active_requests
+
+    async def list_lora_adapters(self) -> tuple[LoraAdapterInfo, ...]:
+        result = await self._call(ListLoras)
+        return result.adapters
 
     async def _call(self, command: Callable[[int], Any]) -> Any:
         """Send `command(key)` to the core and wait for its answer under that key (raised when an error)."""
@@ -330,7 +349,7 @@ def _published_load(before: LoadSnapshot, core_load: CoreLoad, kv_blocks_total: 
                         before.encoder_cache_hits + core_load.encoder_cache_hits,
                         before.encoder_cache_misses + core_load.encoder_cache_misses,
                         before.encoded_items + core_load.encoded_items,
-                        before.encoder_store_loads + core_load.encoder_store_loads)
+                        before.encoder_store_loads + core_load.encoder_store_loads, core_load.lora_adapters)
 
 
 class _Dispatcher:

@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tito.errors import ConfigError, TitoError
@@ -44,12 +45,15 @@ from tito.supervision import ChildProcess, spawn_context, stop_children
 
 from tito_engine.model.constraints import GrammarCompiler, compile_error
 from tito_engine.core.seams import CoreRunner
+from tito_engine.core.lora_registry import LoraRegistry
 from tito_engine.core.messages import (AbortRequest, AddRequest, Command, CoreFailed, CoreLoad, CoreReady,
-                                       CoreStopped, EncodeItems, EncodeResult, PrefixCacheReset, ResetPrefixCache,
-                                       StepBatch, StopCore)
+                                       CoreStopped, EncodeItems, EncodeResult, ListLoras, LoadLora, LoraAdapters,
+                                       LoraUnloaded, PrefixCacheReset, ResetPrefixCache, StepBatch, StopCore,
+                                       UnloadLora)
 from tito import tensors
 from tito.errors import Unavailable
 
+from tito_engine.lora_types import lora_disabled
 from tito_engine.multimodal.domain import EncoderCacheDescriptor
 from tito_engine.multimodal.encoder_cache import CacheKey, EncoderCache
 from tito_engine.multimodal.encoder_store import EntryCorrupt, EntryMissing, SharedEncoderStore
@@ -74,7 +78,10 @@ class EngineCore:
     """Applies commands and runs scheduler steps; `emit` receives each step's batch."""
 
     def __init__(self, runner: CoreRunner, limits: SchedulerLimits, encoder_cache_bytes: int = 0,
-                 encoder_store_dir: str = "", encoder_store_bytes: int = 0):
+                 encoder_store_dir: str = "", encoder_store_bytes: int = 0, lora_dir: str = "",
+                 lora_modules: tuple[tuple[str, str], ...] = ()):
+        """`lora_dir`: the root LoRA adapters are loaded from, with `lora_modules` (name, path)
+        loaded at start (a bad one is a ConfigError); the runner's `lora` slots serve them."""
         self.runner = runner
         self.scheduler = Scheduler.for_runner(runner, limits)
         self.scheduler.kv.take_events()  # record the prefix cache's KV events from here on
@@ -101,6 +108,7 @@ class EngineCore:
         self.grammars = GrammarCompiler(getattr(runner, "model_dir", None), runner.info.vocab_size,
                                         runner.info.eos_token_ids)
         self._compiling: dict[int, tuple[Request, concurrent.futures.Future]] = {}  # key -> parked request
+        self.lora = _lora_registry(runner, lora_dir, lora_modules)
 
     def load(self) -> CoreLoad:
         scheduler = self.scheduler
@@ -109,11 +117,13 @@ class EngineCore:
         return CoreLoad(scheduler.num_running_sequences(), waiting, scheduler.finished_requests,
                         scheduler.kv_blocks_used(), self.adds_seen, scheduler.prefix_cache_hit_tokens,
                         stats.hits if stats else 0, stats.misses if stats else 0, self.encoded_items,
-                        self.store_loads)
+                        self.store_loads, self.lora.infos if self.lora is not None else ())
 
     def run(self, receive: Callable[[], Any], receive_ready: Callable[[], list],
             emit: Callable[[StepBatch], None]) -> None:
         """Serve until a StopCore command; `receive` blocks, `receive_ready` drains without blocking."""
+        if self.lora is not None and self.lora.infos:
+            emit(self._batch([]))  # the load names the --lora-modules adapters before any request
         while True:
             try:
                 if self._serve(receive, receive_ready, emit):
@@ -169,6 +179,11 @@ class EngineCore:
             case ResetPrefixCache(key=key):
                 self.scheduler.kv.clear_prefix_cache()
                 outputs.append((key, PrefixCacheReset(), True))
+            case LoadLora() | UnloadLora() | ListLoras():
+                try:
+                    outputs.append((command.key, self._lora_command(command), True))
+                except Exception as error:  # noqa: BLE001 - fails this call only
+                    outputs.append((command.key, _refusal_or_bug(error), True))
             case AbortRequest(key=key):
                 request = self.requests.get(key)
                 if request is not None:
@@ -193,6 +208,13 @@ class EngineCore:
                 outputs.append((key, _refusal_or_bug(error), True))
                 return
         request = Request(command.request_id, command.prompt_ids, command.options)
+        if command.lora_name:
+            try:
+                self._take_adapter(request, command.lora_name)
+            except Exception as error:  # noqa: BLE001 - refused before scheduling; only this request
+                self.early_aborts.pop(key, None)
+                outputs.append((key, _refusal_or_bug(error), True))
+                return
         request.arrival_time = command.arrival_time
         request.cache_salt = command.cache_salt
         request.key = key
@@ -227,7 +249,7 @@ class EngineCore:
             del self._compiling[key]
             error = future.exception()
             if error is not None:
-                self.requests.pop(key, None)
+                self._forget(request)
                 self._to_encode = [(r, v) for r, v in self._to_encode if r is not request]
                 outputs.append((key, _refusal_or_bug(compile_error(error, request.options.structured_output)), True))
                 continue
@@ -286,7 +308,7 @@ class EngineCore:
         request.failed = True  # the scheduler drops failed requests from its queue
         if request in self.scheduler.waiting:
             self.scheduler.waiting.remove(request)
-        self.requests.pop(request.key, None)
+        self._forget(request)
         outputs.append((request.key, _portable(error), True))
 
     def _resolve(self, checked: CheckedFeatures) -> ValidatedFeatures:
@@ -329,13 +351,39 @@ class EngineCore:
             store_id=store.store_id, uri=store.uri, key=key.text, dtype=header.dtype, shape=tuple(header.shape),
             byte_size=header.byte_size, checksum=header.checksum, model_fingerprint=header.model_fingerprint)
 
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def _lora_command(self, command: LoadLora | UnloadLora | ListLoras) -> LoraAdapters | LoraUnloaded:
+        if self.lora is None:
+            if isinstance(command, ListLoras):
+                return LoraAdapters(())  # an engine without adapters holds none
+            raise lora_disabled()
+        match command:
+            case LoadLora(name=name, path=path):
+                return LoraAdapters((self.lora.load(name, path),))
+            case UnloadLora(name=name):
+                return LoraUnloaded(self.lora.unload(name))
+        return LoraAdapters(self.lora.infos)
+
+    def _take_adapter(self, request: Request, name: str) -> None:
+        """Hold `name` for `request` (NOT_FOUND, or LORA_SLOTS_BUSY when no slot can take it)."""
+        if self.lora is None:
+            raise lora_disabled()
+        request.lora_slot, request.lora_key = self.lora.acquire(name)
+        request.lora_name = name
+
+    def _forget(self, request: Request) -> None:
+        """The core is done with `request`: out of the registry, its adapter let go."""
+        if self.requests.pop(request.key, None) is not None and request.lora_name:
+            self.lora.release(request.lora_name)
+
     def _out(self, request: Request, output: Any) -> tuple[int, Any, bool]:
         if isinstance(output, BaseException):
             output = _portable(output)
             request.failed = True
         finished = request.failed or request.finished
         if finished:
-            self.requests.pop(request.key, None)
+            self._forget(request)
             if isinstance(output, ChoiceOutput):
                 output.timings = request.timings()  # the server derives latencies and spans from them
         return request.key, output, finished
@@ -344,7 +392,7 @@ class EngineCore:
         outputs = []
         for request in list(self.requests.values()):
             outputs.extend(self._abort(request))
-            self.requests.pop(request.key, None)
+            self._forget(request)
         return outputs
 
     def _fail_all(self, error: BaseException) -> list:
@@ -355,9 +403,24 @@ class EngineCore:
             request.failed = True
             self.scheduler.abort(request)  # frees the KV; the caller sees the error, not an ABORT
             outputs.append((request.key, portable, True))
-        self.requests.clear()
+            self._forget(request)
         self._compiling.clear()
         return outputs
+
+
+def _lora_registry(runner: CoreRunner, lora_dir: str, modules: tuple[tuple[str, str], ...]) -> LoraRegistry | None:
+    """The core's adapters when its runner has slots, with `modules` loaded (ConfigError naming
+    --lora-modules for one that cannot be)."""
+    slots = getattr(runner, "lora", None)
+    if slots is None or not lora_dir:
+        return None
+    registry = LoraRegistry(slots, Path(lora_dir))
+    for name, path in modules:
+        try:
+            registry.load(name, path)
+        except TitoError as exc:
+            raise ConfigError(f"--lora-modules {name}={path}: {exc.message}") from None
+    return registry
 
 
 def _refusal_or_bug(error: Exception) -> Exception:
@@ -382,8 +445,12 @@ class ThreadCore:
     """Hosts an EngineCore on a thread of this process (tests, or when a child process is unwanted)."""
 
     def __init__(self, runner: CoreRunner, limits: SchedulerLimits, encoder_cache_bytes: int = 0,
-                 encoder_store_dir: str = "", encoder_store_bytes: int = 0):
-        self.core = EngineCore(runner, limits, encoder_cache_bytes, encoder_store_dir, encoder_store_bytes)
+                 encoder_store_dir: str = "", encoder_store_bytes: int = 0, lora_dir: str = "",
+                 lora_modules: tuple[tuple[str, str], ...] = ()):
+        self.core = EngineCore(runner, limits, encoder_cache_bytes, encoder_store_dir, encoder_store_bytes, lora_dir,
+                               lora_modules)
+        slots = getattr(runner, "lora", None) if lora_dir else None
+        self.max_loras, self.max_lora_rank = (slots.max_loras, slots.max_rank) if slots is not None else (0, 0)
         self.info = runner.info
         self.mm_spec = getattr(runner, "mm_spec", None)
         self.kv_blocks_total = runner.cache.num_blocks
@@ -437,6 +504,10 @@ class CoreProcessSpec:
     quantization: str = "none"
     encoder_store_dir: str = ""  # the shared encoder store's directory ("" = none)
     encoder_store_bytes: int = 0
+    lora_dir: str = ""  # the root LoRA adapters are read from ("" = the engine serves no adapters)
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path under lora_dir) loaded at start
+    max_loras: int = 0  # adapter slots in the model (0 unless lora_dir)
+    max_lora_rank: int = 16
 
     @property
     def cpus(self) -> frozenset[int] | None:
@@ -456,7 +527,8 @@ class CoreProcessSpec:
                            exclude_padding_ids=self.exclude_padding_ids, packed_linears=self.packed_linears,
                            dtype=self.dtype, decode_kernel=self.decode_kernel,
                            lone_prefill_cpus=plan.lone_prefill_cpus if plan is not None else None,
-                           quantization=self.quantization)
+                           quantization=self.quantization,
+                           max_loras=self.max_loras if self.lora_dir else 0, max_lora_rank=self.max_lora_rank)
 
 
 def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
@@ -482,8 +554,8 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
     warm_up_or_warn(runner, spec.limits.max_prefill_tokens)
     try:
         core = EngineCore(runner, spec.limits, spec.encoder_cache_bytes, spec.encoder_store_dir,
-                          spec.encoder_store_bytes)
-    except ConfigError as exc:  # the shared encoder store's directory
+                          spec.encoder_store_bytes, spec.lora_dir, spec.lora_modules)
+    except ConfigError as exc:  # the shared encoder store's directory, a --lora-modules adapter
         conn.send(CoreFailed(str(exc), config_error=True))
         _exit_now(1)
     freeze_startup_heap()  # the model's objects: never walked by the collector while serving
@@ -561,6 +633,7 @@ class ProcessCore:
             raise ConfigError(f"the engine core could not start: {message.reason}")
         self.info, self.kv_blocks_total = message.info, message.kv_blocks_total
         self.block_size, self.mm_spec = message.block_size, message.mm_spec
+        self.max_loras, self.max_lora_rank = (spec.max_loras, spec.max_lora_rank) if spec.lora_dir else (0, 0)
 
     def start(self, on_batch: Callable[[StepBatch], None], on_lost: Callable[[], None] | None = None) -> None:
         def receive() -> None:

@@ -4,7 +4,8 @@ The core dispatches commands by type (`match`), the server dispatches what comes
 way, so neither side unpacks tuples by position. Every class pickles (the core may run in a child
 process); domain errors travel inside outputs as themselves (tito.errors pickles whole).
 
-Server -> core: `AddRequest`, `AbortRequest`, `EncodeItems`, `ResetPrefixCache`, `StopCore`.
+Server -> core: `AddRequest`, `AbortRequest`, `EncodeItems`, `ResetPrefixCache`, `LoadLora`,
+`UnloadLora`, `ListLoras`, `StopCore`.
 Core -> server: `CoreReady` or `CoreFailed` once at start-up (child process only), then one
 `StepBatch` per step or per batch of commands that produced outputs, and `CoreStopped` last.
 """
@@ -17,6 +18,7 @@ from typing import Any
 from tito_engine.kv_events import KvEvent
 from tito_engine.multimodal.domain import EncoderCacheDescriptor
 from tito_engine.multimodal.features import CheckedFeatures
+from tito_engine.lora_types import LoraAdapterInfo
 from tito_engine.model_info import ModelInfo
 from tito_engine.multimodal.specs import ModelMultimodalSpec
 from tito_engine.request import SamplingOptions
@@ -37,6 +39,7 @@ class AddRequest:
     #: TTFT include the trip to the core.
     arrival_time: float
     cache_salt: str | None
+    lora_name: str = ""  # the LoRA adapter ("" = the base model); the core's registry resolves it
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +70,50 @@ class PrefixCacheReset:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadLora:
+    """LoadLoraAdapter: hold the adapter in `path` (under --lora-dir) as `name`; answered under
+    `key` with LoraAdapters (the loaded one) or the refusal."""
+
+    key: int
+    name: str
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class UnloadLora:
+    """UnloadLoraAdapter: forget `name` once its requests end; answered with LoraUnloaded."""
+
+    key: int
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class ListLoras:
+    """ListLoraAdapters: answered under `key` with LoraAdapters."""
+
+    key: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapters:
+    """Adapters the core holds (for LoadLora: the one loaded)."""
+
+    adapters: tuple[LoraAdapterInfo, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LoraUnloaded:
+    """The answer to UnloadLora: requests still using the adapter."""
+
+    active_requests: int
+
+
+@dataclass(frozen=True, slots=True)
 class StopCore:
     """Abort everything in flight, answer with a last batch, and exit the loop."""
 
 
-Command = AddRequest | AbortRequest | EncodeItems | ResetPrefixCache | StopCore
+Command = AddRequest | AbortRequest | EncodeItems | ResetPrefixCache | LoadLora | UnloadLora | ListLoras | StopCore
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +137,7 @@ class CoreLoad:
     encoder_cache_misses: int = 0
     encoded_items: int = 0  # media items the encoder ran on
     encoder_store_loads: int = 0  # media items loaded from the shared encoder store
+    lora_adapters: tuple[LoraAdapterInfo, ...] = ()  # the adapters held, with their requests
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,8 @@ class CoreHost(Protocol):
     mm_spec: ModelMultimodalSpec | None
     kv_blocks_total: int
     block_size: int
+    max_loras: int  # LoRA adapter slots (0: no adapters)
+    max_lora_rank: int
 
     def start(self, on_batch: Callable[[StepBatch], None], on_lost: Callable[[], None] | None = None) -> None:
         """Begin running; `on_batch` receives every step's outputs, `on_lost` the host's death."""

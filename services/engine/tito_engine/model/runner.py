@@ -29,6 +29,7 @@ from tito_engine.model.forward import BatchedDecoder, MultiModalPrefill
 from tito_engine.model.linear import wide_linears
 from tito_engine.model.quantization import Int4Checkpoint, scheme_for
 from tito_engine.model.quantization.int4_checkpoint import load_int4_model
+from tito_engine.model.lora import LoraSlots
 from tito_engine.model.kv_cache import KVLayout, PagedKVCache
 from tito_engine.kv_sizing import available_host_memory, kv_budget
 from tito_engine.limits import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_SEQUENCES
@@ -166,16 +167,22 @@ def _load_model_quietly(model_dir: Path, dtype: torch.dtype) -> Any:
 class ModelRunner:
     """Loads a causal LM, sizes its paged KV cache and runs one batched forward per step."""
 
+    #: The LoRA adapter slots (model/lora.py); None: the engine serves the base model only, and its
+    #: linears are untouched.
+    lora: LoraSlots | None = None
+
     def __init__(self, model_dir: Path, *, model_id: str, device: str = "auto",
                  max_model_len: int | None = None, kv_cache: KVCacheSpec | None = None,
                  cpu_threads: int | None = None, exclude_padding_ids: bool = True, packed_linears: bool = True,
                  dtype: str = "auto", decode_kernel: bool | None = None,
-                 lone_prefill_cpus: frozenset[int] | None = None, quantization: str = "none"):
+                 lone_prefill_cpus: frozenset[int] | None = None, quantization: str = "none",
+                 max_loras: int = 0, max_lora_rank: int = 16):
         """`quantization`: the scheme the linears run in (model/quantization; none: as stored).
         `cpu_threads` and `lone_prefill_cpus` come from the engine's CPU plan (cpu_runtime.CpuPlan,
         made once at start-up); `cpu_threads` unset: chosen from the model's work, as that plan
         chooses them. `lone_prefill_cpus`: CPUs (the server's) a lone prefill's linears borrow on CPU
-        (cpu_runtime.lend_cpus_to_lone_prefill); None: every step on this process's threads."""
+        (cpu_runtime.lend_cpus_to_lone_prefill); None: every step on this process's threads.
+        `max_loras` > 0: LoRA adapter slots of up to `max_lora_rank` (model/lora.py) in the forward."""
         self.model_dir = model_dir  # structured outputs read the tokenizer from here (constraints.py)
         self.device = choose_device(device)
         self.dtype, dtype_reason = choose_dtype(self.device, dtype, checkpoint_dtype(model_dir))
@@ -194,6 +201,8 @@ class ModelRunner:
         self.choice_state = ModelChoiceState(self.device)
         kernel = self._attention_kernel(decode_kernel)
         self.decoder = self._build_decoder(model_id, packed_linears, kernel, quantization)
+        if max_loras:
+            self.lora = LoraSlots(self.decoder, max_loras, max_lora_rank)
         self._log_loaded(model_id, dtype_reason, kernel is not None)
 
     def _set_up_cpu(self, cpu_threads: int | None, lone_prefill_cpus: frozenset[int] | None) -> None:
@@ -309,6 +318,15 @@ class ModelRunner:
     def execute(self, rows: list[RowInput]) -> torch.Tensor:
         """One batched forward over the step's rows; logits [rows needing logits, vocab] (float32).
         A lone row (nothing else running: a lone prefill) runs its linears on the borrowed CPUs too."""
+        if self.lora is None:
+            return self._execute(rows)
+        self.lora.begin_step(rows)  # each row's adapter, for the linears of this forward
+        try:
+            return self._execute(rows)
+        finally:
+            self.lora.end_step()
+
+    def _execute(self, rows: list[RowInput]) -> torch.Tensor:
         if self.lone_prefill_threads and len(rows) == 1:
             with wide_linears(self.lone_prefill_threads):
                 return self.decoder.forward(rows)

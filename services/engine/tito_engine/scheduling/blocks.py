@@ -167,14 +167,16 @@ class BlockMedia:
 
 
 def prefix_block_hashes(token_ids: list[int], block_size: int, salt: str = "",
-                        media: Sequence[BlockMedia] = ()) -> list[bytes]:
-    """Chained digests of the full blocks of `token_ids`: each covers the salt, every token up to
-    the end of its block and every media item overlapping a block up to there (its content id and
-    its offset in the block), so equal digests mean equal K/V (same tokens and media at the same
-    positions). sha256, not Python's hash: a crafted collision must not let one tenant read
-    another's K/V."""
+                        media: Sequence[BlockMedia] = (), lora: str = "") -> list[bytes]:
+    """Chained digests of the full blocks of `token_ids`: each covers the salt, the LoRA adapter
+    (`lora`, its key; empty for the base model), every token up to the end of its block and every
+    media item overlapping a block up to there (its content id and its offset in the block), so
+    equal digests mean equal K/V (same weights, tokens and media at the same positions). sha256,
+    not Python's hash: a crafted collision must not let one tenant read another's K/V."""
     digests = []
     previous = hashlib.sha256(b"tito-prefix\0" + salt.encode()).digest()
+    if lora:  # a digest of its own over the salt's: no salt can spell an adapter; the base chain is unchanged
+        previous = hashlib.sha256(b"tito-lora\0" + previous + lora.encode()).digest()
     for end in range(block_size, len(token_ids) + 1, block_size):
         start = end - block_size
         chunk = array("I", token_ids[start:end]).tobytes()

@@ -99,7 +99,7 @@ class KVCacheManager:
             cacheable = self.prefix_caching and media is not None
             if cacheable:
                 request.block_hashes = prefix_block_hashes(request.prompt_ids, self.block_size,
-                                                           request.cache_salt, media)
+                                                           request.cache_salt, media, request.lora_key)
                 request.block_keys = block_extra_keys(len(request.block_hashes), self.block_size,
                                                       request.cache_salt, media)
             else:
@@ -130,7 +130,8 @@ class KVCacheManager:
         hashes = request.block_hashes
         return BlockStored(tuple(hashes[first:last + 1]), hashes[first - 1] if first else None,
                            tuple(request.prompt_ids[first * size:(last + 1) * size]), size,
-                           extra_keys_or_none(request.block_keys[first:last + 1]), self.allocator.medium)
+                           extra_keys_or_none(request.block_keys[first:last + 1]), self.allocator.medium,
+                           request.lora_name or None)
 
     def clear_prefix_cache(self) -> None:
         self.allocator.clear_prefix_cache()

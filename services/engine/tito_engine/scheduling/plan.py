@@ -23,6 +23,7 @@ class RowInput:
     block_table: list[int]  # covers at least start + len(token_ids) tokens
     needs_logits: bool  # sample after this row (its chunk reaches the end of the known tokens)
     mm: PrefillMedia | None = None  # model.forward.MultiModalPrefill
+    lora_slot: int = 0  # the slot of the request's LoRA adapter (model/lora.py); 0: the base model
 
 
 @dataclass

@@ -196,7 +196,8 @@ class Scheduler:
                     tokens = _tokens(request, seq, start, end)
                 else:
                     tokens = [seq.output_ids[-1]] if seq.output_ids else request.prompt_ids[-1:]
-                plan.rows.append(RowInput(tokens, start, seq.block_table, end == total, request.mm))
+                plan.rows.append(RowInput(tokens, start, seq.block_table, end == total, request.mm,
+                                          request.lora_slot))
                 plan.owners.append((request, seq))
         return budget
 
@@ -254,7 +255,7 @@ class Scheduler:
                 if end == total and seq.index == 0:
                     self.kv.reserve_fork_blocks(request)
                 plan.rows.append(RowInput(_tokens(request, seq, start, end), start, seq.block_table, end == total,
-                                          request.mm))
+                                          request.mm, request.lora_slot))
                 plan.owners.append((request, seq))
 
     def _plan_sampling(self, plan: StepPlan) -> None:

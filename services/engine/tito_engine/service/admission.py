@@ -18,6 +18,7 @@ from typing import Any
 from tito import signing
 from tito.errors import ResourceExhausted
 
+from tito_engine.lora_types import check_lora_name, lora_disabled
 from tito_engine.multimodal.domain import EncoderCacheDescriptor, MediaItem
 from tito_engine.multimodal.features import (CheckedFeatures, FeaturePolicy, validate_encode_structure,
                                              validate_structure)
@@ -46,13 +47,15 @@ class AdmittedRequest:
     options: SamplingOptions
     features: CheckedFeatures  # empty for text prompts
     cache_salt: str = ""
+    lora_name: str = ""  # the LoRA adapter ("" = the base model); whether it is held is the backend's to say
 
 
 class Admission:
     """The checks of one loaded model under one engine configuration."""
 
     def __init__(self, limits: ModelLimits, mm_spec: ModelMultimodalSpec | None, policy: FeaturePolicy,
-                 kv_capacity: KVCapacity):
+                 kv_capacity: KVCapacity, serves_lora: bool = False):
+        self.serves_lora = serves_lora  # the backend has LoRA adapter slots
         self.limits = limits
         self.mm_spec = mm_spec
         self.policy = policy
@@ -66,7 +69,8 @@ class Admission:
         limits = ModelLimits(vocab_size=info.vocab_size, max_context_length=info.max_context_length,
                              max_choices=min(max_choices_per_request, backend.max_running_sequences),
                              modalities=frozenset(info.modalities))
-        return cls(limits, backend.mm_spec, policy or FeaturePolicy(), backend.kv_capacity)
+        return cls(limits, backend.mm_spec, policy or FeaturePolicy(), backend.kv_capacity,
+                   serves_lora=getattr(backend, "max_loras", 0) > 0)
 
     def admit(self, generate: GenerateInput) -> AdmittedRequest:
         """Check `generate`; raise a TitoError naming the field for a caller's mistake."""
@@ -74,7 +78,12 @@ class Admission:
         self._check_fits_kv_cache(len(generate.token_ids), options.max_tokens, options.n)
         # Also for text-only requests: a stray placeholder token id is refused here.
         checked = validate_structure(generate.token_ids, generate.mm_items, self.mm_spec, self.policy)
-        return AdmittedRequest(generate.request_id, list(generate.token_ids), options, checked, generate.cache_salt)
+        if generate.lora_name:
+            if not self.serves_lora:
+                raise lora_disabled()
+            check_lora_name(generate.lora_name)
+        return AdmittedRequest(generate.request_id, list(generate.token_ids), options, checked, generate.cache_salt,
+                               generate.lora_name)
 
     def admit_encode(self, items: Sequence[MediaItem]) -> CheckedFeatures:
         """Check an Encode request's items."""

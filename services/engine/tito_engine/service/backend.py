@@ -19,6 +19,7 @@ from tito_engine.multimodal.domain import EncoderCacheDescriptor
 from tito_engine.multimodal.features import CheckedFeatures
 from tito_engine.multimodal.specs import ModelMultimodalSpec
 from tito_engine.kv_events import KvEventLog
+from tito_engine.lora_types import LoraAdapterInfo
 from tito_engine.model_info import ModelInfo
 from tito_engine.request import ChoiceOutput
 
@@ -40,6 +41,7 @@ class LoadSnapshot:
     encoder_cache_misses: int = 0
     encoded_items: int = 0  # media items the encoder ran on since start
     encoder_store_loads: int = 0  # media items loaded from the shared encoder store since start
+    lora_adapters: tuple[LoraAdapterInfo, ...] = ()  # the LoRA adapters held, with the requests using each
 
 
 class EngineBackend(Protocol):
@@ -48,6 +50,8 @@ class EngineBackend(Protocol):
     info: ModelInfo  # GetModelInfo, and the limits admission checks against
     mm_spec: ModelMultimodalSpec | None  # media the model accepts (None: text only)
     max_running_sequences: int  # most choices (sequences) advanced together
+    max_loras: int  # LoRA adapters resident at once (0: the backend serves none; admission refuses lora_name)
+    max_lora_rank: int
     kv_capacity: KVCapacity  # the whole KV cache: admission refuses what could never fit
     # Called (from any thread) when the model process died: the server turns health NOT_SERVING.
     on_core_lost: Callable[[], None] | None
@@ -80,6 +84,16 @@ class EngineBackend(Protocol):
 
     async def reset_prefix_cache(self) -> None:
         """Empty the prefix cache (kv_events then holds an AllBlocksCleared)."""
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo:
+        """Load a LoRA adapter from `path` (under the engine's --lora-dir) as `name`; a TitoError
+        (LORA_*) for what cannot be."""
+
+    async def unload_lora_adapter(self, name: str) -> int:
+        """Forget adapter `name` (NOT_FOUND when not held); the requests that still finish with it."""
+
+    async def list_lora_adapters(self) -> tuple[LoraAdapterInfo, ...]:
+        """The adapters held."""
 
 
 def check_can_accept(request_id: str, *, live: Container[str], waiting: int, max_waiting: int, core_lost: bool,

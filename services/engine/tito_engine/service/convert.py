@@ -10,6 +10,7 @@ from tito.structured_output import StructuredOutputSpec, spec_from_proto
 from tito.v1 import engine_pb2, multimodal_pb2, sampling_pb2
 
 from tito_engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
+from tito_engine.lora_types import LoraAdapterInfo
 from tito_engine.multimodal.domain import EncoderCacheDescriptor, MediaItem, Placeholder, RawTensor
 from tito_engine.multimodal.items import MODALITY_NAMES
 from tito_engine.request import ChoiceOutput, FinishReason, GenerateInput, RawSamplingParams, TokenLogprob
@@ -107,7 +108,14 @@ def generate_input_from_proto(request: engine_pb2.GenerateRequest) -> GenerateIn
         mm_modalities=[_modality_name(item.modality) for item in items],
         mm_items=items,
         cache_salt=request.cache_salt,
+        lora_name=request.lora_name,
     )
+
+
+def lora_adapter_to_proto(adapter: LoraAdapterInfo) -> engine_pb2.LoraAdapterInfo:
+    return engine_pb2.LoraAdapterInfo(name=adapter.name, path=adapter.path, rank=adapter.rank,
+                                      target_modules=list(adapter.target_modules),
+                                      active_requests=adapter.active_requests, resident=adapter.resident)
 
 
 def _token_logprob(entry: TokenLogprob) -> engine_pb2.TokenLogprob:

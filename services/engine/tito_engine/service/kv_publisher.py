@@ -93,11 +93,15 @@ def to_wire(batch: KvEventBatch, int_hashes: bool = True) -> _KVEventBatch:
     for event in batch.events:
         if isinstance(event, BlockStored):
             extra = None
-            if event.extra_keys is not None:
-                extra = [None if keys is None else
-                         tuple([*((media.mm_hash, media.offset) for media in keys.media),
-                                *((keys.cache_salt,) if keys.cache_salt else ())]) or None
-                         for keys in event.extra_keys]
+            # vLLM's order per block: the bare LoRA name (when the blocks have one), (mm_hash,
+            # offset) pairs, the bare salt.
+            lora = (event.lora_name,) if event.lora_name else ()
+            if event.extra_keys is not None or lora:
+                entries = event.extra_keys if event.extra_keys is not None else (None,) * len(event.block_hashes)
+                extra = [tuple([*lora, *(() if keys is None else (
+                    *((media.mm_hash, media.offset) for media in keys.media),
+                    *((keys.cache_salt,) if keys.cache_salt else ())))]) or None
+                         for keys in entries]
             parent = event.parent_block_hash
             events.append(_BlockStored(
                 block_hashes=[wire_hash(digest, int_hashes) for digest in event.block_hashes],

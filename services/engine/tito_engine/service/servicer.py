@@ -21,7 +21,7 @@ from tito_engine.service.admission import Admission
 from tito_engine.service.backend import EngineBackend, LoadSnapshot
 from tito_engine.service.drain import Drain, draining_error
 from tito_engine.service.convert import (MODALITIES, descriptor_to_proto, generate_input_from_proto, kv_batch_to_proto,
-                                         media_from_proto, output_to_proto)
+                                         lora_adapter_to_proto, media_from_proto, output_to_proto)
 from tito_engine.service.observe import RequestObserver
 
 
@@ -99,8 +99,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         return engine_pb2.AbortResponse(aborted_request_ids=self._engine.abort(list(request.request_ids)))
 
     async def GetModelInfo(self, request, context):
-        info = self._engine.info
+        backend = self._engine
+        info = backend.info
+        adapters = await backend.list_lora_adapters() if backend.max_loras else ()
         return engine_pb2.EngineServiceGetModelInfoResponse(
+            lora_adapters=[lora_adapter_to_proto(adapter) for adapter in adapters],
+            max_loras=backend.max_loras, max_lora_rank=backend.max_lora_rank,
             model_id=info.model_id,
             vocab_size=info.vocab_size,
             max_context_length=info.max_context_length,
@@ -130,6 +134,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             encoded_items=load.encoded_items,
             encoder_store_loads=load.encoder_store_loads,
             draining=self.drain_state.draining,
+            lora_adapters=[lora_adapter_to_proto(adapter) for adapter in load.lora_adapters],
         )
 
     async def Drain(self, request: engine_pb2.DrainRequest, context):
@@ -151,3 +156,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def ResetPrefixCache(self, request, context):
         await self._engine.reset_prefix_cache()
         return engine_pb2.ResetPrefixCacheResponse()
+
+    async def LoadLoraAdapter(self, request: engine_pb2.LoadLoraAdapterRequest, context):
+        adapter = await self._engine.load_lora_adapter(request.lora_name, request.lora_path)
+        return engine_pb2.LoadLoraAdapterResponse(adapter=lora_adapter_to_proto(adapter))
+
+    async def UnloadLoraAdapter(self, request: engine_pb2.UnloadLoraAdapterRequest, context):
+        active = await self._engine.unload_lora_adapter(request.lora_name)
+        return engine_pb2.UnloadLoraAdapterResponse(active_requests=active)
+
+    async def ListLoraAdapters(self, request, context):
+        adapters = await self._engine.list_lora_adapters()
+        return engine_pb2.ListLoraAdaptersResponse(adapters=[lora_adapter_to_proto(adapter) for adapter in adapters])

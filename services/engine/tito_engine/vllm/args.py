@@ -61,6 +61,9 @@ TITO_FLAGS = {
     # vLLM would otherwise normalize them once more inside the model (its processor then hands
     # the model raw uint8 pixels), and every image would read as another.
     "mm_device_do_normalize": "render (pixel values arrive normalized)",
+    "enable_lora": "--lora-dir",
+    "max_loras": "--max-loras",
+    "max_lora_rank": "--max-lora-rank",
 }
 
 
@@ -269,6 +272,10 @@ def build_engine_args(config: Any, model_dir: str) -> Any:
     # normalize them again on the device.
     engine_args.mm_device_do_normalize = False
     engine_args.disable_log_stats = False
+    if config.lora_dir:  # vLLM's own LoRA support (vllm/lora.py maps tito's RPCs and lora_name onto it)
+        engine_args.enable_lora = True
+        engine_args.max_loras = config.max_loras
+        engine_args.max_lora_rank = config.max_lora_rank
     if config.prefix_caching:  # vLLM's own KV events, relayed into SubscribeKvEvents (vllm/kv_relay.py)
         from tito_engine.vllm.kv_relay import events_config, private_endpoints
 

@@ -24,6 +24,7 @@ from tito.config import ConfigError
 from tito.errors import FailedPrecondition, InvalidArgument, TitoError, Unavailable
 
 from tito_engine.kv_events import KvEventLog
+from tito_engine.lora_types import LoraAdapterInfo, lora_disabled
 from tito_engine.service.admission import AdmittedRequest, KVCapacity
 from tito_engine.service.backend import LoadSnapshot, check_can_accept
 from tito_engine.multimodal.features import CheckedFeatures
@@ -31,6 +32,7 @@ from tito_engine.model_info import describe_model
 from tito_engine.request import ChoiceOutput
 from tito_engine.vllm.args import check_can_start
 from tito_engine.vllm.inputs import MediaConverter, OutputConverter, engine_input, sampling_params
+from tito_engine.vllm.lora import VllmLoraAdapters
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +104,10 @@ class VllmEngine:
     where AsyncLLM starts its output handler."""
 
     def __init__(self, engine_args: Any, model_dir: Path, *, model_id: str, max_waiting_requests: int = 1024,
-                 kv_event_buffer: int = 10_000, kv_flag_given: bool = True):
+                 kv_event_buffer: int = 10_000, kv_flag_given: bool = True, lora_dir: str = "",
+                 lora_modules: tuple[tuple[str, str], ...] = ()):
+        """`lora_dir` (with `engine_args.enable_lora`): LoRA adapters through vLLM's own support
+        (vllm/lora.py), `lora_modules` (name, path) held from the start."""
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.executor import Executor
 
@@ -144,6 +149,18 @@ class VllmEngine:
             max_context_length=model_config.max_model_len, dtype=str(model_config.dtype).removeprefix("torch."),
             device=_device_name(vllm_config), multimodal=model_config.is_multimodal_model)
         self.max_running_sequences = vllm_config.scheduler_config.max_num_seqs
+        self.max_loras = self.max_lora_rank = 0  # no LoRA: admission refuses lora_name (LORA_DISABLED)
+        self._lora: VllmLoraAdapters | None = None
+        lora_config = vllm_config.lora_config
+        if lora_config is not None and lora_dir:
+            self.max_loras, self.max_lora_rank = lora_config.max_loras, lora_config.max_lora_rank
+            self._lora = VllmLoraAdapters(self._llm, Path(lora_dir), self.max_lora_rank)
+            for name, path in lora_modules:
+                try:
+                    self._lora.register(name, path)
+                except TitoError as exc:
+                    self._llm.shutdown()
+                    raise ConfigError(f"--lora-modules {name}={path}: {exc.message}") from None
         self.max_waiting_requests = max_waiting_requests
         cache_config = vllm_config.cache_config
         self.kv_capacity = KVCapacity(
@@ -171,6 +188,9 @@ class VllmEngine:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._spawn(self._watch_core())
+        if self._lora is not None:  # vLLM reads the --lora-modules adapters now, not at their first request
+            for adapter in self._lora.infos():
+                self._spawn(self._lora.preload(adapter.name))
         if self._kv_relay is not None:
             self._kv_relay.start()
 
@@ -218,11 +238,14 @@ class VllmEngine:
         converter = OutputConverter(request.options, len(request.token_ids))
         finished = False
         stream = None
+        adapter = None
         try:
             try:
+                if request.lora_name:
+                    adapter = self._lora.acquire(request.lora_name)  # admission let it through: LoRA is on
                 prompt = self._engine_input(request)
                 params = sampling_params(request.options, self.info.eos_token_ids)
-                stream = self._llm.generate(prompt, params, request_id)
+                stream = self._llm.generate(prompt, params, request_id, lora_request=adapter)
                 async for output in stream:
                     for choice in converter.convert(output):
                         yield choice
@@ -238,6 +261,8 @@ class VllmEngine:
                     self._finished += 1
             if stream is not None and not finished:
                 await stream.aclose()  # vLLM aborts the request when its generator is closed early
+            if adapter is not None:
+                await self._lora.release(request.lora_name)
 
     def _engine_input(self, request: AdmittedRequest) -> Any:
         if request.features and self._media is None:
@@ -261,6 +286,19 @@ class VllmEngine:
             raise FailedPrecondition("vLLM resets its prefix cache only while no request holds KV blocks; retry "
                                      "when the engine is idle (GetLoad running_requests 0)",
                                      reason="PREFIX_CACHE_BUSY")
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoraAdapterInfo:
+        if self._lora is None:
+            raise lora_disabled()
+        return await self._lora.load(name, path)
+
+    async def unload_lora_adapter(self, name: str) -> int:
+        if self._lora is None:
+            raise lora_disabled()
+        return await self._lora.unload(name)
+
+    async def list_lora_adapters(self) -> tuple[LoraAdapterInfo, ...]:
+        return self._lora.infos() if self._lora is not None else ()
 
     def abort(self, request_ids: list[str]) -> list[str]:
         with self._lock:
@@ -291,6 +329,7 @@ class VllmEngine:
                 prefix_cache_hit_tokens=self._stats.prefix_cache_hit_tokens,
                 encoder_cache_hits=self._mm_hits,
                 encoder_cache_misses=self._mm_misses,
+                lora_adapters=self._lora.infos() if self._lora is not None else (),
             )
 
 
