@@ -152,7 +152,7 @@ class Gateway:
             self._adapters_at = time.monotonic()
         return self._adapters
 
-    async def _adapter_names(self, body: dict) -> frozenset[str]:
+    async def adapter_names(self, body: dict) -> frozenset[str]:
         """The adapters a request's `model` may name (none asked for when it is the served model)."""
         model = body.get("model") if isinstance(body, dict) else None
         if not isinstance(model, str) or model == await self.served_model():
@@ -212,7 +212,7 @@ class Gateway:
             self.metrics.in_flight.inc()
             admitted = True
             body = openai_in.parse_body(await self.read_body(request))
-            call = parse(body, await self.served_model(), await self._adapter_names(body))
+            call = parse(body, await self.served_model(), await self.adapter_names(body))
             call.set_request_id(rid)
             response_id = prefix + rid
             if call.stream.stream:

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Container
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
@@ -173,7 +173,8 @@ class VllmApi:
 
     async def _render_chat(self, chat: dict, request_id: str, stream_options: dict | None) -> Response:
         """An OpenAI chat body through render, answered as vLLM's GenerateRequest."""
-        call = openai_in.parse_chat(chat, await self.gateway.served_model())
+        call = openai_in.parse_chat(chat, await self.gateway.served_model(),
+                                    await self.gateway.adapter_names(chat))
         # Hashes and placeholders only: vLLM's serialized tensors are not tito's to write.
         call.request.mm_payload = multimodal_pb2.MM_PAYLOAD_NONE
         call.request.request_id = request_id
@@ -188,7 +189,8 @@ class VllmApi:
 
     async def render_completion(self, request: Request, values: dict, rid: str) -> Response:
         rest, given_id = self._render_options(values)
-        call = openai_in.parse_completion(rest, await self.gateway.served_model())
+        call = openai_in.parse_completion(rest, await self.gateway.served_model(),
+                                          await self.gateway.adapter_names(rest))
         if call.echo:
             raise openai_in.unsupported("echo", "the render endpoint returns what the engine runs; echo is the "
                                                 "answer's (vLLM's render drops it too)")
@@ -204,10 +206,11 @@ class VllmApi:
 
     # -- the chat's reuse path -------------------------------------------------------------------
 
-    def parse_chat(self, values: dict, served_model: str) -> openai_in.ChatCall:
-        """openai_in.parse_chat, plus vLLM's `kv_transfer_params.prompt_token_ids` (reuse.py)."""
+    def parse_chat(self, values: dict, served_model: str, adapters: Container[str] = ()) -> openai_in.ChatCall:
+        """openai_in.parse_chat (`adapters`: the LoRA adapters `model` may name), plus vLLM's
+        `kv_transfer_params.prompt_token_ids` (reuse.py)."""
         rest, ids = reuse.split_forwarded_ids(values)
-        call = openai_in.parse_chat(rest, served_model)
+        call = openai_in.parse_chat(rest, served_model, adapters)
         if ids is None:
             return call
         return reuse.ReusedChatCall(call.model, call.request, call.stream, call.logprobs, tuple(ids),
@@ -317,7 +320,7 @@ class VllmApi:
         chat_values = body.obj("chat_request")
         logprobs = any(response.logprobs for response in responses)
         if chat_values is not None:
-            call = openai_in.parse_chat(chat_values, served)
+            call = openai_in.parse_chat(chat_values, served, await self.gateway.adapter_names(chat_values))
             call.request.mm_payload = multimodal_pb2.MM_PAYLOAD_NONE  # derender needs no tensors
             pipeline = self.pipeline
             rendered = await pipeline.render.RenderChat(call.request, timeout=pipeline.timeout,
@@ -355,7 +358,7 @@ class VllmApi:
         completion = body.obj("completion_request")
         text = None
         if completion is not None:
-            call = openai_in.parse_completion(completion, served)
+            call = openai_in.parse_completion(completion, served, await self.gateway.adapter_names(completion))
             text = derender_in.text_options(call.requests[0].sampling)
         per_prompt = [derender_in.engine_responses(one, f"generate_responses[{p}]",
                                                    openai_in._integer(counts[p], f"prompt_tokens[{p}]", 0,
