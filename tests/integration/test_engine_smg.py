@@ -375,15 +375,17 @@ def test_a_draining_engine_refuses_new_streams_on_smgs_face_and_ends_the_rest_as
     """Drain (tito.v1's RPC, or SIGTERM) covers both faces: SMG's health turns unhealthy, a new
     Generate is UNAVAILABLE ENGINE_DRAINING, and a stream the grace period outlives ends with the
     same status (so SMG retries it elsewhere) rather than as a finished choice."""
-    config = EngineConfig(model=str(tiny_text_model), device="cpu", engine_process=False, max_model_len=CONTEXT,
+    long_context = 2048  # the model's whole window: a stream no fast machine finishes within the grace period
+    config = EngineConfig(model=str(tiny_text_model), device="cpu", engine_process=False, max_model_len=long_context,
                           block_size=16)
     channel = aio_server(lambda: create_server(config)).channel()
     smg_stub, tito_stub = vllm_engine_pb2_grpc.VllmEngineStub(channel), engine_pb2_grpc.EngineServiceStub(channel)
-    running = smg_stub.Generate(smg_request(PROMPTS[0], request_id="outlives-grace", max_tokens=CONTEXT - 8,
+    running = smg_stub.Generate(smg_request(PROMPTS[0], request_id="outlives-grace", max_tokens=long_context - 8,
                                             ignore_eos=True), timeout=TIMEOUT)
     assert next(running).WhichOneof("response") == "chunk"
 
-    tito_stub.Drain(engine_pb2.DrainRequest(grace_seconds=0.2), timeout=TIMEOUT)
+    drained = tito_stub.Drain(engine_pb2.DrainRequest(grace_seconds=0.1), timeout=TIMEOUT)
+    assert drained.in_flight_requests == 1
 
     assert not smg_stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=TIMEOUT).healthy
     refused = refusal(lambda: smg_stub.Generate(smg_request(PROMPTS[1], max_tokens=4), timeout=TIMEOUT))
