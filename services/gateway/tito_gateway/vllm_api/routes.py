@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Container
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
@@ -204,10 +204,11 @@ class VllmApi:
 
     # -- the chat's reuse path -------------------------------------------------------------------
 
-    def parse_chat(self, values: dict, served_model: str) -> openai_in.ChatCall:
-        """openai_in.parse_chat, plus vLLM's `kv_transfer_params.prompt_token_ids` (reuse.py)."""
+    def parse_chat(self, values: dict, served_model: str, adapters: Container[str] = ()) -> openai_in.ChatCall:
+        """openai_in.parse_chat (`adapters` as there), plus vLLM's `kv_transfer_params.prompt_token_ids`
+        (reuse.py)."""
         rest, ids = reuse.split_forwarded_ids(values)
-        call = openai_in.parse_chat(rest, served_model)
+        call = openai_in.parse_chat(rest, served_model, adapters)
         if ids is None:
             return call
         return reuse.ReusedChatCall(call.model, call.request, call.stream, call.logprobs, tuple(ids),
