@@ -3,6 +3,7 @@ EngineRouter on the same multi-turn chats.
 
     .venv/bin/python bench/smg.py [--conversations 8] [--turns 4] [--rounds 2] [--new-tokens 12]
     .venv/bin/python bench/smg.py --smoke   # 3 conversations of 2 turns, one round: checks that it runs
+    .venv/bin/python bench/smg.py --throughput [--vllm] [--concurrency 1 32] [--rounds 2]
 
 Starts two `tito serve engine` processes (tiny-qwen2, one CPU thread each, prefix caching on) and
 two SMG gateways over both (`smg launch --backend vllm --policy cache_aware`, and `--policy
@@ -27,6 +28,15 @@ turns sent to the engine that served the conversation's previous turn (SMG names
 
     smg cache_aware hit rate N.NNx of one engine        (target >= 0.9)
     smg cache_aware hit rate N.NNx of tito cache_aware
+
+--throughput (bench/smg_throughput.py): output throughput and TTFT of SMG in front of one tito
+engine against tito's own gateway -> render -> engine -> derender over the same engine process
+(`tito serve all`, its engine on TCP; settings as bench/gateway.py's: tiny-qwen2-h256, float32,
+prefix caching off, 64 MiB of KV cache), and with --vllm SMG in front of `vllm serve --grpc` (vLLM
+with smg-grpc-servicer, the field's own stack) on the same checkpoint and settings: `vllm bench
+serve --backend openai-chat`, random 128 in / 64 out, greedy, ignore_eos, at each concurrency, in
+paired rounds (the order rotates), then `c=N smg -> tito engine / ...` ratios (median [min-max]).
+--throughput --smoke: SMG and tito only, a few short chats streamed by httpx, one round.
 """
 
 from __future__ import annotations
@@ -265,7 +275,22 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=12)
     parser.add_argument("--think-ms", type=float, default=50.0, help="pause between a turn's answer and the next")
     parser.add_argument("--smoke", action="store_true", help="the smallest run: checks that it runs")
+    parser.add_argument("--throughput", action="store_true", help="SMG -> tito engine vs tito's gateway (see above)")
+    parser.add_argument("--vllm", action="store_true", help="--throughput: also SMG -> vllm serve --grpc")
+    parser.add_argument("--model", default="tiny-qwen2-h256", help="--throughput's model")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--min-prompts", type=int, default=8, help="prompts per run: max(this, 2 x concurrency)")
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.throughput:
+        from smg_throughput import throughput
+
+        if args.smoke:  # tito's side alone: no vLLM
+            args.rounds, args.concurrency, args.output_len, args.min_prompts, args.vllm = 1, [2], 4, 4, False
+        throughput(args)
+        return
     if args.smoke:
         args.conversations, args.turns, args.rounds, args.new_tokens, args.think_ms = 3, 2, 1, 2, 10.0
     asyncio.run(bench(args))
