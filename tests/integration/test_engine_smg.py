@@ -224,6 +224,7 @@ def test_model_server_and_load_facts(smg, tiny_text_model):
     server = smg.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest(), timeout=TIMEOUT)
     assert server.server_type == "vllm-grpc" and server.max_num_seqs == 64 and server.block_size == 16
     assert server.model_dtype == "torch.float32" and server.constrained_decoding_start == "first_token"
+    assert server.mm_item_limits == "" and server.mm_encoder_budget == 0  # a text model: SMG keeps its own caps
     loads = smg.GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=TIMEOUT)
     assert loads.dp_rank_count == 1 and len(loads.loads) == 1
     load = loads.loads[0]
