@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from gateway import (KV_CACHE_BYTES, MAX_RUNNING, VLLM_IDLE_S, bench_serve, free_port, gateway_chats, num_prompts,
-                     random_chats, ratio_line, smoke_chats, wait_healthy)
+                     print_best_rounds, random_chats, ratio_line, smoke_chats, wait_healthy)
 from processes import spawn, stop_process, vllm_cli
 
 SMG_TITO, SMG_VLLM, TITO = "smg -> tito engine", "smg -> vllm serve --grpc", "tito gateway -> 3 services"
@@ -120,18 +120,7 @@ def throughput(args) -> None:
     finally:
         for process in reversed(processes):
             stop_process(process)
-    prompts = "a few words each (--smoke)" if args.smoke else \
-        f"{args.input_len} prompt tokens (vLLM random dataset, seed {args.seed})"
-    print(f"\nmodel {args.model}, float32, prefix caching off, {prompts}, {args.output_len} output tokens "
-          f"(ignore_eos, greedy), {args.rounds} rounds; best round:")
-    print(f"{'setup':<27} {'c':>3} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
-          f"{'TPOT p99':>9}   (ms)")
-    for concurrency in args.concurrency:
-        for name in setups:
-            best = max(results[(name, concurrency)], key=lambda r: r["tok/s"])
-            print(f"{name:<27} {concurrency:>3} {best['req/s']:>7.2f} {best['tok/s']:>8.1f} {best['ttft p50']:>9.1f} "
-                  f"{best['ttft p99']:>9.1f} {best['tpot p50']:>9.1f} {best['tpot p99']:>9.1f}")
-    print()
+    print_best_rounds(results, setups, args)
     for concurrency in args.concurrency:
         ours = results[(SMG_TITO, concurrency)]
         for other in setups[1:]:
