@@ -224,6 +224,7 @@ def test_model_server_and_load_facts(smg, tiny_text_model):
     server = smg.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest(), timeout=TIMEOUT)
     assert server.server_type == "vllm-grpc" and server.max_num_seqs == 64 and server.block_size == 16
     assert server.model_dtype == "torch.float32" and server.constrained_decoding_start == "first_token"
+    assert server.mm_item_limits == "" and server.mm_encoder_budget == 0  # a text model: SMG keeps its own caps
     loads = smg.GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=TIMEOUT)
     assert loads.dp_rank_count == 1 and len(loads.loads) == 1
     load = loads.loads[0]
@@ -375,11 +376,14 @@ def test_a_draining_engine_refuses_new_streams_on_smgs_face_and_ends_the_rest_as
     """Drain (tito.v1's RPC, or SIGTERM) covers both faces: SMG's health turns unhealthy, a new
     Generate is UNAVAILABLE ENGINE_DRAINING, and a stream the grace period outlives ends with the
     same status (so SMG retries it elsewhere) rather than as a finished choice."""
-    config = EngineConfig(model=str(tiny_text_model), device="cpu", engine_process=False, max_model_len=CONTEXT,
-                          block_size=16)
+    # The tiny model's whole context: CONTEXT's 250 tokens took less than the grace period on a fast
+    # machine, and the stream then ended as finished before the drain could end it.
+    long_context = 2048
+    config = EngineConfig(model=str(tiny_text_model), device="cpu", engine_process=False,
+                          max_model_len=long_context, block_size=16)
     channel = aio_server(lambda: create_server(config)).channel()
     smg_stub, tito_stub = vllm_engine_pb2_grpc.VllmEngineStub(channel), engine_pb2_grpc.EngineServiceStub(channel)
-    running = smg_stub.Generate(smg_request(PROMPTS[0], request_id="outlives-grace", max_tokens=CONTEXT - 8,
+    running = smg_stub.Generate(smg_request(PROMPTS[0], request_id="outlives-grace", max_tokens=long_context - 8,
                                             ignore_eos=True), timeout=TIMEOUT)
     assert next(running).WhichOneof("response") == "chunk"
 

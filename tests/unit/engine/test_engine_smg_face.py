@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from tito.errors import InvalidArgument
 from tito.v1 import multimodal_pb2, tensor_pb2
 from tito_engine.request import ChoiceOutput, FinishReason, Usage
-from tito_engine.smg.convert import block_hash, sampling_from_proto, smg_field, with_smg_fields
+from tito_engine.smg.convert import block_hash, mm_item_limits, sampling_from_proto, smg_field, with_smg_fields
 from tito_engine.smg.facts import sampling_defaults_json
 from tito_engine.smg.media import media_from_proto
 from tito_engine.smg.stops import RequestStops, StopStringOptions, TokenizerSource
@@ -146,3 +146,9 @@ def test_kv_block_ids_fold_to_the_integer_vllm_sends():
     assert block_hash(digest) == -1
     assert block_hash(bytes(24) + (5).to_bytes(8, "big")) == 5
     assert block_hash(1 << 63) == -(1 << 63)
+
+
+def test_media_item_limits_label_the_modalities_a_router_request_carries():
+    assert mm_item_limits(("video", "image"), 64) == "image=64,video=64"
+    assert mm_item_limits(("image",), 8) == "image=8"
+    assert mm_item_limits(("audio",), 8) == mm_item_limits((), 64) == ""  # none SMG's label names; a text model

@@ -34,6 +34,8 @@ UNSUPPORTED_FIELD = "UNSUPPORTED_FIELD"
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 #: What GetServerInfo calls this protocol's worker (the value SMG's own vLLM servicer sends).
 SERVER_TYPE = "vllm-grpc"
+#: The modalities GetServerInfo's `mm_item_limits` label names (those a router request carries).
+ITEM_LIMIT_MODALITIES = ("image", "video")
 #: tito's field paths (admission names tito.v1's fields) and this protocol's names for them.
 _FIELD_NAMES = (
     ("token_ids", "tokenized.input_ids"),
@@ -223,9 +225,22 @@ def model_info_to_proto(info: ModelInfo, facts: ModelFacts, model_dir: str) -> v
         default_sampling_params_json=facts.sampling_defaults_json)
 
 
+def mm_item_limits(modalities: tuple[str, ...], max_items: int) -> str:
+    """SMG's `mm_item_limits` label ("image=8,video=8", sorted; "" for a text model), which SMG's own
+    media pipeline holds requests to. tito's limit (`--max-mm-items`) counts a request's items of
+    every modality together, so each modality is labelled with the whole limit: SMG then refuses
+    what the engine surely would, and the engine still refuses a mix above its total itself."""
+    return ",".join(f"{modality}={max_items}" for modality in sorted(ITEM_LIMIT_MODALITIES)
+                    if modality in modalities and max_items > 0)
+
+
 def server_info_to_proto(info: ModelInfo, load: LoadSnapshot, *, max_running_sequences: int, block_size: int,
-                         uptime_seconds: float, last_receive_timestamp: float) -> vllm_engine_pb2.GetServerInfoResponse:
+                         uptime_seconds: float, last_receive_timestamp: float,
+                         max_mm_items: int) -> vllm_engine_pb2.GetServerInfoResponse:
+    # mm_encoder_budget stays 0 ("unknown"): tito's encoder cache is sized in bytes and its
+    # scheduler places an item of any size, so there is no per-item token budget to advertise.
     return vllm_engine_pb2.GetServerInfoResponse(
+        mm_item_limits=mm_item_limits(info.modalities, max_mm_items),
         active_requests=load.running_requests + load.waiting_requests, is_paused=False,
         last_receive_timestamp=last_receive_timestamp, uptime_seconds=uptime_seconds, server_type=SERVER_TYPE,
         data_parallel_size=1, kv_cache_dtype="auto", block_size=block_size, model_dtype=f"torch.{info.dtype}",

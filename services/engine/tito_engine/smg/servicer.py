@@ -151,7 +151,8 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return server_info_to_proto(backend.info, backend.load(), max_running_sequences=backend.max_running_sequences,
                                     block_size=backend.kv_capacity.block_size,
                                     uptime_seconds=time.time() - self._started,
-                                    last_receive_timestamp=self._last_receive)
+                                    last_receive_timestamp=self._last_receive,
+                                    max_mm_items=self._admission.policy.max_items)
 
     async def GetLoads(self, request: vllm_engine_pb2.GetLoadsRequest, context):
         backend = self._engine
