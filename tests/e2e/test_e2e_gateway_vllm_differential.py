@@ -2,7 +2,9 @@
 over vLLM's token-in/token-out HTTP API. The render endpoints give the same token ids for the
 same chats, prompts, Anthropic Messages and OpenAI Responses bodies; a GenerateRequest either server rendered gives
 the same greedy tokens on either server's /inference/v1/generate (cross-wired both ways);
-derender of the same tokens gives the same text; the same bad requests get the same status codes."""
+derender of the same tokens gives the same text, whole and streamed chunk by chunk (but for
+text still held back at a `length` cut, which tito flushes); the same bad requests get the same
+status codes."""
 
 from __future__ import annotations
 
@@ -165,3 +167,35 @@ def test_bad_requests_get_the_same_status(servers, body):
     statuses = [httpx.post(base + "/inference/v1/generate", json=body, timeout=60).status_code
                 for base in (tito, vllm)]
     assert statuses[0] == statuses[1] == 400
+
+
+def test_streamed_derender_of_the_same_chunks_gives_the_same_text(servers):
+    """The same generate stream, derendered one chunk per call with each server's own
+    `stream_state` carried (vLLM's object, tito's sealed string): each server's whole answer."""
+    tito, vllm = servers
+    chat = {"model": MODEL, "messages": CHATS[3], "max_tokens": 12, "temperature": 0}
+    rendered = _post(tito, "/v1/chat/completions/render", chat)
+    tokens = _generate_tokens(tito, rendered)
+    texts = {}
+    for base in (tito, vllm):
+        state, text, finish = None, "", None
+        for i, token in enumerate(tokens):
+            answer = _post(base, "/v1/chat/completions/derender", {
+                "stream": True, "stream_state": state, "prompt_token_ids": rendered["token_ids"],
+                "chat_request": chat, "generate_chunk": {"request_id": "chatcmpl-d", "choices": [{
+                    "index": 0, "token_ids": [token], "finish_reason": "length" if i == len(tokens) - 1 else None}]}})
+            state = answer["stream_state"]
+            for choice in answer["chunk"]["choices"]:
+                text += choice["delta"].get("content") or ""
+                finish = choice["finish_reason"] or finish
+        texts[base] = (text, finish)
+    whole = {base: _post(base, "/v1/chat/completions/derender", {
+        "generate_response": {"request_id": "x", "choices": [{"index": 0, "token_ids": tokens,
+                                                              "finish_reason": "length"}]},
+        "prompt_token_ids": rendered["token_ids"], "chat_request": chat})["choices"][0]["message"]["content"]
+        for base in (tito, vllm)}
+    # Each server's stream gives its own whole answer, and the two agree but for the end: text a
+    # detokenizer still held back when the choice ended (it waits while the decoded text ends in an
+    # incomplete character) is flushed by tito, as a whole decode gives it, and dropped by vLLM.
+    assert texts[tito] == (whole[tito], "length") and texts[vllm] == (whole[vllm], "length")
+    assert texts[tito][0].startswith(texts[vllm][0])

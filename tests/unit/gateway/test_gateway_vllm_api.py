@@ -340,8 +340,15 @@ def test_hostile_bodies_are_refused_before_any_service(client, upstream):
 def test_bad_render_and_derender_bodies(client):
     unknown = client.post("/v1/chat/completions/render", json={**CHAT, "mm_payload": "pixels"})
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "mm_payload"
-    streamed = client.post("/v1/chat/completions/derender", json={"stream": True, "generate_chunk": {}})
-    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
+    chunk = {"request_id": "x", "choices": [{"index": 0, "token_ids": [1], "finish_reason": None}]}
+    for state, param in (({"output_token_ids": []}, "stream_state"), ("!!not base64", "stream_state"),
+                         (12, "stream_state")):
+        refused = client.post("/v1/chat/completions/derender", json={"stream": True, "generate_chunk": chunk,
+                                                                     "stream_state": state})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+    two = client.post("/v1/completions/derender", json={"stream": True, "generate_chunk": {
+        "choices": [chunk["choices"][0], {**chunk["choices"][0], "index": 1}]}})
+    assert two.status_code == 400 and two.json()["error"]["param"] == "generate_chunk.choices"
     bad_ids = client.post("/v1/chat/completions/derender", json={"generate_response": {
         "request_id": "x", "choices": [{"index": 0, "token_ids": [True]}]}})
     assert bad_ids.status_code == 400

@@ -17,6 +17,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Container
 
+import grpc
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -26,8 +27,8 @@ from tito.logs import bind_request_id
 from tito.v1 import derender_pb2, multimodal_pb2
 from tito_gateway import openai_in, openai_out
 from tito_gateway.errors import HttpError, from_exception
-from tito_gateway.vllm_api import (derender_in, generate_in, generate_out, messages_in, render_out, responses_in,
-                                   reuse, shapes)
+from tito_gateway.vllm_api import (derender_in, derender_stream, generate_in, generate_out, messages_in, render_out,
+                                   responses_in, reuse, shapes)
 
 #: The prefix vLLM gives a generate's request id in its answer (`generate-tokens-<id>`).
 GENERATE_PREFIX = "generate-tokens-"
@@ -310,41 +311,129 @@ class VllmApi:
     # -- derender ----------------------------------------------------------------------------------
 
     async def derender_chat(self, request: Request, values: dict, rid: str) -> Response:
-        body = derender_in.check_body(values, derender_in.CHAT_FIELDS)
+        if derender_stream.is_streamed(values):
+            return await self.derender_chat_chunk(values, rid)
+        body = openai_in.Body(values, derender_in.CHAT_FIELDS)
         served = await self.gateway.served_model()
         model = body.string("model") or served
         generated = values.get("generate_response")
         prompt_tokens = body.integer("prompt_tokens", 0, openai_in.UINT32_MAX)
         responses = derender_in.engine_responses(generated, "generate_response", prompt_tokens)
         seed = derender_in.seed_ids(values, generated, "generate_response")
-        chat_values = body.obj("chat_request")
         logprobs = any(response.logprobs for response in responses)
-        if chat_values is not None:
-            call = openai_in.parse_chat(chat_values, served, await self.gateway.adapter_names(chat_values))
-            call.request.mm_payload = multimodal_pb2.MM_PAYLOAD_NONE  # derender needs no tensors
-            pipeline = self.pipeline
-            rendered = await pipeline.render.RenderChat(call.request, timeout=pipeline.timeout,
-                                                        metadata=pipeline._metadata)
-            context = rendered.derender_context
-            context.n = max(context.n, len(responses))
-            context.prompt_tokens = prompt_tokens or 0
-            logprobs = call.logprobs
-        else:
-            info = await self.gateway.model_info()
-            if info.reasoning_parser or info.tool_parser:
-                raise openai_in.invalid("chat_request", "chat_request is required when a tool or reasoning parser "
-                                                        "is configured because plain detokenization would leak raw "
-                                                        "parser markup into content.")
-            context = derender_in.plain_context(generated.get("request_id", ""), seed, prompt_tokens or 0,
-                                                len(responses), logprobs)
+        context, logprobs = await self._chat_context(body, generated.get("request_id", ""), seed, prompt_tokens,
+                                                     len(responses), logprobs)
         assembled = openai_out.Assembled()
         await self._derender(context, responses, assembled, 0, 1)
         response_id = generated.get("request_id") or f"chatcmpl-{rid}"
         return Response(dumps(openai_out.chat_completion(response_id, model, assembled, logprobs)),
                         media_type="application/json")
 
+    async def _chat_context(self, body: openai_in.Body, request_id: str, seed: list[int], prompt_tokens: int | None,
+                            n: int, logprobs: bool) -> tuple[derender_pb2.DerenderContext, bool]:
+        """Derender's context for a chat: render's for `chat_request` (its parsers, tools and
+        thinking switch), else a plain one where no parser is configured; and whether the
+        answer carries logprobs."""
+        chat_values = body.obj("chat_request")
+        if chat_values is not None:
+            call = openai_in.parse_chat(chat_values, await self.gateway.served_model(),
+                                        await self.gateway.adapter_names(chat_values))
+            call.request.mm_payload = multimodal_pb2.MM_PAYLOAD_NONE  # derender needs no tensors
+            pipeline = self.pipeline
+            rendered = await pipeline.render.RenderChat(call.request, timeout=pipeline.timeout,
+                                                        metadata=pipeline._metadata)
+            context = rendered.derender_context
+            context.n = max(context.n, n)
+            context.prompt_tokens = prompt_tokens or 0
+            return context, call.logprobs
+        info = await self.gateway.model_info()
+        if info.reasoning_parser or info.tool_parser:
+            raise openai_in.invalid("chat_request", "chat_request is required when a tool or reasoning parser "
+                                                    "is configured because plain detokenization would leak raw "
+                                                    "parser markup into content.")
+        return derender_in.plain_context(request_id, seed, prompt_tokens or 0, n, logprobs), logprobs
+
+    async def derender_chat_chunk(self, values: dict, rid: str) -> Response:
+        """One chunk of a streamed chat derender: the chat's context on the first call (no
+        `stream_state`), derender's sealed state after; the chunk and the new state."""
+        body = openai_in.Body(values, derender_stream.CHAT_FIELDS)
+        model = body.string("model") or await self.gateway.served_model()
+        prompt_tokens = body.integer("prompt_tokens", 0, openai_in.UINT32_MAX)
+        request_id, responses, usage = derender_stream.chunk_responses(values.get("generate_chunk"))
+        state = derender_stream.state_bytes(values.get(derender_stream.FIELD))
+        logprobs = any(response.logprobs for response in responses)
+        if state:
+            context = derender_pb2.DerenderContext(resume_state=state)
+        else:
+            seed = derender_in.seed_ids(values, values.get("generate_chunk"), "generate_chunk")
+            context, logprobs = await self._chat_context(body, request_id, seed, prompt_tokens, 1, logprobs)
+        chunks, state = await self._derender_step(context, responses)
+        choices = [derender_stream.chat_choice(response.index, chunks.get(response.index), logprobs)
+                   for response in responses]
+        chunk = {"id": request_id or f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": int(time.time()),
+                 "model": model, "choices": choices, "usage": derender_stream.usage_json(usage, prompt_tokens)}
+        return Response(dumps({"chunk": chunk, "stream_state": derender_stream.state_text(state)}),
+                        media_type="application/json")
+
+    async def derender_completion_chunk(self, values: dict, rid: str) -> Response:
+        """One chunk of a streamed completion derender (as derender_chat_chunk, no parsers)."""
+        body = openai_in.Body(values, derender_stream.COMPLETION_FIELDS)
+        model = body.string("model") or await self.gateway.served_model()
+        prompt_tokens = body.integer("prompt_tokens", 0, openai_in.UINT32_MAX)
+        request_id, responses, usage = derender_stream.chunk_responses(values.get("generate_chunk"))
+        state = derender_stream.state_bytes(values.get(derender_stream.FIELD))
+        logprobs = any(response.logprobs for response in responses)
+        if state:
+            context = derender_pb2.DerenderContext(resume_state=state)
+        else:
+            completion = body.obj("completion_request")
+            text = None
+            if completion is not None:
+                call = openai_in.parse_completion(completion, await self.gateway.served_model())
+                text = derender_in.text_options(call.requests[0].sampling)
+            seed = derender_in.seed_ids(values, values.get("generate_chunk"), "generate_chunk")
+            context = derender_in.plain_context(request_id, seed, prompt_tokens or 0, 1, logprobs, text)
+        chunks, state = await self._derender_step(context, responses)
+        choices = [derender_stream.completion_choice(response.index, chunks.get(response.index), logprobs)
+                   for response in responses]
+        chunk = {"id": request_id or f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()),
+                 "model": model, "choices": choices, "usage": derender_stream.usage_json(usage, prompt_tokens)}
+        return Response(dumps({"chunk": chunk, "stream_state": derender_stream.state_text(state)}),
+                        media_type="application/json")
+
+    async def _derender_step(self, context: derender_pb2.DerenderContext, responses: list
+                             ) -> tuple[dict[int, derender_pb2.ChatChunk], bytes]:
+        """One resumable Derender stream: the context (new or a state), the chunk's responses,
+        then derender's sealed state. Its chunks by choice index (one at most per response)."""
+        context.return_state = True
+        chunks: dict[int, derender_pb2.ChatChunk] = {}
+        state = b""
+
+        async def requests():
+            yield derender_pb2.DerenderRequest(context=context)
+            for response in responses:
+                yield derender_pb2.DerenderRequest(generate_response=response)
+
+        pipeline = self.pipeline
+        try:
+            async for reply in pipeline.derender.Derender(requests(), timeout=pipeline.timeout,
+                                                          metadata=pipeline._metadata):
+                if reply.stream_state:
+                    state = reply.stream_state
+                else:
+                    chunks[reply.chunk.index] = reply.chunk
+        except grpc.RpcError as exc:  # derender names its context's field; the caller sent `stream_state`
+            error = from_exception(exc)
+            if error.param and "resume_state" in error.param:
+                raise InvalidArgument(error.message, reason=error.code or "STREAM_STATE_INVALID",
+                                      field=derender_stream.FIELD) from None
+            raise
+        return chunks, state
+
     async def derender_completion(self, request: Request, values: dict, rid: str) -> Response:
-        body = derender_in.check_body(values, derender_in.COMPLETION_FIELDS)
+        if derender_stream.is_streamed(values):
+            return await self.derender_completion_chunk(values, rid)
+        body = openai_in.Body(values, derender_in.COMPLETION_FIELDS)
         served = await self.gateway.served_model()
         model = body.string("model") or served
         generated = values.get("generate_responses")
