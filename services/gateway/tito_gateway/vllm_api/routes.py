@@ -389,7 +389,8 @@ class VllmApi:
             completion = body.obj("completion_request")
             text = None
             if completion is not None:
-                call = openai_in.parse_completion(completion, await self.gateway.served_model())
+                call = openai_in.parse_completion(completion, await self.gateway.served_model(),
+                                                  await self.gateway.adapter_names(completion))
                 text = derender_in.text_options(call.requests[0].sampling)
             seed = derender_in.seed_ids(values, values.get("generate_chunk"), "generate_chunk")
             context = derender_in.plain_context(request_id, seed, prompt_tokens or 0, 1, logprobs, text)
