@@ -387,7 +387,8 @@ def test_a_draining_engine_refuses_new_streams_on_smgs_face_and_ends_the_rest_as
                                             ignore_eos=True), timeout=TIMEOUT)
     assert next(running).WhichOneof("response") == "chunk"
 
-    tito_stub.Drain(engine_pb2.DrainRequest(grace_seconds=0.2), timeout=TIMEOUT)
+    drained = tito_stub.Drain(engine_pb2.DrainRequest(grace_seconds=0.2), timeout=TIMEOUT)
+    assert drained.in_flight_requests == 1
 
     assert not smg_stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=TIMEOUT).healthy
     refused = refusal(lambda: smg_stub.Generate(smg_request(PROMPTS[1], max_tokens=4), timeout=TIMEOUT))
