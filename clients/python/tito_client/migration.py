@@ -30,7 +30,7 @@ import grpc
 from tito.grpc_errors import error_details
 from tito.v1 import engine_pb2
 
-#: The reason a draining engine gives (tito_engine.service.drain): send the request elsewhere.
+#: The reason a draining engine gives (tito_engine.backend.drain): send the request elsewhere.
 ENGINE_DRAINING = "ENGINE_DRAINING"
 #: An engine's waiting queue is full: a limit of that engine, not of the request.
 QUEUE_FULL = "QUEUE_FULL"

@@ -17,14 +17,14 @@ from tito.startup import StartupPhases, loading_model
 from tito.v1 import engine_pb2_grpc
 from smg_grpc_proto import vllm_engine_pb2_grpc
 
-from tito_engine.service.admission import Admission
-from tito_engine.service.backend import EngineBackend
+from tito_engine.backend.admission import Admission
+from tito_engine.backend.interface import EngineBackend
 from tito_engine.config import EngineConfig
 from tito_engine.core.engine import Engine
 from tito_engine.multimodal.features import FeaturePolicy
 from tito_engine.model.runner import warm_up_or_warn
 from tito_engine.model_info import check_checkpoint
-from tito_engine.service.observe import EngineMetrics, RequestObserver
+from tito_engine.backend.observe import EngineMetrics, RequestObserver
 from tito_engine.service.servicer import EngineServicer
 from tito_engine.smg.servicer import SERVICE_NAME as SMG_SERVICE_NAME, SmgEngineServicer
 from tito_engine.startup_plan import StartupPlan, plan_startup
@@ -146,7 +146,7 @@ async def create_server(config: EngineConfig, phases: StartupPhases | None = Non
     running.add_cleanup(lambda: asyncio.to_thread(backend.stop))
     running.add_closer(backend.kv_events.close)  # SubscribeKvEvents streams end as shutdown begins
     if config.kv_events_endpoint:
-        from tito_engine.service.kv_publisher import ZmqKvEventPublisher  # pyzmq: only when asked for
+        from tito_engine.kv_publisher import ZmqKvEventPublisher  # pyzmq: only when asked for
 
         publisher = ZmqKvEventPublisher(backend.kv_events, config.kv_events_endpoint,
                                         config.kv_events_replay_endpoint or None, topic=config.kv_events_topic,

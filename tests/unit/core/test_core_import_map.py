@@ -30,11 +30,13 @@ ALLOWED = {
 }
 
 #: The engine's layers, top first (services/engine/README.md, "Layers"): a module may import its own
-#: layer and the layers below it. The service layer is the port both backends plug into.
+#: layer and the layers below it. The backend interface is the port both backends plug into and
+#: both protocol faces (service, smg) call.
 ENGINE_LAYERS = (
     ("entry", ("tito_engine.server", "tito_engine.startup_plan", "tito_engine.config")),
     ("backends", ("tito_engine.core", "tito_engine.vllm")),
     ("service", ("tito_engine.service", "tito_engine.smg")),
+    ("backend interface", ("tito_engine.backend",)),
     ("model execution", ("tito_engine.model",)),
     ("model identity", ("tito_engine.model_info",)),
     ("multimodal", ("tito_engine.multimodal",)),

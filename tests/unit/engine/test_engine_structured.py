@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from tito.errors import InvalidArgument
-from tito_engine.service.admission import Admission
+from tito_engine.backend.admission import Admission
 from tito_engine.model.constraints import INVALID_STRUCTURED_OUTPUT, StructuredOutputSpec, validate
 from tito_engine.core.engine import Engine
 from tito_engine.limits import SchedulerLimits

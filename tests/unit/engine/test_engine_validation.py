@@ -2,7 +2,7 @@ import pytest
 
 from tito.errors import InvalidArgument
 from tito_engine.request import GenerateInput, LogitBias, RawSamplingParams
-from tito_engine.service.validation import ModelLimits, validate_generate
+from tito_engine.backend.validation import ModelLimits, validate_generate
 
 LIMITS = ModelLimits(vocab_size=100, max_context_length=32, max_choices=4)
 

@@ -31,8 +31,8 @@ from typing import Any
 from tito.errors import Unavailable
 from tito.supervision import retry
 
-from tito_engine.service.admission import AdmittedRequest, KVCapacity
-from tito_engine.service.backend import LoadSnapshot, check_can_accept
+from tito_engine.backend.admission import AdmittedRequest, KVCapacity
+from tito_engine.backend.interface import LoadSnapshot, check_can_accept
 from tito_engine.core.messages import (AbortRequest, AddRequest, CoreLoad, EncodeItems, EncodeResult, ListLoras,
                                        LoadLora, PrefixCacheReset, ResetPrefixCache, StepBatch, UnloadLora)
 from tito_engine.core.engine_core import CoreProcessSpec, ProcessCore, ThreadCore

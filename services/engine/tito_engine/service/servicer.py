@@ -1,8 +1,8 @@
 """tito.v1.EngineService over grpc.aio: protos in, domain calls, protos out. Nothing else.
 
-Every request passes the same admission (admission.py) and then goes to the backend seam
-(backend.py): the native engine or vLLM, which cannot tell the servicer apart. Every Generate
-stream is known to the drain state (drain.py), which refuses new ones while draining and ends the
+Every request passes the same admission (backend/admission.py) and then goes to the backend seam
+(backend/interface.py): the native engine or vLLM, which cannot tell the servicer apart. Every Generate
+stream is known to the drain state (backend/drain.py), which refuses new ones while draining and ends the
 ones the grace period did not see finish as "engine gone".
 """
 
@@ -17,12 +17,12 @@ from tito.errors import InvalidArgument, LoadingGate
 from tito.logs import bind_request_id
 from tito.v1 import engine_pb2, engine_pb2_grpc
 
-from tito_engine.service.admission import Admission
-from tito_engine.service.backend import EngineBackend, LoadSnapshot
-from tito_engine.service.drain import Drain, draining_error
+from tito_engine.backend.admission import Admission
+from tito_engine.backend.interface import EngineBackend, LoadSnapshot
+from tito_engine.backend.drain import Drain, draining_error
 from tito_engine.service.convert import (MODALITIES, descriptor_to_proto, generate_input_from_proto, kv_batch_to_proto,
                                          lora_adapter_to_proto, media_from_proto, output_to_proto)
-from tito_engine.service.observe import RequestObserver
+from tito_engine.backend.observe import RequestObserver
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):

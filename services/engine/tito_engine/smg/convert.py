@@ -24,7 +24,7 @@ from tito_engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, K
 from tito_engine.model_info import ModelInfo
 from tito_engine.multimodal.items import MODALITY_NAMES
 from tito_engine.request import ChoiceOutput, FinishReason, GenerateInput, RawSamplingParams
-from tito_engine.service.backend import LoadSnapshot
+from tito_engine.backend.interface import LoadSnapshot
 from tito_engine.smg.facts import ModelFacts
 from tito_engine.smg.media import media_from_proto
 from tito_engine.smg.stops import StopStringOptions, check_stop_strings

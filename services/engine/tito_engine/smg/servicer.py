@@ -19,10 +19,10 @@ from smg_grpc_proto.generated import common_pb2
 from tito.errors import FailedPrecondition, InvalidArgument, LoadingGate, TitoError, Unimplemented
 from tito.logs import bind_request_id
 
-from tito_engine.service.admission import Admission, AdmittedRequest
-from tito_engine.service.backend import EngineBackend
-from tito_engine.service.drain import Drain, draining_error
-from tito_engine.service.observe import RequestObserver
+from tito_engine.backend.admission import Admission, AdmittedRequest
+from tito_engine.backend.interface import EngineBackend
+from tito_engine.backend.drain import Drain, draining_error
+from tito_engine.backend.observe import RequestObserver
 from tito_engine.smg.convert import (SmgGenerate, chunk_to_proto, complete_to_proto, generate_from_proto,
                                      kv_batch_to_proto, model_info_to_proto, scheduler_load_to_proto,
                                      server_info_to_proto, with_smg_fields)

@@ -25,8 +25,8 @@ from tito.errors import FailedPrecondition, InvalidArgument, TitoError, Unavaila
 
 from tito_engine.kv_events import KvEventLog
 from tito_engine.lora_types import LoraAdapterInfo, lora_disabled
-from tito_engine.service.admission import AdmittedRequest, KVCapacity
-from tito_engine.service.backend import LoadSnapshot, check_can_accept
+from tito_engine.backend.admission import AdmittedRequest, KVCapacity
+from tito_engine.backend.interface import LoadSnapshot, check_can_accept
 from tito_engine.multimodal.features import CheckedFeatures
 from tito_engine.model_info import describe_model
 from tito_engine.request import ChoiceOutput

@@ -22,7 +22,7 @@ from tito.errors import FailedPrecondition
 from tito.structured_output import StructuredOutputSpec, grammar_of
 from tito import tensors
 
-from tito_engine.service.admission import AdmittedRequest
+from tito_engine.backend.admission import AdmittedRequest
 from tito_engine.multimodal.features import TENSORS_REQUIRED, CheckedItem, content_digest
 from tito_engine.request import (ChoiceOutput, FinishReason, PositionLogprobs, RequestTimings, SamplingOptions,
                                   TokenLogprob, Usage)

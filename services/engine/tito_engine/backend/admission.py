@@ -26,7 +26,7 @@ from tito_engine.multimodal.features import (CheckedFeatures, FeaturePolicy, val
 from tito_engine.multimodal.specs import ModelMultimodalSpec
 from tito_engine.scheduling.blocks import blocks_for_tokens
 from tito_engine.request import GenerateInput, SamplingOptions
-from tito_engine.service.validation import ModelLimits, validate_generate
+from tito_engine.backend.validation import ModelLimits, validate_generate
 
 
 @dataclass(frozen=True)

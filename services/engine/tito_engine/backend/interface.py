@@ -14,7 +14,7 @@ from typing import Protocol
 
 from tito.errors import InvalidArgument, ResourceExhausted, Unavailable
 
-from tito_engine.service.admission import AdmittedRequest, KVCapacity
+from tito_engine.backend.admission import AdmittedRequest, KVCapacity
 from tito_engine.multimodal.domain import EncoderCacheDescriptor
 from tito_engine.multimodal.features import CheckedFeatures
 from tito_engine.multimodal.specs import ModelMultimodalSpec
