@@ -3,19 +3,17 @@ tests of the engine's SMG face."""
 
 from __future__ import annotations
 
-import shutil
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from smg_grpc_proto import vllm_engine_pb2
 
+from tito_cli.smg import smg_executable
+
 
 def smg_command() -> str | None:
-    """SMG's `smg` command (PyPI smg, in tito's test extra): this environment's, even when its bin
-    is not on PATH; None when it is not installed."""
-    beside = Path(sys.executable).parent / "smg"
-    return str(beside) if beside.is_file() else shutil.which("smg")
+    """SMG's `smg` command (PyPI smg, in tito's test extra), found as `tito serve all --smg-address`
+    finds it; None when it is not installed."""
+    return smg_executable()
 
 
 def smg_request(prompt, request_id="r", stream=True, **sampling) -> vllm_engine_pb2.GenerateRequest:
