@@ -85,6 +85,16 @@ class Admission:
         return AdmittedRequest(generate.request_id, list(generate.token_ids), options, checked, generate.cache_salt,
                                generate.lora_name)
 
+    def largest_media_item(self) -> int:
+        """The most encoder rows one media item may bring and still be admitted (0 for a model
+        without media): its prompt must leave room for one generated token within the context
+        limit and fit the whole KV cache with it, and an item's rows are positions of its prompt.
+        What a router that preprocesses media holds each item to (SMG's `mm_encoder_budget`)."""
+        if not self.limits.modalities:
+            return 0
+        kv_tokens = self.kv_capacity.blocks_total * self.kv_capacity.block_size
+        return max(min(self.limits.max_context_length, kv_tokens) - 1, 0)
+
     def admit_encode(self, items: Sequence[MediaItem]) -> CheckedFeatures:
         """Check an Encode request's items."""
         return validate_encode_structure(items, self.mm_spec, self.policy)

@@ -234,13 +234,19 @@ def mm_item_limits(modalities: tuple[str, ...], max_items: int) -> str:
                     if modality in modalities and max_items > 0)
 
 
+#: The largest value of an int32 field.
+_I32_MAX = (1 << 31) - 1
+
+
 def server_info_to_proto(info: ModelInfo, load: LoadSnapshot, *, max_running_sequences: int, block_size: int,
-                         uptime_seconds: float, last_receive_timestamp: float,
-                         max_mm_items: int) -> vllm_engine_pb2.GetServerInfoResponse:
-    # mm_encoder_budget stays 0 ("unknown"): tito's encoder cache is sized in bytes and its
-    # scheduler places an item of any size, so there is no per-item token budget to advertise.
+                         uptime_seconds: float, last_receive_timestamp: float, max_mm_items: int,
+                         largest_media_item: int) -> vllm_engine_pb2.GetServerInfoResponse:
+    # mm_encoder_budget: the most encoder rows one item may bring and still be admitted
+    # (Admission.largest_media_item). tito's encoder cache is sized in bytes and its scheduler
+    # places an item of any size in one chunk, so the context and the KV cache are what bound it.
     return vllm_engine_pb2.GetServerInfoResponse(
         mm_item_limits=mm_item_limits(info.modalities, max_mm_items),
+        mm_encoder_budget=min(largest_media_item, _I32_MAX),
         active_requests=load.running_requests + load.waiting_requests, is_paused=False,
         last_receive_timestamp=last_receive_timestamp, uptime_seconds=uptime_seconds, server_type=SERVER_TYPE,
         data_parallel_size=1, kv_cache_dtype="auto", block_size=block_size, model_dtype=f"torch.{info.dtype}",

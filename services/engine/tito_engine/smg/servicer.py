@@ -152,7 +152,8 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                                     block_size=backend.kv_capacity.block_size,
                                     uptime_seconds=time.time() - self._started,
                                     last_receive_timestamp=self._last_receive,
-                                    max_mm_items=self._admission.policy.max_items)
+                                    max_mm_items=self._admission.policy.max_items,
+                                    largest_media_item=self._admission.largest_media_item())
 
     async def GetLoads(self, request: vllm_engine_pb2.GetLoadsRequest, context):
         backend = self._engine
