@@ -369,3 +369,42 @@ def test_the_responses_api_through_smg(demo_client):
     answer = client.responses.create(model=model, input="Hello! What can you do?", max_output_tokens=80,
                                      temperature=0)
     assert answer.output_text.strip() == demo.GREETING_ANSWER
+
+
+@pytest.fixture(scope="module")
+def image_clients(tiny_smg_vl_model, tmp_path_factory):
+    """SMG (preprocessing the images itself: --mm-processing router) and tito's own gateway, render
+    and derender, both over one native engine serving tiny-qwen2-vl-smg (the tiny Qwen2-VL with the
+    image token SMG's Qwen2-VL preprocessing expects)."""
+    model = str(tiny_smg_vl_model)
+    directory = tmp_path_factory.mktemp("smg-vl")
+    with running_tcp_engine(model, directory) as engine, \
+            running_smg([engine], model, directory, ["--reasoning-parser", "passthrough", "--mm-processing", "router",
+                                                     "--multimodal-tensor-transport", "inline"]) as smg_running, \
+            running_render_and_derender(model, directory, engine) as addresses, \
+            running_gateway(addresses, ["--served-model-name", model]) as (tito_base, _):
+        with openai.OpenAI(base_url=f"{smg_running.base}/v1", api_key="none", max_retries=0, timeout=120) as smg_sdk, \
+                openai.OpenAI(base_url=f"{tito_base}/v1", api_key="none", max_retries=0, timeout=120) as tito_sdk:
+            yield smg_sdk, tito_sdk, model
+
+
+def test_an_image_chat_through_smg_answers_as_titos_pipeline(image_clients):
+    from images import noise_data_url
+
+    smg_sdk, tito_sdk, model = image_clients
+    answers = []
+    # Sides that are multiples of 28 (patch 14 x merge 2): no resize, so SMG's preprocessing and
+    # render's give the same pixels; two images of different sizes, different spans.
+    for width, height, seed in ((56, 84, 1), (112, 56, 2)):
+        messages = [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": noise_data_url(width, height, seed=seed)}},
+            {"type": "text", "text": "What is in this picture?"}]}]
+        through_smg, through_tito = (sdk.chat.completions.create(model=model, messages=messages, max_tokens=24,
+                                                                 **GREEDY) for sdk in (smg_sdk, tito_sdk))
+        # The same prompt: the template's anchor expanded to as many image tokens on both paths.
+        assert through_smg.usage.prompt_tokens == through_tito.usage.prompt_tokens
+        assert through_smg.usage.completion_tokens == through_tito.usage.completion_tokens
+        assert through_smg.choices[0].message.content.rstrip("\ufffd") == \
+            through_tito.choices[0].message.content.rstrip("\ufffd")
+        answers.append(through_smg.choices[0].message.content)
+    assert answers[0] != answers[1]  # the image, not the text alone, decides the answer
