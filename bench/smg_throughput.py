@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gateway import (KV_CACHE_BYTES, MAX_RUNNING, VLLM_IDLE_S, bench_serve, free_port, gateway_chats, num_prompts,
                      print_best_rounds, random_chats, ratio_line, smoke_chats, wait_healthy)
-from processes import spawn, stop_process, vllm_cli
+from processes import spawn, stop_process, vllm_cli, wait_vllm_engine_healthy
 
 SMG_TITO, SMG_VLLM, TITO = "smg -> tito engine", "smg -> vllm serve --grpc", "tito gateway -> 3 services"
 VLLM_START_S = 600
@@ -54,28 +54,6 @@ def start_smg_over(address: str, model: str, tmp: Path, name: str):
     return process, f"http://127.0.0.1:{port}"
 
 
-def wait_grpc(address: str, process, name: str) -> None:
-    import grpc
-    from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
-
-    from processes import log_tail
-
-    deadline = time.monotonic() + VLLM_START_S
-    with grpc.insecure_channel(address) as channel:
-        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {process.returncode}:\n{log_tail(process)}")
-            try:
-                if stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=2).healthy:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not start in {VLLM_START_S}s:\n{log_tail(process)}")
-            time.sleep(0.5)
-
-
 def throughput(args) -> None:
     from tito_client.pipeline import wait_until_serving
     from tito_models.paths import resolve_model
@@ -96,7 +74,7 @@ def throughput(args) -> None:
         processes.append(smg)
         wait_healthy(urls[SMG_TITO], smg, SMG_TITO)
         if args.vllm:
-            wait_grpc(vllm_address, vllm, "vllm serve --grpc")
+            wait_vllm_engine_healthy(vllm_address, vllm, "vllm serve --grpc", VLLM_START_S)
             smg_vllm, urls[SMG_VLLM] = start_smg_over(vllm_address, model, tmp, "smg-vllm")
             processes.append(smg_vllm)
             wait_healthy(urls[SMG_VLLM], smg_vllm, SMG_VLLM)

@@ -111,20 +111,40 @@ def running_gateway(addresses: dict[str, str], extra_args: list[str] = (), schem
         stop_all([process])
 
 
+def _wait_serving_unless_exited(address: str, process, log: Path, timeout: float) -> None:
+    """wait_until_serving, failing at once (with the log's tail) when `process` exits first."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{address}: exited with code {process.returncode}: {log.read_text()[-2000:]}")
+        try:
+            wait_until_serving(address, timeout=2)
+            return
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise
+
+
 @contextmanager
 def running_tcp_engine(model, log_dir: Path, extra_args: Sequence[str] = ()) -> Iterator[str]:
-    """`tito serve engine` (model and server in one process) on a free TCP port of 127.0.0.1 (SMG
-    dials workers over TCP), SERVING, its output in `log_dir`/engine.log; yields its host:port."""
+    """`tito serve engine` on a free TCP port of 127.0.0.1 (SMG dials workers over TCP), SERVING,
+    its output in `log_dir`/engine.log; yields its host:port. On the native backend the model and
+    the server share one process; `extra_args` with `--backend vllm` start vLLM's own processes."""
     import subprocess
     import sys
 
     address = f"127.0.0.1:{free_port()}"
-    with open(log_dir / "engine.log", "wb") as out:
+    vllm = "--backend" in extra_args and list(extra_args)[list(extra_args).index("--backend") + 1] == "vllm"
+    log = log_dir / "engine.log"
+    with open(log, "wb") as out:
         process = subprocess.Popen([sys.executable, "-m", "tito_cli", "serve", "engine", "--model", str(model),
-                                    "--address", address, "--log-level", "warning", "--no-engine-process",
-                                    *extra_args], stdout=out, stderr=subprocess.STDOUT)
+                                    "--address", address, "--log-level", "warning",
+                                    *([] if vllm else ["--no-engine-process"]), *extra_args],
+                                   stdout=out, stderr=subprocess.STDOUT)
     try:
-        wait_until_serving(address, timeout=300)
+        _wait_serving_unless_exited(address, process, log, timeout=300)
         yield address
     finally:
         stop_all([process])

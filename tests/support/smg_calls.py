@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 from smg_grpc_proto import vllm_engine_pb2
 
 from tito_cli.smg import smg_executable
@@ -53,3 +54,15 @@ def read_stream(responses) -> SmgStream:
             assert message.index not in result.completes, "a choice completed twice"
             result.completes[message.index] = message
     return result
+
+
+def text_stop(tokenizer, tokens, at) -> str:
+    """A stop string that the text of tokens[at] completes: that token's text, and what precedes
+    it (nothing earlier contains it); skips the test when no such string isolates that token."""
+    for start in range(at):
+        text = tokenizer.decode(tokens[start:at + 1])
+        before = tokenizer.decode(tokens[:at])
+        candidate = text.strip()
+        if candidate and candidate not in before and candidate in tokenizer.decode(tokens[:at + 1]):
+            return candidate
+    pytest.skip("no stop string isolates that token in this output")

@@ -169,12 +169,17 @@ class ChoiceOutput:
     usage: Usage | None = None
     logprobs: tuple[PositionLogprobs, ...] = ()  # one per token id when requested
     timings: RequestTimings | None = None  # on the request's last output, when the backend knows them
+    #: Prompt tokens the engine found in its prefix cache, on a choice's first output (None on the
+    #: others): a face that ends a choice before the backend does (SMG's stop strings) reports it
+    #: without the final usage.
+    cached_tokens: int | None = None
 
     def merged_with(self, later: "ChoiceOutput") -> "ChoiceOutput":
         """This output followed by `later` of the same choice, as one message."""
         return ChoiceOutput(self.index, self.token_ids + later.token_ids, later.finish_reason,
                             later.matched_stop_token_id, later.usage, self.logprobs + later.logprobs,
-                            later.timings or self.timings)
+                            later.timings or self.timings,
+                            self.cached_tokens if self.cached_tokens is not None else later.cached_tokens)
 
     @property
     def finished(self) -> bool:

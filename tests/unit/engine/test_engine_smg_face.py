@@ -89,6 +89,23 @@ def test_a_media_batch_is_cut_into_items_as_smg_lays_it_out():
     assert caught.value.field == "mm_inputs.pixel_values" and caught.value.reason == "INVALID_MM_PAYLOAD"
 
 
+def test_smgs_per_item_patch_counts_cut_the_rows_and_stay_off_the_items():
+    """SMG's Qwen-VL layout (smg 1.13): pixel rows sized by `patches_per_image` ([n] counts, only
+    the layout's), `image_grid_thw` batched (the model's)."""
+    batch = vllm_engine_pb2.MultimodalInputs(
+        pixel_values=_tensor("float32", [6, 2], list(range(12)), "f"),
+        model_specific_tensors={"image_grid_thw": _tensor("int64", [2, 3], [1, 2, 1, 1, 2, 2], "q"),
+                                "patches_per_image": _tensor("int64", [2], [2, 4], "q")},
+        flat_keys={"pixel_values": "patches_per_image"}, batched_keys=["image_grid_thw", "patches_per_image"],
+        mm_hashes=["h0", "h1"], modality=common_pb2.IMAGE,
+        mm_placeholders=[vllm_engine_pb2.PlaceholderRange(offset=1, length=2),
+                         vllm_engine_pb2.PlaceholderRange(offset=4, length=5)])
+    first, second = media_from_proto(vllm_engine_pb2.GenerateRequest(mm_inputs=batch), list(range(10)))
+    assert first.kwargs["pixel_values"].shape == (2, 2) and second.kwargs["pixel_values"].shape == (4, 2)
+    assert set(first.metadata) == set(second.metadata) == {"image_grid_thw"}
+    assert struct.unpack("<3q", second.metadata["image_grid_thw"].data) == (1, 2, 2)
+
+
 def test_sampling_defaults_follow_the_generation_config():
     assert sampling_defaults_json({"do_sample": False, "temperature": 0.7}) == '{"temperature":0.0}'
     assert json.loads(sampling_defaults_json({"temperature": 0.7, "top_k": 20, "max_length": 9})) == \

@@ -385,10 +385,11 @@ def _append(request: Request, seq: Sequence, token_id: int, logprobs, eos_token_
     elif count >= options.max_tokens:
         seq.finish_reason = FinishReason.LENGTH
     lp = (logprobs,) if logprobs is not None else ()
+    cached = request.cached_tokens if count == 1 else None
     if seq.finish_reason is not None:
         return ChoiceOutput(seq.index, (token_id,), seq.finish_reason, seq.matched_stop_token_id,
-                            request.usage_for(seq), lp)
-    return ChoiceOutput(seq.index, (token_id,), logprobs=lp)
+                            request.usage_for(seq), lp, cached_tokens=cached)
+    return ChoiceOutput(seq.index, (token_id,), logprobs=lp, cached_tokens=cached)
 
 
 def _final_output(request: Request, seq: Sequence) -> ChoiceOutput:

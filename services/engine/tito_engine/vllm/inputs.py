@@ -230,6 +230,7 @@ class OutputConverter:
         for completion in output.outputs:
             index = completion.index
             token_ids = tuple(completion.token_ids)
+            cached = (output.num_cached_tokens or 0) if token_ids and index not in self._generated else None
             if token_ids:
                 self._generated[index] = self._generated.get(index, 0) + len(token_ids)
                 self._last_token[index] = token_ids[-1]
@@ -238,12 +239,12 @@ class OutputConverter:
             if completion.finish_reason and finish is None:
                 finish = FinishReason.ABORT  # vLLM's "error" and any future reason: the choice did not complete
             if finish is None:
-                choices.append(ChoiceOutput(index, token_ids, logprobs=logprobs))
+                choices.append(ChoiceOutput(index, token_ids, logprobs=logprobs, cached_tokens=cached))
                 continue
             matched = self._last_token.get(index) if finish is FinishReason.STOP else None
             usage = Usage(self._prompt_tokens, self._generated.get(index, 0), output.num_cached_tokens or 0)
             choices.append(ChoiceOutput(index, token_ids, finish, matched, usage, logprobs,
-                                        _timings_if_finished(output)))
+                                        _timings_if_finished(output), cached))
         return choices
 
     def _logprobs(self, token_ids: tuple[int, ...], positions: Any) -> tuple[PositionLogprobs, ...]:
