@@ -304,6 +304,41 @@ def test_two_loads_of_one_name_at_once_one_wins(two_slots):
     assert [adapter.name for adapter in two_slots.adapters.list()] == ["a"]
 
 
+def test_adapters_loaded_at_run_time_survive_a_restart_of_the_engine_core(aio_server, qwen2):
+    """The model process dies; the one that replaces it holds what the lost one held: the
+    --lora-modules adapters still loaded and those loaded at run time (not one unloaded before)."""
+    import multiprocessing
+
+    before = {child.pid for child in multiprocessing.active_children()}
+    stub, channel = _serve(aio_server, qwen2.model_dir, qwen2.root, engine_process=True, max_loras=3,
+                           lora_modules=("attn-r8=attn-r8", "mlp-r16=mlp-r16"))
+    adapters = LoraAdapters(channel, timeout=TIMEOUT)
+    adapters.load("late", "all-r16")
+    adapters.unload("mlp-r16")
+    prompt = _prompt(21)
+    expected = _generate(stub, prompt, "late")[0]
+    assert expected == qwen2.reference.generate("all-r16", prompt, 8)
+    (core,) = [child for child in multiprocessing.active_children()
+               if child.name == "tito-engine-core" and child.pid not in before]
+    core.kill()
+
+    def served_again() -> bool:
+        try:
+            return _generate(stub, prompt, "late")[0] == expected
+        except grpc.RpcError as error:  # ENGINE_CORE_LOST while the new core loads
+            assert error_details(error)["reason"] == "ENGINE_CORE_LOST", error
+            return False
+
+    deadline = time.monotonic() + 120
+    while not served_again():
+        assert time.monotonic() < deadline, "the new core never served the run-time adapter"
+        time.sleep(0.2)
+    assert [(a.name, a.path) for a in adapters.list()] == [("attn-r8", "attn-r8"), ("late", "all-r16")]
+    load = stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT)
+    assert sorted(adapter.name for adapter in load.lora_adapters) == ["attn-r8", "late"]
+    assert _generate(stub, prompt, "attn-r8")[0] == qwen2.reference.generate("attn-r8", prompt, 8)
+
+
 def test_an_engine_without_lora_dir_refuses_adapters(aio_server, tiny_text_model, tmp_path):
     stub, channel = _serve(aio_server, tiny_text_model, tmp_path, lora_dir="")
     details = _refusal(lambda: _generate(stub, _prompt(2), "a"))
