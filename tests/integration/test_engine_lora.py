@@ -3,7 +3,9 @@
 For the tiny Qwen2 and Llama, three PEFT adapters made here (seeded non-zero lora_B; ranks 8 and
 16; attention, MLP, and every projection with rslora) are loaded at start (--lora-modules): greedy
 tokens under each adapter alone, and under all three and the base model in one batch of 16 rows
-arriving staggered, equal PEFT's `generate`. The prefix cache keys blocks by adapter (a prompt
+arriving staggered, equal PEFT's `generate`; so do image prompts under two adapters of the tiny
+Qwen2-VL's language model. Adapters loaded at run time survive a restart of the engine core. The
+prefix cache keys blocks by adapter (a prompt
 computed under one adapter is computed again under another, reused under the same one) and KV
 events name it. Then the refusals, each a clear status that leaves the engine serving: an unknown
 adapter, a path outside --lora-dir, missing and corrupt files, an adapter of another base, a rank
@@ -22,6 +24,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from chat_parts import image, text
 from engine_calls import collect, request
 from lora_adapters import ADAPTERS, AdapterSpec, PeftReference, make_adapter, q_proj_adapter, write_adapter
 from tito.grpc_errors import error_details
@@ -29,6 +32,7 @@ from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, render_pb2, render_pb
 from tito_client import LoraAdapters
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
+from tito_render.convert import chat_response
 
 TIMEOUT = 60
 BLOCK = 4
@@ -159,6 +163,42 @@ def test_the_prefix_cache_keys_blocks_by_adapter_and_events_name_it(qwen2):
 
 
 # ---------------------------------------------------------------------------- what the engine reports
+
+
+def test_adapters_act_on_a_vision_language_models_language_model(module_aio_server, tiny_vl_model, renderer,
+                                                                  tmp_path_factory):
+    """The tiny Qwen2-VL with two PEFT adapters on its language model: image prompts under each
+    adapter and the base model, alone and together in one batch, give HF + PEFT's greedy tokens."""
+    root = tmp_path_factory.mktemp("lora-vl")
+    specs = [AdapterSpec("vl-attn", 8, ("q_proj", "v_proj"), seed=5),
+             AdapterSpec("vl-all", 16, ADAPTERS[2].targets, seed=6, rslora=True)]
+    directories = {spec.name: make_adapter(tiny_vl_model, spec, root / spec.name) for spec in specs}
+    stub, _ = _serve(module_aio_server, tiny_vl_model, root, max_loras=2,
+                     lora_modules=tuple(f"{name}={name}" for name in directories))
+    reference = PeftReference(tiny_vl_model, directories)
+    jobs = []
+    for index, name in enumerate([None, "vl-attn", "vl-all"] * 2):
+        rendered = chat_response(renderer, render_pb2.RenderChatRequest(
+            messages=[chat_pb2.ChatMessage(role="user", content_parts=[
+                image(56 + 28 * (index % 2), 56, seed=index), text(f"What is in picture {index}?")])],
+            sampling=render_pb2.SamplingOptions(max_tokens=8, temperature=0.0))).generate_request
+        rendered.lora_name = name or ""
+        jobs.append((name, rendered))
+    expected = [reference.generate_rendered(name, rendered) for name, rendered in jobs]
+    assert len({tuple(tokens) for tokens in expected[:3]}) == 3  # each adapter changes the tokens
+    alone = [collect(stub.Generate(rendered, timeout=TIMEOUT))[0][0] for _, rendered in jobs]
+    assert alone == expected
+    together: dict[int, list[int]] = {}
+
+    def run(index: int) -> None:
+        together[index] = collect(stub.Generate(jobs[index][1], timeout=TIMEOUT))[0][0]
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(len(jobs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(TIMEOUT)
+    assert [together.get(index) for index in range(len(jobs))] == expected
 
 
 def test_model_info_list_and_load_name_the_adapters(qwen2):
