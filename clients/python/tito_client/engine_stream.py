@@ -76,6 +76,7 @@ class MigratingStream:
     def __iter__(self) -> Iterator[engine_pb2.GenerateResponse]:
         state, request, address = self._state, self._state.progress.request, self._state.address
         while True:
+            state.router.adapter_ready(address, request.lora_name)  # the router may be loading it there
             with self._lock:
                 if state.cancelled:
                     return
@@ -124,6 +125,9 @@ class AsyncMigratingStream:
     async def __aiter__(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
         state, request, address = self._state, self._state.progress.request, self._state.address
         while not state.cancelled:
+            await state.router.adapter_ready_async(address, request.lora_name)  # the router may be loading it
+            if state.cancelled:
+                return
             call = self._call = self._open(address, request)
             try:
                 with state.router.track(address):

@@ -14,8 +14,13 @@ what this router has in flight there).
 
 LoRA adapters: a chain starts from the adapter's name (`BlockStored.lora_name`,
 `GenerateRequest.lora_name`), so blocks computed under one adapter never count for another or for
-the base model; and a request naming an adapter goes only to engines that hold it (GetLoad lists
-their adapters), by prefix and load among them, or, when none does, to the least loaded engine.
+the base model. A request naming an adapter goes to an engine that holds it (GetLoad lists their
+adapters) and has room (fewer requests than its GetModelInfo max_running_requests), by prefix and
+load among them; else, when the router knows where the adapter lies (`lora_paths`: name -> its
+directory under the engines' --lora-dir), to the least loaded engine, which loads it first
+(adapter_loads.py: concurrent first requests share one load); else to the holders, or when none,
+to the least loaded engine (which refuses it NOT_FOUND unless it was loaded meanwhile). The
+request's stream waits for the load (`adapter_ready`) before it opens its call.
 
 Engines come and go: from a static list, or from DNS (`dns:///engines.default.svc:50052`, a
 headless Service: every address it resolves to is an engine, re-resolved periodically). An
@@ -42,7 +47,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -51,6 +56,7 @@ import grpc
 from tito.grpc_errors import error_details
 from tito.security import ClientSecurity
 from tito.v1 import engine_pb2, engine_pb2_grpc
+from tito_client.adapter_loads import AdapterLoad, loaded
 from tito_client.migration import engine_draining
 
 log = logging.getLogger(__name__)
@@ -169,6 +175,9 @@ class Engine:
     in_flight: int = 0  # requests this router has running there
     block_size: int = 0  # GetLoad's kv_block_size
     adapters: frozenset[str] = frozenset()  # the LoRA adapters it held at its last GetLoad
+    capacity: int | None = None  # GetModelInfo's max_running_requests (0: it does not say; None: not asked yet)
+    loading: dict[str, AdapterLoad] = field(default_factory=dict)  # this router's loads running there
+    loaded_at: dict[str, float] = field(default_factory=dict)  # adapter -> when this router's load of it ended
     stopped: bool = False
     channel: grpc.Channel | None = None
     stream: object = None  # the SubscribeKvEvents call, to cancel it
@@ -176,6 +185,15 @@ class Engine:
     @property
     def load(self) -> int:
         return max(self.reported_load, self.in_flight)
+
+    def holds(self, adapter: str) -> bool:
+        """It holds `adapter`, or this router is loading it there."""
+        return adapter in self.adapters or adapter in self.loading
+
+    @property
+    def has_room(self) -> bool:
+        """Another request would run at once rather than wait for a batch slot."""
+        return not self.capacity or self.load < self.capacity
 
 
 @dataclass(frozen=True)
@@ -185,6 +203,7 @@ class Choice:
     address: str
     matched_blocks: int  # cached prefix blocks the index says the engine holds
     policy: str
+    adapter_load: AdapterLoad | None = None  # the load of the request's adapter there, when one runs
 
 
 class NoEngineAvailable(RuntimeError):
@@ -198,9 +217,12 @@ class EngineRouter:
     def __init__(self, engines: Sequence[str] | str, *, policy: str = "cache_aware",
                  security: ClientSecurity = ClientSecurity(), load_interval: float = 0.25,
                  resolve_interval: float = 5.0, retry_interval: float = 0.5,
-                 resolver: Callable[[str, int], list[str]] | None = None, migration_limit: int = 3):
+                 resolver: Callable[[str, int], list[str]] | None = None, migration_limit: int = 3,
+                 lora_paths: Mapping[str, str] | None = None, lora_load_timeout: float = 120.0):
         """`migration_limit`: how many times one request may move to another engine after its
-        engine went away mid-stream (0: never; migration.py)."""
+        engine went away mid-stream (0: never; migration.py). `lora_paths`: the LoRA adapters this
+        router may load on an engine when none holds one with room, name -> directory under the
+        engines' --lora-dir (each LoadLoraAdapter bounded by `lora_load_timeout` seconds)."""
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r} must be one of {', '.join(POLICIES)}")
         if migration_limit < 0:
@@ -215,6 +237,8 @@ class EngineRouter:
         self._resolve_interval = resolve_interval
         self._retry_interval = retry_interval
         self._resolver = resolver or _resolve
+        self.lora_paths = dict(lora_paths or {})
+        self._lora_load_timeout = lora_load_timeout
         self._lock = threading.Lock()
         self._engines: dict[str, Engine] = {}
         self._round_robin = itertools.count()
@@ -265,8 +289,11 @@ class EngineRouter:
                 candidates = [engine for engine in candidates if engine.address != avoid] or candidates
             if not candidates:
                 raise NoEngineAvailable(f"no engine is reachable (known: {', '.join(self._engines) or 'none'})")
-            if request.lora_name:  # only where the adapter is held, when it is held anywhere
-                candidates = [e for e in candidates if request.lora_name in e.adapters] or candidates
+            if request.lora_name:
+                candidates, loader = self._adapter_candidates(candidates, request.lora_name)
+                if loader is not None:
+                    load = self._start_load(loader, request.lora_name)
+                    return Choice(loader.address, self._matched(loader, request, {}), self.policy, load)
             if self.policy == "round_robin":
                 engine = candidates[next(self._round_robin) % len(candidates)]
                 return Choice(engine.address, self._matched(engine, request, {}), self.policy)
@@ -280,6 +307,67 @@ class EngineRouter:
             matched, engine = min(((m, e) for m, e in scored if m == best), key=lambda pair: (pair[1].load,
                                                                                               pair[1].address))
             return Choice(engine.address, matched, self.policy)
+
+    def _adapter_candidates(self, candidates: list[Engine], adapter: str) -> tuple[list[Engine], Engine | None]:
+        """Where a request for `adapter` may go: (the engines to choose among, None), or ([], the
+        engine that must load it first)."""
+        holders = [engine for engine in candidates if engine.holds(adapter)]
+        with_room = [engine for engine in holders if engine.has_room]
+        if with_room:
+            return with_room, None
+        if adapter in self.lora_paths:
+            engine = min(candidates, key=lambda e: (e.load, e.address))
+            return ([engine], None) if engine.holds(adapter) else ([], engine)
+        return holders or candidates, None
+
+    def _start_load(self, engine: Engine, adapter: str) -> AdapterLoad:
+        """Load `adapter` on `engine` on a thread of its own (under the lock: one load per pair)."""
+        load = engine.loading[adapter] = AdapterLoad(engine.address, adapter, self.lora_paths[adapter])
+        log.info("loading LoRA adapter %s on %s (no engine holds it with room)", adapter, engine.address)
+        # Not one of self._threads: it ends with its call (bounded by lora_load_timeout).
+        threading.Thread(target=self._load_adapter, args=(engine, load), name=f"tito-router-lora-{engine.address}",
+                         daemon=True).start()
+        return load
+
+    def _load_adapter(self, engine: Engine, load: AdapterLoad) -> None:
+        error: grpc.RpcError | None = None
+        gone = False
+        try:
+            engine_pb2_grpc.EngineServiceStub(engine.channel).LoadLoraAdapter(
+                engine_pb2.LoadLoraAdapterRequest(lora_name=load.name, lora_path=load.path),
+                timeout=self._lora_load_timeout, metadata=self._security.call_metadata() or None)
+        except grpc.RpcError as exc:
+            error = None if loaded(exc) else exc
+        except ValueError:  # its channel was closed meanwhile: the engine left (the request's call
+            gone = True  # there fails UNAVAILABLE and moves on, migration.py)
+        with self._lock:
+            engine.loading.pop(load.name, None)
+            if error is None and not gone:
+                engine.adapters |= {load.name}
+                engine.loaded_at[load.name] = time.monotonic()
+        if error is not None:
+            log.warning("loading LoRA adapter %s on %s failed: %s", load.name, engine.address, error)
+        load.finish(error)
+
+    def adapter_ready(self, address: str, adapter: str) -> None:
+        """Wait until a load of `adapter` this router runs on `address` (if any) ended; raise its
+        refusal. What a request's stream calls before it opens its Generate call there."""
+        pending = self._pending_load(address, adapter)
+        if pending is not None:
+            pending.wait(self._lora_load_timeout)
+
+    async def adapter_ready_async(self, address: str, adapter: str) -> None:
+        """`adapter_ready` for an event loop (returns at once when no load runs)."""
+        pending = self._pending_load(address, adapter)
+        if pending is not None:
+            await pending.wait_async(self._lora_load_timeout)
+
+    def _pending_load(self, address: str, adapter: str) -> AdapterLoad | None:
+        if not adapter:
+            return None
+        with self._lock:
+            engine = self._engines.get(address)
+            return engine.loading.get(adapter) if engine is not None else None
 
     def _matched(self, engine: Engine, request, keys_by_size: dict[int, list[bytes]]) -> int:
         size = engine.view.block_size or engine.block_size
@@ -399,6 +487,9 @@ class EngineRouter:
     def _poll_load(self, engine: Engine) -> None:
         if engine.stopped or engine.channel is None:
             return
+        if engine.capacity is None:
+            self._ask_capacity(engine)
+        asked = time.monotonic()
         try:
             load = engine_pb2_grpc.EngineServiceStub(engine.channel).GetLoad(
                 engine_pb2.GetLoadRequest(), timeout=max(1.0, 4 * self._load_interval),
@@ -414,7 +505,23 @@ class EngineRouter:
             engine.draining = load.draining
             engine.reported_load = load.running_requests + load.waiting_requests
             engine.block_size = load.kv_block_size
-            engine.adapters = frozenset(adapter.name for adapter in load.lora_adapters)
+            # An adapter this router loaded after the engine answered is held though not listed.
+            engine.loaded_at = {name: at for name, at in engine.loaded_at.items() if at > asked}
+            engine.adapters = frozenset(adapter.name for adapter in load.lora_adapters) | set(engine.loaded_at)
+
+    def _ask_capacity(self, engine: Engine) -> None:
+        """GetModelInfo's max_running_requests, once (what `has_room` compares the load with)."""
+        try:
+            info = engine_pb2_grpc.EngineServiceStub(engine.channel).GetModelInfo(
+                engine_pb2.EngineServiceGetModelInfoRequest(), timeout=max(1.0, 4 * self._load_interval),
+                metadata=self._security.call_metadata() or None)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # it cannot say: never full, for the router
+                engine.capacity = 0
+            return  # else: asked again at the next poll
+        except ValueError:  # the channel was closed meanwhile (the engine left)
+            return
+        engine.capacity = info.max_running_requests
 
     def _follow_events(self, engine: Engine) -> None:
         """Keep `engine`'s view in sync with its events; on any break, route it by load only

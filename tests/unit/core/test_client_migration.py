@@ -113,7 +113,7 @@ class AsyncCall(SyncCall):
 
 
 class FakeRouter:
-    """EngineRouter's side of migration: pick (avoiding the engine left), track, the limit."""
+    """EngineRouter's side of migration: pick (avoiding the engine left), track, the limit (no adapter loads)."""
 
     def __init__(self, engines: dict[str, FakeEngine], migration_limit: int = 3):
         self.engines, self.migration_limit = engines, migration_limit
@@ -125,6 +125,12 @@ class FakeRouter:
         if not candidates:
             raise NoEngineAvailable("none left")
         return Choice(candidates[0], 0, "fake")
+
+    def adapter_ready(self, address, adapter):  # this router loads no adapters
+        pass
+
+    async def adapter_ready_async(self, address, adapter):
+        pass
 
     @contextmanager
     def track(self, address):

@@ -95,6 +95,10 @@ class ScriptedEngine(engine_pb2_grpc.EngineServiceServicer):
         self.down = False  # GetLoad fails
         self.draining = False  # GetLoad says it drains
         self.adapters: list[str] = []  # LoRA adapters GetLoad reports
+        self.capacity = 0  # GetModelInfo's max_running_requests (0: it does not say)
+        self.loads: list[tuple[str, str]] = []  # LoadLoraAdapter calls: (name, path)
+        self.load_seconds = 0.0  # how long a LoadLoraAdapter takes
+        self.refuse_loads = False  # LoadLoraAdapter answers INVALID_ARGUMENT
 
     def push(self, batch):
         with self.lock:
@@ -114,6 +118,18 @@ class ScriptedEngine(engine_pb2_grpc.EngineServiceServicer):
         return engine_pb2.GetLoadResponse(running_requests=self.load, kv_block_size=BLOCK, draining=self.draining,
                                           lora_adapters=[engine_pb2.LoraAdapterInfo(name=name)
                                                          for name in self.adapters])
+
+    def GetModelInfo(self, request, context):
+        return engine_pb2.EngineServiceGetModelInfoResponse(max_running_requests=self.capacity)
+
+    def LoadLoraAdapter(self, request, context):
+        with self.lock:
+            self.loads.append((request.lora_name, request.lora_path))
+        time.sleep(self.load_seconds)
+        if self.refuse_loads:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lora_path: {request.lora_path} is not under --lora-dir")
+        self.adapters.append(request.lora_name)
+        return engine_pb2.LoadLoraAdapterResponse(adapter=engine_pb2.LoraAdapterInfo(name=request.lora_name))
 
     def SubscribeKvEvents(self, request, context):
         start = request.start_sequence if request.HasField("start_sequence") else None
@@ -286,6 +302,54 @@ def test_an_adapters_requests_go_where_it_is_held(engines):
         assert router.pick(generate_request([7] * 8, lora_name="sql")).address == c  # cold: the less loaded holder
         assert router.pick(generate_request(system + [1])).address == a  # the base model: anywhere, by load
         assert router.pick(generate_request([7] * 8, lora_name="nowhere")).address == a  # held nowhere: least load
+
+
+def test_an_adapter_held_nowhere_is_loaded_once_on_the_least_loaded_engine(engines):
+    (a, engine_a), (b, engine_b) = engines(2)
+    engine_a.load, engine_b.load_seconds = 3, 0.3
+    with EngineRouter([a, b], load_interval=0.02, lora_paths={"sql": "adapters/sql"}) as router:
+        wait_for(lambda: router.status()[a]["load"] == 3, "a's load polled")
+        choices = []
+
+        def first_request() -> None:  # concurrent first requests, each waits for the adapter as a stream does
+            choice = router.pick(generate_request([7] * 8, lora_name="sql"))
+            router.adapter_ready(choice.address, "sql")
+            choices.append(choice.address)
+
+        threads = [threading.Thread(target=first_request) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert choices == [b] * 8
+        assert (engine_a.loads, engine_b.loads) == ([], [("sql", "adapters/sql")])  # one load for all eight
+        assert router.pick(generate_request([7] * 8, lora_name="sql")).adapter_load is None  # held now
+
+
+def test_a_holder_without_room_sends_the_adapter_to_the_least_loaded_engine_which_loads_it(engines):
+    (a, engine_a), (b, engine_b) = engines(2)
+    engine_a.adapters, engine_a.capacity, engine_a.load, engine_b.load = ["sql"], 4, 3, 1
+    with EngineRouter([a, b], load_interval=0.02, lora_paths={"sql": "sql"}) as router:
+        wait_for(lambda: router.status()[a]["load"] == 3 and router.adapters() == ["sql"], "a polled")
+        assert router.pick(generate_request([7] * 8, lora_name="sql")).address == a  # a has room: busier, no load
+        engine_a.load = 4  # a full batch: a request there would wait
+        wait_for(lambda: router.status()[a]["load"] == 4, "a's full batch polled")
+        choice = router.pick(generate_request([7] * 8, lora_name="sql"))
+        assert choice.address == b and choice.adapter_load is not None
+        router.adapter_ready(b, "sql")
+        assert engine_b.loads == [("sql", "sql")] and engine_a.loads == []
+
+
+def test_a_refused_load_reaches_the_request_and_the_next_one_tries_again(engines):
+    ((a, engine_a),) = engines(1)
+    engine_a.refuse_loads = True
+    with EngineRouter([a], load_interval=0.02, lora_paths={"sql": "../outside"}) as router:
+        choice = router.pick(generate_request([7] * 8, lora_name="sql"))
+        with pytest.raises(grpc.RpcError) as refused:
+            router.adapter_ready(choice.address, "sql")
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lora_path" in refused.value.details()
+        assert router.pick(generate_request([7] * 8, lora_name="sql")).adapter_load is not None
+        wait_for(lambda: len(engine_a.loads) == 2, "the second load")
 
 
 def test_policy_names_are_checked():

@@ -316,7 +316,8 @@ class Engine:
     def _restart_core(self) -> None:
         """Start a new core process like the lost one (retrying with backoff) and serve with it."""
         self._core.stop(1.0)  # its process is gone: this only closes the pipe
-        core = _start_core_with_backoff(self._spec, lambda: self._stopping)
+        spec = successor_spec(self._spec, self._counted_before.lora_adapters)
+        core = _start_core_with_backoff(spec, lambda: self._stopping)
         if core is None:
             return
         with self._lock:
@@ -332,6 +333,18 @@ class Engine:
         log.info("a new engine core is serving")
         if self.on_core_restored is not None:
             self.on_core_restored()
+
+
+def successor_spec(spec: CoreProcessSpec, held: tuple[LoraAdapterInfo, ...]) -> CoreProcessSpec:
+    """The spec of the core that replaces a lost one which held the adapters `held` (its last
+    load): the --lora-modules it still held load as at start, and the adapters loaded at run time
+    are loaded again (so GetLoad and ListLoraAdapters name the same adapters after the restart);
+    one unloaded before the loss stays unloaded."""
+    names = {adapter.name for adapter in held}
+    at_start = tuple((name, path) for name, path in spec.lora_modules if name in names)
+    started = {name for name, _ in at_start}
+    restore = tuple((adapter.name, adapter.path) for adapter in held if adapter.name not in started)
+    return dataclasses.replace(spec, lora_modules=at_start, lora_restore=restore)
 
 
 def _start_core_with_backoff(spec: CoreProcessSpec, stopping: Callable[[], bool]) -> ProcessCore | None:

@@ -79,9 +79,11 @@ class EngineCore:
 
     def __init__(self, runner: CoreRunner, limits: SchedulerLimits, encoder_cache_bytes: int = 0,
                  encoder_store_dir: str = "", encoder_store_bytes: int = 0, lora_dir: str = "",
-                 lora_modules: tuple[tuple[str, str], ...] = ()):
+                 lora_modules: tuple[tuple[str, str], ...] = (), lora_restore: tuple[tuple[str, str], ...] = ()):
         """`lora_dir`: the root LoRA adapters are loaded from, with `lora_modules` (name, path)
-        loaded at start (a bad one is a ConfigError); the runner's `lora` slots serve them."""
+        loaded at start (a bad one is a ConfigError) and `lora_restore` (a lost core's run-time
+        loads: one that cannot be loaded again is logged and left out); the runner's `lora` slots
+        serve them."""
         self.runner = runner
         self.scheduler = Scheduler.for_runner(runner, limits)
         self.scheduler.kv.take_events()  # record the prefix cache's KV events from here on
@@ -108,7 +110,7 @@ class EngineCore:
         self.grammars = GrammarCompiler(getattr(runner, "model_dir", None), runner.info.vocab_size,
                                         runner.info.eos_token_ids)
         self._compiling: dict[int, tuple[Request, concurrent.futures.Future]] = {}  # key -> parked request
-        self.lora = _lora_registry(runner, lora_dir, lora_modules)
+        self.lora = _lora_registry(runner, lora_dir, lora_modules, lora_restore)
 
     def load(self) -> CoreLoad:
         scheduler = self.scheduler
@@ -408,9 +410,10 @@ class EngineCore:
         return outputs
 
 
-def _lora_registry(runner: CoreRunner, lora_dir: str, modules: tuple[tuple[str, str], ...]) -> LoraRegistry | None:
+def _lora_registry(runner: CoreRunner, lora_dir: str, modules: tuple[tuple[str, str], ...],
+                   restore: tuple[tuple[str, str], ...] = ()) -> LoraRegistry | None:
     """The core's adapters when its runner has slots, with `modules` loaded (ConfigError naming
-    --lora-modules for one that cannot be)."""
+    --lora-modules for one that cannot be), then `restore`."""
     slots = getattr(runner, "lora", None)
     if slots is None or not lora_dir:
         return None
@@ -420,6 +423,12 @@ def _lora_registry(runner: CoreRunner, lora_dir: str, modules: tuple[tuple[str, 
             registry.load(name, path)
         except TitoError as exc:
             raise ConfigError(f"--lora-modules {name}={path}: {exc.message}") from None
+    for name, path in restore:
+        try:
+            registry.load(name, path)
+        except TitoError as exc:  # its files changed or went away since: the engine serves on without it
+            log.warning("LoRA adapter %s, loaded from %s before the engine core restarted, cannot be loaded "
+                        "again: %s", name, path, exc.message)
     return registry
 
 
@@ -506,6 +515,8 @@ class CoreProcessSpec:
     encoder_store_bytes: int = 0
     lora_dir: str = ""  # the root LoRA adapters are read from ("" = the engine serves no adapters)
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path under lora_dir) loaded at start
+    #: (name, path) loaded at run time into a core that died, loaded again by the one that replaces it
+    lora_restore: tuple[tuple[str, str], ...] = ()
     max_loras: int = 0  # adapter slots in the model (0 unless lora_dir)
     max_lora_rank: int = 16
 
@@ -554,7 +565,7 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
     warm_up_or_warn(runner, spec.limits.max_prefill_tokens)
     try:
         core = EngineCore(runner, spec.limits, spec.encoder_cache_bytes, spec.encoder_store_dir,
-                          spec.encoder_store_bytes, spec.lora_dir, spec.lora_modules)
+                          spec.encoder_store_bytes, spec.lora_dir, spec.lora_modules, spec.lora_restore)
     except ConfigError as exc:  # the shared encoder store's directory, a --lora-modules adapter
         conn.send(CoreFailed(str(exc), config_error=True))
         _exit_now(1)
