@@ -286,7 +286,15 @@ BAD_GENERATE = [
      "sampling_params.structured_outputs"),
     ({"token_ids": [1], "sampling_params": {}, "output_mode": "text"}, 400, "output_mode"),
     ({"token_ids": [1], "sampling_params": {}, "content_parts": [{"type": "image_url", "url": "x"}]}, 400,
-     "content_parts"),
+     "content_parts"),  # token_ids hold no placeholder for the image
+    ({"token_ids": [1], "sampling_params": {}, "content_parts": [{"type": "audio_url", "url": "x"}]}, 400,
+     "content_parts[0].type"),
+    ({"token_ids": [1], "sampling_params": {}, "content_parts": [{"type": "image_url", "url": "x", "uuid": "u"}]},
+     400, "content_parts[0].uuid"),
+    ({"token_ids": [1], "sampling_params": {}, "content_parts": "x"}, 400, "content_parts"),
+    ({"token_ids": [1, 2], "sampling_params": {}, "content_parts": [{"type": "image_url", "url": "x"}],
+      "features": {"mm_hashes": {"image": ["ab" * 16]}, "mm_placeholders": {"image": [{"offset": 0, "length": 1}]}}},
+     400, "content_parts"),
     ({"token_ids": [1], "sampling_params": {}, "kv_transfer_params": {"do_remote_decode": True}}, 400,
      "kv_transfer_params"),
     ({"token_ids": [1], "sampling_params": {}, "priority": 3}, 400, "priority"),
@@ -304,7 +312,13 @@ BAD_GENERATE = [
      400, "features.mm_placeholders.image"),
     ({"token_ids": [1, 2], "sampling_params": {}, "features": {
         "mm_hashes": {"image": ["ab" * 16]}, "mm_placeholders": {"image": [{"offset": 0, "length": 1}]},
-        "kwargs_data": {"image": ["%%%not base64%%%"]}}}, 400, "features.kwargs_data"),
+        "kwargs_data": {"image": ["%%%not base64%%%"]}}}, 400, "features.kwargs_data.image[0]"),
+    ({"token_ids": [1, 2], "sampling_params": {}, "features": {
+        "mm_hashes": {"image": ["ab" * 16]}, "mm_placeholders": {"image": [{"offset": 0, "length": 1}]},
+        "kwargs_data": {"video": [None]}}}, 400, "features.kwargs_data"),
+    ({"token_ids": [1, 2], "sampling_params": {}, "features": {
+        "mm_hashes": {"image": ["ab" * 16]}, "mm_placeholders": {"image": [{"offset": 0, "length": 1}]},
+        "mm_metadata": {"image": [None, None]}}}, 400, "features.mm_metadata.image"),
     ({"token_ids": [1, 2, 3], "sampling_params": {}, "features": {
         "mm_hashes": {"image": ["ab" * 16, "cd" * 16]},
         "mm_placeholders": {"image": [{"offset": 0, "length": 2}, {"offset": 1, "length": 2}]}}}, 400,
