@@ -130,17 +130,17 @@ def test_abort_ends_a_running_generate(http, base):
     ("/inference/v1/generate", {"token_ids": [1, 2, 3], "sampling_params": {"temperature": -1}},
      "sampling_params.temperature"),
     ("/v1/chat/completions/render", {"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%not-base64%%%"}}]}]}, None),
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%not-base64%%%"}}]}]},
+     "messages[0].content"),  # render names the part
+    ("/inference/v1/generate", {"token_ids": [1, 2, 3], "sampling_params": {}, "content_parts": [
+        {"type": "image_url", "url": "data:image/png;base64,%%%not-base64%%%"}]}, "content_parts[0]"),
 ])
 def test_the_services_refusals_arrive_in_vllms_shape(http, path, body, param):
     reply = http.post(path, json=body)
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["code"] == 400 and error["type"] == "BadRequestError"
-    if param is not None:
-        assert error["param"] == param
-    else:
-        assert error["param"].startswith("messages[0].content")  # render names the part
+    assert error["param"].startswith(param), error
 
 
 # -- streamed derender: one call per generate chunk, tito's sealed stream_state carried between --

@@ -93,12 +93,12 @@ def test_a_one_token_marker_is_expanded_to_the_items_span(client, upstream):
 
 def test_render_refusing_a_content_part_names_it(client, upstream):
     async def refuse(request, timeout=None, metadata=None):
-        raise InvalidArgument("not an image", reason="MEDIA_INVALID", field="messages[0].content[0].image_url")
+        raise InvalidArgument("not an image", reason="MEDIA_INVALID", field="messages[0].content_parts[0].image")
 
     upstream.pipeline.render.RenderChat = refuse
     _refused(client.post("/inference/v1/generate", json={
         "token_ids": [IMAGE_TOKEN], "sampling_params": {}, "content_parts": [{"type": "image_url", "url": "x"}]}),
-        "content_parts[0].image_url")
+        "content_parts[0].url")
 
 
 def test_place_items_refuses_ids_without_the_items_span():

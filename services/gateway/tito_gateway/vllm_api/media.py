@@ -23,6 +23,7 @@ from its encoder cache."""
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +35,8 @@ from tito_gateway.openai_in import invalid, unsupported
 FIELD = "content_parts"
 #: vLLM's content part types; the gateway's chats carry images only.
 PART_TYPES = ("image_url", "audio_url", "video_url")
+#: A field of the one-message chat's parts, as render (or the gateway's chat parser) names it.
+RENDER_PART = re.compile(r"^messages\[0\]\.content(?:_parts)?(\[\d+\])(.*)$")
 #: Items whose metadata is kept (a Qwen2-VL item's is 24 bytes).
 MAX_KEPT_ITEMS = 4096
 
@@ -64,11 +67,13 @@ def chat_parts(parts: Any) -> list[dict]:
 
 
 def render_param(param: str | None) -> str | None:
-    """A field render named in the one-message chat, as the content part it came from."""
-    prefix = "messages[0].content"
-    if param and param.startswith(prefix):
-        return FIELD + param[len(prefix):]
-    return param
+    """A field render named in the one-message chat (`messages[0].content_parts[i].image`), as
+    the content part it came from (`content_parts[i].url`)."""
+    match = RENDER_PART.match(param or "")
+    if match is None:
+        return param
+    index, rest = match.groups()
+    return f"{FIELD}{index}" + (".url" if rest.startswith((".image", ".url")) else rest)
 
 
 Item = multimodal_pb2.MultiModalItem
