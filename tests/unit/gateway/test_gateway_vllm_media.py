@@ -164,6 +164,16 @@ def test_without_vllm_serialized_tensors_are_a_400_naming_the_field(client, with
     _refused(client.post("/inference/v1/generate", json=rendered), "features.kwargs_data.image[0]")
 
 
+def test_a_text_chat_never_loads_vllms_serializer(client, monkeypatch):
+    def loaded():  # importing vLLM takes seconds: only a media chat may pay it
+        raise AssertionError("a text chat asked for vLLM's serializer")
+
+    monkeypatch.setattr(mm_serde, "available", loaded)
+    rendered = _ok(client.post("/v1/chat/completions/render", json={**MEDIA_CHAT, "messages": [
+        {"role": "user", "content": "Hi"}]}))
+    assert rendered["features"] is None
+
+
 # -- the chat's reuse path with prompt_features -------------------------------------------------
 
 def test_forwarded_ids_and_features_skip_render_and_give_the_plain_chats_answer(client, upstream):

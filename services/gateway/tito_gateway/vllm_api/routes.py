@@ -179,16 +179,19 @@ class VllmApi:
                            wants_tensors: bool) -> Response:
         """An OpenAI chat body through render, answered as vLLM's GenerateRequest. Render is
         asked for tensors only when they go into the answer (vLLM's serialized form, which
-        needs the vllm package); else for metadata, kept by hash for hashes-only generates."""
+        needs the vllm package); else for metadata. Either way each item's metadata is kept by
+        hash, for hashes-only generates."""
         call = openai_in.parse_chat(chat, await self.gateway.served_model(),
                                     await self.gateway.adapter_names(chat))
-        tensors = wants_tensors and mm_serde.available()
-        call.request.mm_payload = multimodal_pb2.MM_PAYLOAD_TENSORS if tensors else multimodal_pb2.MM_PAYLOAD_METADATA
+        call.request.mm_payload = (multimodal_pb2.MM_PAYLOAD_TENSORS if wants_tensors
+                                   else multimodal_pb2.MM_PAYLOAD_METADATA)
         call.request.request_id = request_id
         pipeline = self.pipeline
         rendered = await pipeline.render.RenderChat(call.request, timeout=pipeline.timeout,
                                                     metadata=pipeline._metadata)
         items = rendered.generate_request.mm_features.items
+        # Only a media chat needs vLLM's serializer (importing vLLM takes seconds: text never pays it).
+        tensors = bool(items) and wants_tensors and mm_serde.available()
         if items and wants_tensors and not tensors:
             raise openai_in.unsupported("mm_payload", "media tensors in vLLM's serialized form need the vllm "
                                                       "package on the gateway; send mm_payload \"none\" (hashes "
