@@ -154,6 +154,18 @@ def test_serialized_items_round_trip_tito_tensors():
     assert kwargs == dict(item.kwargs) and metadata == dict(item.metadata)
 
 
+@needs_vllm
+def test_serialized_items_are_not_read_where_vllm_would_unpickle_them(monkeypatch):
+    from gateway_fakes import image_item
+
+    item = image_item(IMAGE, 0, multimodal_pb2.MM_PAYLOAD_TENSORS)
+    data = mm_serde.encode_item(item.kwargs, item.metadata)
+    monkeypatch.setenv(mm_serde.INSECURE, "1")
+    with pytest.raises(InvalidArgument) as refused:
+        mm_serde.decode_item(data, "features.kwargs_data.image[0]")
+    assert refused.value.field == "features.kwargs_data.image[0]"
+
+
 def test_without_vllm_serialized_tensors_are_a_400_naming_the_field(client, without_vllm):
     _refused(client.post("/v1/chat/completions/render", json=MEDIA_CHAT), "mm_payload")
     rendered = _ok(client.post("/v1/chat/completions/render", json={**MEDIA_CHAT, "mm_payload": "none"}))

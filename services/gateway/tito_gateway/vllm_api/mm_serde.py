@@ -11,17 +11,24 @@ The mapping, field by field: a field vLLM keeps on the CPU (`keep_on_cpu`, e.g. 
 `batched` field holds one item's row (`[3]`), which tito carries with its leading item axis
 (`[1, 3]`); a `flat` field holds the item's slice along dimension 0 (`pixel_values`
 `[patches, C*T*P*P]`), as tito does. Written back the same way, so a Qwen2-VL item round-trips
-into exactly the fields vLLM's own processor builds."""
+into exactly the fields vLLM's own processor builds.
+
+The bytes are the caller's: vLLM's decoder unpickles its pickle extension types when
+`VLLM_ALLOW_INSECURE_SERIALIZATION` is set in the process, so with that variable set the gateway
+refuses to decode any item (400) rather than run a caller's pickle."""
 
 from __future__ import annotations
 
 import binascii
+import os
 from functools import cache
 
 from tito import tensors
 from tito.v1 import tensor_pb2
 from tito_gateway.openai_in import invalid, unsupported
 
+#: vLLM's switch that makes its decoder unpickle (see the module's docstring).
+INSECURE = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 #: The largest base64 string taken for one item (the body's own limit bounds it too).
 MAX_ITEM_CHARS = 64 << 20
 
@@ -51,6 +58,9 @@ def decode_item(data: object, where: str) -> tuple[dict[str, tensor_pb2.Tensor],
         raise unsupported(where, "vLLM's serialized media items need the vllm package on the gateway; send "
                                  "content_parts (the gateway renders the media) or features the engine holds")
     mm_serde, batched, flat = codec[0], codec[1], codec[2]
+    if os.environ.get(INSECURE, "").strip().lower() not in ("", "0", "false"):
+        raise unsupported(where, f"the gateway does not read serialized media items while {INSECURE} is set (vLLM's "
+                                 f"decoder would unpickle them); send content_parts")
     if not isinstance(data, str) or len(data) > MAX_ITEM_CHARS:
         raise invalid(where, "must be a base64 string of a serialized MultiModalKwargsItem")
     try:
