@@ -14,7 +14,9 @@ import httpx
 from tokenizers import Tokenizer
 import pytest
 
+from images import noise_data_url
 from service_processes import running_gateway, running_services
+from tito_gateway.vllm_api import mm_serde
 
 pytestmark = pytest.mark.e2e
 
@@ -128,17 +130,17 @@ def test_abort_ends_a_running_generate(http, base):
     ("/inference/v1/generate", {"token_ids": [1, 2, 3], "sampling_params": {"temperature": -1}},
      "sampling_params.temperature"),
     ("/v1/chat/completions/render", {"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%not-base64%%%"}}]}]}, None),
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%not-base64%%%"}}]}]},
+     "messages[0].content"),  # render names the part
+    ("/inference/v1/generate", {"token_ids": [1, 2, 3], "sampling_params": {}, "content_parts": [
+        {"type": "image_url", "url": "data:image/png;base64,%%%not-base64%%%"}]}, "content_parts[0]"),
 ])
 def test_the_services_refusals_arrive_in_vllms_shape(http, path, body, param):
     reply = http.post(path, json=body)
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["code"] == 400 and error["type"] == "BadRequestError"
-    if param is not None:
-        assert error["param"] == param
-    else:
-        assert error["param"].startswith("messages[0].content")  # render names the part
+    assert error["param"].startswith(param), error
 
 
 # -- streamed derender: one call per generate chunk, tito's sealed stream_state carried between --
@@ -243,3 +245,56 @@ def test_the_stream_state_stays_bounded_and_is_checked(http, encode):
                                                                  "stream_state": bad})
         assert reply.status_code == 400, reply.text
         assert reply.json()["error"]["param"] == "stream_state"
+
+
+# -- media on the tiny Qwen2-VL: content_parts, hashes-only features, vLLM's serialized tensors --
+
+def _image_chat(url: str) -> dict:
+    content = [{"type": "text", "text": "What is in this picture?"}, {"type": "image_url", "image_url": {"url": url}}]
+    return {"model": MODEL, "max_tokens": 12, "temperature": 0, **NO_THINKING,
+            "messages": [{"role": "user", "content": content}]}
+
+
+def _greedy_tokens(http, body: dict) -> list[int]:
+    return _ok(http.post("/inference/v1/generate", json=body))["choices"][0]["token_ids"]
+
+
+def _collapsed(ids: list[int], start: int, length: int) -> list[int]:
+    """`ids` with the span at `start` back to its one-token marker, as the chat template writes it."""
+    return ids[:start + 1] + ids[start + length:]
+
+
+def test_media_generate_by_content_parts_features_and_serialized_tensors_gives_the_chats_tokens(http):
+    url = noise_data_url(84, 56, seed=11)
+    chat = _image_chat(url)
+    rendered = _ok(http.post("/v1/chat/completions/render", json={**chat, "mm_payload": "none"}))
+    (place,) = rendered["features"]["mm_placeholders"]["image"]
+    sampling = {"max_tokens": 12, "temperature": 0}
+    parts = [{"type": "image_url", "url": url}]
+    by_parts = _greedy_tokens(http, {"token_ids": rendered["token_ids"], "content_parts": parts,
+                                     "sampling_params": sampling})
+    derendered = _ok(http.post("/v1/chat/completions/derender", json={
+        "generate_response": {"request_id": "x", "choices": [{"index": 0, "token_ids": by_parts,
+                                                              "finish_reason": "length"}]},
+        "prompt_token_ids": rendered["token_ids"], "chat_request": chat}))
+    direct = _ok(http.post("/v1/chat/completions", json=chat))
+    assert derendered["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+    marker = _collapsed(rendered["token_ids"], place["offset"], place["length"])
+    assert _greedy_tokens(http, {"token_ids": marker, "content_parts": parts, "sampling_params": sampling}) == by_parts
+    # The engine holds the image now: hashes and placeholders only (tito's METADATA path).
+    assert _greedy_tokens(http, {**rendered, "sampling_params": sampling}) == by_parts
+
+    reused = _ok(http.post("/v1/chat/completions", json={**chat, "kv_transfer_params": {
+        "prompt_token_ids": rendered["token_ids"], "prompt_features": rendered["features"]}}))
+    assert reused["choices"][0]["message"] == direct["choices"][0]["message"]
+
+    if not mm_serde.available():
+        return
+    # An image the engine has not seen: without its tensors (read from kwargs_data) it would refuse it.
+    other = noise_data_url(56, 84, seed=12)
+    with_tensors = _ok(http.post("/v1/chat/completions/render", json=_image_chat(other)))
+    assert with_tensors["features"]["kwargs_data"]["image"][0]
+    assert with_tensors["features"]["mm_hashes"] != rendered["features"]["mm_hashes"]
+    from_tensors = _greedy_tokens(http, {**with_tensors, "sampling_params": sampling})
+    assert from_tensors == _greedy_tokens(http, {"token_ids": with_tensors["token_ids"], "sampling_params": sampling,
+                                                 "content_parts": [{"type": "image_url", "url": other}]})

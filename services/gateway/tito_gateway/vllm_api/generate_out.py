@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from tito.v1 import engine_pb2, multimodal_pb2
+from tito_gateway.vllm_api import mm_serde
 from tito_gateway.vllm_api.generate_in import GenerateCall
 
 FINISH_REASONS = {engine_pb2.FINISH_REASON_STOP: "stop", engine_pb2.FINISH_REASON_LENGTH: "length",
@@ -110,12 +111,16 @@ MODALITY_NAMES = {multimodal_pb2.MODALITY_IMAGE: "image", multimodal_pb2.MODALIT
                   multimodal_pb2.MODALITY_AUDIO: "audio"}
 
 
-def features_json(features: multimodal_pb2.MultiModalFeatures) -> dict:
+def features_json(features: multimodal_pb2.MultiModalFeatures, with_tensors: bool = False) -> dict:
     """tito's items (prompt order) -> vLLM's MultiModalFeatures: per-modality lists of hashes
-    and placeholders, no serialized tensors. A placeholder carries `is_embed` where tito has the
-    mask (vLLM's field is pending: its PlaceholderRangeInfo leaves it as a TODO)."""
+    and placeholders; with `with_tensors` (render's `mm_payload` "tensors") also each item's
+    tensors and its metadata alone in vLLM's serialized form (`kwargs_data`, `mm_metadata`:
+    mm_serde). A placeholder carries `is_embed` where tito has the mask (vLLM's field is
+    pending: its PlaceholderRangeInfo leaves it as a TODO; carried as its open change adds it)."""
     hashes: dict[str, list[str]] = {}
     places: dict[str, list[dict]] = {}
+    kwargs_data: dict[str, list[str | None]] = {}
+    metadata: dict[str, list[str | None]] = {}
     for item in features.items:
         modality = MODALITY_NAMES.get(item.modality, "image")
         hashes.setdefault(modality, []).append(item.mm_hash)
@@ -123,7 +128,13 @@ def features_json(features: multimodal_pb2.MultiModalFeatures) -> dict:
         if item.placeholder.is_embed:
             place["is_embed"] = list(item.placeholder.is_embed)
         places.setdefault(modality, []).append(place)
-    return {"mm_hashes": hashes, "mm_placeholders": places, "kwargs_data": None, "mm_metadata": None}
+        if with_tensors:
+            kwargs_data.setdefault(modality, []).append(
+                mm_serde.encode_item(item.kwargs, item.metadata) if item.kwargs else None)
+            metadata.setdefault(modality, []).append(mm_serde.encode_item({}, item.metadata) if item.metadata else None)
+    has_metadata = any(entry is not None for entries in metadata.values() for entry in entries)
+    return {"mm_hashes": hashes, "mm_placeholders": places, "kwargs_data": kwargs_data or None,
+            "mm_metadata": metadata if has_metadata else None}
 
 
 class Stream:

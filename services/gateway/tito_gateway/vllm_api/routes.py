@@ -27,8 +27,8 @@ from tito.logs import bind_request_id
 from tito.v1 import derender_pb2, multimodal_pb2
 from tito_gateway import openai_in, openai_out
 from tito_gateway.errors import HttpError, from_exception
-from tito_gateway.vllm_api import (derender_in, derender_stream, generate_in, generate_out, messages_in, render_out,
-                                   responses_in, reuse, shapes)
+from tito_gateway.vllm_api import (derender_in, derender_stream, generate_in, generate_out, media, messages_in,
+                                   mm_serde, render_out, responses_in, reuse, shapes)
 
 #: The prefix vLLM gives a generate's request id in its answer (`generate-tokens-<id>`).
 GENERATE_PREFIX = "generate-tokens-"
@@ -59,7 +59,7 @@ def vllm_param(param: str | None) -> str | None:
         return "sampling_params.structured_outputs" + param[len("structured_output"):]
     if param.startswith("mm_features"):
         return "features"
-    return param
+    return media.render_param(param)
 
 
 def error_response(error: HttpError, headers: dict | None = None, param: str | None = None) -> Response:
@@ -73,6 +73,7 @@ class VllmApi:
     def __init__(self, gateway) -> None:
         self.gateway = gateway
         self.rendered_chats = reuse.RenderedChats()  # the render endpoint's answers, for the reuse path
+        self.kept_metadata = media.KeptMetadata()  # items' metadata by hash, for hashes-only features
 
     @property
     def pipeline(self):
@@ -128,7 +129,7 @@ class VllmApi:
             self._count(name, str(error.status), started)
             # The gateway's own refusals name vLLM's field already; a service's is translated.
             if isinstance(exc, TitoError):
-                param = exc.field
+                param = media.render_param(exc.field) if name == "generate" else exc.field
             else:
                 param = vllm_param(error.param) if name == "generate" else None
             return error_response(error, headers, param)
@@ -147,49 +148,62 @@ class VllmApi:
     # -- render ------------------------------------------------------------------------------------
 
     @staticmethod
-    def _render_options(values: dict) -> tuple[dict, str | None]:
-        """vLLM's render-only parameters taken out of `values` (the rest is an OpenAI body)."""
+    def _render_options(values: dict) -> tuple[dict, str | None, bool]:
+        """vLLM's render-only parameters taken out of `values` (the rest is an OpenAI body): the
+        request id, and whether media items carry their tensors (`mm_payload`, vLLM's default
+        "tensors")."""
         rest = {key: value for key, value in values.items() if key not in RENDER_ONLY}
         payload = openai_in._string(values.get("mm_payload"), "mm_payload")
         if payload is not None and payload not in MM_PAYLOADS:
             raise openai_in.invalid("mm_payload", f"must be one of {', '.join(MM_PAYLOADS)}")
         if openai_in._integer(values.get("priority"), "priority", -(2**63), 2**63 - 1):
             raise openai_in.unsupported("priority", "tito's engines schedule first come, first served")
-        return rest, openai_in._string(values.get("request_id"), "request_id")
+        return rest, openai_in._string(values.get("request_id"), "request_id"), payload != "none"
 
     async def render_chat(self, request: Request, values: dict, rid: str) -> Response:
-        rest, given_id = self._render_options(values)
-        return await self._render_chat(rest, f"chatcmpl-{given_id or rid}", values.get("stream_options"))
+        rest, given_id, tensors = self._render_options(values)
+        return await self._render_chat(rest, f"chatcmpl-{given_id or rid}", values.get("stream_options"), tensors)
 
     async def render_messages(self, request: Request, values: dict, rid: str) -> Response:
         """Anthropic's Messages body, rendered as the chat vLLM converts it to (messages_in)."""
-        rest, given_id = self._render_options(values)
-        return await self._render_chat(messages_in.to_chat(rest), f"chatcmpl-{given_id or rid}", None)
+        rest, given_id, tensors = self._render_options(values)
+        return await self._render_chat(messages_in.to_chat(rest), f"chatcmpl-{given_id or rid}", None, tensors)
 
     async def render_responses(self, request: Request, values: dict, rid: str) -> Response:
         """OpenAI's Responses body, rendered as the chat vLLM builds for it (responses_in); the
         request id is `resp_<id>`, as vLLM names a response."""
-        rest, given_id = self._render_options(values)
-        return await self._render_chat(responses_in.to_chat(rest), f"resp_{given_id or rid}", None)
+        rest, given_id, tensors = self._render_options(values)
+        return await self._render_chat(responses_in.to_chat(rest), f"resp_{given_id or rid}", None, tensors)
 
-    async def _render_chat(self, chat: dict, request_id: str, stream_options: dict | None) -> Response:
-        """An OpenAI chat body through render, answered as vLLM's GenerateRequest."""
+    async def _render_chat(self, chat: dict, request_id: str, stream_options: dict | None,
+                           wants_tensors: bool) -> Response:
+        """An OpenAI chat body through render, answered as vLLM's GenerateRequest. Render is
+        asked for tensors only when they go into the answer (vLLM's serialized form, which
+        needs the vllm package); else for metadata. Either way each item's metadata is kept by
+        hash, for hashes-only generates."""
         call = openai_in.parse_chat(chat, await self.gateway.served_model(),
                                     await self.gateway.adapter_names(chat))
-        # Hashes and placeholders only: vLLM's serialized tensors are not tito's to write.
-        call.request.mm_payload = multimodal_pb2.MM_PAYLOAD_NONE
+        call.request.mm_payload = (multimodal_pb2.MM_PAYLOAD_TENSORS if wants_tensors
+                                   else multimodal_pb2.MM_PAYLOAD_METADATA)
         call.request.request_id = request_id
         pipeline = self.pipeline
         rendered = await pipeline.render.RenderChat(call.request, timeout=pipeline.timeout,
                                                     metadata=pipeline._metadata)
-        if not rendered.generate_request.mm_features.items:  # a media chat is rendered again, as vLLM does
-            self.rendered_chats.put(reuse.chat_key(chat), rendered)
+        items = rendered.generate_request.mm_features.items
+        # Only a media chat needs vLLM's serializer (importing vLLM takes seconds: text never pays it).
+        tensors = bool(items) and wants_tensors and mm_serde.available()
+        if items and wants_tensors and not tensors:
+            raise openai_in.unsupported("mm_payload", "media tensors in vLLM's serialized form need the vllm "
+                                                      "package on the gateway; send mm_payload \"none\" (hashes "
+                                                      "and placeholders), or generate with content_parts")
+        self.kept_metadata.keep(items)
+        self.rendered_chats.put(reuse.chat_key(chat), rendered)
         body = render_out.generate_request_json(rendered.generate_request, rendered.derender_context, call.model,
-                                                call.stream.stream, stream_options)
+                                                call.stream.stream, stream_options, tensors)
         return Response(dumps(body), media_type="application/json")
 
     async def render_completion(self, request: Request, values: dict, rid: str) -> Response:
-        rest, given_id = self._render_options(values)
+        rest, given_id, _ = self._render_options(values)  # a prompt has no media
         call = openai_in.parse_completion(rest, await self.gateway.served_model(),
                                           await self.gateway.adapter_names(rest))
         if call.echo:
@@ -210,12 +224,12 @@ class VllmApi:
     def parse_chat(self, values: dict, served_model: str, adapters: Container[str] = ()) -> openai_in.ChatCall:
         """openai_in.parse_chat (`adapters`: the LoRA adapters `model` may name), plus vLLM's
         `kv_transfer_params.prompt_token_ids` (reuse.py)."""
-        rest, ids = reuse.split_forwarded_ids(values)
+        rest, forwarded = reuse.split_forwarded(values)
         call = openai_in.parse_chat(rest, served_model, adapters)
-        if ids is None:
+        if forwarded is None:
             return call
-        return reuse.ReusedChatCall(call.model, call.request, call.stream, call.logprobs, tuple(ids),
-                                    reuse.chat_key(rest))
+        return reuse.ReusedChatCall(call.model, call.request, call.stream, call.logprobs, tuple(forwarded.ids),
+                                    reuse.chat_key(rest), forwarded.features)
 
     async def reused_chunks(self, call: reuse.ReusedChatCall, on_generating=None) -> AsyncIterator:
         """The chat's chunks on its forwarded ids: the render answer the render endpoint kept for
@@ -228,9 +242,14 @@ class VllmApi:
         rendered = self.rendered_chats.get(call.key, call.prompt_ids)
         if rendered is None:
             pipeline = self.pipeline
+            call.request.mm_payload = multimodal_pb2.MM_PAYLOAD_NONE  # the media come forwarded
             rendered = await pipeline.render.RenderChat(call.request, timeout=pipeline.timeout,
                                                         metadata=pipeline._metadata)
         reuse.with_forwarded_ids(rendered, call.prompt_ids, call.request.request_id)
+        rendered.generate_request.ClearField("mm_features")
+        if call.features is not None:
+            self.kept_metadata.fill(call.features.items)
+            rendered.generate_request.mm_features.CopyFrom(call.features)
         # This chat's stream options, not those of the render call that made the kept answer.
         rendered.derender_context.usage_in_every_chunk = call.request.usage_in_every_chunk
         async for chunk in self.pipeline.stream_rendered(rendered, on_generating):
@@ -242,6 +261,10 @@ class VllmApi:
         call = generate_in.parse_generate(values, await self.gateway.served_model())
         if not call.request.request_id:
             call.request.request_id = rid
+        if call.content_parts is not None:
+            await self._render_content_parts(call)
+        else:
+            self.kept_metadata.fill(call.request.mm_features.items)
         response_id = GENERATE_PREFIX + call.request.request_id
         model = call.model or await self.gateway.served_model()
         responses = self.pipeline.generate(call.request)
@@ -255,6 +278,24 @@ class VllmApi:
 
         await _unless_gone(request, collect())
         return Response(dumps(whole.json(response_id, model)), media_type="application/json")
+
+    async def _render_content_parts(self, call: generate_in.GenerateCall) -> None:
+        """vLLM's `content_parts`: render renders the media (a one-message chat of those parts,
+        with tensors) and its items are placed in the caller's token ids (media.place_items)."""
+        served = await self.gateway.served_model()
+        chat = openai_in.parse_chat({"model": served, "messages": [{"role": "user", "content": call.content_parts}]},
+                                    served)
+        chat.request.mm_payload = multimodal_pb2.MM_PAYLOAD_TENSORS
+        chat.request.request_id = call.request.request_id
+        pipeline = self.pipeline
+        rendered = await pipeline.render.RenderChat(chat.request, timeout=pipeline.timeout,
+                                                    metadata=pipeline._metadata)
+        items = rendered.generate_request.mm_features.items
+        ids, placed = media.place_items(call.request.token_ids, rendered.generate_request.token_ids, items)
+        self.kept_metadata.keep(items)
+        del call.request.token_ids[:]
+        call.request.token_ids.extend(ids)
+        call.request.mm_features.CopyFrom(multimodal_pb2.MultiModalFeatures(items=placed))
 
     async def _generate_stream(self, call, response_id: str, responses: AsyncIterator) -> Response:
         started = time.monotonic()
