@@ -271,6 +271,12 @@ class Request:
         return RequestTimings(self.arrival_time, self.scheduled_time, self.first_token_time,
                               self.finish_time or time.monotonic())
 
+    @property
+    def prior_output_ids(self) -> list[int]:
+        """A migrated choice's earlier output: the prompt's last `prior_output_tokens` ids."""
+        prior = self.options.prior_output_tokens
+        return self.prompt_ids[len(self.prompt_ids) - prior:] if prior else []
+
     def usage_for(self, seq: Sequence) -> Usage:
         return Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(seq.output_ids),
                      cached_tokens=self.cached_tokens)

@@ -147,6 +147,17 @@ def test_a_constraint_goes_to_vllm_as_the_grammar_the_native_engine_compiles():
     assert sampling_params(SamplingOptions(max_tokens=4), (1002,)).structured_outputs is None
 
 
+def test_a_migrated_choice_under_a_constraint_is_refused_by_vllm():
+    """vLLM would start the grammar after the earlier output, which it reads as prompt."""
+    from tito.structured_output import StructuredOutputSpec
+
+    spec = StructuredOutputSpec("regex", "[a-z]+")
+    with pytest.raises(FailedPrecondition) as refused:
+        sampling_params(SamplingOptions(max_tokens=4, structured_output=spec, prior_output_tokens=2), (1002,))
+    assert refused.value.field == "sampling_params.prior_output_tokens"
+    assert sampling_params(SamplingOptions(max_tokens=4, prior_output_tokens=2), (1002,)).max_tokens == 4
+
+
 def test_logit_bias_goes_to_vllm_as_its_token_id_to_bias_dict():
     bias = LogitBias((3, 50), (-100.0, 2.5))
     assert sampling_params(SamplingOptions(max_tokens=4, logit_bias=bias), (1002,)).logit_bias == {3: -100.0, 50: 2.5}

@@ -40,10 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tito.errors import ConfigError, TitoError
+from tito.errors import ConfigError, InvalidArgument, TitoError
 from tito.supervision import ChildProcess, spawn_context, stop_children
 
-from tito_engine.model.constraints import GrammarCompiler, compile_error
+from tito_engine.model.constraints import GrammarCompiler, compile_error, new_matcher
 from tito_engine.core.seams import CoreRunner
 from tito_engine.core.lora_registry import LoraRegistry
 from tito_engine.core.messages import (AbortRequest, AddRequest, Command, CoreFailed, CoreLoad, CoreReady,
@@ -250,6 +250,8 @@ class EngineCore:
                 continue
             del self._compiling[key]
             error = future.exception()
+            if error is None and request.options.prior_output_tokens:
+                error = _prior_output_refused(future.result(), request)
             if error is not None:
                 self._forget(request)
                 self._to_encode = [(r, v) for r, v in self._to_encode if r is not request]
@@ -430,6 +432,16 @@ def _lora_registry(runner: CoreRunner, lora_dir: str, modules: tuple[tuple[str, 
             log.warning("LoRA adapter %s, loaded from %s before the engine core restarted, cannot be loaded "
                         "again: %s", name, path, exc.message)
     return registry
+
+
+def _prior_output_refused(grammar: Any, request: Request) -> Exception | None:
+    """A migrated choice whose earlier output its grammar does not take: refused before queueing,
+    as a grammar that does not compile is."""
+    try:
+        new_matcher(grammar, request.prior_output_ids)
+    except InvalidArgument as error:
+        return error
+    return None
 
 
 def _refusal_or_bug(error: Exception) -> Exception:

@@ -67,8 +67,9 @@ class ChoiceState(Protocol):
     def new_generator(self, seed: int, index: int) -> Any:
         """The random generator of choice `index` of a request seeded with `seed`."""
 
-    def new_matcher(self, grammar: Any) -> Any:
-        """A matcher at the start of a compiled structured-output grammar."""
+    def new_matcher(self, grammar: Any, prior_output: list[int] | tuple[int, ...] = ()) -> Any:
+        """A matcher of a compiled structured-output grammar, past a migrated choice's earlier
+        output (`prior_output`; admission checked that the grammar takes it)."""
 
 
 class _EosIds(Protocol):
@@ -363,7 +364,7 @@ def _create_sequences(request: Request, choice_state: ChoiceState) -> None:
         seq = Sequence(index, generator)
         seq.awaiting_fork = index > 0
         if request.grammar is not None:
-            seq.matcher = choice_state.new_matcher(request.grammar)
+            seq.matcher = choice_state.new_matcher(request.grammar, request.prior_output_ids)
         request.sequences.append(seq)
 
 

@@ -8,7 +8,9 @@ the kwargs tensors as the model's `MultiModalKwargsItem`s (vLLM's own field layo
 the item's content id (its mm_hash when trusted) as the identifier vLLM's caches key on, and the
 placeholder ranges with their `is_embed` masks. A metadata-only item is sent without tensors only
 when vLLM's multimodal cache holds it; otherwise it is refused as the native engine refuses it.
-A structured-output constraint becomes vLLM's `StructuredOutputsParams` (`structured_outputs`).
+A structured-output constraint becomes vLLM's `StructuredOutputsParams` (`structured_outputs`);
+a migrated choice under one (prior_output_tokens) is refused: vLLM starts the grammar at the first
+token it generates and cannot be told that the prompt's last ids are output under it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": Fi
 
 def sampling_params(options: SamplingOptions, eos_token_ids: Sequence[int]) -> Any:
     """vLLM SamplingParams with the contract's meaning of every tito field."""
+    if options.prior_output_tokens and options.structured_output is not None:
+        raise FailedPrecondition(
+            "the vllm backend cannot continue a choice under structured_output (prior_output_tokens): vLLM starts "
+            "the grammar at its first generated token; continue it on a native engine",
+            reason="STRUCTURED_OUTPUT_UNAVAILABLE", field="sampling_params.prior_output_tokens")
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
