@@ -124,6 +124,8 @@ class GenerateInput:
     cache_salt: str = ""
     # The LoRA adapter to generate with, by name ("" = the base model).
     lora_name: str = ""
+    # Prefill/decode disaggregation: this request's part (kv_transfer.KvPrefill / KvDecode); None: both here.
+    kv_transfer: Any = None
 
 
 @dataclass(frozen=True)
@@ -169,12 +171,15 @@ class ChoiceOutput:
     usage: Usage | None = None
     logprobs: tuple[PositionLogprobs, ...] = ()  # one per token id when requested
     timings: RequestTimings | None = None  # on the request's last output, when the backend knows them
+    kv_pinned: Any = None  # kv_transfer.KvPinned, on a prefill request's last output
+    kv_stats: Any = None  # kv_transfer.TransferStats, on a decode request's last output of choice 0
 
     def merged_with(self, later: "ChoiceOutput") -> "ChoiceOutput":
         """This output followed by `later` of the same choice, as one message."""
         return ChoiceOutput(self.index, self.token_ids + later.token_ids, later.finish_reason,
                             later.matched_stop_token_id, later.usage, self.logprobs + later.logprobs,
-                            later.timings or self.timings)
+                            later.timings or self.timings, later.kv_pinned or self.kv_pinned,
+                            later.kv_stats or self.kv_stats)
 
     @property
     def finished(self) -> bool:
@@ -254,6 +259,11 @@ class Request:
         self.finish_time: float | None = None
         self.failed = False  # ended by an engine error; never schedule it
         self.grammar: Any = None  # compiled structured-output grammar (constraints.py), set before queueing
+        # Prefill/decode (kv_transfer.py): a prefill request's pin order (its blocks are pinned,
+        # not freed, when it finishes: `pinned`), or a decode request's pulled blocks.
+        self.kv_pin: Any = None  # kv_transfer.KvPinOrder
+        self.pinned: Any = None  # kv_pins.Pin, once pinned
+        self.imported_kv: Any = None  # kv_transfer.ImportedKv, until written into its blocks
 
     @property
     def finished(self) -> bool:

@@ -47,9 +47,10 @@ from tito_engine.model.constraints import GrammarCompiler, compile_error
 from tito_engine.core.seams import CoreRunner
 from tito_engine.core.lora_registry import LoraRegistry
 from tito_engine.core.messages import (AbortRequest, AddRequest, Command, CoreFailed, CoreLoad, CoreReady,
-                                       CoreStopped, EncodeItems, EncodeResult, ListLoras, LoadLora, LoraAdapters,
-                                       LoraUnloaded, PrefixCacheReset, ResetPrefixCache, StepBatch, StopCore,
-                                       UnloadLora)
+                                       CoreStopped, EncodeItems, EncodeResult, ExportKv, ListLoras, LoadLora,
+                                       LoraAdapters, LoraUnloaded, PeekPrefix, PrefixCacheReset, PrefixPeek,
+                                       ResetPrefixCache, StepBatch, StopCore, UnloadLora)
+from tito_engine.core.kv_export import export_pinned, pinned_output
 from tito import tensors
 from tito.errors import Unavailable
 
@@ -121,7 +122,8 @@ class EngineCore:
 
     def run(self, receive: Callable[[], Any], receive_ready: Callable[[], list],
             emit: Callable[[StepBatch], None]) -> None:
-        """Serve until a StopCore command; `receive` blocks, `receive_ready` drains without blocking."""
+        """Serve until a StopCore command; `receive(timeout=None)` blocks (None when the timeout
+        passed first), `receive_ready` drains without blocking."""
         if self.lora is not None and self.lora.infos:
             emit(self._batch([]))  # the load names the --lora-modules adapters before any request
         while True:
@@ -141,8 +143,13 @@ class EngineCore:
                 concurrent.futures.wait([future for _, future in self._compiling.values()], timeout=0.005,
                                         return_when=concurrent.futures.FIRST_COMPLETED)
                 commands = receive_ready()
-            else:
-                commands = ([receive()] if not scheduler.has_work() else []) + receive_ready()
+            elif scheduler.has_work():
+                commands = receive_ready()
+            else:  # idle: wake for a command, or for the next pinned KV's deadline (kv_pins.py)
+                deadline = scheduler.kv.pins.next_deadline()
+                first = receive(max(0.0, deadline - time.monotonic()) + 0.001 if deadline is not None else None)
+                commands = ([first] if first is not None else []) + receive_ready()
+            expired = scheduler.kv.expire_pins(time.monotonic()) if len(scheduler.kv.pins) else 0
             outputs: list = []
             for command in commands:
                 if isinstance(command, StopCore):
@@ -159,7 +166,7 @@ class EngineCore:
                 for request, output in run_step(scheduler, self.runner):
                     outputs.append(self._out(request, output))
             batch = self._batch(outputs)
-            if outputs or commands or stepped or batch.kv_events:
+            if outputs or commands or stepped or batch.kv_events or expired:
                 emit(batch)
 
     def _batch(self, outputs: list) -> StepBatch:
@@ -176,6 +183,13 @@ class EngineCore:
                     outputs.append((key, self._encode_request(checked), True))
                 except Exception as error:  # noqa: BLE001 - fails this Encode call only, never the generations
                     outputs.append((key, _refusal_or_bug(error), True))
+            case ExportKv(key=key):
+                try:
+                    outputs.append((key, export_pinned(self.scheduler.kv, command, time.monotonic()), True))
+                except Exception as error:  # noqa: BLE001 - fails this pull only
+                    outputs.append((key, _refusal_or_bug(error), True))
+            case PeekPrefix(key=key):
+                outputs.append((key, self._peek_prefix(command), True))
             case ResetPrefixCache(key=key):
                 self.scheduler.kv.clear_prefix_cache()
                 outputs.append((key, PrefixCacheReset(), True))
@@ -219,6 +233,7 @@ class EngineCore:
         request.cache_salt = command.cache_salt
         request.key = key
         request.has_media = validated is not None
+        request.kv_pin, request.imported_kv = command.kv_pin, command.kv_import
         if validated is not None and all(item.content_id for item in validated.items):
             request.prefix_media = tuple(BlockMedia(item.offset, item.length, item.content_id, item.mm_hash)
                                          for item in validated.items)
@@ -233,6 +248,11 @@ class EngineCore:
             del self.early_aborts[key]
             self._to_encode = [(r, v) for r, v in self._to_encode if r is not request]
             outputs.extend(self._abort(request))
+
+    def _peek_prefix(self, command: PeekPrefix) -> PrefixPeek:
+        probe = Request("", command.prompt_ids, None)
+        probe.cache_salt = command.cache_salt
+        return PrefixPeek(self.scheduler.kv.peek_cached_blocks(probe))
 
     def _abort(self, request: Request) -> list:
         if self._compiling.pop(request.key, None) is not None:
@@ -386,6 +406,8 @@ class EngineCore:
             self._forget(request)
             if isinstance(output, ChoiceOutput):
                 output.timings = request.timings()  # the server derives latencies and spans from them
+                if request.pinned is not None:
+                    output.kv_pinned = pinned_output(request.pinned, self.runner.cache)
         return request.key, output, finished
 
     def _abort_all(self) -> list:
@@ -468,7 +490,13 @@ class ThreadCore:
                 except queue.Empty:
                     return items
 
-        self._thread = threading.Thread(target=self.core.run, args=(self._inbox.get, drain, on_batch),
+        def receive(timeout: float | None = None) -> Any:
+            try:
+                return self._inbox.get(timeout=timeout)
+            except queue.Empty:
+                return None
+
+        self._thread = threading.Thread(target=self.core.run, args=(receive, drain, on_batch),
                                         name="tito-engine", daemon=True)
         self._thread.start()
 
@@ -561,8 +589,10 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
     freeze_startup_heap()  # the model's objects: never walked by the collector while serving
     conn.send(CoreReady(runner.info, runner.cache.num_blocks, runner.cache.block_size, runner.mm_spec))
 
-    def receive() -> Any:
+    def receive(timeout: float | None = None) -> Any:
         try:
+            if timeout is not None and not conn.poll(timeout):
+                return None  # a pinned KV's deadline came first
             return conn.recv()
         except (EOFError, OSError):  # the server process is gone: stop (aborting what is left)
             return StopCore()

@@ -299,7 +299,10 @@ class Scheduler:
             outputs.append((request, output))
             if output.finish_reason is not None:
                 self._running_sequences -= 1
-                self.kv.release(seq)
+                if request.kv_pin is not None and seq.index == 0 and not request.failed:
+                    request.pinned = self.kv.pin(request, seq, now + request.kv_pin.seconds)
+                else:
+                    self.kv.release(seq)
                 if request.finished and (not done or done[-1] is not request):
                     done.append(request)
         for request in done:

@@ -1,0 +1,148 @@
+"""Prefill/decode disaggregation between two real engine servers (port 0): engine P prefills and
+pins the prompt's KV, engine D pulls it (PullKvBlocks) and decodes. Greedy tokens equal one
+engine's; D's prefix cache saves blocks from the pull; a replayed, expired or forged handle is
+refused and the next request works; no KV block stays pinned afterwards."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tito.grpc_errors import error_details
+from tito.v1 import engine_pb2, engine_pb2_grpc
+from tito_engine.config import EngineConfig
+from tito_engine.server import create_server
+
+from engine_calls import collect, request
+
+TIMEOUT = 30
+BLOCK = 4
+
+
+def _config(model: Path, key_file: Path, **overrides) -> EngineConfig:
+    return EngineConfig(model=str(model), device="cpu", engine_process=False, max_model_len=256, block_size=BLOCK,
+                        kv_blocks=256, hmac_key_file=str(key_file), **overrides)
+
+
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("pd-key") / "hmac.key"
+    path.write_bytes(b"k" * 32)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pair(module_aio_server, tiny_text_model, key_file):
+    """(P stub, P address, D stub): two engines of the same model sharing the HMAC key."""
+    prefill = module_aio_server(lambda: create_server(_config(tiny_text_model, key_file, kv_pin_seconds=5.0)))
+    decode = module_aio_server(lambda: create_server(_config(tiny_text_model, key_file)))
+    return (engine_pb2_grpc.EngineServiceStub(prefill.channel()), prefill.address,
+            engine_pb2_grpc.EngineServiceStub(decode.channel()))
+
+
+def prefill(stub, prompt, **sampling):
+    message = request(prompt, **sampling)
+    message.kv_transfer.prefill.SetInParent()
+    tokens, finals = collect(stub.Generate(message, timeout=TIMEOUT))
+    assert finals[0].HasField("kv_transfer_handle")
+    return tokens[0], finals[0].kv_transfer_handle
+
+
+def decode(stub, prompt, handle, address, **sampling):
+    message = request(prompt, **sampling)
+    message.kv_transfer.decode.handle.CopyFrom(handle)
+    message.kv_transfer.decode.source_address = address
+    return collect(stub.Generate(message, timeout=TIMEOUT))
+
+
+def prompts(count: int, length: int = 21) -> list[list[int]]:
+    return [[(37 * i + 11 * j + 5) % 900 + 20 for j in range(length + i % 7)] for i in range(count)]
+
+
+def wait_idle(stub) -> engine_pb2.GetLoadResponse:
+    """GetLoad once no block is held (pins included), or the last answer after a few seconds."""
+    deadline = time.monotonic() + 10
+    while True:
+        load = stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT)
+        if load.kv_blocks_used == 0 or time.monotonic() > deadline:
+            return load
+        time.sleep(0.05)
+
+
+def test_pd_greedy_tokens_equal_one_engines_and_no_block_leaks(pair):
+    p_stub, p_address, d_stub = pair
+    for prompt in prompts(32):
+        solo, _ = collect(d_stub.Generate(request(prompt, max_tokens=12, ignore_eos=True), timeout=TIMEOUT))
+        first, handle = prefill(p_stub, prompt, max_tokens=12, ignore_eos=True)
+        assert first == solo[0][:1]  # P computed the first token (and only that)
+        assert handle.block_count == -(-len(prompt) // BLOCK) and handle.auth_tag
+        tokens, finals = decode(d_stub, prompt, handle, p_address, max_tokens=12, ignore_eos=True)
+        assert tokens[0] == solo[0]
+        stats = finals[0].kv_transfer_stats
+        # D ran the same prompt alone just before: its prefix cache holds every full block but the
+        # one with the last token, so only the rest crossed the wire.
+        assert stats.blocks_cached == (len(prompt) - 1) // BLOCK
+        assert stats.blocks_pulled == handle.block_count - stats.blocks_cached
+        block_bytes = 2 * handle.layout.num_layers * BLOCK * handle.layout.kv_heads * handle.layout.head_dim * 4
+        assert handle.dtype == "float32" and stats.bytes_pulled == stats.blocks_pulled * block_bytes
+    assert wait_idle(p_stub).kv_blocks_used == 0
+    assert wait_idle(d_stub).kv_blocks_used == 0
+
+
+def test_a_prompt_new_to_d_pulls_every_block_and_decodes_the_same(pair):
+    p_stub, p_address, d_stub = pair
+    d_stub.ResetPrefixCache(engine_pb2.ResetPrefixCacheRequest(), timeout=TIMEOUT)
+    prompt = prompts(1, length=40)[0][::-1]
+    _, handle = prefill(p_stub, prompt, max_tokens=8, ignore_eos=True)
+    tokens, finals = decode(d_stub, prompt, handle, p_address, max_tokens=8, ignore_eos=True)
+    assert finals[0].kv_transfer_stats.blocks_cached == 0
+    assert finals[0].kv_transfer_stats.blocks_pulled == handle.block_count
+    solo, _ = collect(p_stub.Generate(request(prompt, max_tokens=8, ignore_eos=True), timeout=TIMEOUT))
+    assert tokens[0] == solo[0]
+
+
+def _refusal(call) -> dict:
+    with pytest.raises(grpc.RpcError) as caught:
+        call()
+    return error_details(caught.value)
+
+
+def test_replayed_forged_and_expired_handles_are_refused_and_the_next_request_works(pair):
+    p_stub, p_address, d_stub = pair
+    prompt = prompts(1, length=30)[0]
+    _, handle = prefill(p_stub, prompt, max_tokens=4, ignore_eos=True)
+    decode(d_stub, prompt, handle, p_address, max_tokens=4, ignore_eos=True)
+
+    replayed = _refusal(lambda: decode(d_stub, prompt, handle, p_address, max_tokens=4))
+    assert (replayed["code"], replayed["reason"]) == (grpc.StatusCode.FAILED_PRECONDITION,
+                                                      "KV_TRANSFER_HANDLE_UNKNOWN")
+
+    _, handle = prefill(p_stub, prompt, max_tokens=4, ignore_eos=True)
+    forged = engine_pb2.KvTransferHandle()
+    forged.CopyFrom(handle)
+    forged.transfer_id = "0" * 32  # another request's id, say
+    refused = _refusal(lambda: decode(d_stub, prompt, forged, p_address, max_tokens=4))
+    assert (refused["code"], refused["reason"]) == (grpc.StatusCode.PERMISSION_DENIED, "KV_TRANSFER_HANDLE_FORGED")
+    # Pulled straight from P, past D's check, the forged handle is refused there too.
+    pulled = _refusal(lambda: list(p_stub.PullKvBlocks(engine_pb2.PullKvBlocksRequest(handle=forged),
+                                                       timeout=TIMEOUT)))
+    assert pulled["reason"] == "KV_TRANSFER_HANDLE_FORGED"
+    other_prompt = _refusal(lambda: decode(d_stub, prompt[1:], handle, p_address, max_tokens=4))
+    assert other_prompt["reason"] == "KV_TRANSFER_MISMATCH"
+    # The genuine handle still works after the refusals.
+    tokens, _ = decode(d_stub, prompt, handle, p_address, max_tokens=4, ignore_eos=True)
+    assert len(tokens[0]) == 4
+
+    expiring = request(prompt, max_tokens=4)
+    expiring.kv_transfer.prefill.pin_seconds = 0.2
+    _, finals = collect(p_stub.Generate(expiring, timeout=TIMEOUT))
+    assert wait_idle(p_stub).kv_blocks_used == 0  # the pin expired and freed its blocks by itself
+    expired = _refusal(lambda: decode(d_stub, prompt, finals[0].kv_transfer_handle, p_address, max_tokens=4))
+    assert (expired["code"], expired["reason"]) == (grpc.StatusCode.FAILED_PRECONDITION, "KV_TRANSFER_HANDLE_UNKNOWN")
+
+    tokens, _ = collect(d_stub.Generate(request(prompt, max_tokens=4, ignore_eos=True), timeout=TIMEOUT))
+    assert len(tokens[0]) == 4
+    assert wait_idle(p_stub).kv_blocks_used == 0 and wait_idle(d_stub).kv_blocks_used == 0
