@@ -5,6 +5,7 @@ refused and the next request works; no KV block stays pinned afterwards."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -13,6 +14,8 @@ import pytest
 
 from tito.grpc_errors import error_details
 from tito.v1 import engine_pb2, engine_pb2_grpc
+from tito_client.pipeline import AsyncChatPipeline, Endpoints
+from tito_client.routing import EngineRouter
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
 
@@ -36,11 +39,11 @@ def key_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def pair(module_aio_server, tiny_text_model, key_file):
-    """(P stub, P address, D stub): two engines of the same model sharing the HMAC key."""
+    """(P stub, P address, D stub, D address): two engines of the same model sharing the HMAC key."""
     prefill = module_aio_server(lambda: create_server(_config(tiny_text_model, key_file, kv_pin_seconds=5.0)))
     decode = module_aio_server(lambda: create_server(_config(tiny_text_model, key_file)))
     return (engine_pb2_grpc.EngineServiceStub(prefill.channel()), prefill.address,
-            engine_pb2_grpc.EngineServiceStub(decode.channel()))
+            engine_pb2_grpc.EngineServiceStub(decode.channel()), decode.address)
 
 
 def prefill(stub, prompt, **sampling):
@@ -73,7 +76,7 @@ def wait_idle(stub) -> engine_pb2.GetLoadResponse:
 
 
 def test_pd_greedy_tokens_equal_one_engines_and_no_block_leaks(pair):
-    p_stub, p_address, d_stub = pair
+    p_stub, p_address, d_stub, _ = pair
     for prompt in prompts(32):
         solo, _ = collect(d_stub.Generate(request(prompt, max_tokens=12, ignore_eos=True), timeout=TIMEOUT))
         first, handle = prefill(p_stub, prompt, max_tokens=12, ignore_eos=True)
@@ -93,7 +96,7 @@ def test_pd_greedy_tokens_equal_one_engines_and_no_block_leaks(pair):
 
 
 def test_a_prompt_new_to_d_pulls_every_block_and_decodes_the_same(pair):
-    p_stub, p_address, d_stub = pair
+    p_stub, p_address, d_stub, _ = pair
     d_stub.ResetPrefixCache(engine_pb2.ResetPrefixCacheRequest(), timeout=TIMEOUT)
     prompt = prompts(1, length=40)[0][::-1]
     _, handle = prefill(p_stub, prompt, max_tokens=8, ignore_eos=True)
@@ -111,7 +114,7 @@ def _refusal(call) -> dict:
 
 
 def test_replayed_forged_and_expired_handles_are_refused_and_the_next_request_works(pair):
-    p_stub, p_address, d_stub = pair
+    p_stub, p_address, d_stub, _ = pair
     prompt = prompts(1, length=30)[0]
     _, handle = prefill(p_stub, prompt, max_tokens=4, ignore_eos=True)
     decode(d_stub, prompt, handle, p_address, max_tokens=4, ignore_eos=True)
@@ -146,3 +149,35 @@ def test_replayed_forged_and_expired_handles_are_refused_and_the_next_request_wo
     tokens, _ = collect(d_stub.Generate(request(prompt, max_tokens=4, ignore_eos=True), timeout=TIMEOUT))
     assert len(tokens[0]) == 4
     assert wait_idle(p_stub).kv_blocks_used == 0 and wait_idle(d_stub).kv_blocks_used == 0
+
+
+def test_the_router_prefills_long_prompts_on_the_prefill_engine_and_decodes_on_the_decode_engine(pair):
+    p_stub, p_address, d_stub, d_address = pair
+    long_prompt, short_prompt = prompts(1, length=30)[0], prompts(1, length=5)[0]
+    solo = {len(prompt): collect(d_stub.Generate(request(prompt, max_tokens=6, ignore_eos=True), timeout=TIMEOUT))[0][0]
+            for prompt in (long_prompt, short_prompt)}
+    finished_before = p_stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT).finished_requests
+
+    async def run() -> dict[int, tuple[list[int], engine_pb2.GenerateResponse]]:
+        results = {}
+        router = EngineRouter([], prefill_engines=[p_address], decode_engines=[d_address], pd_min_prompt_tokens=16,
+                              load_interval=0.05).start()
+        try:
+            async with AsyncChatPipeline(Endpoints("127.0.0.1:1", d_address, "127.0.0.1:1"), timeout=TIMEOUT,
+                                         router=router) as pipeline:
+                for prompt in (long_prompt, short_prompt):
+                    responses = [r async for r in pipeline.generate(request(prompt, max_tokens=6, ignore_eos=True))]
+                    results[len(prompt)] = ([t for r in responses for t in r.token_ids], responses[-1])
+                    assert pipeline.last_engine == d_address
+        finally:
+            router.close()
+        return results
+
+    results = asyncio.run(run())
+    for length, (tokens, last) in results.items():
+        assert tokens == solo[length]
+    assert results[len(long_prompt)][1].HasField("kv_transfer_stats")  # decoded from pulled KV
+    assert not results[len(short_prompt)][1].HasField("kv_transfer_stats")  # too short: one engine
+    finished = p_stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT).finished_requests
+    assert finished == finished_before + 1  # only the long prompt was prefilled on P
+    assert wait_idle(p_stub).kv_blocks_used == 0

@@ -28,6 +28,12 @@ times (migration.py, engine_stream.py).
 
 Policies: `cache_aware` (the default), `least_load`, `round_robin`.
 
+Prefill/decode roles (`prefill_engines`, `decode_engines`; `engines` are mixed and serve both):
+with prefill engines, a prompt of at least `pd_min_prompt_tokens` tokens is prefilled on a prefill
+(or mixed) engine and decoded on a decode (or mixed) one, each picked by the policy among its role
+(disaggregation.py); shorter prompts, and every request when there are no prefill engines, go to
+one decode or mixed engine.
+
 Threads, not asyncio: the subscriptions and load polls run on daemon threads with synchronous
 stubs, and `pick` is a short call under a lock, so the same router serves `ChatPipeline` and
 `AsyncChatPipeline` (and a gateway's event loop) alike.
@@ -198,16 +204,26 @@ class EngineRouter:
     def __init__(self, engines: Sequence[str] | str, *, policy: str = "cache_aware",
                  security: ClientSecurity = ClientSecurity(), load_interval: float = 0.25,
                  resolve_interval: float = 5.0, retry_interval: float = 0.5,
-                 resolver: Callable[[str, int], list[str]] | None = None, migration_limit: int = 3):
+                 resolver: Callable[[str, int], list[str]] | None = None, migration_limit: int = 3,
+                 prefill_engines: Sequence[str] = (), decode_engines: Sequence[str] = (),
+                 pd_min_prompt_tokens: int = 256):
         """`migration_limit`: how many times one request may move to another engine after its
-        engine went away mid-stream (0: never; migration.py)."""
+        engine went away mid-stream (0: never; migration.py). `prefill_engines`, `decode_engines`:
+        addresses that serve only that role (`engines`: both); prompts shorter than
+        `pd_min_prompt_tokens` skip the prefill engines."""
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r} must be one of {', '.join(POLICIES)}")
         if migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
         self.policy = policy
         self.migration_limit = migration_limit
-        self._spec = [engines] if isinstance(engines, str) else list(engines)
+        self._spec = ([engines] if isinstance(engines, str) else list(engines)) + list(prefill_engines) \
+            + list(decode_engines)
+        self._only = {**{address: "prefill" for address in prefill_engines},
+                      **{address: "decode" for address in decode_engines}}
+        if pd_min_prompt_tokens < 1:
+            raise ValueError(f"pd_min_prompt_tokens must be >= 1, got {pd_min_prompt_tokens}")
+        self.pd_min_prompt_tokens = pd_min_prompt_tokens
         if not self._spec:
             raise ValueError("give at least one engine address (host:port) or dns:///NAME:PORT")
         self._security = security
@@ -255,12 +271,18 @@ class EngineRouter:
         with self._lock:
             return list(self._engines)
 
-    def pick(self, request: engine_pb2.GenerateRequest, avoid: str | None = None) -> Choice:
-        """The engine for `request` under the router's policy; `avoid` (the engine a chat just
-        left) only when no other engine is available."""
+    def disaggregates(self, request: engine_pb2.GenerateRequest) -> bool:
+        """Whether `request` is prefilled on a prefill engine and decoded on another."""
+        return "prefill" in self._only.values() and len(request.token_ids) >= self.pd_min_prompt_tokens
+
+    def pick(self, request: engine_pb2.GenerateRequest, avoid: str | None = None, role: str = "decode") -> Choice:
+        """The engine for `request` under the router's policy among those serving `role`
+        ("prefill" or "decode": every request ends on a decode or mixed engine); `avoid` (the
+        engine a chat just left) only when no other engine is available."""
         with self._lock:
             candidates = [engine for engine in self._engines.values()
-                          if engine.reachable and not engine.draining and not engine.stopped]
+                          if engine.reachable and not engine.draining and not engine.stopped
+                          and self._only.get(engine.address, role) == role]
             if avoid is not None and len(candidates) > 1:
                 candidates = [engine for engine in candidates if engine.address != avoid] or candidates
             if not candidates:

@@ -1,0 +1,58 @@
+"""Prefill/decode disaggregation from the router's side: a long prompt is prefilled on a prefill
+engine (GenerateRequest.kv_transfer.prefill: it computes the prompt's KV and first token and
+answers with a KV transfer handle), then decoded on a decode engine that pulls the KV from it
+(kv_transfer.decode). The decode engine streams every token, the first included, so the caller
+sees one ordinary Generate stream. A prompt the router does not disaggregate (routing.py:
+shorter than its threshold, or no prefill engines) goes to one engine unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from tito.v1 import engine_pb2
+
+from tito_client.routing import EngineRouter
+
+#: Runs the prefill call on the engine at an address: (address, request) -> the handle.
+Prefill = Callable[[str, engine_pb2.GenerateRequest], Awaitable[engine_pb2.KvTransferHandle]]
+
+
+def prefill_request(request: engine_pb2.GenerateRequest) -> engine_pb2.GenerateRequest:
+    """The prefill engine's part of `request`."""
+    prefill = engine_pb2.GenerateRequest()
+    prefill.CopyFrom(request)
+    if prefill.request_id:
+        prefill.request_id = f"{request.request_id}~prefill"
+    prefill.kv_transfer.prefill.SetInParent()
+    return prefill
+
+
+def decode_request(request: engine_pb2.GenerateRequest, handle: engine_pb2.KvTransferHandle,
+                   source_address: str) -> engine_pb2.GenerateRequest:
+    """The decode engine's part of `request`: the same prompt with the handle of its KV."""
+    decode = engine_pb2.GenerateRequest()
+    decode.CopyFrom(request)
+    decode.kv_transfer.decode.handle.CopyFrom(handle)
+    decode.kv_transfer.decode.source_address = source_address
+    return decode
+
+
+def handle_of(responses: list[engine_pb2.GenerateResponse]) -> engine_pb2.KvTransferHandle:
+    for response in responses:
+        if response.HasField("kv_transfer_handle"):
+            return response.kv_transfer_handle
+    raise RuntimeError("the prefill engine answered without a KV transfer handle (is it a tito native engine?)")
+
+
+async def place(router: EngineRouter, request: engine_pb2.GenerateRequest, prefill: Prefill
+                ) -> tuple[str, engine_pb2.GenerateRequest]:
+    """Where `request` is decoded and what is sent there: after its prefill on a prefill engine
+    when the router disaggregates it, else as it is. The prefill engine is picked by the
+    router's policy among prefill engines (cache-aware: where the prompt's prefix is), the
+    decode engine among decode engines likewise (its cached prefix blocks are not pulled)."""
+    if not router.disaggregates(request):
+        return router.pick(request).address, request
+    source = router.pick(request, role="prefill").address
+    with router.track(source):
+        handle = await prefill(source, prefill_request(request))
+    return router.pick(request).address, decode_request(request, handle, source)
