@@ -115,6 +115,15 @@ class ImportedKv:
 
 
 @dataclass(frozen=True)
+class KvExport:
+    """The core's answer to a pull (core/messages.ExportKv): blocks first_block.. in prompt order,
+    as the cache's bytes."""
+
+    first_block: int
+    blocks: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
 class TransferStats:
     """What a decode request pulled (GenerateResponse.kv_transfer_stats)."""
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tito_engine.kv_events import KvEvent
+from tito_engine.kv_transfer import KvExport  # noqa: F401 - ExportKv's answer, with the transfer's types
 from tito_engine.multimodal.domain import EncoderCacheDescriptor
 from tito_engine.multimodal.features import CheckedFeatures
 from tito_engine.lora_types import LoraAdapterInfo
@@ -120,14 +121,6 @@ class ExportKv:
     first_block: int
     block_count: int  # what the handle says: checked against the pin
     num_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class KvExport:
-    """The answer to ExportKv: blocks first_block.. in prompt order, as the cache's bytes."""
-
-    first_block: int
-    blocks: tuple[bytes, ...]
 
 
 @dataclass(frozen=True, slots=True)

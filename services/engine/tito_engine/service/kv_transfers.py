@@ -16,9 +16,8 @@ from typing import Any
 
 from tito.errors import FailedPrecondition
 
-from tito_engine.core.messages import KvExport
 from tito_engine.kv_transfer import (TRANSFER_MISMATCH, TRANSFER_UNSUPPORTED, HandleIssuer, ImportedKv, KvDecode,
-                                     KvHandle, KvPrefill, TransferStats, prompt_digest)
+                                     KvExport, KvHandle, KvPrefill, TransferStats, prompt_digest)
 from tito_engine.request import ChoiceOutput, GenerateInput
 from tito_engine.scheduling.blocks import blocks_for_tokens
 from tito_engine.service.admission import AdmittedRequest
