@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation between two real engine servers (port 0): engine P prefills and
 pins the prompt's KV, engine D pulls it (PullKvBlocks) and decodes. Greedy tokens equal one
 engine's; D's prefix cache saves blocks from the pull; a replayed, expired or forged handle is
-refused and the next request works; no KV block stays pinned afterwards."""
+refused and the next request works; image chats decode without D's encoder; no KV block stays
+pinned afterwards."""
 
 from __future__ import annotations
 
@@ -13,13 +14,16 @@ import grpc
 import pytest
 
 from tito.grpc_errors import error_details
-from tito.v1 import engine_pb2, engine_pb2_grpc
+from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, render_pb2
 from tito_client.pipeline import AsyncChatPipeline, Endpoints
 from tito_client.routing import EngineRouter
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
+from tito_render.convert import chat_response
 
+from chat_parts import image, text
 from engine_calls import collect, request
+from renderers import load_renderer
 
 TIMEOUT = 30
 BLOCK = 4
@@ -181,3 +185,48 @@ def test_the_router_prefills_long_prompts_on_the_prefill_engine_and_decodes_on_t
     finished = p_stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT).finished_requests
     assert finished == finished_before + 1  # only the long prompt was prefilled on P
     assert wait_idle(p_stub).kv_blocks_used == 0
+
+
+@pytest.fixture(scope="module")
+def vl_pair(module_aio_server, tiny_vl_model, key_file):
+    """(P stub, P address, D stub) over the tiny vision-language model."""
+    def config() -> EngineConfig:
+        return EngineConfig(model=str(tiny_vl_model), device="cpu", engine_process=False, kv_blocks=512,
+                            block_size=BLOCK, hmac_key_file=str(key_file))
+    prefill = module_aio_server(lambda: create_server(config()))
+    decode = module_aio_server(lambda: create_server(config()))
+    return (engine_pb2_grpc.EngineServiceStub(prefill.channel()), prefill.address,
+            engine_pb2_grpc.EngineServiceStub(decode.channel()))
+
+
+def image_chat(renderer, seed: int, images: int) -> engine_pb2.GenerateRequest:
+    parts = [text("Look:")]
+    for k in range(images):
+        parts += [image(56 + 28 * (k % 2), 56, seed=seed + k), text(f"then {k}")]
+    parts.append(text("What is it?"))
+    rendered = chat_response(renderer, render_pb2.RenderChatRequest(
+        messages=[chat_pb2.ChatMessage(role="user", content_parts=parts)],
+        sampling=render_pb2.SamplingOptions(max_tokens=10, temperature=0.0, ignore_eos=True)))
+    return rendered.generate_request
+
+
+def test_pd_image_chats_decode_like_one_engine_without_the_decode_engine_running_its_encoder(vl_pair, tiny_vl_model):
+    p_stub, p_address, d_stub = vl_pair
+    renderer = load_renderer(tiny_vl_model)
+    encoded_on_d = d_stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT).encoded_items
+    for seed, images in ((1, 1), (7, 2), (11, 1), (19, 2)):
+        chat = image_chat(renderer, seed, images)
+        solo, _ = collect(p_stub.Generate(chat, timeout=TIMEOUT))
+        prefill_part = engine_pb2.GenerateRequest()
+        prefill_part.CopyFrom(chat)
+        prefill_part.kv_transfer.prefill.SetInParent()
+        _, finals = collect(p_stub.Generate(prefill_part, timeout=TIMEOUT))
+        decode_part = engine_pb2.GenerateRequest()
+        decode_part.CopyFrom(chat)
+        decode_part.kv_transfer.decode.handle.CopyFrom(finals[0].kv_transfer_handle)
+        decode_part.kv_transfer.decode.source_address = p_address
+        tokens, finals = collect(d_stub.Generate(decode_part, timeout=TIMEOUT))
+        assert tokens[0] == solo[0] and len(tokens[0]) == 10
+        assert finals[0].kv_transfer_stats.blocks_pulled == -(-len(chat.token_ids) // BLOCK)
+    assert d_stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT).encoded_items == encoded_on_d
+    assert wait_idle(p_stub).kv_blocks_used == 0 and wait_idle(d_stub).kv_blocks_used == 0

@@ -264,6 +264,10 @@ class Request:
         self.kv_pin: Any = None  # kv_transfer.KvPinOrder
         self.pinned: Any = None  # kv_pins.Pin, once pinned
         self.imported_kv: Any = None  # kv_transfer.ImportedKv, until written into its blocks
+        # A media prompt decoded from pulled KV skips the encoder; its items wait here in case it
+        # must recompute after all (preempted: `awaiting_media_rows` until the core encodes them).
+        self.media_unencoded: Any = None  # multimodal.items.ValidatedFeatures
+        self.awaiting_media_rows = False
 
     @property
     def finished(self) -> bool:

@@ -14,6 +14,7 @@ from tito_engine.core.messages import ExportKv
 from tito_engine.kv_transfer import (HANDLE_FORGED, HANDLE_UNKNOWN, TRANSFER_MISMATCH, HandleIssuer, ImportedKv,
                                      KvLayout, KvPinned, KvPinOrder, KvPrefill, prompt_digest)
 from tito_engine.scheduling.kv_pins import KvPinTable, Pin
+from tito_engine.scheduling.scheduler import run_step
 
 from fake_kv_runner import FakeRunner, drain, expected, request, scheduler_with
 
@@ -136,3 +137,23 @@ def test_pin_seconds_are_capped_at_the_engines():
     assert issuer().pin_order(KvPrefill(None)).seconds == 30
     order = issuer().pin_order(KvPrefill(0.5))
     assert order.seconds == 0.5 and len(order.transfer_id) == 32
+
+
+def test_a_preempted_prompt_that_skipped_the_encoder_waits_for_its_rows_before_recomputing():
+    runner = FakeRunner(num_blocks=5, block_size=BLOCK)
+    scheduler = scheduler_with(runner)
+    first, second = request([20, 21, 22, 23], max_tokens=10), request([30, 31, 32, 33], max_tokens=10)
+    second.media_unencoded = "its validated items"  # as the core leaves them when it skipped the encoder
+    scheduler.add(first)
+    scheduler.add(second)
+    for _ in range(30):
+        run_step(scheduler, runner)
+        if second.preemptions:
+            break
+    assert second.awaiting_media_rows and second in scheduler.waiting
+    for _ in range(30):  # the first request finishes; the second is not admitted without its rows
+        run_step(scheduler, runner)
+    assert first.finished and second in scheduler.waiting and not second.is_running
+    second.awaiting_media_rows = False  # the core encoded its items
+    drain(scheduler, runner)
+    assert second.finished and second.sequences[0].output_ids == expected([30, 31, 32, 33], 10)

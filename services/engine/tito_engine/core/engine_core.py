@@ -50,7 +50,7 @@ from tito_engine.core.messages import (AbortRequest, AddRequest, Command, CoreFa
                                        CoreStopped, EncodeItems, EncodeResult, ExportKv, ListLoras, LoadLora,
                                        LoraAdapters, LoraUnloaded, PeekPrefix, PrefixCacheReset, PrefixPeek,
                                        ResetPrefixCache, StepBatch, StopCore, UnloadLora)
-from tito_engine.core.kv_export import export_pinned, pinned_output
+from tito_engine.core.kv_export import covers_media, export_pinned, pinned_output
 from tito import tensors
 from tito.errors import Unavailable
 
@@ -106,6 +106,7 @@ class EngineCore:
         self.encoded_items = 0  # items the encoder ran on
         self.store_loads = 0  # items whose output came from the shared store
         self._to_encode: list[tuple[Request, ValidatedFeatures]] = []  # added, not yet encoded
+        self._preemptions_seen = 0  # the scheduler's count when preempted media were last re-queued
         self.grammars = GrammarCompiler(getattr(runner, "model_dir", None), runner.info.vocab_size,
                                         runner.info.eos_token_ids)
         self._compiling: dict[int, tuple[Request, concurrent.futures.Future]] = {}  # key -> parked request
@@ -159,6 +160,9 @@ class EngineCore:
                 self._apply(command, outputs)
             if self._compiling:
                 self._queue_compiled(outputs)
+            if self.scheduler.preemptions != self._preemptions_seen:
+                self._preemptions_seen = self.scheduler.preemptions
+                self._encode_preempted()
             if self._to_encode:
                 self._encode_new_media(outputs)
             stepped = scheduler.has_work()
@@ -304,6 +308,7 @@ class EngineCore:
         pending = [(request, validated) for request, validated in self._to_encode
                    if self.requests.get(request.key) is request and not request.failed]
         self._to_encode = []
+        pending = [(request, validated) for request, validated in pending if not self._skip_encoder(request, validated)]
         if not pending:
             return
         try:
@@ -323,6 +328,22 @@ class EngineCore:
             except Exception as exc:  # noqa: BLE001
                 log.exception("building the multimodal prefill failed", extra={"request_id": request.request_id})
                 self._fail_waiting(request, exc, outputs)
+
+    def _skip_encoder(self, request: Request, validated: ValidatedFeatures) -> bool:
+        """A media prompt whose whole KV was pulled (prefill/decode) needs no encoder rows: only
+        its last token is computed here. It gets the items' positions alone; True when so."""
+        if not covers_media(request, validated, self.runner.cache):
+            return False
+        request.mm = self.runner.multimodal_positions(request.prompt_ids, list(validated.items))
+        request.media_unencoded = validated
+        return True
+
+    def _encode_preempted(self) -> None:
+        """Queue the items of preempted prompts that skipped the encoder: they now recompute."""
+        for request in self.scheduler.waiting:
+            if request.awaiting_media_rows and request.media_unencoded is not None:
+                self._to_encode.append((request, request.media_unencoded))
+                request.media_unencoded = None
 
     def _fail_waiting(self, request: Request, error: BaseException, outputs: list) -> None:
         request.failed = True  # the scheduler drops failed requests from its queue

@@ -1,5 +1,5 @@
-"""The core's half of a KV pull: hand out a pinned prompt's blocks once, then free them
-(kv_transfer.py tells the whole prefill/decode story)."""
+"""The core's halves of a KV transfer: hand out a pinned prompt's blocks once, then free them;
+and whether a pulled prompt can skip the encoder (kv_transfer.py tells the whole story)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 from tito_engine.core.messages import ExportKv, KvExport
 from tito_engine.kv_transfer import HANDLE_FORGED, KvLayout, KvPinned, unknown_handle
 from tito_engine.scheduling.kv_manager import KVCacheManager
+from tito_engine.scheduling.blocks import blocks_for_tokens
 from tito_engine.scheduling.kv_pins import Pin
 from tito.errors import PermissionDenied, InvalidArgument
 
@@ -37,3 +38,17 @@ def pinned_output(pin: Pin, cache) -> KvPinned:
     expires_at = time.time() + max(0.0, pin.deadline - time.monotonic())
     return KvPinned(pin.transfer_id, len(pin.blocks), cache.block_size, pin.num_tokens, cache.dtype_name,
                     KvLayout(layout.num_layers, layout.kv_heads, layout.head_dim), expires_at)
+
+
+def covers_media(request, validated, cache) -> bool:
+    """Whether `request`'s pulled blocks hold its whole prompt in this cache's block layout, with
+    its last token (the one computed here) outside every media item: then the import cannot be
+    dropped (media prompts pull from block 0) and no position needing encoder rows is computed."""
+    imported = request.imported_kv
+    block_bytes = getattr(cache, "block_bytes", None)
+    if imported is None or imported.first_block != 0 or block_bytes is None:
+        return False
+    whole = len(imported.blocks) == blocks_for_tokens(len(request.prompt_ids), cache.block_size)
+    last = len(request.prompt_ids) - 1
+    return (whole and all(len(data) == block_bytes for data in imported.blocks)
+            and all(not item.offset <= last < item.offset + item.length for item in validated.items))

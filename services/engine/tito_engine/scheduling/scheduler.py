@@ -217,6 +217,8 @@ class Scheduler:
             seq.num_computed = 0
         request.preemptions += 1
         self.preemptions += 1
+        if request.media_unencoded is not None:  # its recompute needs the encoder rows it skipped
+            request.awaiting_media_rows = True
         self.waiting.appendleft(request)
         log.info("preempted for KV memory (%d blocks free); it will recompute %d tokens", self.kv.num_free,
                  sum(len(request.prompt_ids) + len(s.output_ids) for s in request.unfinished()),
@@ -230,6 +232,8 @@ class Scheduler:
             if request.failed:
                 self.waiting.popleft()
                 continue
+            if request.awaiting_media_rows:
+                break  # the core encodes its items before the next step
             fresh = not request.sequences
             if fresh:
                 _create_sequences(request, self.choice_state)
