@@ -230,3 +230,22 @@ def test_pd_image_chats_decode_like_one_engine_without_the_decode_engine_running
         assert finals[0].kv_transfer_stats.blocks_pulled == -(-len(chat.token_ids) // BLOCK)
     assert d_stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT).encoded_items == encoded_on_d
     assert wait_idle(p_stub).kv_blocks_used == 0 and wait_idle(d_stub).kv_blocks_used == 0
+
+
+def test_engines_that_require_a_token_pull_from_each_other_with_it(aio_server, tiny_text_model, key_file, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("fleet-token-0123456789")
+    metadata = [("authorization", "Bearer fleet-token-0123456789")]
+    servers = [aio_server(lambda: create_server(_config(tiny_text_model, key_file, auth_token_file=str(token_file))))
+               for _ in range(2)]
+    p_stub, d_stub = (engine_pb2_grpc.EngineServiceStub(server.channel()) for server in servers)
+    prompt = prompts(1, length=26)[0]
+    message = request(prompt, max_tokens=5, ignore_eos=True)
+    solo, _ = collect(d_stub.Generate(message, timeout=TIMEOUT, metadata=metadata))
+    message.kv_transfer.prefill.SetInParent()
+    _, finals = collect(p_stub.Generate(message, timeout=TIMEOUT, metadata=metadata))
+    message = request(prompt, max_tokens=5, ignore_eos=True)
+    message.kv_transfer.decode.handle.CopyFrom(finals[0].kv_transfer_handle)
+    message.kv_transfer.decode.source_address = servers[0].address
+    tokens, finals = collect(d_stub.Generate(message, timeout=TIMEOUT, metadata=metadata))
+    assert tokens[0] == solo[0] and finals[0].kv_transfer_stats.blocks_pulled >= 1

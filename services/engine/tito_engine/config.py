@@ -172,8 +172,14 @@ class KvCacheSettings:
                                     help="prefill/decode: most seconds a prefill request's KV blocks stay pinned for "
                                          "a decode engine to pull (GenerateRequest.kv_transfer); unpulled pins are "
                                          "freed after it")
+    kv_peer_tls_ca_file: str = setting("", help="prefill/decode: PEM CA that issued the other engines' certificates: "
+                                                "pulls from them (PullKvBlocks) go over TLS; they carry this "
+                                                "engine's --auth-token-file token either way (one token per fleet)")
 
     def _check_kv_cache(self) -> None:
+        if self.kv_peer_tls_ca_file and not os.path.isfile(self.kv_peer_tls_ca_file):
+            raise ConfigError(f"--kv-peer-tls-ca-file {self.kv_peer_tls_ca_file!r} is not a readable file (the PEM CA "
+                              f"of the other engines' certificates)")
         if not (math.isfinite(self.kv_pin_seconds) and self.kv_pin_seconds > 0):
             raise ConfigError(f"kv_pin_seconds={self.kv_pin_seconds} must be a number of seconds > 0 (default "
                               f"{DEFAULT_PIN_SECONDS:g})")

@@ -13,6 +13,7 @@ import uuid
 from tito import settings
 from tito_models.paths import resolve_model
 from tito.serving import RunningServer, observability, run_until_signal, start_server
+from tito.security import ClientSecurity
 from tito.settings import add_settings
 from tito.startup import StartupPhases, loading_model
 from tito.v1 import engine_pb2_grpc
@@ -177,12 +178,13 @@ async def create_server(config: EngineConfig, phases: StartupPhases | None = Non
 
 def _kv_transfers(config: EngineConfig, backend: EngineBackend, running: RunningServer) -> KvTransfers | None:
     """Prefill/decode transfers of the native backend: handles signed with the media HMAC key
-    (--hmac-key-file) when there is one, pins bounded by --kv-pin-seconds."""
+    (--hmac-key-file) when there is one, pins bounded by --kv-pin-seconds, pulls from other
+    engines with this engine's token (and TLS with --kv-peer-tls-ca-file)."""
     if config.backend != "native":
         return None
     issuer = HandleIssuer(f"engine-{uuid.uuid4().hex[:16]}", backend.info.fingerprint,
                           feature_policy(config).signing_keys, config.kv_pin_seconds)
-    peers = KvPeers()
+    peers = KvPeers(ClientSecurity(ca_file=config.kv_peer_tls_ca_file, token_file=config.auth_token_file))
     running.add_cleanup(peers.close)
     return KvTransfers(backend, issuer, peers)
 

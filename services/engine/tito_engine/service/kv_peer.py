@@ -9,6 +9,7 @@ import grpc
 
 from tito.errors import FailedPrecondition, PermissionDenied, TitoError, Unavailable
 from tito.grpc_errors import error_details
+from tito.security import ClientSecurity
 from tito.v1 import engine_pb2, engine_pb2_grpc
 
 from tito_engine.kv_transfer import HANDLE_FORGED, HANDLE_UNKNOWN, TRANSFER_FAILED, KvHandle, block_checksum
@@ -20,10 +21,13 @@ _MAX_MESSAGE_BYTES = 256 << 20
 
 
 class KvPeers:
-    """One channel per prefilling engine's address, reused across pulls."""
+    """One channel per prefilling engine's address, reused across pulls, with `security`'s TLS and
+    bearer token."""
 
-    def __init__(self, deadline_s: float = PULL_DEADLINE_S):
+    def __init__(self, security: ClientSecurity = ClientSecurity(), deadline_s: float = PULL_DEADLINE_S):
         self.deadline_s = deadline_s
+        self._security = security
+        self._metadata = security.call_metadata()
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def pull(self, address: str, handle: KvHandle, first_block: int) -> list[bytes]:
@@ -32,7 +36,7 @@ class KvPeers:
         request = engine_pb2.PullKvBlocksRequest(handle=handle_to_proto(handle), first_block=first_block)
         blocks: list[bytes] = []
         try:
-            async for message in stub.PullKvBlocks(request, timeout=self.deadline_s):
+            async for message in stub.PullKvBlocks(request, timeout=self.deadline_s, metadata=self._metadata):
                 _check_block(message, first_block + len(blocks))
                 blocks.append(message.data)
         except grpc.aio.AioRpcError as exc:
@@ -50,7 +54,7 @@ class KvPeers:
         channel = self._channels.get(address)
         if channel is None:
             options = [("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=options)
+            channel = self._channels[address] = self._security.aio_channel(address, options=options)
         return channel
 
 
