@@ -213,6 +213,23 @@ def test_a_draining_engine_gets_no_new_request_and_a_moved_chat_avoids_the_engin
         EngineRouter([a], migration_limit=-1)
 
 
+def test_prefill_and_decode_roles_split_long_prompts_and_keep_short_ones_off_prefill_engines(engines):
+    (p, engine_p), (d, engine_d), (m, engine_m) = engines(3)
+    engine_p.load, engine_d.load, engine_m.load = 0, 5, 3
+    with EngineRouter([m], prefill_engines=[p], decode_engines=[d], pd_min_prompt_tokens=16, policy="least_load",
+                      load_interval=0.02) as router:
+        wait_for(lambda: router.status()[d]["load"] == 5, "the loads polled")
+        short, long = generate_request([7] * 15), generate_request([7] * 16)
+        assert not router.disaggregates(short) and router.disaggregates(long)
+        assert router.pick(short).address == m  # the idle prefill engine never decodes
+        assert router.pick(long, role="prefill").address == p  # prefill: p (idle) over the mixed m
+        engine_m.load = 9
+        wait_for(lambda: router.status()[m]["load"] == 9, "m's load")
+        assert router.pick(long).address == d and router.pick(long, role="prefill").address == p
+    with EngineRouter([m], load_interval=0.02) as router:
+        assert not router.disaggregates(generate_request([7] * 4096))  # no prefill engines: never
+
+
 def test_an_engine_whose_events_stop_is_routed_by_load_until_they_resume(engines):
     (a, engine_a), (b, engine_b) = engines(2)
     engine_a.load, engine_b.load = 5, 0

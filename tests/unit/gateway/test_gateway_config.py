@@ -27,6 +27,9 @@ def test_defaults_validate():
     ({"max_concurrent_requests": 0}, "--max-concurrent-requests"),
     ({"idle_timeout": 0}, "--idle-timeout"),
     ({"migration_limit": -1}, "--migration-limit"),
+    ({"prefill_engines": "nohostport"}, "--prefill-engines"),
+    ({"decode_engines": "10.0.0.1:1,nohostport"}, "--decode-engines"),
+    ({"pd_min_prompt_tokens": 0}, "--pd-min-prompt-tokens"),
 ])
 def test_mistakes_are_refused_by_name(fields, words):
     with pytest.raises(ConfigError) as info:
@@ -51,3 +54,16 @@ def test_the_migration_limit_reaches_the_router():
             await upstream.close()
 
     assert asyncio.run(main()) == 5
+
+
+def test_engine_roles_reach_the_router():
+    async def main():
+        upstream = Upstream("127.0.0.1:1", ["127.0.0.1:2"], "127.0.0.1:4", 1.0, ClientSecurity(), 1 << 20,
+                            roles=(["127.0.0.1:5"], ["127.0.0.1:6"], 64))
+        try:
+            router = upstream.router  # one mixed engine and two with roles: routed
+            return sorted(router.addresses()), router.pd_min_prompt_tokens
+        finally:
+            await upstream.close()
+
+    assert asyncio.run(main()) == (["127.0.0.1:2", "127.0.0.1:5", "127.0.0.1:6"], 64)
