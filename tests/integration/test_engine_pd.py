@@ -15,10 +15,14 @@ import pytest
 
 from tito.grpc_errors import error_details
 from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, render_pb2
-from tito_client.pipeline import AsyncChatPipeline, Endpoints
+from tito_client.pipeline import AsyncChatPipeline, ChatPipeline, Endpoints
 from tito_client.routing import EngineRouter
 from tito_engine.config import EngineConfig
+from tito_derender.config import DerenderConfig
+from tito_derender.server import create_server as create_derender
 from tito_engine.server import create_server
+from tito_render.config import RenderConfig
+from tito_render.server import create_server as create_render
 from tito_render.convert import chat_response
 
 from chat_parts import image, text
@@ -249,3 +253,34 @@ def test_engines_that_require_a_token_pull_from_each_other_with_it(aio_server, t
     message.kv_transfer.decode.source_address = servers[0].address
     tokens, finals = collect(d_stub.Generate(message, timeout=TIMEOUT, metadata=metadata))
     assert tokens[0] == solo[0] and finals[0].kv_transfer_stats.blocks_pulled >= 1
+
+
+def test_chats_through_render_pd_and_derender_read_as_through_one_engine(pair, aio_server, tiny_text_model):
+    p_stub, p_address, d_stub, d_address = pair
+    model = str(tiny_text_model)
+    render = aio_server(lambda: create_render(RenderConfig(address="127.0.0.1:0", model=model)))
+    derender = aio_server(lambda: create_derender(DerenderConfig(address="127.0.0.1:0", model=model)))
+    endpoints = Endpoints(render.address, d_address, derender.address)
+    question = render_pb2.RenderChatRequest(
+        messages=[chat_pb2.ChatMessage(role="user", content="Tell me about the sea and the sky, twice over.")],
+        sampling=render_pb2.SamplingOptions(max_tokens=12, temperature=0.0, ignore_eos=True))
+
+    def text_of(chunks) -> str:
+        return "".join(chunk.content for chunk in chunks)
+
+    with ChatPipeline(endpoints, timeout=TIMEOUT) as direct:
+        expected_text = text_of(direct.stream_chat(question))
+    assert expected_text
+    finished_before = p_stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT).finished_requests
+    with EngineRouter([], prefill_engines=[p_address], decode_engines=[d_address], pd_min_prompt_tokens=16,
+                      load_interval=0.05) as router:
+        with ChatPipeline(endpoints, timeout=TIMEOUT, router=router) as routed:
+            assert text_of(routed.stream_chat(question)) == expected_text
+
+        async def routed_async() -> str:
+            async with AsyncChatPipeline(endpoints, timeout=TIMEOUT, router=router) as pipeline:
+                return text_of([chunk async for chunk in pipeline.stream_chat(question)])
+
+        assert asyncio.run(routed_async()) == expected_text
+    finished = p_stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT).finished_requests
+    assert finished == finished_before + 2  # both chats were prefilled on P

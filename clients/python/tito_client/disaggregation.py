@@ -15,6 +15,7 @@ from tito_client.routing import EngineRouter
 
 #: Runs the prefill call on the engine at an address: (address, request) -> the handle.
 Prefill = Callable[[str, engine_pb2.GenerateRequest], Awaitable[engine_pb2.KvTransferHandle]]
+BlockingPrefill = Callable[[str, engine_pb2.GenerateRequest], engine_pb2.KvTransferHandle]
 
 
 def prefill_request(request: engine_pb2.GenerateRequest) -> engine_pb2.GenerateRequest:
@@ -50,9 +51,24 @@ async def place(router: EngineRouter, request: engine_pb2.GenerateRequest, prefi
     when the router disaggregates it, else as it is. The prefill engine is picked by the
     router's policy among prefill engines (cache-aware: where the prompt's prefix is), the
     decode engine among decode engines likewise (its cached prefix blocks are not pulled)."""
-    if not router.disaggregates(request):
+    source = _prefill_engine(router, request)
+    if source is None:
         return router.pick(request).address, request
-    source = router.pick(request, role="prefill").address
     with router.track(source):
         handle = await prefill(source, prefill_request(request))
     return router.pick(request).address, decode_request(request, handle, source)
+
+
+def place_blocking(router: EngineRouter, request: engine_pb2.GenerateRequest, prefill: BlockingPrefill
+                   ) -> tuple[str, engine_pb2.GenerateRequest]:
+    """`place` for synchronous callers (ChatPipeline)."""
+    source = _prefill_engine(router, request)
+    if source is None:
+        return router.pick(request).address, request
+    with router.track(source):
+        handle = prefill(source, prefill_request(request))
+    return router.pick(request).address, decode_request(request, handle, source)
+
+
+def _prefill_engine(router: EngineRouter, request: engine_pb2.GenerateRequest) -> str | None:
+    return router.pick(request, role="prefill").address if router.disaggregates(request) else None

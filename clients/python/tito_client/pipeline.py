@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tito import tracing
 from tito.security import ClientSecurity
 from tito_client.derender_batch import DerenderBatcher
-from tito_client.disaggregation import Prefill, handle_of, place
+from tito_client.disaggregation import Prefill, handle_of, place, place_blocking
 from tito_client.engine_stream import AsyncMigratingStream, MigratingStream
 from tito_client.routing import EngineRouter
 from tito.v1 import (
@@ -145,9 +145,14 @@ class ChatPipeline:
             yield from self._generate(rendered, self.engine.Generate(rendered.generate_request, timeout=self.timeout,
                                                                      metadata=metadata), metadata)
             return
-        address = self.last_engine = self.router.pick(rendered.generate_request).address
+        def prefill(address: str, request: engine_pb2.GenerateRequest) -> engine_pb2.KvTransferHandle:
+            return handle_of(list(self._engine_at(address).Generate(request, timeout=self.timeout,
+                                                                    metadata=metadata)))
+
+        address, placed = place_blocking(self.router, rendered.generate_request, prefill)
+        self.last_engine = address
         generation = MigratingStream(self.router, lambda where, generate: self._engine_at(where).Generate(
-            generate, timeout=self.timeout, metadata=metadata), rendered.generate_request, address)
+            generate, timeout=self.timeout, metadata=metadata), placed, address)
         try:
             yield from self._generate(rendered, generation, metadata)
         finally:
