@@ -4,15 +4,21 @@ tokens themselves, so a wrong block changes the output), and handle signing."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
 
-from tito.errors import FailedPrecondition, PermissionDenied
+from tito.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
+from tito.v1 import engine_pb2
 from tito_engine.core.kv_export import export_pinned
 from tito_engine.core.messages import ExportKv
-from tito_engine.kv_transfer import (HANDLE_FORGED, HANDLE_UNKNOWN, TRANSFER_MISMATCH, HandleIssuer, ImportedKv,
-                                     KvLayout, KvPinned, KvPinOrder, KvPrefill, prompt_digest)
+from tito_engine.kv_transfer import (HANDLE_FORGED, HANDLE_UNKNOWN, TRANSFER_FAILED, TRANSFER_MISMATCH,
+                                     TRANSFER_UNSUPPORTED, HandleIssuer,
+                                     ImportedKv, KvLayout, KvPinned, KvPinOrder, KvPrefill, block_checksum,
+                                     prompt_digest)
+from tito_engine.service import kv_peer
+from tito_engine.service.kv_transfers import KvTransfers
 from tito_engine.scheduling.kv_pins import KvPinTable, Pin
 from tito_engine.scheduling.scheduler import run_step
 
@@ -157,3 +163,34 @@ def test_a_preempted_prompt_that_skipped_the_encoder_waits_for_its_rows_before_r
     second.awaiting_media_rows = False  # the core encoded its items
     drain(scheduler, runner)
     assert second.finished and second.sequences[0].output_ids == expected([30, 31, 32, 33], 10)
+
+
+def test_a_pull_past_the_pinned_blocks_is_the_callers_mistake_and_still_frees_the_pin():
+    runner = FakeRunner(num_blocks=32, block_size=BLOCK)
+    prompt = list(range(20, 31))
+    scheduler, _, _ = prefill_on(runner, prompt)
+    with pytest.raises(InvalidArgument) as caught:
+        export_pinned(scheduler.kv, ExportKv(0, "t-1", 4, 3, len(prompt)), now=0.0)
+    assert caught.value.field == "first_block" and scheduler.kv.num_used == 0
+
+
+def test_a_damaged_block_fails_the_pull_as_unavailable():
+    data = b"\1" * 64
+    good = engine_pb2.PullKvBlocksResponse(block_index=2, data=data, byte_size=64, checksum=block_checksum(data))
+    kv_peer._check_block(good, 2)
+    for damaged in (dict(checksum=block_checksum(b"\2" * 64)), dict(byte_size=63), dict(block_index=3)):
+        message = engine_pb2.PullKvBlocksResponse()
+        message.CopyFrom(good)
+        for name, value in damaged.items():
+            setattr(message, name, value)
+        with pytest.raises(Unavailable) as caught:
+            kv_peer._check_block(message, 2)
+        assert caught.value.reason == TRANSFER_FAILED
+
+
+def test_a_backend_that_cannot_export_kv_refuses_transfers_by_name():
+    handle = issuer().issue(PINNED, "req-1", prompt_digest([1], "", ""))
+    transfers = KvTransfers(object(), issuer(), peers=None)  # the vllm backend has no export_kv
+    with pytest.raises(FailedPrecondition) as caught:
+        asyncio.run(transfers.export(handle, 0))
+    assert caught.value.reason == TRANSFER_UNSUPPORTED and caught.value.field == "kv_transfer"
