@@ -143,6 +143,10 @@ def test_pin_seconds_are_capped_at_the_engines():
     assert issuer().pin_order(KvPrefill(None)).seconds == 30
     order = issuer().pin_order(KvPrefill(0.5))
     assert order.seconds == 0.5 and len(order.transfer_id) == 32
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(InvalidArgument) as caught:
+            issuer().pin_order(KvPrefill(bad))
+        assert caught.value.field == "kv_transfer.prefill.pin_seconds"
 
 
 def test_a_preempted_prompt_that_skipped_the_encoder_waits_for_its_rows_before_recomputing():
