@@ -90,6 +90,8 @@ def test_decode_from_pulled_blocks_computes_only_the_last_prompt_token(cached_on
     assert tokens[(decode.request_id, 0)] == expected(prompt, 5)
     first_row = d_runner.plans[0].rows[0]
     assert (first_row.start, first_row.token_ids) == (len(prompt) - 1, prompt[-1:])
+    # The pulled blocks joined D's prefix cache: a later prompt sharing them takes them from there.
+    assert d_scheduler.kv.peek_cached_blocks(request(prompt + [5, 6, 7])) == len(prompt) // BLOCK
 
 
 def test_an_import_the_prefix_cache_no_longer_backs_is_dropped_and_the_prompt_recomputed():

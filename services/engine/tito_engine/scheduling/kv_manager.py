@@ -99,6 +99,7 @@ class KVCacheManager:
             if index >= cached:
                 self.cache.write_block(seq.block_table[index], data)
         seq.num_computed = len(request.prompt_ids) - 1
+        self.register_computed(request, seq, cached * self.block_size)  # pulled blocks serve later prompts too
 
     def peek_cached_blocks(self, request: Request) -> int:
         """Leading prompt blocks the prefix cache holds now (a decode request pulls the rest)."""
