@@ -161,8 +161,10 @@ def test_replayed_forged_and_expired_handles_are_refused_and_the_next_request_wo
 
 def test_the_router_prefills_long_prompts_on_the_prefill_engine_and_decodes_on_the_decode_engine(pair):
     p_stub, p_address, d_stub, d_address = pair
-    long_prompt, short_prompt = prompts(1, length=30)[0], prompts(1, length=5)[0]
-    solo = {len(prompt): collect(d_stub.Generate(request(prompt, max_tokens=6, ignore_eos=True), timeout=TIMEOUT))[0][0]
+    long_prompt, short_prompt = prompts(3, length=30)[2], prompts(1, length=5)[0]
+    # The reference runs on P: run on D, the prompt would be in D's prefix cache, and the router
+    # decodes a prompt its decode engine mostly holds there, without a prefill elsewhere.
+    solo = {len(prompt): collect(p_stub.Generate(request(prompt, max_tokens=6, ignore_eos=True), timeout=TIMEOUT))[0][0]
             for prompt in (long_prompt, short_prompt)}
     finished_before = p_stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT).finished_requests
 
@@ -268,7 +270,7 @@ def test_chats_through_render_pd_and_derender_read_as_through_one_engine(pair, a
     def text_of(chunks) -> str:
         return "".join(chunk.content for chunk in chunks)
 
-    with ChatPipeline(endpoints, timeout=TIMEOUT) as direct:
+    with ChatPipeline(Endpoints(render.address, p_address, derender.address), timeout=TIMEOUT) as direct:
         expected_text = text_of(direct.stream_chat(question))
     assert expected_text
     finished_before = p_stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT).finished_requests
@@ -276,6 +278,10 @@ def test_chats_through_render_pd_and_derender_read_as_through_one_engine(pair, a
                       load_interval=0.05) as router:
         with ChatPipeline(endpoints, timeout=TIMEOUT, router=router) as routed:
             assert text_of(routed.stream_chat(question)) == expected_text
+        d_stub.ResetPrefixCache(engine_pb2.ResetPrefixCacheRequest(), timeout=TIMEOUT)  # D holds the chat now
+        deadline = time.monotonic() + 10
+        while router.status()[d_address]["cached_blocks"] and time.monotonic() < deadline:
+            time.sleep(0.02)  # the router sees the reset through D's KV events
 
         async def routed_async() -> str:
             async with AsyncChatPipeline(endpoints, timeout=TIMEOUT, router=router) as pipeline:

@@ -48,27 +48,25 @@ def handle_of(responses: list[engine_pb2.GenerateResponse]) -> engine_pb2.KvTran
 async def place(router: EngineRouter, request: engine_pb2.GenerateRequest, prefill: Prefill
                 ) -> tuple[str, engine_pb2.GenerateRequest]:
     """Where `request` is decoded and what is sent there: after its prefill on a prefill engine
-    when the router disaggregates it, else as it is. The prefill engine is picked by the
-    router's policy among prefill engines (cache-aware: where the prompt's prefix is), the
-    decode engine among decode engines likewise (its cached prefix blocks are not pulled)."""
-    source = _prefill_engine(router, request)
-    if source is None:
-        return router.pick(request).address, request
+    when the router disaggregates it, else as it is. Both engines are picked by the router's
+    policy among their role (cache-aware: where the prompt's prefix is); the decode engine first,
+    so a prompt it mostly holds is not prefilled elsewhere, and its cached blocks are not pulled."""
+    decode = router.pick(request)
+    if not router.disaggregates(request, decode):
+        return decode.address, request
+    source = router.pick(request, role="prefill").address
     with router.track(source):
         handle = await prefill(source, prefill_request(request))
-    return router.pick(request).address, decode_request(request, handle, source)
+    return decode.address, decode_request(request, handle, source)
 
 
 def place_blocking(router: EngineRouter, request: engine_pb2.GenerateRequest, prefill: BlockingPrefill
                    ) -> tuple[str, engine_pb2.GenerateRequest]:
     """`place` for synchronous callers (ChatPipeline)."""
-    source = _prefill_engine(router, request)
-    if source is None:
-        return router.pick(request).address, request
+    decode = router.pick(request)
+    if not router.disaggregates(request, decode):
+        return decode.address, request
+    source = router.pick(request, role="prefill").address
     with router.track(source):
         handle = prefill(source, prefill_request(request))
-    return router.pick(request).address, decode_request(request, handle, source)
-
-
-def _prefill_engine(router: EngineRouter, request: engine_pb2.GenerateRequest) -> str | None:
-    return router.pick(request, role="prefill").address if router.disaggregates(request) else None
+    return decode.address, decode_request(request, handle, source)

@@ -29,10 +29,10 @@ times (migration.py, engine_stream.py).
 Policies: `cache_aware` (the default), `least_load`, `round_robin`.
 
 Prefill/decode roles (`prefill_engines`, `decode_engines`; `engines` are mixed and serve both):
-with prefill engines, a prompt of at least `pd_min_prompt_tokens` tokens is prefilled on a prefill
-(or mixed) engine and decoded on a decode (or mixed) one, each picked by the policy among its role
-(disaggregation.py); shorter prompts, and every request when there are no prefill engines, go to
-one decode or mixed engine.
+with prefill engines, a prompt whose part not cached on its decode engine is at least
+`pd_min_prompt_tokens` tokens is prefilled on a prefill (or mixed) engine and decoded on a decode
+(or mixed) one, each picked by the policy among its role (disaggregation.py); shorter prompts,
+and every request when there are no prefill engines, go to one decode or mixed engine.
 
 Threads, not asyncio: the subscriptions and load polls run on daemon threads with synchronous
 stubs, and `pick` is a short call under a lock, so the same router serves `ChatPipeline` and
@@ -191,6 +191,11 @@ class Choice:
     address: str
     matched_blocks: int  # cached prefix blocks the index says the engine holds
     policy: str
+    block_size: int = 0  # the engine's tokens per block (0: not known yet)
+
+    @property
+    def matched_tokens(self) -> int:
+        return self.matched_blocks * self.block_size
 
 
 class NoEngineAvailable(RuntimeError):
@@ -271,9 +276,13 @@ class EngineRouter:
         with self._lock:
             return list(self._engines)
 
-    def disaggregates(self, request: engine_pb2.GenerateRequest) -> bool:
-        """Whether `request` is prefilled on a prefill engine and decoded on another."""
-        return "prefill" in self._only.values() and len(request.token_ids) >= self.pd_min_prompt_tokens
+    def disaggregates(self, request: engine_pb2.GenerateRequest, decode: Choice | None = None) -> bool:
+        """Whether `request` is prefilled on a prefill engine before it decodes on `decode`: when
+        there are prefill engines and the part of its prompt `decode` does not hold in its prefix
+        cache is at least `pd_min_prompt_tokens` long (a follow-up turn whose history is cached
+        where it decodes prefills there)."""
+        cached = decode.matched_tokens if decode is not None else 0
+        return "prefill" in self._only.values() and len(request.token_ids) - cached >= self.pd_min_prompt_tokens
 
     def pick(self, request: engine_pb2.GenerateRequest, avoid: str | None = None, role: str = "decode") -> Choice:
         """The engine for `request` under the router's policy among those serving `role`
@@ -291,17 +300,19 @@ class EngineRouter:
                 candidates = [e for e in candidates if request.lora_name in e.adapters] or candidates
             if self.policy == "round_robin":
                 engine = candidates[next(self._round_robin) % len(candidates)]
-                return Choice(engine.address, self._matched(engine, request, {}), self.policy)
+                return Choice(engine.address, self._matched(engine, request, {}), self.policy,
+                              engine.view.block_size or engine.block_size)
             if self.policy == "least_load":
                 engine = min(candidates, key=lambda e: (e.load, e.address))
-                return Choice(engine.address, self._matched(engine, request, {}), self.policy)
+                return Choice(engine.address, self._matched(engine, request, {}), self.policy,
+                              engine.view.block_size or engine.block_size)
             keys_by_size: dict[int, list[bytes]] = {}
             scored = [(self._matched(engine, request, keys_by_size) if engine.events_live else 0, engine)
                       for engine in candidates]
             best = max(matched for matched, _ in scored)
             matched, engine = min(((m, e) for m, e in scored if m == best), key=lambda pair: (pair[1].load,
                                                                                               pair[1].address))
-            return Choice(engine.address, matched, self.policy)
+            return Choice(engine.address, matched, self.policy, engine.view.block_size or engine.block_size)
 
     def _matched(self, engine: Engine, request, keys_by_size: dict[int, list[bytes]]) -> int:
         size = engine.view.block_size or engine.block_size

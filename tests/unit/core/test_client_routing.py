@@ -230,6 +230,22 @@ def test_prefill_and_decode_roles_split_long_prompts_and_keep_short_ones_off_pre
         assert not router.disaggregates(generate_request([7] * 4096))  # no prefill engines: never
 
 
+def test_a_prompt_its_decode_engine_mostly_holds_is_not_prefilled_elsewhere(engines):
+    (p, _), (d, engine_d) = engines(2)
+    history = list(range(100, 100 + 5 * BLOCK))  # 5 blocks cached on d
+    engine_d.push(stored_batch(0, history, [b"d%d" % i for i in range(5)]))
+    with EngineRouter([], prefill_engines=[p], decode_engines=[d], pd_min_prompt_tokens=2 * BLOCK,
+                      load_interval=0.02) as router:
+        follow_up = generate_request(history + [1] * (BLOCK + 1))  # 1 block + 1 token new
+        wait_for(lambda: router.pick(follow_up).matched_blocks == 5, "d's events indexed")
+        decode = router.pick(follow_up)
+        assert decode.address == d and decode.matched_tokens == 5 * BLOCK
+        assert not router.disaggregates(follow_up, decode)  # d computes the new part itself
+        assert router.disaggregates(follow_up)  # with nothing cached it would be long enough
+        fresh = generate_request([3] * (2 * BLOCK))
+        assert router.disaggregates(fresh, router.pick(fresh))
+
+
 def test_an_engine_whose_events_stop_is_routed_by_load_until_they_resume(engines):
     (a, engine_a), (b, engine_b) = engines(2)
     engine_a.load, engine_b.load = 5, 0
