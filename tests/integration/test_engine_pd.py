@@ -161,7 +161,8 @@ def test_replayed_forged_and_expired_handles_are_refused_and_the_next_request_wo
 
 def test_the_router_prefills_long_prompts_on_the_prefill_engine_and_decodes_on_the_decode_engine(pair):
     p_stub, p_address, d_stub, d_address = pair
-    long_prompt, short_prompt = prompts(3, length=30)[2], prompts(1, length=5)[0]
+    long_prompt = [(7 * j + 3) % 800 + 50 for j in range(32)]  # shares no block with the other tests' prompts
+    short_prompt = prompts(1, length=5)[0]
     # The reference runs on P: run on D, the prompt would be in D's prefix cache, and the router
     # decodes a prompt its decode engine mostly holds there, without a prefill elsewhere.
     solo = {len(prompt): collect(p_stub.Generate(request(prompt, max_tokens=6, ignore_eos=True), timeout=TIMEOUT))[0][0]
