@@ -51,6 +51,8 @@ async def place(router: EngineRouter, request: engine_pb2.GenerateRequest, prefi
     when the router disaggregates it, else as it is. Both engines are picked by the router's
     policy among their role (cache-aware: where the prompt's prefix is); the decode engine first,
     so a prompt it mostly holds is not prefilled elsewhere, and its cached blocks are not pulled."""
+    if request.HasField("kv_transfer"):  # the caller split it already: a part goes where its role is served
+        return _part_engine(router, request), request
     decode = router.pick(request)
     if not router.disaggregates(request, decode):
         return decode.address, request
@@ -63,6 +65,8 @@ async def place(router: EngineRouter, request: engine_pb2.GenerateRequest, prefi
 def place_blocking(router: EngineRouter, request: engine_pb2.GenerateRequest, prefill: BlockingPrefill
                    ) -> tuple[str, engine_pb2.GenerateRequest]:
     """`place` for synchronous callers (ChatPipeline)."""
+    if request.HasField("kv_transfer"):  # the caller split it already: a part goes where its role is served
+        return _part_engine(router, request), request
     decode = router.pick(request)
     if not router.disaggregates(request, decode):
         return decode.address, request
@@ -70,3 +74,8 @@ def place_blocking(router: EngineRouter, request: engine_pb2.GenerateRequest, pr
     with router.track(source):
         handle = prefill(source, prefill_request(request))
     return decode.address, decode_request(request, handle, source)
+
+
+def _part_engine(router: EngineRouter, request: engine_pb2.GenerateRequest) -> str:
+    role = "prefill" if request.kv_transfer.WhichOneof("role") == "prefill" else "decode"
+    return router.pick(request, role=role).address
