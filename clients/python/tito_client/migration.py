@@ -88,6 +88,7 @@ class ChoiceProgress:
         done = len(self.generated)
         request = engine_pb2.GenerateRequest()
         request.CopyFrom(self.request)
+        request.ClearField("kv_transfer")  # a KV handle is single-use: the next engine prefills itself
         if done:
             request.token_ids.extend(self.generated)
             params = request.sampling_params

@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tito import tracing
 from tito.security import ClientSecurity
 from tito_client.derender_batch import DerenderBatcher
+from tito_client.disaggregation import Prefill, handle_of, place, place_blocking
 from tito_client.engine_stream import AsyncMigratingStream, MigratingStream
 from tito_client.routing import EngineRouter
 from tito.v1 import (
@@ -144,9 +145,14 @@ class ChatPipeline:
             yield from self._generate(rendered, self.engine.Generate(rendered.generate_request, timeout=self.timeout,
                                                                      metadata=metadata), metadata)
             return
-        address = self.last_engine = self.router.pick(rendered.generate_request).address
+        def prefill(address: str, request: engine_pb2.GenerateRequest) -> engine_pb2.KvTransferHandle:
+            return handle_of(list(self._engine_at(address).Generate(request, timeout=self.timeout,
+                                                                    metadata=metadata)))
+
+        address, placed = place_blocking(self.router, rendered.generate_request, prefill)
+        self.last_engine = address
         generation = MigratingStream(self.router, lambda where, generate: self._engine_at(where).Generate(
-            generate, timeout=self.timeout, metadata=metadata), rendered.generate_request, address)
+            generate, timeout=self.timeout, metadata=metadata), placed, address)
         try:
             yield from self._generate(rendered, generation, metadata)
         finally:
@@ -268,9 +274,10 @@ class AsyncChatPipeline:
             generation = self.engine.Generate(request, timeout=self.timeout, metadata=self._metadata)
             running = _Running(lambda: self.engine, lambda: request.request_id)
         else:
-            address = self.last_engine = self.router.pick(request).address
+            address, placed = await place(self.router, request, self._prefill_with(self._metadata))
+            self.last_engine = address
             generation = AsyncMigratingStream(self.router, lambda where, generate: self._engine_at(where).Generate(
-                generate, timeout=self.timeout, metadata=self._metadata), request, address)
+                generate, timeout=self.timeout, metadata=self._metadata), placed, address)
             running = _Running(lambda: self._engine_at(generation.address), lambda: generation.request_id)
         rid = request.request_id
         if rid:
@@ -281,6 +288,14 @@ class AsyncChatPipeline:
         finally:
             if rid and self._generating.get(rid) is running:
                 del self._generating[rid]
+
+    def _prefill_with(self, metadata) -> Prefill:
+        """Runs a prefill request on an engine and returns its KV transfer handle
+        (disaggregation.place)."""
+        async def prefill(address: str, request: engine_pb2.GenerateRequest) -> engine_pb2.KvTransferHandle:
+            call = self._engine_at(address).Generate(request, timeout=self.timeout, metadata=metadata)
+            return handle_of([response async for response in call])
+        return prefill
 
     async def abort(self, request_ids: list[str]) -> list[str]:
         """Abort the requests `generate` is running (by id) on the engines serving them now: their
@@ -343,9 +358,10 @@ class AsyncChatPipeline:
             async for chunk in self._generate(rendered, generation, metadata, on_generating):
                 yield chunk
             return
-        address = self.last_engine = self.router.pick(rendered.generate_request).address
+        address, placed = await place(self.router, rendered.generate_request, self._prefill_with(metadata))
+        self.last_engine = address
         generation = AsyncMigratingStream(self.router, lambda where, generate: self._engine_at(where).Generate(
-            generate, timeout=self.timeout, metadata=metadata), rendered.generate_request, address)
+            generate, timeout=self.timeout, metadata=metadata), placed, address)
         try:
             async for chunk in self._generate(rendered, generation, metadata, on_generating):
                 yield chunk

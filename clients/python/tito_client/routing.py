@@ -33,6 +33,12 @@ times (migration.py, engine_stream.py).
 
 Policies: `cache_aware` (the default), `least_load`, `round_robin`.
 
+Prefill/decode roles (`prefill_engines`, `decode_engines`; `engines` are mixed and serve both):
+with prefill engines, a prompt whose part not cached on its decode engine is at least
+`pd_min_prompt_tokens` tokens is prefilled on a prefill (or mixed) engine and decoded on a decode
+(or mixed) one, each picked by the policy among its role (disaggregation.py); shorter prompts,
+and every request when there are no prefill engines, go to one decode or mixed engine.
+
 Threads, not asyncio: the subscriptions and load polls run on daemon threads with synchronous
 stubs, and `pick` is a short call under a lock, so the same router serves `ChatPipeline` and
 `AsyncChatPipeline` (and a gateway's event loop) alike.
@@ -203,7 +209,12 @@ class Choice:
     address: str
     matched_blocks: int  # cached prefix blocks the index says the engine holds
     policy: str
+    block_size: int = 0  # the engine's tokens per block (0: not known yet)
     adapter_load: AdapterLoad | None = None  # the load of the request's adapter there, when one runs
+
+    @property
+    def matched_tokens(self) -> int:
+        return self.matched_blocks * self.block_size
 
 
 class NoEngineAvailable(RuntimeError):
@@ -218,18 +229,28 @@ class EngineRouter:
                  security: ClientSecurity = ClientSecurity(), load_interval: float = 0.25,
                  resolve_interval: float = 5.0, retry_interval: float = 0.5,
                  resolver: Callable[[str, int], list[str]] | None = None, migration_limit: int = 3,
-                 lora_paths: Mapping[str, str] | None = None, lora_load_timeout: float = 120.0):
+                 lora_paths: Mapping[str, str] | None = None, lora_load_timeout: float = 120.0,
+                 prefill_engines: Sequence[str] = (), decode_engines: Sequence[str] = (),
+                 pd_min_prompt_tokens: int = 256):
         """`migration_limit`: how many times one request may move to another engine after its
         engine went away mid-stream (0: never; migration.py). `lora_paths`: the LoRA adapters this
         router may load on an engine when none holds one with room, name -> directory under the
-        engines' --lora-dir (each LoadLoraAdapter bounded by `lora_load_timeout` seconds)."""
+        engines' --lora-dir (each LoadLoraAdapter bounded by `lora_load_timeout` seconds).
+        `prefill_engines`, `decode_engines`: addresses that serve only that role (`engines`: both);
+        prompts shorter than `pd_min_prompt_tokens` skip the prefill engines."""
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r} must be one of {', '.join(POLICIES)}")
         if migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
         self.policy = policy
         self.migration_limit = migration_limit
-        self._spec = [engines] if isinstance(engines, str) else list(engines)
+        self._spec = ([engines] if isinstance(engines, str) else list(engines)) + list(prefill_engines) \
+            + list(decode_engines)
+        self._only = {**{address: "prefill" for address in prefill_engines},
+                      **{address: "decode" for address in decode_engines}}
+        if pd_min_prompt_tokens < 1:
+            raise ValueError(f"pd_min_prompt_tokens must be >= 1, got {pd_min_prompt_tokens}")
+        self.pd_min_prompt_tokens = pd_min_prompt_tokens
         if not self._spec:
             raise ValueError("give at least one engine address (host:port) or dns:///NAME:PORT")
         self._security = security
@@ -279,12 +300,22 @@ class EngineRouter:
         with self._lock:
             return list(self._engines)
 
-    def pick(self, request: engine_pb2.GenerateRequest, avoid: str | None = None) -> Choice:
-        """The engine for `request` under the router's policy; `avoid` (the engine a chat just
-        left) only when no other engine is available."""
+    def disaggregates(self, request: engine_pb2.GenerateRequest, decode: Choice | None = None) -> bool:
+        """Whether `request` is prefilled on a prefill engine before it decodes on `decode`: when
+        there are prefill engines and the part of its prompt `decode` does not hold in its prefix
+        cache is at least `pd_min_prompt_tokens` long (a follow-up turn whose history is cached
+        where it decodes prefills there)."""
+        cached = decode.matched_tokens if decode is not None else 0
+        return "prefill" in self._only.values() and len(request.token_ids) - cached >= self.pd_min_prompt_tokens
+
+    def pick(self, request: engine_pb2.GenerateRequest, avoid: str | None = None, role: str = "decode") -> Choice:
+        """The engine for `request` under the router's policy among those serving `role`
+        ("prefill" or "decode": every request ends on a decode or mixed engine); `avoid` (the
+        engine a chat just left) only when no other engine is available."""
         with self._lock:
             candidates = [engine for engine in self._engines.values()
-                          if engine.reachable and not engine.draining and not engine.stopped]
+                          if engine.reachable and not engine.draining and not engine.stopped
+                          and self._only.get(engine.address, role) == role]
             if avoid is not None and len(candidates) > 1:
                 candidates = [engine for engine in candidates if engine.address != avoid] or candidates
             if not candidates:
@@ -293,20 +324,23 @@ class EngineRouter:
                 candidates, loader = self._adapter_candidates(candidates, request.lora_name)
                 if loader is not None:
                     load = self._start_load(loader, request.lora_name)
-                    return Choice(loader.address, self._matched(loader, request, {}), self.policy, load)
+                    return Choice(loader.address, self._matched(loader, request, {}), self.policy,
+                                  loader.view.block_size or loader.block_size, adapter_load=load)
             if self.policy == "round_robin":
                 engine = candidates[next(self._round_robin) % len(candidates)]
-                return Choice(engine.address, self._matched(engine, request, {}), self.policy)
+                return Choice(engine.address, self._matched(engine, request, {}), self.policy,
+                              engine.view.block_size or engine.block_size)
             if self.policy == "least_load":
                 engine = min(candidates, key=lambda e: (e.load, e.address))
-                return Choice(engine.address, self._matched(engine, request, {}), self.policy)
+                return Choice(engine.address, self._matched(engine, request, {}), self.policy,
+                              engine.view.block_size or engine.block_size)
             keys_by_size: dict[int, list[bytes]] = {}
             scored = [(self._matched(engine, request, keys_by_size) if engine.events_live else 0, engine)
                       for engine in candidates]
             best = max(matched for matched, _ in scored)
             matched, engine = min(((m, e) for m, e in scored if m == best), key=lambda pair: (pair[1].load,
                                                                                               pair[1].address))
-            return Choice(engine.address, matched, self.policy)
+            return Choice(engine.address, matched, self.policy, engine.view.block_size or engine.block_size)
 
     def _adapter_candidates(self, candidates: list[Engine], adapter: str) -> tuple[list[Engine], Engine | None]:
         """Where a request for `adapter` may go: (the engines to choose among, None), or ([], the

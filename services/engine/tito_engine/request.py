@@ -124,6 +124,8 @@ class GenerateInput:
     cache_salt: str = ""
     # The LoRA adapter to generate with, by name ("" = the base model).
     lora_name: str = ""
+    # Prefill/decode disaggregation: this request's part (kv_transfer.KvPrefill / KvDecode); None: both here.
+    kv_transfer: Any = None
 
 
 @dataclass(frozen=True)
@@ -173,13 +175,16 @@ class ChoiceOutput:
     #: others): a face that ends a choice before the backend does (SMG's stop strings) reports it
     #: without the final usage.
     cached_tokens: int | None = None
+    kv_pinned: Any = None  # kv_transfer.KvPinned, on a prefill request's last output
+    kv_stats: Any = None  # kv_transfer.TransferStats, on a decode request's last output of choice 0
 
     def merged_with(self, later: "ChoiceOutput") -> "ChoiceOutput":
         """This output followed by `later` of the same choice, as one message."""
         return ChoiceOutput(self.index, self.token_ids + later.token_ids, later.finish_reason,
                             later.matched_stop_token_id, later.usage, self.logprobs + later.logprobs,
                             later.timings or self.timings,
-                            self.cached_tokens if self.cached_tokens is not None else later.cached_tokens)
+                            cached_tokens=self.cached_tokens if self.cached_tokens is not None else later.cached_tokens,
+                            kv_pinned=later.kv_pinned or self.kv_pinned, kv_stats=later.kv_stats or self.kv_stats)
 
     @property
     def finished(self) -> bool:
@@ -259,6 +264,15 @@ class Request:
         self.finish_time: float | None = None
         self.failed = False  # ended by an engine error; never schedule it
         self.grammar: Any = None  # compiled structured-output grammar (constraints.py), set before queueing
+        # Prefill/decode (kv_transfer.py): a prefill request's pin order (its blocks are pinned,
+        # not freed, when it finishes: `pinned`), or a decode request's pulled blocks.
+        self.kv_pin: Any = None  # kv_transfer.KvPinOrder
+        self.pinned: Any = None  # kv_pins.Pin, once pinned
+        self.imported_kv: Any = None  # kv_transfer.ImportedKv, until written into its blocks
+        # A media prompt decoded from pulled KV skips the encoder; its items wait here in case it
+        # must recompute after all (preempted: `awaiting_media_rows` until the core encodes them).
+        self.media_unencoded: Any = None  # multimodal.items.ValidatedFeatures
+        self.awaiting_media_rows = False
 
     @property
     def finished(self) -> bool:

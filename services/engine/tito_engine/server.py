@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import uuid
 
 from tito import settings
 from tito_models.paths import resolve_model
 from tito.serving import RunningServer, observability, run_until_signal, start_server
+from tito.security import ClientSecurity
 from tito.settings import add_settings
 from tito.startup import StartupPhases, loading_model
 from tito.v1 import engine_pb2_grpc
@@ -24,7 +26,10 @@ from tito_engine.core.engine import Engine
 from tito_engine.multimodal.features import FeaturePolicy
 from tito_engine.model.runner import warm_up_or_warn
 from tito_engine.model_info import check_checkpoint
+from tito_engine.backend.kv_transfers import KvTransfers
 from tito_engine.backend.observe import EngineMetrics, RequestObserver
+from tito_engine.kv_transfer import HandleIssuer
+from tito_engine.service.kv_peer import KvPeers
 from tito_engine.service.servicer import EngineServicer
 from tito_engine.smg.servicer import SERVICE_NAME as SMG_SERVICE_NAME, SmgEngineServicer
 from tito_engine.startup_plan import StartupPlan, plan_startup
@@ -158,7 +163,7 @@ async def create_server(config: EngineConfig, phases: StartupPhases | None = Non
         running.add_cleanup(lambda: asyncio.to_thread(publisher.stop))
     admission = Admission.for_backend(backend, feature_policy(config), config.max_choices_per_request)
     observer = RequestObserver(engine_metrics)
-    servicer.attach(backend, admission, observer if observer.active else None)
+    servicer.attach(backend, admission, observer if observer.active else None, _kv_transfers(config, backend, running))
     smg_servicer.attach(backend, admission, plan.model_dir if plan else resolve_model(config.model),
                         observer if observer.active else None, drain=servicer.drain_state)
     servicer.on_drain(config.grace_seconds, running.set_not_serving)
@@ -169,6 +174,19 @@ async def create_server(config: EngineConfig, phases: StartupPhases | None = Non
         log.info("media item tags are verified (key id %r); unsigned items are %s", config.hmac_key_id,
                  "refused" if config.require_signed_features else "accepted but not trusted for cache hits")
     return running
+
+
+def _kv_transfers(config: EngineConfig, backend: EngineBackend, running: RunningServer) -> KvTransfers | None:
+    """Prefill/decode transfers of the native backend: handles signed with the media HMAC key
+    (--hmac-key-file) when there is one, pins bounded by --kv-pin-seconds, pulls from other
+    engines with this engine's token (and TLS with --kv-peer-tls-ca-file)."""
+    if config.backend != "native":
+        return None
+    issuer = HandleIssuer(f"engine-{uuid.uuid4().hex[:16]}", backend.info.fingerprint,
+                          feature_policy(config).signing_keys, config.kv_pin_seconds)
+    peers = KvPeers(ClientSecurity(ca_file=config.kv_peer_tls_ca_file, token_file=config.auth_token_file))
+    running.add_cleanup(peers.close)
+    return KvTransfers(backend, issuer, peers)
 
 
 async def _drain_before_stop(servicer: EngineServicer, grace_seconds: float) -> None:

@@ -35,6 +35,18 @@ class GatewayConfig(ServerConfig):
                                         "move to another engine when its engine goes away mid-stream (killed, "
                                         "restarting, draining); it continues from the tokens it has, the client "
                                         "sees one stream. 0: never (the chat fails with the engine's status)")
+    prefill_engines: str = setting("", group=UPSTREAM,
+                                   help="prefill/decode: engine addresses (comma-separated) that only prefill: a "
+                                        "prompt of at least --pd-min-prompt-tokens is prefilled on one of them and "
+                                        "decoded on a --decode-engines or --engine-address engine, which pulls its "
+                                        "KV (native engines)")
+    decode_engines: str = setting("", group=UPSTREAM,
+                                  help="prefill/decode: engine addresses (comma-separated) that only decode (and "
+                                       "serve the prompts too short to prefill elsewhere); --engine-address "
+                                       "engines serve both roles")
+    pd_min_prompt_tokens: int = setting(256, group=UPSTREAM,
+                                        help="prefill/decode: prompts shorter than this go to one engine, never to a "
+                                             "--prefill-engines engine")
     derender_address: str = setting("127.0.0.1:50053", group=UPSTREAM, help="derender's address")
     derender_batch: bool = setting(True, group=UPSTREAM,
                                    help="carry every chat's derender stream over one DerenderBatch call (one "
@@ -72,6 +84,11 @@ class GatewayConfig(ServerConfig):
         """--lora-modules as name -> directory (checked by validate)."""
         return dict(module.split("=", 1) for module in self.lora_modules)
 
+    def role_addresses(self, role: str) -> list[str]:
+        """--prefill-engines or --decode-engines as a list."""
+        value = self.prefill_engines if role == "prefill" else self.decode_engines
+        return [part.strip() for part in value.split(",") if part.strip()]
+
     def upstream_security(self) -> ClientSecurity:
         return ClientSecurity(ca_file=self.upstream_tls_ca_file, server_name=self.upstream_tls_server_name,
                               token_file=self.auth_token_file)
@@ -93,6 +110,13 @@ class GatewayConfig(ServerConfig):
             else:
                 validate_address(address, "--engine-address")
         self._check_lora_modules()
+        for role in ("prefill", "decode"):
+            for address in self.role_addresses(role):
+                validate_address(address, f"--{role}-engines")
+        if self.role_addresses("prefill") and not (self.role_addresses("decode") or self.engine_addresses()):
+            raise ConfigError("--prefill-engines needs engines to decode on: --decode-engines or --engine-address")
+        if self.pd_min_prompt_tokens < 1:
+            raise ConfigError(f"--pd-min-prompt-tokens {self.pd_min_prompt_tokens}: must be >= 1")
         if self.migration_limit < 0:
             raise ConfigError(f"--migration-limit {self.migration_limit}: must be >= 0 (0: chats never move)")
         if self.metrics_port is not None:

@@ -21,13 +21,15 @@ class Upstream:
 
     def __init__(self, render: str, engines: list[str], derender: str, timeout: float,
                  security: ClientSecurity, max_message_bytes: int, policy: str = "cache_aware",
-                 batch_derender: bool = True, migration_limit: int = 3, lora_paths: dict[str, str] | None = None):
+                 batch_derender: bool = True, migration_limit: int = 3, lora_paths: dict[str, str] | None = None,
+                 roles: tuple[list[str], list[str], int] = ([], [], 256)):
         """`security`: TLS and token for every TCP address; Unix sockets (sidecars in the same pod)
         are reached in plaintext, with the token. `batch_derender`: the chats' derender streams
         share one DerenderBatch call (AsyncChatPipeline). `migration_limit`: the router's moves of
         one chat whose engine went away (tito_client.migration). `lora_paths`: the adapters the
         router may load on an engine (name -> directory under the engines' --lora-dir); with them,
-        one engine is routed too (the router loads them)."""
+        one engine is routed too (the router loads them). `roles`: prefill-only and decode-only
+        engine addresses and the shortest prompt that is disaggregated (tito_client.routing)."""
         self.addresses = list(engines)
         self._timeout = timeout
         plain = ClientSecurity(token_file=security.token_file)
@@ -35,10 +37,14 @@ class Upstream:
         engine_security = plain if len(engines) == 1 and engines[0].startswith("unix:") else security
         self._engine_security = engine_security
         self.lora_paths = dict(lora_paths or {})
-        routed = len(engines) > 1 or engines[0].startswith("dns:") or bool(self.lora_paths)
+        prefill_engines, decode_engines, pd_min_prompt_tokens = roles
+        routed = (len(engines) > 1 or engines[0].startswith("dns:") or bool(self.lora_paths)
+                  or bool(prefill_engines or decode_engines))
         self.router = EngineRouter(engines if len(engines) > 1 else engines[0], policy=policy,
                                    security=engine_security, migration_limit=migration_limit,
-                                   lora_paths=self.lora_paths).start() if routed else None
+                                   lora_paths=self.lora_paths, prefill_engines=prefill_engines,
+                                   decode_engines=decode_engines,
+                                   pd_min_prompt_tokens=pd_min_prompt_tokens).start() if routed else None
         self.pipeline = AsyncChatPipeline(Endpoints(render, engines[0], derender), timeout=timeout,
                                           max_message_bytes=max_message_bytes, security=engine_security,
                                           router=self.router, sidecar_security=sidecars,

@@ -229,6 +229,39 @@ def test_a_draining_engine_gets_no_new_request_and_a_moved_chat_avoids_the_engin
         EngineRouter([a], migration_limit=-1)
 
 
+def test_prefill_and_decode_roles_split_long_prompts_and_keep_short_ones_off_prefill_engines(engines):
+    (p, engine_p), (d, engine_d), (m, engine_m) = engines(3)
+    engine_p.load, engine_d.load, engine_m.load = 0, 5, 3
+    with EngineRouter([m], prefill_engines=[p], decode_engines=[d], pd_min_prompt_tokens=16, policy="least_load",
+                      load_interval=0.02) as router:
+        wait_for(lambda: router.status()[d]["load"] == 5, "the loads polled")
+        short, long = generate_request([7] * 15), generate_request([7] * 16)
+        assert not router.disaggregates(short) and router.disaggregates(long)
+        assert router.pick(short).address == m  # the idle prefill engine never decodes
+        assert router.pick(long, role="prefill").address == p  # prefill: p (idle) over the mixed m
+        engine_m.load = 9
+        wait_for(lambda: router.status()[m]["load"] == 9, "m's load")
+        assert router.pick(long).address == d and router.pick(long, role="prefill").address == p
+    with EngineRouter([m], load_interval=0.02) as router:
+        assert not router.disaggregates(generate_request([7] * 4096))  # no prefill engines: never
+
+
+def test_a_prompt_its_decode_engine_mostly_holds_is_not_prefilled_elsewhere(engines):
+    (p, _), (d, engine_d) = engines(2)
+    history = list(range(100, 100 + 5 * BLOCK))  # 5 blocks cached on d
+    engine_d.push(stored_batch(0, history, [b"d%d" % i for i in range(5)]))
+    with EngineRouter([], prefill_engines=[p], decode_engines=[d], pd_min_prompt_tokens=2 * BLOCK,
+                      load_interval=0.02) as router:
+        follow_up = generate_request(history + [1] * (BLOCK + 1))  # 1 block + 1 token new
+        wait_for(lambda: router.pick(follow_up).matched_blocks == 5, "d's events indexed")
+        decode = router.pick(follow_up)
+        assert decode.address == d and decode.matched_tokens == 5 * BLOCK
+        assert not router.disaggregates(follow_up, decode)  # d computes the new part itself
+        assert router.disaggregates(follow_up)  # with nothing cached it would be long enough
+        fresh = generate_request([3] * (2 * BLOCK))
+        assert router.disaggregates(fresh, router.pick(fresh))
+
+
 def test_an_engine_whose_events_stop_is_routed_by_load_until_they_resume(engines):
     (a, engine_a), (b, engine_b) = engines(2)
     engine_a.load, engine_b.load = 5, 0

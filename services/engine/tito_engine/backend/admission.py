@@ -48,6 +48,8 @@ class AdmittedRequest:
     features: CheckedFeatures  # empty for text prompts
     cache_salt: str = ""
     lora_name: str = ""  # the LoRA adapter ("" = the base model); whether it is held is the backend's to say
+    kv_pin: Any = None  # kv_transfer.KvPinOrder: a prefill request's pin (backend/kv_transfers.py)
+    kv_import: Any = None  # kv_transfer.ImportedKv: a decode request's pulled prompt blocks
 
 
 class Admission:

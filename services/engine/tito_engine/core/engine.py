@@ -33,8 +33,9 @@ from tito.supervision import retry
 
 from tito_engine.backend.admission import AdmittedRequest, KVCapacity
 from tito_engine.backend.interface import LoadSnapshot, check_can_accept
-from tito_engine.core.messages import (AbortRequest, AddRequest, CoreLoad, EncodeItems, EncodeResult, ListLoras,
-                                       LoadLora, PrefixCacheReset, ResetPrefixCache, StepBatch, UnloadLora)
+from tito_engine.core.messages import (AbortRequest, AddRequest, CoreLoad, EncodeItems, EncodeResult, ExportKv,
+                                       KvExport, ListLoras, LoadLora, PeekPrefix, PrefixCacheReset, ResetPrefixCache,
+                                       StepBatch, UnloadLora)
 from tito_engine.core.engine_core import CoreProcessSpec, ProcessCore, ThreadCore
 from tito_engine.core.seams import CoreHost, CoreRunner
 from tito_engine.multimodal.domain import EncoderCacheDescriptor
@@ -136,7 +137,8 @@ class Engine:
         # the core honours an abort that overtakes its add. Media phase 2 (the encoder cache)
         # runs in the core at the add.
         self._core.send(AddRequest(submission.key, request_id, list(admitted.token_ids), admitted.options,
-                                   admitted.features or None, arrival_time, admitted.cache_salt, admitted.lora_name))
+                                   admitted.features or None, arrival_time, admitted.cache_salt, admitted.lora_name,
+                                   admitted.kv_pin, admitted.kv_import))
         return submission
 
     async def encode(self, checked: CheckedFeatures) -> list[EncoderCacheDescriptor]:
@@ -145,6 +147,15 @@ class Engine:
         result = await self._call(lambda key: EncodeItems(key, checked))
         assert isinstance(result, EncodeResult)
         return list(result.descriptors)
+
+    async def export_kv(self, transfer_id: str, first_block: int, block_count: int, num_tokens: int) -> KvExport:
+        """PullKvBlocks: the pinned blocks of a prefill request, handed out once (kv_transfer.py)."""
+        return await self._call(lambda key: ExportKv(key, transfer_id, first_block, block_count, num_tokens))
+
+    async def cached_prompt_blocks(self, token_ids: list[int], cache_salt: str) -> int:
+        """Leading blocks of a text prompt the prefix cache holds now (a decode request pulls the rest)."""
+        result = await self._call(lambda key: PeekPrefix(key, list(token_ids), cache_salt))
+        return result.cached_blocks
 
     async def reset_prefix_cache(self) -> None:
         """Empty the prefix cache; subscribers of kv_events see AllBlocksCleared before this returns."""

@@ -218,6 +218,8 @@ class Scheduler:
             seq.num_computed = 0
         request.preemptions += 1
         self.preemptions += 1
+        if request.media_unencoded is not None:  # its recompute needs the encoder rows it skipped
+            request.awaiting_media_rows = True
         self.waiting.appendleft(request)
         log.info("preempted for KV memory (%d blocks free); it will recompute %d tokens", self.kv.num_free,
                  sum(len(request.prompt_ids) + len(s.output_ids) for s in request.unfinished()),
@@ -231,6 +233,8 @@ class Scheduler:
             if request.failed:
                 self.waiting.popleft()
                 continue
+            if request.awaiting_media_rows:
+                break  # the core encodes its items before the next step
             fresh = not request.sequences
             if fresh:
                 _create_sequences(request, self.choice_state)
@@ -300,7 +304,10 @@ class Scheduler:
             outputs.append((request, output))
             if output.finish_reason is not None:
                 self._running_sequences -= 1
-                self.kv.release(seq)
+                if request.kv_pin is not None and seq.index == 0 and not request.failed:
+                    request.pinned = self.kv.pin(request, seq, now + request.kv_pin.seconds)
+                else:
+                    self.kv.release(seq)
                 if request.finished and (not done or done[-1] is not request):
                     done.append(request)
         for request in done:
