@@ -7,6 +7,7 @@ pinned afterwards."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from pathlib import Path
 
@@ -291,3 +292,17 @@ def test_chats_through_render_pd_and_derender_read_as_through_one_engine(pair, a
         assert asyncio.run(routed_async()) == expected_text
     finished = p_stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT).finished_requests
     assert finished == finished_before + 2  # both chats were prefilled on P
+
+
+def test_a_decode_whose_prefill_engine_is_gone_prefills_itself_and_still_answers(pair):
+    p_stub, _, d_stub, _ = pair
+    prompt = [(13 * j + 7) % 800 + 40 for j in range(27)]
+    solo, _ = collect(p_stub.Generate(request(prompt, max_tokens=6, ignore_eos=True), timeout=TIMEOUT))
+    _, handle = prefill(p_stub, prompt, max_tokens=6)
+    with socket.socket() as probe:  # an address nothing listens on: the prefilling engine died
+        probe.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{probe.getsockname()[1]}"
+    tokens, finals = decode(d_stub, prompt, handle, gone, max_tokens=6, ignore_eos=True)
+    assert tokens[0] == solo[0]
+    assert finals[0].kv_transfer_stats.blocks_pulled == 0  # computed here instead
+    assert wait_idle(d_stub).kv_blocks_used == 0

@@ -3,15 +3,22 @@ engine (GenerateRequest.kv_transfer.prefill: it computes the prompt's KV and fir
 answers with a KV transfer handle), then decoded on a decode engine that pulls the KV from it
 (kv_transfer.decode). The decode engine streams every token, the first included, so the caller
 sees one ordinary Generate stream. A prompt the router does not disaggregate (routing.py:
-shorter than its threshold, or no prefill engines) goes to one engine unchanged."""
+shorter than its threshold, or no prefill engines) goes to one engine unchanged, and so does one
+whose prefill engine went away (the decode engine then prefills it itself)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
+
+import grpc
 
 from tito.v1 import engine_pb2
 
+from tito_client.migration import engine_gone
 from tito_client.routing import EngineRouter
+
+log = logging.getLogger(__name__)
 
 #: Runs the prefill call on the engine at an address: (address, request) -> the handle.
 Prefill = Callable[[str, engine_pb2.GenerateRequest], Awaitable[engine_pb2.KvTransferHandle]]
@@ -57,8 +64,14 @@ async def place(router: EngineRouter, request: engine_pb2.GenerateRequest, prefi
     if not router.disaggregates(request, decode):
         return decode.address, request
     source = router.pick(request, role="prefill").address
-    with router.track(source):
-        handle = await prefill(source, prefill_request(request))
+    try:
+        with router.track(source):
+            handle = await prefill(source, prefill_request(request))
+    except grpc.RpcError as error:
+        if not engine_gone(error):
+            raise
+        log.warning("prefill engine %s failed (%s); the decode engine prefills instead", source, error.code().name)
+        return decode.address, request
     return decode.address, decode_request(request, handle, source)
 
 
@@ -71,8 +84,14 @@ def place_blocking(router: EngineRouter, request: engine_pb2.GenerateRequest, pr
     if not router.disaggregates(request, decode):
         return decode.address, request
     source = router.pick(request, role="prefill").address
-    with router.track(source):
-        handle = prefill(source, prefill_request(request))
+    try:
+        with router.track(source):
+            handle = prefill(source, prefill_request(request))
+    except grpc.RpcError as error:
+        if not engine_gone(error):
+            raise
+        log.warning("prefill engine %s failed (%s); the decode engine prefills instead", source, error.code().name)
+        return decode.address, request
     return decode.address, decode_request(request, handle, source)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import grpc
 import pytest
 
 from tito.v1 import engine_pb2, sampling_pb2
@@ -82,3 +83,31 @@ def test_place_prefills_then_decodes_and_leaves_a_part_the_caller_split_as_it_is
         assert asyncio.run(place(router, part, prefill)) == (f"{role}-engine:1", part)  # not split again
     assert router.picks == ["prefill", "decode"] and len(sent) == 1
     assert place_blocking(router, decode, lambda address, request: handle) == ("decode-engine:1", decode)
+
+
+class Refusal(grpc.RpcError):
+    def __init__(self, code):
+        self._code = code
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return "refused"
+
+    def trailing_metadata(self):
+        return ()
+
+
+def test_a_prefill_engine_that_is_gone_leaves_the_prefill_to_the_decode_engine_and_a_refusal_is_raised():
+    def prefill_with(code):
+        def prefill(address, request):
+            raise Refusal(code)
+        return prefill
+
+    request = original()
+    assert place_blocking(RecordingRouter(), request, prefill_with(grpc.StatusCode.UNAVAILABLE)) == \
+        ("decode-engine:1", request)  # unchanged: the decode engine computes the whole prompt
+    with pytest.raises(grpc.RpcError):
+        place_blocking(RecordingRouter(), request, prefill_with(grpc.StatusCode.INVALID_ARGUMENT))
+

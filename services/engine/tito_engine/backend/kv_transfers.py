@@ -5,22 +5,27 @@
 - decode: the handle is checked (signature, model, prompt), the prefix cache is asked which
   leading blocks it holds, the rest are pulled from the prefilling engine (kv_peer.py), and the
   request goes to the core with them; its choice 0's last output carries what the pull took.
+  When the prefilling engine cannot be reached (or sends damaged blocks), the request is
+  prefilled here instead: slower, never lost. A handle it refuses stays refused.
 - PullKvBlocks: the handle is checked, the core hands the pinned blocks out once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
-from tito.errors import FailedPrecondition
+from tito.errors import FailedPrecondition, Unavailable
 
 from tito_engine.kv_transfer import (TRANSFER_MISMATCH, TRANSFER_UNSUPPORTED, HandleIssuer, ImportedKv, KvDecode,
                                      KvExport, KvHandle, KvPrefill, TransferStats, prompt_digest)
 from tito_engine.request import ChoiceOutput, GenerateInput
 from tito_engine.scheduling.blocks import blocks_for_tokens
 from tito_engine.backend.admission import AdmittedRequest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,12 @@ class KvTransfers:
         if not admitted.features and not admitted.lora_name:  # text prompts: skip what the prefix cache holds
             cached = min(await self.backend.cached_prompt_blocks(admitted.token_ids, admitted.cache_salt),
                          handle.block_count)
-        blocks = await self.peers.pull(role.source_address, handle, cached)
+        try:
+            blocks = await self.peers.pull(role.source_address, handle, cached)
+        except Unavailable as exc:  # the prefilling engine is gone or sent damage: compute the prompt here
+            log.warning("pulling KV from %s failed (%s); prefilling here instead", role.source_address, exc.message,
+                        extra={"request_id": admitted.request_id})
+            return admitted, Transfer(admitted.request_id, digest, TransferStats(0, cached, 0))
         stats = TransferStats(len(blocks), cached, sum(len(block) for block in blocks))
         return (dataclasses.replace(admitted, kv_import=ImportedKv(cached, tuple(blocks))),
                 Transfer(admitted.request_id, digest, stats))
