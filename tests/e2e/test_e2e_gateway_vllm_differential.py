@@ -3,11 +3,10 @@
 API. The render endpoints give the same token ids for the same 32 chats, 8 prompts, Anthropic
 Messages and OpenAI Responses bodies (tools and tool calls included), and the same placeholders
 for an image; a GenerateRequest either server rendered (every chat and prompt) gives the same
-greedy tokens on either server's /inference/v1/generate (cross-wired both ways, text, and an image as `content_parts`
-and as vLLM's serialized tensors);
-derender of the same tokens gives the same text, whole and streamed chunk by chunk (but for
-text still held back at a `length` cut, which tito flushes); the same bad requests get the same
-status codes."""
+greedy tokens on either server's /inference/v1/generate (cross-wired both ways: text, and an
+image as `content_parts` and as vLLM's serialized tensors); derender of the same tokens gives the
+same text, whole and streamed chunk by chunk (but for text still held back at a `length` cut,
+which tito flushes); the same 24 bad requests get the same status codes."""
 
 from __future__ import annotations
 
