@@ -1,13 +1,12 @@
 """Differential: tito's gateway against `vllm serve --enable-scale-out` on the same tiny checkpoint
 (the tiny Qwen2-VL, so that one image can cross over too), over vLLM's token-in/token-out HTTP
-API. The render endpoints give the same token ids for the same chats, prompts, Anthropic
+API. The render endpoints give the same token ids for the same 32 chats, 8 prompts, Anthropic
 Messages and OpenAI Responses bodies (tools and tool calls included), and the same placeholders
-for an image; a GenerateRequest either server rendered gives the same greedy tokens on either
-server's /inference/v1/generate (cross-wired both ways, text, and an image as `content_parts`
-and as vLLM's serialized tensors);
-derender of the same tokens gives the same text, whole and streamed chunk by chunk (but for
-text still held back at a `length` cut, which tito flushes); the same bad requests get the same
-status codes."""
+for an image; a GenerateRequest either server rendered (every chat and prompt) gives the same
+greedy tokens on either server's /inference/v1/generate (cross-wired both ways: text, and an
+image as `content_parts` and as vLLM's serialized tensors); derender of the same tokens gives the
+same text, whole and streamed chunk by chunk (but for text still held back at a `length` cut,
+which tito flushes); the same 24 bad requests get the same status codes."""
 
 from __future__ import annotations
 
@@ -30,6 +29,12 @@ CHATS = [
     [{"role": "user", "content": "Tell me a story about a cat and a dog, in three sentences."}],
 ]
 PROMPTS = ["The quick brown fox", "Once upon a time"]
+TOPICS = ["Paris", "the sea", "cats", "rain", "music", "bread", "stars", "trains", "chess", "winter", "bees", "maps",
+          "clocks", "rivers", "tea", "snow", "books", "bridges", "salt", "wolves", "glass", "kites", "honey",
+          "islands", "paper", "storms", "violins", "deserts"]
+#: 32 chats and 8 prompts, as the issue's differential asks: the shapes above, then one-turn questions.
+ALL_CHATS = CHATS + [[{"role": "user", "content": f"Tell me one fact about {topic}."}] for topic in TOPICS]
+ALL_PROMPTS = PROMPTS + [f"A short note about {topic}:" for topic in TOPICS[:6]]
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 BAD_GENERATE = [
     {"token_ids": [], "sampling_params": {}},
@@ -97,12 +102,12 @@ def _generate_tokens(base: str, rendered: dict) -> list[int]:
 
 def test_render_endpoints_give_the_same_token_ids(servers):
     tito, vllm = servers
-    for messages in CHATS:
+    for messages in ALL_CHATS:
         body = {"model": MODEL, "messages": messages, "max_tokens": 8}
         ours, theirs = (_post(base, "/v1/chat/completions/render", body) for base in (tito, vllm))
         assert ours["token_ids"] == theirs["token_ids"], messages
         assert ours["sampling_params"]["max_tokens"] == theirs["sampling_params"]["max_tokens"] == 8
-    for prompt in PROMPTS:
+    for prompt in ALL_PROMPTS:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 8}
         (ours,), (theirs,) = (_post(base, "/v1/completions/render", body) for base in (tito, vllm))
         assert ours["token_ids"] == theirs["token_ids"], prompt
@@ -160,13 +165,15 @@ def test_responses_render_gives_the_same_token_ids(servers):
 
 def test_greedy_generate_gives_the_same_tokens_cross_wired(servers):
     tito, vllm = servers
-    for messages in CHATS[:2]:
-        body = {"model": MODEL, "messages": messages}
-        tito_rendered = _post(tito, "/v1/chat/completions/render", body)
-        vllm_rendered = _post(vllm, "/v1/chat/completions/render", body)
+    bodies = [("/v1/chat/completions/render", {"model": MODEL, "messages": messages}) for messages in ALL_CHATS]
+    bodies += [("/v1/completions/render", {"model": MODEL, "prompt": prompt}) for prompt in ALL_PROMPTS]
+    for path, body in bodies:
+        tito_rendered, vllm_rendered = (_post(base, path, body) for base in (tito, vllm))
+        if path == "/v1/completions/render":
+            (tito_rendered,), (vllm_rendered,) = tito_rendered, vllm_rendered
         ours = _generate_tokens(tito, tito_rendered)
         assert len(ours) == GREEDY["max_tokens"]
-        assert _generate_tokens(vllm, vllm_rendered) == ours  # each alone
+        assert _generate_tokens(vllm, vllm_rendered) == ours, body  # each alone
         assert _generate_tokens(tito, vllm_rendered) == ours  # vLLM's render -> tito's generate
         assert _generate_tokens(vllm, tito_rendered) == ours  # tito's render -> vLLM's generate
 

@@ -67,10 +67,11 @@ def test_content_parts_are_placed_at_the_span_render_expanded(client, upstream):
     ids = rendered["token_ids"]
     answer = _ok(client.post("/inference/v1/generate", json={
         "token_ids": ids, "content_parts": [{"type": "image_url", "url": IMAGE}], "return_token_ids": True,
-        "sampling_params": {"max_tokens": 2}}))
+        "sampling_params": {"max_tokens": 2}, "cache_salt": "tenant-a"}))
     sent = upstream.pipeline.engine.requests[-1]
     item = _sent(upstream)
     assert list(sent.token_ids) == ids and answer["prompt_token_ids"] == ids
+    assert sent.cache_salt == "tenant-a"  # the engine's prefix-cache keys, media or not
     assert item.placeholder.offset == ids.index(IMAGE_TOKEN) and item.placeholder.length == IMAGE_SPAN
     assert item.kwargs["pixel_values"].data and item.metadata["image_grid_thw"].data  # tensors: the encoder runs
     assert item.mm_hash == rendered["features"]["mm_hashes"]["image"][0]
@@ -195,6 +196,10 @@ def test_forwarded_ids_and_features_skip_render_and_give_the_plain_chats_answer(
     reused = _ok(client.post("/v1/chat/completions", json={**MEDIA_CHAT, "kv_transfer_params": {
         "prompt_token_ids": rendered["token_ids"], "prompt_features": rendered["features"]}}))
     assert upstream.pipeline.render.calls == calls  # render was not called again
+    salted = {**MEDIA_CHAT, "cache_salt": "tenant-b"}
+    _ok(client.post("/v1/chat/completions", json={**salted, "kv_transfer_params": {
+        "prompt_token_ids": rendered["token_ids"], "prompt_features": rendered["features"]}}))
+    assert upstream.pipeline.engine.requests[-1].cache_salt == "tenant-b"  # rendered again for it: another chat
     assert reused["choices"][0]["message"] == plain["choices"][0]["message"]
     sent = upstream.pipeline.engine.requests[-1]
     assert list(sent.token_ids) == rendered["token_ids"]
