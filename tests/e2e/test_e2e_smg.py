@@ -2,14 +2,16 @@
 process, which it drives over SMG's vllm.grpc.engine.VllmEngine, and the official `openai` SDK
 against SMG, on each engine backend (native, and vllm: `tito serve engine --backend vllm`) over the
 same checkpoint (tiny-qwen2-d64: vLLM's CPU attention refuses head_dim 16): chat whole and
-streamed, completions with the engine's own tokens, stop strings, seed, n, logprobs, json_schema,
-a Responses call; SMG's own reasoning and tool-call parsers read the engine's tokens (a `<think>`
-block and a `get_weather` call, the engine constrained to them by a regex: a random model writes
-neither); a client that drops its stream frees the engine's slot. Over tito-demo (native only: its
-head_dim 16 keeps it off vLLM's CPU attention) the parsers read what the model itself answers.
-The same 32 greedy chats answer alike through SMG -> each backend, through tito's own gateway ->
-render -> engine -> derender, and through SMG -> `vllm serve --grpc` (vLLM with SMG's own servicer,
-smg-grpc-servicer) on the same checkpoint."""
+streamed, completions with the engine's own tokens, stop strings (an answer one ended still reports
+the prompt's cached tokens), seed, n, logprobs, json_schema, a Responses call; SMG's own reasoning
+and tool-call parsers read the engine's tokens (a `<think>` block and a `get_weather` call, the
+engine constrained to them by a regex: a random model writes neither); a client that drops its
+stream frees the engine's slot. Over tito-demo (native only: its head_dim 16 keeps it off vLLM's
+CPU attention) the parsers read what the model itself answers. The same 32 greedy chats answer
+alike through SMG -> each backend, through tito's own gateway -> render -> engine -> derender, and
+through SMG -> `vllm serve --grpc` (vLLM with SMG's own servicer, smg-grpc-servicer) on the same
+checkpoint. An image chat on tiny-qwen2-vl-smg (the Qwen2-VL checkpoint shape SMG's own image
+preprocessing accepts) answers as tito's own pipeline does."""
 
 from __future__ import annotations
 
@@ -121,14 +123,32 @@ def test_chat_whole_and_streamed_say_the_same(client, model):
     assert whole.usage.completion_tokens <= 24
 
 
+def _stop_in(text: str) -> str:
+    """Three characters from the middle of `text` that occur there first."""
+    return next(text[i:i + 3] for i in range(4, len(text) - 3)
+                if text[i:i + 3].strip() and text.find(text[i:i + 3]) == i)
+
+
 def test_a_stop_string_ends_the_answer(client, model):
     text = client.completions.create(model=model, prompt="one two three", max_tokens=24, **GREEDY).choices[0].text
-    # Three characters from the middle that occur there first.
-    stop = next(text[i:i + 3] for i in range(4, len(text) - 3)
-                if text[i:i + 3].strip() and text.find(text[i:i + 3]) == i)
+    stop = _stop_in(text)
     answer = client.completions.create(model=model, prompt="one two three", max_tokens=24, stop=[stop], **GREEDY)
     assert answer.choices[0].finish_reason == "stop"
     assert answer.choices[0].text == text[:text.index(stop)]
+
+
+def test_an_answer_a_stop_string_ended_reports_the_prompts_cached_tokens(client, model):
+    # A prompt longer than a block of either backend (vLLM's CPU blocks hold 128 tokens), asked
+    # twice: the second time its whole blocks are cached.
+    messages = [{"role": "system", "content": SYSTEMS[0] * 4}, {"role": "user", "content": "Tell me one fact."}]
+    again = [client.chat.completions.create(model=model, messages=messages, max_tokens=24, **GREEDY)
+             for _ in range(2)][1]
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0
+    stopped = client.chat.completions.create(model=model, messages=messages, max_tokens=24,
+                                             stop=[_stop_in(again.choices[0].message.content)], **GREEDY)
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.prompt_tokens_details.cached_tokens == cached
 
 
 def test_seed_n_and_logprobs(client, model):
