@@ -94,13 +94,20 @@ def encoder_budget(vllm_config: Any) -> int | None:
     """vLLM's encoder budget: the most encoder rows one media item may bring and still be
     scheduled (the lesser of its encoder compute budget and its encoder cache, the "budget of N
     tokens" of its start-up line; its own front end refuses an item above it), from the helper its
-    front end and model runner share. None for a text model."""
+    front end and model runner share. None for a text model, and when the helper cannot tell: the
+    number is only advertised (GetServerInfo), so it must not stop an engine that serves."""
     if not vllm_config.model_config.is_multimodal_model:
         return None
     from vllm.multimodal import MULTIMODAL_REGISTRY
     from vllm.multimodal.encoder_budget import MultiModalBudget
 
-    return max(int(MultiModalBudget(vllm_config, MULTIMODAL_REGISTRY, enable_cache=False).get_encoder_budget()), 0)
+    try:
+        budget = MultiModalBudget(vllm_config, MULTIMODAL_REGISTRY, enable_cache=False).get_encoder_budget()
+    except Exception:  # noqa: BLE001 - an unexpected model or config shape: advertise admission's bound alone
+        log.warning("could not read vLLM's encoder budget; GetServerInfo advertises admission's bound alone",
+                    exc_info=True)
+        return None
+    return max(int(budget), 0)
 
 
 def _device_name(vllm_config: Any) -> str:
