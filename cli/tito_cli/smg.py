@@ -7,6 +7,7 @@ and its output, prefixed line by line like the other children's.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -86,12 +87,19 @@ def smg_command(executable: str, address: str, engine_address: str, log_level: s
             "--shutdown-grace-period-secs", str(max(1, round(grace_seconds))), *parsers, *extra]
 
 
+#: Terminal colour codes (SMG colours its log lines whatever its output is, NO_COLOR too).
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def forward_lines(stream: TextIO, prefix: str, sink: TextIO) -> threading.Thread:
     """Copy `stream` to `sink` line by line, each line prefixed, on a daemon thread that ends at
-    EOF (when the child exits): SMG's own log lines then read as `smg: ...` among tito's."""
+    EOF (when the child exits): SMG's own log lines then read as `smg: ...` among tito's, without
+    colour codes unless `sink` is a terminal (a log file or journal would keep them as noise)."""
+    plain = not sink.isatty()
+
     def copy() -> None:
         for line in stream:
-            sink.write(f"{prefix}{line}")
+            sink.write(f"{prefix}{_COLOUR.sub('', line) if plain else line}")
             sink.flush()
 
     thread = threading.Thread(target=copy, name=f"{prefix.strip()} output", daemon=True)

@@ -87,4 +87,5 @@ def test_sigterm_stops_smg_and_the_services_and_smgs_lines_are_prefixed(served):
         time.sleep(0.2)
     assert not _accepts("127.0.0.1", smg_port) and not _accepts("127.0.0.1", engine_port)
     lines = output.read_text(errors="replace").splitlines()
-    assert any(line.startswith("smg: ") for line in lines), lines[-20:]
+    smg_lines = [line for line in lines if line.startswith("smg: ")]
+    assert smg_lines and not any("\x1b[" in line for line in smg_lines), lines[-20:]  # a log file: no colours

@@ -105,11 +105,11 @@ def test_serve_all_starts_smg_over_its_engine_with_the_models_parsers(tiny_text_
                    "--policy", "cache_aware", "--log-level", "debug"]
 
 
-def test_smgs_output_is_prefixed_line_by_line():
+def test_smgs_output_is_prefixed_line_by_line_without_colour_codes_off_a_terminal():
     sink = io.StringIO()
-    smg_launch.forward_lines(io.StringIO("listening on 127.0.0.1:8080\nworker grpc://a registered\n"), "smg: ",
-                             sink).join(5)
-    assert sink.getvalue() == "smg: listening on 127.0.0.1:8080\nsmg: worker grpc://a registered\n"
+    output = "listening on 127.0.0.1:8080\n\x1b[2m2026-12-07\x1b[0m \x1b[32m INFO\x1b[0m worker grpc://a registered\n"
+    smg_launch.forward_lines(io.StringIO(output), "smg: ", sink).join(5)
+    assert sink.getvalue() == "smg: listening on 127.0.0.1:8080\nsmg: 2026-12-07  INFO worker grpc://a registered\n"
 
 
 @pytest.mark.smg

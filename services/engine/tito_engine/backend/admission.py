@@ -56,8 +56,9 @@ class Admission:
     """The checks of one loaded model under one engine configuration."""
 
     def __init__(self, limits: ModelLimits, mm_spec: ModelMultimodalSpec | None, policy: FeaturePolicy,
-                 kv_capacity: KVCapacity, serves_lora: bool = False):
+                 kv_capacity: KVCapacity, serves_lora: bool = False, media_item_rows_limit: int | None = None):
         self.serves_lora = serves_lora  # the backend has LoRA adapter slots
+        self.media_item_rows_limit = media_item_rows_limit  # the backend's own bound (EngineBackend)
         self.limits = limits
         self.mm_spec = mm_spec
         self.policy = policy
@@ -72,7 +73,8 @@ class Admission:
                              max_choices=min(max_choices_per_request, backend.max_running_sequences),
                              modalities=frozenset(info.modalities))
         return cls(limits, backend.mm_spec, policy or FeaturePolicy(), backend.kv_capacity,
-                   serves_lora=getattr(backend, "max_loras", 0) > 0)
+                   serves_lora=getattr(backend, "max_loras", 0) > 0,
+                   media_item_rows_limit=getattr(backend, "media_item_rows_limit", None))
 
     def admit(self, generate: GenerateInput) -> AdmittedRequest:
         """Check `generate`; raise a TitoError naming the field for a caller's mistake."""
@@ -90,12 +92,14 @@ class Admission:
     def largest_media_item(self) -> int:
         """The most encoder rows one media item may bring and still be admitted (0 for a model
         without media): its prompt must leave room for one generated token within the context
-        limit and fit the whole KV cache with it, and an item's rows are positions of its prompt.
-        What a router that preprocesses media holds each item to (SMG's `mm_encoder_budget`)."""
+        limit and fit the whole KV cache with it, and an item's rows are positions of its prompt;
+        a backend with a bound of its own (vLLM's encoder budget) lowers it. What a router that
+        preprocesses media holds each item to (SMG's `mm_encoder_budget`)."""
         if not self.limits.modalities:
             return 0
         kv_tokens = self.kv_capacity.blocks_total * self.kv_capacity.block_size
-        return max(min(self.limits.max_context_length, kv_tokens) - 1, 0)
+        largest = max(min(self.limits.max_context_length, kv_tokens) - 1, 0)
+        return largest if self.media_item_rows_limit is None else min(largest, self.media_item_rows_limit)
 
     def admit_encode(self, items: Sequence[MediaItem]) -> CheckedFeatures:
         """Check an Encode request's items."""

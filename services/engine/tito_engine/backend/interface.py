@@ -53,6 +53,9 @@ class EngineBackend(Protocol):
     max_loras: int  # LoRA adapters resident at once (0: the backend serves none; admission refuses lora_name)
     max_lora_rank: int
     kv_capacity: KVCapacity  # the whole KV cache: admission refuses what could never fit
+    # The most encoder rows one media item may bring that the backend itself will schedule (vLLM's
+    # encoder budget); None: no bound of its own beyond the context and the KV cache (native).
+    media_item_rows_limit: int | None
     # Called (from any thread) when the model process died: the server turns health NOT_SERVING.
     on_core_lost: Callable[[], None] | None
     # Called (from any thread) when a new model process serves again: health turns SERVING.

@@ -79,6 +79,9 @@ class Engine:
         self._block_size = self._core.block_size
         self.kv_capacity = KVCapacity(self._kv_blocks_total, self._block_size,
                                       how_to_grow="start the engine with more --kv-blocks / --kv-cache-bytes")
+        # Its scheduler places an item of any size in one prefill chunk; the encoder cache only
+        # keeps what fits its bytes (engine_core), so no per-item bound of its own.
+        self.media_item_rows_limit: int | None = None
         self._lock = threading.Lock()
         self._live: dict[str, Submission] = {}  # request id -> submission, until its last output
         self._by_key: dict[int, Submission] = {}

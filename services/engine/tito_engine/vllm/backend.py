@@ -90,6 +90,26 @@ def _short(reason: str, limit: int = 300) -> str:
     return reason[:cut + 1] if cut > 0 else reason[:limit] + "..."
 
 
+def encoder_budget(vllm_config: Any) -> int | None:
+    """vLLM's encoder budget: the most encoder rows one media item may bring and still be
+    scheduled (the lesser of its encoder compute budget and its encoder cache, the "budget of N
+    tokens" of its start-up line; its own front end refuses an item above it), from the helper its
+    front end and model runner share. None for a text model, and when the helper cannot tell: the
+    number is only advertised (GetServerInfo), so it must not stop an engine that serves."""
+    if not vllm_config.model_config.is_multimodal_model:
+        return None
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+    from vllm.multimodal.encoder_budget import MultiModalBudget
+
+    try:
+        budget = MultiModalBudget(vllm_config, MULTIMODAL_REGISTRY, enable_cache=False).get_encoder_budget()
+    except Exception:  # noqa: BLE001 - an unexpected model or config shape: advertise admission's bound alone
+        log.warning("could not read vLLM's encoder budget; GetServerInfo advertises admission's bound alone",
+                    exc_info=True)
+        return None
+    return max(int(budget), 0)
+
+
 def _device_name(vllm_config: Any) -> str:
     from vllm.platforms import current_platform
 
@@ -166,6 +186,7 @@ class VllmEngine:
         self.kv_capacity = KVCapacity(
             int(cache_config.num_gpu_blocks or 0), int(cache_config.block_size),
             how_to_grow="give vLLM more KV cache memory (--kv-cache-bytes, or -- --gpu-memory-utilization)")
+        self.media_item_rows_limit = encoder_budget(vllm_config)
         self.on_core_lost: Callable[[], None] | None = None
         # vLLM's engine core does not come back once dead: this replica must be restarted.
         self.on_core_restored: Callable[[], None] | None = None
