@@ -1,11 +1,13 @@
 """EngineRouter over two real native engines (port 0) serving LoRA adapters: each adapter's second
 turn goes to the engine holding its prefix under that adapter (the index keyed on KV events that
 name it); an adapter no engine holds is loaded once, on the least loaded engine, however many
-first requests arrive at once; a holder without room sends the adapter to the other engine, which
-loads it. Every output equals HF + PEFT's greedy tokens."""
+first requests arrive at once (through the asyncio pipeline as the gateway runs it, too); a holder
+without room sends the adapter to the other engine, which loads it. Every output equals HF +
+PEFT's greedy tokens."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import threading
@@ -18,7 +20,7 @@ import pytest
 from engine_calls import request
 from lora_adapters import ADAPTERS, PeftReference, make_adapter
 from tito.v1 import engine_pb2, engine_pb2_grpc
-from tito_client import EngineRouter, LoraAdapters
+from tito_client import AsyncChatPipeline, Endpoints, EngineRouter, LoraAdapters
 from tito_client.engine_stream import MigratingStream
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
@@ -50,6 +52,19 @@ def fleet(module_aio_server, tiny_text_model, tmp_path_factory) -> Fleet:
         stubs[server.address] = engine_pb2_grpc.EngineServiceStub(channel)
         adapters[server.address] = LoraAdapters(channel, timeout=TIMEOUT)
     return Fleet(sorted(stubs), stubs, adapters, PeftReference(Path(tiny_text_model), directories))
+
+
+@pytest.fixture
+def slow_loads(monkeypatch):
+    """The router's LoadLoraAdapter calls start 0.5 s late (a large adapter on a slow disk): a
+    request that did not wait for its adapter's load would reach the engine first and be refused."""
+    load = EngineRouter._load_adapter
+
+    def late(router, engine, pending):
+        time.sleep(0.5)
+        load(router, engine, pending)
+
+    monkeypatch.setattr(EngineRouter, "_load_adapter", late)
 
 
 def _prompt(seed: int, length: int) -> list[int]:
@@ -115,7 +130,7 @@ def test_each_adapters_second_turn_goes_to_the_engine_holding_its_prefix(fleet):
         fleet.adapters[address].unload("turn-mlp")
 
 
-def test_an_adapter_no_engine_holds_is_loaded_once_however_many_first_requests_arrive(fleet, caplog):
+def test_an_adapter_no_engine_holds_is_loaded_once_however_many_first_requests_arrive(fleet, caplog, slow_loads):
     prompts = [_prompt(10 + index, 5 + index) for index in range(6)]
     results: dict[int, tuple[str, list[int]]] = {}
     with EngineRouter(fleet.addresses, load_interval=0.05, lora_paths={"fresh": "attn-r8"}) as router, \
@@ -137,6 +152,29 @@ def test_an_adapter_no_engine_holds_is_loaded_once_however_many_first_requests_a
     for index, prompt in enumerate(prompts):
         assert results[index] == (fleet.addresses[0], fleet.reference.generate("attn-r8", prompt, 6)), index
     fleet.adapters[fleet.addresses[0]].unload("fresh")
+
+
+def test_the_asyncio_pipeline_waits_for_the_adapter_its_router_loads(fleet, caplog, slow_loads):
+    """What the gateway runs: AsyncChatPipeline.generate over the router, four first requests at
+    once for an adapter no engine holds: one load, and every request waits for it."""
+    prompts = [_prompt(40 + index, 6 + index) for index in range(4)]
+
+    async def main() -> list[list[int]]:
+        async with AsyncChatPipeline(Endpoints("127.0.0.1:1", fleet.addresses[0], "127.0.0.1:1"), timeout=TIMEOUT,
+                                     router=router) as pipeline:
+            async def one(prompt: list[int]) -> list[int]:
+                return [token async for response in pipeline.generate(_message(prompt, "async-fresh"))
+                        for token in response.token_ids]
+
+            return await asyncio.gather(*(one(prompt) for prompt in prompts))
+
+    with EngineRouter(fleet.addresses, load_interval=0.05, lora_paths={"async-fresh": "mlp-r16"}) as router, \
+            caplog.at_level(logging.INFO, logger="tito_engine.core.lora_registry"):
+        outputs = asyncio.run(main())
+        loads = [r for r in caplog.records if r.getMessage().startswith("loaded LoRA adapter async-fresh ")]
+    assert len(loads) == 1 and _holders(fleet, "async-fresh") == [fleet.addresses[0]]
+    assert outputs == [fleet.reference.generate("mlp-r16", prompt, 6) for prompt in prompts]
+    fleet.adapters[fleet.addresses[0]].unload("async-fresh")
 
 
 def test_a_holder_without_room_sends_the_adapter_to_the_other_engine_which_loads_it(fleet):
