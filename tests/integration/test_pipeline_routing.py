@@ -122,6 +122,26 @@ async def stream_all(pipelines, requests, started: list[asyncio.Event]):
     return [asyncio.ensure_future(run(k)) for k in range(len(requests))]
 
 
+async def all_streaming(tasks, started: list[asyncio.Event]) -> None:
+    """Until every chat has text; a chat that ends or fails before (its error raised here) or
+    TIMEOUT fails the test instead of leaving it waiting for an event that never comes."""
+    waits = [asyncio.ensure_future(event.wait()) for event in started]
+    pending = set(waits) | set(tasks)
+    try:
+        while not all(event.is_set() for event in started):
+            done, pending = await asyncio.wait(pending, timeout=TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                raise AssertionError(f"chats without text after {TIMEOUT} s")
+            for task in done & set(tasks):
+                k = tasks.index(task)
+                if not started[k].is_set():
+                    task.result()  # its error, if it failed
+                    raise AssertionError(f"chat {k} ended before it streamed any text")
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
 def test_an_engine_killed_mid_run_loses_no_chat_and_every_output_equals_its_solo_run(fleet):
     """The engine dies with chats in flight; each continues on another engine from the ids it had
     (request migration): 0 chats fail, every text (greedy and seeded) and usage equals its solo run."""
@@ -139,7 +159,7 @@ def test_an_engine_killed_mid_run_loses_no_chat_and_every_output_equals_its_solo
                                          router=router) as pipeline:
                 started = [asyncio.Event() for _ in requests]
                 tasks = await stream_all([pipeline] * len(requests), requests, started)  # round robin: 2 each
-                await asyncio.gather(*(event.wait() for event in started))
+                await all_streaming(tasks, started)
                 assert router.status()[victim.address]["in_flight"] == 2
                 # The engine dies with chats in flight: its gRPC server goes away at once.
                 await asyncio.to_thread(victim.call, lambda: victim.running.server.stop(0))
@@ -202,7 +222,7 @@ def test_n_choices_and_structured_output_continue_exactly_when_their_engine_dies
                                          router=router) as pipeline:
                 started = [asyncio.Event() for _ in requests]
                 tasks = await stream_all([pipeline] * len(requests), requests, started)
-                await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), TIMEOUT)
+                await all_streaming(tasks, started)
                 assert router.status()[victim.address]["in_flight"] == 2
                 await asyncio.to_thread(victim.call, lambda: victim.running.server.stop(0))
                 return await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT)
@@ -241,7 +261,7 @@ def test_draining_engines_finish_or_hand_over_their_chats_and_take_no_new_ones(f
                                            batch_derender=True) for _ in requests]
             started = [asyncio.Event() for _ in requests]
             tasks = await stream_all(pipelines, requests, started)
-            await asyncio.gather(*(event.wait() for event in started))
+            await all_streaming(tasks, started)
             homes = {pipeline.last_engine for pipeline in pipelines}
             assert homes == set(addresses)
             async with grpc.aio.insecure_channel(patient.address) as channel:
