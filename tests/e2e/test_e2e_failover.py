@@ -7,7 +7,7 @@ greedy chats at concurrency 32.
 - Rolling restart: every engine in turn is sent SIGTERM (it drains: finishes or hands back its
   chats), exits and starts again on its port, under the same load. No chat fails, outputs equal.
 
-The chats run in phases of 32: each disruption fires from a chat's first text while the chosen
+The chats run in phases of 32: each disruption fires from a chat's text while the chosen
 engine has chats of its own in flight, and the next phase starts once the engine is back and the
 router has seen it. Every step waits on state it can observe (router status, health, GetLoad),
 never on a clock, so a slow or a fast machine runs the same scenario.
@@ -55,15 +55,19 @@ def outcome(chunks) -> tuple[str, int, int]:
 
 
 class RecordingRouter(EngineRouter):
-    """The router, remembering where it sent each request (to see a restarted engine used again)."""
+    """The router, remembering where it sent each request (to see a restarted engine used again)
+    and which engines chats moved away from (request migration picks with `avoid`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.picks: list[str] = []
+        self.moved_from: list[str] = []
 
     def pick(self, request, avoid=None):
         choice = super().pick(request, avoid)
         self.picks.append(choice.address)
+        if avoid is not None:
+            self.moved_from.append(avoid)
         return choice
 
 
@@ -71,9 +75,9 @@ class Disruptions:
     """Takes engines down one after another while chats stream, on a thread of its own.
 
     `disrupt(engine)` brings one engine down and back up (its process serving again). Each round
-    fires at a chat's first text, on the engine with the most chats in flight among those
-    disrupted least (so three rounds take each engine once), and ends once the router has polled
-    the engine back as reachable."""
+    fires at a chat's text, on the engine with the most chats in flight among those not yet
+    disrupted (so three rounds take each engine once), and ends once the router has polled the
+    engine back as reachable."""
 
     def __init__(self, engines: list[EngineProcess], disrupt: Callable[[EngineProcess], None]):
         self.engines = engines
@@ -83,15 +87,15 @@ class Disruptions:
         self._busy = False
         self._errors: list[BaseException] = []
 
-    def on_first_text(self, phase: int, router: RecordingRouter, loop: asyncio.AbstractEventLoop) -> None:
+    def on_text(self, phase: int, router: RecordingRouter, loop: asyncio.AbstractEventLoop) -> None:
         if self._busy or phase != len(self.rounds) or phase >= DISRUPTIONS:
             return
         status = router.status()
-        times = {engine.address: sum(r["address"] == engine.address for r in self.rounds) for engine in self.engines}
-        busy = [engine for engine in self.engines if status[engine.address]["in_flight"]]
+        done = {r["address"] for r in self.rounds}
+        busy = [e for e in self.engines if e.address not in done and status[e.address]["in_flight"]]
         if not busy:
-            return  # the next chat's text tries again
-        victim = min(busy, key=lambda e: (times[e.address], -status[e.address]["in_flight"]))
+            return  # the next text tries again
+        victim = max(busy, key=lambda e: status[e.address]["in_flight"])
         self.rounds.append({"address": victim.address, "in_flight": status[victim.address]["in_flight"]})
         self._busy = True
         threading.Thread(target=self._run, args=(victim, router, loop, self.done[phase]), daemon=True).start()
@@ -133,7 +137,9 @@ async def run_chats(render: str, derender: str, addresses: list[str], disruption
     loop = asyncio.get_running_loop()
     slots = asyncio.Semaphore(CONCURRENCY)
     unfinished = [phase_size] * (DISRUPTIONS + 1)
-    with RecordingRouter(addresses, policy="least_load", load_interval=0.05) as router:
+    # Round robin: each phase's chats spread over every engine the router sees, whenever they
+    # arrive (least load counts a chat only once its stream starts, so a burst can go to one).
+    with RecordingRouter(addresses, policy="round_robin", load_interval=0.05) as router:
         async with AsyncChatPipeline(Endpoints(render, addresses[0], derender), timeout=TIMEOUT,
                                      router=router) as pipeline:
 
@@ -145,8 +151,8 @@ async def run_chats(render: str, derender: str, addresses: list[str], disruption
                     async with slots:
                         chunks = []
                         async for chunk in pipeline.stream_chat(chat(k)):
-                            if chunk.content and not any(c.content for c in chunks) and disruptions is not None:
-                                disruptions.on_first_text(phase, router, loop)
+                            if chunk.content and disruptions is not None:
+                                disruptions.on_text(phase, router, loop)
                             chunks.append(chunk)
                         return chunks
                 finally:
@@ -155,7 +161,7 @@ async def run_chats(render: str, derender: str, addresses: list[str], disruption
                         disruptions.phase_over(phase)
 
             results = await asyncio.gather(*(one(k) for k in range(CHATS)), return_exceptions=True)
-            return results, router.picks
+            return results, router
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +188,8 @@ def sidecars(tiny_text_model, module_aio_server) -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def undisturbed(fleet, sidecars) -> list[tuple[str, int, int]]:
     """Every chat's text and usage with no engine disturbed (greedy: what each must give)."""
-    results, _ = asyncio.run(run_chats(*sidecars, [engine.address for engine in fleet]))
+    results, router = asyncio.run(run_chats(*sidecars, [engine.address for engine in fleet]))
+    assert not router.moved_from
     assert not [r for r in results if isinstance(r, BaseException)]
     return [outcome(chunks) for chunks in results]
 
@@ -204,7 +211,8 @@ def idle_loads(engines: list[EngineProcess]) -> list[tuple[int, int, int]]:
     return loads
 
 
-def check_run(results, picks, disruptions: Disruptions, undisturbed, engines: list[EngineProcess]) -> None:
+def check_run(results, router: RecordingRouter, disruptions: Disruptions, undisturbed,
+              engines: list[EngineProcess]) -> None:
     disruptions.check()
     failed = [result for result in results if isinstance(result, BaseException)]
     assert not failed, failed[:3]
@@ -213,7 +221,7 @@ def check_run(results, picks, disruptions: Disruptions, undisturbed, engines: li
     assert {r["address"] for r in disruptions.rounds} == {engine.address for engine in engines}  # each once
     for round_ in disruptions.rounds:
         assert round_["in_flight"] > 0  # the engine went down with chats of its own streaming
-        assert round_["address"] in picks[round_["picks_before_return"]:]  # and was routed to once back
+        assert round_["address"] in router.picks[round_["picks_before_return"]:]  # and was routed to once back
     assert idle_loads(engines) == [(0, 0, 0)] * len(engines)  # no slot or KV block left behind
 
 
@@ -223,8 +231,9 @@ def test_engines_sigkilled_and_restarted_one_after_another_lose_no_chat(fleet, s
         engine.start().wait_serving()
 
     disruptions = Disruptions(fleet, kill_and_restart)
-    results, picks = asyncio.run(run_chats(*sidecars, [engine.address for engine in fleet], disruptions))
-    check_run(results, picks, disruptions, undisturbed, fleet)
+    results, router = asyncio.run(run_chats(*sidecars, [engine.address for engine in fleet], disruptions))
+    check_run(results, router, disruptions, undisturbed, fleet)
+    assert set(router.moved_from) == {engine.address for engine in fleet}  # every kill moved chats elsewhere
 
 
 def test_a_rolling_restart_under_load_loses_no_chat(fleet, sidecars, undisturbed):
@@ -233,5 +242,5 @@ def test_a_rolling_restart_under_load_loses_no_chat(fleet, sidecars, undisturbed
         engine.start().wait_serving()
 
     disruptions = Disruptions(fleet, drain_and_restart)
-    results, picks = asyncio.run(run_chats(*sidecars, [engine.address for engine in fleet], disruptions))
-    check_run(results, picks, disruptions, undisturbed, fleet)
+    results, router = asyncio.run(run_chats(*sidecars, [engine.address for engine in fleet], disruptions))
+    check_run(results, router, disruptions, undisturbed, fleet)

@@ -11,7 +11,7 @@ import pytest
 
 from tito.v1 import engine_pb2, sampling_pb2
 from tito_client.disaggregation import decode_request, handle_of, place, place_blocking, prefill_request
-from tito_client.migration import ChoiceProgress
+from tito_client.migration import RequestProgress
 from tito_client.routing import Choice
 
 
@@ -41,9 +41,9 @@ def test_the_handle_is_read_from_the_prefill_stream_and_its_absence_is_an_error(
 
 def test_a_continuation_of_a_decode_part_prefills_on_its_new_engine():
     decode = decode_request(original(), engine_pb2.KvTransferHandle(transfer_id="ef" * 16), "10.0.0.1:50052")
-    progress = ChoiceProgress(decode)
+    progress = RequestProgress(decode)
     progress.record(engine_pb2.GenerateResponse(token_ids=[11, 12]))
-    continuation = progress.continuation()
+    continuation, _ = progress.next_call()
     assert not continuation.HasField("kv_transfer")  # the handle was spent by the engine that died
     assert list(continuation.token_ids) == [5, 6, 7, 11, 12]
 
