@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -401,39 +402,60 @@ class _StoppableGateway:
         await self.running.stop()
 
 
-def test_the_openai_sdk_selects_an_adapter_by_model_through_the_three_services(qwen2, module_aio_server,
-                                                                              tiny_text_model):
+@dataclass
+class Front:
+    """render and derender of the tiny Qwen2, for gateways over the `qwen2` engine."""
+
+    render: Any
+    derender: Any
+    start: Any  # module_aio_server
+
+    def gateway(self, engine_address: str, **config) -> str:
+        """A started gateway's /v1 URL."""
+        from tito_gateway.config import GatewayConfig
+        from tito_gateway.server import create_server as create_gateway
+
+        async def gateway():
+            return _StoppableGateway(await create_gateway(GatewayConfig(
+                address="127.0.0.1:0", render_address=self.render.address, engine_address=engine_address,
+                derender_address=self.derender.address, served_model_name="tiny", **config)))
+
+        return f"http://{self.start(gateway).address}/v1"
+
+    def prompt(self, content: str) -> list[int]:
+        """The token ids render gives a one-message chat."""
+        with self.render.channel() as channel:
+            rendered = render_pb2_grpc.RenderServiceStub(channel).RenderChat(render_pb2.RenderChatRequest(
+                messages=[chat_pb2.ChatMessage(role="user", content=content)]), timeout=TIMEOUT)
+        return list(rendered.generate_request.token_ids)
+
+
+@pytest.fixture(scope="module")
+def front(module_aio_server, tiny_text_model) -> Front:
+    from tito_derender.config import DerenderConfig
+    from tito_derender.server import create_server as create_derender
+    from tito_render.config import RenderConfig
+    from tito_render.server import create_server as create_render
+
+    model = str(tiny_text_model)
+    return Front(module_aio_server(lambda: create_render(RenderConfig(model=model))),
+                 module_aio_server(lambda: create_derender(DerenderConfig(model=model))), module_aio_server)
+
+
+def test_the_openai_sdk_selects_an_adapter_by_model_through_the_three_services(qwen2, front, tiny_text_model):
     """render -> engine -> derender behind the gateway: `model` names the adapter, /v1/models lists
     it with its parent, and the reply is HF + PEFT's greedy tokens for the rendered chat."""
     import openai
     from transformers import AutoTokenizer
 
-    from tito_derender.config import DerenderConfig
-    from tito_derender.server import create_server as create_derender
-    from tito_gateway.config import GatewayConfig
-    from tito_gateway.server import create_server as create_gateway
-    from tito_render.config import RenderConfig
-    from tito_render.server import create_server as create_render
-
     model = str(tiny_text_model)
-    render = module_aio_server(lambda: create_render(RenderConfig(model=model)))
-    derender = module_aio_server(lambda: create_derender(DerenderConfig(model=model)))
-
-    async def gateway():
-        return _StoppableGateway(await create_gateway(GatewayConfig(
-            address="127.0.0.1:0", render_address=render.address, engine_address=qwen2.address,
-            derender_address=derender.address, served_model_name="tiny", allow_runtime_lora_updating=True)))
-
-    base_url = f"http://{module_aio_server(gateway).address}/v1"
-    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=front.gateway(qwen2.address, allow_runtime_lora_updating=True),
+                           api_key="unused", max_retries=0)
     cards = {card.id: card for card in client.models.list().data}
     assert set(cards) == {"tiny", *NAMES} and cards["mlp-r16"].model_extra["parent"] == "tiny"
 
     messages = [{"role": "user", "content": "Say hello"}]
-    with render.channel() as channel:
-        rendered = render_pb2_grpc.RenderServiceStub(channel).RenderChat(render_pb2.RenderChatRequest(
-            messages=[chat_pb2.ChatMessage(role="user", content="Say hello")]), timeout=TIMEOUT)
-    prompt = list(rendered.generate_request.token_ids)
+    prompt = front.prompt("Say hello")
     tokenizer = AutoTokenizer.from_pretrained(model)
     texts = {}
     for name in ("tiny", "mlp-r16"):
@@ -455,6 +477,27 @@ def test_the_openai_sdk_selects_an_adapter_by_model_through_the_three_services(q
     assert reply.usage.completion_tokens > 0 and "late" in {card.id for card in client.models.list().data}
     client.post("/unload_lora_adapter", body={"lora_name": "late"}, cast_to=str)
     assert "late" not in [adapter.name for adapter in qwen2.adapters.list()]
+
+
+def test_the_gateway_loads_an_adapter_of_its_lora_modules_a_chat_names(qwen2, front, tiny_text_model):
+    """--lora-modules: /v1/models lists the adapter before any engine holds it; the first chat
+    naming it makes the gateway's router load it on the engine, and its reply is HF + PEFT's."""
+    import openai
+    from transformers import AutoTokenizer
+
+    client = openai.OpenAI(base_url=front.gateway(qwen2.address, lora_modules=("on-demand=attn-r8",)),
+                           api_key="unused", max_retries=0)
+    cards = {card.id: card for card in client.models.list().data}
+    assert cards["on-demand"].model_extra["root"] == "attn-r8" and "on-demand" not in {
+        adapter.name for adapter in qwen2.adapters.list()}
+    reply = client.chat.completions.create(model="on-demand", messages=[{"role": "user", "content": "Say hi"}],
+                                           max_tokens=6, temperature=0)
+    expected = qwen2.reference.generate("attn-r8", front.prompt("Say hi"), 6)
+    assert reply.choices[0].message.content == AutoTokenizer.from_pretrained(tiny_text_model).decode(
+        expected, skip_special_tokens=True)
+    held = {adapter.name: adapter.path for adapter in qwen2.adapters.list()}
+    assert held["on-demand"] == "attn-r8"
+    qwen2.adapters.unload("on-demand")
 
 
 def test_chats_over_four_adapters_while_two_come_and_go_equal_their_solo_runs(aio_server, tiny_text_model,

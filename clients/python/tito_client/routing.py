@@ -521,8 +521,6 @@ class EngineRouter:
     def _poll_load(self, engine: Engine) -> None:
         if engine.stopped or engine.channel is None:
             return
-        if engine.capacity is None:
-            self._ask_capacity(engine)
         asked = time.monotonic()
         try:
             load = engine_pb2_grpc.EngineServiceStub(engine.channel).GetLoad(
@@ -542,6 +540,8 @@ class EngineRouter:
             # An adapter this router loaded after the engine answered is held though not listed.
             engine.loaded_at = {name: at for name, at in engine.loaded_at.items() if at > asked}
             engine.adapters = frozenset(adapter.name for adapter in load.lora_adapters) | set(engine.loaded_at)
+        if engine.capacity is None:  # once it answers (a down engine is not asked twice per poll)
+            self._ask_capacity(engine)
 
     def _ask_capacity(self, engine: Engine) -> None:
         """GetModelInfo's max_running_requests, once (what `has_room` compares the load with)."""
