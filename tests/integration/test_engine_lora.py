@@ -26,6 +26,7 @@ import pytest
 
 from chat_parts import image, text
 from engine_calls import collect, request
+from gateway_servers import StoppableGateway
 from lora_adapters import ADAPTERS, AdapterSpec, PeftReference, make_adapter, q_proj_adapter, write_adapter
 from tito.grpc_errors import error_details
 from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, render_pb2, render_pb2_grpc
@@ -391,16 +392,6 @@ def test_an_engine_without_lora_dir_refuses_adapters(aio_server, tiny_text_model
 # ---------------------------------------------------------------------------- through the gateway
 
 
-class _StoppableGateway:
-    """A started gateway as AioServer stops servers (`stop(grace)`)."""
-
-    def __init__(self, running):
-        self.running, self.address = running, running.address
-
-    async def stop(self, grace: float) -> None:
-        await self.running.stop()
-
-
 def test_the_openai_sdk_selects_an_adapter_by_model_through_the_three_services(qwen2, module_aio_server,
                                                                               tiny_text_model):
     """render -> engine -> derender behind the gateway: `model` names the adapter, /v1/models lists
@@ -420,7 +411,7 @@ def test_the_openai_sdk_selects_an_adapter_by_model_through_the_three_services(q
     derender = module_aio_server(lambda: create_derender(DerenderConfig(model=model)))
 
     async def gateway():
-        return _StoppableGateway(await create_gateway(GatewayConfig(
+        return StoppableGateway(await create_gateway(GatewayConfig(
             address="127.0.0.1:0", render_address=render.address, engine_address=qwen2.address,
             derender_address=derender.address, served_model_name="tiny", allow_runtime_lora_updating=True)))
 
