@@ -22,10 +22,13 @@ from tito.logs import bind_request_id
 from tito_engine.backend.admission import Admission, AdmittedRequest
 from tito_engine.backend.interface import EngineBackend
 from tito_engine.backend.drain import Drain, draining_error
+from tito_engine.backend.kv_transfers import KvTransfers, Transfer
 from tito_engine.backend.observe import RequestObserver
+from tito_engine.kv_transfer import TRANSFER_UNSUPPORTED
+from tito_engine.request import ChoiceOutput
 from tito_engine.smg.convert import (SmgGenerate, chunk_to_proto, complete_to_proto, generate_from_proto,
                                      kv_batch_to_proto, model_info_to_proto, scheduler_load_to_proto,
-                                     server_info_to_proto, with_smg_fields)
+                                     kv_params_json, server_info_to_proto, with_smg_fields)
 from tito_engine.smg.facts import ModelFacts, read_model_facts
 from tito_engine.smg.stops import RequestStops, TokenizerSource
 from tito_engine.smg.stream import face_outputs
@@ -50,12 +53,18 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._last_receive = 0.0
         self._healthy = True
         self._drain: Drain | None = None
+        self._kv: KvTransfers | None = None
+        self._kv_address = ""
 
     def attach(self, backend: EngineBackend, admission: Admission, model_dir: Path,
-               observer: RequestObserver | None = None, drain: Drain | None = None) -> None:
+               observer: RequestObserver | None = None, drain: Drain | None = None,
+               kv_transfers: KvTransfers | None = None, kv_address: str = "") -> None:
         """Start answering with `backend` (the same backend, admission and drain state tito.v1's
-        servicer has: a draining engine refuses new streams on both faces)."""
+        servicer has: a draining engine refuses new streams on both faces). `kv_transfers`: the
+        prefill/decode transfers tito.v1's servicer serves too (None: refused); `kv_address`:
+        where decode engines reach this engine, named in a prefill's kv_transfer_params_json."""
         self._admission = admission
+        self._kv, self._kv_address = kv_transfers, kv_address
         self._drain = drain
         self._observer = observer
         self._model_dir = str(model_dir)
@@ -102,6 +111,9 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def _generate(self, backend: EngineBackend, face: SmgGenerate):
         admitted = await self._admit(face)
+        transfer = None
+        if face.generate.kv_transfer is not None:
+            admitted, transfer = await self._prepare_transfer(face, admitted)
         stops = None
         if face.stops is not None:
             await asyncio.to_thread(self._tokenizer.get)  # read once per engine, off the loop
@@ -119,7 +131,8 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 if face.stream:
                     yield chunk_to_proto(face_output, prompt_tokens, top)
                 if face_output.output.finished:
-                    yield complete_to_proto(face_output, prompt_tokens, top, face.stop_token_ids)
+                    yield complete_to_proto(face_output, prompt_tokens, top, face.stop_token_ids,
+                                            self._handoff(face_output.output, transfer, admitted.request_id))
             if stops is not None and stops.ended_a_choice and admitted.request_id:
                 # Stop strings ended choices the backend still runs: abort them and wait for the
                 # backend's own end, so once this stream ends the id is free and the load no
@@ -129,6 +142,24 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     pass
         finally:
             await outputs.aclose()  # on cancel: aborts the request in the engine
+
+    async def _prepare_transfer(self, face: SmgGenerate, admitted: AdmittedRequest
+                                ) -> tuple[AdmittedRequest, Transfer]:
+        if self._kv is None:
+            raise FailedPrecondition("this engine does not transfer KV (prefill/decode disaggregation needs "
+                                     "--backend native)", reason=TRANSFER_UNSUPPORTED,
+                                     field="kv_transfer_params_json")
+        try:
+            return await self._kv.prepare(face.generate, admitted)
+        except TitoError as error:
+            raise with_smg_fields(error) from None
+
+    def _handoff(self, output: ChoiceOutput, transfer: Transfer | None, request_id: str) -> str | None:
+        """A prefill's kv_transfer_params_json, on its last output; None otherwise."""
+        if transfer is None:
+            return None
+        handle = self._kv.handle_for(output, transfer, request_id)
+        return kv_params_json(handle, self._kv_address) if handle is not None else None
 
     async def Abort(self, request: vllm_engine_pb2.AbortRequest, context):
         self._engine.abort(list(request.request_ids))
