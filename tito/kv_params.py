@@ -8,19 +8,27 @@ that object unchanged with the decode call. tito's engines speak the same dance 
 so this module maps one onto the other; the gateway's vLLM HTTP API and the engine's SMG face both
 use it, so the two refuse and answer alike.
 
-- `do_remote_decode` true: `KvTransfer.prefill` (the engine's default pin time).
-- `do_remote_prefill` true: `KvTransfer.decode`, with tito's handle carried whole in
-  `tito_kv_handle` (protobuf's JSON form; the engine checks its signature, model and prompt, so a
-  router cannot forge one) and the prefilling engine's address in `remote_host` / `remote_port`.
-- neither: an ordinary request.
+The object itself always travels too (`KvTransfer.connector_params_json`): an engine whose KV
+moves through vLLM's own connector (the vllm backend) hands it to vLLM unchanged, and that
+connector's answer comes back as the next call's object. tito's native engines follow the role:
 
-NIXL's `remote_block_ids` is accepted and never read: tito's handle names its pinned blocks by
-transfer id, so no block id list is returned either. A key vLLM's connectors do not define is a
-caller's mistake naming `kv_transfer_params.<key>`.
+- `do_remote_decode` true: `KvTransfer.prefill` (the engine's default pin time).
+- `do_remote_prefill` true with `tito_kv_handle`: `KvTransfer.decode`, tito's handle carried whole
+  (protobuf's JSON form; the engine checks its signature, model and prompt, so a router cannot
+  forge one) and the prefilling engine's address in `remote_host` / `remote_port`. Without
+  `tito_kv_handle` it is a vLLM connector's handoff: no role (`foreign_decode`; a native engine
+  refuses it).
+- neither: no role.
+
+NIXL's `remote_block_ids` is never read: tito's handle names its pinned blocks by transfer id, so
+no block id list is returned either. Keys vLLM's connectors define beyond NIXL's travel unread.
+The keys tito reads are checked: a wrong type is a caller's mistake naming
+`kv_transfer_params.<key>`.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from google.protobuf import json_format
@@ -31,11 +39,6 @@ from tito.v1 import engine_pb2
 FIELD = "kv_transfer_params"
 #: Where tito's KvTransferHandle travels inside vLLM's object.
 HANDLE_KEY = "tito_kv_handle"
-#: The keys of vLLM's connector handoff (NIXL's request and answer, the widest shape in vLLM
-#: 0.32): accepted; those tito needs are read, the others carry no meaning for tito's engines.
-VLLM_KEYS = frozenset(("do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_request_id",
-                       "remote_block_ids", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
-                       "remote_num_tokens", "remote_blocks_expiry_time", "transfer_mode"))
 MAX_PORT = 65535
 
 
@@ -44,30 +47,38 @@ def invalid(key: str, why: str) -> InvalidArgument:
     return InvalidArgument(f"{name}: {why}", reason="INVALID_REQUEST", field=name)
 
 
-def kv_transfer_from_params(params: Any, also_allowed: frozenset[str] = frozenset()) -> engine_pb2.KvTransfer | None:
-    """The typed part a request with vLLM's `params` plays, None when it plays none.
-    `also_allowed`: keys the caller reads itself (the chat's `prompt_token_ids`)."""
+def kv_transfer_from_params(params: Any) -> engine_pb2.KvTransfer | None:
+    """The typed part a request with vLLM's `params` plays, with `params` themselves for a vLLM
+    connector; None for an empty object."""
     if not isinstance(params, dict):
         raise invalid("", "must be an object")
-    for key in params:
-        if key not in VLLM_KEYS and key != HANDLE_KEY and key not in also_allowed:
-            raise invalid(key, "unknown key of vLLM's kv_transfer_params")
+    if not params:
+        return None
+    transfer = engine_pb2.KvTransfer(connector_params_json=json.dumps(params, separators=(",", ":")))
     remote_decode, remote_prefill = _flag(params, "do_remote_decode"), _flag(params, "do_remote_prefill")
     if remote_decode and remote_prefill:
         raise invalid("do_remote_prefill", "cannot be true together with do_remote_decode: a request is either "
                                            "the prefill part or the decode part")
     if remote_decode:
-        return engine_pb2.KvTransfer(prefill=engine_pb2.KvPrefill())
-    if not remote_prefill:
-        return None
-    transfer = engine_pb2.KvTransfer()
-    transfer.decode.handle.CopyFrom(_handle(params.get(HANDLE_KEY)))
-    transfer.decode.source_address = _source_address(params)
-    engine_id = params.get("remote_engine_id")
-    if engine_id is not None and engine_id != transfer.decode.handle.engine_id:
-        raise invalid("remote_engine_id", f"must be the engine id of {HANDLE_KEY} (send the prefill answer's "
-                                          f"kv_transfer_params unchanged)")
+        transfer.prefill.SetInParent()
+    elif remote_prefill and params.get(HANDLE_KEY) is not None:
+        transfer.decode.handle.CopyFrom(_handle(params[HANDLE_KEY]))
+        transfer.decode.source_address = _source_address(params)
+        engine_id = params.get("remote_engine_id")
+        if engine_id is not None and engine_id != transfer.decode.handle.engine_id:
+            raise invalid("remote_engine_id", f"must be the engine id of {HANDLE_KEY} (send the prefill answer's "
+                                              f"kv_transfer_params unchanged)")
     return transfer
+
+
+def foreign_decode(params: dict[str, Any]) -> InvalidArgument | None:
+    """The refusal of a native engine for `params` that hand over a vLLM connector's KV
+    (do_remote_prefill without a tito handle), None for any other."""
+    if params.get("do_remote_prefill") is True and params.get(HANDLE_KEY) is None:
+        return invalid(HANDLE_KEY, "is required with do_remote_prefill on a tito native engine: send the "
+                                   "kv_transfer_params a tito engine's prefill answered (this handoff is a vLLM "
+                                   "connector's: decode it on a vllm-backend engine of the same connector)")
+    return None
 
 
 def params_from_handle(handle: engine_pb2.KvTransferHandle, source_address: str) -> dict[str, Any]:
@@ -108,8 +119,7 @@ def _flag(params: dict[str, Any], key: str) -> bool:
 
 def _handle(value: Any) -> engine_pb2.KvTransferHandle:
     if not isinstance(value, dict):
-        raise invalid(HANDLE_KEY, "is required with do_remote_prefill: the handle the prefill answer's "
-                                  "kv_transfer_params carried, unchanged")
+        raise invalid(HANDLE_KEY, "must be the object the prefill answer's kv_transfer_params carried, unchanged")
     handle = engine_pb2.KvTransferHandle()
     try:
         json_format.ParseDict(value, handle)

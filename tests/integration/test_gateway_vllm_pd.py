@@ -2,8 +2,8 @@
 SMG): over vLLM's HTTP generate, with `kv_transfer_params`. Two real engines, each behind its own
 gateway (a router calls the prefill server, then the decode server with the parameters the
 prefill answer returned). Greedy tokens equal one engine's; the decode engine pulled the KV (a
-replay of the same parameters is refused, the handle being single-use); bad shapes are 400s
-naming `kv_transfer_params.<field>`."""
+replay of the same parameters is refused, the handle being single-use); bad shapes, and a vLLM
+connector's handoff a native engine cannot decode from, are 400s naming `kv_transfer_params.<field>`."""
 
 from __future__ import annotations
 
@@ -121,7 +121,9 @@ def test_a_decode_for_another_prompt_is_refused_and_the_next_request_works(serve
      "kv_transfer_params.remote_port"),
     ({"do_remote_prefill": True, "tito_kv_handle": {"transfer_id": "x", "engine_id": "a"}, "remote_host": "h",
       "remote_port": 1, "remote_engine_id": "b"}, "kv_transfer_params.remote_engine_id"),
-    ({"bootstrap_room": 3}, "kv_transfer_params.bootstrap_room"),
+    # A vLLM connector's decode handoff (NIXL's shape) reaches a native engine: refused there.
+    ({"do_remote_prefill": True, "remote_block_ids": [1], "remote_engine_id": "e", "remote_host": "h",
+      "remote_port": 1}, "kv_transfer_params.tito_kv_handle"),
 ])
 def test_bad_params_are_400s_naming_the_field(servers, params, param):
     reply = generate(servers[0], [40, 41, 42], kv_transfer_params=params)

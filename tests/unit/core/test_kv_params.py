@@ -28,13 +28,32 @@ def test_a_prefill_answers_params_come_back_as_the_same_decode_part(address):
     assert transfer.decode.source_address == address
 
 
-def test_do_remote_decode_is_the_prefill_part_and_neither_flag_is_none():
+def test_do_remote_decode_is_the_prefill_part_and_neither_flag_no_part():
     assert kv_params.kv_transfer_from_params({"do_remote_decode": True}).WhichOneof("role") == "prefill"
-    assert kv_params.kv_transfer_from_params({"do_remote_decode": False, "do_remote_prefill": None}) is None
+    assert kv_params.kv_transfer_from_params({"do_remote_decode": False, "do_remote_prefill": None}
+                                             ).WhichOneof("role") is None
 
 
-def test_keys_the_caller_reads_itself_are_allowed_only_when_named():
+def test_the_object_travels_whole_for_vllms_connector_and_a_foreign_handoff_has_no_role():
+    nixl = {"do_remote_prefill": True, "remote_block_ids": [[3, 4]], "remote_engine_id": "e", "remote_host": "h",
+            "remote_port": 5600, "tp_size": 1}
+    transfer = kv_params.kv_transfer_from_params(nixl)
+    assert transfer.WhichOneof("role") is None
+    assert json.loads(transfer.connector_params_json) == nixl  # block ids stay integers
+    assert kv_params.foreign_decode(nixl).field == "kv_transfer_params.tito_kv_handle"
+    assert kv_params.foreign_decode({"do_remote_decode": True}) is None
+    assert kv_params.kv_transfer_from_params({}) is None
+
+
+@pytest.mark.parametrize(("params", "field"), [
+    ([], "kv_transfer_params"),
+    ({"do_remote_prefill": "yes"}, "kv_transfer_params.do_remote_prefill"),
+    ({"do_remote_prefill": True, "tito_kv_handle": {"transfer_id": "x"}, "remote_host": "h", "remote_port": True},
+     "kv_transfer_params.remote_port"),
+    ({"do_remote_prefill": True, "tito_kv_handle": {"block_count": -1}, "remote_host": "h", "remote_port": 1},
+     "kv_transfer_params.tito_kv_handle"),
+])
+def test_bad_shapes_name_the_key(params, field):
     with pytest.raises(InvalidArgument) as caught:
-        kv_params.kv_transfer_from_params({"prompt_token_ids": [1]})
-    assert caught.value.field == "kv_transfer_params.prompt_token_ids"
-    assert kv_params.kv_transfer_from_params({"prompt_token_ids": [1]}, frozenset({"prompt_token_ids"})) is None
+        kv_params.kv_transfer_from_params(params)
+    assert caught.value.field == field

@@ -29,7 +29,7 @@ from tito_engine.model_info import ModelInfo
 from tito_engine.multimodal.items import MODALITY_NAMES
 from tito_engine.request import ChoiceOutput, FinishReason, GenerateInput, RawSamplingParams
 from tito_engine.backend.interface import LoadSnapshot
-from tito_engine.kv_transfer import KvHandle, KvRole
+from tito_engine.kv_transfer import KvHandle
 from tito_engine.service.convert import handle_to_proto, kv_role_from_proto
 from tito_engine.smg.facts import ModelFacts
 from tito_engine.smg.media import media_from_proto
@@ -157,10 +157,11 @@ def _check_served(request: vllm_engine_pb2.GenerateRequest) -> None:
                               reason="INVALID_REQUEST", field="data_parallel_rank")
 
 
-def _kv_role(request: vllm_engine_pb2.GenerateRequest) -> KvRole | None:
-    """The request's part in a prefill/decode split, from vLLM's `kv_transfer_params` JSON."""
+def _kv_parts(request: vllm_engine_pb2.GenerateRequest) -> dict:
+    """The request's part in a prefill/decode split (GenerateInput's kv_transfer and
+    kv_connector_params), from vLLM's `kv_transfer_params` JSON."""
     if not request.HasField("kv_transfer_params_json"):
-        return None
+        return {}
     try:
         params = json.loads(request.kv_transfer_params_json)
     except ValueError:
@@ -171,7 +172,9 @@ def _kv_role(request: vllm_engine_pb2.GenerateRequest) -> KvRole | None:
         transfer = kv_params.kv_transfer_from_params(params)
     except TitoError as error:
         raise with_smg_fields(error) from None
-    return kv_role_from_proto(transfer) if transfer is not None else None
+    if transfer is None:
+        return {}
+    return {"kv_transfer": kv_role_from_proto(transfer), "kv_connector_params": params}
 
 
 def kv_params_json(handle: KvHandle, address: str) -> str:
@@ -204,7 +207,7 @@ def generate_from_proto(request: vllm_engine_pb2.GenerateRequest, *, max_context
     items = media_from_proto(request, prompt)
     generate = GenerateInput(request_id=request.request_id, token_ids=prompt, sampling=sampling,
                              mm_modalities=[MODALITY_NAMES.get(item.modality, f"modality {item.modality}")
-                                            for item in items], mm_items=items, kv_transfer=_kv_role(request))
+                                            for item in items], mm_items=items, **_kv_parts(request))
     options = StopStringOptions(stops, params.include_stop_str_in_output, params.skip_special_tokens,
                                 params.min_tokens) if stops else None
     return SmgGenerate(generate, request.stream, options, frozenset(params.stop_token_ids))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,9 +23,8 @@ from tito.logs import bind_request_id
 from tito_engine.backend.admission import Admission, AdmittedRequest
 from tito_engine.backend.interface import EngineBackend
 from tito_engine.backend.drain import Drain, draining_error
-from tito_engine.backend.kv_transfers import KvTransfers, Transfer
+from tito_engine.backend.kv_transfers import KvTransfers, Transfer, prepare_transfer
 from tito_engine.backend.observe import RequestObserver
-from tito_engine.kv_transfer import TRANSFER_UNSUPPORTED
 from tito_engine.request import ChoiceOutput
 from tito_engine.smg.convert import (SmgGenerate, chunk_to_proto, complete_to_proto, generate_from_proto,
                                      kv_batch_to_proto, model_info_to_proto, scheduler_load_to_proto,
@@ -111,9 +111,10 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def _generate(self, backend: EngineBackend, face: SmgGenerate):
         admitted = await self._admit(face)
-        transfer = None
-        if face.generate.kv_transfer is not None:
-            admitted, transfer = await self._prepare_transfer(face, admitted)
+        try:
+            admitted, transfer = await prepare_transfer(backend, self._kv, face.generate, admitted)
+        except TitoError as error:
+            raise with_smg_fields(error) from None
         stops = None
         if face.stops is not None:
             await asyncio.to_thread(self._tokenizer.get)  # read once per engine, off the loop
@@ -143,19 +144,11 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         finally:
             await outputs.aclose()  # on cancel: aborts the request in the engine
 
-    async def _prepare_transfer(self, face: SmgGenerate, admitted: AdmittedRequest
-                                ) -> tuple[AdmittedRequest, Transfer]:
-        if self._kv is None:
-            raise FailedPrecondition("this engine does not transfer KV (prefill/decode disaggregation needs "
-                                     "--backend native)", reason=TRANSFER_UNSUPPORTED,
-                                     field="kv_transfer_params_json")
-        try:
-            return await self._kv.prepare(face.generate, admitted)
-        except TitoError as error:
-            raise with_smg_fields(error) from None
-
     def _handoff(self, output: ChoiceOutput, transfer: Transfer | None, request_id: str) -> str | None:
-        """A prefill's kv_transfer_params_json, on its last output; None otherwise."""
+        """A prefill's kv_transfer_params_json, on its last output (vLLM's connector's answer, or
+        tito's handle); None otherwise."""
+        if output.kv_connector_params is not None:
+            return json.dumps(output.kv_connector_params, separators=(",", ":"))
         if transfer is None:
             return None
         handle = self._kv.handle_for(output, transfer, request_id)

@@ -64,6 +64,8 @@ def vllm_param(param: str | None) -> str | None:
         return "sampling_params.structured_outputs" + param[len("structured_output"):]
     if param.startswith("mm_features"):
         return "features"
+    if param.startswith(kv_params.FIELD):  # named in vLLM's terms already (tito.kv_params)
+        return param
     if param.startswith(KV_HANDLE):  # the engine refused the handle kv_transfer_params carried
         return f"{kv_params.FIELD}.{kv_params.HANDLE_KEY}{param[len(KV_HANDLE):]}"
     if param.startswith("kv_transfer"):
@@ -290,8 +292,11 @@ class VllmApi:
         return Response(dumps(whole.json(response_id, model)), media_type="application/json")
 
     def _handoff(self, call: generate_in.GenerateCall, response) -> dict | None:
-        """A prefill answer's `kv_transfer_params` (tito.kv_params): tito's handle and the address
-        of the engine that holds the KV, which the decode engine pulls from."""
+        """A prefill answer's `kv_transfer_params`: a vllm-backend engine's connector answer as it
+        is, or (tito.kv_params) tito's handle and the address of the engine that holds the KV,
+        which the decode engine pulls from."""
+        if response.kv_connector_params_json:
+            return json.loads(response.kv_connector_params_json)
         if not response.HasField("kv_transfer_handle"):
             return None
         address = self.pipeline.engine_address(call.request.request_id)
