@@ -139,6 +139,9 @@ def test_kv_transfer_params_go_where_vllms_servers_put_them_and_the_answer_comes
     (plain,) = OutputConverter(SamplingOptions(max_tokens=1), 5).convert(
         SimpleNamespace(outputs=[_completion(0, [9], "length")], num_cached_tokens=0))
     assert plain.kv_connector_params is None
+    replicated = OutputConverter(SamplingOptions(max_tokens=1, temperature=0.0, n=2), 5).convert(
+        SimpleNamespace(outputs=[_completion(0, [9], "length")], num_cached_tokens=0, kv_transfer_params=answer))
+    assert [choice.kv_connector_params for choice in replicated] == [answer, None]  # once, on choice 0
 
 
 def test_logprobs_keep_the_top_by_rank_and_the_sampled_token():

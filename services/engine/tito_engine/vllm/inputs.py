@@ -247,7 +247,9 @@ class OutputConverter:
         choices = self._convert(output)
         if not _replicated(self._options):
             return choices
-        return [dataclasses.replace(choice, index=index) for choice in choices for index in range(self._options.n)]
+        # The connector's answer is the request's, reported once (choice 0), as the native engine does.
+        return [dataclasses.replace(choice, index=index, kv_connector_params=choice.kv_connector_params if index == 0
+                                    else None) for choice in choices for index in range(self._options.n)]
 
     def _convert(self, output: Any) -> list[ChoiceOutput]:
         choices = []
