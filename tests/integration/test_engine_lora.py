@@ -27,6 +27,7 @@ import pytest
 
 from chat_parts import image, text
 from engine_calls import collect, request
+from gateway_servers import StoppableGateway
 from lora_adapters import ADAPTERS, AdapterSpec, PeftReference, make_adapter, q_proj_adapter, write_adapter
 from tito.grpc_errors import error_details
 from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, render_pb2, render_pb2_grpc
@@ -392,16 +393,6 @@ def test_an_engine_without_lora_dir_refuses_adapters(aio_server, tiny_text_model
 # ---------------------------------------------------------------------------- through the gateway
 
 
-class _StoppableGateway:
-    """A started gateway as AioServer stops servers (`stop(grace)`)."""
-
-    def __init__(self, running):
-        self.running, self.address = running, running.address
-
-    async def stop(self, grace: float) -> None:
-        await self.running.stop()
-
-
 @dataclass
 class Front:
     """render and derender of the tiny Qwen2, for gateways over the `qwen2` engine."""
@@ -416,7 +407,7 @@ class Front:
         from tito_gateway.server import create_server as create_gateway
 
         async def gateway():
-            return _StoppableGateway(await create_gateway(GatewayConfig(
+            return StoppableGateway(await create_gateway(GatewayConfig(
                 address="127.0.0.1:0", render_address=self.render.address, engine_address=engine_address,
                 derender_address=self.derender.address, served_model_name="tiny", **config)))
 

@@ -306,3 +306,18 @@ def test_a_decode_whose_prefill_engine_is_gone_prefills_itself_and_still_answers
     assert tokens[0] == solo[0]
     assert finals[0].kv_transfer_stats.blocks_pulled == 0  # computed here instead
     assert wait_idle(d_stub).kv_blocks_used == 0
+
+
+@pytest.mark.parametrize(("params", "field"), [
+    ("[", "kv_transfer.connector_params_json"),
+    ('{"do_remote_prefill": true, "remote_block_ids": [1], "remote_host": "h", "remote_port": 1}',
+     "kv_transfer_params.tito_kv_handle"),  # a vLLM connector's handoff: no tito handle to pull with
+])
+def test_vllm_params_a_native_engine_cannot_serve_are_invalid_and_the_next_request_works(pair, params, field):
+    _, _, d_stub, _ = pair
+    message = request(prompts(1)[0], max_tokens=2)
+    message.kv_transfer.connector_params_json = params
+    details = _refusal(lambda: list(d_stub.Generate(message, timeout=TIMEOUT)))
+    assert details["code"] == grpc.StatusCode.INVALID_ARGUMENT and details["fields"][0] == field, details
+    tokens, _ = collect(d_stub.Generate(request(prompts(1)[0], max_tokens=2), timeout=TIMEOUT))
+    assert len(tokens[0]) == 2

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import grpc
 import pytest
 from smg_grpc_proto import vllm_engine_pb2
+
+from tito.grpc_errors import error_details
 
 from tito_cli.smg import smg_executable
 
@@ -39,6 +42,13 @@ class SmgStream:
         if index in self.chunk_tokens:
             return self.chunk_tokens[index]
         return list(self.completes[index].output_ids)
+
+
+def stream_refusal(responses) -> dict:
+    """The error details of a Generate stream that must fail."""
+    with pytest.raises(grpc.RpcError) as caught:
+        list(responses)
+    return error_details(caught.value)
 
 
 def read_stream(responses) -> SmgStream:

@@ -41,12 +41,14 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., mm_features: _Optional[_Union[_multimodal_pb2.MultiModalFeatures, _Mapping]] = ..., sampling_params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., kv_transfer: _Optional[_Union[KvTransfer, _Mapping]] = ...) -> None: ...
 
 class KvTransfer(_message.Message):
-    __slots__ = ("prefill", "decode")
+    __slots__ = ("prefill", "decode", "connector_params_json")
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
+    CONNECTOR_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     prefill: KvPrefill
     decode: KvDecode
-    def __init__(self, prefill: _Optional[_Union[KvPrefill, _Mapping]] = ..., decode: _Optional[_Union[KvDecode, _Mapping]] = ...) -> None: ...
+    connector_params_json: str
+    def __init__(self, prefill: _Optional[_Union[KvPrefill, _Mapping]] = ..., decode: _Optional[_Union[KvDecode, _Mapping]] = ..., connector_params_json: _Optional[str] = ...) -> None: ...
 
 class KvPrefill(_message.Message):
     __slots__ = ("pin_seconds",)
@@ -131,7 +133,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "matched_stop_token_id", "usage", "kv_transfer_handle", "kv_transfer_stats")
+    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "matched_stop_token_id", "usage", "kv_transfer_handle", "kv_transfer_stats", "kv_connector_params_json")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +142,7 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_HANDLE_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_STATS_FIELD_NUMBER: _ClassVar[int]
+    KV_CONNECTOR_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
@@ -148,7 +151,8 @@ class GenerateResponse(_message.Message):
     usage: Usage
     kv_transfer_handle: KvTransferHandle
     kv_transfer_stats: KvTransferStats
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., matched_stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., kv_transfer_handle: _Optional[_Union[KvTransferHandle, _Mapping]] = ..., kv_transfer_stats: _Optional[_Union[KvTransferStats, _Mapping]] = ...) -> None: ...
+    kv_connector_params_json: str
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., matched_stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., kv_transfer_handle: _Optional[_Union[KvTransferHandle, _Mapping]] = ..., kv_transfer_stats: _Optional[_Union[KvTransferStats, _Mapping]] = ..., kv_connector_params_json: _Optional[str] = ...) -> None: ...
 
 class KvTransferStats(_message.Message):
     __slots__ = ("blocks_pulled", "blocks_cached", "bytes_pulled")

@@ -197,6 +197,7 @@ class _Running:
 
     engine: Callable[[], engine_pb2_grpc.EngineServiceStub]
     request_id: Callable[[], str]
+    address: Callable[[], str]
 
 
 class AsyncChatPipeline:
@@ -215,6 +216,7 @@ class AsyncChatPipeline:
         self.timeout = timeout
         self._max_message_bytes = max_message_bytes
         self._security, self.router = security, router
+        self._engine_address = endpoints.engine
         beside = security if sidecar_security is None else sidecar_security
         self._channels = [side.aio_channel(a, options=_channel_options(a, max_message_bytes))
                           for side, a in ((beside, endpoints.render), (security, endpoints.engine),
@@ -272,13 +274,14 @@ class AsyncChatPipeline:
         request id."""
         if self.router is None:
             generation = self.engine.Generate(request, timeout=self.timeout, metadata=self._metadata)
-            running = _Running(lambda: self.engine, lambda: request.request_id)
+            running = _Running(lambda: self.engine, lambda: request.request_id, lambda: self._engine_address)
         else:
             address, placed = await place(self.router, request, self._prefill_with(self._metadata))
             self.last_engine = address
             generation = AsyncMigratingStream(self.router, lambda where, generate: self._engine_at(where).Generate(
                 generate, timeout=self.timeout, metadata=self._metadata), placed, address)
-            running = _Running(lambda: self._engine_at(generation.address), lambda: generation.request_id)
+            running = _Running(lambda: self._engine_at(generation.address), lambda: generation.request_id,
+                               lambda: generation.address)
         rid = request.request_id
         if rid:
             self._generating[rid] = running
@@ -296,6 +299,12 @@ class AsyncChatPipeline:
             call = self._engine_at(address).Generate(request, timeout=self.timeout, metadata=metadata)
             return handle_of([response async for response in call])
         return prefill
+
+    def engine_address(self, request_id: str) -> str | None:
+        """Where the request `generate` is running (by the caller's id) now, None when it is not:
+        the address a prefill answer names for its decode engine to pull from."""
+        running = self._generating.get(request_id)
+        return running.address() if running is not None else None
 
     async def abort(self, request_ids: list[str]) -> list[str]:
         """Abort the requests `generate` is running (by id) on the engines serving them now: their

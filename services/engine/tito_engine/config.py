@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tito.config import ConfigError, ServerConfig, model_setting
+from tito.config import ConfigError, ServerConfig, model_setting, validate_address
 from tito.cpu_affinity import check_cpus, parse_cpu_list
 from tito.settings import setting
 from tito.signing import read_key_file
@@ -172,11 +172,16 @@ class KvCacheSettings:
                                     help="prefill/decode: most seconds a prefill request's KV blocks stay pinned for "
                                          "a decode engine to pull (GenerateRequest.kv_transfer); unpulled pins are "
                                          "freed after it")
+    kv_peer_address: str = setting("", help="prefill/decode: where decode engines reach this engine (host:port), "
+                                            "named as remote_host/remote_port in the kv_transfer_params a prefill "
+                                            "answers on SMG's face; default: the address it listens on")
     kv_peer_tls_ca_file: str = setting("", help="prefill/decode: PEM CA that issued the other engines' certificates: "
                                                 "pulls from them (PullKvBlocks) go over TLS; they carry this "
                                                 "engine's --auth-token-file token either way (one token per fleet)")
 
     def _check_kv_cache(self) -> None:
+        if self.kv_peer_address:
+            validate_address(self.kv_peer_address, "--kv-peer-address")
         if self.kv_peer_tls_ca_file and not os.path.isfile(self.kv_peer_tls_ca_file):
             raise ConfigError(f"--kv-peer-tls-ca-file {self.kv_peer_tls_ca_file!r} is not a readable file (the PEM CA "
                               f"of the other engines' certificates)")

@@ -126,6 +126,8 @@ class GenerateInput:
     lora_name: str = ""
     # Prefill/decode disaggregation: this request's part (kv_transfer.KvPrefill / KvDecode); None: both here.
     kv_transfer: Any = None
+    # vLLM's kv_transfer_params as the caller sent them (a JSON object), for vLLM's own KV connector.
+    kv_connector_params: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,7 @@ class ChoiceOutput:
     cached_tokens: int | None = None
     kv_pinned: Any = None  # kv_transfer.KvPinned, on a prefill request's last output
     kv_stats: Any = None  # kv_transfer.TransferStats, on a decode request's last output of choice 0
+    kv_connector_params: dict | None = None  # vLLM's connector's answer, on the last output of choice 0
 
     def merged_with(self, later: "ChoiceOutput") -> "ChoiceOutput":
         """This output followed by `later` of the same choice, as one message."""
@@ -184,7 +187,8 @@ class ChoiceOutput:
                             later.matched_stop_token_id, later.usage, self.logprobs + later.logprobs,
                             later.timings or self.timings,
                             cached_tokens=self.cached_tokens if self.cached_tokens is not None else later.cached_tokens,
-                            kv_pinned=later.kv_pinned or self.kv_pinned, kv_stats=later.kv_stats or self.kv_stats)
+                            kv_pinned=later.kv_pinned or self.kv_pinned, kv_stats=later.kv_stats or self.kv_stats,
+                            kv_connector_params=later.kv_connector_params or self.kv_connector_params)
 
     @property
     def finished(self) -> bool:

@@ -163,9 +163,11 @@ async def create_server(config: EngineConfig, phases: StartupPhases | None = Non
         running.add_cleanup(lambda: asyncio.to_thread(publisher.stop))
     admission = Admission.for_backend(backend, feature_policy(config), config.max_choices_per_request)
     observer = RequestObserver(engine_metrics)
-    servicer.attach(backend, admission, observer if observer.active else None, _kv_transfers(config, backend, running))
+    kv_transfers = _kv_transfers(config, backend, running)
+    servicer.attach(backend, admission, observer if observer.active else None, kv_transfers)
     smg_servicer.attach(backend, admission, plan.model_dir if plan else resolve_model(config.model),
-                        observer if observer.active else None, drain=servicer.drain_state)
+                        observer if observer.active else None, drain=servicer.drain_state, kv_transfers=kv_transfers,
+                        kv_address=config.kv_peer_address or running.address)
     servicer.on_drain(config.grace_seconds, running.set_not_serving)
     running.add_drainer(lambda grace: _drain_before_stop(servicer, grace))
     await running.set_serving()

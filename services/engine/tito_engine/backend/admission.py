@@ -50,6 +50,7 @@ class AdmittedRequest:
     lora_name: str = ""  # the LoRA adapter ("" = the base model); whether it is held is the backend's to say
     kv_pin: Any = None  # kv_transfer.KvPinOrder: a prefill request's pin (backend/kv_transfers.py)
     kv_import: Any = None  # kv_transfer.ImportedKv: a decode request's pulled prompt blocks
+    kv_connector_params: dict | None = None  # vLLM's kv_transfer_params, for the vllm backend's connector
 
 
 class Admission:

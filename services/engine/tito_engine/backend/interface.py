@@ -62,6 +62,9 @@ class EngineBackend(Protocol):
     on_core_restored: Callable[[], None] | None
     # What the prefix cache stores, evicts and clears, in vLLM's event shapes (SubscribeKvEvents).
     kv_events: KvEventLog
+    # True when KV moves between engines through vLLM's own connector (the vllm backend): a
+    # request's kv_connector_params go to it; False: tito's transfers (backend/kv_transfers.py).
+    kv_connector: bool
 
     def start(self) -> None:
         """Start serving (the model is loaded by the constructor)."""

@@ -8,6 +8,10 @@
   When the prefilling engine cannot be reached (or sends damaged blocks), the request is
   prefilled here instead: slower, never lost. A handle it refuses stays refused.
 - PullKvBlocks: the handle is checked, the core hands the pinned blocks out once.
+
+`prepare_transfer` is where both protocol faces start: a backend whose KV moves through vLLM's
+own connector (the vllm backend) takes vLLM's kv_transfer_params as they came; the native
+backend takes the typed role.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from tito import kv_params
 from tito.errors import FailedPrecondition, Unavailable
 
 from tito_engine.kv_transfer import (TRANSFER_MISMATCH, TRANSFER_UNSUPPORTED, HandleIssuer, ImportedKv, KvDecode,
@@ -35,6 +40,31 @@ class Transfer:
     request_id: str
     digest: bytes
     stats: TransferStats | None = None  # decode: what was pulled
+
+
+async def prepare_transfer(backend: Any, transfers: "KvTransfers | None", generate: GenerateInput,
+                           admitted: AdmittedRequest) -> tuple[AdmittedRequest, "Transfer | None"]:
+    """The admitted request as `backend` takes it for its part in a prefill/decode split, and the
+    native transfer it starts (None: no part, or vLLM's connector moves the KV)."""
+    if getattr(backend, "kv_connector", False):
+        if generate.kv_connector_params is not None:
+            return dataclasses.replace(admitted, kv_connector_params=generate.kv_connector_params), None
+        if generate.kv_transfer is not None:
+            raise unsupported("this engine's KV moves through vLLM's connector (--backend vllm): send vLLM's "
+                              "kv_transfer_params (kv_transfer.connector_params_json), not a tito role")
+        return admitted, None
+    if generate.kv_transfer is None:
+        refusal = kv_params.foreign_decode(generate.kv_connector_params or {})
+        if refusal is not None:
+            raise refusal
+        return admitted, None
+    if transfers is None:
+        raise unsupported("this engine does not transfer KV")
+    return await transfers.prepare(generate, admitted)
+
+
+def unsupported(why: str) -> FailedPrecondition:
+    return FailedPrecondition(why, reason=TRANSFER_UNSUPPORTED, field="kv_transfer")
 
 
 class KvTransfers:

@@ -6,6 +6,9 @@ KV events and Encode's descriptors become messages; nothing below the servicer s
 
 from __future__ import annotations
 
+import json
+
+from tito.errors import InvalidArgument
 from tito.structured_output import StructuredOutputSpec, spec_from_proto
 from tito.v1 import engine_pb2, multimodal_pb2, sampling_pb2
 
@@ -111,7 +114,22 @@ def generate_input_from_proto(request: engine_pb2.GenerateRequest) -> GenerateIn
         cache_salt=request.cache_salt,
         lora_name=request.lora_name,
         kv_transfer=kv_role_from_proto(request.kv_transfer) if request.HasField("kv_transfer") else None,
+        kv_connector_params=connector_params_from_proto(request.kv_transfer),
     )
+
+
+def connector_params_from_proto(transfer: engine_pb2.KvTransfer) -> dict | None:
+    """KvTransfer.connector_params_json as the object it must hold, None when empty."""
+    if not transfer.connector_params_json:
+        return None
+    try:
+        params = json.loads(transfer.connector_params_json)
+    except ValueError:
+        params = None
+    if not isinstance(params, dict):
+        raise InvalidArgument("kv_transfer.connector_params_json must be a JSON object (vLLM's kv_transfer_params)",
+                              reason="INVALID_REQUEST", field="kv_transfer.connector_params_json")
+    return params
 
 
 def kv_role_from_proto(transfer: engine_pb2.KvTransfer) -> KvRole | None:
@@ -157,6 +175,8 @@ def output_to_proto(output: ChoiceOutput, handle: KvHandle | None = None) -> eng
     response = engine_pb2.GenerateResponse(index=output.index, token_ids=output.token_ids)
     if handle is not None:
         response.kv_transfer_handle.CopyFrom(handle_to_proto(handle))
+    if output.kv_connector_params is not None:
+        response.kv_connector_params_json = json.dumps(output.kv_connector_params, separators=(",", ":"))
     if output.kv_stats is not None:
         stats = output.kv_stats
         response.kv_transfer_stats.blocks_pulled = stats.blocks_pulled

@@ -20,7 +20,7 @@ from tito.v1 import engine_pb2, engine_pb2_grpc
 from tito_engine.backend.admission import Admission
 from tito_engine.backend.drain import Drain, draining_error
 from tito_engine.backend.interface import EngineBackend, LoadSnapshot
-from tito_engine.backend.kv_transfers import KvTransfers
+from tito_engine.backend.kv_transfers import KvTransfers, prepare_transfer
 from tito_engine.backend.observe import RequestObserver
 from tito_engine.kv_transfer import TRANSFER_UNSUPPORTED, block_checksum
 from tito_engine.service.convert import (MODALITIES, descriptor_to_proto, generate_input_from_proto, handle_from_proto,
@@ -78,9 +78,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 admitted = await asyncio.to_thread(self._admission.admit, generate)
             else:
                 admitted = self._admission.admit(generate)
-            transfer = None
-            if generate.kv_transfer is not None:
-                admitted, transfer = await self._kv_transfers().prepare(generate, admitted)
+            admitted, transfer = await prepare_transfer(backend, self._kv, generate, admitted)
             outputs = backend.generate(admitted)
             if self._observer is not None:
                 outputs = self._observer.observe(outputs)

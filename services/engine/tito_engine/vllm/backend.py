@@ -31,7 +31,8 @@ from tito_engine.multimodal.features import CheckedFeatures
 from tito_engine.model_info import describe_model
 from tito_engine.request import ChoiceOutput
 from tito_engine.vllm.args import check_can_start
-from tito_engine.vllm.inputs import MediaConverter, OutputConverter, engine_input, sampling_params
+from tito_engine.vllm.inputs import (MediaConverter, OutputConverter, engine_input, sampling_params,
+                                     with_kv_transfer_params)
 from tito_engine.vllm.lora import VllmLoraAdapters
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ def _device_name(vllm_config: Any) -> str:
 
 
 class VllmEngine:
+    kv_connector = True  # prefill/decode through the connector vLLM's --kv-transfer-config configures
     """An EngineBackend over vLLM's AsyncLLM (see backend.EngineBackend). It may be built off the
     event loop (the model loads meanwhile); `start()` and every call after run on the serving loop,
     where AsyncLLM starts its output handler."""
@@ -265,7 +267,8 @@ class VllmEngine:
                 if request.lora_name:
                     adapter = self._lora.acquire(request.lora_name)  # admission let it through: LoRA is on
                 prompt = self._engine_input(request)
-                params = sampling_params(request.options, self.info.eos_token_ids)
+                params = with_kv_transfer_params(sampling_params(request.options, self.info.eos_token_ids),
+                                                 request.kv_connector_params)
                 stream = self._llm.generate(prompt, params, request_id, lora_request=adapter)
                 async for output in stream:
                     for choice in converter.convert(output):

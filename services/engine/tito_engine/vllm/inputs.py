@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -212,9 +213,25 @@ def request_timings(stats: Any) -> RequestTimings | None:
                           finished=stats.last_token_ts or stats.first_token_ts or stats.queued_ts)
 
 
+def _connector_answer(output: Any) -> dict | None:
+    """vLLM's KV connector's answer (RequestOutput.kv_transfer_params, on the request's last
+    output: a prefill's handoff for the decode engine), as a JSON-safe object."""
+    answer = getattr(output, "kv_transfer_params", None)
+    return json.loads(json.dumps(answer, default=str)) if answer else None
+
+
 def _timings_if_finished(output: Any) -> RequestTimings | None:
     """The request's timings, on the outputs of its last RequestOutput only."""
     return request_timings(getattr(output, "metrics", None)) if getattr(output, "finished", False) else None
+
+
+def with_kv_transfer_params(params: Any, kv_transfer_params: dict | None) -> Any:
+    """`params` carrying vLLM's kv_transfer_params for its KV connector, where vLLM's own servers
+    put them (SamplingParams.extra_args["kv_transfer_params"]; the scheduler's Request reads them
+    there)."""
+    if kv_transfer_params is not None:
+        params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": dict(kv_transfer_params)}
+    return params
 
 
 class OutputConverter:
@@ -230,7 +247,9 @@ class OutputConverter:
         choices = self._convert(output)
         if not _replicated(self._options):
             return choices
-        return [dataclasses.replace(choice, index=index) for choice in choices for index in range(self._options.n)]
+        # The connector's answer is the request's, reported once (choice 0), as the native engine does.
+        return [dataclasses.replace(choice, index=index, kv_connector_params=choice.kv_connector_params if index == 0
+                                    else None) for choice in choices for index in range(self._options.n)]
 
     def _convert(self, output: Any) -> list[ChoiceOutput]:
         choices = []
@@ -251,7 +270,8 @@ class OutputConverter:
             matched = self._last_token.get(index) if finish is FinishReason.STOP else None
             usage = Usage(self._prompt_tokens, self._generated.get(index, 0), output.num_cached_tokens or 0)
             choices.append(ChoiceOutput(index, token_ids, finish, matched, usage, logprobs,
-                                        _timings_if_finished(output), cached))
+                                        _timings_if_finished(output), cached,
+                                        kv_connector_params=_connector_answer(output) if index == 0 else None))
         return choices
 
     def _logprobs(self, token_ids: tuple[int, ...], positions: Any) -> tuple[PositionLogprobs, ...]:

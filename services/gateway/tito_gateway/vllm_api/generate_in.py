@@ -2,7 +2,9 @@
 
 Domain code: no HTTP here. Every field vLLM 0.32 defines is either mapped, accepted where it
 cannot change the tokens (text options, with `output_mode` "tokens"), or refused with a 400
-naming it (`sampling_params.stop`, `kv_transfer_params`, ...): never silently dropped. Media
+naming it (`sampling_params.stop`, `ec_transfer_params`, ...): never silently dropped.
+`kv_transfer_params` (vLLM's prefill/decode handoff) becomes the engine's typed `kv_transfer`
+(tito.kv_params). Media
 arrive as `features` (hashes and placeholders, with vLLM's serialized tensors in `kwargs_data` /
 `mm_metadata` where the vllm package is installed: mm_serde) or as `content_parts`, which the
 caller (routes) has render render (media). `sampling_params` holds vLLM's `SamplingParams`
@@ -17,6 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from tito import kv_params
 from tito.errors import NotFound
 from tito.v1 import engine_pb2, multimodal_pb2, sampling_pb2
 from tito_gateway import openai_in
@@ -34,8 +37,6 @@ REQUEST_FIELDS = frozenset((
 
 #: Request fields refused when set (not null), with why.
 REFUSED_FIELDS = {
-    "kv_transfer_params": "KV transfer between engines is not in tito's engine contract yet (the prefill/decode "
-                          "fields are pending); run the request whole on one engine",
     "ec_transfer_params": "encoder-cache transfer parameters are not supported; send features the engine holds",
 }
 
@@ -116,6 +117,10 @@ def parse_generate(values: dict[str, Any], served_model: str) -> GenerateCall:
     body.boolean("reasoning_ended")  # vLLM's engine-side reasoning gate; render already wrapped any constraint
     body.obj("reasoning_parser_kwargs")
     request = engine_pb2.GenerateRequest(token_ids=prompt_ids(values.get("token_ids"), "token_ids"))
+    if values.get("kv_transfer_params") is not None:
+        transfer = kv_params.kv_transfer_from_params(values["kv_transfer_params"])
+        if transfer is not None:
+            request.kv_transfer.CopyFrom(transfer)
     request_id = body.string("request_id")
     if request_id:
         request.request_id = request_id

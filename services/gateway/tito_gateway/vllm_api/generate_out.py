@@ -68,6 +68,8 @@ class Whole:
         self.call = call
         self.choices: dict[int, WholeChoice] = {}
         self.prompt_tokens = 0
+        #: a prefill answer's handoff for the decode call (tito.kv_params), None otherwise
+        self.kv_transfer_params: dict | None = None
 
     def add(self, response: engine_pb2.GenerateResponse) -> None:
         choice = self.choices.setdefault(response.index, WholeChoice())
@@ -96,7 +98,7 @@ class Whole:
                 "prompt_token_id_logprobs": None,
                 "prompt_token_ids": list(call.request.token_ids) if call.return_token_ids else None,
                 "mm_placeholders": placeholders_json(call.request) if call.return_token_ids else None,
-                "metrics": None, "kv_transfer_params": None, "ec_transfer_params": None,
+                "metrics": None, "kv_transfer_params": self.kv_transfer_params, "ec_transfer_params": None,
                 "output_mode": "tokens", "choices": choices}
 
 
@@ -147,8 +149,11 @@ class Stream:
         self.generated: dict[int, int] = {}
         self.first = True
 
-    def chunk(self, response: engine_pb2.GenerateResponse) -> dict | None:
-        """The chunk for one engine message, None when it carries neither tokens nor an end."""
+    def chunk(self, response: engine_pb2.GenerateResponse, kv_transfer_params: dict | None = None) -> dict | None:
+        """The chunk for one engine message, None when it carries neither tokens nor an end.
+        `kv_transfer_params`: a prefill answer's handoff, on the chunk that ends it (vLLM's streamed
+        generate has no such field and drops its connector's answer; tito adds it so a router
+        that streams the prefill call can still decode elsewhere)."""
         call = self.call
         if response.usage.prompt_tokens:
             self.prompt_tokens = response.usage.prompt_tokens
@@ -172,6 +177,8 @@ class Stream:
             "token_ids": list(response.token_ids), "routed_experts": None, "sampling_mask": None,
             "weight_versions": None,
             "logprobs": logprobs_json(response.logprobs, call.logprobs) if call.logprobs is not None else None}]
+        if kv_transfer_params is not None:
+            out["kv_transfer_params"] = kv_transfer_params
         return out
 
     def final(self) -> dict | None:

@@ -65,9 +65,9 @@ def split_forwarded(values: dict[str, Any]) -> tuple[dict[str, Any], Forwarded |
         raise invalid("kv_transfer_params", "must be an object")
     for key in params:
         if key not in ("prompt_token_ids", "prompt_features"):
-            raise unsupported(f"kv_transfer_params.{key[:64]}", "KV transfer between engines is not in tito's "
-                                                                "engine contract yet (the prefill/decode fields "
-                                                                "are pending)")
+            raise unsupported(f"kv_transfer_params.{key[:64]}", "prefill/decode on the chat endpoint is not "
+                                                                "served: split a rendered request with "
+                                                                "/inference/v1/generate's kv_transfer_params")
     ids, features = params.get("prompt_token_ids"), params.get("prompt_features")
     if ids is None:
         if features is not None:

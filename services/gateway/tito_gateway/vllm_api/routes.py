@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from tito import kv_params
 from tito.errors import InvalidArgument, ResourceExhausted, TitoError
 from tito.logs import bind_request_id
 from tito.v1 import derender_pb2, multimodal_pb2
@@ -43,6 +44,10 @@ SAMPLING_PARAMS = {"temperature", "top_p", "top_k", "min_p", "seed", "n", "max_t
 Handler = Callable[[Request, dict, str], Awaitable[Response]]
 
 
+#: The engine's field path of a decode request's handle (tito.v1 KvTransfer).
+KV_HANDLE = "kv_transfer.decode.handle"
+
+
 def dumps(value) -> bytes:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
 
@@ -59,6 +64,12 @@ def vllm_param(param: str | None) -> str | None:
         return "sampling_params.structured_outputs" + param[len("structured_output"):]
     if param.startswith("mm_features"):
         return "features"
+    if param.startswith(kv_params.FIELD):  # named in vLLM's terms already (tito.kv_params)
+        return param
+    if param.startswith(KV_HANDLE):  # the engine refused the handle kv_transfer_params carried
+        return f"{kv_params.FIELD}.{kv_params.HANDLE_KEY}{param[len(KV_HANDLE):]}"
+    if param.startswith("kv_transfer"):
+        return kv_params.FIELD
     return media.render_param(param)
 
 
@@ -275,9 +286,21 @@ class VllmApi:
         async def collect() -> None:
             async for response in responses:
                 whole.add(response)
+                whole.kv_transfer_params = self._handoff(call, response) or whole.kv_transfer_params
 
         await _unless_gone(request, collect())
         return Response(dumps(whole.json(response_id, model)), media_type="application/json")
+
+    def _handoff(self, call: generate_in.GenerateCall, response) -> dict | None:
+        """A prefill answer's `kv_transfer_params`: a vllm-backend engine's connector answer as it
+        is, or (tito.kv_params) tito's handle and the address of the engine that holds the KV,
+        which the decode engine pulls from."""
+        if response.kv_connector_params_json:
+            return json.loads(response.kv_connector_params_json)
+        if not response.HasField("kv_transfer_handle"):
+            return None
+        address = self.pipeline.engine_address(call.request.request_id)
+        return kv_params.params_from_handle(response.kv_transfer_handle, address or "")
 
     async def _render_content_parts(self, call: generate_in.GenerateCall) -> None:
         """vLLM's `content_parts`: render renders the media (a one-message chat of those parts,
@@ -315,7 +338,7 @@ class VllmApi:
         try:
             response = first
             while response is not None:
-                chunk = shape.chunk(response)
+                chunk = shape.chunk(response, self._handoff(shape.call, response))
                 if chunk is not None:
                     yield b"data: " + dumps(chunk) + b"\n\n"
                 response = await _next_or_none(responses)
