@@ -31,6 +31,7 @@ class _Migrations:
         self.progress = RequestProgress(request)
         self.address = first_address  # the engine serving the request now
         self.cancelled = False
+        router.reserve(first_address)
 
     def after_call(self, error: grpc.RpcError | None) -> _NextCall:
         """Once a call ended (`error`: how it failed; None: it ended normally): where and what to
@@ -52,6 +53,7 @@ class _Migrations:
             if error is not None:
                 raise error from None
             raise
+        self.router.reserve(address)
         self.address = address
         return address, request, closing
 

@@ -3,7 +3,8 @@
 A token-in/token-out router holds everything needed to continue a choice elsewhere: the prompt's
 ids and the ids generated so far. When an engine's Generate stream fails with a status that
 means "this engine is gone" (UNAVAILABLE: the connection was lost, the engine is shutting down
-or draining, its model process died or is restarting), the router sends the prompt followed by
+or draining, its model process died or is restarting; CANCELLED that the router's caller did not
+ask for: the engine's server ended the call as it stopped), the router sends the prompt followed by
 the generated ids to another engine, as one choice whose last `prior_output_tokens` ids are
 output, with the rest of the budget (max_tokens and min_tokens minus what was generated; stop
 ids, EOS handling and everything else unchanged). The caller's stream goes on with the next id:
@@ -46,10 +47,12 @@ _SEED_MASK = 2**64 - 1
 
 def engine_gone(error: grpc.RpcError) -> bool:
     """The engine went away or asks the caller to go elsewhere (UNAVAILABLE, or its own queue is
-    full); never a caller's mistake (INVALID_ARGUMENT, a RESOURCE_EXHAUSTED the request itself
-    causes such as KV_CACHE_TOO_SMALL, FAILED_PRECONDITION, ...)."""
+    full, or CANCELLED, which reaches a stream its caller did not cancel only when the engine's
+    server ended the call: it shut down with the stream open); never a caller's mistake
+    (INVALID_ARGUMENT, a RESOURCE_EXHAUSTED the request itself causes such as KV_CACHE_TOO_SMALL,
+    FAILED_PRECONDITION, ...). The streams check their own cancellation first."""
     code = error.code()
-    if code == grpc.StatusCode.UNAVAILABLE:
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return True
     return code == grpc.StatusCode.RESOURCE_EXHAUSTED and error_details(error)["reason"] == QUEUE_FULL
 

@@ -88,6 +88,23 @@ def _channel_options(address: str, max_message_bytes: int) -> list[tuple[str, ob
     return options
 
 
+class _Cancellation:
+    """Whether the pipeline cancelled a chat's engine stream itself: only then is the stream's
+    CANCELLED status expected and quiet. A CANCELLED the engine's server sent (it shut down with
+    the stream open) is an engine error the caller must see, never a silently shortened chat."""
+
+    def __init__(self, generation):
+        self._generation = generation
+        self._requested = False
+
+    def cancel(self) -> None:
+        self._requested = True
+        self._generation.cancel()
+
+    def expected(self, error: grpc.RpcError) -> bool:
+        return self._requested and error.code() == grpc.StatusCode.CANCELLED
+
+
 class ChatPipeline:
     """Synchronous client running chats through the three services."""
 
@@ -161,6 +178,7 @@ class ChatPipeline:
     def _generate(self, rendered, generation, metadata) -> Iterator[derender_pb2.ChatChunk]:
         """`generation`: the engine's Generate call, or a MigratingStream standing for it."""
         engine_errors: list[grpc.RpcError] = []
+        cancellation = _Cancellation(generation)
 
         def derender_requests():
             # Runs on grpc's request-sending thread. An engine error must reach the caller as the
@@ -170,21 +188,21 @@ class ChatPipeline:
                 for response in generation:
                     yield derender_pb2.DerenderRequest(generate_response=response)
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.CANCELLED:
+                if not cancellation.expected(exc):
                     engine_errors.append(exc)
 
         chunks = self.derender.Derender(derender_requests(), timeout=self.timeout, metadata=metadata)
         try:
             for reply in chunks:
                 if reply.chunk.cancel_generation:
-                    generation.cancel()
+                    cancellation.cancel()
                 yield reply.chunk
         except grpc.RpcError:
             if engine_errors:
                 raise engine_errors[0] from None
             raise
         finally:
-            generation.cancel()
+            cancellation.cancel()
             chunks.cancel()
         if engine_errors:
             raise engine_errors[0]
@@ -385,6 +403,7 @@ class AsyncChatPipeline:
                 yield chunk
             return
         engine_errors: list[grpc.RpcError] = []
+        cancellation = _Cancellation(generation)
 
         async def derender_requests():
             # As in ChatPipeline: an engine error reaches the caller as the engine's status.
@@ -398,21 +417,21 @@ class AsyncChatPipeline:
                 if not generation.cancelled():
                     raise
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.CANCELLED:
+                if not cancellation.expected(exc):
                     engine_errors.append(exc)
 
         chunks = self.derender.Derender(derender_requests(), timeout=self.timeout, metadata=metadata)
         try:
             async for reply in chunks:
                 if reply.chunk.cancel_generation:
-                    generation.cancel()
+                    cancellation.cancel()
                 yield reply.chunk
         except grpc.RpcError:
             if engine_errors:
                 raise engine_errors[0] from None
             raise
         finally:
-            generation.cancel()
+            cancellation.cancel()
             chunks.cancel()
         if engine_errors:
             raise engine_errors[0]
@@ -423,6 +442,7 @@ class AsyncChatPipeline:
         forwards the engine's responses, and the chunks come back through the batcher."""
         stream = self.derender_batcher.open(rendered.derender_context, self.timeout)
         engine_errors: list[grpc.RpcError] = []
+        cancellation = _Cancellation(generation)
 
         async def forward() -> None:
             try:
@@ -432,7 +452,7 @@ class AsyncChatPipeline:
                 if not generation.cancelled():  # as in _generate: the pipeline cancelled the engine
                     raise
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.CANCELLED:
+                if not cancellation.expected(exc):
                     engine_errors.append(exc)
             finally:
                 stream.close()  # the engine is done: derender ends the stream (if it has not already)
@@ -441,14 +461,14 @@ class AsyncChatPipeline:
         try:
             async for chunk in stream.chunks():
                 if chunk.cancel_generation:
-                    generation.cancel()
+                    cancellation.cancel()
                 yield chunk
         except grpc.RpcError:
             if engine_errors:
                 raise engine_errors[0] from None
             raise
         finally:
-            generation.cancel()
+            cancellation.cancel()
             forwarding.cancel()
         if engine_errors:
             raise engine_errors[0]

@@ -9,8 +9,9 @@ it holds. A block's chain key covers its token ids, its extra keys (every media 
 and offset in the block, the `cache_salt` on the first block) and its parent's chain key, so it
 is the same for the same content on every engine and never depends on an engine's opaque block
 ids. A request's chain keys are computed the same way from its `GenerateRequest`; the engine
-with the most leading blocks wins, ties and cold prompts go to the least loaded (`GetLoad`, plus
-what this router has in flight there).
+with the most leading blocks wins, ties and cold prompts go to the least loaded (`GetLoad`, or
+what this router has in flight there and on its way there when that is more: a request counts from
+the moment it is sent, `reserve`, so a burst spreads before GetLoad sees any of it).
 
 LoRA adapters: a chain starts from the adapter's name (`BlockStored.lora_name`,
 `GenerateRequest.lora_name`), so blocks computed under one adapter never count for another or for
@@ -68,6 +69,9 @@ from tito_client.migration import engine_draining
 log = logging.getLogger(__name__)
 
 POLICIES = ("cache_aware", "least_load", "round_robin")
+#: How long a request sent to an engine counts in its load before its stream starts (`track`):
+#: one whose stream never starts (its caller gave up in between) stops counting then.
+RESERVATION_SECONDS = 5.0
 _ROOT = b"tito-route\0"
 
 
@@ -179,6 +183,7 @@ class Engine:
     draining: bool = False  # it is draining (GetLoad said so, or it refused a request as draining)
     reported_load: int = 0  # running + waiting requests at its last GetLoad
     in_flight: int = 0  # requests this router has running there
+    reserved: list[float] = field(default_factory=list)  # when requests were sent there, not streaming yet
     block_size: int = 0  # GetLoad's kv_block_size
     adapters: frozenset[str] = frozenset()  # the LoRA adapters it held at its last GetLoad
     capacity: int | None = None  # GetModelInfo's max_running_requests (0: it does not say; None: not asked yet)
@@ -190,7 +195,9 @@ class Engine:
 
     @property
     def load(self) -> int:
-        return max(self.reported_load, self.in_flight)
+        now = time.monotonic()
+        on_the_way = sum(1 for sent in self.reserved if now - sent < RESERVATION_SECONDS)
+        return max(self.reported_load, self.in_flight + on_the_way)
 
     def holds(self, adapter: str) -> bool:
         """It holds `adapter`, or this router is loading it there."""
@@ -412,14 +419,28 @@ class EngineRouter:
             keys = keys_by_size[size] = request_keys(request, size)
         return engine.view.matched_blocks(keys)
 
+    def reserve(self, address: str) -> None:
+        """A request is on its way to `address`: count it in the engine's load now, until its
+        stream starts (`track`), so that a burst of picks spreads over the engines rather than
+        all going to the one that was least loaded before any of them started."""
+        with self._lock:
+            engine = self._engines.get(address)
+            if engine is not None:
+                now = time.monotonic()
+                engine.reserved = [sent for sent in engine.reserved if now - sent < RESERVATION_SECONDS]
+                engine.reserved.append(now)
+
     @contextmanager
     def track(self, address: str):
-        """Count a request in flight on `address` while the block runs; a connection failure
-        (UNAVAILABLE) marks the engine unreachable (or draining) at once, so new requests go elsewhere."""
+        """Count a request in flight on `address` while the block runs (it takes the place of its
+        reservation); a connection failure (UNAVAILABLE) marks the engine unreachable (or
+        draining) at once, so new requests go elsewhere."""
         with self._lock:
             engine = self._engines.get(address)
             if engine is not None:
                 engine.in_flight += 1
+                if engine.reserved:
+                    engine.reserved.pop(0)
         try:
             yield
         except grpc.RpcError as exc:

@@ -127,6 +127,10 @@ class FakeRouter:
         self.engines, self.migration_limit = engines, migration_limit
         self.gone: set[str] = set()
         self.in_flight: Counter = Counter()
+        self.reserved: list[str] = []
+
+    def reserve(self, address):
+        self.reserved.append(address)
 
     def pick(self, request, avoid=None):
         candidates = [a for a in self.engines if a not in self.gone and a != avoid]
@@ -193,6 +197,7 @@ def test_a_chat_whose_engine_dies_continues_elsewhere_with_no_gap_duplicate_or_u
     assert (params.max_tokens, params.min_tokens, params.prior_output_tokens) == (7, 4, 5)
     assert params.seed == 7 and continuation.request_id == "chat-1~1"
     assert migrating.address == "b" and router.gone == {"a"} and sum(router.in_flight.values()) == 0
+    assert router.reserved == ["a", "b"]  # each engine counted the request before its stream began
 
 
 def test_the_async_flavour_continues_the_same_way():
@@ -222,6 +227,7 @@ def test_a_callers_mistake_or_deadline_is_never_migrated(code):
     (grpc.StatusCode.RESOURCE_EXHAUSTED, "QUEUE_FULL", True),  # that engine's queue: another may have room
     (grpc.StatusCode.RESOURCE_EXHAUSTED, "KV_CACHE_TOO_SMALL", False),  # the request itself: nowhere fits it
     (grpc.StatusCode.UNAVAILABLE, "ENGINE_DRAINING", True),
+    (grpc.StatusCode.CANCELLED, None, True),  # not asked for by the caller: the engine's server ended it
     (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_SAMPLING_PARAMS", False),
 ])
 def test_what_moves_is_decided_by_the_status_and_its_reason(code, reason, moves):

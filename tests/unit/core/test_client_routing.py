@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2
+from tito_client import routing
 from tito_client.routing import EngineRouter, EngineView, NoEngineAvailable, request_keys
 
 BLOCK = 4
@@ -260,6 +261,26 @@ def test_a_prompt_its_decode_engine_mostly_holds_is_not_prefilled_elsewhere(engi
         assert router.disaggregates(follow_up)  # with nothing cached it would be long enough
         fresh = generate_request([3] * (2 * BLOCK))
         assert router.disaggregates(fresh, router.pick(fresh))
+
+
+def test_a_burst_of_requests_spreads_before_any_stream_starts(engines, monkeypatch):
+    """A request sent to an engine (`reserve`) counts in its load at once: least load spreads a
+    burst instead of sending it all to the engine that was idle before any of it started."""
+    (a, engine_a), (b, engine_b) = engines(2)
+    engine_a.load, engine_b.load = 0, 0
+    chat = generate_request([7] * 12)
+    with EngineRouter([a, b], policy="least_load", load_interval=0.02) as router:
+        wait_for(lambda: all(router.status()[x]["reachable"] for x in (a, b)), "the loads polled")
+        sent = []
+        for _ in range(4):
+            address = router.pick(chat).address
+            router.reserve(address)
+            sent.append(address)
+        assert sorted(sent) == sorted([a, a, b, b])
+        with router.track(a):  # the stream takes its reservation's place
+            assert router.status()[a]["load"] == 2 and router.status()[a]["in_flight"] == 1
+        monkeypatch.setattr(routing, "RESERVATION_SECONDS", 0.0)  # a request that never started stops counting
+        assert router.status()[a]["load"] == 0 and router.status()[b]["load"] == 0
 
 
 def test_an_engine_whose_events_stop_is_routed_by_load_until_they_resume(engines):
