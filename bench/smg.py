@@ -4,6 +4,7 @@ EngineRouter on the same multi-turn chats.
     .venv/bin/python bench/smg.py [--conversations 8] [--turns 4] [--rounds 2] [--new-tokens 12]
     .venv/bin/python bench/smg.py --smoke   # 3 conversations of 2 turns, one round: checks that it runs
     .venv/bin/python bench/smg.py --throughput [--vllm] [--concurrency 1 32] [--rounds 2]
+    .venv/bin/python bench/smg.py --throughput --vllm --shape qwen2.5-0.5b [--rounds 1]
 
 Starts two `tito serve engine` processes (tiny-qwen2, one CPU thread each, prefix caching on) and
 two SMG gateways over both (`smg launch --backend vllm --policy cache_aware`, and `--policy
@@ -36,6 +37,8 @@ prefix caching off, 64 MiB of KV cache), and with --vllm SMG in front of `vllm s
 with smg-grpc-servicer, the field's own stack) on the same checkpoint and settings: `vllm bench
 serve --backend openai-chat`, random 128 in / 64 out, greedy, ignore_eos, at each concurrency, in
 paired rounds (the order rotates), then `c=N smg -> tito engine / ...` ratios (median [min-max]).
+--shape qwen2.5-0.5b: the same on Qwen2.5-0.5B's shape with random weights (float32, 512 MiB of KV
+cache and a 4,096-token context on every side); under --smoke the tiny model stands in.
 --throughput --smoke: SMG and tito only, a few short chats streamed by httpx, one round.
 """
 
@@ -278,6 +281,9 @@ def main() -> None:
     parser.add_argument("--throughput", action="store_true", help="SMG -> tito engine vs tito's gateway (see above)")
     parser.add_argument("--vllm", action="store_true", help="--throughput: also SMG -> vllm serve --grpc")
     parser.add_argument("--model", default="tiny-qwen2-h256", help="--throughput's model")
+    parser.add_argument("--shape", default=None,
+                        help="--throughput on a real model's shape in float32 (tito_models.real_shape, e.g. "
+                             "qwen2.5-0.5b) instead of --model")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from gateway import (KV_CACHE_BYTES, MAX_RUNNING, VLLM_IDLE_S, bench_serve, free_port, gateway_chats, num_prompts,
@@ -17,15 +18,41 @@ from processes import spawn, stop_process, vllm_cli, wait_vllm_engine_healthy
 
 SMG_TITO, SMG_VLLM, TITO = "smg -> tito engine", "smg -> vllm serve --grpc", "tito gateway -> 3 services"
 VLLM_START_S = 600
+#: --shape: KV cache bytes on both sides (c=32 x 192 tokens of Qwen2.5-0.5B in float32 need ~150 MiB)
+#: and the context both serve (vLLM refuses a max_model_len its KV cache cannot hold).
+SHAPE_KV_CACHE_BYTES = 512 << 20
+SHAPE_MAX_MODEL_LEN = 4096
 
 
-def start_tito(model: str, tmp: Path) -> tuple[subprocess.Popen, str, str]:
+@dataclass(frozen=True)
+class Sizes:
+    """What both sides are given: their KV cache and, for a real shape, the context they serve."""
+
+    kv_cache_bytes: int = KV_CACHE_BYTES
+    max_model_len: int | None = None  # None: the model's own
+
+
+def model_and_sizes(args) -> tuple[str, Sizes]:
+    """The checkpoint measured: --shape's real shape in float32 (the tiny model under --smoke, so the
+    smoke run stays seconds), else --model."""
+    from tito_models.paths import resolve_model
+    from tito_models.real_shape import shaped_model_name
+
+    if args.shape and not args.smoke:
+        return (str(resolve_model(shaped_model_name(args.shape, "float32"))),
+                Sizes(SHAPE_KV_CACHE_BYTES, SHAPE_MAX_MODEL_LEN))
+    return str(resolve_model(args.model)), Sizes()
+
+
+def start_tito(model: str, tmp: Path, sizes: Sizes) -> tuple[subprocess.Popen, str, str]:
     """`tito serve all` with its engine on TCP (SMG dials it there) and its gateway: the process,
     the engine's host:port and the gateway's URL. Settings as bench/gateway.py's."""
     engine = f"127.0.0.1:{free_port()}"
     gateway = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "TITO_DTYPE": "float32", "TITO_PREFIX_CACHING": "false",
-           "TITO_KV_CACHE_BYTES": str(KV_CACHE_BYTES), "TITO_MAX_RUNNING_SEQUENCES": str(MAX_RUNNING)}
+           "TITO_KV_CACHE_BYTES": str(sizes.kv_cache_bytes), "TITO_MAX_RUNNING_SEQUENCES": str(MAX_RUNNING)}
+    if sizes.max_model_len is not None:
+        env["TITO_MAX_MODEL_LEN"] = str(sizes.max_model_len)
     process = spawn([sys.executable, "-m", "tito_cli", "serve", "all", "--model", model, "--log-level", "warning",
                      "--render-address", f"unix:{tmp / 'render.sock'}", "--engine-address", engine,
                      "--derender-address", f"unix:{tmp / 'derender.sock'}", "--gateway-address", gateway],
@@ -33,13 +60,14 @@ def start_tito(model: str, tmp: Path) -> tuple[subprocess.Popen, str, str]:
     return process, engine, f"http://{gateway}"
 
 
-def start_vllm_grpc(model: str, tmp: Path):
+def start_vllm_grpc(model: str, tmp: Path, sizes: Sizes):
     """`vllm serve --grpc` (SMG's servicer over vLLM), settings as bench/gateway.py's vllm serve."""
     port = free_port()
+    context = ["--max-model-len", str(sizes.max_model_len)] if sizes.max_model_len is not None else []
     process = spawn(vllm_cli("serve", model, "--grpc", "--host", "127.0.0.1", "--port", str(port),
                              "--dtype", "float32", "--no-enable-prefix-caching", "--enforce-eager",
-                             "--max-num-seqs", str(MAX_RUNNING), "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
-                             "--generation-config", "vllm"),
+                             "--max-num-seqs", str(MAX_RUNNING), "--kv-cache-memory-bytes",
+                             str(sizes.kv_cache_bytes), "--generation-config", "vllm", *context),
                     tmp / "vllm.log", env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
     return process, f"127.0.0.1:{port}"
 
@@ -56,17 +84,16 @@ def start_smg_over(address: str, model: str, tmp: Path, name: str):
 
 def throughput(args) -> None:
     from tito_client.pipeline import wait_until_serving
-    from tito_models.paths import resolve_model
 
-    model = str(resolve_model(args.model))
+    model, sizes = model_and_sizes(args)
     tmp = Path(tempfile.mkdtemp(prefix="tito-smg-bench-"))
     setups = [SMG_TITO, TITO] + ([SMG_VLLM] if args.vllm else [])
     processes, urls = [], {}
     try:
-        tito, engine, urls[TITO] = start_tito(model, tmp)
+        tito, engine, urls[TITO] = start_tito(model, tmp, sizes)
         processes.append(tito)
         if args.vllm:
-            vllm, vllm_address = start_vllm_grpc(model, tmp)
+            vllm, vllm_address = start_vllm_grpc(model, tmp, sizes)
             processes.append(vllm)
         wait_healthy(urls[TITO], tito, TITO)
         wait_until_serving(engine, timeout=60)
