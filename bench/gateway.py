@@ -189,6 +189,24 @@ async def direct(endpoints, prompts: list[str], concurrency: int, output_len: in
     return rates(prompts, tokens, elapsed, ttfts)
 
 
+def print_best_rounds(results: dict[tuple[str, int], list[dict]], setups, args) -> None:
+    """The settings, then per concurrency and setup its best round (by output throughput)."""
+    prompts = "a few words each (--smoke)" if args.smoke else \
+        f"{args.input_len} prompt tokens (vLLM random dataset, seed {args.seed})"
+    print(f"\nmodel {args.model}, float32, prefix caching off, {prompts}, {args.output_len} output tokens "
+          f"(ignore_eos, greedy), {args.rounds} rounds; best round:")
+    width = max(26, *(len(name) for name in setups))
+    print(f"{'setup':<{width}} {'c':>3} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
+          f"{'TPOT p99':>9}   (ms)")
+    for concurrency in args.concurrency:
+        for name in setups:
+            best = max(results[(name, concurrency)], key=lambda r: r["tok/s"])
+            print(f"{name:<{width}} {concurrency:>3} {best['req/s']:>7.2f} {best['tok/s']:>8.1f} "
+                  f"{best['ttft p50']:>9.1f} {best['ttft p99']:>9.1f} {best['tpot p50']:>9.1f} "
+                  f"{best['tpot p99']:>9.1f}")
+    print()
+
+
 def ratio_line(label: str, values: list[float]) -> str:
     return f"{label} {statistics.median(values):.2f}x [{min(values):.2f}-{max(values):.2f}]"
 
@@ -265,18 +283,7 @@ def main() -> int:
             if process is not None:
                 stop_process(process)
 
-    prompts = "a few words each (--smoke)" if args.smoke else \
-        f"{args.input_len} prompt tokens (vLLM random dataset, seed {args.seed})"
-    print(f"\nmodel {args.model}, float32, prefix caching off, {prompts}, {args.output_len} output tokens "
-          f"(ignore_eos, greedy), {args.rounds} rounds; best round:")
-    print(f"{'setup':<26} {'c':>3} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
-          f"{'TPOT p99':>9}   (ms)")
-    for concurrency in args.concurrency:
-        for name in setups:
-            best = max(results[(name, concurrency)], key=lambda r: r["tok/s"])
-            print(f"{name:<26} {concurrency:>3} {best['req/s']:>7.2f} {best['tok/s']:>8.1f} {best['ttft p50']:>9.1f} "
-                  f"{best['ttft p99']:>9.1f} {best['tpot p50']:>9.1f} {best['tpot p99']:>9.1f}")
-    print()
+    print_best_rounds(results, setups, args)
     for concurrency in args.concurrency:
         tito, pipe = results[(TITO, concurrency)], results[(DIRECT, concurrency)]
         if VLLM in setups:

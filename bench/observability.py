@@ -145,7 +145,7 @@ def main() -> int:
 async def observer_cost(messages: int = 32, repeats: int = 3000) -> None:
     """The engine's RequestObserver (metrics on) around a stream of `messages` outputs, in process."""
     from tito.metrics import ServiceMetrics
-    from tito_engine.service.observe import EngineMetrics, RequestObserver
+    from tito_engine.backend.observe import EngineMetrics, RequestObserver
     from tito_engine.request import ChoiceOutput, FinishReason, RequestTimings, Usage
 
     observer = RequestObserver(EngineMetrics(ServiceMetrics("engine"), lambda: None))

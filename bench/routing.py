@@ -90,13 +90,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_engines(count: int, tmp: str, engine_process: bool = True) -> tuple[list[str], list[subprocess.Popen]]:
+def start_engines(count: int, tmp: str, engine_process: bool = True,
+                  model: str = VL_MODEL) -> tuple[list[str], list[subprocess.Popen]]:
     """`engine_process`: each engine core in its own process (--smoke: in its server's)."""
     addresses, processes = [], []
     for index in range(count):
         address = f"127.0.0.1:{free_port()}"
         log = open(os.path.join(tmp, f"engine-{index}.log"), "w+b")  # noqa: SIM115 (closed with the process)
-        command = [sys.executable, "-m", "tito_cli", "serve", "engine", "--model", VL_MODEL, "--address", address,
+        command = [sys.executable, "-m", "tito_cli", "serve", "engine", "--model", model, "--address", address,
                    "--log-level", "warning", "--cpu-threads", "1", "--core-cpus", "none",
                    *(() if engine_process else ("--no-engine-process",))]
         processes.append(subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True))

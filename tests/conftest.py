@@ -30,8 +30,8 @@ from tito.contract import ERROR_REASONS  # noqa: E402
 from tito_models.demo import ensure_demo_model  # noqa: E402
 from tito.errors import TitoError  # noqa: E402
 from tito_models.tiny import (INTERLEAVED_VL_MODEL, LLAMA_MODEL, PADDED_TEXT_MODEL,  # noqa: E402
-                              QWEN2_5_VL_MODEL, QWEN3_MODEL, QWEN3_VL_MODEL, TEXT_MODEL, TEXT_MODEL_D64, VL_MODEL,
-                              ensure_model)
+                              QWEN2_5_VL_MODEL, QWEN3_MODEL, QWEN3_VL_MODEL, SMG_VL_MODEL, TEXT_MODEL, TEXT_MODEL_D64,
+                              VL_MODEL, ensure_model)
 
 # Every error reason raised in this test process, so the session can fail if one is missing from
 # the contract's ErrorReason enum (the static scan in test_core_error_reasons.py cannot see
@@ -145,6 +145,12 @@ def tiny_qwen2_5_vl_model(model_cache) -> Path:
 def tiny_qwen3_vl_model(model_cache) -> Path:
     """A tiny Qwen3-VL (interleaved M-RoPE, DeepStack, timestamped video spans; head_dim 64)."""
     return ensure_model(QWEN3_VL_MODEL, model_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_smg_vl_model(model_cache) -> Path:
+    """tiny-qwen2-vl with `<image>` for its image pad token, as SMG's Qwen2-VL preprocessing wants."""
+    return ensure_model(SMG_VL_MODEL, model_cache)
 
 
 @pytest.fixture(scope="module")

@@ -122,6 +122,13 @@ class Unauthenticated(TitoError):
     code_name = "UNAUTHENTICATED"
 
 
+class PermissionDenied(TitoError):
+    """The caller is known but may not have what it names (e.g. a KV transfer handle that does not
+    verify)."""
+
+    code_name = "PERMISSION_DENIED"
+
+
 class Unavailable(TitoError):
     """The server is not ready (model loading) or is shutting down; retry elsewhere or later."""
 

@@ -7,6 +7,9 @@ tokens, and to send the tools' schemas where values are typed by them. Derender 
 the names (an unknown one is UNKNOWN_PARSER) and finds each tool format's parser by its name:
 the module `tito_derender.parsers.tools.<name>`, whose `PARSER` is the class.
 
+The `tito` command reads each format's SMG name (`smg`) to start SMG in front of `tito serve all`
+with the parsers tito would use (`--smg-address`).
+
 Adding a tool-call format: one `ToolFormat` entry here, and one parser module in derender (named
 as the format, with `PARSER = TheClass`). A test checks that every entry has its module and that
 render and derender offer exactly these names. (To constrain calls of the format under
@@ -58,6 +61,9 @@ class ToolFormat:
     #: them; a Kimi-K2 call whose id names no function is matched to a tool by its arguments):
     #: derender takes the schemas from the context's tools.
     reads_schemas: bool = False
+    #: SMG's `--tool-call-parser` for the same format ("": SMG has none by that flag and picks its
+    #: own), so SMG in front of `tito serve all` parses calls as tito's derender does.
+    smg: str = ""
 
 
 @dataclass(frozen=True)
@@ -70,33 +76,37 @@ class ReasoningFormat:
     #: It also takes the output's message structure apart (harmony headers and channels), so it
     #: runs whether or not thinking is on.
     structural: bool = False
+    #: SMG's `--reasoning-parser` for the same format ("": SMG picks its own).
+    smg: str = ""
 
 
 _TOOL_FORMATS = (
     ToolFormat("kimi_k2", "Kimi-K2",
                ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
                 "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
-               Detection(("<|tool_calls_section_begin|>",)), reads_schemas=True),
+               Detection(("<|tool_calls_section_begin|>",)), reads_schemas=True, smg="kimik2"),
     ToolFormat("deepseek_v3", "DeepSeek-V3 / R1 / V3.1",
                ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
                 "<｜tool▁sep｜>"),
-               Detection(("<｜tool▁calls▁begin｜>",))),
+               Detection(("<｜tool▁calls▁begin｜>",)), smg="deepseek"),
+    # SMG reads harmony in its own gpt-oss pipeline, not through a named parser.
     ToolFormat("gpt_oss", "gpt-oss (harmony)", HARMONY, Detection(("<|channel|>", "<|message|>"))),
     ToolFormat("glm45", "GLM-4.5",
                ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
-               Detection(("<arg_key>",)), reads_schemas=True),
+               Detection(("<arg_key>",)), reads_schemas=True, smg="glm45_moe"),
     ToolFormat("qwen3_coder", "Qwen3-Coder", ("<tool_call>", "</tool_call>"),
-               Detection(("<tool_call>",), ("<function=",)), reads_schemas=True),
-    ToolFormat("hermes", "Hermes, Qwen2.5 / Qwen3", ("<tool_call>", "</tool_call>"), Detection(("<tool_call>",))),
-    ToolFormat("llama3_json", "Llama 3.x"),
+               Detection(("<tool_call>",), ("<function=",)), reads_schemas=True, smg="qwen_coder"),
+    ToolFormat("hermes", "Hermes, Qwen2.5 / Qwen3", ("<tool_call>", "</tool_call>"), Detection(("<tool_call>",)),
+               smg="qwen"),
+    ToolFormat("llama3_json", "Llama 3.x", smg="llama"),
     # [TOOL_CALLS] is kept per request, for requests with tools (needs_special_tokens), not per model
-    ToolFormat("mistral", "Mistral", needs_special_tokens=True),
-    ToolFormat("pythonic", "Llama 3.2 / 4 pythonic"),
+    ToolFormat("mistral", "Mistral", needs_special_tokens=True, smg="mistral"),
+    ToolFormat("pythonic", "Llama 3.2 / 4 pythonic", smg="pythonic"),
 )
 
 _REASONING_FORMATS = (
-    ReasoningFormat("qwen3", "Qwen3, GLM-4.5, DeepSeek-V3.1", THINK),
-    ReasoningFormat("deepseek_r1", "DeepSeek-R1", THINK),
+    ReasoningFormat("qwen3", "Qwen3, GLM-4.5, DeepSeek-V3.1", THINK, smg="qwen3"),
+    ReasoningFormat("deepseek_r1", "DeepSeek-R1", THINK, smg="deepseek_r1"),
     ReasoningFormat("gpt_oss", "gpt-oss (harmony)", HARMONY, structural=True),
 )
 

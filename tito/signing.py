@@ -154,3 +154,24 @@ def read_key_file(path: str) -> bytes:
         raise ConfigError(f"--hmac-key-file {path!r} holds {len(key)} bytes: use a key of at least {MIN_KEY_BYTES} "
                           f"bytes (e.g. `openssl rand -hex 32 > FILE`), the same file for render and engine")
     return key
+
+
+_KV_HANDLE_DOMAIN = b"tito.v1.KvTransferHandle/hmac-sha256\x00"
+
+
+def kv_handle_bytes(handle) -> bytes:
+    """The canonical bytes a KV transfer handle's tag covers: every field but auth_tag (the wire
+    message or the engine's domain handle, which share field names)."""
+    layout = handle.layout
+    return b"".join([
+        _KV_HANDLE_DOMAIN, _text(handle.transfer_id), _text(handle.request_id), _text(handle.engine_id),
+        struct.pack("<IIII", handle.block_count, handle.block_size, handle.num_tokens, 0), _text(handle.dtype),
+        struct.pack("<III", layout.num_layers, layout.kv_heads, layout.head_dim),
+        struct.pack("<d", handle.expires_at), _blob(handle.prompt_digest), _text(handle.model_fingerprint),
+        _text(handle.auth_key_id)])
+
+
+def kv_handle_tag(handle, key: bytes) -> bytes:
+    """HMAC-SHA256 of a KV transfer handle under `key`: a handle no key holder issued cannot
+    name another request's pinned KV."""
+    return hmac.new(key, kv_handle_bytes(handle), hashlib.sha256).digest()

@@ -3,6 +3,7 @@
     tito serve render|engine|derender [--address ADDR] [--model M] ...   one service
     tito serve engine --backend vllm --model DIR [-- VLLM_ENGINE_ARGS]    the engine on vLLM
     tito serve all [--model M] [--gateway-address ADDR] ...               the three (and the gateway), as processes
+    tito serve all --smg-address HOST:PORT ...                            ... and SMG in front of the engine
     tito serve gateway [--address ADDR] [--engine-address A,B] ...        the OpenAI-compatible HTTP gateway
     tito chat "Hello"                                                     a chat through all three
 
@@ -25,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -42,6 +44,8 @@ from tito.supervision import ChildProcess, Supervisor, stop_children
 SERVICES = ("render", "engine", "derender")
 #: The OpenAI-compatible HTTP gateway over the three (tito_gateway): `tito serve gateway`.
 GATEWAY = "gateway"
+#: SMG (PyPI smg) in front of the engine: `tito serve all --smg-address` (tito_cli.smg).
+SMG = "smg"
 DEFAULT_ADDRESSES = {"render": "127.0.0.1:50051", "engine": "127.0.0.1:50052", "derender": "127.0.0.1:50053",
                      GATEWAY: "127.0.0.1:8000"}
 
@@ -141,6 +145,14 @@ def _add_all_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway-address", default="",
                         help="also start the OpenAI-compatible HTTP gateway (tito serve gateway) here, host:port or "
                              "unix:/path, over the three (default: no gateway)")
+    parser.add_argument("--smg-address", default="",
+                        help="also start SMG (PyPI smg, the Rust gateway) here, host:port, in front of the engine, "
+                             "which it drives over SMG's vllm.grpc.engine.VllmEngine: OpenAI chat and completions, "
+                             "the Responses and Anthropic Messages APIs, its routing policies (needs a TCP "
+                             "--engine-address; default: no SMG)")
+    parser.add_argument("--smg-args", default="",
+                        help="more flags for SMG, as one string after `=` (e.g. --smg-args='--prometheus-port 29001'); "
+                             "they come last, so they win over the ones tito sets")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="given to the three services (default %(default)s)")
     parser.add_argument("--device", default="auto", help="the engine's (default %(default)s)")
     parser.add_argument("--log-level", default=ServerConfig.log_level, choices=LOG_LEVELS,
@@ -266,13 +278,77 @@ def stop_all(processes: list[subprocess.Popen], timeout: float = 30.0) -> None:
                   kill_margin=0)
 
 
+def smg_command_for(args: argparse.Namespace, executable: str, configs: dict[str, ServerConfig]) -> list[str]:
+    """The command line of the SMG `tito serve all --smg-address` starts: the engine as its
+    worker, parsing the engine's output with the parsers render would name for the model."""
+    import shlex
+
+    from tito_render.model import model_parsers
+
+    from tito_cli.smg import parser_flags, smg_command
+
+    engine = configs["engine"]
+    if engine.tls_cert_file or engine.auth_token_file:
+        raise ConfigError("--smg-address: the engine would serve TLS or require a token, which the SMG started here "
+                          "is not given; run SMG yourself with its --client-cert-path / --api-key flags "
+                          "(docs/deploy.md, \"tito behind SMG\")")
+    try:
+        extra = shlex.split(args.smg_args)
+    except ValueError as exc:
+        raise ConfigError(f"--smg-args {args.smg_args!r}: {exc}") from None
+    return smg_command(executable, args.smg_address, args.engine_address, args.log_level,
+                       configs["engine"].grace_seconds, parser_flags(*model_parsers(configs["render"])), extra)
+
+
+def check_smg_flags(args: argparse.Namespace) -> str | None:
+    """The `smg` command when --smg-address asks for SMG (checked first, before a model is built:
+    ConfigError saying how to install SMG, or what address it needs); None without it."""
+    if not args.smg_address:
+        if args.smg_args:
+            raise ConfigError("--smg-args needs --smg-address")
+        return None
+    from tito_cli.smg import check_smg
+
+    return check_smg(args.smg_address, args.engine_address)
+
+
+def _child_spawner(name: str, command: list[str]):
+    """How the supervisor starts a child: SMG with its output prefixed, a tito service as it is
+    (its log lines name their service already)."""
+    if name == SMG:
+        from tito_cli.smg import start_smg
+
+        return lambda: ChildProcess(name, start_smg(command))
+    return lambda: ChildProcess(name, subprocess.Popen(command))
+
+
+def _serving_event(address: str) -> threading.Event:
+    """An event set once the service at `address` reports SERVING (polled on a daemon thread; never
+    set if it does not start, which the supervisor reports as that service's exit)."""
+    from tito_client.pipeline import wait_until_serving
+
+    serving = threading.Event()
+
+    def wait() -> None:
+        try:
+            wait_until_serving(address, timeout=24 * 3600)
+        except TimeoutError:
+            return
+        serving.set()
+
+    threading.Thread(target=wait, name="engine health", daemon=True).start()
+    return serving
+
+
 def serve_all(args: argparse.Namespace) -> int:
     addresses = {name: getattr(args, f"{name}_address") for name in SERVICES}
     try:
+        smg_executable = check_smg_flags(args)
         model = build_once(args.model)
         configs = check_services(addresses, model, args.device, args.log_level)
         if args.gateway_address:
             check_gateway(args.gateway_address, addresses, args.log_level)
+        smg = smg_command_for(args, smg_executable, configs) if smg_executable else None
     except ConfigError as exc:
         print(f"tito serve all: {exc}", file=sys.stderr)
         return 2
@@ -294,8 +370,14 @@ def serve_all(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, forward)
     try:
         for name, command in commands.items():
-            supervisor.start(name, lambda name=name, command=command: ChildProcess(name, subprocess.Popen(command)))
+            supervisor.start(name, _child_spawner(name, command))
+        # SMG reads the engine's model facts once, when it registers the engine: started before the
+        # engine is SERVING it would register a model named "unknown" without a tokenizer.
+        engine_serving = _serving_event(addresses["engine"]) if smg is not None else None
         while not stopping:
+            if engine_serving is not None and engine_serving.is_set():
+                supervisor.start(SMG, _child_spawner(SMG, smg))
+                engine_serving = None
             ended = supervisor.check()
             if ended is not None:
                 print(f"tito serve all: {ended.name} exited with code {ended.exit_code}; stopping the others",

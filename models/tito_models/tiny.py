@@ -7,7 +7,7 @@ private generators seeded per parameter name (normal(0, 0.2) for matrices, so
 greedy output is varied), so every build writes byte-identical files.  Only
 ``tokenizers``, ``torch`` and ``transformers`` are needed, imported lazily.
 
-Eleven models are available:
+Twelve models are available:
 
 ``tiny-qwen2`` (:data:`TEXT_MODEL`, :func:`build_text_model`)
     ``Qwen2ForCausalLM``: hidden size 64, 2 layers, 4 attention heads / 2 KV
@@ -27,6 +27,13 @@ Eleven models are available:
     The same two models with a text part of hidden size 128, 2 attention heads / 1 KV head
     (head_dim 64), intermediate size 256 and (VL) ``mrope_section`` ``[8, 12, 12]``: vLLM's CPU
     attention refuses head_dim 16, so these are the ones both engine backends load.
+
+``tiny-qwen2-vl-smg`` (:data:`SMG_VL_MODEL`)
+    ``tiny-qwen2-vl`` whose image pad token is ``<image>`` (a special token, id 1013; vocab 1014):
+    its template renders an image part as ``<|vision_start|><image><|vision_end|>`` and its config
+    names the token as ``image_token_id`` and ``vision_token_id``, which is what SMG's Qwen2-VL
+    preprocessing expects of a checkpoint (:data:`SMG_IMAGE_TOKEN`); render, the engine and HF read
+    the same files unchanged.
 
 ``tiny-qwen2-h256`` (:data:`BENCH_TEXT_MODEL`)
     The text model at the engine benchmarks' size: hidden 256, 4 layers, 4 heads / 2 KV heads
@@ -221,6 +228,8 @@ __all__ = [
     "QWEN3_MODEL",
     "QWEN2_5_VL_MODEL",
     "QWEN3_VL_MODEL",
+    "SMG_VL_MODEL",
+    "SMG_IMAGE_TOKEN",
     "build_qwen3_vl_model",
     "build_interleaved_vl_tokenizer",
     "INTERLEAVED_VL_CHAT_TEMPLATE",
@@ -238,6 +247,13 @@ LLAMA_MODEL = "tiny-llama"
 QWEN3_MODEL = "tiny-qwen3"
 QWEN2_5_VL_MODEL = "tiny-qwen2.5-vl"
 QWEN3_VL_MODEL = "tiny-qwen3-vl"
+#: tiny-qwen2-vl with the image placeholder SMG's Qwen2-VL preprocessing expects (SMG_IMAGE_TOKEN).
+SMG_VL_MODEL = "tiny-qwen2-vl-smg"
+#: SMG (1.13)'s `qwen_vl` spec takes a Qwen2-VL prompt's image anchor to be the token "<image>"
+#: (refusing a tokenizer without it), finds one per image in the rendered prompt and repeats the
+#: config's `vision_token_id` in its place: a checkpoint SMG serves names that token in its
+#: template, as its image_token_id and as its vision_token_id.
+SMG_IMAGE_TOKEN = "<image>"
 #: tiny-qwen2 with a padded embedding (PADDED_VOCAB_ROWS rows for the same 1013-entry tokenizer),
 #: as real checkpoints have (Qwen: 151,936 rows, 151,669 tokens): ids 1013..1087 are padding ids.
 PADDED_TEXT_MODEL = "tiny-qwen2-padded"
@@ -247,7 +263,7 @@ BENCH_TEXT_MODEL = "tiny-qwen2-h256"
 BENCH_TEXT_SHAPE = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
                     "num_attention_heads": 4, "num_key_value_heads": 2}
 MODELS = (TEXT_MODEL, VL_MODEL, INTERLEAVED_VL_MODEL, TEXT_MODEL_D64, VL_MODEL_D64, LLAMA_MODEL, QWEN3_MODEL,
-          QWEN2_5_VL_MODEL, QWEN3_VL_MODEL, PADDED_TEXT_MODEL, BENCH_TEXT_MODEL)
+          QWEN2_5_VL_MODEL, QWEN3_VL_MODEL, PADDED_TEXT_MODEL, BENCH_TEXT_MODEL, SMG_VL_MODEL)
 
 #: Bump whenever the produced bytes change, so cached copies are rebuilt.
 VERSION = "v1"
@@ -852,17 +868,42 @@ def _image_processor_config() -> dict[str, Any]:
     }
 
 
-def build_vl_model(out_dir: Path, head_dim: int = 16) -> Path:
-    """Write the tokenizer, a tiny random ``Qwen2VLForConditionalGeneration`` and an image processor config."""
+def _build_smg_anchor_tokenizer(out_dir: Path) -> int:
+    """The shared tokenizer plus :data:`SMG_IMAGE_TOKEN` (special, id 1013), and the shared chat
+    template with an image part rendered as ``<|vision_start|><image><|vision_end|>``; returns the
+    new token's id."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_backend_tokenizer(extra_special_tokens=(SMG_IMAGE_TOKEN,))
+    image_id = _vocab_size()
+    _write_text(out_dir / "tokenizer.json", tokenizer.to_str(pretty=True) + "\n")
+    config = _tokenizer_config()
+    config["added_tokens_decoder"][str(image_id)] = {"content": SMG_IMAGE_TOKEN, "lstrip": False, "normalized": False,
+                                                     "rstrip": False, "single_word": False, "special": True}
+    config["additional_special_tokens"] = config["additional_special_tokens"] + [SMG_IMAGE_TOKEN]
+    config["image_token"] = SMG_IMAGE_TOKEN  # Qwen2VLProcessor's image token, as the config's image_token_id
+    _write_json(out_dir / "tokenizer_config.json", config)
+    template = CHAT_TEMPLATE.replace(_VISION_IMAGE, "<|vision_start|>" + SMG_IMAGE_TOKEN + "<|vision_end|>")
+    assert template != CHAT_TEMPLATE
+    _write_text(out_dir / "chat_template.jinja", template)
+    return image_id
+
+
+def build_vl_model(out_dir: Path, head_dim: int = 16, smg_anchor: bool = False) -> Path:
+    """Write the tokenizer, a tiny random ``Qwen2VLForConditionalGeneration`` and an image processor
+    config. ``smg_anchor``: the image pad token is :data:`SMG_IMAGE_TOKEN` (tiny-qwen2-vl-smg)."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     out_dir = Path(out_dir)
-    build_tokenizer(out_dir)
     ids = _added_token_ids()
+    if smg_anchor:
+        image_id, vocab_rows = _build_smg_anchor_tokenizer(out_dir), _vocab_size() + 1
+    else:
+        build_tokenizer(out_dir)
+        image_id, vocab_rows = ids["<|image_pad|>"], None
     # M-RoPE splits head_dim / 2 rotary frequencies into (t, h, w) sections.
     mrope_section = [8, 12, 12] if head_dim == 64 else [2, 3, 3]
     text_config = dict(
-        _text_settings(head_dim),
+        _text_settings(head_dim, vocab_rows),
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section},
     )
     vision_config = {
@@ -881,13 +922,15 @@ def build_vl_model(out_dir: Path, head_dim: int = 16) -> Path:
     config = Qwen2VLConfig(
         text_config=text_config,
         vision_config=vision_config,
-        image_token_id=ids["<|image_pad|>"],
+        image_token_id=image_id,
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
         dtype="float32",
     )
+    if smg_anchor:
+        config.vision_token_id = image_id  # what SMG repeats in place of each <image>
     config.architectures = ["Qwen2VLForConditionalGeneration"]
     model = _create_model(Qwen2VLForConditionalGeneration, config)
     _save_model(model, out_dir)
@@ -1299,6 +1342,7 @@ def build_interleaved_vl_model(out_dir: Path, vllm_loadable: bool = False) -> Pa
 _BUILDERS = {TEXT_MODEL: build_text_model, VL_MODEL: build_vl_model, INTERLEAVED_VL_MODEL: build_interleaved_vl_model,
              TEXT_MODEL_D64: functools.partial(build_text_model, head_dim=64),
              VL_MODEL_D64: functools.partial(build_vl_model, head_dim=64),
+             SMG_VL_MODEL: functools.partial(build_vl_model, smg_anchor=True),
              LLAMA_MODEL: build_llama_model, QWEN3_MODEL: build_qwen3_model, QWEN2_5_VL_MODEL: build_qwen2_5_vl_model,
              QWEN3_VL_MODEL: build_qwen3_vl_model,
              PADDED_TEXT_MODEL: functools.partial(build_text_model, vocab_rows=PADDED_VOCAB_ROWS),

@@ -74,6 +74,7 @@ def test_the_readme_commands_are_found():
     assert ("engine", "--vllm") in COMMANDS and ("engine", "--shape", "qwen2.5-0.5b") in COMMANDS
     assert ("derender",) in COMMANDS and ("epd",) in COMMANDS
     assert ("failover",) in COMMANDS  # three engines, one killed and restarted: request migration's cost
+    assert ("pd",) in COMMANDS  # prefill/decode disaggregation against the same engines colocated
 
 
 def run_smoke(commands: list[tuple[str, ...]], cache_dir: Path, results: Path) -> dict[str, dict]:

@@ -11,9 +11,12 @@ import json
 import threading
 
 import httpx
+from tokenizers import Tokenizer
 import pytest
 
+from images import noise_data_url
 from service_processes import running_gateway, running_services
+from tito_gateway.vllm_api import mm_serde
 
 pytestmark = pytest.mark.e2e
 
@@ -127,14 +130,171 @@ def test_abort_ends_a_running_generate(http, base):
     ("/inference/v1/generate", {"token_ids": [1, 2, 3], "sampling_params": {"temperature": -1}},
      "sampling_params.temperature"),
     ("/v1/chat/completions/render", {"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%not-base64%%%"}}]}]}, None),
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%not-base64%%%"}}]}]},
+     "messages[0].content"),  # render names the part
+    ("/inference/v1/generate", {"token_ids": [1, 2, 3], "sampling_params": {}, "content_parts": [
+        {"type": "image_url", "url": "data:image/png;base64,%%%not-base64%%%"}]}, "content_parts[0]"),
 ])
 def test_the_services_refusals_arrive_in_vllms_shape(http, path, body, param):
     reply = http.post(path, json=body)
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["code"] == 400 and error["type"] == "BadRequestError"
-    if param is not None:
-        assert error["param"] == param
-    else:
-        assert error["param"].startswith("messages[0].content")  # render names the part
+    assert error["param"].startswith(param), error
+
+
+# -- streamed derender: one call per generate chunk, tito's sealed stream_state carried between --
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+AGENT_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER_TOOL]}
+AGENT_TEXT = ('<think>\nThe user wants the weather.\n</think>\n\nLet me check.<tool_call>\n'
+              '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def encode(demo_model):
+    tokenizer = Tokenizer.from_file(str(demo_model / "tokenizer.json"))
+    return lambda text: tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def _chunks(ids: list[int], size: int) -> list[dict]:
+    groups = [ids[i:i + size] for i in range(0, len(ids), size)]
+    return [{"request_id": "chatcmpl-s", "output_mode": "tokens", "usage": None, "choices": [{
+        "index": 0, "token_ids": group, "finish_reason": "stop" if i == len(groups) - 1 else None,
+        "stop_reason": None, "logprobs": None}]} for i, group in enumerate(groups)]
+
+
+def _derender_stream(http, path: str, chunks: list[dict], first: dict) -> tuple[list[dict], list[str]]:
+    """Derender `chunks` one call each, carrying stream_state; the chunks and the states."""
+    answers, states, state = [], [], None
+    for chunk in chunks:
+        body = {"stream": True, "generate_chunk": chunk, "stream_state": state, **(first if state is None else {})}
+        answer = _ok(http.post(path, json=body))
+        answers.append(answer["chunk"])
+        state = answer["stream_state"]
+        states.append(state)
+    return answers, states
+
+
+def _assembled(choices: list[dict]) -> tuple[str, str, list[tuple[str, str]], str | None]:
+    content = "".join(c["delta"].get("content") or "" for c in choices)
+    reasoning = "".join(c["delta"].get("reasoning") or "" for c in choices)
+    calls: dict[int, list[str]] = {}
+    for choice in choices:
+        for call in choice["delta"].get("tool_calls") or []:
+            entry = calls.setdefault(call["index"], ["", ""])
+            entry[0] += call["function"].get("name") or ""
+            entry[1] += call["function"].get("arguments") or ""
+    return content, reasoning, [tuple(v) for _, v in sorted(calls.items())], choices[-1]["finish_reason"]
+
+
+@pytest.mark.parametrize("size", [1, 5])
+def test_streamed_chat_derender_equals_whole_for_reasoning_and_tool_calls(http, encode, size):
+    ids = encode(AGENT_TEXT)
+    whole = _ok(http.post("/v1/chat/completions/derender", json={
+        "generate_response": {"request_id": "chatcmpl-s", "choices": [{"index": 0, "token_ids": ids,
+                                                                         "finish_reason": "stop"}]},
+        "chat_request": AGENT_CHAT}))["choices"][0]
+    answers, _ = _derender_stream(http, "/v1/chat/completions/derender", _chunks(ids, size),
+                                  {"chat_request": AGENT_CHAT})
+    content, reasoning, calls, finish = _assembled([a["choices"][0] for a in answers])
+    message = whole["message"]
+    assert reasoning == message["reasoning"] and "The user wants the weather." in reasoning
+    assert content.strip() == (message["content"] or "").strip() == "Let me check."
+    assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+    assert calls[0][0] == "get_weather" and json.loads(calls[0][1]) == {"city": "Paris"}
+    assert finish == whole["finish_reason"] == "tool_calls"
+    assert all(a["object"] == "chat.completion.chunk" and a["id"] == "chatcmpl-s" for a in answers)
+
+
+def test_streamed_derender_of_a_real_generate_stream_equals_whole(http):
+    chat = {"model": MODEL, "messages": GREETING, "max_tokens": 24, "temperature": 0, **NO_THINKING}
+    rendered = _ok(http.post("/v1/chat/completions/render", json=chat))
+    streamed = http.post("/inference/v1/generate", json={**rendered, "stream": True})
+    chunks = [json.loads(line[6:]) for line in streamed.text.split("\n\n") if line.startswith("data: {")]
+    ids = [t for chunk in chunks for choice in chunk["choices"] for t in choice["token_ids"]]
+    whole = _ok(http.post("/v1/chat/completions/derender", json={
+        "generate_response": {"request_id": "x", "choices": [{"index": 0, "token_ids": ids,
+                                                              "finish_reason": "length"}]},
+        "prompt_token_ids": rendered["token_ids"], "chat_request": chat}))
+    answers, _ = _derender_stream(http, "/v1/chat/completions/derender", chunks,
+                                  {"chat_request": chat, "prompt_token_ids": rendered["token_ids"]})
+    content, _, _, finish = _assembled([choice for a in answers for choice in a["choices"]])
+    assert content == whole["choices"][0]["message"]["content"] and finish == "length"
+    completion = {"model": MODEL, "prompt": "Hello! What", "max_tokens": 12, "temperature": 0}
+    direct = _ok(http.post("/v1/completions", json=completion))
+    (prompt,) = _ok(http.post("/v1/completions/render", json=completion))
+    generated = _ok(http.post("/inference/v1/generate", json=prompt))
+    answers, _ = _derender_stream(http, "/v1/completions/derender",
+                                  _chunks(generated["choices"][0]["token_ids"], 2),
+                                  {"completion_request": completion, "prompt_token_ids": prompt["token_ids"]})
+    assert "".join(a["choices"][0]["text"] for a in answers) == direct["choices"][0]["text"]
+
+
+def test_the_stream_state_stays_bounded_and_is_checked(http, encode):
+    ids = encode("<think>\nok\n</think>\n\n" + "The colour of the sky is blue today. " * 30)
+    assert len(ids) > 150
+    _, states = _derender_stream(http, "/v1/chat/completions/derender", _chunks(ids, 1), {"chat_request": AGENT_CHAT})
+    assert max(len(s) for s in states[-50:]) <= len(states[30]) + 32, (len(states[30]), max(map(len, states[-50:])))
+    state = states[-2]
+    changed = state[:10] + ("A" if state[10] != "A" else "B") + state[11:]
+    last = _chunks(ids, 1)[-1]
+    for bad in (changed, "A" * 100_000, {"output_token_ids": [1]}):
+        reply = http.post("/v1/chat/completions/derender", json={"stream": True, "generate_chunk": last,
+                                                                 "stream_state": bad})
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] == "stream_state"
+
+
+# -- media on the tiny Qwen2-VL: content_parts, hashes-only features, vLLM's serialized tensors --
+
+def _image_chat(url: str) -> dict:
+    content = [{"type": "text", "text": "What is in this picture?"}, {"type": "image_url", "image_url": {"url": url}}]
+    return {"model": MODEL, "max_tokens": 12, "temperature": 0, **NO_THINKING,
+            "messages": [{"role": "user", "content": content}]}
+
+
+def _greedy_tokens(http, body: dict) -> list[int]:
+    return _ok(http.post("/inference/v1/generate", json=body))["choices"][0]["token_ids"]
+
+
+def _collapsed(ids: list[int], start: int, length: int) -> list[int]:
+    """`ids` with the span at `start` back to its one-token marker, as the chat template writes it."""
+    return ids[:start + 1] + ids[start + length:]
+
+
+def test_media_generate_by_content_parts_features_and_serialized_tensors_gives_the_chats_tokens(http):
+    url = noise_data_url(84, 56, seed=11)
+    chat = _image_chat(url)
+    rendered = _ok(http.post("/v1/chat/completions/render", json={**chat, "mm_payload": "none"}))
+    (place,) = rendered["features"]["mm_placeholders"]["image"]
+    sampling = {"max_tokens": 12, "temperature": 0}
+    parts = [{"type": "image_url", "url": url}]
+    by_parts = _greedy_tokens(http, {"token_ids": rendered["token_ids"], "content_parts": parts,
+                                     "sampling_params": sampling})
+    derendered = _ok(http.post("/v1/chat/completions/derender", json={
+        "generate_response": {"request_id": "x", "choices": [{"index": 0, "token_ids": by_parts,
+                                                              "finish_reason": "length"}]},
+        "prompt_token_ids": rendered["token_ids"], "chat_request": chat}))
+    direct = _ok(http.post("/v1/chat/completions", json=chat))
+    assert derendered["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+    marker = _collapsed(rendered["token_ids"], place["offset"], place["length"])
+    assert _greedy_tokens(http, {"token_ids": marker, "content_parts": parts, "sampling_params": sampling}) == by_parts
+    # The engine holds the image now: hashes and placeholders only (tito's METADATA path).
+    assert _greedy_tokens(http, {**rendered, "sampling_params": sampling}) == by_parts
+
+    reused = _ok(http.post("/v1/chat/completions", json={**chat, "kv_transfer_params": {
+        "prompt_token_ids": rendered["token_ids"], "prompt_features": rendered["features"]}}))
+    assert reused["choices"][0]["message"] == direct["choices"][0]["message"]
+
+    if not mm_serde.available():
+        return
+    # An image the engine has not seen: without its tensors (read from kwargs_data) it would refuse it.
+    other = noise_data_url(56, 84, seed=12)
+    with_tensors = _ok(http.post("/v1/chat/completions/render", json=_image_chat(other)))
+    assert with_tensors["features"]["kwargs_data"]["image"][0]
+    assert with_tensors["features"]["mm_hashes"] != rendered["features"]["mm_hashes"]
+    from_tensors = _greedy_tokens(http, {**with_tensors, "sampling_params": sampling})
+    assert from_tensors == _greedy_tokens(http, {"token_ids": with_tensors["token_ids"], "sampling_params": sampling,
+                                                 "content_parts": [{"type": "image_url", "url": other}]})

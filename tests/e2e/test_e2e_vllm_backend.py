@@ -21,11 +21,11 @@ from chat_checks import assert_chat_is_hf_greedy
 from images import noise_data_url as data_url
 from service_processes import running_services, signed_media_args
 from test_e2e_multimodal import chat_request, hf_greedy
+from vllm_serve import TITO_VLLM_BACKEND_ARGS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
-VLLM_ENGINE_ARGS = ["--backend", "vllm", "--kv-cache-bytes", str(32 << 20), "--max-model-len", "1024", "--",
-                    "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.05"]
+VLLM_ENGINE_ARGS = ["--max-model-len", "1024", *TITO_VLLM_BACKEND_ARGS]
 
 
 @pytest.fixture(scope="module")

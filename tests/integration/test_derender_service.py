@@ -172,3 +172,28 @@ def test_health_is_serving_once_created(server):
         health = health_pb2_grpc.HealthStub(channel)
         status = health.Check(health_pb2.HealthCheckRequest(service="tito.v1.DerenderService"), timeout=DEADLINE)
     assert status.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_stream_resumes_from_the_state_it_returned(stub, hf_tokenizer):
+    """return_state ends the stream with its sealed state; resume_state continues it, so one
+    stream per chunk gives one stream's text, and a changed state is INVALID_ARGUMENT."""
+    ids = hf_tokenizer.encode(" Hello 日本, café 🎉!", add_special_tokens=False)
+    state, text = b"", ""
+    for position, token in enumerate(ids):
+        last = position == len(ids) - 1
+        context = (derender_pb2.DerenderContext(resume_state=state, return_state=True) if state
+                   else derender_pb2.DerenderContext(prompt_tokens=3, return_state=True))
+        replies = list(stub.Derender(iter([derender_pb2.DerenderRequest(context=context), engine_message(
+            index=0, token_ids=[token], finish_reason=engine_pb2.FINISH_REASON_LENGTH if last else 0)]),
+            timeout=DEADLINE))
+        assert replies[-1].stream_state and not replies[-1].HasField("chunk")
+        state = replies[-1].stream_state
+        text += "".join(reply.chunk.content for reply in replies[:-1])
+    assert text == hf_tokenizer.decode(ids, skip_special_tokens=True)
+    assert replies[-2].chunk.finish_reason == engine_pb2.FINISH_REASON_LENGTH
+    changed = state[:-1] + bytes([state[-1] ^ 1])
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.Derender(iter([context_message(resume_state=changed)]), timeout=DEADLINE))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = error_details(refused.value)
+    assert details["fields"] == ["context.resume_state"] and details["reason"] == "STREAM_STATE_INVALID"

@@ -10,7 +10,7 @@ import zmq
 from tito.v1 import engine_pb2, engine_pb2_grpc
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
-from tito_engine.service.kv_publisher import bind_address
+from tito_engine.kv_publisher import bind_address
 
 from engine_calls import collect, request
 

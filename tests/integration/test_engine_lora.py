@@ -3,7 +3,9 @@
 For the tiny Qwen2 and Llama, three PEFT adapters made here (seeded non-zero lora_B; ranks 8 and
 16; attention, MLP, and every projection with rslora) are loaded at start (--lora-modules): greedy
 tokens under each adapter alone, and under all three and the base model in one batch of 16 rows
-arriving staggered, equal PEFT's `generate`. The prefix cache keys blocks by adapter (a prompt
+arriving staggered, equal PEFT's `generate`; so do image prompts under two adapters of the tiny
+Qwen2-VL's language model. Adapters loaded at run time survive a restart of the engine core. The
+prefix cache keys blocks by adapter (a prompt
 computed under one adapter is computed again under another, reused under the same one) and KV
 events name it. Then the refusals, each a clear status that leaves the engine serving: an unknown
 adapter, a path outside --lora-dir, missing and corrupt files, an adapter of another base, a rank
@@ -18,17 +20,21 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
+from chat_parts import image, text
 from engine_calls import collect, request
+from gateway_servers import StoppableGateway
 from lora_adapters import ADAPTERS, AdapterSpec, PeftReference, make_adapter, q_proj_adapter, write_adapter
 from tito.grpc_errors import error_details
 from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, render_pb2, render_pb2_grpc
 from tito_client import LoraAdapters
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
+from tito_render.convert import chat_response
 
 TIMEOUT = 60
 BLOCK = 4
@@ -159,6 +165,42 @@ def test_the_prefix_cache_keys_blocks_by_adapter_and_events_name_it(qwen2):
 
 
 # ---------------------------------------------------------------------------- what the engine reports
+
+
+def test_adapters_act_on_a_vision_language_models_language_model(module_aio_server, tiny_vl_model, renderer,
+                                                                  tmp_path_factory):
+    """The tiny Qwen2-VL with two PEFT adapters on its language model: image prompts under each
+    adapter and the base model, alone and together in one batch, give HF + PEFT's greedy tokens."""
+    root = tmp_path_factory.mktemp("lora-vl")
+    specs = [AdapterSpec("vl-attn", 8, ("q_proj", "v_proj"), seed=5),
+             AdapterSpec("vl-all", 16, ADAPTERS[2].targets, seed=6, rslora=True)]
+    directories = {spec.name: make_adapter(tiny_vl_model, spec, root / spec.name) for spec in specs}
+    stub, _ = _serve(module_aio_server, tiny_vl_model, root, max_loras=2,
+                     lora_modules=tuple(f"{name}={name}" for name in directories))
+    reference = PeftReference(tiny_vl_model, directories)
+    jobs = []
+    for index, name in enumerate([None, "vl-attn", "vl-all"] * 2):
+        rendered = chat_response(renderer, render_pb2.RenderChatRequest(
+            messages=[chat_pb2.ChatMessage(role="user", content_parts=[
+                image(56 + 28 * (index % 2), 56, seed=index), text(f"What is in picture {index}?")])],
+            sampling=render_pb2.SamplingOptions(max_tokens=8, temperature=0.0))).generate_request
+        rendered.lora_name = name or ""
+        jobs.append((name, rendered))
+    expected = [reference.generate_rendered(name, rendered) for name, rendered in jobs]
+    assert len({tuple(tokens) for tokens in expected[:3]}) == 3  # each adapter changes the tokens
+    alone = [collect(stub.Generate(rendered, timeout=TIMEOUT))[0][0] for _, rendered in jobs]
+    assert alone == expected
+    together: dict[int, list[int]] = {}
+
+    def run(index: int) -> None:
+        together[index] = collect(stub.Generate(jobs[index][1], timeout=TIMEOUT))[0][0]
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(len(jobs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(TIMEOUT)
+    assert [together.get(index) for index in range(len(jobs))] == expected
 
 
 def test_model_info_list_and_load_name_the_adapters(qwen2):
@@ -304,6 +346,41 @@ def test_two_loads_of_one_name_at_once_one_wins(two_slots):
     assert [adapter.name for adapter in two_slots.adapters.list()] == ["a"]
 
 
+def test_adapters_loaded_at_run_time_survive_a_restart_of_the_engine_core(aio_server, qwen2):
+    """The model process dies; the one that replaces it holds what the lost one held: the
+    --lora-modules adapters still loaded and those loaded at run time (not one unloaded before)."""
+    import multiprocessing
+
+    before = {child.pid for child in multiprocessing.active_children()}
+    stub, channel = _serve(aio_server, qwen2.model_dir, qwen2.root, engine_process=True, max_loras=3,
+                           lora_modules=("attn-r8=attn-r8", "mlp-r16=mlp-r16"))
+    adapters = LoraAdapters(channel, timeout=TIMEOUT)
+    adapters.load("late", "all-r16")
+    adapters.unload("mlp-r16")
+    prompt = _prompt(21)
+    expected = _generate(stub, prompt, "late")[0]
+    assert expected == qwen2.reference.generate("all-r16", prompt, 8)
+    (core,) = [child for child in multiprocessing.active_children()
+               if child.name == "tito-engine-core" and child.pid not in before]
+    core.kill()
+
+    def served_again() -> bool:
+        try:
+            return _generate(stub, prompt, "late")[0] == expected
+        except grpc.RpcError as error:  # ENGINE_CORE_LOST while the new core loads
+            assert error_details(error)["reason"] == "ENGINE_CORE_LOST", error
+            return False
+
+    deadline = time.monotonic() + 120
+    while not served_again():
+        assert time.monotonic() < deadline, "the new core never served the run-time adapter"
+        time.sleep(0.2)
+    assert [(a.name, a.path) for a in adapters.list()] == [("attn-r8", "attn-r8"), ("late", "all-r16")]
+    load = stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT)
+    assert sorted(adapter.name for adapter in load.lora_adapters) == ["attn-r8", "late"]
+    assert _generate(stub, prompt, "attn-r8")[0] == qwen2.reference.generate("attn-r8", prompt, 8)
+
+
 def test_an_engine_without_lora_dir_refuses_adapters(aio_server, tiny_text_model, tmp_path):
     stub, channel = _serve(aio_server, tiny_text_model, tmp_path, lora_dir="")
     details = _refusal(lambda: _generate(stub, _prompt(2), "a"))
@@ -316,49 +393,60 @@ def test_an_engine_without_lora_dir_refuses_adapters(aio_server, tiny_text_model
 # ---------------------------------------------------------------------------- through the gateway
 
 
-class _StoppableGateway:
-    """A started gateway as AioServer stops servers (`stop(grace)`)."""
+@dataclass
+class Front:
+    """render and derender of the tiny Qwen2, for gateways over the `qwen2` engine."""
 
-    def __init__(self, running):
-        self.running, self.address = running, running.address
+    render: Any
+    derender: Any
+    start: Any  # module_aio_server
 
-    async def stop(self, grace: float) -> None:
-        await self.running.stop()
+    def gateway(self, engine_address: str, **config) -> str:
+        """A started gateway's /v1 URL."""
+        from tito_gateway.config import GatewayConfig
+        from tito_gateway.server import create_server as create_gateway
+
+        async def gateway():
+            return StoppableGateway(await create_gateway(GatewayConfig(
+                address="127.0.0.1:0", render_address=self.render.address, engine_address=engine_address,
+                derender_address=self.derender.address, served_model_name="tiny", **config)))
+
+        return f"http://{self.start(gateway).address}/v1"
+
+    def prompt(self, content: str) -> list[int]:
+        """The token ids render gives a one-message chat."""
+        with self.render.channel() as channel:
+            rendered = render_pb2_grpc.RenderServiceStub(channel).RenderChat(render_pb2.RenderChatRequest(
+                messages=[chat_pb2.ChatMessage(role="user", content=content)]), timeout=TIMEOUT)
+        return list(rendered.generate_request.token_ids)
 
 
-def test_the_openai_sdk_selects_an_adapter_by_model_through_the_three_services(qwen2, module_aio_server,
-                                                                              tiny_text_model):
+@pytest.fixture(scope="module")
+def front(module_aio_server, tiny_text_model) -> Front:
+    from tito_derender.config import DerenderConfig
+    from tito_derender.server import create_server as create_derender
+    from tito_render.config import RenderConfig
+    from tito_render.server import create_server as create_render
+
+    model = str(tiny_text_model)
+    return Front(module_aio_server(lambda: create_render(RenderConfig(model=model))),
+                 module_aio_server(lambda: create_derender(DerenderConfig(model=model))), module_aio_server)
+
+
+def test_the_openai_sdk_selects_an_adapter_by_model_through_the_three_services(qwen2, front, tiny_text_model):
     """render -> engine -> derender behind the gateway: `model` names the adapter, /v1/models lists
     it with its parent, and the reply is HF + PEFT's greedy tokens for the rendered chat."""
     import openai
     from transformers import AutoTokenizer
 
-    from tito_derender.config import DerenderConfig
-    from tito_derender.server import create_server as create_derender
-    from tito_gateway.config import GatewayConfig
-    from tito_gateway.server import create_server as create_gateway
-    from tito_render.config import RenderConfig
-    from tito_render.server import create_server as create_render
-
     model = str(tiny_text_model)
-    render = module_aio_server(lambda: create_render(RenderConfig(model=model)))
-    derender = module_aio_server(lambda: create_derender(DerenderConfig(model=model)))
-
-    async def gateway():
-        return _StoppableGateway(await create_gateway(GatewayConfig(
-            address="127.0.0.1:0", render_address=render.address, engine_address=qwen2.address,
-            derender_address=derender.address, served_model_name="tiny", allow_runtime_lora_updating=True)))
-
-    base_url = f"http://{module_aio_server(gateway).address}/v1"
-    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=front.gateway(qwen2.address, allow_runtime_lora_updating=True),
+                           api_key="unused", max_retries=0)
     cards = {card.id: card for card in client.models.list().data}
     assert set(cards) == {"tiny", *NAMES} and cards["mlp-r16"].model_extra["parent"] == "tiny"
 
     messages = [{"role": "user", "content": "Say hello"}]
-    with render.channel() as channel:
-        rendered = render_pb2_grpc.RenderServiceStub(channel).RenderChat(render_pb2.RenderChatRequest(
-            messages=[chat_pb2.ChatMessage(role="user", content="Say hello")]), timeout=TIMEOUT)
-    prompt = list(rendered.generate_request.token_ids)
+    prompt = front.prompt("Say hello")
     tokenizer = AutoTokenizer.from_pretrained(model)
     texts = {}
     for name in ("tiny", "mlp-r16"):
@@ -382,11 +470,32 @@ def test_the_openai_sdk_selects_an_adapter_by_model_through_the_three_services(q
     assert "late" not in [adapter.name for adapter in qwen2.adapters.list()]
 
 
-def test_chats_over_four_adapters_while_one_comes_and_goes_equal_their_solo_runs(aio_server, tiny_text_model,
-                                                                                  tmp_path):
-    """64 chats over four adapters, one of them unloaded and loaded again over and over meanwhile:
-    each chat finishes with its solo run's tokens, or (its adapter away when it arrived) is refused
-    NOT_FOUND; the engine serves on."""
+def test_the_gateway_loads_an_adapter_of_its_lora_modules_a_chat_names(qwen2, front, tiny_text_model):
+    """--lora-modules: /v1/models lists the adapter before any engine holds it; the first chat
+    naming it makes the gateway's router load it on the engine, and its reply is HF + PEFT's."""
+    import openai
+    from transformers import AutoTokenizer
+
+    client = openai.OpenAI(base_url=front.gateway(qwen2.address, lora_modules=("on-demand=attn-r8",)),
+                           api_key="unused", max_retries=0)
+    cards = {card.id: card for card in client.models.list().data}
+    assert cards["on-demand"].model_extra["root"] == "attn-r8" and "on-demand" not in {
+        adapter.name for adapter in qwen2.adapters.list()}
+    reply = client.chat.completions.create(model="on-demand", messages=[{"role": "user", "content": "Say hi"}],
+                                           max_tokens=6, temperature=0)
+    expected = qwen2.reference.generate("attn-r8", front.prompt("Say hi"), 6)
+    assert reply.choices[0].message.content == AutoTokenizer.from_pretrained(tiny_text_model).decode(
+        expected, skip_special_tokens=True)
+    held = {adapter.name: adapter.path for adapter in qwen2.adapters.list()}
+    assert held["on-demand"] == "attn-r8"
+    qwen2.adapters.unload("on-demand")
+
+
+def test_chats_over_four_adapters_while_two_come_and_go_equal_their_solo_runs(aio_server, tiny_text_model,
+                                                                               tmp_path):
+    """64 chats over four adapters, two of them unloaded and loaded again over and over meanwhile
+    (so they trade slots under running requests): each chat finishes with its solo run's tokens,
+    or (its adapter away when it arrived) is refused NOT_FOUND; the engine serves on."""
     names = ["w", "x", "y", "z"]
     for index, name in enumerate(names):
         make_adapter(tiny_text_model, AdapterSpec(name, 8, ("q_proj", "up_proj"), seed=30 + index), tmp_path / name)
@@ -397,13 +506,16 @@ def test_chats_over_four_adapters_while_one_comes_and_goes_equal_their_solo_runs
     solo = {(name, index): _generate(stub, prompt, name)[0] for name in names for index, prompt in enumerate(prompts)}
     outcomes: list[str] = []
     stop = threading.Event()
+    churned = ("y", "z")
+    cycles = {name: 0 for name in churned}
 
-    def churn() -> None:  # "z" comes and goes while the chats run
+    def churn(name: str) -> None:  # `name` comes and goes while the chats run
         while not stop.is_set():
-            adapters.unload("z")
+            adapters.unload(name)
             while True:  # back as soon as the requests still using it have finished
                 try:
-                    adapters.load("z", "z")
+                    adapters.load(name, name)
+                    cycles[name] += 1
                     break
                 except grpc.RpcError as error:
                     assert error_details(error)["reason"] == "LORA_ADAPTER_EXISTS"
@@ -415,20 +527,23 @@ def test_chats_over_four_adapters_while_one_comes_and_goes_equal_their_solo_runs
         try:
             tokens, _ = _generate(stub, prompts[index], name)
         except grpc.RpcError as error:
-            assert (name, error_details(error)["reason"]) == ("z", "LORA_ADAPTER_NOT_FOUND")
+            assert name in churned and error_details(error)["reason"] == "LORA_ADAPTER_NOT_FOUND", (name, error)
             outcomes.append("refused")
             return
         assert tokens == solo[(name, index)], (name, index)
         outcomes.append("equal")
 
-    churner = threading.Thread(target=churn)
-    churner.start()
+    churners = [threading.Thread(target=churn, args=(name,)) for name in churned]
+    for churner in churners:
+        churner.start()
     chats = [threading.Thread(target=chat, args=(number,)) for number in range(64)]
     for thread in chats:
         thread.start()
     for thread in chats:
         thread.join(TIMEOUT)
     stop.set()
-    churner.join(TIMEOUT)
-    assert len(outcomes) == 64 and outcomes.count("equal") >= 48, outcomes
+    for churner in churners:
+        churner.join(TIMEOUT)
+    assert len(outcomes) == 64 and outcomes.count("equal") >= 32, outcomes
+    assert min(cycles.values()) >= 1, cycles  # both came and went while the chats ran
     assert sorted(adapter.name for adapter in adapters.list()) == names

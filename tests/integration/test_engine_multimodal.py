@@ -32,6 +32,7 @@ from tito_render.convert import chat_response
 from chat_parts import image, text
 from images import noise_png
 from renderers import load_renderer
+from vl_reference import hf_vl_greedy as hf_greedy
 
 TIMEOUT = 60
 KEY, KEY_ID = b"engine-multimodal-test-key-0123456789", "k1"
@@ -47,28 +48,6 @@ def render(renderer: Renderer, *parts, max_tokens: int = 12, payload: int = TENS
         messages=[chat_pb2.ChatMessage(role="user", content_parts=list(parts))], mm_payload=payload,
         sampling=render_pb2.SamplingOptions(max_tokens=max_tokens, temperature=0.0))
     return chat_response(renderer, request).generate_request
-
-
-def hf_greedy(model, request: engine_pb2.GenerateRequest, features=None) -> list[int]:
-    """HF generate on the request's ids with `features`' tensors (default: its own)."""
-    features = request.mm_features if features is None else features
-    ids = torch.tensor([list(request.token_ids)])
-    types = torch.zeros_like(ids)
-    inputs = {}
-    for modality, type_id, pixel_key, grid_key in ((multimodal_pb2.MODALITY_IMAGE, 1, "pixel_values", "image_grid_thw"),
-                                                   (multimodal_pb2.MODALITY_VIDEO, 2, "pixel_values_videos",
-                                                    "video_grid_thw")):
-        items = [item for item in features.items if item.modality == modality]
-        if not items:
-            continue
-        for item in items:
-            types[0, item.placeholder.offset:item.placeholder.offset + item.placeholder.length] = type_id
-        inputs[pixel_key] = torch.cat([tensors.to_torch(item.kwargs[pixel_key]) for item in items])
-        inputs[grid_key] = torch.cat([tensors.to_torch(item.metadata[grid_key]).reshape(-1, 3) for item in items])
-    with torch.inference_mode():
-        output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types,
-                                max_new_tokens=request.sampling_params.max_tokens, do_sample=False, **inputs)
-    return output[0, ids.shape[1]:].tolist()
 
 
 def generate(stub, request) -> list[int]:

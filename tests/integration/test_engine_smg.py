@@ -24,7 +24,7 @@ from tito_engine.server import SERVICE_NAME, create_server
 from tito_engine.smg.servicer import SERVICE_NAME as SMG_SERVICE
 
 from engine_calls import collect, request
-from smg_calls import read_stream, smg_request
+from smg_calls import read_stream, smg_request, text_stop
 
 TIMEOUT = 30
 CONTEXT = 256
@@ -144,23 +144,11 @@ def test_max_tokens_unset_runs_to_the_context_limit(smg):
     assert complete.finish_reason == "length" and len(complete.output_ids) == CONTEXT - len(prompt)
 
 
-def _text_stop(tokenizer, tokens, at):
-    """A stop string that the text of tokens[at] completes: that token's text, and what precedes
-    it (nothing earlier contains it)."""
-    for start in range(at):
-        text = tokenizer.decode(tokens[start:at + 1])
-        before = tokenizer.decode(tokens[:at])
-        candidate = text.strip()
-        if candidate and candidate not in before and candidate in tokenizer.decode(tokens[:at + 1]):
-            return candidate
-    pytest.skip("no stop string isolates that token in this output")
-
-
 def test_a_stop_string_ends_the_choice_in_the_engine(smg, tito, tokenizer):
     prompt = PROMPTS[0]
     expected, _ = collect(tito.Generate(request(prompt, max_tokens=20, ignore_eos=True), timeout=TIMEOUT))
     tokens = expected[0]
-    stop = _text_stop(tokenizer, tokens, 6)
+    stop = text_stop(tokenizer, tokens, 6)
     end = next(i for i in range(len(tokens)) if stop in tokenizer.decode(tokens[:i + 1]))
     for stream in (True, False):
         got = generate(smg, prompt, max_tokens=20, ignore_eos=True, stop=["never there", stop], stream=stream)
@@ -173,6 +161,22 @@ def test_a_stop_string_ends_the_choice_in_the_engine(smg, tito, tokenizer):
     # The stream ended after the engine let the request go: its id is free, the load is 0 at once.
     load = smg.GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=TIMEOUT).loads[0]
     assert load.num_running_reqs == load.num_waiting_reqs == 0
+
+
+def test_a_choice_a_stop_string_ends_reports_the_prompts_cached_tokens(smg, tito, tokenizer):
+    """The backend's usage (with its prefix-cache hit) comes with a choice's last output, which a
+    choice the face ends on a stop string never sees: its complete reports the hit all the same."""
+    prompt = PROMPTS[3]  # 40 tokens: two whole 16-token blocks to find in the cache
+    expected, _ = collect(tito.Generate(request(prompt, max_tokens=20, ignore_eos=True), timeout=TIMEOUT))
+    stop = text_stop(tokenizer, expected[0], 6)
+    plain = generate(smg, prompt, max_tokens=20, ignore_eos=True, stream=False).completes[0]
+    assert plain.cached_tokens == len(prompt) // 16 * 16  # the prompt's whole blocks, cached by the first run
+    for stream in (True, False):
+        for n in (1, 2):
+            got = generate(smg, prompt, max_tokens=20, ignore_eos=True, stop=[stop], stream=stream, n=n)
+            for complete in got.completes.values():
+                assert complete.matched_stop_str == stop, (stream, n)
+                assert complete.cached_tokens == plain.cached_tokens, (stream, n)
 
 
 def test_stop_token_ids_report_matched_token_id(smg, tito):
@@ -224,6 +228,7 @@ def test_model_server_and_load_facts(smg, tiny_text_model):
     server = smg.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest(), timeout=TIMEOUT)
     assert server.server_type == "vllm-grpc" and server.max_num_seqs == 64 and server.block_size == 16
     assert server.model_dtype == "torch.float32" and server.constrained_decoding_start == "first_token"
+    assert server.mm_item_limits == "" and server.mm_encoder_budget == 0  # a text model: SMG keeps its own caps
     loads = smg.GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=TIMEOUT)
     assert loads.dp_rank_count == 1 and len(loads.loads) == 1
     load = loads.loads[0]
@@ -375,16 +380,18 @@ def test_a_draining_engine_refuses_new_streams_on_smgs_face_and_ends_the_rest_as
     """Drain (tito.v1's RPC, or SIGTERM) covers both faces: SMG's health turns unhealthy, a new
     Generate is UNAVAILABLE ENGINE_DRAINING, and a stream the grace period outlives ends with the
     same status (so SMG retries it elsewhere) rather than as a finished choice."""
-    long_context = 2048  # the model's whole window: a stream no fast machine finishes within the grace period
-    config = EngineConfig(model=str(tiny_text_model), device="cpu", engine_process=False, max_model_len=long_context,
-                          block_size=16)
+    # The tiny model's whole context: CONTEXT's 250 tokens took less than the grace period on a fast
+    # machine, and the stream then ended as finished before the drain could end it.
+    long_context = 2048
+    config = EngineConfig(model=str(tiny_text_model), device="cpu", engine_process=False,
+                          max_model_len=long_context, block_size=16)
     channel = aio_server(lambda: create_server(config)).channel()
     smg_stub, tito_stub = vllm_engine_pb2_grpc.VllmEngineStub(channel), engine_pb2_grpc.EngineServiceStub(channel)
     running = smg_stub.Generate(smg_request(PROMPTS[0], request_id="outlives-grace", max_tokens=long_context - 8,
                                             ignore_eos=True), timeout=TIMEOUT)
     assert next(running).WhichOneof("response") == "chunk"
 
-    drained = tito_stub.Drain(engine_pb2.DrainRequest(grace_seconds=0.1), timeout=TIMEOUT)
+    drained = tito_stub.Drain(engine_pb2.DrainRequest(grace_seconds=0.2), timeout=TIMEOUT)
     assert drained.in_flight_requests == 1
 
     assert not smg_stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=TIMEOUT).healthy

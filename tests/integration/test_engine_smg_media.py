@@ -81,6 +81,9 @@ def test_two_images_give_tito_v1s_tokens(stubs, renderer, placeholder_id):
     assert got.tokens() == expected[0] and got.completes[0].finish_reason == "length"
     info = smg.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest(), timeout=TIMEOUT)
     assert info.supports_vision
+    # SMG holds a request to the engine's media limit (--max-mm-items, default 64) before sending it.
+    server = smg.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest(), timeout=TIMEOUT)
+    assert server.mm_item_limits == "image=64,video=64"
 
 
 def _refusal(smg, message) -> dict:

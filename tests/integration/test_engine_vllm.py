@@ -315,12 +315,16 @@ def test_structured_outputs_parse_on_both_backends(stubs, backend, tiny_text_mod
     assert details["fields"] == ["sampling_params.structured_output.regex"]
 
 
-def test_smg_face_serves_the_vllm_backend_as_the_native_one(channels, stubs):
+def test_smg_face_serves_the_vllm_backend_as_the_native_one(channels, stubs, tiny_text_model_d64):
     """SMG's vllm.grpc.engine.VllmEngine on both backends: the same greedy tokens as tito.v1's
-    Generate, a stop string ending the choice, the same refusal with SMG's field names."""
+    Generate, a stop token and a stop string ending the choice (the latter with the prompt's
+    prefix-cache hit in its usage, as the same request without it reports), the same refusal with
+    SMG's field names."""
     from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-    from smg_calls import read_stream, smg_request
+    from smg_calls import read_stream, smg_request, text_stop
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_text_model_d64)
 
     prompt = prompts(1)[0]
     expected, _ = collect(stubs["native"].Generate(request(prompt, max_tokens=NEW_TOKENS, ignore_eos=True),
@@ -337,6 +341,19 @@ def test_smg_face_serves_the_vllm_backend_as_the_native_one(channels, stubs):
                                            timeout=TIMEOUT))
         assert stopped.completes[0].matched_token_id == expected[0][4]
         assert stopped.tokens() == expected[0][:expected[0].index(expected[0][4]) + 1]
+        # The longest prompt: more than one of vLLM's 128-token CPU blocks, so a second run finds one cached.
+        long_prompt = max(prompts(), key=len)
+        plain = [read_stream(smg.Generate(smg_request(long_prompt, request_id=f"{name}-plain-{run}",
+                                                      max_tokens=NEW_TOKENS, ignore_eos=True, stream=False),
+                                          timeout=TIMEOUT)) for run in range(2)][1]
+        assert plain.completes[0].cached_tokens > 0, name  # the first run left the prompt's blocks cached
+        stop = text_stop(tokenizer, plain.tokens(), 6)
+        for stream in (True, False):
+            ended = read_stream(smg.Generate(smg_request(long_prompt, request_id=f"{name}-text-stop-{stream}",
+                                                         max_tokens=NEW_TOKENS, ignore_eos=True, stop=[stop],
+                                                         stream=stream), timeout=TIMEOUT)).completes[0]
+            assert ended.matched_stop_str == stop, (name, stream)
+            assert ended.cached_tokens == plain.completes[0].cached_tokens, (name, stream)
         with pytest.raises(grpc.RpcError) as caught:
             list(smg.Generate(smg_request([5, 5000], request_id=f"{name}-bad"), timeout=TIMEOUT))
         details = error_details(caught.value)

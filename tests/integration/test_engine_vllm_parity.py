@@ -11,8 +11,6 @@ for this checkpoint (float32), built without any tito code.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -22,6 +20,7 @@ from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
 
 from engine_calls import collect, request
+from vllm_reference import AsyncLLMReference
 
 pytestmark = pytest.mark.vllm
 
@@ -41,54 +40,6 @@ PROMPTS = [synthetic(i, 5 + 11 * i) for i in range(3)] + [
     synthetic(i, 512 + 37 * i if i % 2 else 24 + 13 * i) for i in range(3, CONCURRENCY)]
 
 
-class _AsyncLLMReference:
-    """vLLM's own AsyncLLM on a private event loop, configured for the checkpoint by hand."""
-
-    def __init__(self, model_dir: str):
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="asyncllm")
-        self._thread.start()
-        args = AsyncEngineArgs(model=model_dir, dtype="float32", kv_cache_memory_bytes=KV_BYTES,
-                               max_num_seqs=64, generation_config="vllm", enforce_eager=True)
-
-        async def build():
-            return AsyncLLM.from_engine_args(args)
-
-        self._llm = self._run(build())
-
-    def _run(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=TIMEOUT)
-
-    async def _one(self, index: int, prompt: list[int], prefix: str) -> list[int]:
-        from vllm import SamplingParams
-        from vllm.inputs.engine import tokens_input
-        from vllm.sampling_params import RequestOutputKind
-
-        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False,
-                                output_kind=RequestOutputKind.DELTA)
-        tokens: list[int] = []
-        async for output in self._llm.generate(tokens_input(prompt), params, f"{prefix}-{index}"):
-            tokens.extend(output.outputs[0].token_ids)
-        return tokens
-
-    def alone(self, prompts: list[list[int]]) -> list[list[int]]:
-        return [self._run(self._one(i, prompt, "alone")) for i, prompt in enumerate(prompts)]
-
-    def together(self, prompts: list[list[int]]) -> list[list[int]]:
-        async def every():
-            return list(await asyncio.gather(*(self._one(i, p, "together") for i, p in enumerate(prompts))))
-
-        return self._run(every())
-
-    def close(self) -> None:
-        self._llm.shutdown()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def stubs(module_aio_server, tiny_text_model_d64):
     configs = {
@@ -104,7 +55,8 @@ def stubs(module_aio_server, tiny_text_model_d64):
 
 @pytest.fixture(scope="module")
 def asyncllm(tiny_text_model_d64):
-    reference = _AsyncLLMReference(str(tiny_text_model_d64))
+    reference = AsyncLLMReference(str(tiny_text_model_d64), TIMEOUT, dtype="float32", kv_cache_memory_bytes=KV_BYTES,
+                                  max_num_seqs=64)
     yield reference
     reference.close()
 
@@ -145,7 +97,7 @@ def test_vllm_backend_defaults_compute_what_the_native_engine_computes(stubs):
 @pytest.mark.parametrize("concurrency", [1, CONCURRENCY])
 def test_greedy_tokens_equal_vllm_s_own_asyncllm_and_the_native_engine(stubs, asyncllm, concurrency):
     run = _alone if concurrency == 1 else _together
-    reference = asyncllm.alone(PROMPTS) if concurrency == 1 else asyncllm.together(PROMPTS)
+    reference = (asyncllm.alone if concurrency == 1 else asyncllm.together)(PROMPTS, NEW_TOKENS, ignore_eos=True)
     native = run(stubs["native"])
     backend = run(stubs["vllm"])
     assert all(len(tokens) == NEW_TOKENS for tokens in reference)

@@ -34,6 +34,7 @@ from tito.grpc_errors import error_details
 from tito.v1 import (chat_pb2, derender_pb2, engine_pb2, engine_pb2_grpc, multimodal_pb2, render_pb2,
                      render_pb2_grpc)
 from tito_client import LoraAdapters
+from tito_client.disaggregation import handle_of, prefill_request
 from tito_derender.config import DerenderConfig
 from tito_derender.server import create_server as create_derender
 from tito_engine.config import EngineConfig
@@ -112,7 +113,9 @@ def seeds(servers, rendered):
     after it (`signed_seeds` has those)."""
     generate = _unsigned(rendered.generate_request)
     with servers["engine"].channel() as channel:
-        responses = list(engine_pb2_grpc.EngineServiceStub(channel).Generate(generate, timeout=TIMEOUT))
+        engine = engine_pb2_grpc.EngineServiceStub(channel)
+        responses = list(engine.Generate(generate, timeout=TIMEOUT))
+        pull = _pull_request(engine, generate)
     stream = [derender_pb2.DerenderRequest(context=rendered.derender_context)] + \
         [derender_pb2.DerenderRequest(generate_response=r) for r in responses]
     # Two requests' streams over one DerenderBatch call, a message per engine step.
@@ -139,6 +142,7 @@ def seeds(servers, rendered):
                                                                                      lora_path="adapter"),
         "/tito.v1.EngineService/UnloadLoraAdapter": engine_pb2.UnloadLoraAdapterRequest(lora_name="fuzz-2"),
         "/tito.v1.EngineService/ListLoraAdapters": engine_pb2.ListLoraAdaptersRequest(),
+        "/tito.v1.EngineService/PullKvBlocks": pull,
         "/tito.v1.DerenderService/Derender": stream,
         "/tito.v1.DerenderService/DerenderBatch": batch,
         "/tito.v1.DerenderService/DerenderFull": derender_pb2.DerenderFullRequest(
@@ -164,6 +168,14 @@ def signed_seeds(servers, rendered):
         "/tito.v1.EngineService/Generate": [rendered.generate_request, metadata_only],
         "/tito.v1.EngineService/Encode": [_encode_request(rendered.generate_request)],
     }
+
+
+def _pull_request(engine, generate: engine_pb2.GenerateRequest) -> engine_pb2.PullKvBlocksRequest:
+    """A pull with a real handle: the prefill part of `generate` run now (its blocks stay pinned
+    for the engine's --kv-pin-seconds). A handle is single-use: after one good pull, the same
+    request is refused."""
+    return engine_pb2.PullKvBlocksRequest(
+        handle=handle_of(list(engine.Generate(prefill_request(generate), timeout=TIMEOUT))))
 
 
 def _unsigned(generate: engine_pb2.GenerateRequest) -> engine_pb2.GenerateRequest:
@@ -268,6 +280,8 @@ def test_fuzzed_requests_never_break_a_service(servers, seeds, service):
             assert (load.running_requests, load.waiting_requests) == (0, 0)
 
 
+#: The RPC whose seed is spent by its first good call (a KV transfer handle): renewed before the last check.
+SINGLE_USE = "/tito.v1.EngineService/PullKvBlocks"
 #: RPCs that change what the engine holds: their seed answers OK only from the state it expects.
 ADAPTER_CHANGES = ("/tito.v1.EngineService/LoadLoraAdapter", "/tito.v1.EngineService/UnloadLoraAdapter")
 
@@ -338,6 +352,9 @@ def test_every_field_of_every_rpc_alone_never_breaks_a_service(servers, seeds, s
         # Still fully working, and nothing left behind.
         if method in ADAPTER_CHANGES:
             _hold_only_the_seed_adapter(channel, loaded=method.endswith("/UnloadLoraAdapter"))
+        if method == SINGLE_USE:
+            seeds[method] = _pull_request(engine_pb2_grpc.EngineServiceStub(channel),
+                                          seeds["/tito.v1.EngineService/Generate"])
         assert _call(channel, method, _good(seeds, method)) == grpc.StatusCode.OK
         if service == "engine":
             load = engine_pb2_grpc.EngineServiceStub(channel).GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT)

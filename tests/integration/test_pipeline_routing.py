@@ -6,6 +6,7 @@ finish or hand over theirs while new chats go elsewhere, and a rolling restart l
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import grpc
@@ -14,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tito.grpc_errors import error_details
 from tito_client import AsyncChatPipeline, ChatPipeline, EngineRouter, Endpoints
+from tito_client.routing import Choice
 from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, render_pb2
 from tito_derender.config import DerenderConfig
 from tito_derender.server import create_server as create_derender
@@ -120,6 +122,26 @@ async def stream_all(pipelines, requests, started: list[asyncio.Event]):
     return [asyncio.ensure_future(run(k)) for k in range(len(requests))]
 
 
+async def all_streaming(tasks, started: list[asyncio.Event]) -> None:
+    """Until every chat has text; a chat that ends or fails before (its error raised here) or
+    TIMEOUT fails the test instead of leaving it waiting for an event that never comes."""
+    waits = [asyncio.ensure_future(event.wait()) for event in started]
+    pending = set(waits) | set(tasks)
+    try:
+        while not all(event.is_set() for event in started):
+            done, pending = await asyncio.wait(pending, timeout=TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                raise AssertionError(f"chats without text after {TIMEOUT} s")
+            for task in done & set(tasks):
+                k = tasks.index(task)
+                if not started[k].is_set():
+                    task.result()  # its error, if it failed
+                    raise AssertionError(f"chat {k} ended before it streamed any text")
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
 def test_an_engine_killed_mid_run_loses_no_chat_and_every_output_equals_its_solo_run(fleet):
     """The engine dies with chats in flight; each continues on another engine from the ids it had
     (request migration): 0 chats fail, every text (greedy and seeded) and usage equals its solo run."""
@@ -137,7 +159,7 @@ def test_an_engine_killed_mid_run_loses_no_chat_and_every_output_equals_its_solo
                                          router=router) as pipeline:
                 started = [asyncio.Event() for _ in requests]
                 tasks = await stream_all([pipeline] * len(requests), requests, started)  # round robin: 2 each
-                await asyncio.gather(*(event.wait() for event in started))
+                await all_streaming(tasks, started)
                 assert router.status()[victim.address]["in_flight"] == 2
                 # The engine dies with chats in flight: its gRPC server goes away at once.
                 await asyncio.to_thread(victim.call, lambda: victim.running.server.stop(0))
@@ -159,6 +181,67 @@ def test_an_engine_killed_mid_run_loses_no_chat_and_every_output_equals_its_solo
         wait_for(lambda: idle(survivor), "the survivor idle")
 
 
+class StartsOn(EngineRouter):
+    """Sends every new chat to `first` while it is reachable (moves go where the policy says)."""
+
+    def __init__(self, addresses, first: str, **kwargs):
+        super().__init__(addresses, **kwargs)
+        self.first = first
+
+    def pick(self, request, avoid=None):
+        if avoid is None and self.status()[self.first]["reachable"]:
+            return Choice(self.first, 0, "test")
+        return super().pick(request, avoid)
+
+
+def test_n_choices_and_structured_output_continue_exactly_when_their_engine_dies(fleet):
+    """A seeded n = 2 chat (each choice continued on its own, choice i under seed + i) and a
+    json_schema chat (the new engine advances the grammar over the earlier ids) lose their engine
+    mid-stream: every choice's text equals the solo run's and the JSON still parses."""
+    render, derender, engines = fleet
+    addresses = [engine.address for engine in engines]
+    victim = engines[0]
+    choices = chat(["Count to 9 slowly."], max_tokens=120, ignore_eos=True)
+    choices.sampling.n, choices.sampling.temperature, choices.sampling.seed = 2, 1.0, 4242
+    schema = {"type": "object", "properties": {"words": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                                                         "minItems": 20, "maxItems": 20}},
+              "required": ["words"], "additionalProperties": False}
+    structured = chat(["List twenty words."], max_tokens=600)
+    structured.chat_template_kwargs.update({"enable_thinking": False})  # the constraint from the first token
+    structured.response_format.type = "json_schema"
+    structured.response_format.json_schema.name = "words"
+    structured.response_format.json_schema.schema.update(schema)
+    requests = [choices, structured]
+    with EngineRouter(addresses[1:], load_interval=0.05) as router, \
+            ChatPipeline(Endpoints(render, addresses[1], derender), timeout=TIMEOUT, router=router) as pipeline:
+        expected = [texts_by_choice(list(pipeline.stream_chat(request))) for request in requests]
+
+    async def main():
+        with StartsOn(addresses, victim.address, load_interval=0.05) as router:
+            async with AsyncChatPipeline(Endpoints(render, addresses[0], derender), timeout=TIMEOUT,
+                                         router=router) as pipeline:
+                started = [asyncio.Event() for _ in requests]
+                tasks = await stream_all([pipeline] * len(requests), requests, started)
+                await all_streaming(tasks, started)
+                assert router.status()[victim.address]["in_flight"] == 2
+                await asyncio.to_thread(victim.call, lambda: victim.running.server.stop(0))
+                return await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT)
+
+    results = [texts_by_choice(chunks) for chunks in asyncio.run(main())]
+    assert results == expected
+    assert len(results[0]) == 2 and results[0][0] != results[0][1]  # two distinct seeded choices
+    assert len(json.loads(results[1][0])["words"]) == 20
+    for survivor in engines[1:]:
+        wait_for(lambda: idle(survivor), "the survivor idle")
+
+
+def texts_by_choice(chunks) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        texts[chunk.index] = texts.get(chunk.index, "") + chunk.content
+    return texts
+
+
 def test_draining_engines_finish_or_hand_over_their_chats_and_take_no_new_ones(fleet):
     """One engine drains with a long grace period (its chat finishes there), one is stopped as
     SIGTERM stops it with a short one (its chat is ended as "engine gone" and continues on the
@@ -178,7 +261,7 @@ def test_draining_engines_finish_or_hand_over_their_chats_and_take_no_new_ones(f
                                            batch_derender=True) for _ in requests]
             started = [asyncio.Event() for _ in requests]
             tasks = await stream_all(pipelines, requests, started)
-            await asyncio.gather(*(event.wait() for event in started))
+            await all_streaming(tasks, started)
             homes = {pipeline.last_engine for pipeline in pipelines}
             assert homes == set(addresses)
             async with grpc.aio.insecure_channel(patient.address) as channel:

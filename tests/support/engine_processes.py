@@ -51,6 +51,13 @@ class EngineProcess:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
 
+    def terminate(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM (the engine drains, then exits) and wait for the exit: its exit status."""
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        self.process.terminate()
+        return self.process.wait(timeout=timeout)
+
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()

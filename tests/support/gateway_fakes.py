@@ -3,8 +3,13 @@ each request crosses the protobuf wire as it would on its way to render."""
 
 from __future__ import annotations
 
+import hashlib
+
+import numpy as np
+
+from tito import tensors
 from tito.errors import InvalidArgument
-from tito.v1 import derender_pb2, engine_pb2, render_pb2, sampling_pb2
+from tito.v1 import derender_pb2, engine_pb2, multimodal_pb2, render_pb2, sampling_pb2
 
 SERVED = "served-model"
 SERVING = {"render": "SERVING", "engine": "SERVING", "derender": "SERVING"}
@@ -77,10 +82,30 @@ def prompt_ids_of(text: str) -> list[int]:
     return [ord(character) % VOCAB for character in text] or [1]
 
 
+#: The fake render's image placeholder token, and how many an image expands to.
+IMAGE_TOKEN = VOCAB - 1
+IMAGE_SPAN = 4
+
+
+def image_item(url: str, offset: int, payload: int) -> multimodal_pb2.MultiModalItem:
+    """An image item as render gives it: a hash of the URL, its span, metadata (a Qwen2-VL-like
+    `image_grid_thw`) and, with tensors asked for, `pixel_values` made from the URL's bytes."""
+    item = multimodal_pb2.MultiModalItem(modality=multimodal_pb2.MODALITY_IMAGE,
+                                         mm_hash=hashlib.sha256(url.encode()).hexdigest()[:32],
+                                         placeholder=multimodal_pb2.PlaceholderRange(offset=offset, length=IMAGE_SPAN))
+    if payload != multimodal_pb2.MM_PAYLOAD_NONE:
+        item.metadata["image_grid_thw"].CopyFrom(tensors.from_numpy(np.array([[1, 2, 8]], dtype=np.int64)))
+    if payload in (multimodal_pb2.MM_PAYLOAD_TENSORS, multimodal_pb2.MM_PAYLOAD_UNSPECIFIED):
+        pixels = np.frombuffer(hashlib.sha256(url.encode()).digest(), dtype=np.uint8)[:16].astype(np.float32)
+        item.kwargs["pixel_values"].CopyFrom(tensors.from_numpy(pixels.reshape(IMAGE_SPAN * 4, 1)))
+    return item
+
+
 class FakeRenderer(FakeRender):
     """Render's RenderChat and RenderCompletion: a prompt of one id per character of the messages'
-    text, the sampling options resolved as render resolves the ones the tests use, and a call
-    count per RPC (`calls`)."""
+    text (an image part: IMAGE_SPAN placeholder ids and its item, image_item), the sampling
+    options resolved as render resolves the ones the tests use, and a call count per RPC
+    (`calls`)."""
 
     def __init__(self, model_id: str) -> None:
         super().__init__(model_id)
@@ -93,8 +118,19 @@ class FakeRenderer(FakeRender):
     async def RenderChat(self, request, timeout=None, metadata=None):  # noqa: N802 - the stub's name
         self.calls["RenderChat"] += 1
         request = type(request).FromString(request.SerializeToString())
-        text = "".join(f"{m.role}:{m.content}" for m in request.messages)
-        return self._rendered(render_pb2.RenderChatResponse, request, prompt_ids_of(text))
+        ids: list[int] = []
+        items = []
+        for message in request.messages:
+            ids += prompt_ids_of(f"{message.role}:{message.content}")
+            for part in message.content_parts:
+                if part.HasField("image"):
+                    items.append(image_item(part.image.url, len(ids), request.mm_payload))
+                    ids += [IMAGE_TOKEN] * IMAGE_SPAN
+                else:
+                    ids += prompt_ids_of(part.text)
+        rendered = self._rendered(render_pb2.RenderChatResponse, request, ids)
+        rendered.generate_request.mm_features.items.extend(items)
+        return rendered
 
     async def RenderCompletion(self, request, timeout=None, metadata=None):  # noqa: N802 - the stub's name
         self.calls["RenderCompletion"] += 1

@@ -35,11 +35,11 @@ ADAPTERS = (
 
 
 def make_adapter(model_dir: Path, spec: AdapterSpec, out_dir: Path, scale: float = 0.3) -> Path:
-    """Write `spec` as PEFT's save_pretrained does, for the base model in `model_dir`."""
+    """Write `spec` as PEFT's save_pretrained does, for the base model in `model_dir` (a
+    vision-language model's adapter targets its language model's modules)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    base = load_base(model_dir)
     config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets), lora_dropout=0.0,
                         use_rslora=spec.rslora, task_type="CAUSAL_LM")
     model = get_peft_model(base, config)
@@ -73,15 +73,26 @@ def q_proj_adapter(hidden: int, rank: int = 4, layer: int = 0) -> tuple[dict, di
     return config, tensors
 
 
+def load_base(model_dir: Path):
+    """The base model in `model_dir`: a causal LM, or a vision-language model whole (float32)."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if "vision_config" in config:
+        return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(model_dir)
+
+
 class PeftReference:
     """HF + PEFT's greedy `generate` over one base model with several adapters loaded (PEFT's own
     adapter switching), and with adapters disabled for the base model."""
 
     def __init__(self, model_dir: Path, adapters: dict[str, Path]):
         from peft import PeftModel
-        from transformers import AutoModelForCausalLM
 
-        base = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        base = load_base(model_dir).eval()
         (first, first_dir), *rest = adapters.items()
         self.model = PeftModel.from_pretrained(base, first_dir, adapter_name=first).eval()
         for name, directory in rest:
@@ -89,11 +100,21 @@ class PeftReference:
 
     def generate(self, adapter: str | None, prompt: list[int], max_new_tokens: int) -> list[int]:
         """Greedy tokens under `adapter` (None: the base model)."""
+        return self._under(adapter, lambda: self._generate(prompt, max_new_tokens))
+
+    def generate_rendered(self, adapter: str | None, request) -> list[int]:
+        """Greedy tokens under `adapter` for a rendered GenerateRequest with media items (a
+        Qwen2-VL-style base: vl_reference.hf_vl_greedy)."""
+        from vl_reference import hf_vl_greedy
+
+        return self._under(adapter, lambda: hf_vl_greedy(self.model, request))
+
+    def _under(self, adapter: str | None, run):
         if adapter is None:
             with self.model.disable_adapter():
-                return self._generate(prompt, max_new_tokens)
+                return run()
         self.model.set_adapter(adapter)
-        return self._generate(prompt, max_new_tokens)
+        return run()
 
     def _generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         with torch.inference_mode():

@@ -3,19 +3,21 @@ tests of the engine's SMG face."""
 
 from __future__ import annotations
 
-import shutil
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
+import grpc
+import pytest
 from smg_grpc_proto import vllm_engine_pb2
+
+from tito.grpc_errors import error_details
+
+from tito_cli.smg import smg_executable
 
 
 def smg_command() -> str | None:
-    """SMG's `smg` command (PyPI smg, in tito's test extra): this environment's, even when its bin
-    is not on PATH; None when it is not installed."""
-    beside = Path(sys.executable).parent / "smg"
-    return str(beside) if beside.is_file() else shutil.which("smg")
+    """SMG's `smg` command (PyPI smg, in tito's test extra), found as `tito serve all --smg-address`
+    finds it; None when it is not installed."""
+    return smg_executable()
 
 
 def smg_request(prompt, request_id="r", stream=True, **sampling) -> vllm_engine_pb2.GenerateRequest:
@@ -42,6 +44,13 @@ class SmgStream:
         return list(self.completes[index].output_ids)
 
 
+def stream_refusal(responses) -> dict:
+    """The error details of a Generate stream that must fail."""
+    with pytest.raises(grpc.RpcError) as caught:
+        list(responses)
+    return error_details(caught.value)
+
+
 def read_stream(responses) -> SmgStream:
     result = SmgStream()
     for response in responses:
@@ -55,3 +64,15 @@ def read_stream(responses) -> SmgStream:
             assert message.index not in result.completes, "a choice completed twice"
             result.completes[message.index] = message
     return result
+
+
+def text_stop(tokenizer, tokens, at) -> str:
+    """A stop string that the text of tokens[at] completes: that token's text, and what precedes
+    it (nothing earlier contains it); skips the test when no such string isolates that token."""
+    for start in range(at):
+        text = tokenizer.decode(tokens[start:at + 1])
+        before = tokenizer.decode(tokens[:at])
+        candidate = text.strip()
+        if candidate and candidate not in before and candidate in tokenizer.decode(tokens[:at + 1]):
+            return candidate
+    pytest.skip("no stop string isolates that token in this output")

@@ -28,7 +28,7 @@ from tito.v1 import engine_pb2 as tito_dot_v1_dot_engine__pb2
 from tito.v1 import sampling_pb2 as tito_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tito/v1/derender.proto\x12\x07tito.v1\x1a\x17google/rpc/status.proto\x1a\x12tito/v1/chat.proto\x1a\x14tito/v1/engine.proto\x1a\x16tito/v1/sampling.proto\"\xf9\x02\n\x0f\x44\x65renderContext\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1d\n\x15prompt_tail_token_ids\x18\x02 \x03(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x30\n\x0ctext_options\x18\x04 \x01(\x0b\x32\x1a.tito.v1.OutputTextOptions\x12\x18\n\x10reasoning_parser\x18\x05 \x01(\t\x12\x13\n\x0btool_parser\x18\x06 \x01(\t\x12\x1c\n\x05tools\x18\x07 \x03(\x0b\x32\r.tito.v1.Tool\x12(\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x13.tito.v1.ToolChoice\x12\x18\n\x10thinking_enabled\x18\t \x01(\x08\x12\x1e\n\x16prompt_opens_reasoning\x18\n \x01(\x08\x12\t\n\x01n\x18\x0b \x01(\r\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x1c\n\x14usage_in_every_chunk\x18\r \x01(\x08\"~\n\x0f\x44\x65renderRequest\x12+\n\x07\x63ontext\x18\x01 \x01(\x0b\x32\x18.tito.v1.DerenderContextH\x00\x12\x36\n\x11generate_response\x18\x02 \x01(\x0b\x32\x19.tito.v1.GenerateResponseH\x00\x42\x06\n\x04kind\"Y\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04type\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x11\n\targuments\x18\x05 \x01(\t\"M\n\nTopLogprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\r\n\x05\x62ytes\x18\x04 \x01(\x0c\"~\n\x10TokenLogprobText\x12\r\n\x05token\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\r\n\x05\x62ytes\x18\x04 \x01(\x0c\x12)\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x13.tito.v1.TopLogprob\"\xab\x02\n\tChatChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\t\x12\x19\n\x11reasoning_content\x18\x04 \x01(\t\x12*\n\ntool_calls\x18\x05 \x03(\x0b\x32\x16.tito.v1.ToolCallDelta\x12,\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x15.tito.v1.FinishReason\x12\x14\n\x0cmatched_stop\x18\x07 \x01(\t\x12\x1d\n\x05usage\x18\x08 \x01(\x0b\x32\x0e.tito.v1.Usage\x12+\n\x08logprobs\x18\t \x03(\x0b\x32\x19.tito.v1.TokenLogprobText\x12\x19\n\x11\x63\x61ncel_generation\x18\n \x01(\x08\"5\n\x10\x44\x65renderResponse\x12!\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x12.tito.v1.ChatChunk\"D\n\x14\x44\x65renderBatchRequest\x12,\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1b.tito.v1.DerenderBatchEntry\"\xc2\x01\n\x12\x44\x65renderBatchEntry\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12+\n\x07\x63ontext\x18\x02 \x01(\x0b\x32\x18.tito.v1.DerenderContextH\x00\x12\x36\n\x11generate_response\x18\x03 \x01(\x0b\x32\x19.tito.v1.GenerateResponseH\x00\x12,\n\x05\x63lose\x18\x04 \x01(\x0b\x32\x1b.tito.v1.DerenderBatchCloseH\x00\x42\x06\n\x04kind\"\x14\n\x12\x44\x65renderBatchClose\"F\n\x15\x44\x65renderBatchResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.tito.v1.DerenderBatchResult\"\xa8\x01\n\x13\x44\x65renderBatchResult\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.tito.v1.ChatChunkH\x00\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.google.rpc.StatusH\x00\x12,\n\x05\x65nded\x18\x04 \x01(\x0b\x32\x1b.tito.v1.DerenderBatchEndedH\x00\x42\x06\n\x04kind\"\x14\n\x12\x44\x65renderBatchEnded\"n\n\x13\x44\x65renderFullRequest\x12)\n\x07\x63ontext\x18\x01 \x01(\x0b\x32\x18.tito.v1.DerenderContext\x12,\n\tresponses\x18\x02 \x03(\x0b\x32\x19.tito.v1.GenerateResponse\"\xb3\x01\n\nChatChoice\x12\r\n\x05index\x18\x01 \x01(\r\x12%\n\x07message\x18\x02 \x01(\x0b\x32\x14.tito.v1.ChatMessage\x12,\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x15.tito.v1.FinishReason\x12\x14\n\x0cmatched_stop\x18\x04 \x01(\t\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.tito.v1.TokenLogprobText\"[\n\x14\x44\x65renderFullResponse\x12$\n\x07\x63hoices\x18\x01 \x03(\x0b\x32\x13.tito.v1.ChatChoice\x12\x1d\n\x05usage\x18\x02 \x01(\x0b\x32\x0e.tito.v1.Usage\"\xae\x01\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xbe\x02\n\x0f\x44\x65renderService\x12\x43\n\x08\x44\x65render\x12\x18.tito.v1.DerenderRequest\x1a\x19.tito.v1.DerenderResponse(\x01\x30\x01\x12R\n\rDerenderBatch\x12\x1d.tito.v1.DerenderBatchRequest\x1a\x1e.tito.v1.DerenderBatchResponse(\x01\x30\x01\x12K\n\x0c\x44\x65renderFull\x12\x1c.tito.v1.DerenderFullRequest\x1a\x1d.tito.v1.DerenderFullResponse\x12\x45\n\nDetokenize\x12\x1a.tito.v1.DetokenizeRequest\x1a\x1b.tito.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tito/v1/derender.proto\x12\x07tito.v1\x1a\x17google/rpc/status.proto\x1a\x12tito/v1/chat.proto\x1a\x14tito/v1/engine.proto\x1a\x16tito/v1/sampling.proto\"\xa5\x03\n\x0f\x44\x65renderContext\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1d\n\x15prompt_tail_token_ids\x18\x02 \x03(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x30\n\x0ctext_options\x18\x04 \x01(\x0b\x32\x1a.tito.v1.OutputTextOptions\x12\x18\n\x10reasoning_parser\x18\x05 \x01(\t\x12\x13\n\x0btool_parser\x18\x06 \x01(\t\x12\x1c\n\x05tools\x18\x07 \x03(\x0b\x32\r.tito.v1.Tool\x12(\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x13.tito.v1.ToolChoice\x12\x18\n\x10thinking_enabled\x18\t \x01(\x08\x12\x1e\n\x16prompt_opens_reasoning\x18\n \x01(\x08\x12\t\n\x01n\x18\x0b \x01(\r\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x1c\n\x14usage_in_every_chunk\x18\r \x01(\x08\x12\x14\n\x0cresume_state\x18\x0e \x01(\x0c\x12\x14\n\x0creturn_state\x18\x0f \x01(\x08\"~\n\x0f\x44\x65renderRequest\x12+\n\x07\x63ontext\x18\x01 \x01(\x0b\x32\x18.tito.v1.DerenderContextH\x00\x12\x36\n\x11generate_response\x18\x02 \x01(\x0b\x32\x19.tito.v1.GenerateResponseH\x00\x42\x06\n\x04kind\"Y\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04type\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x11\n\targuments\x18\x05 \x01(\t\"M\n\nTopLogprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\r\n\x05\x62ytes\x18\x04 \x01(\x0c\"~\n\x10TokenLogprobText\x12\r\n\x05token\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\r\n\x05\x62ytes\x18\x04 \x01(\x0c\x12)\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x13.tito.v1.TopLogprob\"\xab\x02\n\tChatChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\t\x12\x19\n\x11reasoning_content\x18\x04 \x01(\t\x12*\n\ntool_calls\x18\x05 \x03(\x0b\x32\x16.tito.v1.ToolCallDelta\x12,\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x15.tito.v1.FinishReason\x12\x14\n\x0cmatched_stop\x18\x07 \x01(\t\x12\x1d\n\x05usage\x18\x08 \x01(\x0b\x32\x0e.tito.v1.Usage\x12+\n\x08logprobs\x18\t \x03(\x0b\x32\x19.tito.v1.TokenLogprobText\x12\x19\n\x11\x63\x61ncel_generation\x18\n \x01(\x08\"K\n\x10\x44\x65renderResponse\x12!\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x12.tito.v1.ChatChunk\x12\x14\n\x0cstream_state\x18\x02 \x01(\x0c\"D\n\x14\x44\x65renderBatchRequest\x12,\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1b.tito.v1.DerenderBatchEntry\"\xc2\x01\n\x12\x44\x65renderBatchEntry\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12+\n\x07\x63ontext\x18\x02 \x01(\x0b\x32\x18.tito.v1.DerenderContextH\x00\x12\x36\n\x11generate_response\x18\x03 \x01(\x0b\x32\x19.tito.v1.GenerateResponseH\x00\x12,\n\x05\x63lose\x18\x04 \x01(\x0b\x32\x1b.tito.v1.DerenderBatchCloseH\x00\x42\x06\n\x04kind\"\x14\n\x12\x44\x65renderBatchClose\"F\n\x15\x44\x65renderBatchResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.tito.v1.DerenderBatchResult\"\xa8\x01\n\x13\x44\x65renderBatchResult\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.tito.v1.ChatChunkH\x00\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.google.rpc.StatusH\x00\x12,\n\x05\x65nded\x18\x04 \x01(\x0b\x32\x1b.tito.v1.DerenderBatchEndedH\x00\x42\x06\n\x04kind\"\x14\n\x12\x44\x65renderBatchEnded\"n\n\x13\x44\x65renderFullRequest\x12)\n\x07\x63ontext\x18\x01 \x01(\x0b\x32\x18.tito.v1.DerenderContext\x12,\n\tresponses\x18\x02 \x03(\x0b\x32\x19.tito.v1.GenerateResponse\"\xb3\x01\n\nChatChoice\x12\r\n\x05index\x18\x01 \x01(\r\x12%\n\x07message\x18\x02 \x01(\x0b\x32\x14.tito.v1.ChatMessage\x12,\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x15.tito.v1.FinishReason\x12\x14\n\x0cmatched_stop\x18\x04 \x01(\t\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.tito.v1.TokenLogprobText\"[\n\x14\x44\x65renderFullResponse\x12$\n\x07\x63hoices\x18\x01 \x03(\x0b\x32\x13.tito.v1.ChatChoice\x12\x1d\n\x05usage\x18\x02 \x01(\x0b\x32\x0e.tito.v1.Usage\"\xae\x01\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xbe\x02\n\x0f\x44\x65renderService\x12\x43\n\x08\x44\x65render\x12\x18.tito.v1.DerenderRequest\x1a\x19.tito.v1.DerenderResponse(\x01\x30\x01\x12R\n\rDerenderBatch\x12\x1d.tito.v1.DerenderBatchRequest\x1a\x1e.tito.v1.DerenderBatchResponse(\x01\x30\x01\x12K\n\x0c\x44\x65renderFull\x12\x1c.tito.v1.DerenderFullRequest\x1a\x1d.tito.v1.DerenderFullResponse\x12\x45\n\nDetokenize\x12\x1a.tito.v1.DetokenizeRequest\x1a\x1b.tito.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,41 +36,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tito.v1.derender_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DERENDERCONTEXT']._serialized_start=127
-  _globals['_DERENDERCONTEXT']._serialized_end=504
-  _globals['_DERENDERREQUEST']._serialized_start=506
-  _globals['_DERENDERREQUEST']._serialized_end=632
-  _globals['_TOOLCALLDELTA']._serialized_start=634
-  _globals['_TOOLCALLDELTA']._serialized_end=723
-  _globals['_TOPLOGPROB']._serialized_start=725
-  _globals['_TOPLOGPROB']._serialized_end=802
-  _globals['_TOKENLOGPROBTEXT']._serialized_start=804
-  _globals['_TOKENLOGPROBTEXT']._serialized_end=930
-  _globals['_CHATCHUNK']._serialized_start=933
-  _globals['_CHATCHUNK']._serialized_end=1232
-  _globals['_DERENDERRESPONSE']._serialized_start=1234
-  _globals['_DERENDERRESPONSE']._serialized_end=1287
-  _globals['_DERENDERBATCHREQUEST']._serialized_start=1289
-  _globals['_DERENDERBATCHREQUEST']._serialized_end=1357
-  _globals['_DERENDERBATCHENTRY']._serialized_start=1360
-  _globals['_DERENDERBATCHENTRY']._serialized_end=1554
-  _globals['_DERENDERBATCHCLOSE']._serialized_start=1556
-  _globals['_DERENDERBATCHCLOSE']._serialized_end=1576
-  _globals['_DERENDERBATCHRESPONSE']._serialized_start=1578
-  _globals['_DERENDERBATCHRESPONSE']._serialized_end=1648
-  _globals['_DERENDERBATCHRESULT']._serialized_start=1651
-  _globals['_DERENDERBATCHRESULT']._serialized_end=1819
-  _globals['_DERENDERBATCHENDED']._serialized_start=1821
-  _globals['_DERENDERBATCHENDED']._serialized_end=1841
-  _globals['_DERENDERFULLREQUEST']._serialized_start=1843
-  _globals['_DERENDERFULLREQUEST']._serialized_end=1953
-  _globals['_CHATCHOICE']._serialized_start=1956
-  _globals['_CHATCHOICE']._serialized_end=2135
-  _globals['_DERENDERFULLRESPONSE']._serialized_start=2137
-  _globals['_DERENDERFULLRESPONSE']._serialized_end=2228
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2231
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2405
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2407
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2441
-  _globals['_DERENDERSERVICE']._serialized_start=2444
-  _globals['_DERENDERSERVICE']._serialized_end=2762
+  _globals['_DERENDERCONTEXT']._serialized_end=548
+  _globals['_DERENDERREQUEST']._serialized_start=550
+  _globals['_DERENDERREQUEST']._serialized_end=676
+  _globals['_TOOLCALLDELTA']._serialized_start=678
+  _globals['_TOOLCALLDELTA']._serialized_end=767
+  _globals['_TOPLOGPROB']._serialized_start=769
+  _globals['_TOPLOGPROB']._serialized_end=846
+  _globals['_TOKENLOGPROBTEXT']._serialized_start=848
+  _globals['_TOKENLOGPROBTEXT']._serialized_end=974
+  _globals['_CHATCHUNK']._serialized_start=977
+  _globals['_CHATCHUNK']._serialized_end=1276
+  _globals['_DERENDERRESPONSE']._serialized_start=1278
+  _globals['_DERENDERRESPONSE']._serialized_end=1353
+  _globals['_DERENDERBATCHREQUEST']._serialized_start=1355
+  _globals['_DERENDERBATCHREQUEST']._serialized_end=1423
+  _globals['_DERENDERBATCHENTRY']._serialized_start=1426
+  _globals['_DERENDERBATCHENTRY']._serialized_end=1620
+  _globals['_DERENDERBATCHCLOSE']._serialized_start=1622
+  _globals['_DERENDERBATCHCLOSE']._serialized_end=1642
+  _globals['_DERENDERBATCHRESPONSE']._serialized_start=1644
+  _globals['_DERENDERBATCHRESPONSE']._serialized_end=1714
+  _globals['_DERENDERBATCHRESULT']._serialized_start=1717
+  _globals['_DERENDERBATCHRESULT']._serialized_end=1885
+  _globals['_DERENDERBATCHENDED']._serialized_start=1887
+  _globals['_DERENDERBATCHENDED']._serialized_end=1907
+  _globals['_DERENDERFULLREQUEST']._serialized_start=1909
+  _globals['_DERENDERFULLREQUEST']._serialized_end=2019
+  _globals['_CHATCHOICE']._serialized_start=2022
+  _globals['_CHATCHOICE']._serialized_end=2201
+  _globals['_DERENDERFULLRESPONSE']._serialized_start=2203
+  _globals['_DERENDERFULLRESPONSE']._serialized_end=2294
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2297
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2471
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2473
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2507
+  _globals['_DERENDERSERVICE']._serialized_start=2510
+  _globals['_DERENDERSERVICE']._serialized_end=2828
 # @@protoc_insertion_point(module_scope)

@@ -11,7 +11,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DerenderContext(_message.Message):
-    __slots__ = ("request_id", "prompt_tail_token_ids", "prompt_tokens", "text_options", "reasoning_parser", "tool_parser", "tools", "tool_choice", "thinking_enabled", "prompt_opens_reasoning", "n", "logprobs", "usage_in_every_chunk")
+    __slots__ = ("request_id", "prompt_tail_token_ids", "prompt_tokens", "text_options", "reasoning_parser", "tool_parser", "tools", "tool_choice", "thinking_enabled", "prompt_opens_reasoning", "n", "logprobs", "usage_in_every_chunk", "resume_state", "return_state")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TAIL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,8 @@ class DerenderContext(_message.Message):
     N_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     USAGE_IN_EVERY_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    RESUME_STATE_FIELD_NUMBER: _ClassVar[int]
+    RETURN_STATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tail_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_tokens: int
@@ -38,7 +40,9 @@ class DerenderContext(_message.Message):
     n: int
     logprobs: bool
     usage_in_every_chunk: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tail_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., text_options: _Optional[_Union[_sampling_pb2.OutputTextOptions, _Mapping]] = ..., reasoning_parser: _Optional[str] = ..., tool_parser: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[_chat_pb2.Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_chat_pb2.ToolChoice, _Mapping]] = ..., thinking_enabled: _Optional[bool] = ..., prompt_opens_reasoning: _Optional[bool] = ..., n: _Optional[int] = ..., logprobs: _Optional[bool] = ..., usage_in_every_chunk: _Optional[bool] = ...) -> None: ...
+    resume_state: bytes
+    return_state: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tail_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., text_options: _Optional[_Union[_sampling_pb2.OutputTextOptions, _Mapping]] = ..., reasoning_parser: _Optional[str] = ..., tool_parser: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[_chat_pb2.Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_chat_pb2.ToolChoice, _Mapping]] = ..., thinking_enabled: _Optional[bool] = ..., prompt_opens_reasoning: _Optional[bool] = ..., n: _Optional[int] = ..., logprobs: _Optional[bool] = ..., usage_in_every_chunk: _Optional[bool] = ..., resume_state: _Optional[bytes] = ..., return_state: _Optional[bool] = ...) -> None: ...
 
 class DerenderRequest(_message.Message):
     __slots__ = ("context", "generate_response")
@@ -113,10 +117,12 @@ class ChatChunk(_message.Message):
     def __init__(self, index: _Optional[int] = ..., role: _Optional[str] = ..., content: _Optional[str] = ..., reasoning_content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., finish_reason: _Optional[_Union[_engine_pb2.FinishReason, str]] = ..., matched_stop: _Optional[str] = ..., usage: _Optional[_Union[_engine_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobText, _Mapping]]] = ..., cancel_generation: _Optional[bool] = ...) -> None: ...
 
 class DerenderResponse(_message.Message):
-    __slots__ = ("chunk",)
+    __slots__ = ("chunk", "stream_state")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    STREAM_STATE_FIELD_NUMBER: _ClassVar[int]
     chunk: ChatChunk
-    def __init__(self, chunk: _Optional[_Union[ChatChunk, _Mapping]] = ...) -> None: ...
+    stream_state: bytes
+    def __init__(self, chunk: _Optional[_Union[ChatChunk, _Mapping]] = ..., stream_state: _Optional[bytes] = ...) -> None: ...
 
 class DerenderBatchRequest(_message.Message):
     __slots__ = ("entries",)

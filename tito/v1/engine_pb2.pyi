@@ -23,20 +23,86 @@ FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_TOOL_CALLS: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "mm_features", "sampling_params", "cache_salt", "lora_name")
+    __slots__ = ("request_id", "token_ids", "mm_features", "sampling_params", "cache_salt", "lora_name", "kv_transfer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MM_FEATURES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     mm_features: _multimodal_pb2.MultiModalFeatures
     sampling_params: _sampling_pb2.SamplingParams
     cache_salt: str
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., mm_features: _Optional[_Union[_multimodal_pb2.MultiModalFeatures, _Mapping]] = ..., sampling_params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    kv_transfer: KvTransfer
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., mm_features: _Optional[_Union[_multimodal_pb2.MultiModalFeatures, _Mapping]] = ..., sampling_params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., kv_transfer: _Optional[_Union[KvTransfer, _Mapping]] = ...) -> None: ...
+
+class KvTransfer(_message.Message):
+    __slots__ = ("prefill", "decode", "connector_params_json")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    CONNECTOR_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    prefill: KvPrefill
+    decode: KvDecode
+    connector_params_json: str
+    def __init__(self, prefill: _Optional[_Union[KvPrefill, _Mapping]] = ..., decode: _Optional[_Union[KvDecode, _Mapping]] = ..., connector_params_json: _Optional[str] = ...) -> None: ...
+
+class KvPrefill(_message.Message):
+    __slots__ = ("pin_seconds",)
+    PIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    pin_seconds: float
+    def __init__(self, pin_seconds: _Optional[float] = ...) -> None: ...
+
+class KvDecode(_message.Message):
+    __slots__ = ("handle", "source_address")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    handle: KvTransferHandle
+    source_address: str
+    def __init__(self, handle: _Optional[_Union[KvTransferHandle, _Mapping]] = ..., source_address: _Optional[str] = ...) -> None: ...
+
+class KvTransferHandle(_message.Message):
+    __slots__ = ("transfer_id", "request_id", "engine_id", "block_count", "block_size", "num_tokens", "dtype", "layout", "expires_at", "prompt_digest", "model_fingerprint", "auth_key_id", "auth_tag")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    AUTH_KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    AUTH_TAG_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    request_id: str
+    engine_id: str
+    block_count: int
+    block_size: int
+    num_tokens: int
+    dtype: str
+    layout: KvBlockLayout
+    expires_at: float
+    prompt_digest: bytes
+    model_fingerprint: str
+    auth_key_id: str
+    auth_tag: bytes
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_count: _Optional[int] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[_Union[KvBlockLayout, _Mapping]] = ..., expires_at: _Optional[float] = ..., prompt_digest: _Optional[bytes] = ..., model_fingerprint: _Optional[str] = ..., auth_key_id: _Optional[str] = ..., auth_tag: _Optional[bytes] = ...) -> None: ...
+
+class KvBlockLayout(_message.Message):
+    __slots__ = ("num_layers", "kv_heads", "head_dim")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    def __init__(self, num_layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "rank")
@@ -67,20 +133,36 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "matched_stop_token_id", "usage")
+    __slots__ = ("index", "token_ids", "logprobs", "finish_reason", "matched_stop_token_id", "usage", "kv_transfer_handle", "kv_transfer_stats", "kv_connector_params_json")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     MATCHED_STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_STATS_FIELD_NUMBER: _ClassVar[int]
+    KV_CONNECTOR_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
     finish_reason: FinishReason
     matched_stop_token_id: int
     usage: Usage
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., matched_stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    kv_transfer_handle: KvTransferHandle
+    kv_transfer_stats: KvTransferStats
+    kv_connector_params_json: str
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., matched_stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., kv_transfer_handle: _Optional[_Union[KvTransferHandle, _Mapping]] = ..., kv_transfer_stats: _Optional[_Union[KvTransferStats, _Mapping]] = ..., kv_connector_params_json: _Optional[str] = ...) -> None: ...
+
+class KvTransferStats(_message.Message):
+    __slots__ = ("blocks_pulled", "blocks_cached", "bytes_pulled")
+    BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PULLED_FIELD_NUMBER: _ClassVar[int]
+    blocks_pulled: int
+    blocks_cached: int
+    bytes_pulled: int
+    def __init__(self, blocks_pulled: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., bytes_pulled: _Optional[int] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
     __slots__ = ("request_id", "mm_features")
@@ -331,3 +413,23 @@ class ListLoraAdaptersResponse(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
     def __init__(self, adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ...) -> None: ...
+
+class PullKvBlocksRequest(_message.Message):
+    __slots__ = ("handle", "first_block")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    handle: KvTransferHandle
+    first_block: int
+    def __init__(self, handle: _Optional[_Union[KvTransferHandle, _Mapping]] = ..., first_block: _Optional[int] = ...) -> None: ...
+
+class PullKvBlocksResponse(_message.Message):
+    __slots__ = ("block_index", "data", "byte_size", "checksum")
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    block_index: int
+    data: bytes
+    byte_size: int
+    checksum: bytes
+    def __init__(self, block_index: _Optional[int] = ..., data: _Optional[bytes] = ..., byte_size: _Optional[int] = ..., checksum: _Optional[bytes] = ...) -> None: ...

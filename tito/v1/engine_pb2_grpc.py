@@ -91,6 +91,11 @@ class EngineServiceStub:
                 request_serializer=tito_dot_v1_dot_engine__pb2.ListLoraAdaptersRequest.SerializeToString,
                 response_deserializer=tito_dot_v1_dot_engine__pb2.ListLoraAdaptersResponse.FromString,
                 _registered_method=True)
+        self.PullKvBlocks = channel.unary_stream(
+                '/tito.v1.EngineService/PullKvBlocks',
+                request_serializer=tito_dot_v1_dot_engine__pb2.PullKvBlocksRequest.SerializeToString,
+                response_deserializer=tito_dot_v1_dot_engine__pb2.PullKvBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -191,6 +196,19 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullKvBlocks(self, request, context):
+        """PullKvBlocks streams the KV blocks a prefill request (GenerateRequest.kv_transfer.prefill)
+        left pinned on this engine, one message per block, in the cache's own dtype and block layout
+        (KvTransferHandle.layout), each with its size and checksum. A decode engine calls it; a handle
+        is single-use (the pin is released when the stream starts), expires, and is refused unless its
+        signature verifies when the engine holds an HMAC key: FAILED_PRECONDITION
+        KV_TRANSFER_HANDLE_UNKNOWN (replayed, expired or never issued here), PERMISSION_DENIED
+        KV_TRANSFER_HANDLE_FORGED (a signature or field that does not verify).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -248,6 +266,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.ListLoraAdapters,
                     request_deserializer=tito_dot_v1_dot_engine__pb2.ListLoraAdaptersRequest.FromString,
                     response_serializer=tito_dot_v1_dot_engine__pb2.ListLoraAdaptersResponse.SerializeToString,
+            ),
+            'PullKvBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullKvBlocks,
+                    request_deserializer=tito_dot_v1_dot_engine__pb2.PullKvBlocksRequest.FromString,
+                    response_serializer=tito_dot_v1_dot_engine__pb2.PullKvBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -549,6 +572,33 @@ class EngineService:
             '/tito.v1.EngineService/ListLoraAdapters',
             tito_dot_v1_dot_engine__pb2.ListLoraAdaptersRequest.SerializeToString,
             tito_dot_v1_dot_engine__pb2.ListLoraAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullKvBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tito.v1.EngineService/PullKvBlocks',
+            tito_dot_v1_dot_engine__pb2.PullKvBlocksRequest.SerializeToString,
+            tito_dot_v1_dot_engine__pb2.PullKvBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

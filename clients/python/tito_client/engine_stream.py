@@ -1,5 +1,6 @@
 """An engine Generate stream behind an `EngineRouter`, moved to another engine when its engine
-goes away (migration.py says what moves and how). It stands where the gRPC call stood: iterate
+goes away (migration.py says what moves and how), and each choice of an n > 1 request continued
+on its own after such a move. It stands where the gRPC call stood: iterate
 it for GenerateResponses, `cancel()` it to abort. One class per gRPC flavour (threads, asyncio);
 both keep the router's in-flight count per engine and its view of engines (an engine that fails
 is left out of later picks at once).
@@ -13,43 +14,48 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import grpc
 
 from tito.v1 import engine_pb2
-from tito_client.migration import ChoiceProgress, can_migrate, engine_gone
+from tito_client.migration import RequestProgress, engine_gone
 from tito_client.routing import EngineRouter, NoEngineAvailable
 
 #: Opens a Generate call on the engine at an address: (address, request) -> the call.
 OpenCall = Callable[[str, engine_pb2.GenerateRequest], object]
 
+_NextCall = tuple[str | None, engine_pb2.GenerateRequest | None, list[engine_pb2.GenerateResponse]]
+
 
 class _Migrations:
-    """What both flavours share: the choice's progress and the decision to move it."""
+    """What both flavours share: the request's progress and the decision to move it."""
 
     def __init__(self, router: EngineRouter, request: engine_pb2.GenerateRequest, first_address: str):
         self.router = router
-        self.progress = ChoiceProgress(request)
-        self.address = first_address  # the engine serving the choice now
+        self.progress = RequestProgress(request)
+        self.address = first_address  # the engine serving the request now
         self.cancelled = False
-        self._movable = can_migrate(request)
+        router.reserve(first_address)
 
-    def next_engine(self, error: grpc.RpcError) -> tuple[str, engine_pb2.GenerateRequest] | None:
-        """Where and what to send after `error`, or None when the choice is complete (the engine
-        died after its last token, or even after saying so). Raises `error` when it must reach the
-        caller."""
-        if self.progress.finished:
-            return None
-        if (self.cancelled or not self._movable or not engine_gone(error)
-                or self.progress.migrations >= self.router.migration_limit):
-            raise error
-        budget = self.progress.remaining_budget()
-        if budget is not None and budget < 1:
-            return None
-        request = self.progress.continuation()
+    def after_call(self, error: grpc.RpcError | None) -> _NextCall:
+        """Once a call ended (`error`: how it failed; None: it ended normally): where and what to
+        send next (None when the request is complete, or a normal end left nothing to continue),
+        and the messages to give the caller first. Raises `error` when it must reach the caller."""
+        progress = self.progress
+        if progress.complete or (error is None and not progress.served_finished()):
+            return None, None, []
+        if error is not None:
+            if self.cancelled or not engine_gone(error) or progress.migrations >= self.router.migration_limit:
+                raise error
+            progress.migrated()
+        request, closing = progress.next_call()
+        if request is None:
+            return None, None, closing
         try:
-            address = self.router.pick(request, avoid=self.address).address
+            address = self.router.pick(request, avoid=self.address if error is not None else None).address
         except NoEngineAvailable:
-            raise error from None
-        self.progress.migrated()
+            if error is not None:
+                raise error from None
+            raise
+        self.router.reserve(address)
         self.address = address
-        return address, request
+        return address, request, closing
 
 
 class MigratingStream:
@@ -75,23 +81,21 @@ class MigratingStream:
 
     def __iter__(self) -> Iterator[engine_pb2.GenerateResponse]:
         state, request, address = self._state, self._state.progress.request, self._state.address
-        while True:
+        while request is not None:
+            state.router.adapter_ready(address, request.lora_name)  # the router may be loading it there
             with self._lock:
                 if state.cancelled:
                     return
                 call = self._call = self._open(address, request)
+            error = None
             try:
                 with state.router.track(address):
                     for response in call:
                         yield state.progress.record(response)
-                return
-            except grpc.RpcError as error:
-                moved = state.next_engine(error)
-                if moved is None:
-                    if not state.progress.finished:
-                        yield state.progress.length_finish()
-                    return
-                address, request = moved
+            except grpc.RpcError as failed:
+                error = failed
+            address, request, closing = state.after_call(error)
+            yield from closing
 
 
 class AsyncMigratingStream:
@@ -110,7 +114,7 @@ class AsyncMigratingStream:
 
     @property
     def request_id(self) -> str:
-        """The id the engine serving the choice now knows it by (a continuation's id differs)."""
+        """The id the engine serving the request now knows it by (a continuation's id differs)."""
         return self._request_id
 
     def cancel(self) -> None:
@@ -123,18 +127,20 @@ class AsyncMigratingStream:
 
     async def __aiter__(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
         state, request, address = self._state, self._state.progress.request, self._state.address
-        while not state.cancelled:
+        while request is not None and not state.cancelled:
+            await state.router.adapter_ready_async(address, request.lora_name)  # the router may be loading it
+            if state.cancelled:
+                return
             call = self._call = self._open(address, request)
+            error = None
             try:
                 with state.router.track(address):
                     async for response in call:
                         yield state.progress.record(response)
-                return
-            except grpc.RpcError as error:
-                moved = state.next_engine(error)
-                if moved is None:
-                    if not state.progress.finished:
-                        yield state.progress.length_finish()
-                    return
-                address, request = moved
+            except grpc.RpcError as failed:
+                error = failed
+            address, request, closing = state.after_call(error)
+            for response in closing:
+                yield response
+            if request is not None:
                 self._request_id = request.request_id

@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tito import tracing
 from tito.security import ClientSecurity
 from tito_client.derender_batch import DerenderBatcher
+from tito_client.disaggregation import Prefill, handle_of, place, place_blocking
 from tito_client.engine_stream import AsyncMigratingStream, MigratingStream
 from tito_client.routing import EngineRouter
 from tito.v1 import (
@@ -87,6 +88,23 @@ def _channel_options(address: str, max_message_bytes: int) -> list[tuple[str, ob
     return options
 
 
+class _Cancellation:
+    """Whether the pipeline cancelled a chat's engine stream itself: only then is the stream's
+    CANCELLED status expected and quiet. A CANCELLED the engine's server sent (it shut down with
+    the stream open) is an engine error the caller must see, never a silently shortened chat."""
+
+    def __init__(self, generation):
+        self._generation = generation
+        self._requested = False
+
+    def cancel(self) -> None:
+        self._requested = True
+        self._generation.cancel()
+
+    def expected(self, error: grpc.RpcError) -> bool:
+        return self._requested and error.code() == grpc.StatusCode.CANCELLED
+
+
 class ChatPipeline:
     """Synchronous client running chats through the three services."""
 
@@ -144,9 +162,14 @@ class ChatPipeline:
             yield from self._generate(rendered, self.engine.Generate(rendered.generate_request, timeout=self.timeout,
                                                                      metadata=metadata), metadata)
             return
-        address = self.last_engine = self.router.pick(rendered.generate_request).address
+        def prefill(address: str, request: engine_pb2.GenerateRequest) -> engine_pb2.KvTransferHandle:
+            return handle_of(list(self._engine_at(address).Generate(request, timeout=self.timeout,
+                                                                    metadata=metadata)))
+
+        address, placed = place_blocking(self.router, rendered.generate_request, prefill)
+        self.last_engine = address
         generation = MigratingStream(self.router, lambda where, generate: self._engine_at(where).Generate(
-            generate, timeout=self.timeout, metadata=metadata), rendered.generate_request, address)
+            generate, timeout=self.timeout, metadata=metadata), placed, address)
         try:
             yield from self._generate(rendered, generation, metadata)
         finally:
@@ -155,6 +178,7 @@ class ChatPipeline:
     def _generate(self, rendered, generation, metadata) -> Iterator[derender_pb2.ChatChunk]:
         """`generation`: the engine's Generate call, or a MigratingStream standing for it."""
         engine_errors: list[grpc.RpcError] = []
+        cancellation = _Cancellation(generation)
 
         def derender_requests():
             # Runs on grpc's request-sending thread. An engine error must reach the caller as the
@@ -164,21 +188,21 @@ class ChatPipeline:
                 for response in generation:
                     yield derender_pb2.DerenderRequest(generate_response=response)
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.CANCELLED:
+                if not cancellation.expected(exc):
                     engine_errors.append(exc)
 
         chunks = self.derender.Derender(derender_requests(), timeout=self.timeout, metadata=metadata)
         try:
             for reply in chunks:
                 if reply.chunk.cancel_generation:
-                    generation.cancel()
+                    cancellation.cancel()
                 yield reply.chunk
         except grpc.RpcError:
             if engine_errors:
                 raise engine_errors[0] from None
             raise
         finally:
-            generation.cancel()
+            cancellation.cancel()
             chunks.cancel()
         if engine_errors:
             raise engine_errors[0]
@@ -191,6 +215,7 @@ class _Running:
 
     engine: Callable[[], engine_pb2_grpc.EngineServiceStub]
     request_id: Callable[[], str]
+    address: Callable[[], str]
 
 
 class AsyncChatPipeline:
@@ -209,6 +234,7 @@ class AsyncChatPipeline:
         self.timeout = timeout
         self._max_message_bytes = max_message_bytes
         self._security, self.router = security, router
+        self._engine_address = endpoints.engine
         beside = security if sidecar_security is None else sidecar_security
         self._channels = [side.aio_channel(a, options=_channel_options(a, max_message_bytes))
                           for side, a in ((beside, endpoints.render), (security, endpoints.engine),
@@ -266,12 +292,14 @@ class AsyncChatPipeline:
         request id."""
         if self.router is None:
             generation = self.engine.Generate(request, timeout=self.timeout, metadata=self._metadata)
-            running = _Running(lambda: self.engine, lambda: request.request_id)
+            running = _Running(lambda: self.engine, lambda: request.request_id, lambda: self._engine_address)
         else:
-            address = self.last_engine = self.router.pick(request).address
+            address, placed = await place(self.router, request, self._prefill_with(self._metadata))
+            self.last_engine = address
             generation = AsyncMigratingStream(self.router, lambda where, generate: self._engine_at(where).Generate(
-                generate, timeout=self.timeout, metadata=self._metadata), request, address)
-            running = _Running(lambda: self._engine_at(generation.address), lambda: generation.request_id)
+                generate, timeout=self.timeout, metadata=self._metadata), placed, address)
+            running = _Running(lambda: self._engine_at(generation.address), lambda: generation.request_id,
+                               lambda: generation.address)
         rid = request.request_id
         if rid:
             self._generating[rid] = running
@@ -281,6 +309,20 @@ class AsyncChatPipeline:
         finally:
             if rid and self._generating.get(rid) is running:
                 del self._generating[rid]
+
+    def _prefill_with(self, metadata) -> Prefill:
+        """Runs a prefill request on an engine and returns its KV transfer handle
+        (disaggregation.place)."""
+        async def prefill(address: str, request: engine_pb2.GenerateRequest) -> engine_pb2.KvTransferHandle:
+            call = self._engine_at(address).Generate(request, timeout=self.timeout, metadata=metadata)
+            return handle_of([response async for response in call])
+        return prefill
+
+    def engine_address(self, request_id: str) -> str | None:
+        """Where the request `generate` is running (by the caller's id) now, None when it is not:
+        the address a prefill answer names for its decode engine to pull from."""
+        running = self._generating.get(request_id)
+        return running.address() if running is not None else None
 
     async def abort(self, request_ids: list[str]) -> list[str]:
         """Abort the requests `generate` is running (by id) on the engines serving them now: their
@@ -343,9 +385,10 @@ class AsyncChatPipeline:
             async for chunk in self._generate(rendered, generation, metadata, on_generating):
                 yield chunk
             return
-        address = self.last_engine = self.router.pick(rendered.generate_request).address
+        address, placed = await place(self.router, rendered.generate_request, self._prefill_with(metadata))
+        self.last_engine = address
         generation = AsyncMigratingStream(self.router, lambda where, generate: self._engine_at(where).Generate(
-            generate, timeout=self.timeout, metadata=metadata), rendered.generate_request, address)
+            generate, timeout=self.timeout, metadata=metadata), placed, address)
         try:
             async for chunk in self._generate(rendered, generation, metadata, on_generating):
                 yield chunk
@@ -360,6 +403,7 @@ class AsyncChatPipeline:
                 yield chunk
             return
         engine_errors: list[grpc.RpcError] = []
+        cancellation = _Cancellation(generation)
 
         async def derender_requests():
             # As in ChatPipeline: an engine error reaches the caller as the engine's status.
@@ -373,21 +417,21 @@ class AsyncChatPipeline:
                 if not generation.cancelled():
                     raise
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.CANCELLED:
+                if not cancellation.expected(exc):
                     engine_errors.append(exc)
 
         chunks = self.derender.Derender(derender_requests(), timeout=self.timeout, metadata=metadata)
         try:
             async for reply in chunks:
                 if reply.chunk.cancel_generation:
-                    generation.cancel()
+                    cancellation.cancel()
                 yield reply.chunk
         except grpc.RpcError:
             if engine_errors:
                 raise engine_errors[0] from None
             raise
         finally:
-            generation.cancel()
+            cancellation.cancel()
             chunks.cancel()
         if engine_errors:
             raise engine_errors[0]
@@ -398,6 +442,7 @@ class AsyncChatPipeline:
         forwards the engine's responses, and the chunks come back through the batcher."""
         stream = self.derender_batcher.open(rendered.derender_context, self.timeout)
         engine_errors: list[grpc.RpcError] = []
+        cancellation = _Cancellation(generation)
 
         async def forward() -> None:
             try:
@@ -407,7 +452,7 @@ class AsyncChatPipeline:
                 if not generation.cancelled():  # as in _generate: the pipeline cancelled the engine
                     raise
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.CANCELLED:
+                if not cancellation.expected(exc):
                     engine_errors.append(exc)
             finally:
                 stream.close()  # the engine is done: derender ends the stream (if it has not already)
@@ -416,14 +461,14 @@ class AsyncChatPipeline:
         try:
             async for chunk in stream.chunks():
                 if chunk.cancel_generation:
-                    generation.cancel()
+                    cancellation.cancel()
                 yield chunk
         except grpc.RpcError:
             if engine_errors:
                 raise engine_errors[0] from None
             raise
         finally:
-            generation.cancel()
+            cancellation.cancel()
             forwarding.cancel()
         if engine_errors:
             raise engine_errors[0]

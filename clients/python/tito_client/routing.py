@@ -9,13 +9,19 @@ it holds. A block's chain key covers its token ids, its extra keys (every media 
 and offset in the block, the `cache_salt` on the first block) and its parent's chain key, so it
 is the same for the same content on every engine and never depends on an engine's opaque block
 ids. A request's chain keys are computed the same way from its `GenerateRequest`; the engine
-with the most leading blocks wins, ties and cold prompts go to the least loaded (`GetLoad`, plus
-what this router has in flight there).
+with the most leading blocks wins, ties and cold prompts go to the least loaded (`GetLoad`, or
+what this router has in flight there and on its way there when that is more: a request counts from
+the moment it is sent, `reserve`, so a burst spreads before GetLoad sees any of it).
 
 LoRA adapters: a chain starts from the adapter's name (`BlockStored.lora_name`,
 `GenerateRequest.lora_name`), so blocks computed under one adapter never count for another or for
-the base model; and a request naming an adapter goes only to engines that hold it (GetLoad lists
-their adapters), by prefix and load among them, or, when none does, to the least loaded engine.
+the base model. A request naming an adapter goes to an engine that holds it (GetLoad lists their
+adapters) and has room (fewer requests than its GetModelInfo max_running_requests), by prefix and
+load among them; else, when the router knows where the adapter lies (`lora_paths`: name -> its
+directory under the engines' --lora-dir), to the least loaded engine, which loads it first
+(adapter_loads.py: concurrent first requests share one load); else to the holders, or when none,
+to the least loaded engine (which refuses it NOT_FOUND unless it was loaded meanwhile). The
+request's stream waits for the load (`adapter_ready`) before it opens its call.
 
 Engines come and go: from a static list, or from DNS (`dns:///engines.default.svc:50052`, a
 headless Service: every address it resolves to is an engine, re-resolved periodically). An
@@ -27,6 +33,12 @@ once. A chat whose engine goes away mid-stream moves to another engine, up to `m
 times (migration.py, engine_stream.py).
 
 Policies: `cache_aware` (the default), `least_load`, `round_robin`.
+
+Prefill/decode roles (`prefill_engines`, `decode_engines`; `engines` are mixed and serve both):
+with prefill engines, a prompt whose part not cached on its decode engine is at least
+`pd_min_prompt_tokens` tokens is prefilled on a prefill (or mixed) engine and decoded on a decode
+(or mixed) one, each picked by the policy among its role (disaggregation.py); shorter prompts,
+and every request when there are no prefill engines, go to one decode or mixed engine.
 
 Threads, not asyncio: the subscriptions and load polls run on daemon threads with synchronous
 stubs, and `pick` is a short call under a lock, so the same router serves `ChatPipeline` and
@@ -42,7 +54,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -51,11 +63,15 @@ import grpc
 from tito.grpc_errors import error_details
 from tito.security import ClientSecurity
 from tito.v1 import engine_pb2, engine_pb2_grpc
+from tito_client.adapter_loads import AdapterLoad, loaded
 from tito_client.migration import engine_draining
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("cache_aware", "least_load", "round_robin")
+#: How long a request sent to an engine counts in its load before its stream starts (`track`):
+#: one whose stream never starts (its caller gave up in between) stops counting then.
+RESERVATION_SECONDS = 5.0
 _ROOT = b"tito-route\0"
 
 
@@ -167,15 +183,30 @@ class Engine:
     draining: bool = False  # it is draining (GetLoad said so, or it refused a request as draining)
     reported_load: int = 0  # running + waiting requests at its last GetLoad
     in_flight: int = 0  # requests this router has running there
+    reserved: list[float] = field(default_factory=list)  # when requests were sent there, not streaming yet
     block_size: int = 0  # GetLoad's kv_block_size
     adapters: frozenset[str] = frozenset()  # the LoRA adapters it held at its last GetLoad
+    capacity: int | None = None  # GetModelInfo's max_running_requests (0: it does not say; None: not asked yet)
+    loading: dict[str, AdapterLoad] = field(default_factory=dict)  # this router's loads running there
+    loaded_at: dict[str, float] = field(default_factory=dict)  # adapter -> when this router's load of it ended
     stopped: bool = False
     channel: grpc.Channel | None = None
     stream: object = None  # the SubscribeKvEvents call, to cancel it
 
     @property
     def load(self) -> int:
-        return max(self.reported_load, self.in_flight)
+        now = time.monotonic()
+        on_the_way = sum(1 for sent in self.reserved if now - sent < RESERVATION_SECONDS)
+        return max(self.reported_load, self.in_flight + on_the_way)
+
+    def holds(self, adapter: str) -> bool:
+        """It holds `adapter`, or this router is loading it there."""
+        return adapter in self.adapters or adapter in self.loading
+
+    @property
+    def has_room(self) -> bool:
+        """Another request would run at once rather than wait for a batch slot."""
+        return not self.capacity or self.load < self.capacity
 
 
 @dataclass(frozen=True)
@@ -185,6 +216,12 @@ class Choice:
     address: str
     matched_blocks: int  # cached prefix blocks the index says the engine holds
     policy: str
+    block_size: int = 0  # the engine's tokens per block (0: not known yet)
+    adapter_load: AdapterLoad | None = None  # the load of the request's adapter there, when one runs
+
+    @property
+    def matched_tokens(self) -> int:
+        return self.matched_blocks * self.block_size
 
 
 class NoEngineAvailable(RuntimeError):
@@ -198,16 +235,29 @@ class EngineRouter:
     def __init__(self, engines: Sequence[str] | str, *, policy: str = "cache_aware",
                  security: ClientSecurity = ClientSecurity(), load_interval: float = 0.25,
                  resolve_interval: float = 5.0, retry_interval: float = 0.5,
-                 resolver: Callable[[str, int], list[str]] | None = None, migration_limit: int = 3):
+                 resolver: Callable[[str, int], list[str]] | None = None, migration_limit: int = 3,
+                 lora_paths: Mapping[str, str] | None = None, lora_load_timeout: float = 120.0,
+                 prefill_engines: Sequence[str] = (), decode_engines: Sequence[str] = (),
+                 pd_min_prompt_tokens: int = 256):
         """`migration_limit`: how many times one request may move to another engine after its
-        engine went away mid-stream (0: never; migration.py)."""
+        engine went away mid-stream (0: never; migration.py). `lora_paths`: the LoRA adapters this
+        router may load on an engine when none holds one with room, name -> directory under the
+        engines' --lora-dir (each LoadLoraAdapter bounded by `lora_load_timeout` seconds).
+        `prefill_engines`, `decode_engines`: addresses that serve only that role (`engines`: both);
+        prompts shorter than `pd_min_prompt_tokens` skip the prefill engines."""
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r} must be one of {', '.join(POLICIES)}")
         if migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
         self.policy = policy
         self.migration_limit = migration_limit
-        self._spec = [engines] if isinstance(engines, str) else list(engines)
+        self._spec = ([engines] if isinstance(engines, str) else list(engines)) + list(prefill_engines) \
+            + list(decode_engines)
+        self._only = {**{address: "prefill" for address in prefill_engines},
+                      **{address: "decode" for address in decode_engines}}
+        if pd_min_prompt_tokens < 1:
+            raise ValueError(f"pd_min_prompt_tokens must be >= 1, got {pd_min_prompt_tokens}")
+        self.pd_min_prompt_tokens = pd_min_prompt_tokens
         if not self._spec:
             raise ValueError("give at least one engine address (host:port) or dns:///NAME:PORT")
         self._security = security
@@ -215,6 +265,8 @@ class EngineRouter:
         self._resolve_interval = resolve_interval
         self._retry_interval = retry_interval
         self._resolver = resolver or _resolve
+        self.lora_paths = dict(lora_paths or {})
+        self._lora_load_timeout = lora_load_timeout
         self._lock = threading.Lock()
         self._engines: dict[str, Engine] = {}
         self._round_robin = itertools.count()
@@ -255,31 +307,108 @@ class EngineRouter:
         with self._lock:
             return list(self._engines)
 
-    def pick(self, request: engine_pb2.GenerateRequest, avoid: str | None = None) -> Choice:
-        """The engine for `request` under the router's policy; `avoid` (the engine a chat just
-        left) only when no other engine is available."""
+    def disaggregates(self, request: engine_pb2.GenerateRequest, decode: Choice | None = None) -> bool:
+        """Whether `request` is prefilled on a prefill engine before it decodes on `decode`: when
+        there are prefill engines and the part of its prompt `decode` does not hold in its prefix
+        cache is at least `pd_min_prompt_tokens` long (a follow-up turn whose history is cached
+        where it decodes prefills there)."""
+        cached = decode.matched_tokens if decode is not None else 0
+        return "prefill" in self._only.values() and len(request.token_ids) - cached >= self.pd_min_prompt_tokens
+
+    def pick(self, request: engine_pb2.GenerateRequest, avoid: str | None = None, role: str = "decode") -> Choice:
+        """The engine for `request` under the router's policy among those serving `role`
+        ("prefill" or "decode": every request ends on a decode or mixed engine); `avoid` (the
+        engine a chat just left) only when no other engine is available."""
         with self._lock:
             candidates = [engine for engine in self._engines.values()
-                          if engine.reachable and not engine.draining and not engine.stopped]
+                          if engine.reachable and not engine.draining and not engine.stopped
+                          and self._only.get(engine.address, role) == role]
             if avoid is not None and len(candidates) > 1:
                 candidates = [engine for engine in candidates if engine.address != avoid] or candidates
             if not candidates:
                 raise NoEngineAvailable(f"no engine is reachable (known: {', '.join(self._engines) or 'none'})")
-            if request.lora_name:  # only where the adapter is held, when it is held anywhere
-                candidates = [e for e in candidates if request.lora_name in e.adapters] or candidates
+            if request.lora_name:
+                candidates, loader = self._adapter_candidates(candidates, request.lora_name)
+                if loader is not None:
+                    load = self._start_load(loader, request.lora_name)
+                    return Choice(loader.address, self._matched(loader, request, {}), self.policy,
+                                  loader.view.block_size or loader.block_size, adapter_load=load)
             if self.policy == "round_robin":
                 engine = candidates[next(self._round_robin) % len(candidates)]
-                return Choice(engine.address, self._matched(engine, request, {}), self.policy)
+                return Choice(engine.address, self._matched(engine, request, {}), self.policy,
+                              engine.view.block_size or engine.block_size)
             if self.policy == "least_load":
                 engine = min(candidates, key=lambda e: (e.load, e.address))
-                return Choice(engine.address, self._matched(engine, request, {}), self.policy)
+                return Choice(engine.address, self._matched(engine, request, {}), self.policy,
+                              engine.view.block_size or engine.block_size)
             keys_by_size: dict[int, list[bytes]] = {}
             scored = [(self._matched(engine, request, keys_by_size) if engine.events_live else 0, engine)
                       for engine in candidates]
             best = max(matched for matched, _ in scored)
             matched, engine = min(((m, e) for m, e in scored if m == best), key=lambda pair: (pair[1].load,
                                                                                               pair[1].address))
-            return Choice(engine.address, matched, self.policy)
+            return Choice(engine.address, matched, self.policy, engine.view.block_size or engine.block_size)
+
+    def _adapter_candidates(self, candidates: list[Engine], adapter: str) -> tuple[list[Engine], Engine | None]:
+        """Where a request for `adapter` may go: (the engines to choose among, None), or ([], the
+        engine that must load it first)."""
+        holders = [engine for engine in candidates if engine.holds(adapter)]
+        with_room = [engine for engine in holders if engine.has_room]
+        if with_room:
+            return with_room, None
+        if adapter in self.lora_paths:
+            engine = min(candidates, key=lambda e: (e.load, e.address))
+            return ([engine], None) if engine.holds(adapter) else ([], engine)
+        return holders or candidates, None
+
+    def _start_load(self, engine: Engine, adapter: str) -> AdapterLoad:
+        """Load `adapter` on `engine` on a thread of its own (under the lock: one load per pair)."""
+        load = engine.loading[adapter] = AdapterLoad(engine.address, adapter, self.lora_paths[adapter])
+        log.info("loading LoRA adapter %s on %s (no engine holds it with room)", adapter, engine.address)
+        # Not one of self._threads: it ends with its call (bounded by lora_load_timeout).
+        threading.Thread(target=self._load_adapter, args=(engine, load), name=f"tito-router-lora-{engine.address}",
+                         daemon=True).start()
+        return load
+
+    def _load_adapter(self, engine: Engine, load: AdapterLoad) -> None:
+        error: grpc.RpcError | None = None
+        gone = False
+        try:
+            engine_pb2_grpc.EngineServiceStub(engine.channel).LoadLoraAdapter(
+                engine_pb2.LoadLoraAdapterRequest(lora_name=load.name, lora_path=load.path),
+                timeout=self._lora_load_timeout, metadata=self._security.call_metadata() or None)
+        except grpc.RpcError as exc:
+            error = None if loaded(exc) else exc
+        except ValueError:  # its channel was closed meanwhile: the engine left (the request's call
+            gone = True  # there fails UNAVAILABLE and moves on, migration.py)
+        with self._lock:
+            engine.loading.pop(load.name, None)
+            if error is None and not gone:
+                engine.adapters |= {load.name}
+                engine.loaded_at[load.name] = time.monotonic()
+        if error is not None:
+            log.warning("loading LoRA adapter %s on %s failed: %s", load.name, engine.address, error)
+        load.finish(error)
+
+    def adapter_ready(self, address: str, adapter: str) -> None:
+        """Wait until a load of `adapter` this router runs on `address` (if any) ended; raise its
+        refusal. What a request's stream calls before it opens its Generate call there."""
+        pending = self._pending_load(address, adapter)
+        if pending is not None:
+            pending.wait(self._lora_load_timeout)
+
+    async def adapter_ready_async(self, address: str, adapter: str) -> None:
+        """`adapter_ready` for an event loop (returns at once when no load runs)."""
+        pending = self._pending_load(address, adapter)
+        if pending is not None:
+            await pending.wait_async(self._lora_load_timeout)
+
+    def _pending_load(self, address: str, adapter: str) -> AdapterLoad | None:
+        if not adapter:
+            return None
+        with self._lock:
+            engine = self._engines.get(address)
+            return engine.loading.get(adapter) if engine is not None else None
 
     def _matched(self, engine: Engine, request, keys_by_size: dict[int, list[bytes]]) -> int:
         size = engine.view.block_size or engine.block_size
@@ -290,14 +419,28 @@ class EngineRouter:
             keys = keys_by_size[size] = request_keys(request, size)
         return engine.view.matched_blocks(keys)
 
+    def reserve(self, address: str) -> None:
+        """A request is on its way to `address`: count it in the engine's load now, until its
+        stream starts (`track`), so that a burst of picks spreads over the engines rather than
+        all going to the one that was least loaded before any of them started."""
+        with self._lock:
+            engine = self._engines.get(address)
+            if engine is not None:
+                now = time.monotonic()
+                engine.reserved = [sent for sent in engine.reserved if now - sent < RESERVATION_SECONDS]
+                engine.reserved.append(now)
+
     @contextmanager
     def track(self, address: str):
-        """Count a request in flight on `address` while the block runs; a connection failure
-        (UNAVAILABLE) marks the engine unreachable (or draining) at once, so new requests go elsewhere."""
+        """Count a request in flight on `address` while the block runs (it takes the place of its
+        reservation); a connection failure (UNAVAILABLE) marks the engine unreachable (or
+        draining) at once, so new requests go elsewhere."""
         with self._lock:
             engine = self._engines.get(address)
             if engine is not None:
                 engine.in_flight += 1
+                if engine.reserved:
+                    engine.reserved.pop(0)
         try:
             yield
         except grpc.RpcError as exc:
@@ -399,6 +542,7 @@ class EngineRouter:
     def _poll_load(self, engine: Engine) -> None:
         if engine.stopped or engine.channel is None:
             return
+        asked = time.monotonic()
         try:
             load = engine_pb2_grpc.EngineServiceStub(engine.channel).GetLoad(
                 engine_pb2.GetLoadRequest(), timeout=max(1.0, 4 * self._load_interval),
@@ -414,7 +558,25 @@ class EngineRouter:
             engine.draining = load.draining
             engine.reported_load = load.running_requests + load.waiting_requests
             engine.block_size = load.kv_block_size
-            engine.adapters = frozenset(adapter.name for adapter in load.lora_adapters)
+            # An adapter this router loaded after the engine answered is held though not listed.
+            engine.loaded_at = {name: at for name, at in engine.loaded_at.items() if at > asked}
+            engine.adapters = frozenset(adapter.name for adapter in load.lora_adapters) | set(engine.loaded_at)
+        if engine.capacity is None:  # once it answers (a down engine is not asked twice per poll)
+            self._ask_capacity(engine)
+
+    def _ask_capacity(self, engine: Engine) -> None:
+        """GetModelInfo's max_running_requests, once (what `has_room` compares the load with)."""
+        try:
+            info = engine_pb2_grpc.EngineServiceStub(engine.channel).GetModelInfo(
+                engine_pb2.EngineServiceGetModelInfoRequest(), timeout=max(1.0, 4 * self._load_interval),
+                metadata=self._security.call_metadata() or None)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # it cannot say: never full, for the router
+                engine.capacity = 0
+            return  # else: asked again at the next poll
+        except ValueError:  # the channel was closed meanwhile (the engine left)
+            return
+        engine.capacity = info.max_running_requests
 
     def _follow_events(self, engine: Engine) -> None:
         """Keep `engine`'s view in sync with its events; on any break, route it by load only

@@ -14,6 +14,7 @@ from tito.settings import add_settings
 from tito.startup import StartupPhases, loading_model
 from tito.v1 import derender_pb2_grpc
 from tito_derender.config import DerenderConfig
+from tito_derender.resume import StateSealer
 from tito_derender.observe import DerenderMetrics
 from tito_derender.servicer import DerenderServicer
 from tito_derender.tokenizer import TextTokenizer
@@ -46,7 +47,7 @@ async def create_server(config: DerenderConfig, phases: StartupPhases | None = N
     """
     phases = phases or StartupPhases()
     config.validate()
-    servicer = DerenderServicer()
+    servicer = DerenderServicer(sealer=StateSealer(config.state_key()))
     metrics = observability(config, "derender")
     if metrics is not None:
         servicer.metrics = DerenderMetrics(metrics, lambda: servicer.live_streams)

@@ -19,6 +19,7 @@ from tito_derender.convert import (
 from tito_derender.detokenizer import detokenize
 from tito_derender.full import derender_full
 from tito_derender.observe import DerenderMetrics
+from tito_derender.resume import StateSealer
 from tito_derender.stream import DerenderStream
 from tito_derender.tokenizer import TextTokenizer
 
@@ -28,8 +29,11 @@ _ENDED = derender_pb2.DerenderBatchEnded()
 
 
 class DerenderServicer(derender_pb2_grpc.DerenderServiceServicer):
-    def __init__(self, tokenizer: TextTokenizer | None = None, metrics: DerenderMetrics | None = None) -> None:
+    def __init__(self, tokenizer: TextTokenizer | None = None, metrics: DerenderMetrics | None = None,
+                 sealer: StateSealer | None = None) -> None:
         self._tokenizer: LoadingGate[TextTokenizer] = LoadingGate("derender", tokenizer)
+        #: Seals the states of streams that return theirs (DerenderContext.return_state).
+        self.sealer = sealer or StateSealer()
         #: Derender streams currently holding state (for operators and tests: drops release it).
         self.live_streams = 0
         self.metrics = metrics  # set by the server when it serves /metrics
@@ -47,6 +51,7 @@ class DerenderServicer(derender_pb2_grpc.DerenderServiceServicer):
     async def Derender(self, request_iterator: AsyncIterator[derender_pb2.DerenderRequest],
                        context: grpc.aio.ServicerContext) -> AsyncIterator[derender_pb2.DerenderResponse]:
         stream: DerenderStream | None = None
+        return_state = False
         chunks = 0
         self.live_streams += 1
         try:
@@ -58,6 +63,11 @@ class DerenderServicer(derender_pb2_grpc.DerenderServiceServicer):
                             "the first message of a Derender stream must be a DerenderContext (the `context` "
                             "field of render's response), then the engine's GenerateResponses",
                             reason="CONTEXT_REQUIRED", field="context")
+                    return_state = request.context.return_state
+                    if request.context.resume_state:
+                        stream = self.sealer.open(request.context.resume_state, self.tokenizer)
+                        bind_request_id(stream.context.request_id)
+                        continue
                     domain_context = context_from_proto(request.context)
                     bind_request_id(domain_context.request_id)
                     stream = DerenderStream(self.tokenizer, domain_context)
@@ -73,7 +83,9 @@ class DerenderServicer(derender_pb2_grpc.DerenderServiceServicer):
                 for chunk in stream.feed(output_from_proto(request.generate_response)):
                     chunks += 1
                     yield chunk_to_proto(chunk)
-            if stream is not None and not stream.finished:
+            if stream is not None and return_state:
+                yield derender_pb2.DerenderResponse(stream_state=self.sealer.seal(stream, self.tokenizer))
+            elif stream is not None and not stream.finished:
                 log.info("client closed the derender stream with choices %s unfinished", stream.unfinished_choices)
         finally:
             # Runs on normal end, on error and on cancellation (client dropped the call): the

@@ -13,17 +13,19 @@ tito_engine.startup_plan and passed down.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tito.config import ConfigError, ServerConfig, model_setting
+from tito.config import ConfigError, ServerConfig, model_setting, validate_address
 from tito.cpu_affinity import check_cpus, parse_cpu_list
 from tito.settings import setting
 from tito.signing import read_key_file
 from tito_models.paths import DEFAULT_MODEL
 
+from tito_engine.kv_transfer import DEFAULT_PIN_SECONDS
 from tito_engine.kv_events import DEFAULT_KV_EVENT_BUFFER
 from tito_engine.kv_sizing import DEFAULT_KV_MEMORY_FRACTION, KV_MEMORY_RESERVE_BYTES
 from tito_engine.limits import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MAX_PREFILL_TOKENS_CPU,
@@ -166,8 +168,26 @@ class KvCacheSettings:
         help=f"with no fixed KV size, the KV cache takes this fraction of the memory free after loading the model "
              f"(host memory on CPU, the device's on CUDA) less a {KV_MEMORY_RESERVE_BYTES >> 30} GiB reserve, at most "
              f"what --max-running-sequences sequences of the full context hold; logged at start-up")
+    kv_pin_seconds: float = setting(DEFAULT_PIN_SECONDS, type=float,
+                                    help="prefill/decode: most seconds a prefill request's KV blocks stay pinned for "
+                                         "a decode engine to pull (GenerateRequest.kv_transfer); unpulled pins are "
+                                         "freed after it")
+    kv_peer_address: str = setting("", help="prefill/decode: where decode engines reach this engine (host:port), "
+                                            "named as remote_host/remote_port in the kv_transfer_params a prefill "
+                                            "answers on SMG's face; default: the address it listens on")
+    kv_peer_tls_ca_file: str = setting("", help="prefill/decode: PEM CA that issued the other engines' certificates: "
+                                                "pulls from them (PullKvBlocks) go over TLS; they carry this "
+                                                "engine's --auth-token-file token either way (one token per fleet)")
 
     def _check_kv_cache(self) -> None:
+        if self.kv_peer_address:
+            validate_address(self.kv_peer_address, "--kv-peer-address")
+        if self.kv_peer_tls_ca_file and not os.path.isfile(self.kv_peer_tls_ca_file):
+            raise ConfigError(f"--kv-peer-tls-ca-file {self.kv_peer_tls_ca_file!r} is not a readable file (the PEM CA "
+                              f"of the other engines' certificates)")
+        if not (math.isfinite(self.kv_pin_seconds) and self.kv_pin_seconds > 0):
+            raise ConfigError(f"kv_pin_seconds={self.kv_pin_seconds} must be a number of seconds > 0 (default "
+                              f"{DEFAULT_PIN_SECONDS:g})")
         if self.block_size is not None and not 1 <= self.block_size <= 1024:
             raise ConfigError(f"block_size={self.block_size} must be between 1 and 1024 tokens (default "
                               f"{DEFAULT_BLOCK_SIZE})")

@@ -124,6 +124,10 @@ class GenerateInput:
     cache_salt: str = ""
     # The LoRA adapter to generate with, by name ("" = the base model).
     lora_name: str = ""
+    # Prefill/decode disaggregation: this request's part (kv_transfer.KvPrefill / KvDecode); None: both here.
+    kv_transfer: Any = None
+    # vLLM's kv_transfer_params as the caller sent them (a JSON object), for vLLM's own KV connector.
+    kv_connector_params: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -169,12 +173,22 @@ class ChoiceOutput:
     usage: Usage | None = None
     logprobs: tuple[PositionLogprobs, ...] = ()  # one per token id when requested
     timings: RequestTimings | None = None  # on the request's last output, when the backend knows them
+    #: Prompt tokens the engine found in its prefix cache, on a choice's first output (None on the
+    #: others): a face that ends a choice before the backend does (SMG's stop strings) reports it
+    #: without the final usage.
+    cached_tokens: int | None = None
+    kv_pinned: Any = None  # kv_transfer.KvPinned, on a prefill request's last output
+    kv_stats: Any = None  # kv_transfer.TransferStats, on a decode request's last output of choice 0
+    kv_connector_params: dict | None = None  # vLLM's connector's answer, on the last output of choice 0
 
     def merged_with(self, later: "ChoiceOutput") -> "ChoiceOutput":
         """This output followed by `later` of the same choice, as one message."""
         return ChoiceOutput(self.index, self.token_ids + later.token_ids, later.finish_reason,
                             later.matched_stop_token_id, later.usage, self.logprobs + later.logprobs,
-                            later.timings or self.timings)
+                            later.timings or self.timings,
+                            cached_tokens=self.cached_tokens if self.cached_tokens is not None else later.cached_tokens,
+                            kv_pinned=later.kv_pinned or self.kv_pinned, kv_stats=later.kv_stats or self.kv_stats,
+                            kv_connector_params=later.kv_connector_params or self.kv_connector_params)
 
     @property
     def finished(self) -> bool:
@@ -254,6 +268,15 @@ class Request:
         self.finish_time: float | None = None
         self.failed = False  # ended by an engine error; never schedule it
         self.grammar: Any = None  # compiled structured-output grammar (constraints.py), set before queueing
+        # Prefill/decode (kv_transfer.py): a prefill request's pin order (its blocks are pinned,
+        # not freed, when it finishes: `pinned`), or a decode request's pulled blocks.
+        self.kv_pin: Any = None  # kv_transfer.KvPinOrder
+        self.pinned: Any = None  # kv_pins.Pin, once pinned
+        self.imported_kv: Any = None  # kv_transfer.ImportedKv, until written into its blocks
+        # A media prompt decoded from pulled KV skips the encoder; its items wait here in case it
+        # must recompute after all (preempted: `awaiting_media_rows` until the core encodes them).
+        self.media_unencoded: Any = None  # multimodal.items.ValidatedFeatures
+        self.awaiting_media_rows = False
 
     @property
     def finished(self) -> bool:
@@ -265,6 +288,12 @@ class Request:
     def timings(self) -> RequestTimings:
         return RequestTimings(self.arrival_time, self.scheduled_time, self.first_token_time,
                               self.finish_time or time.monotonic())
+
+    @property
+    def prior_output_ids(self) -> list[int]:
+        """A migrated choice's earlier output: the prompt's last `prior_output_tokens` ids."""
+        prior = self.options.prior_output_tokens
+        return self.prompt_ids[len(self.prompt_ids) - prior:] if prior else []
 
     def usage_for(self, seq: Sequence) -> Usage:
         return Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(seq.output_ids),

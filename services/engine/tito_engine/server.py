@@ -8,23 +8,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import uuid
 
 from tito import settings
 from tito_models.paths import resolve_model
 from tito.serving import RunningServer, observability, run_until_signal, start_server
+from tito.security import ClientSecurity
 from tito.settings import add_settings
 from tito.startup import StartupPhases, loading_model
 from tito.v1 import engine_pb2_grpc
 from smg_grpc_proto import vllm_engine_pb2_grpc
 
-from tito_engine.service.admission import Admission
-from tito_engine.service.backend import EngineBackend
+from tito_engine.backend.admission import Admission
+from tito_engine.backend.interface import EngineBackend
 from tito_engine.config import EngineConfig
 from tito_engine.core.engine import Engine
 from tito_engine.multimodal.features import FeaturePolicy
 from tito_engine.model.runner import warm_up_or_warn
 from tito_engine.model_info import check_checkpoint
-from tito_engine.service.observe import EngineMetrics, RequestObserver
+from tito_engine.backend.kv_transfers import KvTransfers
+from tito_engine.backend.observe import EngineMetrics, RequestObserver
+from tito_engine.kv_transfer import HandleIssuer
+from tito_engine.service.kv_peer import KvPeers
 from tito_engine.service.servicer import EngineServicer
 from tito_engine.smg.servicer import SERVICE_NAME as SMG_SERVICE_NAME, SmgEngineServicer
 from tito_engine.startup_plan import StartupPlan, plan_startup
@@ -146,7 +151,7 @@ async def create_server(config: EngineConfig, phases: StartupPhases | None = Non
     running.add_cleanup(lambda: asyncio.to_thread(backend.stop))
     running.add_closer(backend.kv_events.close)  # SubscribeKvEvents streams end as shutdown begins
     if config.kv_events_endpoint:
-        from tito_engine.service.kv_publisher import ZmqKvEventPublisher  # pyzmq: only when asked for
+        from tito_engine.kv_publisher import ZmqKvEventPublisher  # pyzmq: only when asked for
 
         publisher = ZmqKvEventPublisher(backend.kv_events, config.kv_events_endpoint,
                                         config.kv_events_replay_endpoint or None, topic=config.kv_events_topic,
@@ -158,9 +163,11 @@ async def create_server(config: EngineConfig, phases: StartupPhases | None = Non
         running.add_cleanup(lambda: asyncio.to_thread(publisher.stop))
     admission = Admission.for_backend(backend, feature_policy(config), config.max_choices_per_request)
     observer = RequestObserver(engine_metrics)
-    servicer.attach(backend, admission, observer if observer.active else None)
+    kv_transfers = _kv_transfers(config, backend, running)
+    servicer.attach(backend, admission, observer if observer.active else None, kv_transfers)
     smg_servicer.attach(backend, admission, plan.model_dir if plan else resolve_model(config.model),
-                        observer if observer.active else None, drain=servicer.drain_state)
+                        observer if observer.active else None, drain=servicer.drain_state, kv_transfers=kv_transfers,
+                        kv_address=config.kv_peer_address or running.address)
     servicer.on_drain(config.grace_seconds, running.set_not_serving)
     running.add_drainer(lambda grace: _drain_before_stop(servicer, grace))
     await running.set_serving()
@@ -169,6 +176,19 @@ async def create_server(config: EngineConfig, phases: StartupPhases | None = Non
         log.info("media item tags are verified (key id %r); unsigned items are %s", config.hmac_key_id,
                  "refused" if config.require_signed_features else "accepted but not trusted for cache hits")
     return running
+
+
+def _kv_transfers(config: EngineConfig, backend: EngineBackend, running: RunningServer) -> KvTransfers | None:
+    """Prefill/decode transfers of the native backend: handles signed with the media HMAC key
+    (--hmac-key-file) when there is one, pins bounded by --kv-pin-seconds, pulls from other
+    engines with this engine's token (and TLS with --kv-peer-tls-ca-file)."""
+    if config.backend != "native":
+        return None
+    issuer = HandleIssuer(f"engine-{uuid.uuid4().hex[:16]}", backend.info.fingerprint,
+                          feature_policy(config).signing_keys, config.kv_pin_seconds)
+    peers = KvPeers(ClientSecurity(ca_file=config.kv_peer_tls_ca_file, token_file=config.auth_token_file))
+    running.add_cleanup(peers.close)
+    return KvTransfers(backend, issuer, peers)
 
 
 async def _drain_before_stop(servicer: EngineServicer, grace_seconds: float) -> None:

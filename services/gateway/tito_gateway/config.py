@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tito.config import ConfigError, ServerConfig, validate_address
+from tito.lora_names import is_lora_name
 from tito.security import ClientSecurity
 from tito.settings import setting
 
@@ -34,6 +35,18 @@ class GatewayConfig(ServerConfig):
                                         "move to another engine when its engine goes away mid-stream (killed, "
                                         "restarting, draining); it continues from the tokens it has, the client "
                                         "sees one stream. 0: never (the chat fails with the engine's status)")
+    prefill_engines: str = setting("", group=UPSTREAM,
+                                   help="prefill/decode: engine addresses (comma-separated) that only prefill: a "
+                                        "prompt of at least --pd-min-prompt-tokens is prefilled on one of them and "
+                                        "decoded on a --decode-engines or --engine-address engine, which pulls its "
+                                        "KV (native engines)")
+    decode_engines: str = setting("", group=UPSTREAM,
+                                  help="prefill/decode: engine addresses (comma-separated) that only decode (and "
+                                       "serve the prompts too short to prefill elsewhere); --engine-address "
+                                       "engines serve both roles")
+    pd_min_prompt_tokens: int = setting(256, group=UPSTREAM,
+                                        help="prefill/decode: prompts shorter than this go to one engine, never to a "
+                                             "--prefill-engines engine")
     derender_address: str = setting("127.0.0.1:50053", group=UPSTREAM, help="derender's address")
     derender_batch: bool = setting(True, group=UPSTREAM,
                                    help="carry every chat's derender stream over one DerenderBatch call (one "
@@ -50,6 +63,11 @@ class GatewayConfig(ServerConfig):
     allow_runtime_lora_updating: bool = setting(
         False, help="serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (each engine's "
                     "LoadLoraAdapter / UnloadLoraAdapter; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
+    lora_modules: tuple[str, ...] = setting(
+        (), type=str, nargs="*", metavar="NAME=DIR", default_text="none", group=UPSTREAM,
+        help="LoRA adapters the gateway may load on an engine, each NAME=DIR with DIR under the engines' "
+             "--lora-dir: a chat naming one goes to an engine holding it with room, else to the least loaded "
+             "engine, which loads it first (tito_client.routing); /v1/models lists them")
     max_body_bytes: int = setting(DEFAULT_MAX_BODY_BYTES, group=HTTP,
                                   help="largest request body accepted (larger: 413)")
     max_concurrent_requests: int = setting(1024, group=HTTP,
@@ -61,6 +79,15 @@ class GatewayConfig(ServerConfig):
 
     def engine_addresses(self) -> list[str]:
         return [part.strip() for part in self.engine_address.split(",") if part.strip()]
+
+    def lora_paths(self) -> dict[str, str]:
+        """--lora-modules as name -> directory (checked by validate)."""
+        return dict(module.split("=", 1) for module in self.lora_modules)
+
+    def role_addresses(self, role: str) -> list[str]:
+        """--prefill-engines or --decode-engines as a list."""
+        value = self.prefill_engines if role == "prefill" else self.decode_engines
+        return [part.strip() for part in value.split(",") if part.strip()]
 
     def upstream_security(self) -> ClientSecurity:
         return ClientSecurity(ca_file=self.upstream_tls_ca_file, server_name=self.upstream_tls_server_name,
@@ -82,6 +109,14 @@ class GatewayConfig(ServerConfig):
                 validate_address(address.removeprefix("dns:").lstrip("/"), "--engine-address (after dns:///)")
             else:
                 validate_address(address, "--engine-address")
+        self._check_lora_modules()
+        for role in ("prefill", "decode"):
+            for address in self.role_addresses(role):
+                validate_address(address, f"--{role}-engines")
+        if self.role_addresses("prefill") and not (self.role_addresses("decode") or self.engine_addresses()):
+            raise ConfigError("--prefill-engines needs engines to decode on: --decode-engines or --engine-address")
+        if self.pd_min_prompt_tokens < 1:
+            raise ConfigError(f"--pd-min-prompt-tokens {self.pd_min_prompt_tokens}: must be >= 1")
         if self.migration_limit < 0:
             raise ConfigError(f"--migration-limit {self.migration_limit}: must be >= 0 (0: chats never move)")
         if self.metrics_port is not None:
@@ -98,3 +133,12 @@ class GatewayConfig(ServerConfig):
         if not self.idle_timeout > 0 or not self.upstream_timeout > 0:
             raise ConfigError("--idle-timeout and --upstream-timeout are seconds, > 0")
         self.upstream_security().validate()
+
+    def _check_lora_modules(self) -> None:
+        names = [module.split("=", 1)[0] for module in self.lora_modules]
+        for module, name in zip(self.lora_modules, names):
+            if "=" not in module or not is_lora_name(name) or not module.split("=", 1)[1]:
+                raise ConfigError(f"--lora-modules {module[:200]!r} must be NAME=DIR (e.g. sql=adapters/sql; a name "
+                                  f"is 1 to 128 letters, digits or ._-/:)")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"--lora-modules names an adapter twice ({' '.join(self.lora_modules)})")

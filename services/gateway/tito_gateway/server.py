@@ -173,7 +173,9 @@ async def create_server(config: GatewayConfig, phases: StartupPhases | None = No
     upstream = Upstream(config.render_address, config.engine_addresses(), config.derender_address,
                         config.upstream_timeout, config.upstream_security(), config.max_message_bytes,
                         config.routing_policy, batch_derender=config.derender_batch,
-                        migration_limit=config.migration_limit)
+                        migration_limit=config.migration_limit, lora_paths=config.lora_paths(),
+                        roles=(config.role_addresses("prefill"), config.role_addresses("decode"),
+                               config.pd_min_prompt_tokens))
     gateway = Gateway(upstream, served_model_name=config.served_model_name, token=token,
                       lora_updating=config.allow_runtime_lora_updating,
                       auth_exempt_health=config.auth_exempt_health, max_body_bytes=config.max_body_bytes,

@@ -21,21 +21,30 @@ class Upstream:
 
     def __init__(self, render: str, engines: list[str], derender: str, timeout: float,
                  security: ClientSecurity, max_message_bytes: int, policy: str = "cache_aware",
-                 batch_derender: bool = True, migration_limit: int = 3):
+                 batch_derender: bool = True, migration_limit: int = 3, lora_paths: dict[str, str] | None = None,
+                 roles: tuple[list[str], list[str], int] = ([], [], 256)):
         """`security`: TLS and token for every TCP address; Unix sockets (sidecars in the same pod)
         are reached in plaintext, with the token. `batch_derender`: the chats' derender streams
         share one DerenderBatch call (AsyncChatPipeline). `migration_limit`: the router's moves of
-        one chat whose engine went away (tito_client.migration)."""
+        one chat whose engine went away (tito_client.migration). `lora_paths`: the adapters the
+        router may load on an engine (name -> directory under the engines' --lora-dir); with them,
+        one engine is routed too (the router loads them). `roles`: prefill-only and decode-only
+        engine addresses and the shortest prompt that is disaggregated (tito_client.routing)."""
         self.addresses = list(engines)
         self._timeout = timeout
         plain = ClientSecurity(token_file=security.token_file)
         sidecars = plain if render.startswith("unix:") and derender.startswith("unix:") else security
         engine_security = plain if len(engines) == 1 and engines[0].startswith("unix:") else security
         self._engine_security = engine_security
-        routed = len(engines) > 1 or engines[0].startswith("dns:")
+        self.lora_paths = dict(lora_paths or {})
+        prefill_engines, decode_engines, pd_min_prompt_tokens = roles
+        routed = (len(engines) > 1 or engines[0].startswith("dns:") or bool(self.lora_paths)
+                  or bool(prefill_engines or decode_engines))
         self.router = EngineRouter(engines if len(engines) > 1 else engines[0], policy=policy,
-                                   security=engine_security,
-                                   migration_limit=migration_limit).start() if routed else None
+                                   security=engine_security, migration_limit=migration_limit,
+                                   lora_paths=self.lora_paths, prefill_engines=prefill_engines,
+                                   decode_engines=decode_engines,
+                                   pd_min_prompt_tokens=pd_min_prompt_tokens).start() if routed else None
         self.pipeline = AsyncChatPipeline(Endpoints(render, engines[0], derender), timeout=timeout,
                                           max_message_bytes=max_message_bytes, security=engine_security,
                                           router=self.router, sidecar_security=sidecars,
@@ -48,9 +57,11 @@ class Upstream:
 
     async def lora_adapters(self) -> list[engine_pb2.LoraAdapterInfo]:
         """The LoRA adapters behind the gateway: with a router, those its engines reported at their
-        last GetLoad (by name); else the engine's ListLoraAdapters (none when it cannot say)."""
+        last GetLoad (by name) and those it may load (with their directory); else the engine's
+        ListLoraAdapters (none when it cannot say)."""
         if self.router is not None:
-            return [engine_pb2.LoraAdapterInfo(name=name) for name in self.router.adapters()]
+            names = sorted(set(self.router.adapters()) | set(self.lora_paths))
+            return [engine_pb2.LoraAdapterInfo(name=name, path=self.lora_paths.get(name, "")) for name in names]
         pipeline = self.pipeline
         try:
             response = await pipeline.engine.ListLoraAdapters(engine_pb2.ListLoraAdaptersRequest(), timeout=10.0,

@@ -144,6 +144,20 @@ def detect_parsers(vocab: dict[str, int], reasoning: str, tool: str, template: s
     return reasoning, tool
 
 
+def _parsers_of(tokenizer: Any, config: RenderConfig, template: str) -> tuple[str, str]:
+    return detect_parsers(tokenizer.get_vocab(), config.reasoning_parser, config.tool_parser, template)
+
+
+def model_parsers(config: RenderConfig) -> tuple[str, str]:
+    """The reasoning and tool parser names render puts in its DerenderContexts for `config`'s
+    model ("" for none), from its tokenizer alone: what a router that parses the engine's output
+    itself (SMG in front of `tito serve all`) should parse with."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(config.model)))
+    return _parsers_of(tokenizer, config, template_source(tokenizer, None))
+
+
 def load_render_model(config: RenderConfig) -> RenderModel:
     """Resolve and load the tokenizer and settings (blocking, seconds)."""
     from transformers import AutoTokenizer
@@ -154,7 +168,7 @@ def load_render_model(config: RenderConfig) -> RenderModel:
     limit = resolve_context_length(model_context_length(model_config, tokenizer), config.max_model_len)
     defaults = generation_defaults(_read_json(path / "generation_config.json"))
     template = template_source(tokenizer, None)
-    reasoning, tool = detect_parsers(tokenizer.get_vocab(), config.reasoning_parser, config.tool_parser, template)
+    reasoning, tool = _parsers_of(tokenizer, config, template)
     media = load_media_adapter(path, tokenizer)
     vocab = tokenizer.get_vocab()
     model = RenderModel(model_id=config.model, path=path, tokenizer=tokenizer, max_context_length=limit,

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from tito.v1 import engine_pb2, engine_pb2_grpc, multimodal_pb2
+from tito_client import routing
 from tito_client.routing import EngineRouter, EngineView, NoEngineAvailable, request_keys
 
 BLOCK = 4
@@ -95,6 +96,10 @@ class ScriptedEngine(engine_pb2_grpc.EngineServiceServicer):
         self.down = False  # GetLoad fails
         self.draining = False  # GetLoad says it drains
         self.adapters: list[str] = []  # LoRA adapters GetLoad reports
+        self.capacity = 0  # GetModelInfo's max_running_requests (0: it does not say)
+        self.loads: list[tuple[str, str]] = []  # LoadLoraAdapter calls: (name, path)
+        self.load_seconds = 0.0  # how long a LoadLoraAdapter takes
+        self.refuse_loads = False  # LoadLoraAdapter answers INVALID_ARGUMENT
 
     def push(self, batch):
         with self.lock:
@@ -114,6 +119,18 @@ class ScriptedEngine(engine_pb2_grpc.EngineServiceServicer):
         return engine_pb2.GetLoadResponse(running_requests=self.load, kv_block_size=BLOCK, draining=self.draining,
                                           lora_adapters=[engine_pb2.LoraAdapterInfo(name=name)
                                                          for name in self.adapters])
+
+    def GetModelInfo(self, request, context):
+        return engine_pb2.EngineServiceGetModelInfoResponse(max_running_requests=self.capacity)
+
+    def LoadLoraAdapter(self, request, context):
+        with self.lock:
+            self.loads.append((request.lora_name, request.lora_path))
+        time.sleep(self.load_seconds)
+        if self.refuse_loads:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lora_path: {request.lora_path} is not under --lora-dir")
+        self.adapters.append(request.lora_name)
+        return engine_pb2.LoadLoraAdapterResponse(adapter=engine_pb2.LoraAdapterInfo(name=request.lora_name))
 
     def SubscribeKvEvents(self, request, context):
         start = request.start_sequence if request.HasField("start_sequence") else None
@@ -213,6 +230,59 @@ def test_a_draining_engine_gets_no_new_request_and_a_moved_chat_avoids_the_engin
         EngineRouter([a], migration_limit=-1)
 
 
+def test_prefill_and_decode_roles_split_long_prompts_and_keep_short_ones_off_prefill_engines(engines):
+    (p, engine_p), (d, engine_d), (m, engine_m) = engines(3)
+    engine_p.load, engine_d.load, engine_m.load = 0, 5, 3
+    with EngineRouter([m], prefill_engines=[p], decode_engines=[d], pd_min_prompt_tokens=16, policy="least_load",
+                      load_interval=0.02) as router:
+        wait_for(lambda: router.status()[d]["load"] == 5, "the loads polled")
+        short, long = generate_request([7] * 15), generate_request([7] * 16)
+        assert not router.disaggregates(short) and router.disaggregates(long)
+        assert router.pick(short).address == m  # the idle prefill engine never decodes
+        assert router.pick(long, role="prefill").address == p  # prefill: p (idle) over the mixed m
+        engine_m.load = 9
+        wait_for(lambda: router.status()[m]["load"] == 9, "m's load")
+        assert router.pick(long).address == d and router.pick(long, role="prefill").address == p
+    with EngineRouter([m], load_interval=0.02) as router:
+        assert not router.disaggregates(generate_request([7] * 4096))  # no prefill engines: never
+
+
+def test_a_prompt_its_decode_engine_mostly_holds_is_not_prefilled_elsewhere(engines):
+    (p, _), (d, engine_d) = engines(2)
+    history = list(range(100, 100 + 5 * BLOCK))  # 5 blocks cached on d
+    engine_d.push(stored_batch(0, history, [b"d%d" % i for i in range(5)]))
+    with EngineRouter([], prefill_engines=[p], decode_engines=[d], pd_min_prompt_tokens=2 * BLOCK,
+                      load_interval=0.02) as router:
+        follow_up = generate_request(history + [1] * (BLOCK + 1))  # 1 block + 1 token new
+        wait_for(lambda: router.pick(follow_up).matched_blocks == 5, "d's events indexed")
+        decode = router.pick(follow_up)
+        assert decode.address == d and decode.matched_tokens == 5 * BLOCK
+        assert not router.disaggregates(follow_up, decode)  # d computes the new part itself
+        assert router.disaggregates(follow_up)  # with nothing cached it would be long enough
+        fresh = generate_request([3] * (2 * BLOCK))
+        assert router.disaggregates(fresh, router.pick(fresh))
+
+
+def test_a_burst_of_requests_spreads_before_any_stream_starts(engines, monkeypatch):
+    """A request sent to an engine (`reserve`) counts in its load at once: least load spreads a
+    burst instead of sending it all to the engine that was idle before any of it started."""
+    (a, engine_a), (b, engine_b) = engines(2)
+    engine_a.load, engine_b.load = 0, 0
+    chat = generate_request([7] * 12)
+    with EngineRouter([a, b], policy="least_load", load_interval=0.02) as router:
+        wait_for(lambda: all(router.status()[x]["reachable"] for x in (a, b)), "the loads polled")
+        sent = []
+        for _ in range(4):
+            address = router.pick(chat).address
+            router.reserve(address)
+            sent.append(address)
+        assert sorted(sent) == sorted([a, a, b, b])
+        with router.track(a):  # the stream takes its reservation's place
+            assert router.status()[a]["load"] == 2 and router.status()[a]["in_flight"] == 1
+        monkeypatch.setattr(routing, "RESERVATION_SECONDS", 0.0)  # a request that never started stops counting
+        assert router.status()[a]["load"] == 0 and router.status()[b]["load"] == 0
+
+
 def test_an_engine_whose_events_stop_is_routed_by_load_until_they_resume(engines):
     (a, engine_a), (b, engine_b) = engines(2)
     engine_a.load, engine_b.load = 5, 0
@@ -286,6 +356,54 @@ def test_an_adapters_requests_go_where_it_is_held(engines):
         assert router.pick(generate_request([7] * 8, lora_name="sql")).address == c  # cold: the less loaded holder
         assert router.pick(generate_request(system + [1])).address == a  # the base model: anywhere, by load
         assert router.pick(generate_request([7] * 8, lora_name="nowhere")).address == a  # held nowhere: least load
+
+
+def test_an_adapter_held_nowhere_is_loaded_once_on_the_least_loaded_engine(engines):
+    (a, engine_a), (b, engine_b) = engines(2)
+    engine_a.load, engine_b.load_seconds = 3, 0.3
+    with EngineRouter([a, b], load_interval=0.02, lora_paths={"sql": "adapters/sql"}) as router:
+        wait_for(lambda: router.status()[a]["load"] == 3, "a's load polled")
+        choices = []
+
+        def first_request() -> None:  # concurrent first requests, each waits for the adapter as a stream does
+            choice = router.pick(generate_request([7] * 8, lora_name="sql"))
+            router.adapter_ready(choice.address, "sql")
+            choices.append(choice.address)
+
+        threads = [threading.Thread(target=first_request) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert choices == [b] * 8
+        assert (engine_a.loads, engine_b.loads) == ([], [("sql", "adapters/sql")])  # one load for all eight
+        assert router.pick(generate_request([7] * 8, lora_name="sql")).adapter_load is None  # held now
+
+
+def test_a_holder_without_room_sends_the_adapter_to_the_least_loaded_engine_which_loads_it(engines):
+    (a, engine_a), (b, engine_b) = engines(2)
+    engine_a.adapters, engine_a.capacity, engine_a.load, engine_b.load = ["sql"], 4, 3, 1
+    with EngineRouter([a, b], load_interval=0.02, lora_paths={"sql": "sql"}) as router:
+        wait_for(lambda: router.status()[a]["load"] == 3 and router.adapters() == ["sql"], "a polled")
+        assert router.pick(generate_request([7] * 8, lora_name="sql")).address == a  # a has room: busier, no load
+        engine_a.load = 4  # a full batch: a request there would wait
+        wait_for(lambda: router.status()[a]["load"] == 4, "a's full batch polled")
+        choice = router.pick(generate_request([7] * 8, lora_name="sql"))
+        assert choice.address == b and choice.adapter_load is not None
+        router.adapter_ready(b, "sql")
+        assert engine_b.loads == [("sql", "sql")] and engine_a.loads == []
+
+
+def test_a_refused_load_reaches_the_request_and_the_next_one_tries_again(engines):
+    ((a, engine_a),) = engines(1)
+    engine_a.refuse_loads = True
+    with EngineRouter([a], load_interval=0.02, lora_paths={"sql": "../outside"}) as router:
+        choice = router.pick(generate_request([7] * 8, lora_name="sql"))
+        with pytest.raises(grpc.RpcError) as refused:
+            router.adapter_ready(choice.address, "sql")
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lora_path" in refused.value.details()
+        assert router.pick(generate_request([7] * 8, lora_name="sql")).adapter_load is not None
+        wait_for(lambda: len(engine_a.loads) == 2, "the second load")
 
 
 def test_policy_names_are_checked():

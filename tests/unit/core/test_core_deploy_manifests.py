@@ -1,7 +1,8 @@
 """The Kubernetes manifests (deploy/kubernetes) and the Dockerfiles cannot rot: every kustomization
 renders (here, in Python: the subset of kustomize they use), every document validates against the
-pinned Kubernetes version's schema (kubernetes-validate, offline, strict), and every `tito serve`
-container names only flags and TITO_* variables that form of the CLI accepts."""
+pinned Kubernetes version's schema (kubernetes-validate, offline, strict), every `tito serve`
+container names only flags and TITO_* variables that form of the CLI accepts, and SMG's container
+(deploy/kubernetes/smg) only arguments SMG's own launcher parses, pointed at the engines' port."""
 
 from __future__ import annotations
 
@@ -90,14 +91,30 @@ def rendered(request) -> tuple[Path, list[dict]]:
     return request.param, render(request.param)
 
 
-def test_both_kustomizations_are_there():
-    assert {p.relative_to(KUBERNETES).as_posix() for p in KUSTOMIZATIONS} >= {"base", "overlays/cuda"}
+_TITO_FORMS = {"render", "engine", "derender", "gateway"}
+#: Per kustomization: the kinds of its documents, and the `tito serve` forms its containers run.
+EXPECTED = {
+    "base": (["Deployment", "Deployment", "PodDisruptionBudget", "PodDisruptionBudget", "Service", "Service"],
+             _TITO_FORMS),
+    "overlays/cuda": (["Deployment", "Deployment", "PodDisruptionBudget", "PodDisruptionBudget", "Service", "Service"],
+                      _TITO_FORMS),
+    # tito behind SMG: engines, SMG (with the pod reader its service discovery needs), no tito gateway.
+    "smg": (["Deployment", "Deployment", "Role", "RoleBinding", "Service", "Service", "ServiceAccount"], {"engine"}),
+}
+
+
+def _name(directory: Path) -> str:
+    return directory.relative_to(KUBERNETES).as_posix()
+
+
+def test_every_kustomization_is_there():
+    assert {_name(p) for p in KUSTOMIZATIONS} == set(EXPECTED)
 
 
 def test_every_document_is_valid_for_the_pinned_kubernetes(rendered):
-    _, documents = rendered
+    directory, documents = rendered
     kinds = sorted(d["kind"] for d in documents)
-    assert kinds == ["Deployment", "Deployment", "PodDisruptionBudget", "PodDisruptionBudget", "Service", "Service"]
+    assert kinds == EXPECTED[_name(directory)][0]
     for document in documents:
         try:
             kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
@@ -107,7 +124,7 @@ def test_every_document_is_valid_for_the_pinned_kubernetes(rendered):
 
 
 def test_tito_containers_use_only_flags_and_variables_the_cli_accepts(rendered):
-    _, documents = rendered
+    directory, documents = rendered
     parser = cli.build_parser()
     forms = set()
     for form, container in _tito_containers(documents):
@@ -125,7 +142,7 @@ def test_tito_containers_use_only_flags_and_variables_the_cli_accepts(rendered):
         args = parser.parse_args(argv)
         environ = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
         apply_env(parser, cli.serve_parser(parser, form), argv, args, environ)
-    assert forms == {"render", "engine", "derender", "gateway"}
+    assert forms == EXPECTED[_name(directory)][1]
 
 
 def test_probes_are_native_grpc_on_the_health_address(rendered):
@@ -158,12 +175,24 @@ def test_secrets_are_mounted_where_the_variables_point(rendered):
                     assert mounts.get(directory) in secret_volumes, (container["name"], entry["name"])
 
 
+def _deployment(documents: list[dict], name: str) -> dict:
+    return next(d for d in documents if d["kind"] == "Deployment" and d["metadata"]["name"] == name)
+
+
+def _env(container: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
 def test_the_headless_service_selects_the_engine_pods(rendered):
     _, documents = rendered
-    service = next(d for d in documents if d["kind"] == "Service")
-    engine = next(d for d in documents if d["kind"] == "Deployment" and d["metadata"]["name"] == "tito-engine")
-    assert service["spec"]["clusterIP"] == "None"
+    [service] = [d for d in documents if d["kind"] == "Service" and d["spec"].get("clusterIP") == "None"]
+    engine = _deployment(documents, service["metadata"]["name"])
     assert service["spec"]["selector"].items() <= engine["spec"]["template"]["metadata"]["labels"].items()
+    [container] = engine["spec"]["template"]["spec"]["containers"]
+    assert container["args"] == ["serve", "engine"]
+    [port] = service["spec"]["ports"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}[port["targetPort"]] == port["port"] == \
+        int(_env(container)["TITO_ADDRESS"].rsplit(":", 1)[1])
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed (the Python rendering ran)")
@@ -185,3 +214,66 @@ def test_dockerfiles_run_tito_serve_all_with_variables_it_accepts(dockerfile):
     variables = env_variables(cli.serve_parser(cli.build_parser(), "all"))
     for name in re.findall(r"\b(TITO_[A-Z0-9_]+)=", text):
         assert name in variables or name in NON_FLAG_VARIABLES, f"{dockerfile}: {name} is not a serve all variable"
+
+
+@pytest.fixture(scope="module")
+def smg_manifests() -> list[dict]:
+    return render(KUBERNETES / "smg")
+
+
+def _smg_container(documents: list[dict]) -> dict:
+    [container] = _deployment(documents, "tito-smg")["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["smg"] and container["args"][0] == "launch", container["command"]
+    return container
+
+
+def _arg(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_smg_finds_the_engine_pods_on_the_port_they_serve(smg_manifests):
+    """The selector, port and namespace SMG discovers engines by are the engine Deployment's."""
+    args = _smg_container(smg_manifests)["args"]
+    engine = _deployment(smg_manifests, "tito-smg-engine")
+    [engine_container] = engine["spec"]["template"]["spec"]["containers"]
+    key, _, value = _arg(args, "--selector").partition("=")
+    assert engine["spec"]["template"]["metadata"]["labels"][key] == value
+    assert _arg(args, "--service-discovery-port") == _env(engine_container)["TITO_ADDRESS"].rsplit(":", 1)[1]
+    assert _arg(args, "--policy") == "cache_aware"
+    # SMG waits for requests in flight as long as the engines do.
+    assert _arg(args, "--shutdown-grace-period-secs") == _env(engine_container)["TITO_GRACE_SECONDS"]
+    smg = _smg_container(smg_manifests)
+    namespace = _arg(args, "--service-discovery-namespace")
+    assert namespace == "$(POD_NAMESPACE)"  # expanded by the kubelet from the downward API
+    assert any(e["name"] == "POD_NAMESPACE" and e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+               for e in smg["env"])
+    account = _deployment(smg_manifests, "tito-smg")["spec"]["template"]["spec"]["serviceAccountName"]
+    [binding] = [d for d in smg_manifests if d["kind"] == "RoleBinding"]
+    [role] = [d for d in smg_manifests if d["kind"] == "Role"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert {"list", "watch"} <= set(role["rules"][0]["verbs"]) and role["rules"][0]["resources"] == ["pods"]
+
+
+def test_smgs_parsers_are_the_ones_tito_declares_and_its_port_is_served(smg_manifests):
+    from tito.parsers import REASONING_FORMATS, TOOL_FORMATS
+
+    smg = _smg_container(smg_manifests)
+    args = smg["args"]
+    assert _arg(args, "--reasoning-parser") == REASONING_FORMATS["qwen3"].smg
+    assert _arg(args, "--tool-call-parser") == TOOL_FORMATS["hermes"].smg
+    ports = {p["name"]: p["containerPort"] for p in smg["ports"]}
+    assert ports["http"] == int(_arg(args, "--port")) and ports["metrics"] == int(_arg(args, "--prometheus-port"))
+    [service] = [d for d in smg_manifests if d["kind"] == "Service" and d["metadata"]["name"] == "tito-smg"]
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+    assert smg["readinessProbe"]["httpGet"]["port"] == "http"
+
+
+@pytest.mark.smg
+def test_smgs_arguments_are_ones_its_launcher_parses(smg_manifests):
+    from smg.launch_router import parse_router_args
+
+    args = _smg_container(smg_manifests)["args"]
+    parsed = parse_router_args([arg.replace("$(POD_NAMESPACE)", "default") for arg in args[1:]])
+    assert parsed.service_discovery and parsed.policy == "cache_aware"
+    assert parsed.service_discovery_port == int(_arg(args, "--service-discovery-port"))

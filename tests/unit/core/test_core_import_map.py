@@ -30,11 +30,13 @@ ALLOWED = {
 }
 
 #: The engine's layers, top first (services/engine/README.md, "Layers"): a module may import its own
-#: layer and the layers below it. The service layer is the port both backends plug into.
+#: layer and the layers below it. The backend interface is the port both backends plug into and
+#: both protocol faces (service, smg) call.
 ENGINE_LAYERS = (
     ("entry", ("tito_engine.server", "tito_engine.startup_plan", "tito_engine.config")),
     ("backends", ("tito_engine.core", "tito_engine.vllm")),
     ("service", ("tito_engine.service", "tito_engine.smg")),
+    ("backend interface", ("tito_engine.backend",)),
     ("model execution", ("tito_engine.model",)),
     ("model identity", ("tito_engine.model_info",)),
     ("multimodal", ("tito_engine.multimodal",)),
@@ -49,8 +51,15 @@ WIRE_EDGES = {
     "tito_render": ("tito_render.server", "tito_render.servicer", "tito_render.convert"),
     "tito_derender": ("tito_derender.server", "tito_derender.servicer", "tito_derender.convert"),
 }
-#: What only the wire edge imports.
-WIRE_PACKAGES = ("tito.v1", "google.protobuf", "google.rpc", "grpc", "grpc_status", "grpc_health", "grpc_reflection")
+#: What only the wire edge imports (SMG's generated stubs included: the engine's second face).
+WIRE_PACKAGES = ("tito.v1", "google.protobuf", "google.rpc", "grpc", "grpc_status", "grpc_health", "grpc_reflection",
+                 "smg_grpc_proto")
+#: The engine's packages below its two protocol faces (`service/`, `smg/`) that never see a
+#: message: the backend interface both faces call, both backends, and the domain they share.
+#: (`multimodal/` still names the contract's enum numbers, so it is not listed yet.)
+ENGINE_WIRE_FREE = ("tito_engine.backend", "tito_engine.core", "tito_engine.vllm", "tito_engine.scheduling",
+                    "tito_engine.model", "tito_engine.request", "tito_engine.limits", "tito_engine.kv_events",
+                    "tito_engine.kv_publisher", "tito_engine.model_info")
 
 #: Layers that must not import torch (or anything that needs it), so either side of a seam can use them.
 TORCH_FREE = ("tito_engine.scheduling", "tito_engine.request", "tito_engine.limits", "tito_engine.model_info",
@@ -245,3 +254,15 @@ def test_the_engine_readme_layer_table_names_every_folder():
     named = {name for _, prefixes in ENGINE_LAYERS for prefix in prefixes
              for name in [prefix.removeprefix("tito_engine.")] if "." not in name and name != "tito_engine"}
     assert folders <= named | {"server", "config"}, folders - named
+
+
+@pytest.mark.parametrize("prefix", ENGINE_WIRE_FREE)
+def test_engine_domain_packages_import_no_stubs_protobuf_or_grpc(prefix):
+    """Below the engine's faces everything works on domain values: a third protocol face adds a
+    converter and a servicer, never a change here."""
+    modules = sorted(module for module in SOURCES if _within(module, (prefix,)))
+    assert modules, f"{prefix}: no such module (moved? update ENGINE_WIRE_FREE)"
+    wrong = sorted(f"{module} imports {name}" for module in modules
+                   for name in _imports(SOURCES[module][0], module, SOURCES[module][1])
+                   if _within(name, WIRE_PACKAGES))
+    assert not wrong, wrong

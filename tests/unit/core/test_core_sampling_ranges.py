@@ -9,7 +9,7 @@ from tito.contract import INVALID_SAMPLING_PARAMS, MAX_LOGIT_BIAS_ENTRIES, MAX_T
 from tito.errors import InvalidArgument
 from tito.v1 import render_pb2
 from tito_engine.request import RawSamplingParams
-from tito_engine.service.validation import ModelLimits, resolve_sampling as engine_resolve
+from tito_engine.backend.validation import ModelLimits, resolve_sampling as engine_resolve
 from tito_render.convert import sampling_options_from_proto
 from tito_render.sampling import SamplingLimits, resolve_sampling
 

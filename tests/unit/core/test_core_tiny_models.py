@@ -474,10 +474,10 @@ def test_ensure_model_vl_registered():
     assert tiny_models.MODELS == (TEXT_MODEL, VL_MODEL, INTERLEAVED_VL_MODEL, TEXT_MODEL_D64, VL_MODEL_D64,
                                   tiny_models.LLAMA_MODEL, tiny_models.QWEN3_MODEL, tiny_models.QWEN2_5_VL_MODEL,
                                   tiny_models.QWEN3_VL_MODEL, tiny_models.PADDED_TEXT_MODEL,
-                                  tiny_models.BENCH_TEXT_MODEL)
+                                  tiny_models.BENCH_TEXT_MODEL, tiny_models.SMG_VL_MODEL)
     assert tiny_models.MODELS == ("tiny-qwen2", "tiny-qwen2-vl", "tiny-gemma3", "tiny-qwen2-d64", "tiny-qwen2-vl-d64",
                                   "tiny-llama", "tiny-qwen3", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen2-padded",
-                                  "tiny-qwen2-h256")
+                                  "tiny-qwen2-h256", "tiny-qwen2-vl-smg")
 
 
 @pytest.mark.parametrize("name,architecture,model_type", [

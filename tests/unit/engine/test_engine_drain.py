@@ -1,4 +1,4 @@
-"""The engine's drain state (service/drain.py) without a model: refusing while draining, the
+"""The engine's drain state (backend/drain.py) without a model: refusing while draining, the
 deadline aborting exactly what still runs, and the ABORT it causes told apart from others."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from tito.errors import Unavailable
 from tito_engine.request import ChoiceOutput, FinishReason
-from tito_engine.service.drain import ENGINE_DRAINING, Drain
+from tito_engine.backend.drain import ENGINE_DRAINING, Drain
 
 
 def test_draining_refuses_new_streams_and_aborts_the_rest_at_the_deadline():

@@ -15,7 +15,7 @@ from tito_engine.limits import SchedulerLimits
 from tito_engine.model.runner import KVCacheSpec, ModelRunner
 from tito_engine.request import GenerateInput, RawSamplingParams
 from tito_engine.scheduling.blocks import BlockMedia, block_extra_keys, prefix_block_hashes
-from tito_engine.service.admission import Admission
+from tito_engine.backend.admission import Admission
 from tito_render.convert import chat_response
 
 BLOCK = 4
@@ -255,7 +255,7 @@ def test_media_requests_share_cached_blocks_by_content_and_events_carry_their_ke
 
 def test_the_zmq_wire_puts_the_lora_name_first_in_each_blocks_extra_keys_as_vllm_does():
     from tito_engine.kv_events import KvEventBatch
-    from tito_engine.service.kv_publisher import to_wire
+    from tito_engine.kv_publisher import to_wire
 
     plain = BlockStored((b"a" * 32, b"b" * 32), None, tuple(range(8)), 4, None, "CPU", "sql")
     salted = BlockStored((b"c" * 32,), None, tuple(range(4)), 4, (BlockKeys((MediaKey("m", 1),), "s"),), "CPU", "sql")

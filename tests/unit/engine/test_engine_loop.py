@@ -6,7 +6,7 @@ import pytest
 
 from tito.config import ConfigError
 from tito.errors import InvalidArgument
-from tito_engine.service.admission import Admission
+from tito_engine.backend.admission import Admission
 from tito_engine.config import EngineConfig
 from tito_engine.core.engine import Engine
 from tito_engine.limits import SchedulerLimits

@@ -1,7 +1,8 @@
 """The LoRA add in the batched forward (model/lora.py), on the tiny Qwen2 with packed linears as
 the engine runs it: in one step mixing the base model and two adapters, the base rows' logits are
 the same bits as an engine without adapters gives for the same step, and each adapter row's are
-those of that row alone under its adapter; a slot cleared adds nothing."""
+those of that row alone under its adapter, whether the step adds the adapters one matmul pair
+each or in two batched matmuls over padded groups; a slot cleared adds nothing."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from lora_adapters import ADAPTERS, make_adapter
+from tito_engine.model import lora
 from tito_engine.model.runner import KVCacheSpec, ModelRunner
 from tito_engine.scheduling.plan import RowInput
 
@@ -39,7 +41,27 @@ def _step(runner: ModelRunner, slots: list[int]) -> list[torch.Tensor]:
     return [first, runner.execute(decode)]
 
 
-def test_base_rows_are_the_same_bits_as_without_adapters(runners):
+@pytest.fixture(params=["per adapter", "batched"])
+def add_path(request, monkeypatch):
+    """Every step takes one path: PADDING_LIMIT 0 pads nothing (one matmul pair per adapter), a
+    large one batches every mixed step."""
+    monkeypatch.setattr(lora, "PADDING_LIMIT", 0 if request.param == "per adapter" else 100)
+    return request.param
+
+
+def test_the_batched_add_is_taken_when_groups_are_even_and_not_beside_a_long_prefill(runners):
+    slots = runners[1].lora
+    decode = [RowInput([5], 7, [0, 1], True, None, slot) for slot in (1, 2, 3, 0, 1, 2, 3, 3)]
+    slots.begin_step(decode)
+    plan = slots.step.batched
+    assert (plan.lo, plan.hi, plan.width) == (1, 4, 3) and plan.padding.tolist() == [2, 5]
+    assert plan.tokens.tolist() == [0, 4, 0, 1, 5, 1, 2, 6, 7]  # slot 3 has three tokens, slots 1 and 2 pad
+    slots.begin_step([RowInput(list(range(40)), 0, list(range(10)), True, None, 1), decode[1]])
+    assert slots.step.batched is None and len(slots.step.segments) == 2  # 40 prefill tokens beside 1
+    slots.end_step()
+
+
+def test_base_rows_are_the_same_bits_as_without_adapters(runners, add_path):
     plain, with_lora = runners
     mixed = [0, 1, 0, 3]
     for expected, got in zip(_step(plain, [0] * 4), _step(with_lora, mixed)):
@@ -50,7 +72,7 @@ def test_base_rows_are_the_same_bits_as_without_adapters(runners):
                 assert not torch.allclose(got[row], expected[row], atol=1e-3)  # the adapter is applied
 
 
-def test_adapter_rows_in_a_mixed_step_equal_their_rows_alone(runners):
+def test_adapter_rows_in_a_mixed_step_equal_their_rows_alone(runners, add_path):
     _, with_lora = runners
     mixed = _step(with_lora, [2, 1, 0, 3])
     for slot in (1, 2, 3):

@@ -16,7 +16,7 @@ from tito_engine.config import EngineConfig
 from tito_engine.core.engine import Engine
 from tito_engine.multimodal.features import FeaturePolicy, resolve_cached, validate_mm_features, validate_structure
 from tito_engine.model.runner import KVCacheSpec, ModelRunner
-from tito_engine.service.admission import Admission
+from tito_engine.backend.admission import Admission
 from tito_engine.service.convert import generate_input_from_proto, media_from_proto
 from tito_render.convert import chat_response
 

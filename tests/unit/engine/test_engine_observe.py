@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from tito_engine.service.observe import RequestObserver
+from tito_engine.backend.observe import RequestObserver
 from tito_engine.request import ChoiceOutput, FinishReason, RequestTimings, Usage
 from tito_engine.vllm.inputs import request_timings
 

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from tito.errors import InvalidArgument
 from tito.v1 import multimodal_pb2, tensor_pb2
 from tito_engine.request import ChoiceOutput, FinishReason, Usage
-from tito_engine.smg.convert import block_hash, sampling_from_proto, smg_field, with_smg_fields
+from tito_engine.smg.convert import block_hash, mm_item_limits, sampling_from_proto, smg_field, with_smg_fields
 from tito_engine.smg.facts import sampling_defaults_json
 from tito_engine.smg.media import media_from_proto
 from tito_engine.smg.stops import RequestStops, StopStringOptions, TokenizerSource
@@ -89,6 +89,23 @@ def test_a_media_batch_is_cut_into_items_as_smg_lays_it_out():
     assert caught.value.field == "mm_inputs.pixel_values" and caught.value.reason == "INVALID_MM_PAYLOAD"
 
 
+def test_smgs_per_item_patch_counts_cut_the_rows_and_stay_off_the_items():
+    """SMG's Qwen-VL layout (smg 1.13): pixel rows sized by `patches_per_image` ([n] counts, only
+    the layout's), `image_grid_thw` batched (the model's)."""
+    batch = vllm_engine_pb2.MultimodalInputs(
+        pixel_values=_tensor("float32", [6, 2], list(range(12)), "f"),
+        model_specific_tensors={"image_grid_thw": _tensor("int64", [2, 3], [1, 2, 1, 1, 2, 2], "q"),
+                                "patches_per_image": _tensor("int64", [2], [2, 4], "q")},
+        flat_keys={"pixel_values": "patches_per_image"}, batched_keys=["image_grid_thw", "patches_per_image"],
+        mm_hashes=["h0", "h1"], modality=common_pb2.IMAGE,
+        mm_placeholders=[vllm_engine_pb2.PlaceholderRange(offset=1, length=2),
+                         vllm_engine_pb2.PlaceholderRange(offset=4, length=5)])
+    first, second = media_from_proto(vllm_engine_pb2.GenerateRequest(mm_inputs=batch), list(range(10)))
+    assert first.kwargs["pixel_values"].shape == (2, 2) and second.kwargs["pixel_values"].shape == (4, 2)
+    assert set(first.metadata) == set(second.metadata) == {"image_grid_thw"}
+    assert struct.unpack("<3q", second.metadata["image_grid_thw"].data) == (1, 2, 2)
+
+
 def test_sampling_defaults_follow_the_generation_config():
     assert sampling_defaults_json({"do_sample": False, "temperature": 0.7}) == '{"temperature":0.0}'
     assert json.loads(sampling_defaults_json({"temperature": 0.7, "top_k": 20, "max_length": 9})) == \
@@ -146,3 +163,9 @@ def test_kv_block_ids_fold_to_the_integer_vllm_sends():
     assert block_hash(digest) == -1
     assert block_hash(bytes(24) + (5).to_bytes(8, "big")) == 5
     assert block_hash(1 << 63) == -(1 << 63)
+
+
+def test_media_item_limits_label_the_modalities_a_router_request_carries():
+    assert mm_item_limits(("video", "image"), 64) == "image=64,video=64"
+    assert mm_item_limits(("image",), 8) == "image=8"
+    assert mm_item_limits(("audio",), 8) == mm_item_limits((), 64) == ""  # none SMG's label names; a text model

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from tito.errors import InvalidArgument
-from tito_engine.service.admission import Admission
+from tito_engine.backend.admission import Admission
 from tito_engine.model.constraints import INVALID_STRUCTURED_OUTPUT, StructuredOutputSpec, validate
 from tito_engine.core.engine import Engine
 from tito_engine.limits import SchedulerLimits
@@ -209,6 +209,42 @@ def test_logprobs_of_a_constrained_row_are_the_raw_model_distribution(engine):
     assert [position.sampled.token_id for position in last.logprobs] == tokens
     # One allowed token per step: under the masked distribution each would have logprob 0.
     assert all(position.sampled.logprob < -1e-3 for position in last.logprobs)
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, None), (1.0, 11)])
+def test_a_migrated_constrained_choice_continues_where_its_grammar_stopped(engine, tokenizer, temperature, seed):
+    """Request migration: prompt + the first k output ids, prior_output_tokens=k, the rest of
+    the budget. The engine advances the grammar over those ids, so the continuation (greedy, and
+    seeded: each draw keyed by its output position) is the uninterrupted choice's tail, and the
+    whole output still validates."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "size": {"type": "integer", "minimum": 0, "maximum": 999}},
+              "required": ["name", "size"], "additionalProperties": False}
+    spec = StructuredOutputSpec("json_schema", json.dumps(schema))
+    (whole, last), = run_all(engine, [request(spec, temperature=temperature, seed=seed)])
+    assert last.finish_reason is FinishReason.STOP and len(whole) > 4
+    cuts = (1, len(whole) // 2, len(whole) - 1)
+    tails = run_all(engine, [request(spec, temperature=temperature, seed=seed, prompt=PROMPT + whole[:cut],
+                                     prior_output_tokens=cut, max_tokens=MAX_TOKENS - cut) for cut in cuts])
+    assert [tokens for tokens, _ in tails] == [whole[cut:] for cut in cuts]
+    jsonschema.validate(json.loads(_decode(tokenizer, whole, last)), schema)
+
+
+def test_a_migrated_choice_whose_output_breaks_its_grammar_is_refused(engine, tokenizer):
+    spec = StructuredOutputSpec("regex", "[0-9]{3}")
+    letters = tokenizer.encode("abc", add_special_tokens=False)
+
+    async def main():
+        admitted = Admission.for_backend(engine).admit(request(spec, prompt=PROMPT + letters,
+                                                               prior_output_tokens=len(letters)))
+        return [output async for output in engine.generate(admitted)]
+
+    with pytest.raises(InvalidArgument) as caught:
+        asyncio.run(main())
+    assert caught.value.field == "sampling_params.prior_output_tokens" and "refuses token" in caught.value.message
+    assert engine.load().waiting_requests == 0 and engine.load().running_requests == 0
+    (digits, _), = run_all(engine, [request(spec, max_tokens=8)])  # the engine goes on
+    assert tokenizer.decode(digits, skip_special_tokens=True).isdigit()
 
 
 @pytest.mark.parametrize("spec, field, fragment", [

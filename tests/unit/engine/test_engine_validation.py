@@ -1,8 +1,9 @@
 import pytest
 
 from tito.errors import InvalidArgument
+from tito.structured_output import StructuredOutputSpec
 from tito_engine.request import GenerateInput, LogitBias, RawSamplingParams
-from tito_engine.service.validation import ModelLimits, validate_generate
+from tito_engine.backend.validation import ModelLimits, validate_generate
 
 LIMITS = ModelLimits(vocab_size=100, max_context_length=32, max_choices=4)
 
@@ -52,7 +53,6 @@ def test_prompt_errors_name_the_field(token_ids, field):
     ({"logit_bias": {5: 1.0, 100: -1.0}}, "sampling_params.logit_bias[100]"),  # more: test_core_sampling_ranges.py
     ({"prior_output_tokens": 3}, "sampling_params.prior_output_tokens"),  # the whole prompt is output
     ({"prior_output_tokens": 1, "n": 2}, "sampling_params.prior_output_tokens"),  # continues one choice
-    ({"prior_output_tokens": 1, "structured_output": object()}, "sampling_params.prior_output_tokens"),
 ])
 def test_sampling_errors_name_the_field(sampling, field):
     with pytest.raises(InvalidArgument) as exc:
@@ -64,6 +64,9 @@ def test_sampling_errors_name_the_field(sampling, field):
 def test_a_continued_choice_keeps_its_prior_output_count():
     assert check(prior_output_tokens=2, max_tokens=5).prior_output_tokens == 2
     assert check().prior_output_tokens == 0
+    # A constrained choice continues too: the engine core advances its grammar over those ids.
+    spec = StructuredOutputSpec("regex", "[a-z]+")
+    assert check(prior_output_tokens=1, structured_output=spec).prior_output_tokens == 1
 
 
 def test_max_tokens_exactly_filling_the_context_is_accepted():

@@ -14,7 +14,8 @@ from tito_engine.multimodal.features import CheckedItem, content_digest
 from tito_engine.multimodal.specs import ItemLayout
 from tito_engine.request import FinishReason, LogitBias, SamplingOptions
 from tito_engine.service.convert import item_from_proto
-from tito_engine.vllm.inputs import MediaConverter, OutputConverter, item_hf_inputs, sampling_params
+from tito_engine.vllm.inputs import (MediaConverter, OutputConverter, item_hf_inputs, sampling_params,
+                                     with_kv_transfer_params)
 
 pytestmark = pytest.mark.vllm
 
@@ -125,6 +126,24 @@ def test_outputs_become_choice_outputs_with_usage_and_matched_stop():
     assert aborted[0].finish_reason is FinishReason.ABORT and aborted[0].matched_stop_token_id is None
 
 
+def test_kv_transfer_params_go_where_vllms_servers_put_them_and_the_answer_comes_back():
+    params = with_kv_transfer_params(sampling_params(SamplingOptions(max_tokens=1), (1002,)),
+                                     {"do_remote_decode": True})
+    assert params.extra_args == {"kv_transfer_params": {"do_remote_decode": True}}
+    assert with_kv_transfer_params(sampling_params(SamplingOptions(max_tokens=1), (1002,)), None).extra_args is None
+    converter_ = OutputConverter(SamplingOptions(max_tokens=1), prompt_tokens=5)
+    answer = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]]}
+    (last,) = converter_.convert(SimpleNamespace(outputs=[_completion(0, [9], "length")], num_cached_tokens=0,
+                                                 kv_transfer_params=answer))
+    assert last.kv_connector_params == answer
+    (plain,) = OutputConverter(SamplingOptions(max_tokens=1), 5).convert(
+        SimpleNamespace(outputs=[_completion(0, [9], "length")], num_cached_tokens=0))
+    assert plain.kv_connector_params is None
+    replicated = OutputConverter(SamplingOptions(max_tokens=1, temperature=0.0, n=2), 5).convert(
+        SimpleNamespace(outputs=[_completion(0, [9], "length")], num_cached_tokens=0, kv_transfer_params=answer))
+    assert [choice.kv_connector_params for choice in replicated] == [answer, None]  # once, on choice 0
+
+
 def test_logprobs_keep_the_top_by_rank_and_the_sampled_token():
     entry = lambda logprob, rank: SimpleNamespace(logprob=logprob, rank=rank)  # noqa: E731
     positions = [{5: entry(-2.0, 3), 8: entry(-0.5, 1), 9: entry(-1.0, 2)}]
@@ -145,6 +164,17 @@ def test_a_constraint_goes_to_vllm_as_the_grammar_the_native_engine_compiles():
     assert params.structured_outputs.grammar == str(grammar_of(spec))
     assert "\\0-\\x1f" in params.structured_outputs.grammar  # control characters stay out of bounded strings
     assert sampling_params(SamplingOptions(max_tokens=4), (1002,)).structured_outputs is None
+
+
+def test_a_migrated_choice_under_a_constraint_is_refused_by_vllm():
+    """vLLM would start the grammar after the earlier output, which it reads as prompt."""
+    from tito.structured_output import StructuredOutputSpec
+
+    spec = StructuredOutputSpec("regex", "[a-z]+")
+    with pytest.raises(FailedPrecondition) as refused:
+        sampling_params(SamplingOptions(max_tokens=4, structured_output=spec, prior_output_tokens=2), (1002,))
+    assert refused.value.field == "sampling_params.prior_output_tokens"
+    assert sampling_params(SamplingOptions(max_tokens=4, prior_output_tokens=2), (1002,)).max_tokens == 4
 
 
 def test_logit_bias_goes_to_vllm_as_its_token_id_to_bias_dict():

@@ -92,9 +92,16 @@ def test_render_messages_renders_the_chat_vllm_converts_it_to(client):
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
-    ({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f"}]}, "tools"),
-    ({"max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t"}]}]},
+    ({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f", "x": 1}]},
+     "tools[0].x"),
+    ({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
+    ({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "some"}},
+     "tool_choice.type"),
+    ({"max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "tool_reference", "tool_name": "t"}]}]},
      "messages[0].content[0].type"),
+    ({"max_tokens": 2, "messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t"}]}]},
+     "messages[0].content[0].name"),
     ({"max_tokens": 2, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
     ({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled"}},
      "thinking"),
@@ -122,8 +129,10 @@ def test_render_responses_renders_the_chat_vllm_builds_for_it(client):
 @pytest.mark.parametrize(("body", "param"), [
     ({}, "input"),
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
-    ({"input": [{"type": "function_call", "role": "assistant", "content": "x"}]}, "input[0].type"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "tool_choice": "sometimes"}, "tool_choice"),
+    ({"input": [{"type": "function_call", "role": "assistant", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0].type"),
     ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning"),
@@ -286,9 +295,17 @@ BAD_GENERATE = [
      "sampling_params.structured_outputs"),
     ({"token_ids": [1], "sampling_params": {}, "output_mode": "text"}, 400, "output_mode"),
     ({"token_ids": [1], "sampling_params": {}, "content_parts": [{"type": "image_url", "url": "x"}]}, 400,
-     "content_parts"),
-    ({"token_ids": [1], "sampling_params": {}, "kv_transfer_params": {"do_remote_decode": True}}, 400,
-     "kv_transfer_params"),
+     "content_parts"),  # token_ids hold no placeholder for the image
+    ({"token_ids": [1], "sampling_params": {}, "content_parts": [{"type": "audio_url", "url": "x"}]}, 400,
+     "content_parts[0].type"),
+    ({"token_ids": [1], "sampling_params": {}, "content_parts": [{"type": "image_url", "url": "x", "uuid": "u"}]},
+     400, "content_parts[0].uuid"),
+    ({"token_ids": [1], "sampling_params": {}, "content_parts": "x"}, 400, "content_parts"),
+    ({"token_ids": [1, 2], "sampling_params": {}, "content_parts": [{"type": "image_url", "url": "x"}],
+      "features": {"mm_hashes": {"image": ["ab" * 16]}, "mm_placeholders": {"image": [{"offset": 0, "length": 1}]}}},
+     400, "content_parts"),
+    ({"token_ids": [1], "sampling_params": {}, "kv_transfer_params": {"do_remote_decode": "yes"}}, 400,
+     "kv_transfer_params.do_remote_decode"),
     ({"token_ids": [1], "sampling_params": {}, "priority": 3}, 400, "priority"),
     ({"token_ids": [1], "sampling_params": {}, "model": "other"}, 404, None),
     ({"token_ids": [1], "sampling_params": {}, "cache_salt": ""}, 400, "cache_salt"),
@@ -304,7 +321,13 @@ BAD_GENERATE = [
      400, "features.mm_placeholders.image"),
     ({"token_ids": [1, 2], "sampling_params": {}, "features": {
         "mm_hashes": {"image": ["ab" * 16]}, "mm_placeholders": {"image": [{"offset": 0, "length": 1}]},
-        "kwargs_data": {"image": ["%%%not base64%%%"]}}}, 400, "features.kwargs_data"),
+        "kwargs_data": {"image": ["%%%not base64%%%"]}}}, 400, "features.kwargs_data.image[0]"),
+    ({"token_ids": [1, 2], "sampling_params": {}, "features": {
+        "mm_hashes": {"image": ["ab" * 16]}, "mm_placeholders": {"image": [{"offset": 0, "length": 1}]},
+        "kwargs_data": {"video": [None]}}}, 400, "features.kwargs_data"),
+    ({"token_ids": [1, 2], "sampling_params": {}, "features": {
+        "mm_hashes": {"image": ["ab" * 16]}, "mm_placeholders": {"image": [{"offset": 0, "length": 1}]},
+        "mm_metadata": {"image": [None, None]}}}, 400, "features.mm_metadata.image"),
     ({"token_ids": [1, 2, 3], "sampling_params": {}, "features": {
         "mm_hashes": {"image": ["ab" * 16, "cd" * 16]},
         "mm_placeholders": {"image": [{"offset": 0, "length": 2}, {"offset": 1, "length": 2}]}}}, 400,
@@ -340,8 +363,15 @@ def test_hostile_bodies_are_refused_before_any_service(client, upstream):
 def test_bad_render_and_derender_bodies(client):
     unknown = client.post("/v1/chat/completions/render", json={**CHAT, "mm_payload": "pixels"})
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "mm_payload"
-    streamed = client.post("/v1/chat/completions/derender", json={"stream": True, "generate_chunk": {}})
-    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
+    chunk = {"request_id": "x", "choices": [{"index": 0, "token_ids": [1], "finish_reason": None}]}
+    for state, param in (({"output_token_ids": []}, "stream_state"), ("!!not base64", "stream_state"),
+                         (12, "stream_state")):
+        refused = client.post("/v1/chat/completions/derender", json={"stream": True, "generate_chunk": chunk,
+                                                                     "stream_state": state})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+    two = client.post("/v1/completions/derender", json={"stream": True, "generate_chunk": {
+        "choices": [chunk["choices"][0], {**chunk["choices"][0], "index": 1}]}})
+    assert two.status_code == 400 and two.json()["error"]["param"] == "generate_chunk.choices"
     bad_ids = client.post("/v1/chat/completions/derender", json={"generate_response": {
         "request_id": "x", "choices": [{"index": 0, "token_ids": [True]}]}})
     assert bad_ids.status_code == 400
@@ -404,3 +434,60 @@ def test_forwarded_ids_outside_the_vocabulary_and_other_transfer_params_are_refu
     other = client.post("/v1/chat/completions", json={**CHAT, "kv_transfer_params": {"do_remote_decode": True}})
     assert other.status_code == 400 and other.json()["error"]["param"] == "kv_transfer_params.do_remote_decode"
     assert upstream.pipeline.engine.requests == []
+
+
+# -- tools on the Messages and Responses render endpoints: the chat vLLM converts them to --------
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}}
+
+
+def test_messages_tools_and_tool_blocks_become_vllms_chat():
+    from tito_gateway.vllm_api import messages_in
+
+    chat = messages_in.to_chat({"model": SERVED, "max_tokens": 4, "tools": [
+        {"name": "weather", "description": "The weather.", "input_schema": WEATHER}],
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True}, "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "Ask the tool."},
+                                          {"type": "tool_use", "id": "t1", "name": "weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": [{"type": "text", "text": "Sunny"}, {"type": "text", "text": "20C"}]},
+                                     {"type": "text", "text": "And tomorrow?"}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2", "content": "Rain"}]}]})
+    assert chat["tools"] == [{"type": "function", "function": {"name": "weather", "parameters": WEATHER,
+                                                               "description": "The weather."}}]
+    assert chat["tool_choice"] == "required" and chat["parallel_tool_calls"] is False
+    assert chat["messages"] == [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "reasoning": "Ask the tool.", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "Sunny\n20C"},
+        {"role": "user", "content": "And tomorrow?"},
+        {"role": "tool", "tool_call_id": "t2", "content": "Rain"}]  # a user turn of results only: no user message
+    named = messages_in.to_chat({"max_tokens": 1, "messages": [], "tools": [{"name": "f", "input_schema": {}}],
+                                 "tool_choice": {"type": "tool", "name": "f"}})
+    assert named["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert messages_in.to_chat({"max_tokens": 1, "messages": [], "tools": []})["tool_choice"] == "auto"
+
+
+def test_responses_tools_and_call_items_become_vllms_chat():
+    from tito_gateway.vllm_api import responses_in
+
+    tool = {"type": "function", "name": "weather", "description": "The weather.", "parameters": WEATHER}
+    chat = responses_in.to_chat({"input": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": '{"city":"Paris"}'},
+        {"type": "function_call", "call_id": "c2", "name": "weather", "arguments": '{"city":"Lyon"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "Sunny"},
+        {"role": "assistant", "content": "Sunny in Paris."}], "tools": [tool],
+        "tool_choice": {"type": "function", "name": "weather"}, "parallel_tool_calls": False})
+    assert chat["tools"] == [{"type": "function", "function": {"name": "weather", "description": "The weather.",
+                                                               "parameters": WEATHER}}]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "weather"}}
+    assert chat["parallel_tool_calls"] is False
+    calls = [{"id": c, "type": "function", "function": {"name": "weather", "arguments": f'{{"city":"{city}"}}'}}
+             for c, city in (("c1", "Paris"), ("c2", "Lyon"))]
+    assert chat["messages"] == [
+        {"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "tool_calls": calls},
+        {"role": "tool", "content": "Sunny", "tool_call_id": "c1"}, {"role": "assistant", "content": "Sunny in Paris."}]

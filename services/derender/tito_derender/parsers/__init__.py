@@ -8,6 +8,8 @@ and the known names), checked before any engine output is read.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from collections.abc import Callable
 from importlib import import_module
 
@@ -75,17 +77,24 @@ def needs_special_tokens(tool_parser: str) -> bool:
     return tool_parser in TOOL_PARSERS_NEEDING_SPECIAL_TOKENS
 
 
+@dataclass(frozen=True)
+class AcceptName:
+    """Which calls a tool parser takes: those to `named`, or any when None. A class, not a
+    closure, so a stream's state can be sealed and resumed (tito_derender.resume)."""
+
+    named: str | None = None
+
+    def __call__(self, name: str) -> bool:
+        return self.named is None or name == self.named
+
+
 def tool_stage_for(context: RequestContext, streaming: bool = True) -> ToolStage | None:
     """None when tool calls are not parsed: no parser, no tools, or tool_choice none (markup then
     stays content). "required" parses like "auto" (derender cannot make the model call; the
     engine's constraints must); a named function parses only calls to that function."""
     if not context.tool_parser or not context.tool_names or context.tool_choice == ToolChoiceMode.NONE:
         return None
-    if context.tool_choice == ToolChoiceMode.NAMED:
-        named = context.tool_choice_function
-        accept = lambda name: name == named  # noqa: E731
-    else:
-        accept = lambda name: True  # noqa: E731
+    accept = AcceptName(context.tool_choice_function if context.tool_choice == ToolChoiceMode.NAMED else None)
     parser_class = TOOL_PARSERS[context.tool_parser]
     options = {"streaming": streaming, "accept_name": accept, "tool_names": context.tool_names}
     if issubclass(parser_class, MarkupToolParser):

@@ -31,10 +31,11 @@ from typing import Any
 from tito.errors import Unavailable
 from tito.supervision import retry
 
-from tito_engine.service.admission import AdmittedRequest, KVCapacity
-from tito_engine.service.backend import LoadSnapshot, check_can_accept
-from tito_engine.core.messages import (AbortRequest, AddRequest, CoreLoad, EncodeItems, EncodeResult, ListLoras,
-                                       LoadLora, PrefixCacheReset, ResetPrefixCache, StepBatch, UnloadLora)
+from tito_engine.backend.admission import AdmittedRequest, KVCapacity
+from tito_engine.backend.interface import LoadSnapshot, check_can_accept
+from tito_engine.core.messages import (AbortRequest, AddRequest, CoreLoad, EncodeItems, EncodeResult, ExportKv,
+                                       KvExport, ListLoras, LoadLora, PeekPrefix, PrefixCacheReset, ResetPrefixCache,
+                                       StepBatch, UnloadLora)
 from tito_engine.core.engine_core import CoreProcessSpec, ProcessCore, ThreadCore
 from tito_engine.core.seams import CoreHost, CoreRunner
 from tito_engine.multimodal.domain import EncoderCacheDescriptor
@@ -51,6 +52,7 @@ CORE_LOST_MESSAGE = "the engine's model process exited; a new one is starting: r
 
 
 class Engine:
+    kv_connector = False  # prefill/decode through tito's own transfers (PullKvBlocks)
     def __init__(self, runner: CoreRunner | None = None, *, limits: SchedulerLimits = SchedulerLimits(),
                  max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS, core: CoreHost | None = None,
                  encoder_cache_bytes: int = 0, encoder_store_dir: str = "", encoder_store_bytes: int = 0,
@@ -78,6 +80,9 @@ class Engine:
         self._block_size = self._core.block_size
         self.kv_capacity = KVCapacity(self._kv_blocks_total, self._block_size,
                                       how_to_grow="start the engine with more --kv-blocks / --kv-cache-bytes")
+        # Its scheduler places an item of any size in one prefill chunk; the encoder cache only
+        # keeps what fits its bytes (engine_core), so no per-item bound of its own.
+        self.media_item_rows_limit: int | None = None
         self._lock = threading.Lock()
         self._live: dict[str, Submission] = {}  # request id -> submission, until its last output
         self._by_key: dict[int, Submission] = {}
@@ -136,7 +141,8 @@ class Engine:
         # the core honours an abort that overtakes its add. Media phase 2 (the encoder cache)
         # runs in the core at the add.
         self._core.send(AddRequest(submission.key, request_id, list(admitted.token_ids), admitted.options,
-                                   admitted.features or None, arrival_time, admitted.cache_salt, admitted.lora_name))
+                                   admitted.features or None, arrival_time, admitted.cache_salt, admitted.lora_name,
+                                   admitted.kv_pin, admitted.kv_import))
         return submission
 
     async def encode(self, checked: CheckedFeatures) -> list[EncoderCacheDescriptor]:
@@ -145,6 +151,15 @@ class Engine:
         result = await self._call(lambda key: EncodeItems(key, checked))
         assert isinstance(result, EncodeResult)
         return list(result.descriptors)
+
+    async def export_kv(self, transfer_id: str, first_block: int, block_count: int, num_tokens: int) -> KvExport:
+        """PullKvBlocks: the pinned blocks of a prefill request, handed out once (kv_transfer.py)."""
+        return await self._call(lambda key: ExportKv(key, transfer_id, first_block, block_count, num_tokens))
+
+    async def cached_prompt_blocks(self, token_ids: list[int], cache_salt: str) -> int:
+        """Leading blocks of a text prompt the prefix cache holds now (a decode request pulls the rest)."""
+        result = await self._call(lambda key: PeekPrefix(key, list(token_ids), cache_salt))
+        return result.cached_blocks
 
     async def reset_prefix_cache(self) -> None:
         """Empty the prefix cache; subscribers of kv_events see AllBlocksCleared before this returns."""
@@ -316,7 +331,8 @@ class Engine:
     def _restart_core(self) -> None:
         """Start a new core process like the lost one (retrying with backoff) and serve with it."""
         self._core.stop(1.0)  # its process is gone: this only closes the pipe
-        core = _start_core_with_backoff(self._spec, lambda: self._stopping)
+        spec = successor_spec(self._spec, self._counted_before.lora_adapters)
+        core = _start_core_with_backoff(spec, lambda: self._stopping)
         if core is None:
             return
         with self._lock:
@@ -332,6 +348,18 @@ class Engine:
         log.info("a new engine core is serving")
         if self.on_core_restored is not None:
             self.on_core_restored()
+
+
+def successor_spec(spec: CoreProcessSpec, held: tuple[LoraAdapterInfo, ...]) -> CoreProcessSpec:
+    """The spec of the core that replaces a lost one which held the adapters `held` (its last
+    load): the --lora-modules it still held load as at start, and the adapters loaded at run time
+    are loaded again (so GetLoad and ListLoraAdapters name the same adapters after the restart);
+    one unloaded before the loss stays unloaded."""
+    names = {adapter.name for adapter in held}
+    at_start = tuple((name, path) for name, path in spec.lora_modules if name in names)
+    started = {name for name, _ in at_start}
+    restore = tuple((adapter.name, adapter.path) for adapter in held if adapter.name not in started)
+    return dataclasses.replace(spec, lora_modules=at_start, lora_restore=restore)
 
 
 def _start_core_with_backoff(spec: CoreProcessSpec, stopping: Callable[[], bool]) -> ProcessCore | None:

@@ -40,16 +40,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tito.errors import ConfigError, TitoError
+from tito.errors import ConfigError, InvalidArgument, TitoError
 from tito.supervision import ChildProcess, spawn_context, stop_children
 
-from tito_engine.model.constraints import GrammarCompiler, compile_error
+from tito_engine.model.constraints import GrammarCompiler, compile_error, new_matcher
 from tito_engine.core.seams import CoreRunner
 from tito_engine.core.lora_registry import LoraRegistry
 from tito_engine.core.messages import (AbortRequest, AddRequest, Command, CoreFailed, CoreLoad, CoreReady,
-                                       CoreStopped, EncodeItems, EncodeResult, ListLoras, LoadLora, LoraAdapters,
-                                       LoraUnloaded, PrefixCacheReset, ResetPrefixCache, StepBatch, StopCore,
-                                       UnloadLora)
+                                       CoreStopped, EncodeItems, EncodeResult, ExportKv, ListLoras, LoadLora,
+                                       LoraAdapters, LoraUnloaded, PeekPrefix, PrefixCacheReset, PrefixPeek,
+                                       ResetPrefixCache, StepBatch, StopCore, UnloadLora)
+from tito_engine.core.kv_export import covers_media, export_pinned, pinned_output
 from tito import tensors
 from tito.errors import Unavailable
 
@@ -79,9 +80,11 @@ class EngineCore:
 
     def __init__(self, runner: CoreRunner, limits: SchedulerLimits, encoder_cache_bytes: int = 0,
                  encoder_store_dir: str = "", encoder_store_bytes: int = 0, lora_dir: str = "",
-                 lora_modules: tuple[tuple[str, str], ...] = ()):
+                 lora_modules: tuple[tuple[str, str], ...] = (), lora_restore: tuple[tuple[str, str], ...] = ()):
         """`lora_dir`: the root LoRA adapters are loaded from, with `lora_modules` (name, path)
-        loaded at start (a bad one is a ConfigError); the runner's `lora` slots serve them."""
+        loaded at start (a bad one is a ConfigError) and `lora_restore` (a lost core's run-time
+        loads: one that cannot be loaded again is logged and left out); the runner's `lora` slots
+        serve them."""
         self.runner = runner
         self.scheduler = Scheduler.for_runner(runner, limits)
         self.scheduler.kv.take_events()  # record the prefix cache's KV events from here on
@@ -105,10 +108,11 @@ class EngineCore:
         self.encoded_items = 0  # items the encoder ran on
         self.store_loads = 0  # items whose output came from the shared store
         self._to_encode: list[tuple[Request, ValidatedFeatures]] = []  # added, not yet encoded
+        self._preemptions_seen = 0  # the scheduler's count when preempted media were last re-queued
         self.grammars = GrammarCompiler(getattr(runner, "model_dir", None), runner.info.vocab_size,
                                         runner.info.eos_token_ids)
         self._compiling: dict[int, tuple[Request, concurrent.futures.Future]] = {}  # key -> parked request
-        self.lora = _lora_registry(runner, lora_dir, lora_modules)
+        self.lora = _lora_registry(runner, lora_dir, lora_modules, lora_restore)
 
     def load(self) -> CoreLoad:
         scheduler = self.scheduler
@@ -121,7 +125,8 @@ class EngineCore:
 
     def run(self, receive: Callable[[], Any], receive_ready: Callable[[], list],
             emit: Callable[[StepBatch], None]) -> None:
-        """Serve until a StopCore command; `receive` blocks, `receive_ready` drains without blocking."""
+        """Serve until a StopCore command; `receive(timeout=None)` blocks (None when the timeout
+        passed first), `receive_ready` drains without blocking."""
         if self.lora is not None and self.lora.infos:
             emit(self._batch([]))  # the load names the --lora-modules adapters before any request
         while True:
@@ -141,8 +146,13 @@ class EngineCore:
                 concurrent.futures.wait([future for _, future in self._compiling.values()], timeout=0.005,
                                         return_when=concurrent.futures.FIRST_COMPLETED)
                 commands = receive_ready()
-            else:
-                commands = ([receive()] if not scheduler.has_work() else []) + receive_ready()
+            elif scheduler.has_work():
+                commands = receive_ready()
+            else:  # idle: wake for a command, or for the next pinned KV's deadline (kv_pins.py)
+                deadline = scheduler.kv.pins.next_deadline()
+                first = receive(max(0.0, deadline - time.monotonic()) + 0.001 if deadline is not None else None)
+                commands = ([first] if first is not None else []) + receive_ready()
+            expired = scheduler.kv.expire_pins(time.monotonic()) if len(scheduler.kv.pins) else 0
             outputs: list = []
             for command in commands:
                 if isinstance(command, StopCore):
@@ -152,6 +162,9 @@ class EngineCore:
                 self._apply(command, outputs)
             if self._compiling:
                 self._queue_compiled(outputs)
+            if self.scheduler.preemptions != self._preemptions_seen:
+                self._preemptions_seen = self.scheduler.preemptions
+                self._encode_preempted()
             if self._to_encode:
                 self._encode_new_media(outputs)
             stepped = scheduler.has_work()
@@ -159,7 +172,7 @@ class EngineCore:
                 for request, output in run_step(scheduler, self.runner):
                     outputs.append(self._out(request, output))
             batch = self._batch(outputs)
-            if outputs or commands or stepped or batch.kv_events:
+            if outputs or commands or stepped or batch.kv_events or expired:
                 emit(batch)
 
     def _batch(self, outputs: list) -> StepBatch:
@@ -176,6 +189,13 @@ class EngineCore:
                     outputs.append((key, self._encode_request(checked), True))
                 except Exception as error:  # noqa: BLE001 - fails this Encode call only, never the generations
                     outputs.append((key, _refusal_or_bug(error), True))
+            case ExportKv(key=key):
+                try:
+                    outputs.append((key, export_pinned(self.scheduler.kv, command, time.monotonic()), True))
+                except Exception as error:  # noqa: BLE001 - fails this pull only
+                    outputs.append((key, _refusal_or_bug(error), True))
+            case PeekPrefix(key=key):
+                outputs.append((key, self._peek_prefix(command), True))
             case ResetPrefixCache(key=key):
                 self.scheduler.kv.clear_prefix_cache()
                 outputs.append((key, PrefixCacheReset(), True))
@@ -219,6 +239,7 @@ class EngineCore:
         request.cache_salt = command.cache_salt
         request.key = key
         request.has_media = validated is not None
+        request.kv_pin, request.imported_kv = command.kv_pin, command.kv_import
         if validated is not None and all(item.content_id for item in validated.items):
             request.prefix_media = tuple(BlockMedia(item.offset, item.length, item.content_id, item.mm_hash)
                                          for item in validated.items)
@@ -234,6 +255,11 @@ class EngineCore:
             self._to_encode = [(r, v) for r, v in self._to_encode if r is not request]
             outputs.extend(self._abort(request))
 
+    def _peek_prefix(self, command: PeekPrefix) -> PrefixPeek:
+        probe = Request("", command.prompt_ids, None)
+        probe.cache_salt = command.cache_salt
+        return PrefixPeek(self.scheduler.kv.peek_cached_blocks(probe))
+
     def _abort(self, request: Request) -> list:
         if self._compiling.pop(request.key, None) is not None:
             self.scheduler.add(request)  # so that the scheduler ends its choices with ABORT like any other
@@ -248,6 +274,8 @@ class EngineCore:
                 continue
             del self._compiling[key]
             error = future.exception()
+            if error is None and request.options.prior_output_tokens:
+                error = _prior_output_refused(future.result(), request)
             if error is not None:
                 self._forget(request)
                 self._to_encode = [(r, v) for r, v in self._to_encode if r is not request]
@@ -284,6 +312,7 @@ class EngineCore:
         pending = [(request, validated) for request, validated in self._to_encode
                    if self.requests.get(request.key) is request and not request.failed]
         self._to_encode = []
+        pending = [(request, validated) for request, validated in pending if not self._skip_encoder(request, validated)]
         if not pending:
             return
         try:
@@ -303,6 +332,22 @@ class EngineCore:
             except Exception as exc:  # noqa: BLE001
                 log.exception("building the multimodal prefill failed", extra={"request_id": request.request_id})
                 self._fail_waiting(request, exc, outputs)
+
+    def _skip_encoder(self, request: Request, validated: ValidatedFeatures) -> bool:
+        """A media prompt whose whole KV was pulled (prefill/decode) needs no encoder rows: only
+        its last token is computed here. It gets the items' positions alone; True when so."""
+        if not covers_media(request, validated, self.runner.cache):
+            return False
+        request.mm = self.runner.multimodal_positions(request.prompt_ids, list(validated.items))
+        request.media_unencoded = validated
+        return True
+
+    def _encode_preempted(self) -> None:
+        """Queue the items of preempted prompts that skipped the encoder: they now recompute."""
+        for request in self.scheduler.waiting:
+            if request.awaiting_media_rows and request.media_unencoded is not None:
+                self._to_encode.append((request, request.media_unencoded))
+                request.media_unencoded = None
 
     def _fail_waiting(self, request: Request, error: BaseException, outputs: list) -> None:
         request.failed = True  # the scheduler drops failed requests from its queue
@@ -386,6 +431,8 @@ class EngineCore:
             self._forget(request)
             if isinstance(output, ChoiceOutput):
                 output.timings = request.timings()  # the server derives latencies and spans from them
+                if request.pinned is not None:
+                    output.kv_pinned = pinned_output(request.pinned, self.runner.cache)
         return request.key, output, finished
 
     def _abort_all(self) -> list:
@@ -408,9 +455,10 @@ class EngineCore:
         return outputs
 
 
-def _lora_registry(runner: CoreRunner, lora_dir: str, modules: tuple[tuple[str, str], ...]) -> LoraRegistry | None:
+def _lora_registry(runner: CoreRunner, lora_dir: str, modules: tuple[tuple[str, str], ...],
+                   restore: tuple[tuple[str, str], ...] = ()) -> LoraRegistry | None:
     """The core's adapters when its runner has slots, with `modules` loaded (ConfigError naming
-    --lora-modules for one that cannot be)."""
+    --lora-modules for one that cannot be), then `restore`."""
     slots = getattr(runner, "lora", None)
     if slots is None or not lora_dir:
         return None
@@ -420,7 +468,23 @@ def _lora_registry(runner: CoreRunner, lora_dir: str, modules: tuple[tuple[str, 
             registry.load(name, path)
         except TitoError as exc:
             raise ConfigError(f"--lora-modules {name}={path}: {exc.message}") from None
+    for name, path in restore:
+        try:
+            registry.load(name, path)
+        except TitoError as exc:  # its files changed or went away since: the engine serves on without it
+            log.warning("LoRA adapter %s, loaded from %s before the engine core restarted, cannot be loaded "
+                        "again: %s", name, path, exc.message)
     return registry
+
+
+def _prior_output_refused(grammar: Any, request: Request) -> Exception | None:
+    """A migrated choice whose earlier output its grammar does not take: refused before queueing,
+    as a grammar that does not compile is."""
+    try:
+        new_matcher(grammar, request.prior_output_ids)
+    except InvalidArgument as error:
+        return error
+    return None
 
 
 def _refusal_or_bug(error: Exception) -> Exception:
@@ -468,7 +532,13 @@ class ThreadCore:
                 except queue.Empty:
                     return items
 
-        self._thread = threading.Thread(target=self.core.run, args=(self._inbox.get, drain, on_batch),
+        def receive(timeout: float | None = None) -> Any:
+            try:
+                return self._inbox.get(timeout=timeout)
+            except queue.Empty:
+                return None
+
+        self._thread = threading.Thread(target=self.core.run, args=(receive, drain, on_batch),
                                         name="tito-engine", daemon=True)
         self._thread.start()
 
@@ -506,6 +576,8 @@ class CoreProcessSpec:
     encoder_store_bytes: int = 0
     lora_dir: str = ""  # the root LoRA adapters are read from ("" = the engine serves no adapters)
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path under lora_dir) loaded at start
+    #: (name, path) loaded at run time into a core that died, loaded again by the one that replaces it
+    lora_restore: tuple[tuple[str, str], ...] = ()
     max_loras: int = 0  # adapter slots in the model (0 unless lora_dir)
     max_lora_rank: int = 16
 
@@ -554,15 +626,17 @@ def _child_main(spec: CoreProcessSpec, conn: Any) -> None:
     warm_up_or_warn(runner, spec.limits.max_prefill_tokens)
     try:
         core = EngineCore(runner, spec.limits, spec.encoder_cache_bytes, spec.encoder_store_dir,
-                          spec.encoder_store_bytes, spec.lora_dir, spec.lora_modules)
+                          spec.encoder_store_bytes, spec.lora_dir, spec.lora_modules, spec.lora_restore)
     except ConfigError as exc:  # the shared encoder store's directory, a --lora-modules adapter
         conn.send(CoreFailed(str(exc), config_error=True))
         _exit_now(1)
     freeze_startup_heap()  # the model's objects: never walked by the collector while serving
     conn.send(CoreReady(runner.info, runner.cache.num_blocks, runner.cache.block_size, runner.mm_spec))
 
-    def receive() -> Any:
+    def receive(timeout: float | None = None) -> Any:
         try:
+            if timeout is not None and not conn.poll(timeout):
+                return None  # a pinned KV's deadline came first
             return conn.recv()
         except (EOFError, OSError):  # the server process is gone: stop (aborting what is left)
             return StopCore()

@@ -5,7 +5,7 @@ way, so neither side unpacks tuples by position. Every class pickles (the core m
 process); domain errors travel inside outputs as themselves (tito.errors pickles whole).
 
 Server -> core: `AddRequest`, `AbortRequest`, `EncodeItems`, `ResetPrefixCache`, `LoadLora`,
-`UnloadLora`, `ListLoras`, `StopCore`.
+`UnloadLora`, `ListLoras`, `ExportKv`, `PeekPrefix`, `StopCore`.
 Core -> server: `CoreReady` or `CoreFailed` once at start-up (child process only), then one
 `StepBatch` per step or per batch of commands that produced outputs, and `CoreStopped` last.
 """
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tito_engine.kv_events import KvEvent
+from tito_engine.kv_transfer import KvExport  # noqa: F401 - ExportKv's answer, with the transfer's types
 from tito_engine.multimodal.domain import EncoderCacheDescriptor
 from tito_engine.multimodal.features import CheckedFeatures
 from tito_engine.lora_types import LoraAdapterInfo
@@ -40,6 +41,8 @@ class AddRequest:
     arrival_time: float
     cache_salt: str | None
     lora_name: str = ""  # the LoRA adapter ("" = the base model); the core's registry resolves it
+    kv_pin: Any = None  # kv_transfer.KvPinOrder: a prefill request, whose prompt blocks are pinned at its end
+    kv_import: Any = None  # kv_transfer.ImportedKv: a decode request's pulled prompt blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,11 +112,41 @@ class LoraUnloaded:
 
 
 @dataclass(frozen=True, slots=True)
+class ExportKv:
+    """PullKvBlocks: hand out the blocks pinned under `transfer_id` from `first_block` on, once
+    (the pin is released); answered under `key` with KvExport or the refusal."""
+
+    key: int
+    transfer_id: str
+    first_block: int
+    block_count: int  # what the handle says: checked against the pin
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PeekPrefix:
+    """A decode request's prompt (as an AddRequest would carry it, no media): answered under
+    `key` with PrefixPeek, the leading blocks the prefix cache holds."""
+
+    key: int
+    prompt_ids: list[int]
+    cache_salt: str
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixPeek:
+    """The answer to PeekPrefix."""
+
+    cached_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
 class StopCore:
     """Abort everything in flight, answer with a last batch, and exit the loop."""
 
 
-Command = AddRequest | AbortRequest | EncodeItems | ResetPrefixCache | LoadLora | UnloadLora | ListLoras | StopCore
+Command = (AddRequest | AbortRequest | EncodeItems | ResetPrefixCache | LoadLora | UnloadLora | ListLoras | ExportKv
+           | PeekPrefix | StopCore)
 
 
 @dataclass(frozen=True, slots=True)

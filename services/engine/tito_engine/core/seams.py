@@ -38,6 +38,9 @@ class CoreRunner(Protocol):
     def multimodal_prefill(self, token_ids: list[int], items_with_rows: list) -> Any:
         """What a prompt's prefill needs of its media: rows per placeholder and positions."""
 
+    def multimodal_positions(self, token_ids: list[int], items: list) -> Any:
+        """The same without encoder rows (a prompt whose KV was computed on another engine)."""
+
 
 class CoreHost(Protocol):
     """An engine core, hosted: the model's description, its KV geometry, and a command pipe."""

@@ -4,6 +4,7 @@ protocol) so that scheduling imports neither torch nor xgrammar."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,5 +22,5 @@ class ModelChoiceState:
     def new_generator(self, seed: int, index: int) -> ChoiceGenerator:
         return make_generator(seed, index, self.device)
 
-    def new_matcher(self, grammar: Any) -> Any:
-        return constraints.new_matcher(grammar)
+    def new_matcher(self, grammar: Any, prior_output: Sequence[int] = ()) -> Any:
+        return constraints.new_matcher(grammar, prior_output)

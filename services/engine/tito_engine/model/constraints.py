@@ -105,11 +105,25 @@ def compile_error(exc: BaseException, spec: StructuredOutputSpec) -> Exception:
                            reason=INVALID_STRUCTURED_OUTPUT, field=spec.field)
 
 
-def new_matcher(compiled: Any) -> Any:
-    """A fresh matcher (one per choice) at the start of the compiled grammar."""
+def new_matcher(compiled: Any, prior_output: Sequence[int] = ()) -> Any:
+    """A matcher (one per choice) at the start of the compiled grammar, or past `prior_output`:
+    the ids a migrated choice already generated under the same grammar on another engine, so the
+    continuation is constrained exactly where the first engine stopped. Ids the grammar refuses,
+    or that already complete it, are INVALID_ARGUMENT (they are not that grammar's output)."""
     import xgrammar
 
-    return xgrammar.GrammarMatcher(compiled)
+    matcher = xgrammar.GrammarMatcher(compiled)
+    for position, token in enumerate(prior_output):
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            raise InvalidArgument(f"the choice's earlier output (prior_output_tokens) does not follow "
+                                  f"structured_output: its grammar refuses token {token} at output position "
+                                  f"{position}", reason="INVALID_SAMPLING_PARAMS",
+                                  field="sampling_params.prior_output_tokens")
+    if matcher.is_terminated():
+        raise InvalidArgument("the choice's earlier output (prior_output_tokens) already completes its "
+                              "structured_output: nothing is left to generate", reason="INVALID_SAMPLING_PARAMS",
+                              field="sampling_params.prior_output_tokens")
+    return matcher
 
 
 class TokenMasks:

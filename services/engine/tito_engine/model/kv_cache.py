@@ -65,3 +65,29 @@ class PagedKVCache:
         for keys, values in zip(self.keys, self.values):
             keys[target] = keys[source]
             values[target] = values[source]
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.layout.dtype).removeprefix("torch.")
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's K and V in every layer (what `read_block` returns)."""
+        return self.layout.bytes_per_token * self.block_size
+
+    def read_block(self, block: int) -> bytes:
+        """One block's K then V, each [num_layers, block_size, kv_heads, head_dim], as raw
+        little-endian bytes of the cache's dtype (prefill/decode transfer: kv_transfer.py)."""
+        stacked = torch.stack([keys[block] for keys in self.keys] + [values[block] for values in self.values])
+        return stacked.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+    def write_block(self, block: int, data: bytes) -> None:
+        """Fill one block from `read_block`'s bytes (of an engine with the same layout)."""
+        if len(data) != self.block_bytes:
+            raise ValueError(f"a KV block holds {self.block_bytes} bytes, got {len(data)}")
+        layers = self.layout.num_layers
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.layout.dtype)
+        stacked = raw.view(2 * layers, self.block_size, self.layout.kv_heads, self.layout.head_dim).to(self.device)
+        for layer in range(layers):
+            self.keys[layer][block] = stacked[layer]
+            self.values[layer][block] = stacked[layers + layer]

@@ -11,8 +11,11 @@ smaller rank, or one that leaves a module out, leaves zeros there, which add not
 A step's rows may use different adapters and the base model at once. Before the forward, the
 runner groups the step's packed tokens by their row's slot (`LoraSlots.begin_step`); each
 `LoraLinear` runs its base linear once over every token, exactly as without adapters, then adds
-`(x A^T) B` to each adapter's tokens with that slot's matrices: one small matmul pair per adapter
-present in the step (a segmented matmul), never a forward per adapter. Base-model tokens are never
+`(x A^T) B` to each adapter's tokens with that slot's matrices, never a forward per adapter. When
+the adapters' token groups are close in size (decode rows spread over the adapters), the groups
+are padded to one width and the add is one gather, two batched matmuls over the slots' stacks and
+one scatter-add (`BatchedAdapters`); otherwise (a long prefill beside a few decode tokens) it is
+one small matmul pair per adapter present in the step (a segmented matmul). Base-model tokens are never
 written (the add goes to the adapter tokens' rows only), so their results are the same bits as in
 an engine without adapters, and a step with no adapter rows skips the add entirely (one attribute
 read per linear).
@@ -35,18 +38,38 @@ import torch
 from tito_engine.model.lora_files import BaseShapes, LoraAdapter, read_adapter
 from tito_engine.scheduling.plan import RowInput
 
+#: How much padding the batched add may do: its groups' tokens at most this many times the step's
+#: adapter tokens (decode rows evenly spread over the adapters pad little; a long prefill beside
+#: a few decode tokens would pad a lot and takes the per-adapter products instead).
+PADDING_LIMIT = 1.5
+
 #: The forward's fused linears and the PEFT modules each one holds, in their row order.
 FUSED_TARGETS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
                  "down": ("down_proj",)}
 
 
+@dataclass(frozen=True)
+class BatchedAdapters:
+    """A step's adapter tokens as equal groups, one per slot lo..hi-1, each `width` tokens long:
+    `tokens` [(hi - lo) * width], the packed position of each group entry; a group shorter than
+    `width` repeats its first token, and `padding` (None: none) lists those repeats, whose inputs
+    are zeroed so that they add exactly nothing."""
+
+    tokens: torch.Tensor
+    padding: torch.Tensor | None
+    lo: int
+    hi: int
+    width: int
+
+
 class LoraStep:
     """The adapters of the step being run (`LoraSlots.begin_step`): `rows`, the packed tokens of
     adapter rows (None: every token), and per adapter present its slot, its tokens' places among
-    `rows` (None: all of them) and their packed positions (None: every token). `active` is False
-    when every row uses the base model."""
+    `rows` (None: all of them) and their packed positions (None: every token); or, when several
+    adapters' groups are close enough in size, `batched` instead (two batched matmuls for all of
+    them). `active` is False when every row uses the base model."""
 
-    __slots__ = ("active", "rows", "segments")
+    __slots__ = ("active", "rows", "segments", "batched")
 
     def __init__(self):
         self.clear()
@@ -55,6 +78,7 @@ class LoraStep:
         self.active = False
         self.rows: torch.Tensor | None = None
         self.segments: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = []
+        self.batched: BatchedAdapters | None = None
 
 
 class LoraLinear:
@@ -71,12 +95,27 @@ class LoraLinear:
         step = self.step
         if not step.active:
             return y
+        if step.batched is not None:
+            _add_batched(y, x, self.a, self.b, step.batched)
+            return y
         rows = step.rows
         xs = x if rows is None else x.index_select(0, rows)
         for slot, own, target in step.segments:
             part = xs if own is None else xs.index_select(0, own)
             _add(y, target, (part @ self.a[slot].T) @ self.b[slot])
         return y
+
+
+def _add_batched(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: BatchedAdapters) -> None:
+    """y[tokens] += (x[tokens] A^T) B per slot group: one gather, two batched matmuls, one
+    scatter-add, however many adapters (the groups' slots lo..hi-1 are a view of the stacks)."""
+    groups = plan.hi - plan.lo
+    xs = x.index_select(0, plan.tokens)
+    if plan.padding is not None:
+        xs.index_fill_(0, plan.padding, 0)
+    xs = xs.view(groups, plan.width, -1)
+    delta = torch.bmm(torch.bmm(xs, a[plan.lo:plan.hi].transpose(1, 2)), b[plan.lo:plan.hi])
+    y.index_add_(0, plan.tokens, delta.view(groups * plan.width, -1))
 
 
 def _add(y: torch.Tensor, rows: torch.Tensor | None, delta: torch.Tensor) -> None:
@@ -178,10 +217,33 @@ class LoraSlots:
         if len(present) == 1:
             step.segments = [(present[0], None, step.rows)]
             return
+        step.batched = self._batched(index, slots, present)
+        if step.batched is not None:
+            return
         for slot in present:
             own = [place for place, token_slot in enumerate(slots) if token_slot == slot]
             step.segments.append((slot, torch.tensor(own, dtype=torch.long, device=self.device),
                                   torch.tensor([index[place] for place in own], dtype=torch.long, device=self.device)))
+
+    def _batched(self, index: list[int], slots: list[int], present: list[int]) -> BatchedAdapters | None:
+        """The step's adapter tokens as equal groups per slot (BatchedAdapters), or None when
+        padding them would cost more than PADDING_LIMIT x their own work (a long prefill beside
+        a few decode tokens: the per-adapter products are cheaper then)."""
+        groups: dict[int, list[int]] = {slot: [] for slot in range(present[0], present[-1] + 1)}
+        for position, slot in zip(index, slots):
+            groups[slot].append(position)
+        width = max(len(group) for group in groups.values())
+        if len(groups) * width > PADDING_LIMIT * len(index):
+            return None
+        tokens: list[int] = []
+        padding: list[int] = []
+        filler = index[0]  # an adapter token: a zero delta added to it changes nothing
+        for group in groups.values():
+            padding.extend(range(len(tokens) + len(group), len(tokens) + width))
+            tokens.extend(group + [group[0] if group else filler] * (width - len(group)))
+        padded = torch.tensor(padding, dtype=torch.long, device=self.device) if padding else None
+        return BatchedAdapters(torch.tensor(tokens, dtype=torch.long, device=self.device), padded, present[0],
+                               present[-1] + 1, width)
 
     def end_step(self) -> None:
         self.step.clear()

@@ -315,6 +315,12 @@ class ModelRunner:
         return MultiModalPrefill.for_model(self.model.config,
                                            **vision.prefill_media(token_ids, items_with_rows, self.model.config))
 
+    def multimodal_positions(self, token_ids: list[int], items: list) -> MultiModalPrefill:
+        """`multimodal_prefill` without encoder rows (vision.prefill_positions): for a prompt
+        whose KV was pulled from the engine that prefilled it."""
+        return MultiModalPrefill.for_model(self.model.config, **vision.prefill_positions(token_ids, items,
+                                                                                         self.model.config))
+
     def execute(self, rows: list[RowInput]) -> torch.Tensor:
         """One batched forward over the step's rows; logits [rows needing logits, vocab] (float32).
         A lone row (nothing else running: a lone prefill) runs its linears on the borrowed CPUs too."""

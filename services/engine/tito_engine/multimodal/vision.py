@@ -294,6 +294,21 @@ def prefill_media(token_ids: Sequence[int], items_with_rows: Sequence[tuple[Embe
     return result
 
 
+def prefill_positions(token_ids: Sequence[int], items: Sequence[EmbedItem], config: Any) -> dict[str, Any]:
+    """`prefill_media` without encoder rows: where the items sit and the M-RoPE positions, for a
+    prompt whose KV was computed elsewhere (prefill/decode: the decode engine computes no
+    position that takes encoder rows, so it never runs the encoder)."""
+    ordered = sorted(items, key=lambda item: item.embed_positions[0])
+    result: dict[str, Any] = {
+        "embeds": None, "deepstack": None, "mrope_positions": None, "rope_delta": 0,
+        "embed_positions": torch.tensor([p for item in ordered for p in item.embed_positions], dtype=torch.long)
+        if ordered else None,
+    }
+    if uses_mrope(config):
+        result["mrope_positions"], result["rope_delta"] = mrope_positions(token_ids, list(ordered), config)
+    return result
+
+
 # ---------------------------------------------------------------------------- reference loop
 
 

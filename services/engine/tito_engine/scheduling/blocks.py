@@ -35,6 +35,12 @@ class KVBlocks(Protocol):
     def copy_block(self, source: int, target: int) -> None:
         """Copy one block's K/V in every layer (copy-on-write of a partial block at fork)."""
 
+    def write_block(self, block: int, data: bytes) -> None:
+        """Fill one block's K/V from another engine's bytes (prefill/decode transfer)."""
+
+    def read_block(self, block: int) -> bytes:
+        """One block's K/V as bytes, for another engine (prefill/decode transfer)."""
+
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return math.ceil(num_tokens / block_size)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from tito_engine.kv_events import BlockStored, extra_keys_or_none
 from tito_engine.scheduling.blocks import (BlockAllocator, KVBlocks, block_extra_keys, blocks_for_tokens,
                                            prefix_block_hashes)
+from tito_engine.scheduling.kv_pins import KvPinTable, Pin
 from tito_engine.scheduling.spans import chunk_boundaries_ok
 from tito_engine.request import Request, Sequence
 
@@ -21,6 +22,7 @@ class KVCacheManager:
         self.block_size = cache.block_size
         self.prefix_caching = prefix_caching
         self.prefix_cache_hit_tokens = 0  # prompt tokens taken from the prefix cache, since start
+        self.pins = KvPinTable()  # prefill requests' prompt blocks, waiting to be pulled
 
     @property
     def num_free(self) -> int:
@@ -78,6 +80,32 @@ class KVCacheManager:
             if fresh:
                 request.cached_tokens = max(request.cached_tokens, seq.num_computed)
             self.prefix_cache_hit_tokens += seq.num_computed
+            if request.imported_kv is not None and seq.index == 0:
+                self._import(request, seq, len(prefix))
+
+    def _import(self, request: Request, seq: Sequence, cached: int) -> None:
+        """Write the pulled prompt blocks after the `cached` ones the prefix cache gave, so only
+        the prompt's last token is computed (it gives the first token's logits). Pulled blocks
+        were chosen by an earlier look at the cache: if it lost some since, the gap is
+        recomputed instead (the import is dropped, never half used). Used once: after a
+        preemption the request recomputes."""
+        imported, request.imported_kv = request.imported_kv, None
+        block_bytes = getattr(self.cache, "block_bytes", None)
+        if imported.first_block > cached or len(seq.output_ids) or any(len(data) != block_bytes
+                                                                       for data in imported.blocks):
+            return
+        for offset, data in enumerate(imported.blocks):
+            index = imported.first_block + offset
+            if index >= cached:
+                self.cache.write_block(seq.block_table[index], data)
+        seq.num_computed = len(request.prompt_ids) - 1
+        self.register_computed(request, seq, cached * self.block_size)  # pulled blocks serve later prompts too
+
+    def peek_cached_blocks(self, request: Request) -> int:
+        """Leading prompt blocks the prefix cache holds now (a decode request pulls the rest)."""
+        hashes = self.prefix_hashes(request)
+        hits, _ = self.allocator.peek_prefix(hashes[:self._cacheable_blocks(request, len(request.prompt_ids))])
+        return hits
 
     def _cacheable_blocks(self, request: Request, total: int) -> int:
         # At most all but the last token comes from the cache: the last one must run to give logits.
@@ -163,6 +191,32 @@ class KVCacheManager:
                 child.block_table.append(block)
             child.num_computed = parent.num_computed
         return children
+
+    def pin(self, request: Request, seq: Sequence, deadline: float) -> Pin:
+        """Keep the prompt blocks of a finished prefill choice under its transfer id (the
+        reference the choice held moves to the pin; blocks past the prompt are released)."""
+        keep = blocks_for_tokens(len(request.prompt_ids), self.block_size)
+        blocks, extra = seq.block_table[:keep], seq.block_table[keep:]
+        seq.block_table = []
+        if extra:
+            self.allocator.release(extra)
+        pin = Pin(request.kv_pin.transfer_id, tuple(blocks), len(request.prompt_ids), deadline)
+        self.pins.add(pin)
+        return pin
+
+    def take_pin(self, transfer_id: str, now: float) -> Pin | None:
+        """The pin under `transfer_id`, out of the table; the caller reads, then `unpin`s it."""
+        return self.pins.take(transfer_id, now)
+
+    def unpin(self, pin: Pin) -> None:
+        self.allocator.release(list(pin.blocks))
+
+    def expire_pins(self, now: float) -> int:
+        """Free the blocks of every pin past its deadline; how many pins expired."""
+        expired = self.pins.expire(now)
+        for pin in expired:
+            self.unpin(pin)
+        return len(expired)
 
     def release(self, seq: Sequence) -> None:
         if seq.block_table:

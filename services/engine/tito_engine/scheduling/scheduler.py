@@ -67,8 +67,9 @@ class ChoiceState(Protocol):
     def new_generator(self, seed: int, index: int) -> Any:
         """The random generator of choice `index` of a request seeded with `seed`."""
 
-    def new_matcher(self, grammar: Any) -> Any:
-        """A matcher at the start of a compiled structured-output grammar."""
+    def new_matcher(self, grammar: Any, prior_output: list[int] | tuple[int, ...] = ()) -> Any:
+        """A matcher of a compiled structured-output grammar, past a migrated choice's earlier
+        output (`prior_output`; admission checked that the grammar takes it)."""
 
 
 class _EosIds(Protocol):
@@ -217,6 +218,8 @@ class Scheduler:
             seq.num_computed = 0
         request.preemptions += 1
         self.preemptions += 1
+        if request.media_unencoded is not None:  # its recompute needs the encoder rows it skipped
+            request.awaiting_media_rows = True
         self.waiting.appendleft(request)
         log.info("preempted for KV memory (%d blocks free); it will recompute %d tokens", self.kv.num_free,
                  sum(len(request.prompt_ids) + len(s.output_ids) for s in request.unfinished()),
@@ -230,6 +233,8 @@ class Scheduler:
             if request.failed:
                 self.waiting.popleft()
                 continue
+            if request.awaiting_media_rows:
+                break  # the core encodes its items before the next step
             fresh = not request.sequences
             if fresh:
                 _create_sequences(request, self.choice_state)
@@ -299,7 +304,10 @@ class Scheduler:
             outputs.append((request, output))
             if output.finish_reason is not None:
                 self._running_sequences -= 1
-                self.kv.release(seq)
+                if request.kv_pin is not None and seq.index == 0 and not request.failed:
+                    request.pinned = self.kv.pin(request, seq, now + request.kv_pin.seconds)
+                else:
+                    self.kv.release(seq)
                 if request.finished and (not done or done[-1] is not request):
                     done.append(request)
         for request in done:
@@ -363,7 +371,7 @@ def _create_sequences(request: Request, choice_state: ChoiceState) -> None:
         seq = Sequence(index, generator)
         seq.awaiting_fork = index > 0
         if request.grammar is not None:
-            seq.matcher = choice_state.new_matcher(request.grammar)
+            seq.matcher = choice_state.new_matcher(request.grammar, request.prior_output_ids)
         request.sequences.append(seq)
 
 
@@ -385,10 +393,11 @@ def _append(request: Request, seq: Sequence, token_id: int, logprobs, eos_token_
     elif count >= options.max_tokens:
         seq.finish_reason = FinishReason.LENGTH
     lp = (logprobs,) if logprobs is not None else ()
+    cached = request.cached_tokens if count == 1 else None
     if seq.finish_reason is not None:
         return ChoiceOutput(seq.index, (token_id,), seq.finish_reason, seq.matched_stop_token_id,
-                            request.usage_for(seq), lp)
-    return ChoiceOutput(seq.index, (token_id,), logprobs=lp)
+                            request.usage_for(seq), lp, cached_tokens=cached)
+    return ChoiceOutput(seq.index, (token_id,), logprobs=lp, cached_tokens=cached)
 
 
 def _final_output(request: Request, seq: Sequence) -> ChoiceOutput:

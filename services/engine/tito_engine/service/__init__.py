@@ -1,2 +1,3 @@
-"""The service layer: the gRPC servicer, admission (every check above the backend seam), the seam
-itself (`EngineBackend`) and the request-level observer. Both backends sit below it."""
+"""The gRPC layer of tito.v1.EngineService: the servicer and its proto <-> domain conversion.
+Admission, the backend seam, drain and the request observer live in `tito_engine.backend`, which
+both protocol faces (this one and `tito_engine.smg`) share."""

@@ -6,9 +6,13 @@ KV events and Encode's descriptors become messages; nothing below the servicer s
 
 from __future__ import annotations
 
+import json
+
+from tito.errors import InvalidArgument
 from tito.structured_output import StructuredOutputSpec, spec_from_proto
 from tito.v1 import engine_pb2, multimodal_pb2, sampling_pb2
 
+from tito_engine.kv_transfer import KvDecode, KvHandle, KvLayout, KvPrefill, KvRole
 from tito_engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
 from tito_engine.lora_types import LoraAdapterInfo
 from tito_engine.multimodal.domain import EncoderCacheDescriptor, MediaItem, Placeholder, RawTensor
@@ -109,7 +113,51 @@ def generate_input_from_proto(request: engine_pb2.GenerateRequest) -> GenerateIn
         mm_items=items,
         cache_salt=request.cache_salt,
         lora_name=request.lora_name,
+        kv_transfer=kv_role_from_proto(request.kv_transfer) if request.HasField("kv_transfer") else None,
+        kv_connector_params=connector_params_from_proto(request.kv_transfer),
     )
+
+
+def connector_params_from_proto(transfer: engine_pb2.KvTransfer) -> dict | None:
+    """KvTransfer.connector_params_json as the object it must hold, None when empty."""
+    if not transfer.connector_params_json:
+        return None
+    try:
+        params = json.loads(transfer.connector_params_json)
+    except ValueError:
+        params = None
+    if not isinstance(params, dict):
+        raise InvalidArgument("kv_transfer.connector_params_json must be a JSON object (vLLM's kv_transfer_params)",
+                              reason="INVALID_REQUEST", field="kv_transfer.connector_params_json")
+    return params
+
+
+def kv_role_from_proto(transfer: engine_pb2.KvTransfer) -> KvRole | None:
+    role = transfer.WhichOneof("role")
+    if role == "prefill":
+        return KvPrefill(transfer.prefill.pin_seconds or None)
+    if role == "decode":
+        return KvDecode(handle_from_proto(transfer.decode.handle), transfer.decode.source_address)
+    return None
+
+
+def handle_from_proto(handle: engine_pb2.KvTransferHandle) -> KvHandle:
+    layout = handle.layout
+    return KvHandle(handle.transfer_id, handle.request_id, handle.engine_id, handle.block_count, handle.block_size,
+                    handle.num_tokens, handle.dtype, KvLayout(layout.num_layers, layout.kv_heads, layout.head_dim),
+                    handle.expires_at, handle.prompt_digest, handle.model_fingerprint, handle.auth_key_id,
+                    handle.auth_tag)
+
+
+def handle_to_proto(handle: KvHandle) -> engine_pb2.KvTransferHandle:
+    layout = handle.layout
+    return engine_pb2.KvTransferHandle(
+        transfer_id=handle.transfer_id, request_id=handle.request_id, engine_id=handle.engine_id,
+        block_count=handle.block_count, block_size=handle.block_size, num_tokens=handle.num_tokens,
+        dtype=handle.dtype, layout=engine_pb2.KvBlockLayout(num_layers=layout.num_layers, kv_heads=layout.kv_heads,
+                                                            head_dim=layout.head_dim),
+        expires_at=handle.expires_at, prompt_digest=handle.prompt_digest, model_fingerprint=handle.model_fingerprint,
+        auth_key_id=handle.auth_key_id, auth_tag=handle.auth_tag)
 
 
 def lora_adapter_to_proto(adapter: LoraAdapterInfo) -> engine_pb2.LoraAdapterInfo:
@@ -122,8 +170,18 @@ def _token_logprob(entry: TokenLogprob) -> engine_pb2.TokenLogprob:
     return engine_pb2.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank)
 
 
-def output_to_proto(output: ChoiceOutput) -> engine_pb2.GenerateResponse:
+def output_to_proto(output: ChoiceOutput, handle: KvHandle | None = None) -> engine_pb2.GenerateResponse:
+    """A choice's output; `handle`: a prefill request's KV transfer handle, on its last output."""
     response = engine_pb2.GenerateResponse(index=output.index, token_ids=output.token_ids)
+    if handle is not None:
+        response.kv_transfer_handle.CopyFrom(handle_to_proto(handle))
+    if output.kv_connector_params is not None:
+        response.kv_connector_params_json = json.dumps(output.kv_connector_params, separators=(",", ":"))
+    if output.kv_stats is not None:
+        stats = output.kv_stats
+        response.kv_transfer_stats.blocks_pulled = stats.blocks_pulled
+        response.kv_transfer_stats.blocks_cached = stats.blocks_cached
+        response.kv_transfer_stats.bytes_pulled = stats.bytes_pulled
     for position in output.logprobs:
         response.logprobs.append(engine_pb2.PositionLogprobs(
             sampled=_token_logprob(position.sampled), top=[_token_logprob(entry) for entry in position.top]))

@@ -1,8 +1,8 @@
 """tito.v1.EngineService over grpc.aio: protos in, domain calls, protos out. Nothing else.
 
-Every request passes the same admission (admission.py) and then goes to the backend seam
-(backend.py): the native engine or vLLM, which cannot tell the servicer apart. Every Generate
-stream is known to the drain state (drain.py), which refuses new ones while draining and ends the
+Every request passes the same admission (backend/admission.py) and then goes to the backend seam
+(backend/interface.py): the native engine or vLLM, which cannot tell the servicer apart. Every Generate
+stream is known to the drain state (backend/drain.py), which refuses new ones while draining and ends the
 ones the grace period did not see finish as "engine gone".
 """
 
@@ -13,16 +13,18 @@ import dataclasses
 import math
 from collections.abc import Awaitable, Callable
 
-from tito.errors import InvalidArgument, LoadingGate
+from tito.errors import FailedPrecondition, InvalidArgument, LoadingGate
 from tito.logs import bind_request_id
 from tito.v1 import engine_pb2, engine_pb2_grpc
 
-from tito_engine.service.admission import Admission
-from tito_engine.service.backend import EngineBackend, LoadSnapshot
-from tito_engine.service.drain import Drain, draining_error
-from tito_engine.service.convert import (MODALITIES, descriptor_to_proto, generate_input_from_proto, kv_batch_to_proto,
-                                         lora_adapter_to_proto, media_from_proto, output_to_proto)
-from tito_engine.service.observe import RequestObserver
+from tito_engine.backend.admission import Admission
+from tito_engine.backend.drain import Drain, draining_error
+from tito_engine.backend.interface import EngineBackend, LoadSnapshot
+from tito_engine.backend.kv_transfers import KvTransfers, prepare_transfer
+from tito_engine.backend.observe import RequestObserver
+from tito_engine.kv_transfer import TRANSFER_UNSUPPORTED, block_checksum
+from tito_engine.service.convert import (MODALITIES, descriptor_to_proto, generate_input_from_proto, handle_from_proto,
+                                         kv_batch_to_proto, lora_adapter_to_proto, media_from_proto, output_to_proto)
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
@@ -30,15 +32,19 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._backend: LoadingGate[EngineBackend] = LoadingGate("the engine")
         self._admission: Admission | None = None
         self._observer: RequestObserver | None = None
+        self._kv: KvTransfers | None = None  # prefill/decode transfers (None: refused, as by the vllm backend)
         self.drain_state = Drain(lambda request_ids: self._engine.abort(request_ids))
         self._drain_grace = 0.0
         self._on_drain: Callable[[], Awaitable[None]] | None = None
 
-    def attach(self, backend: EngineBackend, admission: Admission, observer: RequestObserver | None = None) -> None:
+    def attach(self, backend: EngineBackend, admission: Admission, observer: RequestObserver | None = None,
+               kv_transfers: KvTransfers | None = None) -> None:
         """Start answering with `backend` (the server is bound before the model finishes loading);
-        `observer` measures and traces each Generate stream (None: metrics and tracing are off)."""
+        `observer` measures and traces each Generate stream (None: metrics and tracing are off);
+        `kv_transfers` serves prefill/decode roles and PullKvBlocks."""
         self._admission = admission
         self._observer = observer
+        self._kv = kv_transfers
         self._backend.open(backend)
 
     def on_drain(self, grace_seconds: float, announce: Callable[[], Awaitable[None]]) -> None:
@@ -72,6 +78,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 admitted = await asyncio.to_thread(self._admission.admit, generate)
             else:
                 admitted = self._admission.admit(generate)
+            admitted, transfer = await prepare_transfer(backend, self._kv, generate, admitted)
             outputs = backend.generate(admitted)
             if self._observer is not None:
                 outputs = self._observer.observe(outputs)
@@ -81,11 +88,28 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                         if output.token_ids:  # what it made before the abort: the router continues after it
                             yield output_to_proto(dataclasses.replace(output, finish_reason=None, usage=None))
                         raise draining_error()
-                    yield output_to_proto(output)
+                    if transfer is None:
+                        yield output_to_proto(output)
+                    else:
+                        yield output_to_proto(self._kv.with_stats(output, transfer),
+                                              self._kv.handle_for(output, transfer, ticket.request_id))
             finally:
                 await outputs.aclose()  # on cancel: aborts the request in the engine
         finally:
             self.drain_state.leave(ticket)
+
+    async def PullKvBlocks(self, request: engine_pb2.PullKvBlocksRequest, context):
+        export = await self._kv_transfers().export(handle_from_proto(request.handle), request.first_block)
+        for offset, data in enumerate(export.blocks):
+            yield engine_pb2.PullKvBlocksResponse(block_index=export.first_block + offset, data=data,
+                                                  byte_size=len(data), checksum=block_checksum(data))
+
+    def _kv_transfers(self) -> KvTransfers:
+        self._backend.get()  # UNAVAILABLE while the model loads
+        if self._kv is None:
+            raise FailedPrecondition("this engine does not transfer KV (prefill/decode disaggregation needs "
+                                     "--backend native)", reason=TRANSFER_UNSUPPORTED, field="kv_transfer")
+        return self._kv
 
     async def Encode(self, request: engine_pb2.EncodeRequest, context):
         if request.request_id:

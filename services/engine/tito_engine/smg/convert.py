@@ -6,17 +6,21 @@ What SMG means by each field is what its own vLLM servicer (PyPI smg-grpc-servic
 `top_p` and `repetition_penalty` 0 mean unset, `n` 0 means 1, `logprobs` k asks for the sampled
 token's logprob plus the k best alternatives, a negative `seed` is a seed like any other, and the
 finish reasons are spelled "stop", "length", "abort". What this engine cannot serve is refused by
-name (UNSUPPORTED_FIELD), never silently dropped.
+name (UNSUPPORTED_FIELD), never silently dropped. `kv_transfer_params_json` (vLLM's connector
+handoff, which SMG forwards from the prefill worker's answer to the decode worker) is mapped onto
+tito's prefill/decode roles as the gateway's vLLM HTTP API maps it (tito.kv_params).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 from smg_grpc_proto import vllm_engine_pb2
 from smg_grpc_proto.generated import common_pb2
 
+from tito import kv_params
 from tito.errors import InvalidArgument, TitoError
 from tito.structured_output import StructuredOutputSpec, spec_from_proto
 
@@ -24,7 +28,9 @@ from tito_engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, K
 from tito_engine.model_info import ModelInfo
 from tito_engine.multimodal.items import MODALITY_NAMES
 from tito_engine.request import ChoiceOutput, FinishReason, GenerateInput, RawSamplingParams
-from tito_engine.service.backend import LoadSnapshot
+from tito_engine.backend.interface import LoadSnapshot
+from tito_engine.kv_transfer import KvHandle
+from tito_engine.service.convert import handle_to_proto, kv_role_from_proto
 from tito_engine.smg.facts import ModelFacts
 from tito_engine.smg.media import media_from_proto
 from tito_engine.smg.stops import StopStringOptions, check_stop_strings
@@ -34,6 +40,8 @@ UNSUPPORTED_FIELD = "UNSUPPORTED_FIELD"
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 #: What GetServerInfo calls this protocol's worker (the value SMG's own vLLM servicer sends).
 SERVER_TYPE = "vllm-grpc"
+#: The modalities GetServerInfo's `mm_item_limits` label names (those a router request carries).
+ITEM_LIMIT_MODALITIES = ("image", "video")
 #: tito's field paths (admission names tito.v1's fields) and this protocol's names for them.
 _FIELD_NAMES = (
     ("token_ids", "tokenized.input_ids"),
@@ -41,6 +49,10 @@ _FIELD_NAMES = (
     ("sampling_params.structured_output.", "sampling_params."),
     # The i-th media item in prompt order, over mm_inputs and extra_mm_inputs together.
     ("mm_features.items", "mm_inputs.items"),
+    # Prefill/decode: tito's handle rides in the JSON (tito.kv_params.HANDLE_KEY).
+    ("kv_transfer.decode.handle", f"kv_transfer_params_json.{kv_params.HANDLE_KEY}"),
+    (kv_params.FIELD, "kv_transfer_params_json"),
+    ("kv_transfer", "kv_transfer_params_json"),
 )
 _U64 = (1 << 64) - 1
 
@@ -137,11 +149,38 @@ def _check_served(request: vllm_engine_pb2.GenerateRequest) -> None:
             request.sampling_params.HasField("truncate_prompt_tokens"):
         raise _unsupported("sampling_params.truncate_prompt_tokens", "a prompt with media is not truncated (its "
                            "placeholders would move); leave truncate_prompt_tokens unset")
-    if request.HasField("kv_transfer_params") or request.HasField("kv_transfer_params_json"):
-        raise _unsupported("kv_transfer_params_json", "this engine does no prefill/decode KV transfer")
+    if request.HasField("kv_transfer_params"):
+        raise _unsupported("kv_transfer_params", "the legacy typed field carries a Mooncake host and port, no "
+                                                 "prefill/decode role: send kv_transfer_params_json")
     if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
         raise InvalidArgument(f"data_parallel_rank {request.data_parallel_rank}: this engine is one rank (0)",
                               reason="INVALID_REQUEST", field="data_parallel_rank")
+
+
+def _kv_parts(request: vllm_engine_pb2.GenerateRequest) -> dict:
+    """The request's part in a prefill/decode split (GenerateInput's kv_transfer and
+    kv_connector_params), from vLLM's `kv_transfer_params` JSON."""
+    if not request.HasField("kv_transfer_params_json"):
+        return {}
+    try:
+        params = json.loads(request.kv_transfer_params_json)
+    except ValueError:
+        raise InvalidArgument("kv_transfer_params_json is not JSON: send the object the prefill worker's "
+                              "GenerateComplete carried, or {\"do_remote_decode\": true} to prefill",
+                              reason="INVALID_REQUEST", field="kv_transfer_params_json") from None
+    try:
+        transfer = kv_params.kv_transfer_from_params(params)
+    except TitoError as error:
+        raise with_smg_fields(error) from None
+    if transfer is None:
+        return {}
+    return {"kv_transfer": kv_role_from_proto(transfer), "kv_connector_params": params}
+
+
+def kv_params_json(handle: KvHandle, address: str) -> str:
+    """A prefill's `kv_transfer_params_json` for SMG to forward to the decode worker: tito's handle
+    and `address`, where this engine serves EngineService (PullKvBlocks)."""
+    return json.dumps(kv_params.params_from_handle(handle_to_proto(handle), address), separators=(",", ":"))
 
 
 def _prompt(request: vllm_engine_pb2.GenerateRequest, max_context_length: int) -> list[int]:
@@ -168,7 +207,7 @@ def generate_from_proto(request: vllm_engine_pb2.GenerateRequest, *, max_context
     items = media_from_proto(request, prompt)
     generate = GenerateInput(request_id=request.request_id, token_ids=prompt, sampling=sampling,
                              mm_modalities=[MODALITY_NAMES.get(item.modality, f"modality {item.modality}")
-                                            for item in items], mm_items=items)
+                                            for item in items], mm_items=items, **_kv_parts(request))
     options = StopStringOptions(stops, params.include_stop_str_in_output, params.skip_special_tokens,
                                 params.min_tokens) if stops else None
     return SmgGenerate(generate, request.stream, options, frozenset(params.stop_token_ids))
@@ -196,9 +235,11 @@ def chunk_to_proto(face: FaceOutput, prompt_tokens: int, top_logprobs: int) -> v
 
 
 def complete_to_proto(face: FaceOutput, prompt_tokens: int, top_logprobs: int,
-                      stop_token_ids: frozenset[int]) -> vllm_engine_pb2.GenerateResponse:
+                      stop_token_ids: frozenset[int], kv_transfer_params_json: str | None = None
+                      ) -> vllm_engine_pb2.GenerateResponse:
     """A choice's `complete`: streamed, it repeats its last chunk's tokens (as vLLM's servicer
-    does; SMG counts the chunks), not streamed it carries all of them."""
+    does; SMG counts the chunks), not streamed it carries all of them. `kv_transfer_params_json`:
+    a prefill's handoff (kv_params_json)."""
     output = face.output
     complete = vllm_engine_pb2.GenerateComplete(
         output_ids=output.token_ids, finish_reason=FINISH_REASONS[output.finish_reason],
@@ -209,6 +250,8 @@ def complete_to_proto(face: FaceOutput, prompt_tokens: int, top_logprobs: int,
         complete.matched_stop_str = face.matched_stop
     elif output.matched_stop_token_id is not None and output.matched_stop_token_id in stop_token_ids:
         complete.matched_token_id = output.matched_stop_token_id
+    if kv_transfer_params_json is not None:
+        complete.kv_transfer_params_json = kv_transfer_params_json
     return vllm_engine_pb2.GenerateResponse(complete=complete)
 
 
@@ -223,9 +266,28 @@ def model_info_to_proto(info: ModelInfo, facts: ModelFacts, model_dir: str) -> v
         default_sampling_params_json=facts.sampling_defaults_json)
 
 
+def mm_item_limits(modalities: tuple[str, ...], max_items: int) -> str:
+    """SMG's `mm_item_limits` label ("image=8,video=8", sorted; "" for a text model), which SMG's own
+    media pipeline holds requests to. tito's limit (`--max-mm-items`) counts a request's items of
+    every modality together, so each modality is labelled with the whole limit: SMG then refuses
+    what the engine surely would, and the engine still refuses a mix above its total itself."""
+    return ",".join(f"{modality}={max_items}" for modality in sorted(ITEM_LIMIT_MODALITIES)
+                    if modality in modalities and max_items > 0)
+
+
+#: The largest value of an int32 field.
+_I32_MAX = (1 << 31) - 1
+
+
 def server_info_to_proto(info: ModelInfo, load: LoadSnapshot, *, max_running_sequences: int, block_size: int,
-                         uptime_seconds: float, last_receive_timestamp: float) -> vllm_engine_pb2.GetServerInfoResponse:
+                         uptime_seconds: float, last_receive_timestamp: float, max_mm_items: int,
+                         largest_media_item: int) -> vllm_engine_pb2.GetServerInfoResponse:
+    # mm_encoder_budget: the most encoder rows one item may bring and still be admitted
+    # (Admission.largest_media_item). tito's encoder cache is sized in bytes and its scheduler
+    # places an item of any size in one chunk, so the context and the KV cache are what bound it.
     return vllm_engine_pb2.GetServerInfoResponse(
+        mm_item_limits=mm_item_limits(info.modalities, max_mm_items),
+        mm_encoder_budget=min(largest_media_item, _I32_MAX),
         active_requests=load.running_requests + load.waiting_requests, is_paused=False,
         last_receive_timestamp=last_receive_timestamp, uptime_seconds=uptime_seconds, server_type=SERVER_TYPE,
         data_parallel_size=1, kv_cache_dtype="auto", block_size=block_size, model_dtype=f"torch.{info.dtype}",

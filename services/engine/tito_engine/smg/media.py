@@ -5,12 +5,14 @@ tito.v1's `mm_features` (placeholders, tensor sizes, encoder rows, signatures).
 A batch carries every item of its modality at once; it is cut into items the way SMG's vLLM
 servicer lays it out: a tensor named in `flat_keys` is split along its first axis by the sizes
 tensor named there (a `[n, 3]` grid gives each item t*h*w rows), one in `batched_keys` has one row
-per item, any other is shared by every item. The primary tensor (`pixel_values`, or
-`encoder_input_key`) is the item's encoder input, renamed `pixel_values_videos` for video as vLLM
-does; the model-specific tensors (`image_grid_thw`, ...) are its metadata. Each placeholder's
-`is_embed` is where the prompt holds `im_token_id` (None when every position does), as SMG's
-servicer expands it. The items are unsigned: an engine with `--require-signed-features` refuses
-them with its usual reason.
+per item, any other is shared by every item. A sizes tensor of one count per item (`[n]`: SMG's
+`patches_per_image` beside its Qwen-VL and Llama4 pixel rows) is the layout's, not the model's: it
+cuts, then it is dropped (a `[n, 3]` grid sizes the rows and is also the model's). The primary
+tensor (`pixel_values`, or `encoder_input_key`) is the item's encoder input, renamed
+`pixel_values_videos` for video as vLLM does; the model-specific tensors (`image_grid_thw`, ...)
+are its metadata. Each placeholder's `is_embed` is where the prompt holds `im_token_id` (None when
+every position does), as SMG's servicer expands it. The items are unsigned: an engine with
+`--require-signed-features` refuses them with its usual reason.
 """
 
 from __future__ import annotations
@@ -110,7 +112,10 @@ def _batch_items(batch: vllm_engine_pb2.MultimodalInputs, prompt: Sequence[int],
     for key, data in batch.model_specific_tensors.items():
         named[key] = (_tensor(data, f"{path}.model_specific_tensors.{key[:64]}"), False)
     per_item: list[tuple[dict[str, RawTensor], dict[str, RawTensor]]] = [({}, {}) for _ in range(count)]
+    counts_only = {key for key in batch.flat_keys.values() if key in named and len(named[key][0].shape) == 1}
     for key, (tensor, is_input) in named.items():
+        if key in counts_only:
+            continue
         field = f"{path}.{'pixel_values' if is_input else 'model_specific_tensors.' + key[:64]}"
         if key in batch.flat_keys:
             sizes_key = batch.flat_keys[key]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -19,13 +20,15 @@ from smg_grpc_proto.generated import common_pb2
 from tito.errors import FailedPrecondition, InvalidArgument, LoadingGate, TitoError, Unimplemented
 from tito.logs import bind_request_id
 
-from tito_engine.service.admission import Admission, AdmittedRequest
-from tito_engine.service.backend import EngineBackend
-from tito_engine.service.drain import Drain, draining_error
-from tito_engine.service.observe import RequestObserver
+from tito_engine.backend.admission import Admission, AdmittedRequest
+from tito_engine.backend.interface import EngineBackend
+from tito_engine.backend.drain import Drain, draining_error
+from tito_engine.backend.kv_transfers import KvTransfers, Transfer, prepare_transfer
+from tito_engine.backend.observe import RequestObserver
+from tito_engine.request import ChoiceOutput
 from tito_engine.smg.convert import (SmgGenerate, chunk_to_proto, complete_to_proto, generate_from_proto,
                                      kv_batch_to_proto, model_info_to_proto, scheduler_load_to_proto,
-                                     server_info_to_proto, with_smg_fields)
+                                     kv_params_json, server_info_to_proto, with_smg_fields)
 from tito_engine.smg.facts import ModelFacts, read_model_facts
 from tito_engine.smg.stops import RequestStops, TokenizerSource
 from tito_engine.smg.stream import face_outputs
@@ -50,12 +53,18 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._last_receive = 0.0
         self._healthy = True
         self._drain: Drain | None = None
+        self._kv: KvTransfers | None = None
+        self._kv_address = ""
 
     def attach(self, backend: EngineBackend, admission: Admission, model_dir: Path,
-               observer: RequestObserver | None = None, drain: Drain | None = None) -> None:
+               observer: RequestObserver | None = None, drain: Drain | None = None,
+               kv_transfers: KvTransfers | None = None, kv_address: str = "") -> None:
         """Start answering with `backend` (the same backend, admission and drain state tito.v1's
-        servicer has: a draining engine refuses new streams on both faces)."""
+        servicer has: a draining engine refuses new streams on both faces). `kv_transfers`: the
+        prefill/decode transfers tito.v1's servicer serves too (None: refused); `kv_address`:
+        where decode engines reach this engine, named in a prefill's kv_transfer_params_json."""
         self._admission = admission
+        self._kv, self._kv_address = kv_transfers, kv_address
         self._drain = drain
         self._observer = observer
         self._model_dir = str(model_dir)
@@ -102,6 +111,10 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def _generate(self, backend: EngineBackend, face: SmgGenerate):
         admitted = await self._admit(face)
+        try:
+            admitted, transfer = await prepare_transfer(backend, self._kv, face.generate, admitted)
+        except TitoError as error:
+            raise with_smg_fields(error) from None
         stops = None
         if face.stops is not None:
             await asyncio.to_thread(self._tokenizer.get)  # read once per engine, off the loop
@@ -119,7 +132,8 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 if face.stream:
                     yield chunk_to_proto(face_output, prompt_tokens, top)
                 if face_output.output.finished:
-                    yield complete_to_proto(face_output, prompt_tokens, top, face.stop_token_ids)
+                    yield complete_to_proto(face_output, prompt_tokens, top, face.stop_token_ids,
+                                            self._handoff(face_output.output, transfer, admitted.request_id))
             if stops is not None and stops.ended_a_choice and admitted.request_id:
                 # Stop strings ended choices the backend still runs: abort them and wait for the
                 # backend's own end, so once this stream ends the id is free and the load no
@@ -129,6 +143,16 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     pass
         finally:
             await outputs.aclose()  # on cancel: aborts the request in the engine
+
+    def _handoff(self, output: ChoiceOutput, transfer: Transfer | None, request_id: str) -> str | None:
+        """A prefill's kv_transfer_params_json, on its last output (vLLM's connector's answer, or
+        tito's handle); None otherwise."""
+        if output.kv_connector_params is not None:
+            return json.dumps(output.kv_connector_params, separators=(",", ":"))
+        if transfer is None:
+            return None
+        handle = self._kv.handle_for(output, transfer, request_id)
+        return kv_params_json(handle, self._kv_address) if handle is not None else None
 
     async def Abort(self, request: vllm_engine_pb2.AbortRequest, context):
         self._engine.abort(list(request.request_ids))
@@ -151,7 +175,9 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return server_info_to_proto(backend.info, backend.load(), max_running_sequences=backend.max_running_sequences,
                                     block_size=backend.kv_capacity.block_size,
                                     uptime_seconds=time.time() - self._started,
-                                    last_receive_timestamp=self._last_receive)
+                                    last_receive_timestamp=self._last_receive,
+                                    max_mm_items=self._admission.policy.max_items,
+                                    largest_media_item=self._admission.largest_media_item())
 
     async def GetLoads(self, request: vllm_engine_pb2.GetLoadsRequest, context):
         backend = self._engine

@@ -27,11 +27,12 @@ class FaceOutput:
     matched_stop: str | None = None  # the stop string that ended the choice
 
 
-def _cut(output: ChoiceOutput, hit: StopHit, prompt_tokens: int) -> ChoiceOutput:
+def _cut(output: ChoiceOutput, hit: StopHit, prompt_tokens: int, cached_tokens: int) -> ChoiceOutput:
     # The backend's usage comes with its own last output only; a choice a stop string ended has
-    # none yet. (cached_tokens is then unknown: 0.)
+    # none yet, so its usage is made here, with the prefix-cache hit its first output reported.
     return ChoiceOutput(output.index, output.token_ids[:hit.kept], FinishReason.STOP, None,
-                        Usage(prompt_tokens, hit.completion_tokens), output.logprobs[:hit.kept], output.timings)
+                        Usage(prompt_tokens, hit.completion_tokens, cached_tokens), output.logprobs[:hit.kept],
+                        output.timings)
 
 
 async def face_outputs(outputs: AsyncIterator[ChoiceOutput], *, choices: int, stream: bool, prompt_tokens: int,
@@ -40,13 +41,16 @@ async def face_outputs(outputs: AsyncIterator[ChoiceOutput], *, choices: int, st
     ended: set[int] = set()
     merged: dict[int, ChoiceOutput] = {}
     matched: dict[int, str] = {}
+    cached_tokens = 0  # the request's prefix-cache hit (every choice shares the prompt)
     async for output in outputs:
+        if output.cached_tokens is not None:
+            cached_tokens = max(cached_tokens, output.cached_tokens)
         if output.index in ended:
             continue  # a stop string ended it; the backend is still generating it
         if stops is not None and output.token_ids:
             hit = stops.feed(output.index, output.token_ids)
             if hit is not None:
-                output = _cut(output, hit, prompt_tokens)
+                output = _cut(output, hit, prompt_tokens, cached_tokens)
                 matched[output.index] = hit.stop
         if stream:
             yield FaceOutput(output, matched.get(output.index))

@@ -25,13 +25,14 @@ from tito.errors import FailedPrecondition, InvalidArgument, TitoError, Unavaila
 
 from tito_engine.kv_events import KvEventLog
 from tito_engine.lora_types import LoraAdapterInfo, lora_disabled
-from tito_engine.service.admission import AdmittedRequest, KVCapacity
-from tito_engine.service.backend import LoadSnapshot, check_can_accept
+from tito_engine.backend.admission import AdmittedRequest, KVCapacity
+from tito_engine.backend.interface import LoadSnapshot, check_can_accept
 from tito_engine.multimodal.features import CheckedFeatures
 from tito_engine.model_info import describe_model
 from tito_engine.request import ChoiceOutput
 from tito_engine.vllm.args import check_can_start
-from tito_engine.vllm.inputs import MediaConverter, OutputConverter, engine_input, sampling_params
+from tito_engine.vllm.inputs import (MediaConverter, OutputConverter, engine_input, sampling_params,
+                                     with_kv_transfer_params)
 from tito_engine.vllm.lora import VllmLoraAdapters
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,26 @@ def _short(reason: str, limit: int = 300) -> str:
     return reason[:cut + 1] if cut > 0 else reason[:limit] + "..."
 
 
+def encoder_budget(vllm_config: Any) -> int | None:
+    """vLLM's encoder budget: the most encoder rows one media item may bring and still be
+    scheduled (the lesser of its encoder compute budget and its encoder cache, the "budget of N
+    tokens" of its start-up line; its own front end refuses an item above it), from the helper its
+    front end and model runner share. None for a text model, and when the helper cannot tell: the
+    number is only advertised (GetServerInfo), so it must not stop an engine that serves."""
+    if not vllm_config.model_config.is_multimodal_model:
+        return None
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+    from vllm.multimodal.encoder_budget import MultiModalBudget
+
+    try:
+        budget = MultiModalBudget(vllm_config, MULTIMODAL_REGISTRY, enable_cache=False).get_encoder_budget()
+    except Exception:  # noqa: BLE001 - an unexpected model or config shape: advertise admission's bound alone
+        log.warning("could not read vLLM's encoder budget; GetServerInfo advertises admission's bound alone",
+                    exc_info=True)
+        return None
+    return max(int(budget), 0)
+
+
 def _device_name(vllm_config: Any) -> str:
     from vllm.platforms import current_platform
 
@@ -99,6 +120,7 @@ def _device_name(vllm_config: Any) -> str:
 
 
 class VllmEngine:
+    kv_connector = True  # prefill/decode through the connector vLLM's --kv-transfer-config configures
     """An EngineBackend over vLLM's AsyncLLM (see backend.EngineBackend). It may be built off the
     event loop (the model loads meanwhile); `start()` and every call after run on the serving loop,
     where AsyncLLM starts its output handler."""
@@ -166,6 +188,7 @@ class VllmEngine:
         self.kv_capacity = KVCapacity(
             int(cache_config.num_gpu_blocks or 0), int(cache_config.block_size),
             how_to_grow="give vLLM more KV cache memory (--kv-cache-bytes, or -- --gpu-memory-utilization)")
+        self.media_item_rows_limit = encoder_budget(vllm_config)
         self.on_core_lost: Callable[[], None] | None = None
         # vLLM's engine core does not come back once dead: this replica must be restarted.
         self.on_core_restored: Callable[[], None] | None = None
@@ -244,7 +267,8 @@ class VllmEngine:
                 if request.lora_name:
                     adapter = self._lora.acquire(request.lora_name)  # admission let it through: LoRA is on
                 prompt = self._engine_input(request)
-                params = sampling_params(request.options, self.info.eos_token_ids)
+                params = with_kv_transfer_params(sampling_params(request.options, self.info.eos_token_ids),
+                                                 request.kv_connector_params)
                 stream = self._llm.generate(prompt, params, request_id, lora_request=adapter)
                 async for output in stream:
                     for choice in converter.convert(output):

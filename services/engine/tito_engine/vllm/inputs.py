@@ -8,13 +8,16 @@ the kwargs tensors as the model's `MultiModalKwargsItem`s (vLLM's own field layo
 the item's content id (its mm_hash when trusted) as the identifier vLLM's caches key on, and the
 placeholder ranges with their `is_embed` masks. A metadata-only item is sent without tensors only
 when vLLM's multimodal cache holds it; otherwise it is refused as the native engine refuses it.
-A structured-output constraint becomes vLLM's `StructuredOutputsParams` (`structured_outputs`).
+A structured-output constraint becomes vLLM's `StructuredOutputsParams` (`structured_outputs`);
+a migrated choice under one (prior_output_tokens) is refused: vLLM starts the grammar at the first
+token it generates and cannot be told that the prompt's last ids are output under it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,7 +25,7 @@ from tito.errors import FailedPrecondition
 from tito.structured_output import StructuredOutputSpec, grammar_of
 from tito import tensors
 
-from tito_engine.service.admission import AdmittedRequest
+from tito_engine.backend.admission import AdmittedRequest
 from tito_engine.multimodal.features import TENSORS_REQUIRED, CheckedItem, content_digest
 from tito_engine.request import (ChoiceOutput, FinishReason, PositionLogprobs, RequestTimings, SamplingOptions,
                                   TokenLogprob, Usage)
@@ -32,6 +35,11 @@ _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": Fi
 
 def sampling_params(options: SamplingOptions, eos_token_ids: Sequence[int]) -> Any:
     """vLLM SamplingParams with the contract's meaning of every tito field."""
+    if options.prior_output_tokens and options.structured_output is not None:
+        raise FailedPrecondition(
+            "the vllm backend cannot continue a choice under structured_output (prior_output_tokens): vLLM starts "
+            "the grammar at its first generated token; continue it on a native engine",
+            reason="STRUCTURED_OUTPUT_UNAVAILABLE", field="sampling_params.prior_output_tokens")
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -205,9 +213,25 @@ def request_timings(stats: Any) -> RequestTimings | None:
                           finished=stats.last_token_ts or stats.first_token_ts or stats.queued_ts)
 
 
+def _connector_answer(output: Any) -> dict | None:
+    """vLLM's KV connector's answer (RequestOutput.kv_transfer_params, on the request's last
+    output: a prefill's handoff for the decode engine), as a JSON-safe object."""
+    answer = getattr(output, "kv_transfer_params", None)
+    return json.loads(json.dumps(answer, default=str)) if answer else None
+
+
 def _timings_if_finished(output: Any) -> RequestTimings | None:
     """The request's timings, on the outputs of its last RequestOutput only."""
     return request_timings(getattr(output, "metrics", None)) if getattr(output, "finished", False) else None
+
+
+def with_kv_transfer_params(params: Any, kv_transfer_params: dict | None) -> Any:
+    """`params` carrying vLLM's kv_transfer_params for its KV connector, where vLLM's own servers
+    put them (SamplingParams.extra_args["kv_transfer_params"]; the scheduler's Request reads them
+    there)."""
+    if kv_transfer_params is not None:
+        params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": dict(kv_transfer_params)}
+    return params
 
 
 class OutputConverter:
@@ -223,13 +247,16 @@ class OutputConverter:
         choices = self._convert(output)
         if not _replicated(self._options):
             return choices
-        return [dataclasses.replace(choice, index=index) for choice in choices for index in range(self._options.n)]
+        # The connector's answer is the request's, reported once (choice 0), as the native engine does.
+        return [dataclasses.replace(choice, index=index, kv_connector_params=choice.kv_connector_params if index == 0
+                                    else None) for choice in choices for index in range(self._options.n)]
 
     def _convert(self, output: Any) -> list[ChoiceOutput]:
         choices = []
         for completion in output.outputs:
             index = completion.index
             token_ids = tuple(completion.token_ids)
+            cached = (output.num_cached_tokens or 0) if token_ids and index not in self._generated else None
             if token_ids:
                 self._generated[index] = self._generated.get(index, 0) + len(token_ids)
                 self._last_token[index] = token_ids[-1]
@@ -238,12 +265,13 @@ class OutputConverter:
             if completion.finish_reason and finish is None:
                 finish = FinishReason.ABORT  # vLLM's "error" and any future reason: the choice did not complete
             if finish is None:
-                choices.append(ChoiceOutput(index, token_ids, logprobs=logprobs))
+                choices.append(ChoiceOutput(index, token_ids, logprobs=logprobs, cached_tokens=cached))
                 continue
             matched = self._last_token.get(index) if finish is FinishReason.STOP else None
             usage = Usage(self._prompt_tokens, self._generated.get(index, 0), output.num_cached_tokens or 0)
             choices.append(ChoiceOutput(index, token_ids, finish, matched, usage, logprobs,
-                                        _timings_if_finished(output)))
+                                        _timings_if_finished(output), cached,
+                                        kv_connector_params=_connector_answer(output) if index == 0 else None))
         return choices
 
     def _logprobs(self, token_ids: tuple[int, ...], positions: Any) -> tuple[PositionLogprobs, ...]:

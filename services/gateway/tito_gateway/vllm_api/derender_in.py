@@ -1,5 +1,6 @@
-"""vLLM's derender bodies (`/v1/chat/completions/derender`, `/v1/completions/derender`,
-non-streaming) -> what derender's stream takes: a context, then the engine's responses.
+"""vLLM's derender bodies (`/v1/chat/completions/derender`, `/v1/completions/derender`; the
+streamed ones' own fields are derender_stream's) -> what derender's stream takes: a context,
+then the engine's responses.
 
 Domain code: no HTTP here. vLLM's derender is stateless: the caller sends the generate answer
 back with the original request (`chat_request`, `completion_request`). A completion's context
@@ -31,13 +32,6 @@ CHOICE_FIELDS = frozenset(("index", "finish_reason", "stop_reason", "token_ids",
                            "sampling_mask", "weight_versions", "logprobs"))
 
 
-def check_body(values: dict[str, Any], allowed: frozenset[str]) -> openai_in.Body:
-    if values.get("stream"):
-        raise unsupported("stream", "streamed derender (stream_state) is not supported yet: derender the whole "
-                                    "generate response")
-    return openai_in.Body(values, allowed)
-
-
 def engine_responses(value: Any, where: str, prompt_tokens: int | None) -> list[engine_pb2.GenerateResponse]:
     """A vLLM GenerateTokensResponse -> one finished engine response per choice."""
     if not isinstance(value, dict):
@@ -51,10 +45,14 @@ def engine_responses(value: Any, where: str, prompt_tokens: int | None) -> list[
     if not isinstance(choices, list):
         raise invalid(f"{where}.choices", "must be an array of choices")
     prompt = prompt_tokens if prompt_tokens is not None else 0
-    return [_choice(choice, f"{where}.choices[{i}]", prompt) for i, choice in enumerate(choices)]
+    return [choice_response(choice, f"{where}.choices[{i}]", prompt_tokens=prompt) for i, choice in enumerate(choices)]
 
 
-def _choice(value: Any, where: str, prompt_tokens: int) -> engine_pb2.GenerateResponse:
+def choice_response(value: Any, where: str, prompt_tokens: int = 0, streamed: bool = False
+                    ) -> engine_pb2.GenerateResponse:
+    """One vLLM choice -> an engine response. A whole response's choice is final (its usage:
+    its tokens); a streamed chunk's is final only with a finish reason, and carries no usage, so
+    derender counts the tokens it was sent across calls."""
     if not isinstance(value, dict):
         raise invalid(where, "must be a choice object")
     for key in value:
@@ -63,13 +61,16 @@ def _choice(value: Any, where: str, prompt_tokens: int) -> engine_pb2.GenerateRe
     tokens = value.get("token_ids") or []
     if tokens:
         prompt_ids(tokens, f"{where}.token_ids")
-    reason = openai_in._string(value.get("finish_reason"), f"{where}.finish_reason") or "stop"
-    if reason not in FINISH_REASONS:
+    reason = openai_in._string(value.get("finish_reason"), f"{where}.finish_reason")
+    if reason is None and not streamed:
+        reason = "stop"
+    if reason is not None and reason not in FINISH_REASONS:
         raise invalid(f"{where}.finish_reason", f"must be one of {', '.join(FINISH_REASONS)}")
     response = engine_pb2.GenerateResponse(
         index=openai_in._integer(value.get("index"), f"{where}.index", 0, openai_in.UINT32_MAX) or 0,
-        token_ids=tokens, finish_reason=FINISH_REASONS[reason],
-        usage=engine_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=len(tokens)))
+        token_ids=tokens, finish_reason=FINISH_REASONS[reason] if reason else engine_pb2.FINISH_REASON_UNSPECIFIED)
+    if not streamed:
+        response.usage.CopyFrom(engine_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=len(tokens)))
     stop = value.get("stop_reason")
     if type(stop) is int and stop >= 0:
         response.matched_stop_token_id = stop

@@ -2,11 +2,15 @@
 
 Domain code: no HTTP here. Every field vLLM 0.32 defines is either mapped, accepted where it
 cannot change the tokens (text options, with `output_mode` "tokens"), or refused with a 400
-naming it (`sampling_params.stop`, `content_parts`, `features.kwargs_data`, ...): never silently
-dropped. `sampling_params` holds vLLM's `SamplingParams` names; a field vLLM would not know is a
-400 too. Ranges the engine checks itself (temperature, top_p, logprobs <= 20, ids in the
-vocabulary, placeholders inside the prompt) are left to it, so this face and a gRPC caller are
-refused alike.
+naming it (`sampling_params.stop`, `ec_transfer_params`, ...): never silently dropped.
+`kv_transfer_params` (vLLM's prefill/decode handoff) becomes the engine's typed `kv_transfer`
+(tito.kv_params). Media
+arrive as `features` (hashes and placeholders, with vLLM's serialized tensors in `kwargs_data` /
+`mm_metadata` where the vllm package is installed: mm_serde) or as `content_parts`, which the
+caller (routes) has render render (media). `sampling_params` holds vLLM's `SamplingParams`
+names; a field vLLM would not know is a 400 too. Ranges the engine checks itself (temperature,
+top_p, logprobs <= 20, ids in the vocabulary, placeholders inside the prompt) are left to it, so
+this face and a gRPC caller are refused alike.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from tito import kv_params
 from tito.errors import NotFound
 from tito.v1 import engine_pb2, multimodal_pb2, sampling_pb2
 from tito_gateway import openai_in
 from tito_gateway.openai_in import invalid, unsupported
+from tito_gateway.vllm_api import media, mm_serde
 
 UINT32_MAX = openai_in.UINT32_MAX
 #: vLLM's bound on `cache_salt` (GenerateRequest.cache_salt).
@@ -31,9 +37,6 @@ REQUEST_FIELDS = frozenset((
 
 #: Request fields refused when set (not null), with why.
 REFUSED_FIELDS = {
-    "content_parts": "media the server resolves is not supported on this gateway; render the chat "
-                     "(/v1/chat/completions/render) and send its token_ids and features",
-    "kv_transfer_params": "KV transfer between engines is not supported by tito's engines yet",
     "ec_transfer_params": "encoder-cache transfer parameters are not supported; send features the engine holds",
 }
 
@@ -89,6 +92,8 @@ class GenerateCall:
     logprobs: int | None = None  # vLLM's count: None no logprobs, k the sampled token and k-1 others
     return_token_ids: bool = False
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    #: vLLM's content_parts as OpenAI content parts, for render to render (None: no such media)
+    content_parts: list[dict] | None = None
 
 
 def parse_generate(values: dict[str, Any], served_model: str) -> GenerateCall:
@@ -112,6 +117,10 @@ def parse_generate(values: dict[str, Any], served_model: str) -> GenerateCall:
     body.boolean("reasoning_ended")  # vLLM's engine-side reasoning gate; render already wrapped any constraint
     body.obj("reasoning_parser_kwargs")
     request = engine_pb2.GenerateRequest(token_ids=prompt_ids(values.get("token_ids"), "token_ids"))
+    if values.get("kv_transfer_params") is not None:
+        transfer = kv_params.kv_transfer_from_params(values["kv_transfer_params"])
+        if transfer is not None:
+            request.kv_transfer.CopyFrom(transfer)
     request_id = body.string("request_id")
     if request_id:
         request.request_id = request_id
@@ -121,6 +130,9 @@ def parse_generate(values: dict[str, Any], served_model: str) -> GenerateCall:
             raise invalid("cache_salt", f"must hold 1 to {MAX_CACHE_SALT_CHARS} characters")
         request.cache_salt = salt
     features = body.obj("features")
+    parts = values.get("content_parts")
+    if parts and features:
+        raise invalid("content_parts", "content_parts and features are mutually exclusive")
     if features is not None:
         request.mm_features.CopyFrom(parse_features(features, len(request.token_ids)))
     sampling = body.obj("sampling_params")
@@ -137,7 +149,8 @@ def parse_generate(values: dict[str, Any], served_model: str) -> GenerateCall:
     continuous = bool(openai_in._boolean(options.get("continuous_usage_stats"),
                                          "stream_options.continuous_usage_stats"))
     return GenerateCall(request, model, stream, include_usage, include_usage and continuous, logprobs,
-                        bool(body.boolean("return_token_ids")), frozenset(params.stop_token_ids))
+                        bool(body.boolean("return_token_ids")), frozenset(params.stop_token_ids),
+                        media.chat_parts(parts) if parts else None)
 
 
 def prompt_ids(value: Any, name: str) -> list[int]:
@@ -227,43 +240,65 @@ def parse_structured(values: dict[str, Any]) -> sampling_pb2.StructuredOutput:
     return out
 
 
-def parse_features(values: dict[str, Any], prompt_length: int) -> multimodal_pb2.MultiModalFeatures:
+def parse_features(values: dict[str, Any], prompt_length: int, name: str = "features"
+                   ) -> multimodal_pb2.MultiModalFeatures:
     """vLLM's MultiModalFeatures (per-modality parallel lists) -> the engine's items in prompt
-    order, hashes and placeholders only: items the engine holds in its caches. vLLM's serialized
-    tensors (`kwargs_data`, `mm_metadata`: msgpack of its own classes) are refused."""
-    for name in values:
-        if name not in ("mm_hashes", "mm_placeholders", "kwargs_data", "mm_metadata"):
-            raise unsupported(f"features.{name[:64]}", "unknown field of vLLM's MultiModalFeatures")
-    for name in ("kwargs_data", "mm_metadata"):
-        lists = values.get(name)
-        if lists is not None and (not isinstance(lists, dict)
-                                  or any(item is not None for items in lists.values() for item in items or ())):
-            raise unsupported(f"features.{name}", "vLLM's serialized tensors are not supported: send features "
-                                                  "whose items the engine holds (hashes and placeholders only)")
+    order. An item with `kwargs_data` carries its tensors (the engine runs the encoder); one
+    with `mm_metadata` only, or neither, is tito's METADATA path: the engine serves it from its
+    encoder cache (the caller fills in metadata it kept for a hashes-only item: media.KeptMetadata).
+    `name`: the field they came in, for the errors."""
+    for key in values:
+        if key not in ("mm_hashes", "mm_placeholders", "kwargs_data", "mm_metadata"):
+            raise unsupported(f"{name}.{key[:64]}", "unknown field of vLLM's MultiModalFeatures")
     hashes, places = values.get("mm_hashes"), values.get("mm_placeholders")
     if not isinstance(hashes, dict) or not isinstance(places, dict):
-        raise invalid("features", "needs mm_hashes and mm_placeholders, each an object of per-modality arrays")
+        raise invalid(name, "needs mm_hashes and mm_placeholders, each an object of per-modality arrays")
     if set(hashes) != set(places):
-        raise invalid("features.mm_placeholders", "mm_hashes and mm_placeholders must use the same modalities")
+        raise invalid(f"{name}.mm_placeholders", "mm_hashes and mm_placeholders must use the same modalities")
+    serialized = {key: _serialized_lists(values.get(key), f"{name}.{key}", hashes)
+                  for key in ("kwargs_data", "mm_metadata")}
     items = []
     for modality, modality_hashes in hashes.items():
-        where = f"features.mm_hashes.{modality[:32]}"
+        where = f"{name}.mm_hashes.{modality[:32]}"
         if modality not in MODALITIES:
             raise unsupported(where, f"modality {modality[:32]!r} is not one of {', '.join(MODALITIES)}")
         ranges = places[modality]
         if not isinstance(modality_hashes, list) or not isinstance(ranges, list) or len(modality_hashes) != len(ranges):
-            raise invalid(f"features.mm_placeholders.{modality}",
+            raise invalid(f"{name}.mm_placeholders.{modality}",
                           f"{modality} mm_hashes and mm_placeholders must be arrays of the same length")
         for index, (mm_hash, place) in enumerate(zip(modality_hashes, ranges)):
-            at = f"features.mm_placeholders.{modality}[{index}]"
-            items.append(multimodal_pb2.MultiModalItem(
+            at = f"{name}.mm_placeholders.{modality}[{index}]"
+            item = multimodal_pb2.MultiModalItem(
                 modality=MODALITIES[modality], mm_hash=openai_in._string(mm_hash, f"{where}[{index}]", True),
-                placeholder=_placeholder(place, at, prompt_length)))
+                placeholder=_placeholder(place, at, prompt_length))
+            for key, lists in serialized.items():
+                data = lists.get(modality, [None] * len(ranges))[index] if lists else None
+                if data is not None:
+                    kwargs, metadata = mm_serde.decode_item(data, f"{name}.{key}.{modality}[{index}]")
+                    for key, tensor in kwargs.items():
+                        item.kwargs[key].CopyFrom(tensor)
+                    for key, tensor in metadata.items():
+                        item.metadata[key].CopyFrom(tensor)
+            items.append(item)
     items.sort(key=lambda item: item.placeholder.offset)
     for before, after in zip(items, items[1:]):
         if after.placeholder.offset < before.placeholder.offset + before.placeholder.length:
-            raise invalid("features.mm_placeholders", "mm_placeholders must be globally non-overlapping")
+            raise invalid(f"{name}.mm_placeholders", "mm_placeholders must be globally non-overlapping")
     return multimodal_pb2.MultiModalFeatures(items=items)
+
+
+def _serialized_lists(lists: Any, name: str, hashes: dict) -> dict[str, list]:
+    """`kwargs_data` / `mm_metadata` (`name` their field): per-modality arrays parallel to
+    `mm_hashes` (or null)."""
+    if lists is None:
+        return {}
+    if not isinstance(lists, dict) or set(lists) != set(hashes):
+        raise invalid(name, "must be an object using the same modalities as mm_hashes")
+    for modality, entries in lists.items():
+        expected = hashes[modality]
+        if not isinstance(entries, list) or not isinstance(expected, list) or len(entries) != len(expected):
+            raise invalid(f"{name}.{modality[:32]}", "must have as many entries as mm_hashes")
+    return lists
 
 
 def _placeholder(value: Any, where: str, prompt_length: int) -> multimodal_pb2.PlaceholderRange:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from tito.v1 import engine_pb2, multimodal_pb2
+from tito_gateway.vllm_api import mm_serde
 from tito_gateway.vllm_api.generate_in import GenerateCall
 
 FINISH_REASONS = {engine_pb2.FINISH_REASON_STOP: "stop", engine_pb2.FINISH_REASON_LENGTH: "length",
@@ -67,6 +68,8 @@ class Whole:
         self.call = call
         self.choices: dict[int, WholeChoice] = {}
         self.prompt_tokens = 0
+        #: a prefill answer's handoff for the decode call (tito.kv_params), None otherwise
+        self.kv_transfer_params: dict | None = None
 
     def add(self, response: engine_pb2.GenerateResponse) -> None:
         choice = self.choices.setdefault(response.index, WholeChoice())
@@ -95,7 +98,7 @@ class Whole:
                 "prompt_token_id_logprobs": None,
                 "prompt_token_ids": list(call.request.token_ids) if call.return_token_ids else None,
                 "mm_placeholders": placeholders_json(call.request) if call.return_token_ids else None,
-                "metrics": None, "kv_transfer_params": None, "ec_transfer_params": None,
+                "metrics": None, "kv_transfer_params": self.kv_transfer_params, "ec_transfer_params": None,
                 "output_mode": "tokens", "choices": choices}
 
 
@@ -110,12 +113,16 @@ MODALITY_NAMES = {multimodal_pb2.MODALITY_IMAGE: "image", multimodal_pb2.MODALIT
                   multimodal_pb2.MODALITY_AUDIO: "audio"}
 
 
-def features_json(features: multimodal_pb2.MultiModalFeatures) -> dict:
+def features_json(features: multimodal_pb2.MultiModalFeatures, with_tensors: bool = False) -> dict:
     """tito's items (prompt order) -> vLLM's MultiModalFeatures: per-modality lists of hashes
-    and placeholders, no serialized tensors. A placeholder carries `is_embed` where tito has the
-    mask (vLLM's field is pending: its PlaceholderRangeInfo leaves it as a TODO)."""
+    and placeholders; with `with_tensors` (render's `mm_payload` "tensors") also each item's
+    tensors and its metadata alone in vLLM's serialized form (`kwargs_data`, `mm_metadata`:
+    mm_serde). A placeholder carries `is_embed` where tito has the mask (vLLM's field is
+    pending: its PlaceholderRangeInfo leaves it as a TODO; carried as its open change adds it)."""
     hashes: dict[str, list[str]] = {}
     places: dict[str, list[dict]] = {}
+    kwargs_data: dict[str, list[str | None]] = {}
+    metadata: dict[str, list[str | None]] = {}
     for item in features.items:
         modality = MODALITY_NAMES.get(item.modality, "image")
         hashes.setdefault(modality, []).append(item.mm_hash)
@@ -123,7 +130,13 @@ def features_json(features: multimodal_pb2.MultiModalFeatures) -> dict:
         if item.placeholder.is_embed:
             place["is_embed"] = list(item.placeholder.is_embed)
         places.setdefault(modality, []).append(place)
-    return {"mm_hashes": hashes, "mm_placeholders": places, "kwargs_data": None, "mm_metadata": None}
+        if with_tensors:
+            kwargs_data.setdefault(modality, []).append(
+                mm_serde.encode_item(item.kwargs, item.metadata) if item.kwargs else None)
+            metadata.setdefault(modality, []).append(mm_serde.encode_item({}, item.metadata) if item.metadata else None)
+    has_metadata = any(entry is not None for entries in metadata.values() for entry in entries)
+    return {"mm_hashes": hashes, "mm_placeholders": places, "kwargs_data": kwargs_data or None,
+            "mm_metadata": metadata if has_metadata else None}
 
 
 class Stream:
@@ -136,8 +149,11 @@ class Stream:
         self.generated: dict[int, int] = {}
         self.first = True
 
-    def chunk(self, response: engine_pb2.GenerateResponse) -> dict | None:
-        """The chunk for one engine message, None when it carries neither tokens nor an end."""
+    def chunk(self, response: engine_pb2.GenerateResponse, kv_transfer_params: dict | None = None) -> dict | None:
+        """The chunk for one engine message, None when it carries neither tokens nor an end.
+        `kv_transfer_params`: a prefill answer's handoff, on the chunk that ends it (vLLM's streamed
+        generate has no such field and drops its connector's answer; tito adds it so a router
+        that streams the prefill call can still decode elsewhere)."""
         call = self.call
         if response.usage.prompt_tokens:
             self.prompt_tokens = response.usage.prompt_tokens
@@ -161,6 +177,8 @@ class Stream:
             "token_ids": list(response.token_ids), "routed_experts": None, "sampling_mask": None,
             "weight_versions": None,
             "logprobs": logprobs_json(response.logprobs, call.logprobs) if call.logprobs is not None else None}]
+        if kv_transfer_params is not None:
+            out["kv_transfer_params"] = kv_transfer_params
         return out
 
     def final(self) -> dict | None:

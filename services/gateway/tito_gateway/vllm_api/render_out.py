@@ -4,8 +4,9 @@
 Domain code: no HTTP here. `sampling_params` holds render's resolved values under vLLM's
 `SamplingParams` names, only those that differ from vLLM's defaults (as vLLM dumps them); the
 string options (stop strings, skip_special_tokens, ...) come from derender's context, where
-render puts them. Media items are hashes and placeholders only (`kwargs_data` and `mm_metadata`
-null): vLLM's serialized tensors are msgpack of vLLM's own classes, which tito does not write."""
+render puts them. Media items are hashes and placeholders, with each item's tensors in vLLM's
+serialized form when the caller asked for them (`mm_payload` "tensors", written with vLLM's own
+serializer: mm_serde)."""
 
 from __future__ import annotations
 
@@ -67,10 +68,11 @@ def structured_json(constraint: sampling_pb2.StructuredOutput) -> dict:
 
 
 def generate_request_json(request: engine_pb2.GenerateRequest, context: derender_pb2.DerenderContext,
-                          model: str, stream: bool, stream_options: dict | None) -> dict:
+                          model: str, stream: bool, stream_options: dict | None, with_tensors: bool = False) -> dict:
     """vLLM's GenerateRequest for one rendered request (fields in vLLM's order)."""
+    features = features_json(request.mm_features, with_tensors) if request.mm_features.items else None
     return {"request_id": request.request_id, "token_ids": list(request.token_ids), "token_offsets": None,
-            "features": features_json(request.mm_features) if request.mm_features.items else None,
+            "features": features,
             "content_parts": None, "sampling_params": sampling_json(request.sampling_params, context.text_options),
             "model": model, "reasoning_ended": None, "reasoning_parser_kwargs": None, "return_token_ids": None,
             "output_mode": "tokens", "stream": stream, "stream_options": stream_options if stream else None,

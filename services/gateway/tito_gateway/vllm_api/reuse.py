@@ -3,8 +3,10 @@ a router that rendered the chat already forwards its token ids, and the chat run
 
 Domain code: no HTTP here. The ids are checked as vLLM 0.32 checks them (a non-empty list of
 JSON integers >= 0, exact types: `true` and `1.0` are refused; a 400 naming
-`kv_transfer_params.prompt_token_ids`), and ignored, the chat rendered, where vLLM ignores them:
-a chat with media (vLLM 0.32 renders it; it has no forwarded features yet).
+`kv_transfer_params.prompt_token_ids`). A chat with media runs on them only with its features
+forwarded too (`kv_transfer_params.prompt_features`, vLLM's MultiModalFeatures shape: hashes and
+placeholders, with vLLM's serialized tensors where the vllm package is installed, or hashes only
+for items the engine holds); without them it is rendered and the ids ignored, as vLLM 0.32 does.
 
 The gateway has no tokenizer, template or parser of its own, so derender's context (parsers,
 thinking switch, tools, stop strings) and the resolved sampling come from a render answer: the
@@ -21,11 +23,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from tito.v1 import render_pb2
+from tito.v1 import multimodal_pb2, render_pb2
 from tito_gateway.openai_in import ChatCall, invalid, unsupported
 from tito_gateway.vllm_api.derender_in import PROMPT_TAIL
+from tito_gateway.vllm_api.generate_in import parse_features
 
 FIELD = "kv_transfer_params.prompt_token_ids"
+FEATURES_FIELD = "kv_transfer_params.prompt_features"
 #: Body fields that change neither render's answer nor derender's context.
 NOT_IN_KEY = frozenset(("kv_transfer_params", "stream", "stream_options", "request_id", "mm_payload", "priority",
                         "user", "metadata", "service_tier", "store"))
@@ -39,10 +43,20 @@ class ReusedChatCall(ChatCall):
 
     prompt_ids: tuple[int, ...] = ()
     key: str = ""
+    #: the forwarded media features (None: a text chat)
+    features: multimodal_pb2.MultiModalFeatures | None = None
 
 
-def split_forwarded_ids(values: dict[str, Any]) -> tuple[dict[str, Any], list[int] | None]:
-    """The body without `kv_transfer_params`, and the ids to reuse (None: render the chat)."""
+@dataclass(frozen=True)
+class Forwarded:
+    """What `kv_transfer_params` forwards: the prompt's ids and, for media, its features."""
+
+    ids: list[int]
+    features: multimodal_pb2.MultiModalFeatures | None = None
+
+
+def split_forwarded(values: dict[str, Any]) -> tuple[dict[str, Any], Forwarded | None]:
+    """The body without `kv_transfer_params`, and what to reuse (None: render the chat)."""
     params = values.get("kv_transfer_params")
     rest = {key: value for key, value in values.items() if key != "kv_transfer_params"}
     if params is None:
@@ -50,16 +64,26 @@ def split_forwarded_ids(values: dict[str, Any]) -> tuple[dict[str, Any], list[in
     if not isinstance(params, dict):
         raise invalid("kv_transfer_params", "must be an object")
     for key in params:
-        if key != "prompt_token_ids":
-            raise unsupported(f"kv_transfer_params.{key[:64]}", "KV transfer between engines is not supported by "
-                                                                "tito's engines yet")
-    ids = params.get("prompt_token_ids")
-    if ids is None or _has_media(values.get("messages")):
+        if key not in ("prompt_token_ids", "prompt_features"):
+            raise unsupported(f"kv_transfer_params.{key[:64]}", "prefill/decode on the chat endpoint is not "
+                                                                "served: split a rendered request with "
+                                                                "/inference/v1/generate's kv_transfer_params")
+    ids, features = params.get("prompt_token_ids"), params.get("prompt_features")
+    if ids is None:
+        if features is not None:
+            raise invalid(FEATURES_FIELD, "needs kv_transfer_params.prompt_token_ids, the ids its placeholders "
+                                          "point into")
         return rest, None
+    if features is None and _has_media(values.get("messages")):
+        return rest, None  # vLLM 0.32 renders a media chat whose features are not forwarded
     # bool is an int subclass, hence the exact type check (as vLLM's).
     if not isinstance(ids, list) or not ids or any(type(token) is not int or token < 0 for token in ids):
         raise invalid(FIELD, "must be a non-empty list of non-negative integers")
-    return rest, ids
+    if features is None:
+        return rest, Forwarded(ids)
+    if not isinstance(features, dict):
+        raise invalid(FEATURES_FIELD, "must be an object in vLLM's MultiModalFeatures shape")
+    return rest, Forwarded(ids, parse_features(features, len(ids), FEATURES_FIELD))
 
 
 def _has_media(messages: Any) -> bool:
@@ -89,7 +113,10 @@ class RenderedChats:
 
     def put(self, key: str, rendered: render_pb2.RenderChatResponse) -> None:
         entry = _ids_key(key, rendered.generate_request.token_ids)
-        self._entries[entry] = rendered.SerializeToString()
+        kept = render_pb2.RenderChatResponse()
+        kept.CopyFrom(rendered)
+        kept.generate_request.ClearField("mm_features")  # a reuse brings its own (prompt_features)
+        self._entries[entry] = kept.SerializeToString()
         self._entries.move_to_end(entry)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)

@@ -17,17 +17,19 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Container
 
+import grpc
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from tito import kv_params
 from tito.errors import InvalidArgument, ResourceExhausted, TitoError
 from tito.logs import bind_request_id
 from tito.v1 import derender_pb2, multimodal_pb2
 from tito_gateway import openai_in, openai_out
 from tito_gateway.errors import HttpError, from_exception
-from tito_gateway.vllm_api import (derender_in, generate_in, generate_out, messages_in, render_out, responses_in,
-                                   reuse, shapes)
+from tito_gateway.vllm_api import (derender_in, derender_stream, generate_in, generate_out, media, messages_in,
+                                   mm_serde, render_out, responses_in, reuse, shapes)
 
 #: The prefix vLLM gives a generate's request id in its answer (`generate-tokens-<id>`).
 GENERATE_PREFIX = "generate-tokens-"
@@ -40,6 +42,10 @@ SAMPLING_PARAMS = {"temperature", "top_p", "top_k", "min_p", "seed", "n", "max_t
                    "logprobs"}
 
 Handler = Callable[[Request, dict, str], Awaitable[Response]]
+
+
+#: The engine's field path of a decode request's handle (tito.v1 KvTransfer).
+KV_HANDLE = "kv_transfer.decode.handle"
 
 
 def dumps(value) -> bytes:
@@ -58,7 +64,13 @@ def vllm_param(param: str | None) -> str | None:
         return "sampling_params.structured_outputs" + param[len("structured_output"):]
     if param.startswith("mm_features"):
         return "features"
-    return param
+    if param.startswith(kv_params.FIELD):  # named in vLLM's terms already (tito.kv_params)
+        return param
+    if param.startswith(KV_HANDLE):  # the engine refused the handle kv_transfer_params carried
+        return f"{kv_params.FIELD}.{kv_params.HANDLE_KEY}{param[len(KV_HANDLE):]}"
+    if param.startswith("kv_transfer"):
+        return kv_params.FIELD
+    return media.render_param(param)
 
 
 def error_response(error: HttpError, headers: dict | None = None, param: str | None = None) -> Response:
@@ -72,6 +84,7 @@ class VllmApi:
     def __init__(self, gateway) -> None:
         self.gateway = gateway
         self.rendered_chats = reuse.RenderedChats()  # the render endpoint's answers, for the reuse path
+        self.kept_metadata = media.KeptMetadata()  # items' metadata by hash, for hashes-only features
 
     @property
     def pipeline(self):
@@ -127,7 +140,7 @@ class VllmApi:
             self._count(name, str(error.status), started)
             # The gateway's own refusals name vLLM's field already; a service's is translated.
             if isinstance(exc, TitoError):
-                param = exc.field
+                param = media.render_param(exc.field) if name == "generate" else exc.field
             else:
                 param = vllm_param(error.param) if name == "generate" else None
             return error_response(error, headers, param)
@@ -146,49 +159,62 @@ class VllmApi:
     # -- render ------------------------------------------------------------------------------------
 
     @staticmethod
-    def _render_options(values: dict) -> tuple[dict, str | None]:
-        """vLLM's render-only parameters taken out of `values` (the rest is an OpenAI body)."""
+    def _render_options(values: dict) -> tuple[dict, str | None, bool]:
+        """vLLM's render-only parameters taken out of `values` (the rest is an OpenAI body): the
+        request id, and whether media items carry their tensors (`mm_payload`, vLLM's default
+        "tensors")."""
         rest = {key: value for key, value in values.items() if key not in RENDER_ONLY}
         payload = openai_in._string(values.get("mm_payload"), "mm_payload")
         if payload is not None and payload not in MM_PAYLOADS:
             raise openai_in.invalid("mm_payload", f"must be one of {', '.join(MM_PAYLOADS)}")
         if openai_in._integer(values.get("priority"), "priority", -(2**63), 2**63 - 1):
             raise openai_in.unsupported("priority", "tito's engines schedule first come, first served")
-        return rest, openai_in._string(values.get("request_id"), "request_id")
+        return rest, openai_in._string(values.get("request_id"), "request_id"), payload != "none"
 
     async def render_chat(self, request: Request, values: dict, rid: str) -> Response:
-        rest, given_id = self._render_options(values)
-        return await self._render_chat(rest, f"chatcmpl-{given_id or rid}", values.get("stream_options"))
+        rest, given_id, tensors = self._render_options(values)
+        return await self._render_chat(rest, f"chatcmpl-{given_id or rid}", values.get("stream_options"), tensors)
 
     async def render_messages(self, request: Request, values: dict, rid: str) -> Response:
         """Anthropic's Messages body, rendered as the chat vLLM converts it to (messages_in)."""
-        rest, given_id = self._render_options(values)
-        return await self._render_chat(messages_in.to_chat(rest), f"chatcmpl-{given_id or rid}", None)
+        rest, given_id, tensors = self._render_options(values)
+        return await self._render_chat(messages_in.to_chat(rest), f"chatcmpl-{given_id or rid}", None, tensors)
 
     async def render_responses(self, request: Request, values: dict, rid: str) -> Response:
         """OpenAI's Responses body, rendered as the chat vLLM builds for it (responses_in); the
         request id is `resp_<id>`, as vLLM names a response."""
-        rest, given_id = self._render_options(values)
-        return await self._render_chat(responses_in.to_chat(rest), f"resp_{given_id or rid}", None)
+        rest, given_id, tensors = self._render_options(values)
+        return await self._render_chat(responses_in.to_chat(rest), f"resp_{given_id or rid}", None, tensors)
 
-    async def _render_chat(self, chat: dict, request_id: str, stream_options: dict | None) -> Response:
-        """An OpenAI chat body through render, answered as vLLM's GenerateRequest."""
+    async def _render_chat(self, chat: dict, request_id: str, stream_options: dict | None,
+                           wants_tensors: bool) -> Response:
+        """An OpenAI chat body through render, answered as vLLM's GenerateRequest. Render is
+        asked for tensors only when they go into the answer (vLLM's serialized form, which
+        needs the vllm package); else for metadata. Either way each item's metadata is kept by
+        hash, for hashes-only generates."""
         call = openai_in.parse_chat(chat, await self.gateway.served_model(),
                                     await self.gateway.adapter_names(chat))
-        # Hashes and placeholders only: vLLM's serialized tensors are not tito's to write.
-        call.request.mm_payload = multimodal_pb2.MM_PAYLOAD_NONE
+        call.request.mm_payload = (multimodal_pb2.MM_PAYLOAD_TENSORS if wants_tensors
+                                   else multimodal_pb2.MM_PAYLOAD_METADATA)
         call.request.request_id = request_id
         pipeline = self.pipeline
         rendered = await pipeline.render.RenderChat(call.request, timeout=pipeline.timeout,
                                                     metadata=pipeline._metadata)
-        if not rendered.generate_request.mm_features.items:  # a media chat is rendered again, as vLLM does
-            self.rendered_chats.put(reuse.chat_key(chat), rendered)
+        items = rendered.generate_request.mm_features.items
+        # Only a media chat needs vLLM's serializer (importing vLLM takes seconds: text never pays it).
+        tensors = bool(items) and wants_tensors and mm_serde.available()
+        if items and wants_tensors and not tensors:
+            raise openai_in.unsupported("mm_payload", "media tensors in vLLM's serialized form need the vllm "
+                                                      "package on the gateway; send mm_payload \"none\" (hashes "
+                                                      "and placeholders), or generate with content_parts")
+        self.kept_metadata.keep(items)
+        self.rendered_chats.put(reuse.chat_key(chat), rendered)
         body = render_out.generate_request_json(rendered.generate_request, rendered.derender_context, call.model,
-                                                call.stream.stream, stream_options)
+                                                call.stream.stream, stream_options, tensors)
         return Response(dumps(body), media_type="application/json")
 
     async def render_completion(self, request: Request, values: dict, rid: str) -> Response:
-        rest, given_id = self._render_options(values)
+        rest, given_id, _ = self._render_options(values)  # a prompt has no media
         call = openai_in.parse_completion(rest, await self.gateway.served_model(),
                                           await self.gateway.adapter_names(rest))
         if call.echo:
@@ -209,12 +235,12 @@ class VllmApi:
     def parse_chat(self, values: dict, served_model: str, adapters: Container[str] = ()) -> openai_in.ChatCall:
         """openai_in.parse_chat (`adapters`: the LoRA adapters `model` may name), plus vLLM's
         `kv_transfer_params.prompt_token_ids` (reuse.py)."""
-        rest, ids = reuse.split_forwarded_ids(values)
+        rest, forwarded = reuse.split_forwarded(values)
         call = openai_in.parse_chat(rest, served_model, adapters)
-        if ids is None:
+        if forwarded is None:
             return call
-        return reuse.ReusedChatCall(call.model, call.request, call.stream, call.logprobs, tuple(ids),
-                                    reuse.chat_key(rest))
+        return reuse.ReusedChatCall(call.model, call.request, call.stream, call.logprobs, tuple(forwarded.ids),
+                                    reuse.chat_key(rest), forwarded.features)
 
     async def reused_chunks(self, call: reuse.ReusedChatCall, on_generating=None) -> AsyncIterator:
         """The chat's chunks on its forwarded ids: the render answer the render endpoint kept for
@@ -227,9 +253,14 @@ class VllmApi:
         rendered = self.rendered_chats.get(call.key, call.prompt_ids)
         if rendered is None:
             pipeline = self.pipeline
+            call.request.mm_payload = multimodal_pb2.MM_PAYLOAD_NONE  # the media come forwarded
             rendered = await pipeline.render.RenderChat(call.request, timeout=pipeline.timeout,
                                                         metadata=pipeline._metadata)
         reuse.with_forwarded_ids(rendered, call.prompt_ids, call.request.request_id)
+        rendered.generate_request.ClearField("mm_features")
+        if call.features is not None:
+            self.kept_metadata.fill(call.features.items)
+            rendered.generate_request.mm_features.CopyFrom(call.features)
         # This chat's stream options, not those of the render call that made the kept answer.
         rendered.derender_context.usage_in_every_chunk = call.request.usage_in_every_chunk
         async for chunk in self.pipeline.stream_rendered(rendered, on_generating):
@@ -241,6 +272,10 @@ class VllmApi:
         call = generate_in.parse_generate(values, await self.gateway.served_model())
         if not call.request.request_id:
             call.request.request_id = rid
+        if call.content_parts is not None:
+            await self._render_content_parts(call)
+        else:
+            self.kept_metadata.fill(call.request.mm_features.items)
         response_id = GENERATE_PREFIX + call.request.request_id
         model = call.model or await self.gateway.served_model()
         responses = self.pipeline.generate(call.request)
@@ -251,9 +286,39 @@ class VllmApi:
         async def collect() -> None:
             async for response in responses:
                 whole.add(response)
+                whole.kv_transfer_params = self._handoff(call, response) or whole.kv_transfer_params
 
         await _unless_gone(request, collect())
         return Response(dumps(whole.json(response_id, model)), media_type="application/json")
+
+    def _handoff(self, call: generate_in.GenerateCall, response) -> dict | None:
+        """A prefill answer's `kv_transfer_params`: a vllm-backend engine's connector answer as it
+        is, or (tito.kv_params) tito's handle and the address of the engine that holds the KV,
+        which the decode engine pulls from."""
+        if response.kv_connector_params_json:
+            return json.loads(response.kv_connector_params_json)
+        if not response.HasField("kv_transfer_handle"):
+            return None
+        address = self.pipeline.engine_address(call.request.request_id)
+        return kv_params.params_from_handle(response.kv_transfer_handle, address or "")
+
+    async def _render_content_parts(self, call: generate_in.GenerateCall) -> None:
+        """vLLM's `content_parts`: render renders the media (a one-message chat of those parts,
+        with tensors) and its items are placed in the caller's token ids (media.place_items)."""
+        served = await self.gateway.served_model()
+        chat = openai_in.parse_chat({"model": served, "messages": [{"role": "user", "content": call.content_parts}]},
+                                    served)
+        chat.request.mm_payload = multimodal_pb2.MM_PAYLOAD_TENSORS
+        chat.request.request_id = call.request.request_id
+        pipeline = self.pipeline
+        rendered = await pipeline.render.RenderChat(chat.request, timeout=pipeline.timeout,
+                                                    metadata=pipeline._metadata)
+        items = rendered.generate_request.mm_features.items
+        ids, placed = media.place_items(call.request.token_ids, rendered.generate_request.token_ids, items)
+        self.kept_metadata.keep(items)
+        del call.request.token_ids[:]
+        call.request.token_ids.extend(ids)
+        call.request.mm_features.CopyFrom(multimodal_pb2.MultiModalFeatures(items=placed))
 
     async def _generate_stream(self, call, response_id: str, responses: AsyncIterator) -> Response:
         started = time.monotonic()
@@ -273,7 +338,7 @@ class VllmApi:
         try:
             response = first
             while response is not None:
-                chunk = shape.chunk(response)
+                chunk = shape.chunk(response, self._handoff(shape.call, response))
                 if chunk is not None:
                     yield b"data: " + dumps(chunk) + b"\n\n"
                 response = await _next_or_none(responses)
@@ -310,41 +375,130 @@ class VllmApi:
     # -- derender ----------------------------------------------------------------------------------
 
     async def derender_chat(self, request: Request, values: dict, rid: str) -> Response:
-        body = derender_in.check_body(values, derender_in.CHAT_FIELDS)
+        if derender_stream.is_streamed(values):
+            return await self.derender_chat_chunk(values, rid)
+        body = openai_in.Body(values, derender_in.CHAT_FIELDS)
         served = await self.gateway.served_model()
         model = body.string("model") or served
         generated = values.get("generate_response")
         prompt_tokens = body.integer("prompt_tokens", 0, openai_in.UINT32_MAX)
         responses = derender_in.engine_responses(generated, "generate_response", prompt_tokens)
         seed = derender_in.seed_ids(values, generated, "generate_response")
-        chat_values = body.obj("chat_request")
         logprobs = any(response.logprobs for response in responses)
-        if chat_values is not None:
-            call = openai_in.parse_chat(chat_values, served, await self.gateway.adapter_names(chat_values))
-            call.request.mm_payload = multimodal_pb2.MM_PAYLOAD_NONE  # derender needs no tensors
-            pipeline = self.pipeline
-            rendered = await pipeline.render.RenderChat(call.request, timeout=pipeline.timeout,
-                                                        metadata=pipeline._metadata)
-            context = rendered.derender_context
-            context.n = max(context.n, len(responses))
-            context.prompt_tokens = prompt_tokens or 0
-            logprobs = call.logprobs
-        else:
-            info = await self.gateway.model_info()
-            if info.reasoning_parser or info.tool_parser:
-                raise openai_in.invalid("chat_request", "chat_request is required when a tool or reasoning parser "
-                                                        "is configured because plain detokenization would leak raw "
-                                                        "parser markup into content.")
-            context = derender_in.plain_context(generated.get("request_id", ""), seed, prompt_tokens or 0,
-                                                len(responses), logprobs)
+        context, logprobs = await self._chat_context(body, generated.get("request_id", ""), seed, prompt_tokens,
+                                                     len(responses), logprobs)
         assembled = openai_out.Assembled()
         await self._derender(context, responses, assembled, 0, 1)
         response_id = generated.get("request_id") or f"chatcmpl-{rid}"
         return Response(dumps(openai_out.chat_completion(response_id, model, assembled, logprobs)),
                         media_type="application/json")
 
+    async def _chat_context(self, body: openai_in.Body, request_id: str, seed: list[int], prompt_tokens: int | None,
+                            n: int, logprobs: bool) -> tuple[derender_pb2.DerenderContext, bool]:
+        """Derender's context for a chat: render's for `chat_request` (its parsers, tools and
+        thinking switch), else a plain one where no parser is configured; and whether the
+        answer carries logprobs."""
+        chat_values = body.obj("chat_request")
+        if chat_values is not None:
+            call = openai_in.parse_chat(chat_values, await self.gateway.served_model(),
+                                        await self.gateway.adapter_names(chat_values))
+            call.request.mm_payload = multimodal_pb2.MM_PAYLOAD_NONE  # derender needs no tensors
+            pipeline = self.pipeline
+            rendered = await pipeline.render.RenderChat(call.request, timeout=pipeline.timeout,
+                                                        metadata=pipeline._metadata)
+            context = rendered.derender_context
+            context.n = max(context.n, n)
+            context.prompt_tokens = prompt_tokens or 0
+            return context, call.logprobs
+        info = await self.gateway.model_info()
+        if info.reasoning_parser or info.tool_parser:
+            raise openai_in.invalid("chat_request", "chat_request is required when a tool or reasoning parser "
+                                                    "is configured because plain detokenization would leak raw "
+                                                    "parser markup into content.")
+        return derender_in.plain_context(request_id, seed, prompt_tokens or 0, n, logprobs), logprobs
+
+    async def derender_chat_chunk(self, values: dict, rid: str) -> Response:
+        """One chunk of a streamed chat derender: the chat's context on the first call (no
+        `stream_state`), derender's sealed state after; the chunk and the new state."""
+        body = openai_in.Body(values, derender_stream.CHAT_FIELDS)
+        model = body.string("model") or await self.gateway.served_model()
+        prompt_tokens = body.integer("prompt_tokens", 0, openai_in.UINT32_MAX)
+        request_id, responses, usage = derender_stream.chunk_responses(values.get("generate_chunk"))
+        state = derender_stream.state_bytes(values.get(derender_stream.FIELD))
+        logprobs = any(response.logprobs for response in responses)
+        if state:
+            context = derender_pb2.DerenderContext(resume_state=state)
+        else:
+            seed = derender_in.seed_ids(values, values.get("generate_chunk"), "generate_chunk")
+            context, logprobs = await self._chat_context(body, request_id, seed, prompt_tokens, 1, logprobs)
+        chunks, state = await self._derender_step(context, responses)
+        choices = [derender_stream.chat_choice(response.index, chunks.get(response.index), logprobs)
+                   for response in responses]
+        chunk = {"id": request_id or f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": int(time.time()),
+                 "model": model, "choices": choices, "usage": derender_stream.usage_json(usage, prompt_tokens)}
+        return Response(dumps({"chunk": chunk, "stream_state": derender_stream.state_text(state)}),
+                        media_type="application/json")
+
+    async def derender_completion_chunk(self, values: dict, rid: str) -> Response:
+        """One chunk of a streamed completion derender (as derender_chat_chunk, no parsers)."""
+        body = openai_in.Body(values, derender_stream.COMPLETION_FIELDS)
+        model = body.string("model") or await self.gateway.served_model()
+        prompt_tokens = body.integer("prompt_tokens", 0, openai_in.UINT32_MAX)
+        request_id, responses, usage = derender_stream.chunk_responses(values.get("generate_chunk"))
+        state = derender_stream.state_bytes(values.get(derender_stream.FIELD))
+        logprobs = any(response.logprobs for response in responses)
+        if state:
+            context = derender_pb2.DerenderContext(resume_state=state)
+        else:
+            completion = body.obj("completion_request")
+            text = None
+            if completion is not None:
+                call = openai_in.parse_completion(completion, await self.gateway.served_model(),
+                                                  await self.gateway.adapter_names(completion))
+                text = derender_in.text_options(call.requests[0].sampling)
+            seed = derender_in.seed_ids(values, values.get("generate_chunk"), "generate_chunk")
+            context = derender_in.plain_context(request_id, seed, prompt_tokens or 0, 1, logprobs, text)
+        chunks, state = await self._derender_step(context, responses)
+        choices = [derender_stream.completion_choice(response.index, chunks.get(response.index), logprobs)
+                   for response in responses]
+        chunk = {"id": request_id or f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()),
+                 "model": model, "choices": choices, "usage": derender_stream.usage_json(usage, prompt_tokens)}
+        return Response(dumps({"chunk": chunk, "stream_state": derender_stream.state_text(state)}),
+                        media_type="application/json")
+
+    async def _derender_step(self, context: derender_pb2.DerenderContext, responses: list
+                             ) -> tuple[dict[int, derender_pb2.ChatChunk], bytes]:
+        """One resumable Derender stream: the context (new or a state), the chunk's responses,
+        then derender's sealed state. Its chunks by choice index (one at most per response)."""
+        context.return_state = True
+        chunks: dict[int, derender_pb2.ChatChunk] = {}
+        state = b""
+
+        async def requests():
+            yield derender_pb2.DerenderRequest(context=context)
+            for response in responses:
+                yield derender_pb2.DerenderRequest(generate_response=response)
+
+        pipeline = self.pipeline
+        try:
+            async for reply in pipeline.derender.Derender(requests(), timeout=pipeline.timeout,
+                                                          metadata=pipeline._metadata):
+                if reply.stream_state:
+                    state = reply.stream_state
+                else:
+                    chunks[reply.chunk.index] = reply.chunk
+        except grpc.RpcError as exc:  # derender names its context's field; the caller sent `stream_state`
+            error = from_exception(exc)
+            if error.param and "resume_state" in error.param:
+                raise InvalidArgument(error.message, reason=error.code or "STREAM_STATE_INVALID",
+                                      field=derender_stream.FIELD) from None
+            raise
+        return chunks, state
+
     async def derender_completion(self, request: Request, values: dict, rid: str) -> Response:
-        body = derender_in.check_body(values, derender_in.COMPLETION_FIELDS)
+        if derender_stream.is_streamed(values):
+            return await self.derender_completion_chunk(values, rid)
+        body = openai_in.Body(values, derender_in.COMPLETION_FIELDS)
         served = await self.gateway.served_model()
         model = body.string("model") or served
         generated = values.get("generate_responses")

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from tito.errors import InvalidArgument, ResourceExhausted, Unavailable
 
-from tito_engine.service.admission import AdmittedRequest, KVCapacity
+from tito_engine.backend.admission import AdmittedRequest, KVCapacity
 from tito_engine.multimodal.domain import EncoderCacheDescriptor
 from tito_engine.multimodal.features import CheckedFeatures
 from tito_engine.multimodal.specs import ModelMultimodalSpec
@@ -53,12 +53,18 @@ class EngineBackend(Protocol):
     max_loras: int  # LoRA adapters resident at once (0: the backend serves none; admission refuses lora_name)
     max_lora_rank: int
     kv_capacity: KVCapacity  # the whole KV cache: admission refuses what could never fit
+    # The most encoder rows one media item may bring that the backend itself will schedule (vLLM's
+    # encoder budget); None: no bound of its own beyond the context and the KV cache (native).
+    media_item_rows_limit: int | None
     # Called (from any thread) when the model process died: the server turns health NOT_SERVING.
     on_core_lost: Callable[[], None] | None
     # Called (from any thread) when a new model process serves again: health turns SERVING.
     on_core_restored: Callable[[], None] | None
     # What the prefix cache stores, evicts and clears, in vLLM's event shapes (SubscribeKvEvents).
     kv_events: KvEventLog
+    # True when KV moves between engines through vLLM's own connector (the vllm backend): a
+    # request's kv_connector_params go to it; False: tito's transfers (backend/kv_transfers.py).
+    kv_connector: bool
 
     def start(self) -> None:
         """Start serving (the model is loaded by the constructor)."""

@@ -21,7 +21,7 @@ from typing import Any
 
 from tito import tracing
 
-from tito_engine.service.backend import LoadSnapshot
+from tito_engine.backend.interface import LoadSnapshot
 from tito_engine.request import ChoiceOutput, RequestTimings
 
 

@@ -26,7 +26,7 @@ from tito_engine.multimodal.features import (CheckedFeatures, FeaturePolicy, val
 from tito_engine.multimodal.specs import ModelMultimodalSpec
 from tito_engine.scheduling.blocks import blocks_for_tokens
 from tito_engine.request import GenerateInput, SamplingOptions
-from tito_engine.service.validation import ModelLimits, validate_generate
+from tito_engine.backend.validation import ModelLimits, validate_generate
 
 
 @dataclass(frozen=True)
@@ -48,14 +48,18 @@ class AdmittedRequest:
     features: CheckedFeatures  # empty for text prompts
     cache_salt: str = ""
     lora_name: str = ""  # the LoRA adapter ("" = the base model); whether it is held is the backend's to say
+    kv_pin: Any = None  # kv_transfer.KvPinOrder: a prefill request's pin (backend/kv_transfers.py)
+    kv_import: Any = None  # kv_transfer.ImportedKv: a decode request's pulled prompt blocks
+    kv_connector_params: dict | None = None  # vLLM's kv_transfer_params, for the vllm backend's connector
 
 
 class Admission:
     """The checks of one loaded model under one engine configuration."""
 
     def __init__(self, limits: ModelLimits, mm_spec: ModelMultimodalSpec | None, policy: FeaturePolicy,
-                 kv_capacity: KVCapacity, serves_lora: bool = False):
+                 kv_capacity: KVCapacity, serves_lora: bool = False, media_item_rows_limit: int | None = None):
         self.serves_lora = serves_lora  # the backend has LoRA adapter slots
+        self.media_item_rows_limit = media_item_rows_limit  # the backend's own bound (EngineBackend)
         self.limits = limits
         self.mm_spec = mm_spec
         self.policy = policy
@@ -70,7 +74,8 @@ class Admission:
                              max_choices=min(max_choices_per_request, backend.max_running_sequences),
                              modalities=frozenset(info.modalities))
         return cls(limits, backend.mm_spec, policy or FeaturePolicy(), backend.kv_capacity,
-                   serves_lora=getattr(backend, "max_loras", 0) > 0)
+                   serves_lora=getattr(backend, "max_loras", 0) > 0,
+                   media_item_rows_limit=getattr(backend, "media_item_rows_limit", None))
 
     def admit(self, generate: GenerateInput) -> AdmittedRequest:
         """Check `generate`; raise a TitoError naming the field for a caller's mistake."""
@@ -84,6 +89,18 @@ class Admission:
             check_lora_name(generate.lora_name)
         return AdmittedRequest(generate.request_id, list(generate.token_ids), options, checked, generate.cache_salt,
                                generate.lora_name)
+
+    def largest_media_item(self) -> int:
+        """The most encoder rows one media item may bring and still be admitted (0 for a model
+        without media): its prompt must leave room for one generated token within the context
+        limit and fit the whole KV cache with it, and an item's rows are positions of its prompt;
+        a backend with a bound of its own (vLLM's encoder budget) lowers it. What a router that
+        preprocesses media holds each item to (SMG's `mm_encoder_budget`)."""
+        if not self.limits.modalities:
+            return 0
+        kv_tokens = self.kv_capacity.blocks_total * self.kv_capacity.block_size
+        largest = max(min(self.limits.max_context_length, kv_tokens) - 1, 0)
+        return largest if self.media_item_rows_limit is None else min(largest, self.media_item_rows_limit)
 
     def admit_encode(self, items: Sequence[MediaItem]) -> CheckedFeatures:
         """Check an Encode request's items."""

@@ -122,7 +122,8 @@ def resolve_sampling(raw: RawSamplingParams, prompt_len: int, limits: ModelLimit
 
 def _check_prior_output(raw: RawSamplingParams, n: int, prompt_len: int, violations: Violations) -> None:
     """A continued choice (request migration) is one choice whose prompt still holds the original
-    prompt; a grammar's state cannot be rebuilt from the ids, so constrained choices do not continue."""
+    prompt (a router continues each choice of an n > 1 request on its own). A constrained choice
+    continues too: the engine core advances its grammar over the earlier output."""
     prior = raw.prior_output_tokens
     if not prior:
         return
@@ -131,5 +132,3 @@ def _check_prior_output(raw: RawSamplingParams, n: int, prompt_len: int, violati
         violations.add(name, f"must be below the number of token_ids ({prompt_len}), got {prior}")
     if n != 1:
         violations.add(name, f"continues one choice: needs n = 1, got n = {n}")
-    if raw.structured_output is not None:
-        violations.add(name, "cannot continue a choice under structured_output (its grammar state is not carried)")

@@ -1,0 +1,33 @@
+"""transformers' greedy generate on a rendered GenerateRequest of a Qwen2-VL-style model: the
+pixel values and grids of its media items, and `mm_token_type_ids` (1 at image, 2 at video
+placeholders) without which M-RoPE gives other tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from tito import tensors
+from tito.v1 import engine_pb2, multimodal_pb2
+
+
+def hf_vl_greedy(model, request: engine_pb2.GenerateRequest, features=None) -> list[int]:
+    """HF generate on the request's ids with `features`' tensors (default: its own): greedy, for
+    `max_tokens`; `model` a Qwen2-VL-style model (or a PeftModel over one)."""
+    features = request.mm_features if features is None else features
+    ids = torch.tensor([list(request.token_ids)])
+    types = torch.zeros_like(ids)
+    inputs = {}
+    for modality, type_id, pixel_key, grid_key in ((multimodal_pb2.MODALITY_IMAGE, 1, "pixel_values", "image_grid_thw"),
+                                                   (multimodal_pb2.MODALITY_VIDEO, 2, "pixel_values_videos",
+                                                    "video_grid_thw")):
+        items = [item for item in features.items if item.modality == modality]
+        if not items:
+            continue
+        for item in items:
+            types[0, item.placeholder.offset:item.placeholder.offset + item.placeholder.length] = type_id
+        inputs[pixel_key] = torch.cat([tensors.to_torch(item.kwargs[pixel_key]) for item in items])
+        inputs[grid_key] = torch.cat([tensors.to_torch(item.metadata[grid_key]).reshape(-1, 3) for item in items])
+    with torch.inference_mode():
+        output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types,
+                                max_new_tokens=request.sampling_params.max_tokens, do_sample=False, **inputs)
+    return output[0, ids.shape[1]:].tolist()
