@@ -52,6 +52,22 @@ def handle_of(responses: list[engine_pb2.GenerateResponse]) -> engine_pb2.KvTran
     raise RuntimeError("the prefill engine answered without a KV transfer handle (is it a tito native engine?)")
 
 
+def _plan(router: EngineRouter, request: engine_pb2.GenerateRequest) -> tuple[str, str | None]:
+    """(the decode engine, the prefill engine or None when `request` is not split there)."""
+    decode = router.pick(request)
+    if not router.disaggregates(request, decode):
+        return decode.address, None
+    return decode.address, router.pick(request, role="prefill").address
+
+
+def _fell_back(error: grpc.RpcError, source: str) -> None:
+    """A prefill that failed: the decode engine prefills itself when the prefill engine is gone;
+    any other refusal is the caller's."""
+    if not engine_gone(error):
+        raise error
+    log.warning("prefill engine %s failed (%s); the decode engine prefills instead", source, error.code().name)
+
+
 async def place(router: EngineRouter, request: engine_pb2.GenerateRequest, prefill: Prefill
                 ) -> tuple[str, engine_pb2.GenerateRequest]:
     """Where `request` is decoded and what is sent there: after its prefill on a prefill engine
@@ -60,39 +76,33 @@ async def place(router: EngineRouter, request: engine_pb2.GenerateRequest, prefi
     so a prompt it mostly holds is not prefilled elsewhere, and its cached blocks are not pulled."""
     if request.HasField("kv_transfer"):  # the caller split it already: a part goes where its role is served
         return _part_engine(router, request), request
-    decode = router.pick(request)
-    if not router.disaggregates(request, decode):
-        return decode.address, request
-    source = router.pick(request, role="prefill").address
+    decode, source = _plan(router, request)
+    if source is None:
+        return decode, request
     try:
         with router.track(source):
             handle = await prefill(source, prefill_request(request))
     except grpc.RpcError as error:
-        if not engine_gone(error):
-            raise
-        log.warning("prefill engine %s failed (%s); the decode engine prefills instead", source, error.code().name)
-        return decode.address, request
-    return decode.address, decode_request(request, handle, source)
+        _fell_back(error, source)
+        return decode, request
+    return decode, decode_request(request, handle, source)
 
 
 def place_blocking(router: EngineRouter, request: engine_pb2.GenerateRequest, prefill: BlockingPrefill
                    ) -> tuple[str, engine_pb2.GenerateRequest]:
     """`place` for synchronous callers (ChatPipeline)."""
-    if request.HasField("kv_transfer"):  # the caller split it already: a part goes where its role is served
+    if request.HasField("kv_transfer"):
         return _part_engine(router, request), request
-    decode = router.pick(request)
-    if not router.disaggregates(request, decode):
-        return decode.address, request
-    source = router.pick(request, role="prefill").address
+    decode, source = _plan(router, request)
+    if source is None:
+        return decode, request
     try:
         with router.track(source):
             handle = prefill(source, prefill_request(request))
     except grpc.RpcError as error:
-        if not engine_gone(error):
-            raise
-        log.warning("prefill engine %s failed (%s); the decode engine prefills instead", source, error.code().name)
-        return decode.address, request
-    return decode.address, decode_request(request, handle, source)
+        _fell_back(error, source)
+        return decode, request
+    return decode, decode_request(request, handle, source)
 
 
 def _part_engine(router: EngineRouter, request: engine_pb2.GenerateRequest) -> str:
