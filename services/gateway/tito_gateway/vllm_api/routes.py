@@ -16,6 +16,8 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Container
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from starlette.requests import ClientDisconnect, Request
@@ -418,53 +420,48 @@ class VllmApi:
         return derender_in.plain_context(request_id, seed, prompt_tokens or 0, n, logprobs), logprobs
 
     async def derender_chat_chunk(self, values: dict, rid: str) -> Response:
-        """One chunk of a streamed chat derender: the chat's context on the first call (no
+        """One chunk of a streamed chat derender: the chat's context on the first chunk (no
         `stream_state`), derender's sealed state after; the chunk and the new state."""
-        body = openai_in.Body(values, derender_stream.CHAT_FIELDS)
-        model = body.string("model") or await self.gateway.served_model()
-        prompt_tokens = body.integer("prompt_tokens", 0, openai_in.UINT32_MAX)
-        request_id, responses, usage = derender_stream.chunk_responses(values.get("generate_chunk"))
-        state = derender_stream.state_bytes(values.get(derender_stream.FIELD))
-        logprobs = any(response.logprobs for response in responses)
-        if state:
-            context = derender_pb2.DerenderContext(resume_state=state)
-        else:
+        chunk = await self._chunk_call(values, derender_stream.CHAT_FIELDS)
+        context, logprobs = chunk.resumed, chunk.logprobs
+        if context is None:
             seed = derender_in.seed_ids(values, values.get("generate_chunk"), "generate_chunk")
-            context, logprobs = await self._chat_context(body, request_id, seed, prompt_tokens, 1, logprobs)
-        chunks, state = await self._derender_step(context, responses)
+            context, logprobs = await self._chat_context(chunk.body, chunk.request_id, seed, chunk.prompt_tokens, 1,
+                                                         logprobs)
+        chunks, state = await self._derender_step(context, chunk.responses)
         choices = [derender_stream.chat_choice(response.index, chunks.get(response.index), logprobs)
-                   for response in responses]
-        chunk = {"id": request_id or f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": int(time.time()),
-                 "model": model, "choices": choices, "usage": derender_stream.usage_json(usage, prompt_tokens)}
-        return Response(dumps({"chunk": chunk, "stream_state": derender_stream.state_text(state)}),
-                        media_type="application/json")
+                   for response in chunk.responses]
+        return chunk.reply(f"chatcmpl-{rid}", "chat.completion.chunk", choices, state)
 
     async def derender_completion_chunk(self, values: dict, rid: str) -> Response:
         """One chunk of a streamed completion derender (as derender_chat_chunk, no parsers)."""
-        body = openai_in.Body(values, derender_stream.COMPLETION_FIELDS)
-        model = body.string("model") or await self.gateway.served_model()
-        prompt_tokens = body.integer("prompt_tokens", 0, openai_in.UINT32_MAX)
-        request_id, responses, usage = derender_stream.chunk_responses(values.get("generate_chunk"))
-        state = derender_stream.state_bytes(values.get(derender_stream.FIELD))
-        logprobs = any(response.logprobs for response in responses)
-        if state:
-            context = derender_pb2.DerenderContext(resume_state=state)
-        else:
-            completion = body.obj("completion_request")
+        chunk = await self._chunk_call(values, derender_stream.COMPLETION_FIELDS)
+        context, logprobs = chunk.resumed, chunk.logprobs
+        if context is None:
+            completion = chunk.body.obj("completion_request")
             text = None
             if completion is not None:
                 call = openai_in.parse_completion(completion, await self.gateway.served_model(),
                                                   await self.gateway.adapter_names(completion))
                 text = derender_in.text_options(call.requests[0].sampling)
             seed = derender_in.seed_ids(values, values.get("generate_chunk"), "generate_chunk")
-            context = derender_in.plain_context(request_id, seed, prompt_tokens or 0, 1, logprobs, text)
-        chunks, state = await self._derender_step(context, responses)
+            context = derender_in.plain_context(chunk.request_id, seed, chunk.prompt_tokens or 0, 1, logprobs, text)
+        chunks, state = await self._derender_step(context, chunk.responses)
         choices = [derender_stream.completion_choice(response.index, chunks.get(response.index), logprobs)
-                   for response in responses]
-        chunk = {"id": request_id or f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()),
-                 "model": model, "choices": choices, "usage": derender_stream.usage_json(usage, prompt_tokens)}
-        return Response(dumps({"chunk": chunk, "stream_state": derender_stream.state_text(state)}),
-                        media_type="application/json")
+                   for response in chunk.responses]
+        return chunk.reply(f"cmpl-{rid}", "text_completion", choices, state)
+
+    async def _chunk_call(self, values: dict, fields) -> "_ChunkCall":
+        """What both streamed derenders read first: the body, the chunk's responses and usage, and
+        the context to resume when the caller sent derender's state (None: the first chunk)."""
+        body = openai_in.Body(values, fields)
+        model = body.string("model") or await self.gateway.served_model()
+        prompt_tokens = body.integer("prompt_tokens", 0, openai_in.UINT32_MAX)
+        request_id, responses, usage = derender_stream.chunk_responses(values.get("generate_chunk"))
+        state = derender_stream.state_bytes(values.get(derender_stream.FIELD))
+        return _ChunkCall(body, model, prompt_tokens, request_id, responses, usage,
+                          derender_pb2.DerenderContext(resume_state=state) if state else None,
+                          any(response.logprobs for response in responses))
 
     async def _derender_step(self, context: derender_pb2.DerenderContext, responses: list
                              ) -> tuple[dict[int, derender_pb2.ChatChunk], bytes]:
@@ -574,3 +571,24 @@ async def _disconnected(request: Request) -> None:
     while True:
         if (await request.receive())["type"] == "http.disconnect":
             return
+
+
+@dataclass(frozen=True)
+class _ChunkCall:
+    """One streamed derender call's inputs (VllmApi._chunk_call) and its answer's shape."""
+
+    body: Any
+    model: str
+    prompt_tokens: int | None
+    request_id: str
+    responses: list
+    usage: Any
+    resumed: derender_pb2.DerenderContext | None  # derender's state sent back: the stream goes on
+    logprobs: bool
+
+    def reply(self, default_id: str, kind: str, choices: list, state: bytes) -> Response:
+        chunk = {"id": self.request_id or default_id, "object": kind, "created": int(time.time()),
+                 "model": self.model, "choices": choices,
+                 "usage": derender_stream.usage_json(self.usage, self.prompt_tokens)}
+        return Response(dumps({"chunk": chunk, "stream_state": derender_stream.state_text(state)}),
+                        media_type="application/json")
