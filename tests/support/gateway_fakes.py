@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import hashlib
 
+import grpc
 import numpy as np
+from grpc_status import rpc_status
 
 from tito import tensors
 from tito.errors import InvalidArgument
+from tito.grpc_errors import status_for
 from tito.v1 import derender_pb2, engine_pb2, multimodal_pb2, render_pb2, sampling_pb2
 
 SERVED = "served-model"
@@ -256,3 +259,21 @@ class TokensUpstream(FakeUpstream):
     def __init__(self, model_id: str) -> None:
         super().__init__(model_id)
         self.pipeline = TokensPipeline(model_id)
+
+
+class FakeRpcError(grpc.RpcError):
+    """What grpc raises on a failed call: code(), details() and the status trailers."""
+
+    def __init__(self, error=None, code=grpc.StatusCode.UNAVAILABLE, details="connection refused"):
+        self._status = rpc_status.to_status(status_for(error)) if error is not None else None
+        self._code = self._status.code if self._status else code
+        self._details = self._status.details if self._status else details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def trailing_metadata(self):
+        return self._status.trailing_metadata if self._status else ()

@@ -4,29 +4,11 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from grpc_status import rpc_status
 
 from tito.errors import InvalidArgument, ResourceExhausted
-from tito.grpc_errors import status_for
 from tito_gateway.errors import from_exception
 
-
-class FakeRpcError(grpc.RpcError):
-    """What grpc raises on a failed call: code(), details() and the status trailers."""
-
-    def __init__(self, error=None, code=grpc.StatusCode.UNAVAILABLE, details="connection refused"):
-        self._status = rpc_status.to_status(status_for(error)) if error is not None else None
-        self._code = self._status.code if self._status else code
-        self._details = self._status.details if self._status else details
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._details
-
-    def trailing_metadata(self):
-        return self._status.trailing_metadata if self._status else ()
+from gateway_fakes import FakeRpcError
 
 
 @pytest.mark.parametrize("error, status, code, param", [

@@ -6,13 +6,16 @@ models check every answer's shape."""
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterator
 
+import grpc
 import pytest
-from gateway_fakes import SERVED, VOCAB, TokensUpstream
+from gateway_fakes import SERVED, VOCAB, FakeDerender, FakeRpcError, TokensUpstream
 from starlette.testclient import TestClient
 
+from tito.errors import InvalidArgument
 from tito_gateway.app import Gateway
 
 CHAT = {"model": SERVED, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3, "temperature": 0}
@@ -491,3 +494,34 @@ def test_responses_tools_and_call_items_become_vllms_chat():
     assert chat["messages"] == [
         {"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "tool_calls": calls},
         {"role": "tool", "content": "Sunny", "tool_call_id": "c1"}, {"role": "assistant", "content": "Sunny in Paris."}]
+
+
+class StatusLosingDerender(FakeDerender):
+    """Derender refusing a resumed state as grpc's asyncio client can report it (grpc/grpc#36066):
+    with the chunk's responses still being written, the status comes back INTERNAL "Internal error
+    from Core"; the context sent alone gets derender's own refusal."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def Derender(self, requests, timeout=None, metadata=None):  # noqa: N802 - the stub's name
+        self.calls += 1
+        return self._refuse(requests)
+
+    async def _refuse(self, requests):
+        if len([message async for message in requests]) > 1:
+            raise FakeRpcError(code=grpc.StatusCode.INTERNAL, details="Internal error from Core")
+        raise FakeRpcError(InvalidArgument("the stream state's integrity tag does not match",
+                                           reason="STREAM_STATE_INVALID", field="context.resume_state"))
+        yield  # an async generator, as the stub's stream is
+
+
+def test_a_refused_state_is_a_400_even_when_grpc_loses_derenders_status(upstream, client):
+    upstream.pipeline.derender = StatusLosingDerender()
+    chunk = {"request_id": "x", "choices": [{"index": 0, "token_ids": [1], "finish_reason": None}]}
+    state = base64.urlsafe_b64encode(b"sealed by another key" * 3).decode()
+    reply = client.post("/v1/chat/completions/derender", json={"stream": True, "generate_chunk": chunk,
+                                                               "stream_state": state})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "stream_state" and "integrity tag" in reply.json()["error"]["message"]
+    assert upstream.pipeline.derender.calls == 2  # the lost status, then the state checked alone

@@ -485,12 +485,32 @@ class VllmApi:
                 else:
                     chunks[reply.chunk.index] = reply.chunk
         except grpc.RpcError as exc:  # derender names its context's field; the caller sent `stream_state`
+            if context.resume_state and _status_lost(exc):
+                await self._check_state(context)  # raises derender's own refusal of the state
             error = from_exception(exc)
             if error.param and "resume_state" in error.param:
                 raise InvalidArgument(error.message, reason=error.code or "STREAM_STATE_INVALID",
                                       field=derender_stream.FIELD) from None
             raise
         return chunks, state
+
+    async def _check_state(self, context: derender_pb2.DerenderContext) -> None:
+        """Send derender the resumed context alone; its refusal of the state, as InvalidArgument
+        naming `stream_state` (nothing when it takes the state)."""
+        pipeline = self.pipeline
+
+        async def only_context():
+            yield derender_pb2.DerenderRequest(context=context)
+
+        try:
+            async for _ in pipeline.derender.Derender(only_context(), timeout=pipeline.timeout,
+                                                      metadata=pipeline._metadata):
+                pass
+        except grpc.RpcError as exc:
+            error = from_exception(exc)
+            if error.param and "resume_state" in error.param:
+                raise InvalidArgument(error.message, reason=error.code or "STREAM_STATE_INVALID",
+                                      field=derender_stream.FIELD) from None
 
     async def derender_completion(self, request: Request, values: dict, rid: str) -> Response:
         if derender_stream.is_streamed(values):
@@ -571,6 +591,13 @@ async def _disconnected(request: Request) -> None:
     while True:
         if (await request.receive())["type"] == "http.disconnect":
             return
+
+
+def _status_lost(error: grpc.RpcError) -> bool:
+    """grpc's asyncio client overwrites the status of a stream the server ended while requests were
+    still being written with INTERNAL "Internal error from Core" (grpc/grpc#36066): derender's
+    refusal of a state can arrive so, depending on timing."""
+    return error.code() == grpc.StatusCode.INTERNAL and "Internal error from Core" in (error.details() or "")
 
 
 @dataclass(frozen=True)
