@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
-from tito import signing, tensors
+from tito import signing
 from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, multimodal_pb2, render_pb2
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
@@ -25,6 +25,7 @@ from tito_render.convert import chat_response
 import chat_parts
 from chat_parts import image, text
 from renderers import load_renderer
+from vl_reference import hf_vl_greedy
 
 TIMEOUT = 120
 KEY, KEY_ID = b"qwen3-vl-engine-test-key-0123456789", "k1"
@@ -40,31 +41,6 @@ def render(renderer: Renderer, *parts, max_tokens: int = 16, payload: int = TENS
     return chat_response(renderer, render_pb2.RenderChatRequest(
         messages=[chat_pb2.ChatMessage(role="user", content_parts=list(parts))], mm_payload=payload,
         sampling=render_pb2.SamplingOptions(max_tokens=max_tokens, temperature=0.0))).generate_request
-
-
-def hf_greedy(model, request: engine_pb2.GenerateRequest, features=None) -> list[int]:
-    """generate on the request's ids with `features`' tensors (default: its own); mm_token_type_ids
-    marks exactly the items' is_embed positions (a video span's timestamps are text)."""
-    features = request.mm_features if features is None else features
-    ids = torch.tensor([list(request.token_ids)])
-    types = torch.zeros_like(ids)
-    inputs: dict = {}
-    for modality, type_id, pixel_key, grid_key in ((multimodal_pb2.MODALITY_IMAGE, 1, "pixel_values", "image_grid_thw"),
-                                                   (multimodal_pb2.MODALITY_VIDEO, 2, "pixel_values_videos",
-                                                    "video_grid_thw")):
-        items = [item for item in features.items if item.modality == modality]
-        if not items:
-            continue
-        for item in items:
-            mask = list(item.placeholder.is_embed) or [True] * item.placeholder.length
-            for k, on in enumerate(mask):
-                types[0, item.placeholder.offset + k] = type_id if on else 0
-        inputs[pixel_key] = torch.cat([tensors.to_torch(item.kwargs[pixel_key]) for item in items])
-        inputs[grid_key] = torch.cat([tensors.to_torch(item.metadata[grid_key]).reshape(-1, 3) for item in items])
-    with torch.inference_mode():
-        output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types,
-                                max_new_tokens=request.sampling_params.max_tokens, do_sample=False, **inputs)
-    return output[0, ids.shape[1]:].tolist()
 
 
 def generate(stub, request) -> list[int]:
@@ -101,7 +77,7 @@ def test_model_info_lists_image_and_video(engine):
 def test_image_chat_equals_hf_generate(engine, renderer, hf_model):
     request = render(renderer, text("Describe:"), image(100, 70, seed=1), text("Briefly."), max_tokens=20)
     tokens = generate(engine, request)
-    assert tokens == hf_greedy(hf_model, request) and len(set(tokens)) > 3
+    assert tokens == hf_vl_greedy(hf_model, request) and len(set(tokens)) > 3
 
 
 @pytest.mark.parametrize("fps", [2.0, 0.5])
@@ -110,13 +86,13 @@ def test_video_chat_equals_hf_generate(engine, renderer, hf_model, fps):
     (item,) = request.mm_features.items
     assert len(item.placeholder.is_embed) == item.placeholder.length > sum(item.placeholder.is_embed)
     tokens = generate(engine, request)
-    assert tokens == hf_greedy(hf_model, request) and len(set(tokens)) > 3
+    assert tokens == hf_vl_greedy(hf_model, request) and len(set(tokens)) > 3
 
 
 def test_image_and_video_chat_equals_hf_generate(engine, renderer, hf_model):
     request = render(renderer, video(4, 2.0, seed=30, width=96), text("then"), image(64, 64, seed=35),
                      text("same scene?"), max_tokens=20)
-    assert generate(engine, request) == hf_greedy(hf_model, request)
+    assert generate(engine, request) == hf_vl_greedy(hf_model, request)
 
 
 def test_mixed_batch_joining_at_different_steps_equals_hf(engine, renderer, hf_model):
@@ -131,7 +107,7 @@ def test_mixed_batch_joining_at_different_steps_equals_hf(engine, renderer, hf_m
         else:
             requests.append(render(renderer, video(2 + k % 3, 1.0 + k % 2, seed=60 + k), text(words),
                                    image(64, 64, seed=80 + k), max_tokens=10 + k))
-    expected = [hf_greedy(hf_model, request) for request in requests]
+    expected = [hf_vl_greedy(hf_model, request) for request in requests]
     results: list = [None] * len(requests)
 
     def run(index: int, started: threading.Event) -> None:
@@ -162,7 +138,7 @@ def test_another_videos_features_answer_like_that_video(engine, renderer, hf_mod
     a = render(renderer, text("Which clip?"), video(4, 2.0, seed=101), max_tokens=16)
     b = render(renderer, text("Which clip?"), video(4, 2.0, seed=202), max_tokens=16)
     assert list(a.token_ids) == list(b.token_ids)  # same frames, size and rate: the same span
-    expected_a, expected_b = hf_greedy(hf_model, a), hf_greedy(hf_model, b)
+    expected_a, expected_b = hf_vl_greedy(hf_model, a), hf_vl_greedy(hf_model, b)
     assert expected_a != expected_b
     swapped = engine_pb2.GenerateRequest()
     swapped.CopyFrom(a)
@@ -174,7 +150,7 @@ def test_another_videos_features_answer_like_that_video(engine, renderer, hf_mod
 def test_metadata_after_tensors_hits_the_encoder_cache(engine, renderer, hf_model):
     parts = (text("Seen before:"), video(3, 2.0, seed=303), image(64, 96, seed=304), text("Again."))
     with_tensors = render(renderer, *parts, max_tokens=14)
-    expected = hf_greedy(hf_model, with_tensors)
+    expected = hf_vl_greedy(hf_model, with_tensors)
     assert generate(engine, with_tensors) == expected
     metadata_only = render(renderer, *parts, max_tokens=14, payload=METADATA)
     assert all(not item.kwargs and item.metadata for item in metadata_only.mm_features.items)
@@ -195,4 +171,4 @@ def test_encode_descriptor_holds_the_deepstack_levels(engine, renderer, hf_model
     metadata_only = render(renderer, image(64, 64, seed=404), text("Encoded."), max_tokens=8, payload=METADATA)
     metadata_only.mm_features.items[0].ec_descriptor.CopyFrom(descriptor)
     signing.sign_item(metadata_only.mm_features.items[0], KEY, KEY_ID)  # the tag covers the descriptor
-    assert generate(engine, metadata_only) == hf_greedy(hf_model, with_tensors)
+    assert generate(engine, metadata_only) == hf_vl_greedy(hf_model, with_tensors)

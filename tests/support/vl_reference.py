@@ -16,15 +16,17 @@ def hf_vl_greedy(model, request: engine_pb2.GenerateRequest, features=None) -> l
     features = request.mm_features if features is None else features
     ids = torch.tensor([list(request.token_ids)])
     types = torch.zeros_like(ids)
-    inputs = {}
+    inputs: dict = {}
     for modality, type_id, pixel_key, grid_key in ((multimodal_pb2.MODALITY_IMAGE, 1, "pixel_values", "image_grid_thw"),
                                                    (multimodal_pb2.MODALITY_VIDEO, 2, "pixel_values_videos",
                                                     "video_grid_thw")):
         items = [item for item in features.items if item.modality == modality]
         if not items:
             continue
-        for item in items:
-            types[0, item.placeholder.offset:item.placeholder.offset + item.placeholder.length] = type_id
+        for item in items:  # exactly the is_embed positions (a Qwen3-VL video span's timestamps are text)
+            mask = list(item.placeholder.is_embed) or [True] * item.placeholder.length
+            for k, on in enumerate(mask):
+                types[0, item.placeholder.offset + k] = type_id if on else 0
         inputs[pixel_key] = torch.cat([tensors.to_torch(item.kwargs[pixel_key]) for item in items])
         inputs[grid_key] = torch.cat([tensors.to_torch(item.metadata[grid_key]).reshape(-1, 3) for item in items])
     with torch.inference_mode():
