@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 
@@ -11,3 +13,11 @@ def hf_tokenizer(tiny_text_model):
     and texts are checked against."""
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(tiny_text_model))
+
+
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory) -> Path:
+    """An HMAC key file the engines of a prefill/decode pair share (--hmac-key-file)."""
+    path = tmp_path_factory.mktemp("pd-key") / "hmac.key"
+    path.write_bytes(b"k" * 32)
+    return path

@@ -40,13 +40,6 @@ def _config(model: Path, key_file: Path, **overrides) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def key_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("pd-key") / "hmac.key"
-    path.write_bytes(b"k" * 32)
-    return path
-
-
-@pytest.fixture(scope="module")
 def pair(module_aio_server, tiny_text_model, key_file):
     """(P stub, P address, D stub, D address): two engines of the same model sharing the HMAC key."""
     prefill = module_aio_server(lambda: create_server(_config(tiny_text_model, key_file, kv_pin_seconds=5.0)))

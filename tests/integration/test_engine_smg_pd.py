@@ -22,10 +22,8 @@ PREFILL = json.dumps({"do_remote_decode": True})
 
 
 @pytest.fixture(scope="module")
-def pair(module_aio_server, tiny_text_model, tmp_path_factory):
+def pair(module_aio_server, tiny_text_model, key_file):
     """(P's SMG stub, P's address, D's SMG stub): two engines sharing an HMAC key."""
-    key_file = tmp_path_factory.mktemp("pd-key") / "hmac.key"
-    key_file.write_bytes(b"s" * 32)
 
     def engine():
         return create_server(EngineConfig(model=str(tiny_text_model), device="cpu", engine_process=False,

@@ -8,7 +8,6 @@ connector's handoff a native engine cannot decode from, are 400s naming `kv_tran
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import pytest
@@ -25,13 +24,6 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 #: No render or derender is reached by generate: the gateways name an address nothing serves.
 UNUSED = "127.0.0.1:9"
-
-
-@pytest.fixture(scope="module")
-def key_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("pd-key") / "hmac.key"
-    path.write_bytes(b"k" * 32)
-    return path
 
 
 @pytest.fixture(scope="module")
