@@ -24,6 +24,7 @@ from tito_client import AsyncChatPipeline, Endpoints, EngineRouter, LoraAdapters
 from tito_client.engine_stream import MigratingStream
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
+from waiting import wait_for
 
 TIMEOUT = 60
 BLOCK = 4
@@ -92,15 +93,6 @@ def _holders(fleet: Fleet, adapter: str) -> list[str]:
             if adapter in {info.name for info in fleet.adapters[address].list()}]
 
 
-def _wait_for(predicate, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"never happened: {what}")
-
-
 def test_each_adapters_second_turn_goes_to_the_engine_holding_its_prefix(fleet):
     """The same prompt under two adapters, each first turn on a different engine: only an index
     keyed by adapter can tell the two second turns apart, and each is served from its cache."""
@@ -117,8 +109,8 @@ def test_each_adapters_second_turn_goes_to_the_engine_holding_its_prefix(fleet):
     with EngineRouter(fleet.addresses, load_interval=0.05) as router:
         second_turns = {adapter: first_turn + replies[adapter] + _prompt(2, 3) for adapter in homes}
         for adapter, home in homes.items():
-            _wait_for(lambda: router.pick(_message(second_turns[adapter], adapter)).address == home,
-                      f"{adapter}'s first turn indexed on {home}")
+            wait_for(lambda: router.pick(_message(second_turns[adapter], adapter)).address == home,
+                      f"{adapter}'s first turn indexed on {home}", timeout=20.0)
         for adapter, home in homes.items():
             address, tokens, final = _routed(fleet, router, _message(second_turns[adapter], adapter))
             assert address == home
@@ -186,7 +178,7 @@ def test_a_holder_without_room_sends_the_adapter_to_the_other_engine_which_loads
         for call in long:
             next(call)  # all running: the holder's batch is full
         with EngineRouter(fleet.addresses, load_interval=0.05, lora_paths={"crowded": "mlp-r16"}) as router:
-            _wait_for(lambda: router.status()[low]["load"] >= CAPACITY, "the holder's full batch polled")
+            wait_for(lambda: router.status()[low]["load"] >= CAPACITY, "the holder's full batch polled", timeout=20.0)
             prompt = _prompt(30, 7)
             address, tokens, _ = _routed(fleet, router, _message(prompt, "crowded"))
         assert address == high and _holders(fleet, "crowded") == [low, high]

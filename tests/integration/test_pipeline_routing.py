@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import grpc
 import pytest
@@ -23,6 +22,7 @@ from tito_engine.config import EngineConfig
 from tito_engine.server import create_server as create_engine
 from tito_render.config import RenderConfig
 from tito_render.server import create_server as create_render
+from waiting import wait_for
 
 TIMEOUT = 120
 SYSTEM = ("You are a careful assistant. Answer in one short sentence, and always mention the number "
@@ -50,15 +50,6 @@ def fleet(tiny_text_model, aio_server):
 
 def usage_of(chunks):
     return [chunk.usage for chunk in chunks if chunk.HasField("usage")][-1]
-
-
-def wait_for(predicate, what, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"never happened: {what}")
 
 
 def test_follow_up_turns_go_where_their_prefix_is(fleet):
