@@ -29,7 +29,7 @@ from source_tree import PACKAGE_ROOTS  # noqa: E402
 from tito.contract import ERROR_REASONS  # noqa: E402
 from tito_models.demo import ensure_demo_model  # noqa: E402
 from tito.errors import TitoError  # noqa: E402
-from tito_models.tiny import (INTERLEAVED_VL_MODEL, LLAMA_MODEL, PADDED_TEXT_MODEL,  # noqa: E402
+from tito_models.tiny import (INTERLEAVED_VL_MODEL, LLAMA_MODEL, LLAMA_MODEL_D64, PADDED_TEXT_MODEL,  # noqa: E402
                               QWEN2_5_VL_MODEL, QWEN3_MODEL, QWEN3_VL_MODEL, SMG_VL_MODEL, TEXT_MODEL, TEXT_MODEL_D64,
                               VL_MODEL, ensure_model)
 
@@ -127,6 +127,13 @@ def tiny_interleaved_vl_model(model_cache) -> Path:
 def tiny_llama_model(model_cache) -> Path:
     """A tiny Llama 3.1-style model (rope_type llama3, GQA, no biases)."""
     return ensure_model(LLAMA_MODEL, model_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_model_d64(model_cache) -> Path:
+    """tiny-llama with head_dim 64 (the same rotary scaling): the Llama both engine backends load
+    (vLLM's CPU attention refuses head_dim 16)."""
+    return ensure_model(LLAMA_MODEL_D64, model_cache)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ private generators seeded per parameter name (normal(0, 0.2) for matrices, so
 greedy output is varied), so every build writes byte-identical files.  Only
 ``tokenizers``, ``torch`` and ``transformers`` are needed, imported lazily.
 
-Twelve models are available:
+Thirteen models are available:
 
 ``tiny-qwen2`` (:data:`TEXT_MODEL`, :func:`build_text_model`)
     ``Qwen2ForCausalLM``: hidden size 64, 2 layers, 4 attention heads / 2 KV
@@ -93,6 +93,12 @@ Twelve models are available:
     16, intermediate 128), no biases, untied embeddings and Llama 3.1's rotary scaling
     (:data:`LLAMA_ROPE_PARAMETERS`: ``rope_type`` ``llama3``, factor 8, original context 256, so
     on head_dim 16 some frequencies are scaled fully, some partly, some not at all).
+
+``tiny-llama-d64`` (:data:`LLAMA_MODEL_D64`)
+    ``tiny-llama`` with the wide text part (hidden 128, 2 heads / 1 KV head, head_dim 64,
+    intermediate 256) and the same rotary scaling (which again scales some frequencies fully,
+    some partly, some not at all): vLLM's CPU attention refuses head_dim 16, so this is the Llama
+    both engine backends load.
 
 ``tiny-qwen3`` (:data:`QWEN3_MODEL`, :func:`build_qwen3_model`)
     ``Qwen3ForCausalLM``: the shared text part with ``head_dim`` 32 (not hidden / heads), per-head
@@ -225,6 +231,7 @@ __all__ = [
     "build_qwen3_model",
     "build_qwen2_5_vl_model",
     "LLAMA_MODEL",
+    "LLAMA_MODEL_D64",
     "QWEN3_MODEL",
     "QWEN2_5_VL_MODEL",
     "QWEN3_VL_MODEL",
@@ -244,6 +251,7 @@ INTERLEAVED_VL_MODEL = "tiny-gemma3"
 TEXT_MODEL_D64 = "tiny-qwen2-d64"
 VL_MODEL_D64 = "tiny-qwen2-vl-d64"
 LLAMA_MODEL = "tiny-llama"
+LLAMA_MODEL_D64 = "tiny-llama-d64"
 QWEN3_MODEL = "tiny-qwen3"
 QWEN2_5_VL_MODEL = "tiny-qwen2.5-vl"
 QWEN3_VL_MODEL = "tiny-qwen3-vl"
@@ -263,7 +271,7 @@ BENCH_TEXT_MODEL = "tiny-qwen2-h256"
 BENCH_TEXT_SHAPE = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
                     "num_attention_heads": 4, "num_key_value_heads": 2}
 MODELS = (TEXT_MODEL, VL_MODEL, INTERLEAVED_VL_MODEL, TEXT_MODEL_D64, VL_MODEL_D64, LLAMA_MODEL, QWEN3_MODEL,
-          QWEN2_5_VL_MODEL, QWEN3_VL_MODEL, PADDED_TEXT_MODEL, BENCH_TEXT_MODEL, SMG_VL_MODEL)
+          QWEN2_5_VL_MODEL, QWEN3_VL_MODEL, PADDED_TEXT_MODEL, BENCH_TEXT_MODEL, SMG_VL_MODEL, LLAMA_MODEL_D64)
 
 #: Bump whenever the produced bytes change, so cached copies are rebuilt.
 VERSION = "v1"
@@ -947,22 +955,23 @@ LLAMA_ROPE_PARAMETERS = {"rope_type": "llama3", "rope_theta": 10000.0, "factor":
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
 
 
-def _plain_text_settings() -> dict[str, Any]:
-    """The shared text part without the Qwen2-only sliding-window switch."""
-    settings = _text_settings()
+def _plain_text_settings(head_dim: int = 16) -> dict[str, Any]:
+    """The shared text part (head_dim 16 or 64) without the Qwen2-only sliding-window switch."""
+    settings = _text_settings(head_dim)
     del settings["use_sliding_window"]
     return settings
 
 
-def build_llama_model(out_dir: Path) -> Path:
+def build_llama_model(out_dir: Path, head_dim: int = 16) -> Path:
     """Write the tokenizer and a tiny random ``LlamaForCausalLM`` (Llama 3.1-style rotary scaling,
-    GQA, no biases, untied embeddings) with the shared tokenizer and generation config."""
+    GQA, no biases, untied embeddings; head_dim 16, or 64 for vLLM's CPU attention) with the shared
+    tokenizer and generation config."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out_dir = Path(out_dir)
     build_tokenizer(out_dir)
-    config = LlamaConfig(**_plain_text_settings(), tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-                         rope_parameters=dict(LLAMA_ROPE_PARAMETERS), dtype="float32")
+    config = LlamaConfig(**_plain_text_settings(head_dim), tie_word_embeddings=False, attention_bias=False,
+                         mlp_bias=False, rope_parameters=dict(LLAMA_ROPE_PARAMETERS), dtype="float32")
     config.architectures = ["LlamaForCausalLM"]
     _save_model(_create_model(LlamaForCausalLM, config), out_dir)
     return out_dir
@@ -1343,7 +1352,8 @@ _BUILDERS = {TEXT_MODEL: build_text_model, VL_MODEL: build_vl_model, INTERLEAVED
              TEXT_MODEL_D64: functools.partial(build_text_model, head_dim=64),
              VL_MODEL_D64: functools.partial(build_vl_model, head_dim=64),
              SMG_VL_MODEL: functools.partial(build_vl_model, smg_anchor=True),
-             LLAMA_MODEL: build_llama_model, QWEN3_MODEL: build_qwen3_model, QWEN2_5_VL_MODEL: build_qwen2_5_vl_model,
+             LLAMA_MODEL: build_llama_model, LLAMA_MODEL_D64: functools.partial(build_llama_model, head_dim=64),
+             QWEN3_MODEL: build_qwen3_model, QWEN2_5_VL_MODEL: build_qwen2_5_vl_model,
              QWEN3_VL_MODEL: build_qwen3_vl_model,
              PADDED_TEXT_MODEL: functools.partial(build_text_model, vocab_rows=PADDED_VOCAB_ROWS),
              BENCH_TEXT_MODEL: functools.partial(build_text_model, head_dim=64, shape=BENCH_TEXT_SHAPE)}

@@ -474,15 +474,16 @@ def test_ensure_model_vl_registered():
     assert tiny_models.MODELS == (TEXT_MODEL, VL_MODEL, INTERLEAVED_VL_MODEL, TEXT_MODEL_D64, VL_MODEL_D64,
                                   tiny_models.LLAMA_MODEL, tiny_models.QWEN3_MODEL, tiny_models.QWEN2_5_VL_MODEL,
                                   tiny_models.QWEN3_VL_MODEL, tiny_models.PADDED_TEXT_MODEL,
-                                  tiny_models.BENCH_TEXT_MODEL, tiny_models.SMG_VL_MODEL)
+                                  tiny_models.BENCH_TEXT_MODEL, tiny_models.SMG_VL_MODEL, tiny_models.LLAMA_MODEL_D64)
     assert tiny_models.MODELS == ("tiny-qwen2", "tiny-qwen2-vl", "tiny-gemma3", "tiny-qwen2-d64", "tiny-qwen2-vl-d64",
                                   "tiny-llama", "tiny-qwen3", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen2-padded",
-                                  "tiny-qwen2-h256", "tiny-qwen2-vl-smg")
+                                  "tiny-qwen2-h256", "tiny-qwen2-vl-smg", "tiny-llama-d64")
 
 
 @pytest.mark.parametrize("name,architecture,model_type", [
     ("tiny-qwen2-h256", "Qwen2ForCausalLM", "qwen2"),
     ("tiny-llama", "LlamaForCausalLM", "llama"),
+    ("tiny-llama-d64", "LlamaForCausalLM", "llama"),
     ("tiny-qwen3", "Qwen3ForCausalLM", "qwen3"),
     ("tiny-qwen2.5-vl", "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
     ("tiny-qwen3-vl", "Qwen3VLForConditionalGeneration", "qwen3_vl"),
@@ -501,8 +502,10 @@ def test_more_families_build_deterministically_with_the_shared_tokenizer(build_r
     if name == "tiny-qwen2-h256":
         assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"],
                 config["num_key_value_heads"], config["intermediate_size"]) == (256, 4, 4, 2, 1024)
-    if name == "tiny-llama":
+    if name.startswith("tiny-llama"):
         assert config["rope_parameters"]["rope_type"] == "llama3"
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+        assert head_dim == (64 if name == "tiny-llama-d64" else 16)  # vLLM's CPU attention needs 64
     if name == "tiny-qwen3":
         assert config["head_dim"] == 32 != config["hidden_size"] // config["num_attention_heads"]
     if name == "tiny-qwen2.5-vl":
