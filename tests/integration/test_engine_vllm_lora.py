@@ -1,13 +1,16 @@
 """LoRA adapters on the vllm backend (vLLM's own LoRA support behind tito's RPCs and lora_name) on
-tiny-qwen2-d64 in float32, with three PEFT adapters (rank 8 and 16; attention, MLP, every
-projection with rslora; one loaded at start, two at run time): greedy tokens under each adapter and
-the base model, alone and all four in flight at once, equal vLLM's own AsyncLLM generating with
-`LoRARequest` (configured by hand, no tito code), HF + PEFT's and the native engine's; the
-refusals are the native engine's."""
+tiny-qwen2-d64 and tiny-llama-d64 (Llama 3.1's rotary scaling) in float32, with three PEFT adapters
+each (rank 8 and 16; attention, MLP, every projection with rslora; one loaded at start, two at run
+time): greedy tokens under each adapter and the base model, alone and all four in flight at once,
+equal vLLM's own AsyncLLM generating with `LoRARequest` (configured by hand, no tito code), HF +
+PEFT's and the native engine's; the refusals are the native engine's. The Llama is the head_dim 64
+one: vLLM's CPU attention kernels have no head_dim 16, so vLLM cannot serve tiny-llama at all.
+"""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -35,21 +38,28 @@ CASES = (None, *NAMES)  # None: the base model
 VLLM_LORA_SLOTS = len(NAMES) + 1
 PROMPT = [17, 230, 5, 981, 44, 12, 600, 7, 333]
 MAX_TOKENS = 8
+#: The base models both backends load (head_dim 64), by the conftest fixture that builds each.
+FAMILIES = {"qwen2": "tiny_text_model_d64", "llama": "tiny_llama_model_d64"}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def base_model(request) -> Path:
+    """Each family's base model in turn; every fixture below is built once per family."""
+    return request.getfixturevalue(FAMILIES[request.param])
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_text_model_d64, tmp_path_factory):
+def adapters(base_model, tmp_path_factory):
     # Scale 0.1: enough to move d64's greedy tokens, small enough that float32 kernels agree.
-    root = tmp_path_factory.mktemp("vllm-lora")
-    return root, {spec.name: make_adapter(tiny_text_model_d64, spec, root / spec.name, scale=0.1)
-                  for spec in ADAPTERS}
+    root = tmp_path_factory.mktemp(f"vllm-lora-{base_model.name}")
+    return root, {spec.name: make_adapter(base_model, spec, root / spec.name, scale=0.1) for spec in ADAPTERS}
 
 
 @pytest.fixture(scope="module")
-def engines(module_aio_server, tiny_text_model_d64, adapters):
+def engines(module_aio_server, base_model, adapters):
     """Both backends, the first adapter loaded at start; name -> (stub, LoraAdapters)."""
     root, _ = adapters
-    common = dict(model=str(tiny_text_model_d64), max_model_len=256, lora_dir=str(root),
+    common = dict(model=str(base_model), max_model_len=256, lora_dir=str(root),
                   lora_modules=(f"{FIRST}={FIRST}",))
     configs = {"native": EngineConfig(device="cpu", engine_process=False, max_loras=len(NAMES), **common),
                "vllm": EngineConfig(backend="vllm", kv_cache_bytes=KV_BYTES, vllm_args=VLLM_ARGS,
@@ -71,18 +81,18 @@ def loaded(engines):
 
 
 @pytest.fixture(scope="module")
-def peft_tokens(adapters, tiny_text_model_d64) -> dict:
-    reference = PeftReference(tiny_text_model_d64, adapters[1])
+def peft_tokens(adapters, base_model) -> dict:
+    reference = PeftReference(base_model, adapters[1])
     return {name: reference.generate(name, PROMPT, MAX_TOKENS) for name in CASES}
 
 
 @pytest.fixture(scope="module")
-def vllm_own(tiny_text_model_d64, adapters):
-    """vLLM's own engine with LoRA enabled by hand, and a LoRARequest per adapter; shut down at the
-    module's end (its processes and memory)."""
+def vllm_own(base_model, adapters):
+    """vLLM's own engine with LoRA enabled by hand, and a LoRARequest per adapter; shut down when
+    its family's tests end (its processes and memory)."""
     from vllm.lora.request import LoRARequest
 
-    reference = AsyncLLMReference(str(tiny_text_model_d64), 600, dtype="float32", kv_cache_memory_bytes=KV_BYTES,
+    reference = AsyncLLMReference(str(base_model), 600, dtype="float32", kv_cache_memory_bytes=KV_BYTES,
                                   enable_lora=True, max_loras=VLLM_LORA_SLOTS, max_lora_rank=16)
     requests = {name: LoRARequest(name, lora_id, str(directory))
                 for lora_id, (name, directory) in enumerate(adapters[1].items(), start=1)}
