@@ -38,9 +38,10 @@ def _plan(router: EngineRouter, request: engine_pb2.GenerateRequest) -> tuple[Ch
     try:
         return decode, router.pick(request, role="prefill", pair_with=decode)
     except NoEngineAvailable as unpaired:
-        router.warn_once(f"unpaired {decode.address}", "no prefill engine pairs with decode engine %s (%s): its "
-                         "requests are prefilled where they decode (%s)", decode.address,
-                         protocol_name(decode.kv_protocol, decode.kv_connector), unpaired)
+        if router.first_time(f"unpaired {decode.address}"):
+            log.warning("no prefill engine pairs with decode engine %s (%s): its requests are prefilled where "
+                        "they decode (%s)", decode.address, protocol_name(decode.kv_protocol, decode.kv_connector),
+                        unpaired)
         return decode, None
 
 

@@ -287,7 +287,7 @@ class EngineRouter:
         self._lock = threading.Lock()
         self._engines: dict[str, Engine] = {}
         self._round_robin = itertools.count()
-        self._warned: set[str] = set()
+        self._seen: set[str] = set()  # first_time's keys
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -377,14 +377,14 @@ class EngineRouter:
                                     f"(they speak {spoken})")
         return paired
 
-    def warn_once(self, key: str, message: str, *args) -> None:
-        """Log `message` at WARNING the first time this router meets `key` (a fleet set up in a
-        way that costs every request alike says so once, not per request)."""
+    def first_time(self, key: str) -> bool:
+        """True the first time this router is asked about `key`: a fleet set up in a way that
+        costs every request alike is logged once, not per request."""
         with self._lock:
-            if key in self._warned:
-                return
-            self._warned.add(key)
-        log.warning(message, *args)
+            if key in self._seen:
+                return False
+            self._seen.add(key)
+            return True
 
     def _adapter_candidates(self, candidates: list[Engine], adapter: str) -> tuple[list[Engine], Engine | None]:
         """Where a request for `adapter` may go: (the engines to choose among, None), or ([], the

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 
 import grpc
 import pytest
@@ -59,7 +60,7 @@ class RecordingRouter:
         self.picks: list[str] = []
         self.protocols = {"decode": kv_protocol,
                           "prefill": kv_protocol if prefill_protocol is None else prefill_protocol}
-        self.warnings: list[str] = []
+        self.seen: set[str] = set()
 
     def pick(self, request, avoid=None, role="decode", pair_with=None):
         self.picks.append(role)
@@ -71,8 +72,10 @@ class RecordingRouter:
     def disaggregates(self, request, decode=None):
         return True
 
-    def warn_once(self, key, message, *args):
-        self.warnings.append(message % args)
+    def first_time(self, key):
+        new = key not in self.seen
+        self.seen.add(key)
+        return new
 
     @contextlib.contextmanager
     def track(self, address):
@@ -165,13 +168,16 @@ def test_place_drives_a_vllm_pair_through_the_connectors_params():
     (engine_pb2.KV_TRANSFER_PROTOCOL_NONE, engine_pb2.KV_TRANSFER_PROTOCOL_NONE, False),  # takes no part
 ])
 def test_a_decode_engine_without_a_prefill_engine_of_its_protocol_prefills_itself(decode_protocol, prefill_protocol,
-                                                                                   warned):
+                                                                                   warned, caplog):
     router = RecordingRouter(decode_protocol, prefill_protocol)
 
     def prefill(address, request):
         raise AssertionError("no prefill engine pairs with the decode engine")
 
     request = original()
-    assert place_blocking(router, request, prefill) == ("decode-engine:1", request)
-    assert [w.startswith("no prefill engine pairs with decode engine decode-engine:1") for w in router.warnings] == \
-        ([True] if warned else [])
+    with caplog.at_level(logging.WARNING, logger="tito_client.disaggregation"):
+        for _ in range(2):
+            assert place_blocking(router, request, prefill) == ("decode-engine:1", request)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tito_client.disaggregation"]
+    assert [w.startswith("no prefill engine pairs with decode engine decode-engine:1") for w in warnings] == \
+        ([True] if warned else [])  # once, not per request
