@@ -40,6 +40,10 @@ FIELD = "kv_transfer_params"
 #: Where tito's KvTransferHandle travels inside vLLM's object.
 HANDLE_KEY = "tito_kv_handle"
 MAX_PORT = 65535
+#: What vLLM's own P/D proxies send with a prefill call (NIXL's shape: the connector fills the rest
+#: in its answer), and what tito's router sends to a vllm-backend prefill engine.
+REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
 def invalid(key: str, why: str) -> InvalidArgument:

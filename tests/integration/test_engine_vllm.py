@@ -94,6 +94,9 @@ def test_model_info_agrees(stubs):
                   "model_fingerprint", "dtype", "max_running_requests"):
         assert getattr(vllm_info, field) == getattr(native, field), field
     assert vllm_info.device == "cpu" and vllm_info.vocab_size == 1013
+    # How each takes part in prefill/decode: tito's transfers; none without vLLM's --kv-transfer-config.
+    assert native.kv_transfer_protocol == engine_pb2.KV_TRANSFER_PROTOCOL_TITO and not native.kv_connector
+    assert vllm_info.kv_transfer_protocol == engine_pb2.KV_TRANSFER_PROTOCOL_NONE and not vllm_info.kv_connector
 
 
 def test_greedy_tokens_equal_across_backends_and_hf_alone_and_at_concurrency_32(stubs, hf_greedy):

@@ -3,11 +3,9 @@ connector's answer, on every face: tito.v1 (`kv_transfer.connector_params_json` 
 `kv_connector_params_json`), SMG's (`kv_transfer_params_json` both ways) and the gateway's vLLM
 HTTP generate (`kv_transfer_params` both ways), so a router drives a vLLM P/D pair through tito
 as it drives vLLM. The connector (tests/support/echo_kv_connector.py, configured by vLLM's own
---kv-transfer-config) moves no KV and answers with what vLLM's scheduler saw on the request:
-vLLM 0.32's connectors that move KV between engines (NIXL, Mooncake, MoRIIO, LMCache) need GPUs
-or RDMA; its shared-storage ExampleConnector runs on vLLM CPU, but in a probe here it stored a
-prompt's KV under the hash of an empty token list, a key every prompt would share, so no P/D pair
-of it is compared. One vLLM engine (one start)."""
+--kv-transfer-config) moves no KV and answers with what vLLM's scheduler saw on the request.
+tito's own router driving a vLLM pair whose KV really moves: test_engine_vllm_pd.py. One vLLM
+engine (one start)."""
 
 from __future__ import annotations
 
@@ -19,6 +17,7 @@ import pytest
 from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from tito.grpc_errors import error_details
+from tito.kv_params import REMOTE_DECODE
 from tito.v1 import engine_pb2_grpc
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
@@ -36,8 +35,7 @@ TIMEOUT = 120
 VLLM_ARGS = ("--dtype", "float32", "--enforce-eager", "--kv-transfer-config", KV_TRANSFER_CONFIG)
 PROMPT = [(13 * j + 7) % 700 + 30 for j in range(24)]
 #: NIXL's prefill request, then a decode handoff in its shape (block ids must stay integers).
-PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
-           "remote_host": None, "remote_port": None}
+PREFILL = REMOTE_DECODE
 HANDOFF = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[4, 5, 6]],
            "remote_engine_id": "p-engine", "remote_request_id": "r1", "remote_host": "10.0.0.7", "remote_port": 5600,
            "tp_size": 1}
@@ -59,8 +57,8 @@ def gateway_url(module_aio_server, engine) -> str:
     return f"http://{module_aio_server(start).address}"
 
 
-def _answer(seen: dict) -> dict:
-    return {"seen": seen, "prompt_tokens": len(PROMPT), "connector": "EchoConnector"}
+def _answer(seen: dict, max_tokens: int) -> dict:
+    return {"seen": seen, "prompt_tokens": len(PROMPT), "max_tokens": max_tokens, "connector": "EchoConnector"}
 
 
 @pytest.mark.parametrize("params", [PREFILL, HANDOFF])
@@ -71,7 +69,7 @@ def test_tito_v1_hands_the_params_to_vllm_and_returns_its_connectors_answer(engi
     message.kv_transfer.connector_params_json = json.dumps(params)
     tokens, finals = collect(stub.Generate(message, timeout=TIMEOUT))
     assert tokens == plain
-    assert json.loads(finals[0].kv_connector_params_json) == _answer(params)
+    assert json.loads(finals[0].kv_connector_params_json) == _answer(params, 4)
 
 
 def test_a_tito_role_without_vllms_params_is_refused_by_the_vllm_backend(engine):
@@ -89,7 +87,7 @@ def test_smgs_face_forwards_kv_transfer_params_json_both_ways(engine):
     message = smg_request(PROMPT, stream=False, max_tokens=3, ignore_eos=True)
     message.kv_transfer_params_json = json.dumps(HANDOFF)
     complete = read_stream(stub.Generate(message, timeout=TIMEOUT)).completes[0]
-    assert json.loads(complete.kv_transfer_params_json) == _answer(HANDOFF)
+    assert json.loads(complete.kv_transfer_params_json) == _answer(HANDOFF, 3)
 
 
 def test_a_router_drives_prefill_then_decode_through_the_gateway(gateway_url):
@@ -100,5 +98,5 @@ def test_a_router_drives_prefill_then_decode_through_the_gateway(gateway_url):
         return reply.json()["kv_transfer_params"]
 
     handoff = generate(PREFILL)
-    assert handoff == _answer(PREFILL)
-    assert generate(handoff) == _answer(handoff)  # the decode call's params reached vLLM unchanged
+    assert handoff == _answer(PREFILL, 1)
+    assert generate(handoff) == _answer(handoff, 1)  # the decode call's params reached vLLM unchanged

@@ -34,7 +34,7 @@ from tito.grpc_errors import error_details
 from tito.v1 import (chat_pb2, derender_pb2, engine_pb2, engine_pb2_grpc, multimodal_pb2, render_pb2,
                      render_pb2_grpc)
 from tito_client import LoraAdapters
-from tito_client.disaggregation import handle_of, prefill_request
+from tito_client.kv_protocols import handle_of, prefill_request
 from tito_derender.config import DerenderConfig
 from tito_derender.server import create_server as create_derender
 from tito_engine.config import EngineConfig

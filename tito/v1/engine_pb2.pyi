@@ -16,11 +16,22 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
     FINISH_REASON_TOOL_CALLS: _ClassVar[FinishReason]
+
+class KvTransferProtocol(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TRANSFER_PROTOCOL_UNSPECIFIED: _ClassVar[KvTransferProtocol]
+    KV_TRANSFER_PROTOCOL_NONE: _ClassVar[KvTransferProtocol]
+    KV_TRANSFER_PROTOCOL_TITO: _ClassVar[KvTransferProtocol]
+    KV_TRANSFER_PROTOCOL_VLLM_CONNECTOR: _ClassVar[KvTransferProtocol]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_TOOL_CALLS: FinishReason
+KV_TRANSFER_PROTOCOL_UNSPECIFIED: KvTransferProtocol
+KV_TRANSFER_PROTOCOL_NONE: KvTransferProtocol
+KV_TRANSFER_PROTOCOL_TITO: KvTransferProtocol
+KV_TRANSFER_PROTOCOL_VLLM_CONNECTOR: KvTransferProtocol
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "mm_features", "sampling_params", "cache_salt", "lora_name", "kv_transfer")
@@ -205,7 +216,7 @@ class ModalityInfo(_message.Message):
     def __init__(self, modality: _Optional[_Union[_multimodal_pb2.Modality, str]] = ..., placeholder_token: _Optional[str] = ..., placeholder_token_id: _Optional[int] = ...) -> None: ...
 
 class EngineServiceGetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "max_context_length", "eos_token_ids", "modalities", "dtype", "device", "model_fingerprint", "max_running_requests", "tokenizer_vocab_size", "lora_adapters", "max_loras", "max_lora_rank")
+    __slots__ = ("model_id", "vocab_size", "max_context_length", "eos_token_ids", "modalities", "dtype", "device", "model_fingerprint", "max_running_requests", "tokenizer_vocab_size", "lora_adapters", "max_loras", "max_lora_rank", "kv_transfer_protocol", "kv_connector")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +230,8 @@ class EngineServiceGetModelInfoResponse(_message.Message):
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    KV_CONNECTOR_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     max_context_length: int
@@ -232,7 +245,9 @@ class EngineServiceGetModelInfoResponse(_message.Message):
     lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
     max_loras: int
     max_lora_rank: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., modalities: _Optional[_Iterable[_Union[ModalityInfo, _Mapping]]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_running_requests: _Optional[int] = ..., tokenizer_vocab_size: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
+    kv_transfer_protocol: KvTransferProtocol
+    kv_connector: str
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., modalities: _Optional[_Iterable[_Union[ModalityInfo, _Mapping]]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_running_requests: _Optional[int] = ..., tokenizer_vocab_size: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., kv_transfer_protocol: _Optional[_Union[KvTransferProtocol, str]] = ..., kv_connector: _Optional[str] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()

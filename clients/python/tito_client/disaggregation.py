@@ -1,63 +1,48 @@
 """Prefill/decode disaggregation from the router's side: a long prompt is prefilled on a prefill
-engine (GenerateRequest.kv_transfer.prefill: it computes the prompt's KV and first token and
-answers with a KV transfer handle), then decoded on a decode engine that pulls the KV from it
-(kv_transfer.decode). The decode engine streams every token, the first included, so the caller
-sees one ordinary Generate stream. A prompt the router does not disaggregate (routing.py:
-shorter than its threshold, or no prefill engines) goes to one engine unchanged, and so does one
-whose prefill engine went away (the decode engine then prefills it itself)."""
+engine, then decoded on a decode engine that takes the prompt's KV from it, in the protocol both
+speak (kv_protocols.py: tito's handles, or vLLM's connector params). The decode engine streams
+every token, the first included, so the caller sees one ordinary Generate stream.
+
+A prompt goes to one engine unchanged when the router does not disaggregate it (routing.py:
+shorter than its threshold, or no prefill engines), when its decode engine takes no part in
+splits (a vllm-backend engine without vLLM's --kv-transfer-config), when no prefill engine speaks
+its decode engine's protocol (a native prefill engine beside a vllm-backend decode engine, or two
+different vLLM connectors: logged once per decode engine), and when its prefill engine went away
+(the decode engine then prefills it itself)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
 from tito.v1 import engine_pb2
 
+from tito_client.kv_protocols import NONE, PROTOCOLS, protocol_name
 from tito_client.migration import engine_gone
-from tito_client.routing import EngineRouter
+from tito_client.routing import Choice, EngineRouter, NoEngineAvailable
 
 log = logging.getLogger(__name__)
 
-#: Runs the prefill call on the engine at an address: (address, request) -> the handle.
-Prefill = Callable[[str, engine_pb2.GenerateRequest], Awaitable[engine_pb2.KvTransferHandle]]
-BlockingPrefill = Callable[[str, engine_pb2.GenerateRequest], engine_pb2.KvTransferHandle]
+#: Runs the prefill call on the engine at an address: (address, request) -> its responses.
+Prefill = Callable[[str, engine_pb2.GenerateRequest], Awaitable[Sequence[engine_pb2.GenerateResponse]]]
+BlockingPrefill = Callable[[str, engine_pb2.GenerateRequest], Sequence[engine_pb2.GenerateResponse]]
 
 
-def prefill_request(request: engine_pb2.GenerateRequest) -> engine_pb2.GenerateRequest:
-    """The prefill engine's part of `request`."""
-    prefill = engine_pb2.GenerateRequest()
-    prefill.CopyFrom(request)
-    if prefill.request_id:
-        prefill.request_id = f"{request.request_id}~prefill"
-    prefill.kv_transfer.prefill.SetInParent()
-    return prefill
-
-
-def decode_request(request: engine_pb2.GenerateRequest, handle: engine_pb2.KvTransferHandle,
-                   source_address: str) -> engine_pb2.GenerateRequest:
-    """The decode engine's part of `request`: the same prompt with the handle of its KV."""
-    decode = engine_pb2.GenerateRequest()
-    decode.CopyFrom(request)
-    decode.kv_transfer.decode.handle.CopyFrom(handle)
-    decode.kv_transfer.decode.source_address = source_address
-    return decode
-
-
-def handle_of(responses: list[engine_pb2.GenerateResponse]) -> engine_pb2.KvTransferHandle:
-    for response in responses:
-        if response.HasField("kv_transfer_handle"):
-            return response.kv_transfer_handle
-    raise RuntimeError("the prefill engine answered without a KV transfer handle (is it a tito native engine?)")
-
-
-def _plan(router: EngineRouter, request: engine_pb2.GenerateRequest) -> tuple[str, str | None]:
+def _plan(router: EngineRouter, request: engine_pb2.GenerateRequest) -> tuple[Choice, Choice | None]:
     """(the decode engine, the prefill engine or None when `request` is not split there)."""
     decode = router.pick(request)
-    if not router.disaggregates(request, decode):
-        return decode.address, None
-    return decode.address, router.pick(request, role="prefill").address
+    if decode.kv_protocol == NONE or not router.disaggregates(request, decode):
+        return decode, None
+    try:
+        return decode, router.pick(request, role="prefill", pair_with=decode)
+    except NoEngineAvailable as unpaired:
+        if router.first_time(f"unpaired {decode.address}"):
+            log.warning("no prefill engine pairs with decode engine %s (%s): its requests are prefilled where "
+                        "they decode (%s)", decode.address, protocol_name(decode.kv_protocol, decode.kv_connector),
+                        unpaired)
+        return decode, None
 
 
 def _fell_back(error: grpc.RpcError, source: str) -> None:
@@ -78,14 +63,15 @@ async def place(router: EngineRouter, request: engine_pb2.GenerateRequest, prefi
         return _part_engine(router, request), request
     decode, source = _plan(router, request)
     if source is None:
-        return decode, request
+        return decode.address, request
+    protocol = PROTOCOLS[decode.kv_protocol]
     try:
-        with router.track(source):
-            handle = await prefill(source, prefill_request(request))
+        with router.track(source.address):
+            responses = await prefill(source.address, protocol.prefill_request(request))
     except grpc.RpcError as error:
-        _fell_back(error, source)
-        return decode, request
-    return decode, decode_request(request, handle, source)
+        _fell_back(error, source.address)
+        return decode.address, request
+    return decode.address, protocol.decode_request(request, responses, source.address)
 
 
 def place_blocking(router: EngineRouter, request: engine_pb2.GenerateRequest, prefill: BlockingPrefill
@@ -95,14 +81,15 @@ def place_blocking(router: EngineRouter, request: engine_pb2.GenerateRequest, pr
         return _part_engine(router, request), request
     decode, source = _plan(router, request)
     if source is None:
-        return decode, request
+        return decode.address, request
+    protocol = PROTOCOLS[decode.kv_protocol]
     try:
-        with router.track(source):
-            handle = prefill(source, prefill_request(request))
+        with router.track(source.address):
+            responses = prefill(source.address, protocol.prefill_request(request))
     except grpc.RpcError as error:
-        _fell_back(error, source)
-        return decode, request
-    return decode, decode_request(request, handle, source)
+        _fell_back(error, source.address)
+        return decode.address, request
+    return decode.address, protocol.decode_request(request, responses, source.address)
 
 
 def _part_engine(router: EngineRouter, request: engine_pb2.GenerateRequest) -> str:

@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tito import tracing
 from tito.security import ClientSecurity
 from tito_client.derender_batch import DerenderBatcher
-from tito_client.disaggregation import Prefill, handle_of, place, place_blocking
+from tito_client.disaggregation import Prefill, place, place_blocking
 from tito_client.engine_stream import AsyncMigratingStream, MigratingStream
 from tito_client.routing import EngineRouter
 from tito.v1 import (
@@ -162,9 +162,8 @@ class ChatPipeline:
             yield from self._generate(rendered, self.engine.Generate(rendered.generate_request, timeout=self.timeout,
                                                                      metadata=metadata), metadata)
             return
-        def prefill(address: str, request: engine_pb2.GenerateRequest) -> engine_pb2.KvTransferHandle:
-            return handle_of(list(self._engine_at(address).Generate(request, timeout=self.timeout,
-                                                                    metadata=metadata)))
+        def prefill(address: str, request: engine_pb2.GenerateRequest) -> list[engine_pb2.GenerateResponse]:
+            return list(self._engine_at(address).Generate(request, timeout=self.timeout, metadata=metadata))
 
         address, placed = place_blocking(self.router, rendered.generate_request, prefill)
         self.last_engine = address
@@ -311,11 +310,11 @@ class AsyncChatPipeline:
                 del self._generating[rid]
 
     def _prefill_with(self, metadata) -> Prefill:
-        """Runs a prefill request on an engine and returns its KV transfer handle
-        (disaggregation.place)."""
-        async def prefill(address: str, request: engine_pb2.GenerateRequest) -> engine_pb2.KvTransferHandle:
+        """Runs a prefill request on an engine and returns its responses (disaggregation.place
+        reads the handle or the connector's answer from them)."""
+        async def prefill(address: str, request: engine_pb2.GenerateRequest) -> list[engine_pb2.GenerateResponse]:
             call = self._engine_at(address).Generate(request, timeout=self.timeout, metadata=metadata)
-            return handle_of([response async for response in call])
+            return [response async for response in call]
         return prefill
 
     def engine_address(self, request_id: str) -> str | None:

@@ -38,7 +38,10 @@ Prefill/decode roles (`prefill_engines`, `decode_engines`; `engines` are mixed a
 with prefill engines, a prompt whose part not cached on its decode engine is at least
 `pd_min_prompt_tokens` tokens is prefilled on a prefill (or mixed) engine and decoded on a decode
 (or mixed) one, each picked by the policy among its role (disaggregation.py); shorter prompts,
-and every request when there are no prefill engines, go to one decode or mixed engine.
+and every request when there are no prefill engines, go to one decode or mixed engine. A prefill
+engine is only picked for a decode engine that speaks the same KV transfer protocol
+(GetModelInfo's kv_transfer_protocol and kv_connector: tito's own, or one vLLM connector;
+kv_protocols.py).
 
 Threads, not asyncio: the subscriptions and load polls run on daemon threads with synchronous
 stubs, and `pick` is a short call under a lock, so the same router serves `ChatPipeline` and
@@ -64,6 +67,7 @@ from tito.grpc_errors import error_details
 from tito.security import ClientSecurity
 from tito.v1 import engine_pb2, engine_pb2_grpc
 from tito_client.adapter_loads import AdapterLoad, loaded
+from tito_client.kv_protocols import TITO, protocol_name
 from tito_client.migration import engine_draining
 
 log = logging.getLogger(__name__)
@@ -187,6 +191,8 @@ class Engine:
     block_size: int = 0  # GetLoad's kv_block_size
     adapters: frozenset[str] = frozenset()  # the LoRA adapters it held at its last GetLoad
     capacity: int | None = None  # GetModelInfo's max_running_requests (0: it does not say; None: not asked yet)
+    kv_protocol: int = TITO  # GetModelInfo's kv_transfer_protocol (unspecified: tito's, as before the field)
+    kv_connector: str = ""  # GetModelInfo's kv_connector (vLLM's connector protocol)
     loading: dict[str, AdapterLoad] = field(default_factory=dict)  # this router's loads running there
     loaded_at: dict[str, float] = field(default_factory=dict)  # adapter -> when this router's load of it ended
     stopped: bool = False
@@ -218,10 +224,21 @@ class Choice:
     policy: str
     block_size: int = 0  # the engine's tokens per block (0: not known yet)
     adapter_load: AdapterLoad | None = None  # the load of the request's adapter there, when one runs
+    kv_protocol: int = TITO  # how the engine moves KV in a prefill/decode split (kv_protocols.py)
+    kv_connector: str = ""  # which vLLM connector, with vLLM's connector protocol
 
     @property
     def matched_tokens(self) -> int:
         return self.matched_blocks * self.block_size
+
+    def pairs_with(self, engine: "Engine") -> bool:
+        """`engine` speaks this engine's KV transfer protocol (one can prefill for the other)."""
+        return (engine.kv_protocol, engine.kv_connector) == (self.kv_protocol, self.kv_connector)
+
+
+def _choice(engine: Engine, matched: int, policy: str, adapter_load: AdapterLoad | None = None) -> Choice:
+    return Choice(engine.address, matched, policy, engine.view.block_size or engine.block_size,
+                  adapter_load=adapter_load, kv_protocol=engine.kv_protocol, kv_connector=engine.kv_connector)
 
 
 class NoEngineAvailable(RuntimeError):
@@ -270,6 +287,7 @@ class EngineRouter:
         self._lock = threading.Lock()
         self._engines: dict[str, Engine] = {}
         self._round_robin = itertools.count()
+        self._seen: set[str] = set()  # first_time's keys
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -315,10 +333,12 @@ class EngineRouter:
         cached = decode.matched_tokens if decode is not None else 0
         return "prefill" in self._only.values() and len(request.token_ids) - cached >= self.pd_min_prompt_tokens
 
-    def pick(self, request: engine_pb2.GenerateRequest, avoid: str | None = None, role: str = "decode") -> Choice:
+    def pick(self, request: engine_pb2.GenerateRequest, avoid: str | None = None, role: str = "decode",
+             pair_with: Choice | None = None) -> Choice:
         """The engine for `request` under the router's policy among those serving `role`
         ("prefill" or "decode": every request ends on a decode or mixed engine); `avoid` (the
-        engine a chat just left) only when no other engine is available."""
+        engine a chat just left) only when no other engine is available; `pair_with` (the decode
+        engine of a split): only engines that speak its KV transfer protocol."""
         with self._lock:
             candidates = [engine for engine in self._engines.values()
                           if engine.reachable and not engine.draining and not engine.stopped
@@ -327,27 +347,44 @@ class EngineRouter:
                 candidates = [engine for engine in candidates if engine.address != avoid] or candidates
             if not candidates:
                 raise NoEngineAvailable(f"no engine is reachable (known: {', '.join(self._engines) or 'none'})")
+            if pair_with is not None:
+                candidates = self._paired(candidates, pair_with)
             if request.lora_name:
                 candidates, loader = self._adapter_candidates(candidates, request.lora_name)
                 if loader is not None:
                     load = self._start_load(loader, request.lora_name)
-                    return Choice(loader.address, self._matched(loader, request, {}), self.policy,
-                                  loader.view.block_size or loader.block_size, adapter_load=load)
+                    return _choice(loader, self._matched(loader, request, {}), self.policy, adapter_load=load)
             if self.policy == "round_robin":
                 engine = candidates[next(self._round_robin) % len(candidates)]
-                return Choice(engine.address, self._matched(engine, request, {}), self.policy,
-                              engine.view.block_size or engine.block_size)
+                return _choice(engine, self._matched(engine, request, {}), self.policy)
             if self.policy == "least_load":
                 engine = min(candidates, key=lambda e: (e.load, e.address))
-                return Choice(engine.address, self._matched(engine, request, {}), self.policy,
-                              engine.view.block_size or engine.block_size)
+                return _choice(engine, self._matched(engine, request, {}), self.policy)
             keys_by_size: dict[int, list[bytes]] = {}
             scored = [(self._matched(engine, request, keys_by_size) if engine.events_live else 0, engine)
                       for engine in candidates]
             best = max(matched for matched, _ in scored)
             matched, engine = min(((m, e) for m, e in scored if m == best), key=lambda pair: (pair[1].load,
                                                                                               pair[1].address))
-            return Choice(engine.address, matched, self.policy, engine.view.block_size or engine.block_size)
+            return _choice(engine, matched, self.policy)
+
+    @staticmethod
+    def _paired(candidates: list[Engine], decode: Choice) -> list[Engine]:
+        paired = [engine for engine in candidates if decode.pairs_with(engine)]
+        if not paired:
+            spoken = ", ".join(f"{e.address}: {protocol_name(e.kv_protocol, e.kv_connector)}" for e in candidates)
+            raise NoEngineAvailable(f"none speaks {protocol_name(decode.kv_protocol, decode.kv_connector)} "
+                                    f"(they speak {spoken})")
+        return paired
+
+    def first_time(self, key: str) -> bool:
+        """True the first time this router is asked about `key`: a fleet set up in a way that
+        costs every request alike is logged once, not per request."""
+        with self._lock:
+            if key in self._seen:
+                return False
+            self._seen.add(key)
+            return True
 
     def _adapter_candidates(self, candidates: list[Engine], adapter: str) -> tuple[list[Engine], Engine | None]:
         """Where a request for `adapter` may go: (the engines to choose among, None), or ([], the
@@ -562,10 +599,11 @@ class EngineRouter:
             engine.loaded_at = {name: at for name, at in engine.loaded_at.items() if at > asked}
             engine.adapters = frozenset(adapter.name for adapter in load.lora_adapters) | set(engine.loaded_at)
         if engine.capacity is None:  # once it answers (a down engine is not asked twice per poll)
-            self._ask_capacity(engine)
+            self._ask_model_info(engine)
 
-    def _ask_capacity(self, engine: Engine) -> None:
-        """GetModelInfo's max_running_requests, once (what `has_room` compares the load with)."""
+    def _ask_model_info(self, engine: Engine) -> None:
+        """GetModelInfo, once: its max_running_requests (what `has_room` compares the load with)
+        and how it moves KV in a prefill/decode split (which engines it pairs with)."""
         try:
             info = engine_pb2_grpc.EngineServiceStub(engine.channel).GetModelInfo(
                 engine_pb2.EngineServiceGetModelInfoRequest(), timeout=max(1.0, 4 * self._load_interval),
@@ -576,7 +614,10 @@ class EngineRouter:
             return  # else: asked again at the next poll
         except ValueError:  # the channel was closed meanwhile (the engine left)
             return
-        engine.capacity = info.max_running_requests
+        with self._lock:
+            engine.kv_protocol = info.kv_transfer_protocol or TITO
+            engine.kv_connector = info.kv_connector
+            engine.capacity = info.max_running_requests
 
     def _follow_events(self, engine: Engine) -> None:
         """Keep `engine`'s view in sync with its events; on any break, route it by load only

@@ -38,8 +38,9 @@ class GatewayConfig(ServerConfig):
     prefill_engines: str = setting("", group=UPSTREAM,
                                    help="prefill/decode: engine addresses (comma-separated) that only prefill: a "
                                         "prompt of at least --pd-min-prompt-tokens is prefilled on one of them and "
-                                        "decoded on a --decode-engines or --engine-address engine, which pulls its "
-                                        "KV (native engines)")
+                                        "decoded on a --decode-engines or --engine-address engine of the same KV "
+                                        "transfer protocol, which takes its KV (native engines pull it; vllm-backend "
+                                        "engines through vLLM's connector)")
     decode_engines: str = setting("", group=UPSTREAM,
                                   help="prefill/decode: engine addresses (comma-separated) that only decode (and "
                                        "serve the prompts too short to prefill elsewhere); --engine-address "

@@ -100,6 +100,8 @@ class ScriptedEngine(engine_pb2_grpc.EngineServiceServicer):
         self.loads: list[tuple[str, str]] = []  # LoadLoraAdapter calls: (name, path)
         self.load_seconds = 0.0  # how long a LoadLoraAdapter takes
         self.refuse_loads = False  # LoadLoraAdapter answers INVALID_ARGUMENT
+        self.kv_protocol = engine_pb2.KV_TRANSFER_PROTOCOL_UNSPECIFIED  # GetModelInfo's kv_transfer_protocol
+        self.kv_connector = ""
 
     def push(self, batch):
         with self.lock:
@@ -121,7 +123,9 @@ class ScriptedEngine(engine_pb2_grpc.EngineServiceServicer):
                                                          for name in self.adapters])
 
     def GetModelInfo(self, request, context):
-        return engine_pb2.EngineServiceGetModelInfoResponse(max_running_requests=self.capacity)
+        return engine_pb2.EngineServiceGetModelInfoResponse(max_running_requests=self.capacity,
+                                                            kv_transfer_protocol=self.kv_protocol,
+                                                            kv_connector=self.kv_connector)
 
     def LoadLoraAdapter(self, request, context):
         with self.lock:
@@ -245,6 +249,26 @@ def test_prefill_and_decode_roles_split_long_prompts_and_keep_short_ones_off_pre
         assert router.pick(long).address == d and router.pick(long, role="prefill").address == p
     with EngineRouter([m], load_interval=0.02) as router:
         assert not router.disaggregates(generate_request([7] * 4096))  # no prefill engines: never
+
+
+def test_a_prefill_engine_is_picked_only_among_those_speaking_the_decode_engines_kv_protocol(engines):
+    (native, _), (nixl, engine_nixl), (echo, engine_echo), (d, engine_d) = engines(4)
+    for engine, connector in ((engine_nixl, "NixlConnector"), (engine_echo, "EchoConnector"),
+                              (engine_d, "EchoConnector")):
+        engine.kv_protocol, engine.kv_connector = engine_pb2.KV_TRANSFER_PROTOCOL_VLLM_CONNECTOR, connector
+    long = generate_request([7] * 16)
+    with EngineRouter([], prefill_engines=[native, nixl, echo], decode_engines=[d], pd_min_prompt_tokens=16,
+                      policy="round_robin", load_interval=0.02) as router:
+        decode = router.pick(long)
+        assert (decode.kv_protocol, decode.kv_connector) == (engine_pb2.KV_TRANSFER_PROTOCOL_VLLM_CONNECTOR,
+                                                             "EchoConnector")
+        assert {router.pick(long, role="prefill", pair_with=decode).address for _ in range(6)} == {echo}
+        assert {router.pick(long, role="prefill").address for _ in range(6)} == {native, nixl, echo}  # unpaired
+    with EngineRouter([], prefill_engines=[native], decode_engines=[d], pd_min_prompt_tokens=16,
+                      load_interval=0.02) as router:
+        assert router.pick(long, role="prefill").kv_protocol == engine_pb2.KV_TRANSFER_PROTOCOL_TITO  # unspecified
+        with pytest.raises(NoEngineAvailable, match="none speaks vLLM connector EchoConnector"):
+            router.pick(long, role="prefill", pair_with=router.pick(long))
 
 
 def test_a_prompt_its_decode_engine_mostly_holds_is_not_prefilled_elsewhere(engines):

@@ -65,6 +65,9 @@ class EngineBackend(Protocol):
     # True when KV moves between engines through vLLM's own connector (the vllm backend): a
     # request's kv_connector_params go to it; False: tito's transfers (backend/kv_transfers.py).
     kv_connector: bool
+    # The connector vLLM's --kv-transfer-config configured (its "kv_connector"); "" when none was
+    # (the engine then takes no part in a split) and for the native backend.
+    kv_connector_name: str
 
     def start(self) -> None:
         """Start serving (the model is loaded by the constructor)."""

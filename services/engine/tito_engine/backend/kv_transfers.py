@@ -63,6 +63,19 @@ async def prepare_transfer(backend: Any, transfers: "KvTransfers | None", genera
     return await transfers.prepare(generate, admitted)
 
 
+#: How an engine takes part in a prefill/decode split (GetModelInfo's kv_transfer_protocol), so
+#: a router pairs a prefill engine only with a decode engine that speaks the same.
+PROTOCOL_NONE, PROTOCOL_TITO, PROTOCOL_VLLM_CONNECTOR = "none", "tito", "vllm_connector"
+
+
+def transfer_protocol(backend: Any, transfers: "KvTransfers | None") -> str:
+    """`backend`'s protocol: vLLM's connector when --kv-transfer-config configured one, tito's
+    own transfers when the engine serves them, else none."""
+    if getattr(backend, "kv_connector", False):
+        return PROTOCOL_VLLM_CONNECTOR if backend.kv_connector_name else PROTOCOL_NONE
+    return PROTOCOL_TITO if transfers is not None else PROTOCOL_NONE
+
+
 def unsupported(why: str) -> FailedPrecondition:
     return FailedPrecondition(why, reason=TRANSFER_UNSUPPORTED, field="kv_transfer")
 

@@ -53,6 +53,7 @@ CORE_LOST_MESSAGE = "the engine's model process exited; a new one is starting: r
 
 class Engine:
     kv_connector = False  # prefill/decode through tito's own transfers (PullKvBlocks)
+    kv_connector_name = ""
     def __init__(self, runner: CoreRunner | None = None, *, limits: SchedulerLimits = SchedulerLimits(),
                  max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS, core: CoreHost | None = None,
                  encoder_cache_bytes: int = 0, encoder_store_dir: str = "", encoder_store_bytes: int = 0,

@@ -28,6 +28,9 @@ _FINISH_REASONS = {
 
 #: A modality's wire number by its name (GetModelInfo): MODALITY_NAMES the other way round.
 MODALITIES = {name: value for value, name in MODALITY_NAMES.items()}
+#: GetModelInfo's kv_transfer_protocol by the name backend/kv_transfers.py gives it.
+KV_TRANSFER_PROTOCOLS = {"none": engine_pb2.KV_TRANSFER_PROTOCOL_NONE, "tito": engine_pb2.KV_TRANSFER_PROTOCOL_TITO,
+                         "vllm_connector": engine_pb2.KV_TRANSFER_PROTOCOL_VLLM_CONNECTOR}
 
 
 def _optional(message, name: str):

@@ -20,11 +20,13 @@ from tito.v1 import engine_pb2, engine_pb2_grpc
 from tito_engine.backend.admission import Admission
 from tito_engine.backend.drain import Drain, draining_error
 from tito_engine.backend.interface import EngineBackend, LoadSnapshot
-from tito_engine.backend.kv_transfers import KvTransfers, prepare_transfer
+from tito_engine.backend.kv_transfers import (PROTOCOL_VLLM_CONNECTOR, KvTransfers, prepare_transfer,
+                                              transfer_protocol)
 from tito_engine.backend.observe import RequestObserver
 from tito_engine.kv_transfer import TRANSFER_UNSUPPORTED, block_checksum
-from tito_engine.service.convert import (MODALITIES, descriptor_to_proto, generate_input_from_proto, handle_from_proto,
-                                         kv_batch_to_proto, lora_adapter_to_proto, media_from_proto, output_to_proto)
+from tito_engine.service.convert import (KV_TRANSFER_PROTOCOLS, MODALITIES, descriptor_to_proto,
+                                         generate_input_from_proto, handle_from_proto, kv_batch_to_proto,
+                                         lora_adapter_to_proto, media_from_proto, output_to_proto)
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
@@ -126,9 +128,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         backend = self._engine
         info = backend.info
         adapters = await backend.list_lora_adapters() if backend.max_loras else ()
+        protocol = transfer_protocol(backend, self._kv)
         return engine_pb2.EngineServiceGetModelInfoResponse(
             lora_adapters=[lora_adapter_to_proto(adapter) for adapter in adapters],
             max_loras=backend.max_loras, max_lora_rank=backend.max_lora_rank,
+            kv_transfer_protocol=KV_TRANSFER_PROTOCOLS[protocol],
+            kv_connector=backend.kv_connector_name if protocol == PROTOCOL_VLLM_CONNECTOR else "",
             model_id=info.model_id,
             vocab_size=info.vocab_size,
             max_context_length=info.max_context_length,

@@ -189,6 +189,8 @@ class VllmEngine:
             int(cache_config.num_gpu_blocks or 0), int(cache_config.block_size),
             how_to_grow="give vLLM more KV cache memory (--kv-cache-bytes, or -- --gpu-memory-utilization)")
         self.media_item_rows_limit = encoder_budget(vllm_config)
+        transfer_config = vllm_config.kv_transfer_config
+        self.kv_connector_name = (transfer_config.kv_connector or "") if transfer_config is not None else ""
         self.on_core_lost: Callable[[], None] | None = None
         # vLLM's engine core does not come back once dead: this replica must be restarted.
         self.on_core_restored: Callable[[], None] | None = None
