@@ -9,4 +9,7 @@ bash scripts/bootstrap.sh --vllm
 export TITO_REQUIRE_VLLM=1
 export TITO_REQUIRE_SMG=1
 export TITO_REQUIRE_NODE=1
-exec .venv/bin/python -m pytest "$@"
+# Two test processes (pytest-xdist), each taking whole test files (their module-scoped servers are
+# started once): much of the suite waits on servers and engines starting, so two processes share
+# the 2 CPUs CI has. `-n 0` runs everything in one process.
+exec .venv/bin/python -m pytest -n 2 --dist loadfile "$@"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from filelock import FileLock
 
 # Test support code (tokenizers with real vocabularies, family tokenizers) lives beside the tests,
 # not in the runtime package; test modules import it by module name.
@@ -54,11 +55,21 @@ TitoError.__init__ = _recording_error_init
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    worker_output = getattr(session.config, "workeroutput", None)
+    if worker_output is not None:  # an xdist test process: the controlling one reports for all
+        worker_output["raised_reasons"] = sorted(_RAISED_REASONS)
+        return
     undocumented = sorted(_RAISED_REASONS - ERROR_REASONS)
     if undocumented:
         session.config.get_terminal_writer().line(
             f"error reasons raised but missing from proto/tito/v1/errors.proto: {undocumented}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """An xdist test process ended: the reasons it saw raised join this process's."""
+    _RAISED_REASONS.update(getattr(node, "workeroutput", {}).get("raised_reasons", ()))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -88,9 +99,21 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.skip("needs Node.js 20+ and npm on PATH")
 
 
+def xdist_worker() -> str | None:
+    """The pytest-xdist worker this process is ("gw0", ...), None when pytest runs alone."""
+    return os.environ.get("PYTEST_XDIST_WORKER")
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("models")
+    """Where the tiny models are built. The test processes of one run share it (their base temp
+    directories have one parent): builds are atomic (tiny.build_cached), so a model two processes
+    ask for at once is built at most twice and used by both."""
+    if xdist_worker() is None:
+        return tmp_path_factory.mktemp("models")
+    shared = tmp_path_factory.getbasetemp().parent / "models"
+    shared.mkdir(exist_ok=True)
+    return shared
 
 
 @pytest.fixture(scope="session")
@@ -169,18 +192,26 @@ def renderer(tiny_vl_model):
     return load_renderer(tiny_vl_model)
 
 
+def _start_demo_build(tmp_path_factory) -> tuple[Path, subprocess.Popen]:
+    """A tito-demo build in a process of its own, into <its directory>/again."""
+    directory = tmp_path_factory.mktemp("demo-again")
+    with open(directory / "build.log", "wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "tito_models.demo", str(directory / "again")],
+                                   stdout=log, stderr=subprocess.STDOUT)
+    return directory, process
+
+
 @pytest.fixture(scope="session")
 def _demo_second_build(request, tmp_path_factory):
     """A second tito-demo build, for sessions with a test of `demo_rebuild`: a process of its own,
     started just before `demo_model` trains. A build keeps to one core (demo.THREADS), so on two
     cores both builds take the time of one instead of the rebuild's minute later on."""
-    if not any("demo_rebuild" in item.fixturenames for item in request.session.items):
+    # With several test processes every one collects every test, so none knows it will run the
+    # rebuild: the rebuild then trains when its test asks, beside the other process's tests.
+    if xdist_worker() is not None or not any("demo_rebuild" in item.fixturenames for item in request.session.items):
         yield None
         return
-    directory = tmp_path_factory.mktemp("demo-again")
-    with open(directory / "build.log", "wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "tito_models.demo", str(directory / "again")],
-                                   stdout=log, stderr=subprocess.STDOUT)
+    directory, process = _start_demo_build(tmp_path_factory)
     yield directory, process
     if process.poll() is None:  # the session ended before the test that waits for it ran
         process.kill()
@@ -189,14 +220,16 @@ def _demo_second_build(request, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def demo_model(model_cache, _demo_second_build) -> Path:
-    """tito-demo: the Qwen2-VL tito trains itself (once per session, seconds to a minute)."""
-    return ensure_demo_model(model_cache)
+    """tito-demo: the Qwen2-VL tito trains itself (once per run, seconds to a minute: a test
+    process that finds another one training it waits for that build)."""
+    with FileLock(model_cache / "tito-demo.lock"):
+        return ensure_demo_model(model_cache)
 
 
 @pytest.fixture(scope="session")
-def demo_rebuild(demo_model, _demo_second_build) -> Path:
+def demo_rebuild(demo_model, _demo_second_build, tmp_path_factory) -> Path:
     """A second tito-demo build from scratch, in another process than `demo_model`'s."""
-    directory, process = _demo_second_build
+    directory, process = _demo_second_build or _start_demo_build(tmp_path_factory)
     assert process.wait(timeout=900) == 0, (directory / "build.log").read_text(errors="replace")
     return directory / "again"
 
