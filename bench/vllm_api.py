@@ -21,16 +21,23 @@ The same client code drives both sides, in paired rounds (the order rotates each
 (b) The pipeline: render -> generate (streamed) -> derender (whole) over HTTP for 32 chats with
     64 greedy tokens (ignore_eos), at each concurrency: output tok/s, and TTFT (render sent to the
     first generated token) p50.
+(c) AIPerf (PyPI aiperf, the test extra): `aiperf profile --endpoint-type vllm_generate` (tito's
+    endpoint plugin, tito_client.aiperf_plugin) against each side's generate endpoint, 32
+    streamed requests of 32 synthetic prompt tokens (the same on both sides: --random-seed) and
+    64 output tokens (greedy, ignore_eos), at each concurrency; every request must succeed with
+    exactly that many tokens. AIPerf's output tok/s and TTFT p50 (its own start-up, about 20 s
+    a run here, is outside its measurement). --skip-aiperf leaves it out.
 
 Prints per side and setting, then the ratios (median [min-max] over rounds):
 
     derender x16 chunks/s tito / vLLM 3.1x ...        higher is better
     c=32 tok/s tito / vLLM 1.3x ...                   higher is better
     c=1 TTFT p50 tito / vLLM 0.8x ...                 lower is better
+    aiperf c=32 tok/s tito / vLLM 1.1x ...            (c), the same
 
 --smoke: tito's side alone, in seconds: 24-token derender streams at 1 and 2 streams, 4 chats of
-4 tokens at concurrency 2, one round. Targets (issue 36): pipeline tok/s at c=32 >= 1.2x vLLM's
-and TTFT p50 at c=1 <= vLLM's.
+4 tokens at concurrency 2, AIPerf's 4 requests of 4 tokens at concurrency 2, one round. Targets
+(issue 36): pipeline tok/s at c=32 >= 1.2x vLLM's and TTFT p50 at c=1 <= vLLM's.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +63,8 @@ SERVED = "bench"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 EDGE = 32  # chunks at each end of a derender stream whose latency is reported
+AIPERF_INPUT_LEN = 32
+AIPERF_TIMEOUT_S = 600
 
 
 class Side:
@@ -151,6 +161,32 @@ async def pipeline_bench(side: Side, chats: list[dict], concurrency: int) -> dic
             "ttft p50": 1e3 * statistics.median(ttft for _, ttft in results)}
 
 
+def aiperf_bench(side: Side, model: str, requests: int, output_len: int, concurrency: int, out: Path) -> dict:
+    """One `aiperf profile --endpoint-type vllm_generate` against `side`'s generate endpoint: AIPerf's
+    output tok/s and TTFT p50, once every request has succeeded with exactly `output_len` tokens."""
+    command = [str(Path(sys.executable).parent / "aiperf"), "profile", "--endpoint-type", "vllm_generate",
+               "--url", side.generate, "--model", SERVED, "--tokenizer", model, "--extra-inputs", f"tokenizer:{model}",
+               "--streaming", "--request-count", str(requests), "--concurrency", str(concurrency),
+               "--prompt-corpus", "random", "--random-seed", "0",
+               "--synthetic-input-tokens-mean", str(AIPERF_INPUT_LEN),
+               "--output-tokens-mean", str(output_len), "--extra-inputs", "ignore_eos:true",
+               "--extra-inputs", "temperature:0", "--use-server-token-count", "--ui-type", "none",
+               "--artifact-dir", str(out)]
+    # AIPerf 0.13 offline (HF_HUB_OFFLINE set to anything) loads no tokenizer from a directory.
+    env = {name: value for name, value in os.environ.items() if name not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    run = subprocess.run(command, capture_output=True, text=True, timeout=AIPERF_TIMEOUT_S, env=env)
+    if run.returncode != 0:
+        raise RuntimeError(f"{side.name} aiperf exited with {run.returncode}:\n"
+                           f"{run.stdout[-3000:]}{run.stderr[-3000:]}")
+    summary = json.loads((out / "profile_export_aiperf.json").read_text())
+    lengths = summary["output_sequence_length"]
+    if summary["request_count"]["avg"] != requests or summary.get("error_summary") or \
+            lengths["min"] != output_len or lengths["max"] != output_len:
+        raise RuntimeError(f"{side.name} aiperf: {summary['request_count']} requests, output lengths "
+                           f"{lengths['min']}-{lengths['max']}, errors {summary.get('error_summary')}")
+    return {"tok/s": summary["output_token_throughput"]["avg"], "ttft p50": summary["time_to_first_token"]["p50"]}
+
+
 def ratio_line(label: str, values: list[float]) -> str:
     return f"{label} {statistics.median(values):.2f}x [{min(values):.2f}-{max(values):.2f}]"
 
@@ -181,6 +217,78 @@ def start(args, model: str, tmp: Path) -> tuple[dict, dict[str, Side]]:
     return processes, sides
 
 
+def wait_ready(processes: dict, sides: dict[str, Side]) -> None:
+    wait_healthy(sides[TITO].render, processes[TITO], TITO)
+    if "vllm render" in processes:
+        wait_healthy(sides[VLLM].render, processes["vllm render"], "vllm launch render")
+    if "vllm serve" in processes:
+        wait_healthy(sides[VLLM].generate, processes["vllm serve"], "vllm serve")
+
+
+def rounds(args, sides: dict[str, Side]):
+    """Each round's side order: as listed, then reversed, and so on."""
+    for round_index in range(args.rounds):
+        yield round_index, list(sides) if round_index % 2 == 0 else list(reversed(sides))
+
+
+def api_rounds(args, sides: dict[str, Side], ids: list[int]) -> tuple[dict, dict]:
+    """(a) and (b): {(side, streams): [per round]}, {(side, concurrency): [per round]}."""
+    chats = [chat(i, args.output_len) for i in range(args.chats)]
+    derender: dict[tuple[str, int], list[dict]] = {}
+    pipeline: dict[tuple[str, int], list[dict]] = {}
+    for round_index, order in rounds(args, sides):
+        for name in order:
+            for streams in args.streams:
+                derender.setdefault((name, streams), []).append(asyncio.run(derender_bench(sides[name], streams, ids)))
+            for concurrency in args.concurrency:
+                time.sleep(0 if args.smoke else VLLM_IDLE_S)
+                pipeline.setdefault((name, concurrency), []).append(asyncio.run(
+                    pipeline_bench(sides[name], chats, concurrency)))
+        print(f"round {round_index + 1}/{args.rounds} done", flush=True)
+    return derender, pipeline
+
+
+def aiperf_rounds(args, sides: dict[str, Side], model: str, tmp: Path) -> dict:
+    """(c): {(side, concurrency): [per round]}."""
+    results: dict[tuple[str, int], list[dict]] = {}
+    for round_index, order in rounds(args, sides):
+        for name in order:
+            for concurrency in args.concurrency:
+                time.sleep(0 if args.smoke else VLLM_IDLE_S)
+                out = tmp / f"aiperf-{name}-c{concurrency}-r{round_index}"
+                results.setdefault((name, concurrency), []).append(
+                    aiperf_bench(sides[name], model, args.chats, args.output_len, concurrency, out))
+        print(f"round {round_index + 1}/{args.rounds} done", flush=True)
+    return results
+
+
+def print_derender(derender: dict, streams_list: list[int], sides: dict[str, Side]) -> None:
+    print(f"{'side':<6} {'streams':>7} {'chunks/s':>9} {'first ms':>9} {'last ms':>8} {'state B':>8}")
+    for (name, streams), runs in derender.items():
+        best = max(runs, key=lambda r: r["chunks/s"])
+        print(f"{name:<6} {streams:>7} {best['chunks/s']:>9.0f} {best['first ms']:>9.2f} {best['last ms']:>8.2f} "
+              f"{best['state bytes']:>8}")
+    if VLLM in sides:
+        for streams in streams_list:
+            print(ratio_line(f"derender x{streams} chunks/s tito / vLLM", [
+                t["chunks/s"] / v["chunks/s"] for t, v in zip(derender[(TITO, streams)], derender[(VLLM, streams)])]))
+
+
+def print_throughput(label: str, results: dict, concurrencies: list[int], sides: dict[str, Side]) -> None:
+    """Each side's best round per concurrency, then tito / vLLM per round (median [min-max])."""
+    print(f"{'side':<6} {'c':>7} {'tok/s':>9} {'TTFT p50 ms':>12}")
+    for (name, concurrency), runs in results.items():
+        best = max(runs, key=lambda r: r["tok/s"])
+        print(f"{name:<6} {concurrency:>7} {best['tok/s']:>9.1f} {best['ttft p50']:>12.1f}")
+    if VLLM in sides:
+        for concurrency in concurrencies:
+            tito, vllm = results[(TITO, concurrency)], results[(VLLM, concurrency)]
+            print(ratio_line(f"{label}c={concurrency} tok/s tito / vLLM",
+                             [t["tok/s"] / v["tok/s"] for t, v in zip(tito, vllm)]))
+            print(ratio_line(f"{label}c={concurrency} TTFT p50 tito / vLLM",
+                             [t["ttft p50"] / v["ttft p50"] for t, v in zip(tito, vllm)]))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-qwen2-h256")
@@ -190,6 +298,7 @@ def main() -> int:
     parser.add_argument("--chats", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--stream-tokens", type=int, default=256)
+    parser.add_argument("--skip-aiperf", action="store_true", help="leave out (c), AIPerf's vllm_generate")
     parser.add_argument("--smoke", action="store_true", help="tito's side alone, the smallest run (see above)")
     args = parser.parse_args()
     if args.smoke:
@@ -203,53 +312,26 @@ def main() -> int:
     model = str(resolve_model(args.model))
     ids = Tokenizer.from_file(str(Path(model) / "tokenizer.json")).encode(
         answer_text(args.stream_tokens), add_special_tokens=False).ids[:args.stream_tokens]
-    chats = [chat(i, args.output_len) for i in range(args.chats)]
     tmp = Path(tempfile.mkdtemp(prefix="tito-vllm-api-bench-"))
     processes, sides = start(args, model, tmp)
-    derender: dict[tuple[str, int], list[dict]] = {}
-    pipeline: dict[tuple[str, int], list[dict]] = {}
+    aiperf: dict[tuple[str, int], list[dict]] = {}
     try:
-        for name, side in sides.items():
-            wait_healthy(side.render, processes[TITO if name == TITO else "vllm render"], name)
-            if name == VLLM:
-                wait_healthy(side.generate, processes["vllm serve"], "vllm serve")
-        for round_index in range(args.rounds):
-            order = list(sides) if round_index % 2 == 0 else list(reversed(sides))
-            for name in order:
-                for streams in args.streams:
-                    derender.setdefault((name, streams), []).append(asyncio.run(
-                        derender_bench(sides[name], streams, ids)))
-                for concurrency in args.concurrency:
-                    time.sleep(0 if args.smoke else VLLM_IDLE_S)
-                    pipeline.setdefault((name, concurrency), []).append(asyncio.run(
-                        pipeline_bench(sides[name], chats, concurrency)))
-            print(f"round {round_index + 1}/{args.rounds} done", flush=True)
+        wait_ready(processes, sides)
+        derender, pipeline = api_rounds(args, sides, ids)
+        if not args.skip_aiperf:
+            aiperf = aiperf_rounds(args, sides, model, tmp)
     finally:
         for process in processes.values():
             stop_process(process)
 
     print(f"\nmodel {args.model}, float32; derender streams of {len(ids)} tokens, one per call; "
           f"{args.chats} chats x {args.output_len} tokens (greedy, ignore_eos); {args.rounds} rounds, best round:")
-    print(f"{'side':<6} {'streams':>7} {'chunks/s':>9} {'first ms':>9} {'last ms':>8} {'state B':>8}")
-    for (name, streams), runs in derender.items():
-        best = max(runs, key=lambda r: r["chunks/s"])
-        print(f"{name:<6} {streams:>7} {best['chunks/s']:>9.0f} {best['first ms']:>9.2f} {best['last ms']:>8.2f} "
-              f"{best['state bytes']:>8}")
-    print(f"{'side':<6} {'c':>7} {'tok/s':>9} {'TTFT p50 ms':>12}")
-    for (name, concurrency), runs in pipeline.items():
-        best = max(runs, key=lambda r: r["tok/s"])
-        print(f"{name:<6} {concurrency:>7} {best['tok/s']:>9.1f} {best['ttft p50']:>12.1f}")
-    if VLLM in sides:
-        print()
-        for streams in args.streams:
-            print(ratio_line(f"derender x{streams} chunks/s tito / vLLM", [
-                t["chunks/s"] / v["chunks/s"] for t, v in zip(derender[(TITO, streams)], derender[(VLLM, streams)])]))
-        for concurrency in args.concurrency:
-            tito, vllm = pipeline[(TITO, concurrency)], pipeline[(VLLM, concurrency)]
-            print(ratio_line(f"c={concurrency} tok/s tito / vLLM",
-                             [t["tok/s"] / v["tok/s"] for t, v in zip(tito, vllm)]))
-            print(ratio_line(f"c={concurrency} TTFT p50 tito / vLLM",
-                             [t["ttft p50"] / v["ttft p50"] for t, v in zip(tito, vllm)]))
+    print_derender(derender, args.streams, sides)
+    print_throughput("", pipeline, args.concurrency, sides)
+    if aiperf:
+        print(f"AIPerf vllm_generate, {args.chats} streamed requests of {AIPERF_INPUT_LEN} prompt tokens "
+              f"x {args.output_len} tokens (greedy, ignore_eos), best round:")
+        print_throughput("aiperf ", aiperf, args.concurrency, sides)
     return 0
 
 

@@ -3,12 +3,17 @@ as processes (the demo model). Render endpoint -> generate endpoint -> derender 
 the text /v1/chat/completions gives for the same greedy chat, and so do the render endpoint's ids
 forwarded to the chat (`kv_transfer_params.prompt_token_ids`); an RL-style loop gets logprobs and
 reproduces its samples by seed; an abort ends a running generate; the real services' refusals
-arrive as vLLM's error JSON naming the field."""
+arrive as vLLM's error JSON naming the field; AIPerf's `vllm_generate` (tito's endpoint plugin)
+benchmarks the generate endpoint to completion with exact token counts."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import httpx
 from tokenizers import Tokenizer
@@ -298,3 +303,42 @@ def test_media_generate_by_content_parts_features_and_serialized_tensors_gives_t
     from_tensors = _greedy_tokens(http, {**with_tensors, "sampling_params": sampling})
     assert from_tensors == _greedy_tokens(http, {"token_ids": with_tensors["token_ids"], "sampling_params": sampling,
                                                  "content_parts": [{"type": "image_url", "url": other}]})
+
+
+# -- AIPerf: `aiperf profile --endpoint-type vllm_generate` (tito_client.aiperf_plugin) --
+
+AIPERF_TIMEOUT_S = 240  # its own start-up (a dozen processes) is most of it: about 20 s here
+AIPERF_OUTPUT_TOKENS = 12
+
+
+def test_aiperf_vllm_generate_runs_to_completion_with_exact_token_counts(base, demo_model, tmp_path):
+    artifacts = tmp_path / "aiperf"
+    tokenizer = str(demo_model)
+    command = [str(Path(sys.executable).parent / "aiperf"), "profile", "--endpoint-type", "vllm_generate",
+               "--url", base, "--model", MODEL, "--tokenizer", tokenizer, "--extra-inputs", f"tokenizer:{tokenizer}",
+               "--streaming", "--request-count", "8", "--concurrency", "2", "--prompt-corpus", "random",
+               "--synthetic-input-tokens-mean", "24", "--output-tokens-mean", str(AIPERF_OUTPUT_TOKENS),
+               "--extra-inputs", "ignore_eos:true", "--use-server-token-count",
+               "--ui-type", "none", "--artifact-dir", str(artifacts)]
+    # AIPerf 0.13 offline (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE set to anything) loads tokenizers
+    # from the hub's cache only, never from a directory.
+    env = {name: value for name, value in os.environ.items() if name not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    run = subprocess.run(command, capture_output=True, text=True, timeout=AIPERF_TIMEOUT_S, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+    sent = [json.loads(payload) if isinstance(payload, str) else payload
+            for session in json.loads((artifacts / "inputs.json").read_text())["data"]
+            for payload in session["payloads"]]
+    assert len(sent) == 8
+    assert all(body["sampling_params"] == {"max_tokens": AIPERF_OUTPUT_TOKENS, "ignore_eos": True} for body in sent)
+    records = [json.loads(line) for line in (artifacts / "profile_export.jsonl").read_text().splitlines()]
+    assert len(records) == 8 and not any(record.get("error") for record in records), records
+    metrics = [record["metrics"] for record in records]
+    # Output counts are the ids received, which the server's usage confirms; the prompt's length
+    # is that of one of the id lists the plugin sent.
+    assert [m["output_sequence_length"]["value"] for m in metrics] == [AIPERF_OUTPUT_TOKENS] * 8
+    assert [m["usage_completion_tokens"]["value"] for m in metrics] == [AIPERF_OUTPUT_TOKENS] * 8
+    assert {m["input_sequence_length"]["value"] for m in metrics} <= {len(body["token_ids"]) for body in sent}
+    summary = json.loads((artifacts / "profile_export_aiperf.json").read_text())
+    assert summary["request_count"]["avg"] == 8 and summary["was_cancelled"] is False
+    assert not summary.get("error_summary"), summary["error_summary"]
