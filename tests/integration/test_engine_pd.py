@@ -28,6 +28,7 @@ from tito_render.convert import chat_response
 
 from chat_parts import image, text
 from engine_calls import collect, request
+from lora_adapters import ADAPTERS, make_adapter
 from renderers import load_renderer
 
 TIMEOUT = 30
@@ -218,18 +219,56 @@ def test_pd_image_chats_decode_like_one_engine_without_the_decode_engine_running
     for seed, images in ((1, 1), (7, 2), (11, 1), (19, 2)):
         chat = image_chat(renderer, seed, images)
         solo, _ = collect(p_stub.Generate(chat, timeout=TIMEOUT))
-        prefill_part = engine_pb2.GenerateRequest()
-        prefill_part.CopyFrom(chat)
-        prefill_part.kv_transfer.prefill.SetInParent()
-        _, finals = collect(p_stub.Generate(prefill_part, timeout=TIMEOUT))
-        decode_part = engine_pb2.GenerateRequest()
-        decode_part.CopyFrom(chat)
-        decode_part.kv_transfer.decode.handle.CopyFrom(finals[0].kv_transfer_handle)
-        decode_part.kv_transfer.decode.source_address = p_address
-        tokens, finals = collect(d_stub.Generate(decode_part, timeout=TIMEOUT))
+        tokens, finals = collect(d_stub.Generate(_split(p_stub, p_address, chat), timeout=TIMEOUT))
         assert tokens[0] == solo[0] and len(tokens[0]) == 10
+        # Media prompts pull every block, even those D's cache holds (the same text opens every
+        # chat): an import from block 0 is never dropped, so D's encoder never runs.
         assert finals[0].kv_transfer_stats.blocks_pulled == -(-len(chat.token_ids) // BLOCK)
     assert d_stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT).encoded_items == encoded_on_d
+    assert wait_idle(p_stub).kv_blocks_used == 0 and wait_idle(d_stub).kv_blocks_used == 0
+
+
+def _split(p_stub, p_address: str, chat: engine_pb2.GenerateRequest) -> engine_pb2.GenerateRequest:
+    """Prefill `chat` on P; the decode part that pulls its KV from there."""
+    prefill_part = engine_pb2.GenerateRequest()
+    prefill_part.CopyFrom(chat)
+    prefill_part.kv_transfer.prefill.SetInParent()
+    _, finals = collect(p_stub.Generate(prefill_part, timeout=TIMEOUT))
+    decode_part = engine_pb2.GenerateRequest()
+    decode_part.CopyFrom(chat)
+    decode_part.kv_transfer.decode.handle.CopyFrom(finals[0].kv_transfer_handle)
+    decode_part.kv_transfer.decode.source_address = p_address
+    return decode_part
+
+
+@pytest.fixture(scope="module")
+def lora_pair(module_aio_server, tiny_text_model, key_file, tmp_path_factory):
+    """(P stub, P address, D stub) with the same two PEFT adapters loaded on both engines."""
+    root = tmp_path_factory.mktemp("pd-lora")
+    names = [spec.name for spec in ADAPTERS[:2]]
+    for spec in ADAPTERS[:2]:
+        make_adapter(tiny_text_model, spec, root / spec.name)
+    modules = tuple(f"{name}={name}" for name in names)
+    prefill = module_aio_server(lambda: create_server(_config(tiny_text_model, key_file, lora_dir=str(root),
+                                                              lora_modules=modules)))
+    decode = module_aio_server(lambda: create_server(_config(tiny_text_model, key_file, lora_dir=str(root),
+                                                             lora_modules=modules)))
+    return (engine_pb2_grpc.EngineServiceStub(prefill.channel()), prefill.address,
+            engine_pb2_grpc.EngineServiceStub(decode.channel()), names)
+
+
+def test_a_prompt_d_holds_under_an_adapter_is_not_pulled_again_and_other_adapters_blocks_never_serve_it(lora_pair):
+    p_stub, p_address, d_stub, (first, second) = lora_pair
+    prompt = prompts(1, length=33)[0]
+    for adapter, cached in ((first, False), (first, True), (second, False), ("", False)):
+        chat = request(prompt, max_tokens=8, ignore_eos=True)
+        chat.lora_name = adapter
+        solo, _ = collect(p_stub.Generate(chat, timeout=TIMEOUT))
+        tokens, finals = collect(d_stub.Generate(_split(p_stub, p_address, chat), timeout=TIMEOUT))
+        stats = finals[0].kv_transfer_stats
+        assert tokens[0] == solo[0], adapter
+        assert stats.blocks_cached == ((len(prompt) - 1) // BLOCK if cached else 0), adapter
+        assert stats.blocks_pulled == -(-len(prompt) // BLOCK) - stats.blocks_cached
     assert wait_idle(p_stub).kv_blocks_used == 0 and wait_idle(d_stub).kv_blocks_used == 0
 
 

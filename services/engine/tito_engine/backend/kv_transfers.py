@@ -111,9 +111,13 @@ class KvTransfers:
                                      f"fit this engine's cache ({block_size}-token blocks) for this prompt",
                                      reason=TRANSFER_MISMATCH, field="kv_transfer.decode.handle.block_size")
         cached = 0
-        if not admitted.features and not admitted.lora_name:  # text prompts: skip what the prefix cache holds
-            cached = min(await self.backend.cached_prompt_blocks(admitted.token_ids, admitted.cache_salt),
-                         handle.block_count)
+        # Text prompts, under an adapter or not, skip what the prefix cache holds. Media prompts
+        # pull from block 0: an import that starts there is never dropped (the cache cannot lose
+        # blocks it did not give), so the decode engine never needs its encoder for them
+        # (kv_export.covers_media).
+        if not admitted.features:
+            cached = min(await self.backend.cached_prompt_blocks(admitted.token_ids, admitted.cache_salt,
+                                                                 admitted.lora_name), handle.block_count)
         try:
             blocks = await self.peers.pull(role.source_address, handle, cached)
         except Unavailable as exc:  # the prefilling engine is gone or sent damage: compute the prompt here
@@ -147,3 +151,4 @@ class KvTransfers:
         if not hasattr(self.backend, "export_kv"):
             raise FailedPrecondition("this engine's backend does not transfer KV (prefill/decode disaggregation "
                                      "needs --backend native)", reason=TRANSFER_UNSUPPORTED, field="kv_transfer")
+

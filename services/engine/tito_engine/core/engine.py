@@ -157,9 +157,10 @@ class Engine:
         """PullKvBlocks: the pinned blocks of a prefill request, handed out once (kv_transfer.py)."""
         return await self._call(lambda key: ExportKv(key, transfer_id, first_block, block_count, num_tokens))
 
-    async def cached_prompt_blocks(self, token_ids: list[int], cache_salt: str) -> int:
-        """Leading blocks of a text prompt the prefix cache holds now (a decode request pulls the rest)."""
-        result = await self._call(lambda key: PeekPrefix(key, list(token_ids), cache_salt))
+    async def cached_prompt_blocks(self, token_ids: list[int], cache_salt: str, lora_name: str = "") -> int:
+        """Leading blocks of a text prompt (under `lora_name`, "" = the base model) the prefix cache
+        holds now (a decode request pulls the rest)."""
+        result = await self._call(lambda key: PeekPrefix(key, list(token_ids), cache_salt, lora_name))
         return result.cached_blocks
 
     async def reset_prefix_cache(self) -> None:

@@ -256,8 +256,14 @@ class EngineCore:
             outputs.extend(self._abort(request))
 
     def _peek_prefix(self, command: PeekPrefix) -> PrefixPeek:
+        """The prompt keyed as `_add` keys a request: its salt and its adapter."""
         probe = Request("", command.prompt_ids, None)
         probe.cache_salt = command.cache_salt
+        if command.lora_name:
+            lora_key = self.lora.prefix_key(command.lora_name) if self.lora is not None else None
+            if lora_key is None:  # not held here: no block of it can be cached
+                return PrefixPeek(0)
+            probe.lora_key = lora_key
         return PrefixPeek(self.scheduler.kv.peek_cached_blocks(probe))
 
     def _abort(self, request: Request) -> list:

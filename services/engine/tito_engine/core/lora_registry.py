@@ -106,6 +106,11 @@ class LoraRegistry:
         self._changed()
         return entry.slot, entry.key
 
+    def prefix_key(self, name: str) -> str | None:
+        """The key `name`'s prefix-cache blocks are chained under; None when it is not held."""
+        entry = self._held.get(name)
+        return None if entry is None or entry.unloading else entry.key
+
     def release(self, name: str) -> None:
         """A request that held `name` ended."""
         entry = self._held.get(name)

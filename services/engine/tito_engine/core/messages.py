@@ -125,12 +125,14 @@ class ExportKv:
 
 @dataclass(frozen=True, slots=True)
 class PeekPrefix:
-    """A decode request's prompt (as an AddRequest would carry it, no media): answered under
-    `key` with PrefixPeek, the leading blocks the prefix cache holds."""
+    """A decode request's text prompt as the prefix cache keys it (its salt and its adapter, ""
+    for the base model): answered under `key` with PrefixPeek, the leading blocks the prefix
+    cache holds."""
 
     key: int
     prompt_ids: list[int]
     cache_salt: str
+    lora_name: str = ""
 
 
 @dataclass(frozen=True, slots=True)
