@@ -46,10 +46,6 @@ SAMPLING_PARAMS = {"temperature", "top_p", "top_k", "min_p", "seed", "n", "max_t
 Handler = Callable[[Request, dict, str], Awaitable[Response]]
 
 
-#: The engine's field path of a decode request's handle (tito.v1 KvTransfer).
-KV_HANDLE = "kv_transfer.decode.handle"
-
-
 def dumps(value) -> bytes:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
 
@@ -66,12 +62,8 @@ def vllm_param(param: str | None) -> str | None:
         return "sampling_params.structured_outputs" + param[len("structured_output"):]
     if param.startswith("mm_features"):
         return "features"
-    if param.startswith(kv_params.FIELD):  # named in vLLM's terms already (tito.kv_params)
+    if param.startswith(kv_params.FIELD):  # errors.openai_param named it in vLLM's terms already
         return param
-    if param.startswith(KV_HANDLE):  # the engine refused the handle kv_transfer_params carried
-        return f"{kv_params.FIELD}.{kv_params.HANDLE_KEY}{param[len(KV_HANDLE):]}"
-    if param.startswith("kv_transfer"):
-        return kv_params.FIELD
     return media.render_param(param)
 
 
