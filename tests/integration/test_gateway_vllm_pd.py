@@ -190,6 +190,20 @@ def test_a_streamed_prefill_chat_hands_off_and_a_decode_chat_reuses_the_rendered
     assert text_of(decoded) == text_of(plain)
 
 
+def test_a_completion_prefilled_behind_one_gateway_decodes_behind_another(chat_servers):
+    prefill_url, decode_url, _ = chat_servers
+    body = {"model": "tiny", "prompt": "Once upon a time in a quiet town", "temperature": 0, "max_tokens": 10,
+            "ignore_eos": True}
+
+    def complete(url: str, **fields) -> dict:
+        return ok(httpx.post(f"{url}/completions", json={**body, **fields}, timeout=TIMEOUT))
+
+    plain = complete(prefill_url)
+    params = complete(prefill_url, max_tokens=1, kv_transfer_params=PREFILL_PARAMS)["kv_transfer_params"]
+    decoded = complete(decode_url, kv_transfer_params=params)
+    assert decoded["choices"][0]["text"] == plain["choices"][0]["text"] and decoded["kv_transfer_params"] is None
+
+
 @pytest.mark.parametrize(("params", "param"), BAD_PARAMS)
 def test_bad_params_on_the_chat_are_400s_naming_the_field(chat_servers, params, param):
     reply = chat(chat_servers[0], "Hello there", kv_transfer_params=params)

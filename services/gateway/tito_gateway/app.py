@@ -34,7 +34,7 @@ from tito_gateway import merge, openai_in, openai_out
 from tito_gateway.errors import UPSTREAM_ERROR, HttpError, from_exception
 from tito_gateway.observe import CONTENT_TYPE, GatewayMetrics
 from tito_gateway.upstream import Upstream
-from tito_gateway.vllm_api.chat_extras import VllmChatCall
+from tito_gateway.vllm_api.chat_extras import VllmChatCall, VllmCompletionCall
 from tito_gateway.vllm_api.routes import VllmApi
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ class Gateway:
         return await self._completion(request, "chat", self.vllm.parse_chat, "chatcmpl-", self._chat_chunks)
 
     async def completions(self, request: Request) -> Response:
-        return await self._completion(request, "completions", openai_in.parse_completion, "cmpl-",
+        return await self._completion(request, "completions", self.vllm.parse_completion, "cmpl-",
                                       self._completion_chunks)
 
     def _chat_chunks(self, call: openai_in.ChatCall, on_generating=None) -> AsyncIterator:
@@ -175,6 +175,8 @@ class Gateway:
 
     def _completion_chunks(self, call: openai_in.CompletionCall, on_generating=None) -> AsyncIterator:
         """Every prompt's request through the services at once, their chunks as one stream."""
+        if isinstance(call, VllmCompletionCall):  # a prefill/decode part (vLLM's kv_transfer_params)
+            return self.vllm.completion_chunks(call)
         pipeline = self.upstream.pipeline
         return merge.merged([pipeline.stream_completion(request) for request in call.requests], call.n)
 
@@ -258,12 +260,13 @@ class Gateway:
             return Response(status_code=499)
         work.result()  # raises the pipeline's error, if any
         if endpoint == "chat":
-            body = openai_out.chat_completion(response_id, call.model, assembled, call.logprobs, echo=_echo(call))
-            handoff = getattr(call, "handoff", None)
-            if handoff is not None:  # a prefill/decode part: vLLM's answer carries the prefill's handoff
-                body["kv_transfer_params"] = handoff.params
+            body = openai_out.chat_completion(response_id, call.model, assembled, call.logprobs,
+                                              echo=_chat_echo(call))
         else:
             body = openai_out.text_completion(response_id, call.model, assembled, call.logprobs is not None, echo)
+        handoff = getattr(call, "handoff", None)
+        if handoff is not None:  # a prefill/decode part: vLLM's answer carries the prefill's handoff
+            body["kv_transfer_params"] = handoff.params
         self._count_finished(endpoint, "200", started, assembled.usage.usage)
         return Response(dumps(body), media_type="application/json", headers=headers)
 
@@ -452,7 +455,7 @@ def _role_chunks(endpoint: str, call, shape, generating: asyncio.Future | None, 
     carry the role."""
     if endpoint != "chat":
         return []
-    n, echo = max(1, call.request.sampling.n), _echo(call)
+    n, echo = max(1, call.request.sampling.n), _chat_echo(call)
     if generating is not None and generating.done():
         return shape.roles(n, echo=echo)
     head = first.result() if generating is None and first.done() else None
@@ -461,7 +464,7 @@ def _role_chunks(endpoint: str, call, shape, generating: asyncio.Future | None, 
     return shape.roles(n, head.usage.prompt_tokens, echo) if head is not None else []
 
 
-def _echo(call) -> str | None:
+def _chat_echo(call) -> str | None:
     """The text vLLM's `echo` puts before a chat's answer (chat_extras), None for most chats."""
     return getattr(call, "echo", None)
 

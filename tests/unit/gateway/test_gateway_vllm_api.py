@@ -490,6 +490,27 @@ def test_bad_transfer_params_on_the_chat_are_400s_naming_the_key(client, upstrea
     assert upstream.pipeline.engine.requests == []
 
 
+def test_a_completion_is_a_prefill_part_too_with_one_prompt(client, upstream):
+    body = {"model": SERVED, "prompt": "Hello", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    reply = client.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    sent = upstream.pipeline.engine.requests[-1]
+    assert sent.kv_transfer.WhichOneof("role") == "prefill"
+    assert reply.json()["kv_transfer_params"]["tito_kv_handle"]["transfer_id"] == f"t-{sent.request_id}"
+    events = _events(client.post("/v1/completions", json={**body, "stream": True}))
+    assert [event["kv_transfer_params"]["remote_port"] for event in events if "kv_transfer_params" in event] == [
+        int(ENGINE_ADDRESS.rsplit(":", 1)[1])]
+    several = client.post("/v1/completions", json={**body, "prompt": ["a", "b"]})
+    assert several.status_code == 400 and several.json()["error"]["param"] == "kv_transfer_params"
+    assert "kv_transfer_params" not in _plain_completion(client)
+
+
+def _plain_completion(client) -> dict:
+    reply = client.post("/v1/completions", json={"model": SERVED, "prompt": "Hello", "max_tokens": 1})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
 def test_cache_salt_reaches_the_engine_from_the_chat_and_the_reuse_path(client, upstream):
     _chat(client, {**CHAT, "cache_salt": "tenant-a"})
     assert upstream.pipeline.engine.requests[-1].cache_salt == "tenant-a"

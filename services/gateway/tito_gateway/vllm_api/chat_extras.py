@@ -1,5 +1,6 @@
 """vLLM's own parameters of `/v1/chat/completions` beyond OpenAI's: `kv_transfer_params` (the
-reuse path's forwarded ids, reuse.py, and prefill/decode's handoff, tito.kv_params) and `echo`.
+reuse path's forwarded ids, reuse.py, and prefill/decode's handoff, tito.kv_params) and `echo`;
+and prefill/decode's `kv_transfer_params` on `/v1/completions` (one prompt per call).
 
 Domain code: no HTTP here. A chat that carries any of them is a `VllmChatCall`: the gateway runs
 it on a render answer it holds (kept, or rendered now) so it can set the engine's part in a
@@ -17,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tito.v1 import engine_pb2, multimodal_pb2
-from tito_gateway.openai_in import ChatCall, invalid
+from tito import kv_params
+from tito_gateway.openai_in import ChatCall, CompletionCall, invalid
 
 #: The role vLLM's chat answers with (its --response-role default).
 RESPONSE_ROLE = "assistant"
@@ -49,6 +51,21 @@ class VllmChatCall(ChatCall):
     @property
     def reused(self) -> bool:
         return bool(self.prompt_ids)
+
+
+@dataclass(frozen=True)
+class VllmCompletionCall(CompletionCall):
+    """A one-prompt completion that is a part in a prefill/decode split."""
+
+    kv_transfer: engine_pb2.KvTransfer | None = None
+    handoff: Handoff = field(default_factory=Handoff, compare=False)
+
+
+def split_transfer(values: dict[str, Any]) -> tuple[dict[str, Any], engine_pb2.KvTransfer | None]:
+    """A completion body without `kv_transfer_params`, and the engine's part they give (None: none)."""
+    rest = {key: value for key, value in values.items() if key != kv_params.FIELD}
+    params = values.get(kv_params.FIELD)
+    return rest, (kv_params.kv_transfer_from_params(params) if params is not None else None)
 
 
 def echo_text(values: dict[str, Any]) -> str | None:

@@ -243,16 +243,44 @@ class VllmApi:
             features=forwarded.features if forwarded else None, kv_transfer=transfer,
             handoff=chat_extras.Handoff() if transfer is not None else None, echo=echo)
 
+    def parse_completion(self, values: dict, served_model: str, adapters: Container[str] = ()
+                         ) -> openai_in.CompletionCall:
+        """openai_in.parse_completion, plus prefill/decode's `kv_transfer_params` (one prompt)."""
+        rest, transfer = chat_extras.split_transfer(values)
+        call = openai_in.parse_completion(rest, served_model, adapters)
+        if transfer is None:
+            return call
+        if len(call.requests) != 1:
+            raise openai_in.invalid(kv_params.FIELD, "a prefill/decode part holds one prompt: send each prompt in "
+                                                     "its own request")
+        return chat_extras.VllmCompletionCall(call.model, call.requests, call.stream, call.logprobs, call.echo,
+                                              kv_transfer=transfer)
+
+    async def completion_chunks(self, call: chat_extras.VllmCompletionCall) -> AsyncIterator:
+        """The one prompt's chunks as the engine's part in a split, its answer to `call.handoff`."""
+        pipeline = self.pipeline
+        rendered = await pipeline.render.RenderCompletion(call.requests[0], timeout=pipeline.timeout,
+                                                          metadata=pipeline._metadata)
+        async for chunk in self._stream_part(rendered, call.kv_transfer, call.handoff):
+            yield chunk
+
+    async def _stream_part(self, rendered, transfer, handoff: chat_extras.Handoff | None, on_generating=None
+                           ) -> AsyncIterator:
+        """`rendered` through the engine (its part in a split, when `transfer`) and derender; a
+        prefill's answer lands in `handoff`."""
+        if transfer is not None:
+            rendered.generate_request.kv_transfer.CopyFrom(transfer)
+        on_response = None if handoff is None else lambda response, address: self._hand_off(
+            handoff, response, address)
+        async for chunk in self.pipeline.stream_rendered(rendered, on_generating, on_response=on_response):
+            yield chunk
+
     async def chat_chunks(self, call: chat_extras.VllmChatCall, on_generating=None) -> AsyncIterator:
         """The chat's chunks: on its forwarded ids (the render answer the render endpoint kept for
         them, else render's answer now, for derender's context) or as rendered now; with its part
         in a prefill/decode split, whose answer goes to `call.handoff`."""
         rendered = await (self._reused(call) if call.reused else self._rendered(call))
-        if call.kv_transfer is not None:
-            rendered.generate_request.kv_transfer.CopyFrom(call.kv_transfer)
-        on_response = None if call.handoff is None else lambda response, address: self._hand_off(
-            call.handoff, response, address)
-        async for chunk in self.pipeline.stream_rendered(rendered, on_generating, on_response=on_response):
+        async for chunk in self._stream_part(rendered, call.kv_transfer, call.handoff, on_generating):
             yield chunk
 
     async def _rendered(self, call: chat_extras.VllmChatCall):
