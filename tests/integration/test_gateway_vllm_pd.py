@@ -2,9 +2,10 @@
 SMG, vLLM's own proxies): over vLLM's HTTP generate and over `/v1/chat/completions`, with
 `kv_transfer_params`. Two real engines, each behind its own gateway (a router calls the prefill
 server, then the decode server with the parameters the prefill answer returned). Greedy tokens
-(and a chat's text) equal one engine's; the decode engine pulled the KV (a replay of the same
-parameters is refused, the handle being single-use); bad shapes, and a vLLM connector's handoff a
-native engine cannot decode from, are 400s naming `kv_transfer_params.<field>`."""
+(and a chat's text) equal one engine's; the decode engine pulled the KV (its blocks-pulled
+counter grows, and a replay of the same parameters is refused, the handle being single-use); bad
+shapes, and a vLLM connector's handoff a native engine cannot decode from, are 400s naming
+`kv_transfer_params.<field>`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import httpx
 import pytest
 
 from gateway_servers import StoppableGateway
+from metrics_scrape import scrape
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
 from tito_gateway.config import GatewayConfig
@@ -28,13 +30,20 @@ UNUSED = "127.0.0.1:9"
 
 
 @pytest.fixture(scope="module")
-def engines(module_aio_server, tiny_text_model, key_file) -> tuple[str, str]:
-    """(prefill engine address, decode engine address): two native engines sharing a key."""
+def engine_servers(module_aio_server, tiny_text_model, key_file) -> tuple:
+    """(prefill engine, decode engine): two native engines sharing a key, with /metrics."""
     def engine():
         return create_server(EngineConfig(model=str(tiny_text_model), device="cpu", engine_process=False,
-                                          max_model_len=256, block_size=4, kv_blocks=256, hmac_key_file=str(key_file)))
+                                          max_model_len=256, block_size=4, kv_blocks=256, hmac_key_file=str(key_file),
+                                          metrics_port=0))
 
-    return module_aio_server(engine).address, module_aio_server(engine).address
+    return module_aio_server(engine), module_aio_server(engine)
+
+
+@pytest.fixture(scope="module")
+def engines(engine_servers) -> tuple[str, str]:
+    """(prefill engine address, decode engine address)."""
+    return tuple(server.address for server in engine_servers)
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +164,14 @@ def text_of(answer: dict) -> str:
     return answer["choices"][0]["message"]["content"]
 
 
-def test_a_chat_prefilled_behind_one_gateway_decodes_behind_another_as_the_plain_chat(chat_servers):
+def blocks_pulled(engine) -> float:
+    return scrape(engine).get(("tito_engine_kv_transfer_blocks_pulled_total", ()), 0.0)
+
+
+def test_a_chat_prefilled_behind_one_gateway_decodes_behind_another_as_the_plain_chat(chat_servers,
+                                                                                       engine_servers):
     prefill_url, decode_url, prefill_address = chat_servers
+    decode_engine = engine_servers[1]
     for content in ("Tell me about the sea and its many boats", "Count the stars in the winter sky for me"):
         plain = ok(chat(prefill_url, content))
         first = ok(chat(prefill_url, content, max_tokens=1, kv_transfer_params=PREFILL_PARAMS))
@@ -164,8 +179,10 @@ def test_a_chat_prefilled_behind_one_gateway_decodes_behind_another_as_the_plain
         assert params["do_remote_prefill"] is True and params["tito_kv_handle"]["transfer_id"]
         assert f"{params['remote_host']}:{params['remote_port']}" == prefill_address
         params = json.loads(json.dumps(params))  # as a router forwards it
+        pulled = blocks_pulled(decode_engine)
         decoded = ok(chat(decode_url, content, kv_transfer_params=params))
         assert text_of(decoded) == text_of(plain) and decoded["usage"] == plain["usage"]
+        assert blocks_pulled(decode_engine) > pulled  # the decode engine took the prompt's KV from the prefill
         assert decoded["kv_transfer_params"] is None
         # The decode engine pulled the blocks: the handle is spent, so a replay is refused.
         replay = chat(decode_url, content, kv_transfer_params=params)
