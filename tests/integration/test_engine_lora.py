@@ -20,17 +20,15 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 
 from chat_parts import image, text
 from engine_calls import collect, request
-from gateway_servers import StoppableGateway
 from lora_adapters import ADAPTERS, AdapterSpec, PeftReference, make_adapter, q_proj_adapter, write_adapter
 from tito.grpc_errors import error_details
-from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, render_pb2, render_pb2_grpc
+from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, render_pb2
 from tito_client import LoraAdapters
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
@@ -391,46 +389,6 @@ def test_an_engine_without_lora_dir_refuses_adapters(aio_server, tiny_text_model
 
 
 # ---------------------------------------------------------------------------- through the gateway
-
-
-@dataclass
-class Front:
-    """render and derender of the tiny Qwen2, for gateways over the `qwen2` engine."""
-
-    render: Any
-    derender: Any
-    start: Any  # module_aio_server
-
-    def gateway(self, engine_address: str, **config) -> str:
-        """A started gateway's /v1 URL."""
-        from tito_gateway.config import GatewayConfig
-        from tito_gateway.server import create_server as create_gateway
-
-        async def gateway():
-            return StoppableGateway(await create_gateway(GatewayConfig(
-                address="127.0.0.1:0", render_address=self.render.address, engine_address=engine_address,
-                derender_address=self.derender.address, served_model_name="tiny", **config)))
-
-        return f"http://{self.start(gateway).address}/v1"
-
-    def prompt(self, content: str) -> list[int]:
-        """The token ids render gives a one-message chat."""
-        with self.render.channel() as channel:
-            rendered = render_pb2_grpc.RenderServiceStub(channel).RenderChat(render_pb2.RenderChatRequest(
-                messages=[chat_pb2.ChatMessage(role="user", content=content)]), timeout=TIMEOUT)
-        return list(rendered.generate_request.token_ids)
-
-
-@pytest.fixture(scope="module")
-def front(module_aio_server, tiny_text_model) -> Front:
-    from tito_derender.config import DerenderConfig
-    from tito_derender.server import create_server as create_derender
-    from tito_render.config import RenderConfig
-    from tito_render.server import create_server as create_render
-
-    model = str(tiny_text_model)
-    return Front(module_aio_server(lambda: create_render(RenderConfig(model=model))),
-                 module_aio_server(lambda: create_derender(DerenderConfig(model=model))), module_aio_server)
 
 
 def test_the_openai_sdk_selects_an_adapter_by_model_through_the_three_services(qwen2, front, tiny_text_model):

@@ -1,9 +1,11 @@
 """Prefill/decode disaggregation driven the way vLLM-style routers drive it (llm-d's P/D sidecar,
-SMG): over vLLM's HTTP generate, with `kv_transfer_params`. Two real engines, each behind its own
-gateway (a router calls the prefill server, then the decode server with the parameters the
-prefill answer returned). Greedy tokens equal one engine's; the decode engine pulled the KV (a
-replay of the same parameters is refused, the handle being single-use); bad shapes, and a vLLM
-connector's handoff a native engine cannot decode from, are 400s naming `kv_transfer_params.<field>`."""
+SMG, vLLM's own proxies): over vLLM's HTTP generate and over `/v1/chat/completions`, with
+`kv_transfer_params`. Two real engines, each behind its own gateway (a router calls the prefill
+server, then the decode server with the parameters the prefill answer returned). Greedy tokens
+(and a chat's text) equal one engine's; the decode engine pulled the KV (its blocks-pulled
+counter grows, and a replay of the same parameters is refused, the handle being single-use); bad
+shapes, and a vLLM connector's handoff a native engine cannot decode from, are 400s naming
+`kv_transfer_params.<field>`."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import httpx
 import pytest
 
 from gateway_servers import StoppableGateway
+from metrics_scrape import scrape
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
 from tito_gateway.config import GatewayConfig
@@ -27,12 +30,26 @@ UNUSED = "127.0.0.1:9"
 
 
 @pytest.fixture(scope="module")
-def servers(module_aio_server, tiny_text_model, key_file):
-    """(prefill gateway URL, decode gateway URL, prefill engine address): one engine behind each."""
+def engine_servers(module_aio_server, tiny_text_model, key_file) -> tuple:
+    """(prefill engine, decode engine): two native engines sharing a key, with /metrics."""
     def engine():
         return create_server(EngineConfig(model=str(tiny_text_model), device="cpu", engine_process=False,
-                                          max_model_len=256, block_size=4, kv_blocks=256, hmac_key_file=str(key_file)))
+                                          max_model_len=256, block_size=4, kv_blocks=256, hmac_key_file=str(key_file),
+                                          metrics_port=0))
 
+    return module_aio_server(engine), module_aio_server(engine)
+
+
+@pytest.fixture(scope="module")
+def engines(engine_servers) -> tuple[str, str]:
+    """(prefill engine address, decode engine address)."""
+    return tuple(server.address for server in engine_servers)
+
+
+@pytest.fixture(scope="module")
+def servers(module_aio_server, engines):
+    """(prefill gateway URL, decode gateway URL, prefill engine address): one engine behind each,
+    for generate only."""
     def gateway(engine_address: str):
         async def start():
             return StoppableGateway(await create_gateway(GatewayConfig(
@@ -40,8 +57,16 @@ def servers(module_aio_server, tiny_text_model, key_file):
                 derender_address=UNUSED, served_model_name="tiny")))
         return f"http://{module_aio_server(start).address}"
 
-    prefill, decode = module_aio_server(engine), module_aio_server(engine)
-    return gateway(prefill.address), gateway(decode.address), prefill.address
+    prefill, decode = engines
+    return gateway(prefill), gateway(decode), prefill
+
+
+@pytest.fixture(scope="module")
+def chat_servers(front, engines):
+    """(prefill gateway /v1 URL, decode gateway /v1 URL, prefill engine address): the same engines
+    behind gateways with render and derender, for chats."""
+    prefill, decode = engines
+    return front.gateway(prefill), front.gateway(decode), prefill
 
 
 def generate(url: str, prompt: list[int], **fields) -> httpx.Response:
@@ -100,7 +125,8 @@ def test_a_decode_for_another_prompt_is_refused_and_the_next_request_works(serve
     assert len(ok(generate(decode_url, prompt, kv_transfer_params=params))["choices"][0]["token_ids"]) == 10
 
 
-@pytest.mark.parametrize(("params", "param"), [
+#: Bad `kv_transfer_params` and the field each 400 names, on generate and on the chat alike.
+BAD_PARAMS = [
     ("yes", "kv_transfer_params"),
     ({"do_remote_decode": 1}, "kv_transfer_params.do_remote_decode"),
     ({"do_remote_decode": True, "do_remote_prefill": True}, "kv_transfer_params.do_remote_prefill"),
@@ -116,8 +142,99 @@ def test_a_decode_for_another_prompt_is_refused_and_the_next_request_works(serve
     # A vLLM connector's decode handoff (NIXL's shape) reaches a native engine: refused there.
     ({"do_remote_prefill": True, "remote_block_ids": [1], "remote_engine_id": "e", "remote_host": "h",
       "remote_port": 1}, "kv_transfer_params.tito_kv_handle"),
-])
+]
+
+
+@pytest.mark.parametrize(("params", "param"), BAD_PARAMS)
 def test_bad_params_are_400s_naming_the_field(servers, params, param):
     reply = generate(servers[0], [40, 41, 42], kv_transfer_params=params)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
+
+
+# -- the same split over /v1/chat/completions (vLLM's P/D proxies: max_tokens 1 on the prefill) ----
+
+def chat(url: str, content: str, **fields) -> httpx.Response:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "temperature": 0,
+            "max_tokens": 10, "ignore_eos": True, **fields}
+    return httpx.post(f"{url}/chat/completions", json=body, timeout=TIMEOUT)
+
+
+def text_of(answer: dict) -> str:
+    return answer["choices"][0]["message"]["content"]
+
+
+def blocks_pulled(engine) -> float:
+    return scrape(engine).get(("tito_engine_kv_transfer_blocks_pulled_total", ()), 0.0)
+
+
+def test_a_chat_prefilled_behind_one_gateway_decodes_behind_another_as_the_plain_chat(chat_servers,
+                                                                                       engine_servers):
+    prefill_url, decode_url, prefill_address = chat_servers
+    decode_engine = engine_servers[1]
+    for content in ("Tell me about the sea and its many boats", "Count the stars in the winter sky for me"):
+        plain = ok(chat(prefill_url, content))
+        first = ok(chat(prefill_url, content, max_tokens=1, kv_transfer_params=PREFILL_PARAMS))
+        params = first["kv_transfer_params"]
+        assert params["do_remote_prefill"] is True and params["tito_kv_handle"]["transfer_id"]
+        assert f"{params['remote_host']}:{params['remote_port']}" == prefill_address
+        params = json.loads(json.dumps(params))  # as a router forwards it
+        pulled = blocks_pulled(decode_engine)
+        decoded = ok(chat(decode_url, content, kv_transfer_params=params))
+        assert text_of(decoded) == text_of(plain) and decoded["usage"] == plain["usage"]
+        assert blocks_pulled(decode_engine) > pulled  # the decode engine took the prompt's KV from the prefill
+        assert decoded["kv_transfer_params"] is None
+        # The decode engine pulled the blocks: the handle is spent, so a replay is refused.
+        replay = chat(decode_url, content, kv_transfer_params=params)
+        assert replay.status_code == 400, replay.text
+        assert replay.json()["error"]["param"] == "kv_transfer_params.tito_kv_handle"
+
+
+def test_a_streamed_prefill_chat_hands_off_and_a_decode_chat_reuses_the_rendered_ids(chat_servers):
+    prefill_url, decode_url, _ = chat_servers
+    content = "Write a short line about green hills"
+    plain = ok(chat(prefill_url, content))
+    reply = chat(prefill_url, content, max_tokens=1, stream=True, kv_transfer_params=PREFILL_PARAMS)
+    events = [json.loads(line[len("data: "):]) for line in reply.text.split("\n\n") if line.startswith("data: {")]
+    handed = [event["kv_transfer_params"] for event in events if "kv_transfer_params" in event]
+    assert len(handed) == 1
+    # The decode side's router rendered the chat already: its ids travel with the handle.
+    rendered = httpx.post(f"{decode_url}/chat/completions/render", timeout=TIMEOUT, json={
+        "model": "tiny", "messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 10,
+        "ignore_eos": True}).json()
+    decoded = ok(chat(decode_url, content, kv_transfer_params={**handed[0],
+                                                               "prompt_token_ids": rendered["token_ids"]}))
+    assert text_of(decoded) == text_of(plain)
+
+
+def test_a_completion_prefilled_behind_one_gateway_decodes_behind_another(chat_servers):
+    prefill_url, decode_url, _ = chat_servers
+    body = {"model": "tiny", "prompt": "Once upon a time in a quiet town", "temperature": 0, "max_tokens": 10,
+            "ignore_eos": True}
+
+    def complete(url: str, **fields) -> dict:
+        return ok(httpx.post(f"{url}/completions", json={**body, **fields}, timeout=TIMEOUT))
+
+    plain = complete(prefill_url)
+    params = complete(prefill_url, max_tokens=1, kv_transfer_params=PREFILL_PARAMS)["kv_transfer_params"]
+    decoded = complete(decode_url, kv_transfer_params=params)
+    assert decoded["choices"][0]["text"] == plain["choices"][0]["text"] and decoded["kv_transfer_params"] is None
+
+
+@pytest.mark.parametrize(("params", "param"), BAD_PARAMS)
+def test_bad_params_on_the_chat_are_400s_naming_the_field(chat_servers, params, param):
+    reply = chat(chat_servers[0], "Hello there", kv_transfer_params=params)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+
+
+def test_cache_salt_reaches_the_engines_prefix_cache_from_the_chat(chat_servers):
+    url = chat_servers[1]
+    content = "A chat whose prefix is cached under one salt only"
+
+    def cached(salt: str) -> int:
+        return ok(chat(url, content, cache_salt=salt))["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 0  # the same salt: the prefix is the engine's
+    assert cached("tenant-b") == 0  # another salt keys other blocks

@@ -8,14 +8,12 @@ serves /metrics on a free port (metrics_port=0).
 from __future__ import annotations
 
 import time
-import urllib.request
 
 import grpc
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from tito import tracing
@@ -29,6 +27,7 @@ from tito_render.config import RenderConfig
 from tito_render.server import create_server as create_render
 
 from images import noise_png
+from metrics_scrape import scrape
 
 TIMEOUT = 60
 
@@ -67,15 +66,6 @@ def one_chat(servers, spans):
     endpoints = Endpoints(servers["render"].address, servers["engine"].address, servers["derender"].address)
     with ChatPipeline(endpoints, timeout=TIMEOUT) as pipeline:
         return list(pipeline.stream_chat(request))
-
-
-def scrape(server) -> dict[tuple[str, tuple], float]:
-    """GET /metrics: {(sample name, sorted labels): value}."""
-    with urllib.request.urlopen(f"http://{server.running.metrics.address}/metrics", timeout=10) as reply:
-        assert reply.status == 200
-        text = reply.read().decode()
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
 def scrape_after(server, method: str, code: str = "OK", count: int = 1) -> dict[tuple[str, tuple], float]:

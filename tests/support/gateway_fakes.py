@@ -78,6 +78,8 @@ class FakeUpstream:
 
 #: The fake model's vocabulary: ids in [0, VOCAB) are valid, as the engine checks them.
 VOCAB = 1000
+#: Where the fake engine serves, as a prefill answer names it.
+ENGINE_ADDRESS = "127.0.0.1:50051"
 
 
 def prompt_ids_of(text: str) -> list[int]:
@@ -161,7 +163,8 @@ class FakeRenderer(FakeRender):
 class FakeEngine:
     """The engine's Generate and Abort: refuses ids outside [0, VOCAB) as the engine does; choice
     i answers max_tokens (default 4) ids counting up from the prompt's last id plus i (plus the
-    seed, when sampling), with logprobs when asked; `aborted` keeps what Abort was sent."""
+    seed, when sampling), with logprobs when asked, and a prefill request's handle (kv_transfer.prefill) on choice 0's
+    last response; `aborted` keeps what Abort was sent."""
 
     def __init__(self) -> None:
         self.requests: list[engine_pb2.GenerateRequest] = []
@@ -186,11 +189,20 @@ class FakeEngine:
                     logprobs=[_position(token, params.top_logprobs)] if params.logprobs else [],
                     finish_reason=engine_pb2.FINISH_REASON_LENGTH if last else engine_pb2.FINISH_REASON_UNSPECIFIED,
                     usage=engine_pb2.Usage(prompt_tokens=len(request.token_ids), completion_tokens=count)
-                    if last else None)
+                    if last else None,
+                    kv_transfer_handle=_handle(request) if last and choice == 0 else None)
 
     async def abort(self, request_ids: list[str]) -> list[str]:
         self.aborted.extend(request_ids)
         return list(request_ids)
+
+
+def _handle(request: engine_pb2.GenerateRequest) -> engine_pb2.KvTransferHandle | None:
+    """A prefill request's handle, as a native engine's last response carries it (None otherwise)."""
+    if request.kv_transfer.WhichOneof("role") != "prefill":
+        return None
+    return engine_pb2.KvTransferHandle(transfer_id=f"t-{request.request_id}", engine_id="fake-engine",
+                                       request_id=request.request_id, num_tokens=len(request.token_ids))
 
 
 def _position(token: int, top: int) -> engine_pb2.PositionLogprobs:
@@ -242,10 +254,12 @@ class TokensPipeline(FakePipeline):
         async for chunk in self.stream_rendered(rendered, on_generating):
             yield chunk
 
-    async def stream_rendered(self, rendered, on_generating=None):
+    async def stream_rendered(self, rendered, on_generating=None, on_response=None):
         async def requests():
             yield derender_pb2.DerenderRequest(context=rendered.derender_context)
             async for response in self.engine.generate(rendered.generate_request):
+                if on_response is not None:
+                    on_response(response, ENGINE_ADDRESS)
                 yield derender_pb2.DerenderRequest(generate_response=response)
 
         async for reply in self.derender.Derender(requests()):

@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 #: Called once, with no arguments, when a chat's engine stream delivers its first response.
 OnGenerating = Callable[[], None]
+#: Called with each engine response of a chat and the address of the engine that sent it.
+OnResponse = Callable[[engine_pb2.GenerateResponse, str], None]
 
 
 @dataclass(frozen=True)
@@ -341,11 +343,12 @@ class AsyncChatPipeline:
                            if engine_id in callers_ids)
         return aborted
 
-    async def stream_rendered(self, rendered, on_generating: OnGenerating | None = None
-                              ) -> AsyncIterator[derender_pb2.ChatChunk]:
+    async def stream_rendered(self, rendered, on_generating: OnGenerating | None = None,
+                              on_response: OnResponse | None = None) -> AsyncIterator[derender_pb2.ChatChunk]:
         """Chat chunks for a request rendered already (a RenderChatResponse kept or rebuilt by the
-        caller): the engine the router picks, then derender, as `stream_chat` does after render."""
-        async for chunk in self._stream_rendered(rendered, self._metadata, on_generating):
+        caller): the engine the router picks, then derender, as `stream_chat` does after render.
+        `on_response` sees each engine response (a prefill's handoff is in its last one)."""
+        async for chunk in self._stream_rendered(rendered, self._metadata, on_generating, on_response):
             yield chunk
 
     async def check_health(self, timeout: float = 2.0) -> dict[str, str]:
@@ -377,11 +380,12 @@ class AsyncChatPipeline:
         finally:
             tracing.end_span(chat_span, error)
 
-    async def _stream_rendered(self, rendered, metadata, on_generating: OnGenerating | None
-                               ) -> AsyncIterator[derender_pb2.ChatChunk]:
+    async def _stream_rendered(self, rendered, metadata, on_generating: OnGenerating | None,
+                               on_response: OnResponse | None = None) -> AsyncIterator[derender_pb2.ChatChunk]:
         if self.router is None:
             generation = self.engine.Generate(rendered.generate_request, timeout=self.timeout, metadata=metadata)
-            async for chunk in self._generate(rendered, generation, metadata, on_generating):
+            watch = _watch(on_response, lambda: self._engine_address)
+            async for chunk in self._generate(rendered, generation, metadata, on_generating, watch):
                 yield chunk
             return
         address, placed = await place(self.router, rendered.generate_request, self._prefill_with(metadata))
@@ -389,16 +393,18 @@ class AsyncChatPipeline:
         generation = AsyncMigratingStream(self.router, lambda where, generate: self._engine_at(where).Generate(
             generate, timeout=self.timeout, metadata=metadata), placed, address)
         try:
-            async for chunk in self._generate(rendered, generation, metadata, on_generating):
+            async for chunk in self._generate(rendered, generation, metadata, on_generating,
+                                              _watch(on_response, lambda: generation.address)):
                 yield chunk
         finally:
             self.last_engine = generation.address
 
-    async def _generate(self, rendered, generation, metadata, on_generating: OnGenerating | None
-                        ) -> AsyncIterator[derender_pb2.ChatChunk]:
-        """`generation`: the engine's Generate call, or an AsyncMigratingStream standing for it."""
+    async def _generate(self, rendered, generation, metadata, on_generating: OnGenerating | None,
+                        watch: Callable | None = None) -> AsyncIterator[derender_pb2.ChatChunk]:
+        """`generation`: the engine's Generate call, or an AsyncMigratingStream standing for it;
+        `watch`: called with each of its responses."""
         if self.derender_batcher is not None:
-            async for chunk in self._generate_batched(rendered, generation, on_generating):
+            async for chunk in self._generate_batched(rendered, generation, on_generating, watch):
                 yield chunk
             return
         engine_errors: list[grpc.RpcError] = []
@@ -408,7 +414,7 @@ class AsyncChatPipeline:
             # As in ChatPipeline: an engine error reaches the caller as the engine's status.
             yield derender_pb2.DerenderRequest(context=rendered.derender_context)
             try:
-                async for response in _announced(generation, on_generating):
+                async for response in _announced(generation, on_generating, watch):
                     yield derender_pb2.DerenderRequest(generate_response=response)
             except asyncio.CancelledError:
                 # grpc.aio ends a stream this pipeline cancelled (derender asked it to) this way;
@@ -435,8 +441,8 @@ class AsyncChatPipeline:
         if engine_errors:
             raise engine_errors[0]
 
-    async def _generate_batched(self, rendered, generation, on_generating: OnGenerating | None
-                                ) -> AsyncIterator[derender_pb2.ChatChunk]:
+    async def _generate_batched(self, rendered, generation, on_generating: OnGenerating | None,
+                                watch: Callable | None = None) -> AsyncIterator[derender_pb2.ChatChunk]:
         """`_generate` with the chat's derender stream on the shared DerenderBatch call: a task
         forwards the engine's responses, and the chunks come back through the batcher."""
         stream = self.derender_batcher.open(rendered.derender_context, self.timeout)
@@ -445,7 +451,7 @@ class AsyncChatPipeline:
 
         async def forward() -> None:
             try:
-                async for response in _announced(generation, on_generating):
+                async for response in _announced(generation, on_generating, watch):
                     stream.send(response)
             except asyncio.CancelledError:
                 if not generation.cancelled():  # as in _generate: the pipeline cancelled the engine
@@ -473,10 +479,21 @@ class AsyncChatPipeline:
             raise engine_errors[0]
 
 
-async def _announced(generation, on_generating: OnGenerating | None) -> AsyncIterator:
-    """The engine stream's responses, calling `on_generating` (when given) before the first."""
+async def _announced(generation, on_generating: OnGenerating | None, watch: Callable | None = None
+                     ) -> AsyncIterator:
+    """The engine stream's responses, calling `on_generating` (when given) before the first and
+    `watch` (when given) with each."""
     async for response in generation:
         if on_generating is not None:
             on_generating()
             on_generating = None
+        if watch is not None:
+            watch(response)
         yield response
+
+
+def _watch(on_response: OnResponse | None, address: Callable[[], str]) -> Callable | None:
+    """`on_response` with the address of the engine serving the chat when the response came."""
+    if on_response is None:
+        return None
+    return lambda response: on_response(response, address())

@@ -34,7 +34,7 @@ from tito_gateway import merge, openai_in, openai_out
 from tito_gateway.errors import UPSTREAM_ERROR, HttpError, from_exception
 from tito_gateway.observe import CONTENT_TYPE, GatewayMetrics
 from tito_gateway.upstream import Upstream
-from tito_gateway.vllm_api.reuse import ReusedChatCall
+from tito_gateway.vllm_api.chat_extras import VllmChatCall, VllmCompletionCall
 from tito_gateway.vllm_api.routes import VllmApi
 
 log = logging.getLogger(__name__)
@@ -165,16 +165,18 @@ class Gateway:
         return await self._completion(request, "chat", self.vllm.parse_chat, "chatcmpl-", self._chat_chunks)
 
     async def completions(self, request: Request) -> Response:
-        return await self._completion(request, "completions", openai_in.parse_completion, "cmpl-",
+        return await self._completion(request, "completions", self.vllm.parse_completion, "cmpl-",
                                       self._completion_chunks)
 
     def _chat_chunks(self, call: openai_in.ChatCall, on_generating=None) -> AsyncIterator:
-        if isinstance(call, ReusedChatCall):  # kv_transfer_params.prompt_token_ids: no render again
-            return self.vllm.reused_chunks(call, on_generating)
+        if isinstance(call, VllmChatCall):  # vLLM's kv_transfer_params or echo
+            return self.vllm.chat_chunks(call, on_generating)
         return self.upstream.pipeline.stream_chat(call.request, on_generating=on_generating)
 
     def _completion_chunks(self, call: openai_in.CompletionCall, on_generating=None) -> AsyncIterator:
         """Every prompt's request through the services at once, their chunks as one stream."""
+        if isinstance(call, VllmCompletionCall):  # a prefill/decode part (vLLM's kv_transfer_params)
+            return self.vllm.completion_chunks(call)
         pipeline = self.upstream.pipeline
         return merge.merged([pipeline.stream_completion(request) for request in call.requests], call.n)
 
@@ -258,9 +260,13 @@ class Gateway:
             return Response(status_code=499)
         work.result()  # raises the pipeline's error, if any
         if endpoint == "chat":
-            body = openai_out.chat_completion(response_id, call.model, assembled, call.logprobs)
+            body = openai_out.chat_completion(response_id, call.model, assembled, call.logprobs,
+                                              echo=_chat_echo(call))
         else:
             body = openai_out.text_completion(response_id, call.model, assembled, call.logprobs is not None, echo)
+        handoff = getattr(call, "handoff", None)
+        if handoff is not None:  # a prefill/decode part: vLLM's answer carries the prefill's handoff
+            body["kv_transfer_params"] = handoff.params
         self._count_finished(endpoint, "200", started, assembled.usage.usage)
         return Response(dumps(body), media_type="application/json", headers=headers)
 
@@ -292,11 +298,14 @@ class Gateway:
             raise
         self.metrics.ttft.labels(endpoint).observe(time.monotonic() - started)
         opening = _role_chunks(endpoint, call, shape, generating, first)
-        return StreamingResponse(self._events(endpoint, shape, opening, first, chunks, started),
+        handoff = getattr(call, "handoff", None)
+        return StreamingResponse(self._events(endpoint, shape, opening, first, chunks, started, handoff),
                                  media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
 
     async def _events(self, endpoint: str, shape, opening: list[dict], first: asyncio.Future, chunks: AsyncIterator,
-                      started: float) -> AsyncIterator[bytes]:
+                      started: float, handoff=None) -> AsyncIterator[bytes]:
+        """`handoff`: a prefill part's answer (chat_extras.Handoff), added to the chunk that
+        ends the choice (vLLM's streamed chat drops it; a router needs it for the decode call)."""
         status = "200"
         try:
             for event in opening:
@@ -305,11 +314,11 @@ class Gateway:
             if chunk is not None:
                 event = shape.chunk(chunk)
                 if event is not None:
-                    yield b"data: " + dumps(event) + b"\n\n"
+                    yield b"data: " + dumps(_handed_off(event, handoff)) + b"\n\n"
                 async for chunk in chunks:
                     event = shape.chunk(chunk)
                     if event is not None:
-                        yield b"data: " + dumps(event) + b"\n\n"
+                        yield b"data: " + dumps(_handed_off(event, handoff)) + b"\n\n"
             final = shape.final()
             if final is not None:
                 yield b"data: " + dumps(final) + b"\n\n"
@@ -446,11 +455,26 @@ def _role_chunks(endpoint: str, call, shape, generating: asyncio.Future | None, 
     carry the role."""
     if endpoint != "chat":
         return []
-    n = max(1, call.request.sampling.n)
+    n, echo = max(1, call.request.sampling.n), _chat_echo(call)
     if generating is not None and generating.done():
-        return shape.roles(n)
+        return shape.roles(n, echo=echo)
     head = first.result() if generating is None and first.done() else None
-    return shape.roles(n, head.usage.prompt_tokens) if head is not None else []
+    if head is None and echo:
+        return shape.roles(n, echo=echo)  # the echo comes first, so the role chunks do too
+    return shape.roles(n, head.usage.prompt_tokens, echo) if head is not None else []
+
+
+def _chat_echo(call) -> str | None:
+    """The text vLLM's `echo` puts before a chat's answer (chat_extras), None for most chats."""
+    return getattr(call, "echo", None)
+
+
+def _handed_off(event: dict, handoff) -> dict:
+    """`event` with the prefill's `kv_transfer_params` when it ends a choice of a prefill part."""
+    if handoff is not None and handoff.params is not None and any(
+            choice.get("finish_reason") is not None for choice in event.get("choices", ())):
+        event["kv_transfer_params"] = handoff.params
+    return event
 
 
 async def _next_or_none(chunks: AsyncIterator):

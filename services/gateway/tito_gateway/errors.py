@@ -21,6 +21,7 @@ import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from tito import kv_params
 from tito.errors import TitoError
 from tito_client.routing import NoEngineAvailable
 
@@ -53,6 +54,9 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permis
 
 #: Field-path prefixes of render's and the engine's messages that OpenAI's parameters do not have.
 FIELD_PREFIXES = ("sampling_params.", "sampling.", "generate_request.", "request.")
+#: The engine's field of a decode request's handle, and where a caller sent it (tito.kv_params):
+#: the gateway's requests get a KV transfer only from vLLM's `kv_transfer_params`.
+KV_HANDLE = "kv_transfer.decode.handle"
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,12 @@ def openai_param(field: str | None) -> str | None:
         return None
     if field in HEADER_FIELDS:
         return HEADER_FIELDS[field]
+    if field.startswith(kv_params.FIELD):  # named in vLLM's terms already
+        return field
+    if field.startswith(KV_HANDLE):  # the engine refused the handle kv_transfer_params carried
+        return f"{kv_params.FIELD}.{kv_params.HANDLE_KEY}{field[len(KV_HANDLE):]}"
+    if field.startswith("kv_transfer"):
+        return kv_params.FIELD
     for prefix in FIELD_PREFIXES:
         if field.startswith(prefix):
             return field[len(prefix):]

@@ -136,10 +136,11 @@ class Assembled:
 
 
 def chat_completion(response_id: str, model: str, assembled: Assembled, logprobs: bool,
-                    created: int | None = None) -> dict:
+                    created: int | None = None, echo: str | None = None) -> dict:
+    """`echo`: the text each choice's content starts with (vLLM's chat `echo`)."""
     choices = []
     for choice in assembled.sorted():
-        content = "".join(choice.content)
+        content = (echo or "") + "".join(choice.content)
         message: dict = {"role": "assistant", "content": content if content or not choice.tool_calls else None}
         if choice.reasoning:
             message["reasoning"] = "".join(choice.reasoning)
@@ -181,15 +182,17 @@ class ChatStream:
         self.usage = UsageTracker()
         self.announced = 0  # choices 0..announced-1 had their role chunk (`roles`)
 
-    def roles(self, n: int, prompt_tokens: int = 0) -> list[dict]:
+    def roles(self, n: int, prompt_tokens: int = 0, echo: str | None = None) -> list[dict]:
         """Each choice's first chunk, its role with content "" (as OpenAI's and vLLM's streams
         begin); derender's chunks then carry no role. `prompt_tokens`: their usage, with
-        continuous usage stats (no token generated yet)."""
+        continuous usage stats (no token generated yet). `echo`: then a chunk per choice with
+        that text (vLLM's chat `echo`, sent where vLLM sends it)."""
         self.announced = n
         own = engine_pb2.Usage(prompt_tokens=prompt_tokens)
-        return [stream_event(self.head, {"index": index, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}, self.options, own)
-                for index in range(n)]
+        deltas = [{"role": "assistant", "content": ""}] + ([{"content": echo}] if echo else [])
+        return [stream_event(self.head, {"index": index, "delta": delta, "logprobs": None, "finish_reason": None},
+                             self.options, own)
+                for delta in deltas for index in range(n)]
 
     def chunk(self, chunk: derender_pb2.ChatChunk) -> dict | None:
         """The OpenAI chunk for one derender chunk (None when it carries nothing to say)."""

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from gateway_fakes import SERVED, VOCAB, FakeDerender, FakeRpcError, TokensUpstream
+from gateway_fakes import ENGINE_ADDRESS, SERVED, VOCAB, FakeDerender, FakeRpcError, TokensUpstream
 from starlette.testclient import TestClient
 
 from tito.errors import InvalidArgument
@@ -430,13 +430,125 @@ def test_bad_forwarded_ids_are_refused(client, upstream, ids):
     assert upstream.pipeline.engine.requests == []
 
 
-def test_forwarded_ids_outside_the_vocabulary_and_other_transfer_params_are_refused(client, upstream):
+def test_forwarded_ids_outside_the_vocabulary_are_refused(client, upstream):
     outside = client.post("/v1/chat/completions", json={**CHAT, "stream": True,
                                                         "kv_transfer_params": {"prompt_token_ids": [1, VOCAB]}})
     assert outside.status_code == 400 and outside.json()["error"]["param"] == "kv_transfer_params.prompt_token_ids"
-    other = client.post("/v1/chat/completions", json={**CHAT, "kv_transfer_params": {"do_remote_decode": True}})
-    assert other.status_code == 400 and other.json()["error"]["param"] == "kv_transfer_params.do_remote_decode"
     assert upstream.pipeline.engine.requests == []
+
+
+# -- the chat's prefill/decode part: kv_transfer_params as vLLM's P/D proxies send them ----------
+
+def test_a_prefill_chat_runs_as_the_engines_prefill_and_answers_the_handoff(client, upstream):
+    answer = _chat(client, {**CHAT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    sent = upstream.pipeline.engine.requests[-1]
+    assert sent.kv_transfer.WhichOneof("role") == "prefill"
+    assert json.loads(sent.kv_transfer.connector_params_json) == {"do_remote_decode": True}
+    params = answer["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["tito_kv_handle"]["transfer_id"] == f"t-{sent.request_id}"
+    assert f"{params['remote_host']}:{params['remote_port']}" == ENGINE_ADDRESS
+    plain = _chat(client, CHAT)
+    assert "kv_transfer_params" not in plain  # only a prefill/decode part answers it
+
+
+def test_a_streamed_prefill_chat_carries_the_handoff_on_the_chunk_that_ends_it(client, upstream):
+    reply = client.post("/v1/chat/completions", json={**CHAT, "stream": True,
+                                                      "kv_transfer_params": {"do_remote_decode": True}})
+    events = _events(reply)
+    handed = [event for event in events if "kv_transfer_params" in event]
+    assert len(handed) == 1 and handed[0]["choices"][0]["finish_reason"] == "length"
+    assert handed[0]["kv_transfer_params"]["tito_kv_handle"]["engine_id"] == "fake-engine"
+
+
+def test_a_decode_chat_carries_forwarded_ids_and_the_handle_together(client, upstream):
+    handle = {"transfer_id": "t1", "engine_id": "e1"}
+    answer = _chat(client, {**CHAT, "kv_transfer_params": {
+        "prompt_token_ids": [40, 41, 42], "do_remote_prefill": True, "tito_kv_handle": handle,
+        "remote_engine_id": "e1", "remote_host": "10.0.0.1", "remote_port": 7000}})
+    sent = upstream.pipeline.engine.requests[-1]
+    assert list(sent.token_ids) == [40, 41, 42]
+    assert sent.kv_transfer.decode.handle.transfer_id == "t1"
+    assert sent.kv_transfer.decode.source_address == "10.0.0.1:7000"
+    assert "prompt_token_ids" not in json.loads(sent.kv_transfer.connector_params_json)  # the reuse keys stay here
+    assert answer["kv_transfer_params"] is None
+
+
+@pytest.mark.parametrize(("params", "param"), [
+    ({"do_remote_decode": "yes"}, "kv_transfer_params.do_remote_decode"),
+    ({"do_remote_decode": True, "do_remote_prefill": True}, "kv_transfer_params.do_remote_prefill"),
+    ({"do_remote_prefill": True, "tito_kv_handle": "x", "remote_host": "h"}, "kv_transfer_params.tito_kv_handle"),
+    ({"do_remote_prefill": True, "tito_kv_handle": {"transfer_id": "x"}, "remote_host": "h", "remote_port": 0},
+     "kv_transfer_params.remote_port"),
+    ({"prompt_token_ids": [1], "do_remote_prefill": True, "tito_kv_handle": {"transfer_id": "x"}},
+     "kv_transfer_params.remote_host"),
+    ([1], "kv_transfer_params"),
+])
+def test_bad_transfer_params_on_the_chat_are_400s_naming_the_key(client, upstream, params, param):
+    reply = client.post("/v1/chat/completions", json={**CHAT, "kv_transfer_params": params})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+    assert upstream.pipeline.engine.requests == []
+
+
+def test_a_completion_is_a_prefill_part_too_with_one_prompt(client, upstream):
+    body = {"model": SERVED, "prompt": "Hello", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    reply = client.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    sent = upstream.pipeline.engine.requests[-1]
+    assert sent.kv_transfer.WhichOneof("role") == "prefill"
+    assert reply.json()["kv_transfer_params"]["tito_kv_handle"]["transfer_id"] == f"t-{sent.request_id}"
+    events = _events(client.post("/v1/completions", json={**body, "stream": True}))
+    assert [event["kv_transfer_params"]["remote_port"] for event in events if "kv_transfer_params" in event] == [
+        int(ENGINE_ADDRESS.rsplit(":", 1)[1])]
+    several = client.post("/v1/completions", json={**body, "prompt": ["a", "b"]})
+    assert several.status_code == 400 and several.json()["error"]["param"] == "kv_transfer_params"
+    assert "kv_transfer_params" not in _plain_completion(client)
+
+
+def _plain_completion(client) -> dict:
+    reply = client.post("/v1/completions", json={"model": SERVED, "prompt": "Hello", "max_tokens": 1})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_cache_salt_reaches_the_engine_from_the_chat_and_the_reuse_path(client, upstream):
+    _chat(client, {**CHAT, "cache_salt": "tenant-a"})
+    assert upstream.pipeline.engine.requests[-1].cache_salt == "tenant-a"
+    _chat(client, {**CHAT, "cache_salt": "tenant-b", "kv_transfer_params": {"prompt_token_ids": [40, 41]}})
+    assert upstream.pipeline.engine.requests[-1].cache_salt == "tenant-b"
+
+
+# -- the chat's echo: vLLM's (serving_chat) ------------------------------------------------------
+
+CONTINUED = {**CHAT, "messages": [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi th"}],
+             "add_generation_prompt": False, "continue_final_message": True}
+
+
+def test_echo_starts_the_answer_with_the_last_message_of_the_answers_role(client):
+    plain = _chat(client, CONTINUED)["choices"][0]["message"]["content"]
+    echoed = _chat(client, {**CONTINUED, "echo": True})["choices"][0]["message"]["content"]
+    assert echoed == "Hi th" + plain
+    parts = {**CONTINUED, "echo": True, "messages": [CONTINUED["messages"][0], {"role": "assistant", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    assert _chat(client, parts)["choices"][0]["message"]["content"].startswith("a\nb")
+    # The answer's role is `assistant` with a generation prompt: a user's last message is not echoed.
+    assert _chat(client, {**CHAT, "echo": True})["choices"][0]["message"]["content"] == _chat(
+        client, CHAT)["choices"][0]["message"]["content"]
+
+
+def test_a_streamed_echo_is_a_chunk_per_choice_after_the_role_chunks(client):
+    events = _events(client.post("/v1/chat/completions", json={**CONTINUED, "echo": True, "n": 2, "stream": True}))
+    deltas = [(event["choices"][0]["index"], event["choices"][0]["delta"]) for event in events[:4]]
+    assert deltas == [(0, {"role": "assistant", "content": ""}), (1, {"role": "assistant", "content": ""}),
+                      (0, {"content": "Hi th"}), (1, {"content": "Hi th"})]
+
+
+def test_echo_renders_a_chat_with_forwarded_ids_and_a_wrong_echo_is_a_400(client, upstream):
+    _chat(client, {**CONTINUED, "echo": True, "kv_transfer_params": {"prompt_token_ids": [40, 41]}})
+    assert upstream.pipeline.render.calls["RenderChat"] == 1  # rendered, the ids ignored (as vLLM)
+    assert list(upstream.pipeline.engine.requests[-1].token_ids) != [40, 41]
+    bad = client.post("/v1/chat/completions", json={**CHAT, "echo": "yes"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "echo"
 
 
 # -- tools on the Messages and Responses render endpoints: the chat vLLM converts them to --------

@@ -46,6 +46,8 @@ class EngineMetrics:
             "engine_prefix_cache_queries", "Prompt tokens looked up in the prefix cache (finished requests)")
         self.prefix_hits = metrics.counter(
             "engine_prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache (finished requests)")
+        self.kv_blocks_pulled = metrics.counter(
+            "engine_kv_transfer_blocks_pulled", "KV blocks decode requests pulled from the engines that prefilled them")
         self.finished = metrics.counter(
             "engine_requests_finished", "Requests ended, by the finish reason of their last choice",
             ("finish_reason",))
@@ -76,6 +78,13 @@ class RequestObserver:
 
     def __init__(self, metrics: EngineMetrics | None) -> None:
         self._metrics = metrics
+
+    def pulled(self, transfer: Any) -> None:
+        """Count the KV blocks a decode request pulled (its kv_transfers.Transfer; None, a
+        prefill's: nothing), when it pulled them: before it runs, whatever becomes of it."""
+        stats = getattr(transfer, "stats", None)
+        if self._metrics is not None and stats is not None:
+            self._metrics.kv_blocks_pulled.inc(stats.blocks_pulled)
 
     @property
     def active(self) -> bool:

@@ -83,6 +83,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             admitted, transfer = await prepare_transfer(backend, self._kv, generate, admitted)
             outputs = backend.generate(admitted)
             if self._observer is not None:
+                self._observer.pulled(transfer)
                 outputs = self._observer.observe(outputs)
             try:
                 async for output in outputs:

@@ -121,6 +121,7 @@ class SmgEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             stops = RequestStops(self._tokenizer, face.stops, admitted.token_ids)
         outputs = backend.generate(admitted)
         if self._observer is not None:
+            self._observer.pulled(transfer)
             outputs = self._observer.observe(outputs)
         prompt_tokens = len(admitted.token_ids)
         top = admitted.options.top_logprobs if admitted.options.logprobs else 0

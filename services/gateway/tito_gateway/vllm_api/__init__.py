@@ -8,6 +8,7 @@ Each module is one step: `generate_in` (vLLM's request JSON -> the engine's Gene
 vLLM's GenerateRequest JSON), `messages_in` / `responses_in` (Anthropic's Messages and OpenAI's
 Responses bodies -> the chat vLLM renders for them), `derender_in` (vLLM's derender bodies ->
 derender's stream), `derender_stream` (the streamed derender's chunk and sealed `stream_state`),
-`reuse` (the chat's `kv_transfer_params.prompt_token_ids` and `prompt_features`), `media`
+`reuse` (the chat's `kv_transfer_params.prompt_token_ids` and `prompt_features`), `chat_extras`
+(the chat's vLLM parameters: prefill/decode's `kv_transfer_params`, `echo`), `media`
 (`content_parts` placed in the ids, item metadata kept by hash), `mm_serde` (vLLM's serialized
 media items, where vLLM is installed), `shapes` (vLLM's error JSON), `routes` (the HTTP handlers)."""

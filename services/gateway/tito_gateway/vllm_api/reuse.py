@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tito.v1 import multimodal_pb2, render_pb2
-from tito_gateway.openai_in import ChatCall, invalid, unsupported
+from tito_gateway.openai_in import invalid
 from tito_gateway.vllm_api.derender_in import PROMPT_TAIL
 from tito_gateway.vllm_api.generate_in import parse_features
 
@@ -38,16 +38,6 @@ MAX_ENTRIES = 1024
 
 
 @dataclass(frozen=True)
-class ReusedChatCall(ChatCall):
-    """A chat with forwarded prompt ids: `key` finds its render answer in RenderedChats."""
-
-    prompt_ids: tuple[int, ...] = ()
-    key: str = ""
-    #: the forwarded media features (None: a text chat)
-    features: multimodal_pb2.MultiModalFeatures | None = None
-
-
-@dataclass(frozen=True)
 class Forwarded:
     """What `kv_transfer_params` forwards: the prompt's ids and, for media, its features."""
 
@@ -55,35 +45,38 @@ class Forwarded:
     features: multimodal_pb2.MultiModalFeatures | None = None
 
 
-def split_forwarded(values: dict[str, Any]) -> tuple[dict[str, Any], Forwarded | None]:
-    """The body without `kv_transfer_params`, and what to reuse (None: render the chat)."""
+#: The reuse path's keys of `kv_transfer_params`; the others are prefill/decode's (tito.kv_params).
+REUSE_KEYS = ("prompt_token_ids", "prompt_features")
+
+
+def split_forwarded(values: dict[str, Any]) -> tuple[dict[str, Any], Forwarded | None, dict[str, Any]]:
+    """The body without `kv_transfer_params`, what to reuse (None: render the chat), and the
+    prefill/decode keys of `kv_transfer_params` (empty: none), which travel to the engine."""
     params = values.get("kv_transfer_params")
     rest = {key: value for key, value in values.items() if key != "kv_transfer_params"}
     if params is None:
-        return rest, None
+        return rest, None, {}
     if not isinstance(params, dict):
         raise invalid("kv_transfer_params", "must be an object")
-    for key in params:
-        if key not in ("prompt_token_ids", "prompt_features"):
-            raise unsupported(f"kv_transfer_params.{key[:64]}", "prefill/decode on the chat endpoint is not "
-                                                                "served: split a rendered request with "
-                                                                "/inference/v1/generate's kv_transfer_params")
+    transfer = {key: value for key, value in params.items() if key not in REUSE_KEYS}
     ids, features = params.get("prompt_token_ids"), params.get("prompt_features")
     if ids is None:
         if features is not None:
             raise invalid(FEATURES_FIELD, "needs kv_transfer_params.prompt_token_ids, the ids its placeholders "
                                           "point into")
-        return rest, None
+        return rest, None, transfer
     if features is None and _has_media(values.get("messages")):
-        return rest, None  # vLLM 0.32 renders a media chat whose features are not forwarded
+        return rest, None, transfer  # vLLM 0.32 renders a media chat whose features are not forwarded
     # bool is an int subclass, hence the exact type check (as vLLM's).
     if not isinstance(ids, list) or not ids or any(type(token) is not int or token < 0 for token in ids):
         raise invalid(FIELD, "must be a non-empty list of non-negative integers")
+    if values.get("echo") is True:
+        return rest, None, transfer  # echo answers with the conversation's last message: rendered, as vLLM
     if features is None:
-        return rest, Forwarded(ids)
+        return rest, Forwarded(ids), transfer
     if not isinstance(features, dict):
         raise invalid(FEATURES_FIELD, "must be an object in vLLM's MultiModalFeatures shape")
-    return rest, Forwarded(ids, parse_features(features, len(ids), FEATURES_FIELD))
+    return rest, Forwarded(ids, parse_features(features, len(ids), FEATURES_FIELD)), transfer
 
 
 def _has_media(messages: Any) -> bool:

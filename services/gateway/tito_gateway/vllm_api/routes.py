@@ -30,8 +30,8 @@ from tito.logs import bind_request_id
 from tito.v1 import derender_pb2, multimodal_pb2
 from tito_gateway import openai_in, openai_out
 from tito_gateway.errors import HttpError, from_exception
-from tito_gateway.vllm_api import (derender_in, derender_stream, generate_in, generate_out, media, messages_in,
-                                   mm_serde, render_out, responses_in, reuse, shapes)
+from tito_gateway.vllm_api import (chat_extras, derender_in, derender_stream, generate_in, generate_out, media,
+                                   messages_in, mm_serde, render_out, responses_in, reuse, shapes)
 
 #: The prefix vLLM gives a generate's request id in its answer (`generate-tokens-<id>`).
 GENERATE_PREFIX = "generate-tokens-"
@@ -44,10 +44,6 @@ SAMPLING_PARAMS = {"temperature", "top_p", "top_k", "min_p", "seed", "n", "max_t
                    "logprobs"}
 
 Handler = Callable[[Request, dict, str], Awaitable[Response]]
-
-
-#: The engine's field path of a decode request's handle (tito.v1 KvTransfer).
-KV_HANDLE = "kv_transfer.decode.handle"
 
 
 def dumps(value) -> bytes:
@@ -66,12 +62,8 @@ def vllm_param(param: str | None) -> str | None:
         return "sampling_params.structured_outputs" + param[len("structured_output"):]
     if param.startswith("mm_features"):
         return "features"
-    if param.startswith(kv_params.FIELD):  # named in vLLM's terms already (tito.kv_params)
+    if param.startswith(kv_params.FIELD):  # errors.openai_param named it in vLLM's terms already
         return param
-    if param.startswith(KV_HANDLE):  # the engine refused the handle kv_transfer_params carried
-        return f"{kv_params.FIELD}.{kv_params.HANDLE_KEY}{param[len(KV_HANDLE):]}"
-    if param.startswith("kv_transfer"):
-        return kv_params.FIELD
     return media.render_param(param)
 
 
@@ -236,17 +228,66 @@ class VllmApi:
 
     def parse_chat(self, values: dict, served_model: str, adapters: Container[str] = ()) -> openai_in.ChatCall:
         """openai_in.parse_chat (`adapters`: the LoRA adapters `model` may name), plus vLLM's
-        `kv_transfer_params.prompt_token_ids` (reuse.py)."""
-        rest, forwarded = reuse.split_forwarded(values)
+        `kv_transfer_params` (reuse.py's forwarded ids, tito.kv_params' prefill/decode part) and
+        `echo` (chat_extras)."""
+        echo = chat_extras.echo_text(values)
+        rest, forwarded, transfer_params = reuse.split_forwarded(values)
+        rest.pop("echo", None)
+        transfer = kv_params.kv_transfer_from_params(transfer_params) if transfer_params else None
         call = openai_in.parse_chat(rest, served_model, adapters)
-        if forwarded is None:
+        if forwarded is None and transfer is None and echo is None:
             return call
-        return reuse.ReusedChatCall(call.model, call.request, call.stream, call.logprobs, tuple(forwarded.ids),
-                                    reuse.chat_key(rest), forwarded.features)
+        return chat_extras.VllmChatCall(
+            call.model, call.request, call.stream, call.logprobs,
+            prompt_ids=tuple(forwarded.ids) if forwarded else (), key=reuse.chat_key(rest),
+            features=forwarded.features if forwarded else None, kv_transfer=transfer,
+            handoff=chat_extras.Handoff() if transfer is not None else None, echo=echo)
 
-    async def reused_chunks(self, call: reuse.ReusedChatCall, on_generating=None) -> AsyncIterator:
-        """The chat's chunks on its forwarded ids: the render answer the render endpoint kept for
-        it, else render's answer now (for derender's context), with the forwarded ids."""
+    def parse_completion(self, values: dict, served_model: str, adapters: Container[str] = ()
+                         ) -> openai_in.CompletionCall:
+        """openai_in.parse_completion, plus prefill/decode's `kv_transfer_params` (one prompt)."""
+        rest, transfer = chat_extras.split_transfer(values)
+        call = openai_in.parse_completion(rest, served_model, adapters)
+        if transfer is None:
+            return call
+        if len(call.requests) != 1:
+            raise openai_in.invalid(kv_params.FIELD, "a prefill/decode part holds one prompt: send each prompt in "
+                                                     "its own request")
+        return chat_extras.VllmCompletionCall(call.model, call.requests, call.stream, call.logprobs, call.echo,
+                                              kv_transfer=transfer)
+
+    async def completion_chunks(self, call: chat_extras.VllmCompletionCall) -> AsyncIterator:
+        """The one prompt's chunks as the engine's part in a split, its answer to `call.handoff`."""
+        pipeline = self.pipeline
+        rendered = await pipeline.render.RenderCompletion(call.requests[0], timeout=pipeline.timeout,
+                                                          metadata=pipeline._metadata)
+        async for chunk in self._stream_part(rendered, call.kv_transfer, call.handoff):
+            yield chunk
+
+    async def _stream_part(self, rendered, transfer, handoff: chat_extras.Handoff | None, on_generating=None
+                           ) -> AsyncIterator:
+        """`rendered` through the engine (its part in a split, when `transfer`) and derender; a
+        prefill's answer lands in `handoff`."""
+        if transfer is not None:
+            rendered.generate_request.kv_transfer.CopyFrom(transfer)
+        on_response = None if handoff is None else lambda response, address: self._hand_off(
+            handoff, response, address)
+        async for chunk in self.pipeline.stream_rendered(rendered, on_generating, on_response=on_response):
+            yield chunk
+
+    async def chat_chunks(self, call: chat_extras.VllmChatCall, on_generating=None) -> AsyncIterator:
+        """The chat's chunks: on its forwarded ids (the render answer the render endpoint kept for
+        them, else render's answer now, for derender's context) or as rendered now; with its part
+        in a prefill/decode split, whose answer goes to `call.handoff`."""
+        rendered = await (self._reused(call) if call.reused else self._rendered(call))
+        async for chunk in self._stream_part(rendered, call.kv_transfer, call.handoff, on_generating):
+            yield chunk
+
+    async def _rendered(self, call: chat_extras.VllmChatCall):
+        pipeline = self.pipeline
+        return await pipeline.render.RenderChat(call.request, timeout=pipeline.timeout, metadata=pipeline._metadata)
+
+    async def _reused(self, call: chat_extras.VllmChatCall):
         info = await self.gateway.model_info()
         for index, token in enumerate(call.prompt_ids):
             if info.vocab_size and token >= info.vocab_size:  # vLLM checks before its stream starts too
@@ -254,10 +295,8 @@ class VllmApi:
                                                      f"[0, {info.vocab_size})")
         rendered = self.rendered_chats.get(call.key, call.prompt_ids)
         if rendered is None:
-            pipeline = self.pipeline
             call.request.mm_payload = multimodal_pb2.MM_PAYLOAD_NONE  # the media come forwarded
-            rendered = await pipeline.render.RenderChat(call.request, timeout=pipeline.timeout,
-                                                        metadata=pipeline._metadata)
+            rendered = await self._rendered(call)
         reuse.with_forwarded_ids(rendered, call.prompt_ids, call.request.request_id)
         rendered.generate_request.ClearField("mm_features")
         if call.features is not None:
@@ -265,8 +304,13 @@ class VllmApi:
             rendered.generate_request.mm_features.CopyFrom(call.features)
         # This chat's stream options, not those of the render call that made the kept answer.
         rendered.derender_context.usage_in_every_chunk = call.request.usage_in_every_chunk
-        async for chunk in self.pipeline.stream_rendered(rendered, on_generating):
-            yield chunk
+        return rendered
+
+    @staticmethod
+    def _hand_off(handoff: chat_extras.Handoff, response, address: str | None) -> None:
+        params = _handoff_params(response, lambda: address)
+        if params is not None:
+            handoff.params = params
 
     # -- generate ----------------------------------------------------------------------------------
 
@@ -294,15 +338,8 @@ class VllmApi:
         return Response(dumps(whole.json(response_id, model)), media_type="application/json")
 
     def _handoff(self, call: generate_in.GenerateCall, response) -> dict | None:
-        """A prefill answer's `kv_transfer_params`: a vllm-backend engine's connector answer as it
-        is, or (tito.kv_params) tito's handle and the address of the engine that holds the KV,
-        which the decode engine pulls from."""
-        if response.kv_connector_params_json:
-            return json.loads(response.kv_connector_params_json)
-        if not response.HasField("kv_transfer_handle"):
-            return None
-        address = self.pipeline.engine_address(call.request.request_id)
-        return kv_params.params_from_handle(response.kv_transfer_handle, address or "")
+        """A prefill answer's `kv_transfer_params` (_handoff_params), from the engine running it."""
+        return _handoff_params(response, lambda: self.pipeline.engine_address(call.request.request_id))
 
     async def _render_content_parts(self, call: generate_in.GenerateCall) -> None:
         """vLLM's `content_parts`: render renders the media (a one-message chat of those parts,
@@ -563,6 +600,17 @@ class VllmApi:
             chunk = reply.chunk
             chunk.index += prompt * n
             assembled.add(chunk)
+
+
+def _handoff_params(response, address: Callable[[], str | None]) -> dict | None:
+    """A prefill answer's `kv_transfer_params`: a vllm-backend engine's connector answer as it is,
+    or (tito.kv_params) tito's handle and `address()`, where the engine that holds the KV serves
+    (the decode engine pulls from it); None for a response that carries neither."""
+    if response.kv_connector_params_json:
+        return json.loads(response.kv_connector_params_json)
+    if not response.HasField("kv_transfer_handle"):
+        return None
+    return kv_params.params_from_handle(response.kv_transfer_handle, address() or "")
 
 
 async def _next_or_none(responses: AsyncIterator):
