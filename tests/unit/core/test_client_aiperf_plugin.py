@@ -1,7 +1,7 @@
 """tito's AIPerf endpoint `vllm_generate` (tito_client.aiperf_plugin) without a server: AIPerf
 finds it through tito's entry point, its requests are vLLM's GenerateRequest with the prompt as
 the tokenizer's ids, and the token ids of the answers (whole or streamed) are what AIPerf counts.
-tests/e2e/test_e2e_aiperf.py runs `aiperf profile` with it against the gateway."""
+tests/e2e/test_e2e_gateway_vllm_api.py runs `aiperf profile` with it against the gateway."""
 
 from __future__ import annotations
 

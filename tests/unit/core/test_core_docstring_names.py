@@ -22,6 +22,7 @@ SOURCE_DIRS = tuple(PACKAGE_ROOTS.values()) + (ROOT / "bench", ROOT / "scripts",
 OUTSIDE_THE_TREE = {
     "_tito_torchvision_cpu.py": "written into site-packages by tito/torchvision_cpu.py",
     "vllm/distributed/kv_events.py": "vLLM's own module",
+    "vllm/entrypoints/scale_out/token_in_token_out/protocol.py": "vLLM's own module",
     "tests/tool_parsers/test_qwen3coder_tool_parser.py": "vLLM's own tests, ported as data",
     "test_kimi_k2_tool_parser.py": "vLLM's own tests, ported as data",
     "test_glm4_moe_tool_parser.py": "vLLM's own tests, ported as data",
