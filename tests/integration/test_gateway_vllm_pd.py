@@ -98,10 +98,13 @@ def test_prefill_then_decode_with_the_returned_params_gives_one_engines_tokens(s
         decoded = ok(generate(decode_url, prompt, kv_transfer_params=params))
         assert decoded["choices"][0]["token_ids"] == solo
         assert decoded["kv_transfer_params"] is None
-        # The decode engine pulled the blocks: the handle is spent, so a replay is refused.
-        replay = generate(decode_url, prompt, kv_transfer_params=params)
-        assert replay.status_code == 400, replay.text
-        assert replay.json()["error"]["param"] == "kv_transfer_params.tito_kv_handle"
+        assert_spent(generate(decode_url, prompt, kv_transfer_params=params))
+
+
+def assert_spent(replay) -> None:
+    """The decode engine pulled the blocks: the handle is spent, so a replay is refused."""
+    assert replay.status_code == 400, replay.text
+    assert replay.json()["error"]["param"] == "kv_transfer_params.tito_kv_handle"
 
 
 def test_a_streamed_prefill_carries_the_params_on_its_last_chunk(servers):
@@ -184,10 +187,7 @@ def test_a_chat_prefilled_behind_one_gateway_decodes_behind_another_as_the_plain
         assert text_of(decoded) == text_of(plain) and decoded["usage"] == plain["usage"]
         assert blocks_pulled(decode_engine) > pulled  # the decode engine took the prompt's KV from the prefill
         assert decoded["kv_transfer_params"] is None
-        # The decode engine pulled the blocks: the handle is spent, so a replay is refused.
-        replay = chat(decode_url, content, kv_transfer_params=params)
-        assert replay.status_code == 400, replay.text
-        assert replay.json()["error"]["param"] == "kv_transfer_params.tito_kv_handle"
+        assert_spent(chat(decode_url, content, kv_transfer_params=params))
 
 
 def test_a_streamed_prefill_chat_hands_off_and_a_decode_chat_reuses_the_rendered_ids(chat_servers):
