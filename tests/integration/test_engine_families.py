@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from tito import tensors
-from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, multimodal_pb2, render_pb2, sampling_pb2
+from tito.v1 import chat_pb2, engine_pb2, engine_pb2_grpc, render_pb2, sampling_pb2
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server
 from tito_render.renderer import Renderer
@@ -26,6 +26,7 @@ from tito_render.convert import chat_response
 
 from chat_parts import image, text, video
 from renderers import load_renderer
+import vl_reference
 
 TIMEOUT = 120
 
@@ -132,32 +133,9 @@ def render(renderer: Renderer, *parts, max_tokens: int = 16) -> engine_pb2.Gener
         sampling=render_pb2.SamplingOptions(max_tokens=max_tokens, temperature=0.0))).generate_request
 
 
-def hf_vl_inputs(request: engine_pb2.GenerateRequest) -> dict:
-    """generate's multimodal kwargs from the request's items (as Qwen2_5_VLProcessor returns them)."""
-    ids = torch.tensor([list(request.token_ids)])
-    types = torch.zeros_like(ids)
-    inputs: dict = {}
-    for modality, type_id, pixel_key, grid_key in ((multimodal_pb2.MODALITY_IMAGE, 1, "pixel_values", "image_grid_thw"),
-                                                   (multimodal_pb2.MODALITY_VIDEO, 2, "pixel_values_videos",
-                                                    "video_grid_thw")):
-        items = [item for item in request.mm_features.items if item.modality == modality]
-        if not items:
-            continue
-        for item in items:
-            types[0, item.placeholder.offset:item.placeholder.offset + item.placeholder.length] = type_id
-        inputs[pixel_key] = torch.cat([tensors.to_torch(item.kwargs[pixel_key]) for item in items])
-        inputs[grid_key] = torch.cat([tensors.to_torch(item.metadata[grid_key]).reshape(-1, 3) for item in items])
-        if modality == multimodal_pb2.MODALITY_VIDEO:
-            inputs["second_per_grid_ts"] = torch.cat([tensors.to_torch(item.metadata["second_per_grid_ts"])
-                                                      for item in items])
-    return dict(inputs, input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types)
-
-
 def hf_vl_greedy(model, request: engine_pb2.GenerateRequest) -> list[int]:
-    inputs = hf_vl_inputs(request)
-    with torch.inference_mode():
-        output = model.generate(**inputs, do_sample=False, max_new_tokens=request.sampling_params.max_tokens)
-    return output[0, inputs["input_ids"].shape[1]:].tolist()
+    """Qwen2.5-VL's HF reference: videos carry their time axis (second_per_grid_ts)."""
+    return vl_reference.hf_vl_greedy(model, request, video_seconds=True)
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,8 @@ from tito_render.renderer import Renderer
 from chat_parts import image, text, video
 from images import noise_png, solid_png
 from renderers import load_renderer
-from test_engine_families import hf_vl_greedy, hf_vl_inputs
+from test_engine_families import hf_vl_greedy
+from vl_reference import hf_vl_inputs
 from test_engine_multimodal import generate, hf_greedy, render
 
 pytestmark = pytest.mark.vllm
@@ -280,7 +281,7 @@ def test_qwen2_5_vl_positions_after_a_video_are_vllms_own_rule(qwen2_5, qwen2_5_
         ours, _ = Qwen2_5_VLForConditionalGeneration.get_mrope_input_positions(
             vllm_model, list(request.token_ids),
             [MultiModalFeatureSpec(data=kwargs_item, modality="video", identifier="v", mm_position=placeholder)])
-        inputs = hf_vl_inputs(request)
+        inputs = hf_vl_inputs(request, video_seconds=True)
         theirs = hf.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
                                          video_grid_thw=inputs["video_grid_thw"],
                                          second_per_grid_ts=inputs["second_per_grid_ts"])[0][:, 0]
