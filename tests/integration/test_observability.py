@@ -1,5 +1,7 @@
 """Metrics and tracing through the three real servers: one image chat through render, engine and
-derender (ChatPipeline), then each server's /metrics over HTTP, and the spans of that chat.
+derender (ChatPipeline), then each server's /metrics over HTTP, and the spans of that chat; a
+gateway's chats, whichever path vLLM's extras send them down (echo, forwarded prompt ids, a
+prefill/decode part), each one trace under the span a plain chat has.
 
 Tracing is on for this module with an in-memory exporter (tito.tracing.use_provider); each server
 serves /metrics on a free port (metrics_port=0).
@@ -10,6 +12,7 @@ from __future__ import annotations
 import time
 
 import grpc
+import httpx
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -23,9 +26,12 @@ from tito_derender.config import DerenderConfig
 from tito_derender.server import create_server as create_derender
 from tito_engine.config import EngineConfig
 from tito_engine.server import create_server as create_engine
+from tito_gateway.config import GatewayConfig
+from tito_gateway.server import create_server as create_gateway
 from tito_render.config import RenderConfig
 from tito_render.server import create_server as create_render
 
+from gateway_servers import StoppableGateway
 from images import noise_png
 from metrics_scrape import scrape
 
@@ -223,3 +229,60 @@ def test_a_refused_token_is_counted_and_later_calls_still_are(aio_server, tiny_t
     samples = scrape_after(server, method, "UNAUTHENTICATED", 2)
     assert value(samples, "tito_grpc_requests_total", method=method, code="UNAUTHENTICATED") == 2
     assert value(samples, "tito_grpc_requests_total", method=method, code="OK") == 2
+
+
+# -- the gateway: vLLM's chat extras take their own path to the engine, traced as a plain chat --
+
+GATEWAY_CHAT = {"model": "tiny", "max_tokens": 2, "temperature": 0,
+                "messages": [{"role": "user", "content": "Hello there"}]}
+#: llm-d's prefill call (the prefill/decode keys of `kv_transfer_params`).
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+#: A chat's own calls (the gateway's derender calls carry many chats at once: DerenderBatch).
+RPCS = ("tito.v1.RenderService/RenderChat", "tito.v1.EngineService/Generate")
+
+
+@pytest.fixture(scope="module")
+def gateway(servers, module_aio_server) -> str:
+    async def start():
+        return StoppableGateway(await create_gateway(GatewayConfig(
+            address="127.0.0.1:0", render_address=servers["render"].address, engine_address=servers["engine"].address,
+            derender_address=servers["derender"].address, served_model_name="tiny")))
+
+    return f"http://{module_aio_server(start).address}"
+
+
+def _chat_trace(spans, gateway: str, body: dict, request_id: str) -> tuple:
+    """The one `chat` span of the chat `body` sent as `request_id`, and its trace's spans by name."""
+    reply = httpx.post(f"{gateway}/v1/chat/completions", json=body, headers={"x-request-id": request_id},
+                       timeout=TIMEOUT)
+    assert reply.status_code == 200 and "error" not in reply.text, reply.text
+    deadline = time.monotonic() + 10
+    while not (chats := [span for span in spans.get_finished_spans() if span.name == "chat"
+                         and span.attributes.get("tito.request_id") == request_id]) and time.monotonic() < deadline:
+        time.sleep(0.05)  # a stream's span ends just after its last event is sent
+    assert len(chats) == 1, [span.name for span in spans.get_finished_spans()]
+    found = _wait_for(spans, set(RPCS[1:]), chats[0].context.trace_id)
+    return chats[0], {span.name: span for span in found}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_gateway_chat_is_one_trace_on_every_path_vllms_extras_take(gateway, spans, stream):
+    plain, plain_spans = _chat_trace(spans, gateway, {**GATEWAY_CHAT, "stream": stream}, f"plain-{stream}")
+    assert set(RPCS) <= set(plain_spans)
+    rendered = httpx.post(f"{gateway}/v1/chat/completions/render", json=GATEWAY_CHAT, timeout=TIMEOUT).json()
+    paths = {
+        "echo": ({**GATEWAY_CHAT, "echo": True, "messages": [*GATEWAY_CHAT["messages"],
+                                                            {"role": "assistant", "content": "Hi"}]}, RPCS),
+        # the render endpoint's answer is kept: no render call
+        "reuse": ({**GATEWAY_CHAT, "kv_transfer_params": {"prompt_token_ids": rendered["token_ids"]}}, RPCS[1:]),
+        "prefill": ({**GATEWAY_CHAT, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS}, RPCS),
+    }
+    for name, (body, rpcs) in paths.items():
+        request_id = f"{name}-{stream}"
+        chat, by_name = _chat_trace(spans, gateway, {**body, "stream": stream}, request_id)
+        assert chat.kind == plain.kind and dict(chat.attributes) == {"tito.request_id": request_id}, name
+        assert set(plain.attributes) == set(chat.attributes)
+        assert {rpc for rpc in RPCS if rpc in by_name} == set(rpcs), (name, sorted(by_name))
+        for rpc in rpcs:
+            assert by_name[rpc].parent.span_id == chat.context.span_id, (name, rpc)

@@ -250,11 +250,13 @@ class TokensPipeline(FakePipeline):
         return self.engine.generate(request)
 
     async def stream_chat(self, request, on_generating=None):
-        rendered = await self.render.RenderChat(request)
-        async for chunk in self.stream_rendered(rendered, on_generating):
+        async for chunk in self.stream_prepared("chat", request.request_id, lambda metadata: self.render.RenderChat(
+                request), on_generating):
             yield chunk
 
-    async def stream_rendered(self, rendered, on_generating=None, on_response=None):
+    async def stream_prepared(self, name, request_id, prepare, on_generating=None, on_response=None):
+        rendered = await prepare(None)
+
         async def requests():
             yield derender_pb2.DerenderRequest(context=rendered.derender_context)
             async for response in self.engine.generate(rendered.generate_request):

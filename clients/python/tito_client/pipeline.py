@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 OnGenerating = Callable[[], None]
 #: Called with each engine response of a chat and the address of the engine that sent it.
 OnResponse = Callable[[engine_pb2.GenerateResponse, str], None]
+#: Gives a chat's render answer (a RenderChatResponse or RenderCompletionResponse), its calls
+#: carrying the given gRPC metadata (the chat span's trace context).
+Prepare = Callable[[list[tuple[str, str]] | None], Awaitable]
 
 
 @dataclass(frozen=True)
@@ -343,12 +346,15 @@ class AsyncChatPipeline:
                            if engine_id in callers_ids)
         return aborted
 
-    async def stream_rendered(self, rendered, on_generating: OnGenerating | None = None,
-                              on_response: OnResponse | None = None) -> AsyncIterator[derender_pb2.ChatChunk]:
-        """Chat chunks for a request rendered already (a RenderChatResponse kept or rebuilt by the
-        caller): the engine the router picks, then derender, as `stream_chat` does after render.
-        `on_response` sees each engine response (a prefill's handoff is in its last one)."""
-        async for chunk in self._stream_rendered(rendered, self._metadata, on_generating, on_response):
+    async def stream_prepared(self, name: str, request_id: str, prepare: Prepare,
+                              on_generating: OnGenerating | None = None, on_response: OnResponse | None = None
+                              ) -> AsyncIterator[derender_pb2.ChatChunk]:
+        """Chat chunks for the render answer `prepare(metadata)` gives (render called now with
+        that metadata, or an answer the caller kept and adjusted): the engine the router picks,
+        then derender, as `stream_chat` does after render, in the same span (`name`, carrying
+        `request_id`), so a chat the caller prepares is traced as a plain one. `on_response` sees
+        each engine response (a prefill's handoff is in its last one)."""
+        async for chunk in self._spanned(name, request_id, prepare, on_generating, on_response):
             yield chunk
 
     async def check_health(self, timeout: float = 2.0) -> dict[str, str]:
@@ -364,15 +370,22 @@ class AsyncChatPipeline:
         states = await asyncio.gather(*(one(channel) for channel in self._channels))
         return dict(zip(("render", "engine", "derender"), states))
 
-    async def _traced(self, name: str, request, render_call, on_generating: OnGenerating | None
-                      ) -> AsyncIterator[derender_pb2.ChatChunk]:
-        chat_span = tracing.begin_client_span(name, **({"tito.request_id": request.request_id}
-                                                       if request.request_id else {}))
+    def _traced(self, name: str, request, render_call, on_generating: OnGenerating | None
+                ) -> AsyncIterator[derender_pb2.ChatChunk]:
+        return self._spanned(name, request.request_id,
+                             lambda metadata: render_call(request, timeout=self.timeout, metadata=metadata),
+                             on_generating)
+
+    async def _spanned(self, name: str, request_id: str, prepare: Prepare, on_generating: OnGenerating | None,
+                       on_response: OnResponse | None = None) -> AsyncIterator[derender_pb2.ChatChunk]:
+        """One span (`name`) around a request's render answer and its engine and derender calls,
+        whose trace context every call carries."""
+        chat_span = tracing.begin_client_span(name, **({"tito.request_id": request_id} if request_id else {}))
         error: BaseException | None = None
         try:
             metadata = tracing.inject(self._metadata, parent=chat_span)
-            rendered = await render_call(request, timeout=self.timeout, metadata=metadata)
-            async for chunk in self._stream_rendered(rendered, metadata, on_generating):
+            rendered = await prepare(metadata)
+            async for chunk in self._stream_rendered(rendered, metadata, on_generating, on_response):
                 yield chunk
         except BaseException as exc:
             error = exc if not isinstance(exc, (GeneratorExit, asyncio.CancelledError)) else None

@@ -256,38 +256,46 @@ class VllmApi:
         return chat_extras.VllmCompletionCall(call.model, call.requests, call.stream, call.logprobs, call.echo,
                                               kv_transfer=transfer)
 
-    async def completion_chunks(self, call: chat_extras.VllmCompletionCall) -> AsyncIterator:
-        """The one prompt's chunks as the engine's part in a split, its answer to `call.handoff`."""
+    def completion_chunks(self, call: chat_extras.VllmCompletionCall) -> AsyncIterator:
+        """The one prompt's chunks as the engine's part in a split, its answer to `call.handoff`
+        (in the span a plain completion has)."""
         pipeline = self.pipeline
-        rendered = await pipeline.render.RenderCompletion(call.requests[0], timeout=pipeline.timeout,
-                                                          metadata=pipeline._metadata)
-        async for chunk in self._stream_part(rendered, call.kv_transfer, call.handoff):
-            yield chunk
 
-    async def _stream_part(self, rendered, transfer, handoff: chat_extras.Handoff | None, on_generating=None
-                           ) -> AsyncIterator:
-        """`rendered` through the engine (its part in a split, when `transfer`) and derender; a
-        prefill's answer lands in `handoff`."""
-        if transfer is not None:
-            rendered.generate_request.kv_transfer.CopyFrom(transfer)
-        on_response = None if handoff is None else lambda response, address: self._hand_off(
-            handoff, response, address)
-        async for chunk in self.pipeline.stream_rendered(rendered, on_generating, on_response=on_response):
-            yield chunk
+        async def prepare(metadata):
+            return self._with_transfer(await pipeline.render.RenderCompletion(
+                call.requests[0], timeout=pipeline.timeout, metadata=metadata), call.kv_transfer)
 
-    async def chat_chunks(self, call: chat_extras.VllmChatCall, on_generating=None) -> AsyncIterator:
+        return pipeline.stream_prepared("completion", call.requests[0].request_id, prepare,
+                                        on_response=self._on_response(call.handoff))
+
+    def chat_chunks(self, call: chat_extras.VllmChatCall, on_generating=None) -> AsyncIterator:
         """The chat's chunks: on its forwarded ids (the render answer the render endpoint kept for
         them, else render's answer now, for derender's context) or as rendered now; with its part
-        in a prefill/decode split, whose answer goes to `call.handoff`."""
-        rendered = await (self._reused(call) if call.reused else self._rendered(call))
-        async for chunk in self._stream_part(rendered, call.kv_transfer, call.handoff, on_generating):
-            yield chunk
+        in a prefill/decode split, whose answer goes to `call.handoff`. Traced as a plain chat."""
+        async def prepare(metadata):
+            rendered = await (self._reused(call, metadata) if call.reused else self._rendered(call, metadata))
+            return self._with_transfer(rendered, call.kv_transfer)
 
-    async def _rendered(self, call: chat_extras.VllmChatCall):
-        pipeline = self.pipeline
-        return await pipeline.render.RenderChat(call.request, timeout=pipeline.timeout, metadata=pipeline._metadata)
+        return self.pipeline.stream_prepared("chat", call.request.request_id, prepare, on_generating,
+                                             self._on_response(call.handoff))
 
-    async def _reused(self, call: chat_extras.VllmChatCall):
+    @staticmethod
+    def _with_transfer(rendered, transfer):
+        """`rendered` with the engine's part in a prefill/decode split (`transfer`, when one)."""
+        if transfer is not None:
+            rendered.generate_request.kv_transfer.CopyFrom(transfer)
+        return rendered
+
+    def _on_response(self, handoff: chat_extras.Handoff | None):
+        """What reads a prefill's answer into `handoff` from the engine's responses (None: no split)."""
+        if handoff is None:
+            return None
+        return lambda response, address: self._hand_off(handoff, response, address)
+
+    async def _rendered(self, call: chat_extras.VllmChatCall, metadata):
+        return await self.pipeline.render.RenderChat(call.request, timeout=self.pipeline.timeout, metadata=metadata)
+
+    async def _reused(self, call: chat_extras.VllmChatCall, metadata):
         info = await self.gateway.model_info()
         for index, token in enumerate(call.prompt_ids):
             if info.vocab_size and token >= info.vocab_size:  # vLLM checks before its stream starts too
@@ -296,7 +304,7 @@ class VllmApi:
         rendered = self.rendered_chats.get(call.key, call.prompt_ids)
         if rendered is None:
             call.request.mm_payload = multimodal_pb2.MM_PAYLOAD_NONE  # the media come forwarded
-            rendered = await self._rendered(call)
+            rendered = await self._rendered(call, metadata)
         reuse.with_forwarded_ids(rendered, call.prompt_ids, call.request.request_id)
         rendered.generate_request.ClearField("mm_features")
         if call.features is not None:
