@@ -261,7 +261,7 @@ class Gateway:
         work.result()  # raises the pipeline's error, if any
         if endpoint == "chat":
             body = openai_out.chat_completion(response_id, call.model, assembled, call.logprobs,
-                                              echo=_chat_echo(call))
+                                              echo=_chat_echo(call), role=call.role)
         else:
             body = openai_out.text_completion(response_id, call.model, assembled, call.logprobs is not None, echo)
         handoff = getattr(call, "handoff", None)
@@ -274,7 +274,7 @@ class Gateway:
                       headers: dict[str, str]) -> Response:
         usage = openai_out.StreamUsage(call.stream.include_usage, call.stream.continuous_usage)
         if endpoint == "chat":
-            shape = openai_out.ChatStream(response_id, call.model, usage, call.logprobs)
+            shape = openai_out.ChatStream(response_id, call.model, usage, call.logprobs, call.role)
         else:
             shape = openai_out.CompletionStream(response_id, call.model, usage, call.logprobs is not None, call.n,
                                                 await self._echo(call))

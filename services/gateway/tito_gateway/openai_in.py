@@ -89,6 +89,10 @@ class StreamOptions:
     continuous_usage: bool = False
 
 
+#: The role of a chat's answer (vLLM's --response-role default).
+RESPONSE_ROLE = "assistant"
+
+
 @dataclass(frozen=True)
 class ChatCall:
     """A chat completion request, parsed: what render gets and how to answer."""
@@ -97,6 +101,8 @@ class ChatCall:
     request: render_pb2.RenderChatRequest
     stream: StreamOptions
     logprobs: bool
+    #: the answer's role (answer_role)
+    role: str = RESPONSE_ROLE
 
     def set_request_id(self, request_id: str) -> None:
         self.request.request_id = request_id
@@ -386,7 +392,15 @@ def parse_chat(values: dict[str, Any], served_model: str, adapters: Container[st
     request.continue_final_message = bool(body.boolean("continue_final_message"))
     request.usage_in_every_chunk = stream.continuous_usage
     _common(body, request)
-    return ChatCall(model, request, stream, logprobs)
+    return ChatCall(model, request, stream, logprobs, answer_role(request))
+
+
+def answer_role(request: render_pb2.RenderChatRequest) -> str:
+    """The answer's role, as vLLM's server gives it (get_chat_request_role): RESPONSE_ROLE, or with
+    `add_generation_prompt: false` the last message's, whose turn the model then continues."""
+    if request.HasField("add_generation_prompt") and not request.add_generation_prompt and request.messages:
+        return request.messages[-1].role
+    return RESPONSE_ROLE
 
 
 def _message(value: Any, where: str) -> chat_pb2.ChatMessage:

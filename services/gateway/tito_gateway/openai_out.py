@@ -136,12 +136,15 @@ class Assembled:
 
 
 def chat_completion(response_id: str, model: str, assembled: Assembled, logprobs: bool,
-                    created: int | None = None, echo: str | None = None) -> dict:
-    """`echo`: the text each choice's content starts with (vLLM's chat `echo`)."""
+                    created: int | None = None, echo: str | None = None, role: str = "assistant") -> dict:
+    """`echo`: the text each choice's content starts with (vLLM's chat `echo`; "" when echo is on
+    with nothing to echo: the content is then a string even beside tool calls, as vLLM's is).
+    `role`: the answer's (openai_in.answer_role)."""
     choices = []
     for choice in assembled.sorted():
         content = (echo or "") + "".join(choice.content)
-        message: dict = {"role": "assistant", "content": content if content or not choice.tool_calls else None}
+        keep = content or echo is not None or not choice.tool_calls
+        message: dict = {"role": role, "content": content if keep else None}
         if choice.reasoning:
             message["reasoning"] = "".join(choice.reasoning)
         if choice.tool_calls:
@@ -174,9 +177,11 @@ def stream_event(head: dict, choice: dict, options: StreamUsage, own: engine_pb2
 class ChatStream:
     """Chat completion chunks (`chat.completion.chunk`) for one streamed request."""
 
-    def __init__(self, response_id: str, model: str, usage: StreamUsage, logprobs: bool):
+    def __init__(self, response_id: str, model: str, usage: StreamUsage, logprobs: bool, role: str = "assistant"):
+        """`role`: the answer's (openai_in.answer_role), in each choice's first chunk."""
         self.head = {"id": response_id, "object": "chat.completion.chunk", "created": int(time.time()),
                      "model": model}
+        self.role = role
         self.options = usage
         self.logprobs = logprobs
         self.usage = UsageTracker()
@@ -189,7 +194,7 @@ class ChatStream:
         that text (vLLM's chat `echo`, sent where vLLM sends it)."""
         self.announced = n
         own = engine_pb2.Usage(prompt_tokens=prompt_tokens)
-        deltas = [{"role": "assistant", "content": ""}] + ([{"content": echo}] if echo else [])
+        deltas = [{"role": self.role, "content": ""}] + ([{"content": echo}] if echo else [])
         return [stream_event(self.head, {"index": index, "delta": delta, "logprobs": None, "finish_reason": None},
                              self.options, own)
                 for delta in deltas for index in range(n)]
@@ -198,7 +203,7 @@ class ChatStream:
         """The OpenAI chunk for one derender chunk (None when it carries nothing to say)."""
         own = self.usage.add(chunk)
         delta: dict = {}
-        role = chunk.role if chunk.index >= self.announced else ""
+        role = self.role if chunk.role and chunk.index >= self.announced else ""
         if role:
             delta["role"] = role
         if chunk.content or (role and not chunk.reasoning_content and not chunk.tool_calls):

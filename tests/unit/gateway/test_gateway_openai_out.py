@@ -40,6 +40,19 @@ def test_a_whole_chat_completion_assembles_each_choice():
                              "prompt_tokens_details": {"cached_tokens": 1}}
 
 
+def test_with_echo_on_a_tool_call_answers_content_is_a_string_and_the_role_is_the_calls():
+    tool_call = derender_pb2.ChatChunk(index=0, role="assistant", finish_reason=TOOLS, tool_calls=[
+        derender_pb2.ToolCallDelta(index=0, id="call_1", type="function", name="f", arguments="{}")])
+    assembled = openai_out.Assembled()
+    assembled.add(tool_call)
+    assert openai_out.chat_completion("c", "m", assembled, False)["choices"][0]["message"]["content"] is None
+    # vLLM prepends the echo (here nothing) to the content, making it a string.
+    echoed = openai_out.chat_completion("c", "m", assembled, False, echo="", role="user")["choices"][0]["message"]
+    assert echoed["content"] == "" and echoed["role"] == "user"
+    stream = openai_out.ChatStream("c", "m", openai_out.StreamUsage(), logprobs=False, role="user")
+    assert stream.chunk(tool_call)["choices"][0]["delta"]["role"] == "user"
+
+
 def test_streamed_chunks_and_the_usage_chunk():
     stream = openai_out.ChatStream("chatcmpl-x", "m", openai_out.StreamUsage(include_usage=True), logprobs=False)
     events = [event for chunk in chunks() if (event := stream.chunk(chunk)) is not None]

@@ -543,6 +543,17 @@ def test_a_streamed_echo_is_a_chunk_per_choice_after_the_role_chunks(client):
                       (0, {"content": "Hi th"}), (1, {"content": "Hi th"})]
 
 
+def test_without_a_generation_prompt_the_answer_has_the_last_messages_role_and_echoes_it(client):
+    continued = {**CHAT, "add_generation_prompt": False}  # the model continues the user's turn
+    assert _chat(client, continued)["choices"][0]["message"]["role"] == "user"
+    message = _chat(client, {**continued, "echo": True})["choices"][0]["message"]
+    assert message["role"] == "user" and message["content"].startswith("Hello")
+    events = _events(client.post("/v1/chat/completions", json={**continued, "echo": True, "stream": True}))
+    assert [event["choices"][0]["delta"] for event in events[:2]] == [{"role": "user", "content": ""},
+                                                                      {"content": "Hello"}]
+    assert all("role" not in event["choices"][0]["delta"] for event in events[1:] if event["choices"])
+
+
 def test_echo_renders_a_chat_with_forwarded_ids_and_a_wrong_echo_is_a_400(client, upstream):
     _chat(client, {**CONTINUED, "echo": True, "kv_transfer_params": {"prompt_token_ids": [40, 41]}})
     assert upstream.pipeline.render.calls["RenderChat"] == 1  # rendered, the ids ignored (as vLLM)

@@ -6,10 +6,12 @@ Domain code: no HTTP here. A chat that carries any of them is a `VllmChatCall`: 
 it on a render answer it holds (kept, or rendered now) so it can set the engine's part in a
 prefill/decode split and read the prefill's answer (`Handoff`) from the engine's last response.
 
-`echo`, as vLLM's serving_chat: when true and the conversation's last message has the role the
-answer has (`assistant`, or the last message's own role with `add_generation_prompt` false), the
-answer's content starts with that message's content (text parts joined by newlines); streamed,
-it is one chunk per choice right after the role chunks.
+`echo`, as vLLM's serving_chat: when true and the conversation's last message has the answer's
+role (openai_in.answer_role: `assistant`, or the last message's own with `add_generation_prompt`
+false), the answer's content starts with that message's content (text parts joined by newlines,
+as vLLM's whole answer joins them); streamed, it is one chunk per choice right after the role
+chunks. With echo on, the whole answer's content is a string even when there is nothing to echo
+(vLLM prepends "" to it, so beside tool calls it is "" where it would be null).
 """
 
 from __future__ import annotations
@@ -20,9 +22,6 @@ from typing import Any
 from tito.v1 import engine_pb2, multimodal_pb2
 from tito import kv_params
 from tito_gateway.openai_in import ChatCall, CompletionCall, invalid
-
-#: The role vLLM's chat answers with (its --response-role default).
-RESPONSE_ROLE = "assistant"
 
 
 @dataclass
@@ -45,7 +44,7 @@ class VllmChatCall(ChatCall):
     kv_transfer: engine_pb2.KvTransfer | None = None
     #: where the engine's prefill answer lands (set when kv_transfer is)
     handoff: Handoff | None = field(default=None, compare=False)
-    #: the text echoed before each choice's content (None: no echo)
+    #: the text echoed before each choice's content (None: echo off; "": on, nothing to echo)
     echo: str | None = None
 
     @property
@@ -68,21 +67,21 @@ def split_transfer(values: dict[str, Any]) -> tuple[dict[str, Any], engine_pb2.K
     return rest, (kv_params.kv_transfer_from_params(params) if params is not None else None)
 
 
-def echo_text(values: dict[str, Any]) -> str | None:
-    """The text a chat body's `echo` puts before each answer (None: echo off or nothing to echo)."""
+def echo_flag(values: dict[str, Any]) -> bool:
+    """A chat body's `echo` (absent or null: false)."""
     echo = values.get("echo")
-    if echo is None or echo is False:
-        return None
-    if echo is not True:
+    if echo is not None and not isinstance(echo, bool):
         raise invalid("echo", "must be a boolean")
-    messages = values.get("messages")
-    if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
-        return None  # parse_chat names what is wrong with the messages
-    last = messages[-1]
-    role = RESPONSE_ROLE if values.get("add_generation_prompt", True) is not False else last.get("role")
-    if last.get("role") != role:
-        return None
-    return _text(last.get("content")) or None
+    return bool(echo)
+
+
+def echo_text(messages: list, role: str) -> str:
+    """The text `echo` puts before each answer: the last message's, when it has the answer's
+    `role` (parse_chat has checked the messages)."""
+    last = messages[-1] if messages else None
+    if not isinstance(last, dict) or last.get("role") != role:
+        return ""
+    return _text(last.get("content"))
 
 
 def _text(content: Any) -> str:

@@ -230,18 +230,19 @@ class VllmApi:
         """openai_in.parse_chat (`adapters`: the LoRA adapters `model` may name), plus vLLM's
         `kv_transfer_params` (reuse.py's forwarded ids, tito.kv_params' prefill/decode part) and
         `echo` (chat_extras)."""
-        echo = chat_extras.echo_text(values)
+        echo = chat_extras.echo_flag(values)
         rest, forwarded, transfer_params = reuse.split_forwarded(values)
         rest.pop("echo", None)
         transfer = kv_params.kv_transfer_from_params(transfer_params) if transfer_params else None
         call = openai_in.parse_chat(rest, served_model, adapters)
-        if forwarded is None and transfer is None and echo is None:
+        if forwarded is None and transfer is None and not echo:
             return call
         return chat_extras.VllmChatCall(
-            call.model, call.request, call.stream, call.logprobs,
+            call.model, call.request, call.stream, call.logprobs, call.role,
             prompt_ids=tuple(forwarded.ids) if forwarded else (), key=reuse.chat_key(rest),
             features=forwarded.features if forwarded else None, kv_transfer=transfer,
-            handoff=chat_extras.Handoff() if transfer is not None else None, echo=echo)
+            handoff=chat_extras.Handoff() if transfer is not None else None,
+            echo=chat_extras.echo_text(rest["messages"], call.role) if echo else None)
 
     def parse_completion(self, values: dict, served_model: str, adapters: Container[str] = ()
                          ) -> openai_in.CompletionCall:
