@@ -558,6 +558,9 @@ def test_echo_renders_a_chat_with_forwarded_ids_and_a_wrong_echo_is_a_400(client
     _chat(client, {**CONTINUED, "echo": True, "kv_transfer_params": {"prompt_token_ids": [40, 41]}})
     assert upstream.pipeline.render.calls["RenderChat"] == 1  # rendered, the ids ignored (as vLLM)
     assert list(upstream.pipeline.engine.requests[-1].token_ids) != [40, 41]
+    # ...unchecked, as vLLM's renderer drops them before its checks when echo is on
+    _chat(client, {**CONTINUED, "echo": True, "kv_transfer_params": {"prompt_token_ids": [True, -1]}})
+    assert upstream.pipeline.render.calls["RenderChat"] == 2
     bad = client.post("/v1/chat/completions", json={**CHAT, "echo": "yes"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "echo"
 

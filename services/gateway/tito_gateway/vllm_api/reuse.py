@@ -65,13 +65,14 @@ def split_forwarded(values: dict[str, Any]) -> tuple[dict[str, Any], Forwarded |
             raise invalid(FEATURES_FIELD, "needs kv_transfer_params.prompt_token_ids, the ids its placeholders "
                                           "point into")
         return rest, None, transfer
+    if values.get("echo") is True:
+        # echo answers with the conversation's last message: rendered, the ids ignored unchecked (as vLLM)
+        return rest, None, transfer
     if features is None and _has_media(values.get("messages")):
         return rest, None, transfer  # vLLM 0.32 renders a media chat whose features are not forwarded
     # bool is an int subclass, hence the exact type check (as vLLM's).
     if not isinstance(ids, list) or not ids or any(type(token) is not int or token < 0 for token in ids):
         raise invalid(FIELD, "must be a non-empty list of non-negative integers")
-    if values.get("echo") is True:
-        return rest, None, transfer  # echo answers with the conversation's last message: rendered, as vLLM
     if features is None:
         return rest, Forwarded(ids), transfer
     if not isinstance(features, dict):
