@@ -252,13 +252,14 @@ def gateway(servers, module_aio_server) -> str:
     return f"http://{module_aio_server(start).address}"
 
 
-def _chat_trace(spans, gateway: str, body: dict, request_id: str) -> tuple:
-    """The one `chat` span of the chat `body` sent as `request_id`, and its trace's spans by name."""
-    reply = httpx.post(f"{gateway}/v1/chat/completions", json=body, headers={"x-request-id": request_id},
-                       timeout=TIMEOUT)
+def _chat_trace(spans, gateway: str, body: dict, request_id: str, path: str = "chat/completions",
+                span_name: str = "chat") -> tuple:
+    """The one `span_name` span of the request `body` sent to `path` as `request_id`, and its
+    trace's spans by name."""
+    reply = httpx.post(f"{gateway}/v1/{path}", json=body, headers={"x-request-id": request_id}, timeout=TIMEOUT)
     assert reply.status_code == 200 and "error" not in reply.text, reply.text
     deadline = time.monotonic() + 10
-    while not (chats := [span for span in spans.get_finished_spans() if span.name == "chat"
+    while not (chats := [span for span in spans.get_finished_spans() if span.name == span_name
                          and span.attributes.get("tito.request_id") == request_id]) and time.monotonic() < deadline:
         time.sleep(0.05)  # a stream's span ends just after its last event is sent
     assert len(chats) == 1, [span.name for span in spans.get_finished_spans()]
@@ -286,3 +287,13 @@ def test_a_gateway_chat_is_one_trace_on_every_path_vllms_extras_take(gateway, sp
         assert {rpc for rpc in RPCS if rpc in by_name} == set(rpcs), (name, sorted(by_name))
         for rpc in rpcs:
             assert by_name[rpc].parent.span_id == chat.context.span_id, (name, rpc)
+
+
+def test_a_prefill_completion_is_traced_as_a_plain_completion(gateway, spans):
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 1, "temperature": 0}
+    plain, _ = _chat_trace(spans, gateway, body, "completion-plain", "completions", "completion")
+    part, by_name = _chat_trace(spans, gateway, {**body, "kv_transfer_params": PREFILL_PARAMS}, "completion-prefill",
+                                "completions", "completion")
+    assert set(part.attributes) == set(plain.attributes) and part.attributes["tito.request_id"] == "completion-prefill"
+    for rpc in ("tito.v1.RenderService/RenderCompletion", "tito.v1.EngineService/Generate"):
+        assert by_name[rpc].parent.span_id == part.context.span_id, rpc
