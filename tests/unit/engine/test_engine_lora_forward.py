@@ -41,23 +41,32 @@ def _step(runner: ModelRunner, slots: list[int]) -> list[torch.Tensor]:
     return [first, runner.execute(decode)]
 
 
-@pytest.fixture(params=["per adapter", "batched"])
+@pytest.fixture(params=["per adapter", "batched", "in place"])
 def add_path(request, monkeypatch):
     """Every step takes one path: PADDING_LIMIT 0 pads nothing (one matmul pair per adapter), a
-    large one batches every mixed step."""
+    large one batches every mixed step; RUN_MIN_TOKENS 1 adds every row over its own run."""
     monkeypatch.setattr(lora, "PADDING_LIMIT", 0 if request.param == "per adapter" else 100)
+    monkeypatch.setattr(lora, "RUN_MIN_TOKENS", 1 if request.param == "in place" else 1000)
     return request.param
 
 
-def test_the_batched_add_is_taken_when_groups_are_even_and_not_beside_a_long_prefill(runners):
+def test_each_add_path_is_taken_where_it_is_cheapest(runners):
     slots = runners[1].lora
     decode = [RowInput([5], 7, [0, 1], True, None, slot) for slot in (1, 2, 3, 0, 1, 2, 3, 3)]
     slots.begin_step(decode)
     plan = slots.step.batched
     assert (plan.lo, plan.hi, plan.width) == (1, 4, 3) and plan.padding.tolist() == [2, 5]
     assert plan.tokens.tolist() == [0, 4, 0, 1, 5, 1, 2, 6, 7]  # slot 3 has three tokens, slots 1 and 2 pad
-    slots.begin_step([RowInput(list(range(40)), 0, list(range(10)), True, None, 1), decode[1]])
-    assert slots.step.batched is None and len(slots.step.segments) == 2  # 40 prefill tokens beside 1
+    slots.begin_step([RowInput(list(range(40)), 0, list(range(10)), True, None, 1), decode[1], decode[2]])
+    step = slots.step
+    assert step.runs == [(1, 0, 40)]  # a prefill chunk adds in place over its own tokens
+    assert step.batched.tokens.tolist() == [40, 41] and not step.segments  # the decode tokens beside it
+    uneven = [RowInput([5], 7, [0, 1], True, None, slot) for slot in (1, 3, 3, 3)]
+    slots.begin_step([RowInput(list(range(40)), 0, list(range(10)), True, None, 0), *uneven])
+    segments = [(slot, positions.tolist()) for slot, positions in slots.step.segments]
+    assert segments == [(1, [40]), (3, [41, 42, 43])]  # groups too uneven to pad: one product pair each
+    slots.begin_step([RowInput([5], 7, [0, 1], True, None, 2)] * 3)
+    assert slots.step.runs == [(2, 0, 3)] and not slots.step.segments  # one adapter, every token
     slots.end_step()
 
 
