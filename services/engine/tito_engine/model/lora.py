@@ -37,6 +37,7 @@ adapters: 44 ms a step against 30, the base model alone 21).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +46,10 @@ from typing import Any
 import torch
 
 from tito_engine.model.lora_files import BaseShapes, LoraAdapter, read_adapter
+from tito_engine.model.lora_kernel import LoraKernel, load_lora_kernel
 from tito_engine.scheduling.plan import RowInput
+
+log = logging.getLogger(__name__)
 
 #: How much padding the batched add may do: its groups' tokens at most this many times the step's
 #: grouped adapter tokens (decode rows evenly spread over the adapters pad little; groups of very
@@ -78,13 +82,14 @@ class BatchedAdapters:
 
 class LoraStep:
     """The adapters of the step being run (`LoraSlots.begin_step`): `runs`, the rows whose tokens
-    add in place (RUN_MIN_TOKENS); the other adapter tokens either as `segments`, per adapter
+    add in place (RUN_MIN_TOKENS); the other adapter tokens either `listed` for the C kernel
+    (lora_kernel: positions sorted by slot, and their slots), or as `segments`, per adapter
     present its slot and its tokens' packed positions, or, when several adapters' groups are close
     enough in size, as `batched` (two batched matmuls for all of them).
     `active` is False when every row uses the base model. `scatter_index` keeps, for the
     step, where each chunk of each token's delta goes (one per positions tensor and chunk count)."""
 
-    __slots__ = ("active", "runs", "segments", "batched", "_scatter")
+    __slots__ = ("active", "runs", "listed", "segments", "batched", "_scatter")
 
     def __init__(self):
         self.clear()
@@ -92,6 +97,7 @@ class LoraStep:
     def clear(self) -> None:
         self.active = False
         self.runs: list[tuple[int, int, int]] = []  # (slot, first, end) of rows that add in place
+        self.listed: tuple[torch.Tensor, torch.Tensor] | None = None  # the kernel's (positions, slots)
         self.segments: list[tuple[int, torch.Tensor]] = []
         self.batched: BatchedAdapters | None = None
         self._scatter: dict[tuple[int, int], torch.Tensor] = {}
@@ -129,10 +135,11 @@ class LoraLinear:
     `a`: `[slots, in, W]` (A transposed); `b`: `[slots, chunks, rank, C]` (B transposed, scaled, in
     chunks)."""
 
-    __slots__ = ("base", "a", "b", "layout", "step")
+    __slots__ = ("base", "a", "b", "layout", "step", "kernel")
 
-    def __init__(self, base: Any, a: torch.Tensor, b: torch.Tensor, layout: _FusedLayout, step: LoraStep):
-        self.base, self.a, self.b, self.layout, self.step = base, a, b, layout, step
+    def __init__(self, base: Any, a: torch.Tensor, b: torch.Tensor, layout: _FusedLayout, step: LoraStep,
+                 kernel: LoraKernel | None):
+        self.base, self.a, self.b, self.layout, self.step, self.kernel = base, a, b, layout, step, kernel
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -141,6 +148,9 @@ class LoraLinear:
             return y
         for slot, first, end in step.runs:
             self._add_run(y[first:end], x[first:end], slot)
+        if step.listed is not None:
+            self.kernel.add(y, x, self.a, self.b, self.layout.chunk_parts, *step.listed)
+            return y
         plan = step.batched
         if plan is not None:
             xs = x.index_select(0, plan.tokens)
@@ -194,6 +204,7 @@ class LoraSlots:
             "q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
             "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)})
         self._layouts = {name: _layout(parts, self.shapes, self.device) for name, parts in FUSED_TARGETS.items()}
+        self.kernel = self._kernel()
         # Per layer, per fused linear: (A^T [slots, in, W], B^T in chunks [slots, chunks, rank, C]).
         self._stacks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
         slots = max_loras + 1
@@ -206,8 +217,22 @@ class LoraSlots:
                 b = torch.zeros(slots, out_features // layout.chunk, max_rank, layout.chunk, dtype=self.dtype,
                                 device=self.device)
                 stacks[name] = (a, b)
-                setattr(layer, name, LoraLinear(base, a, b, layout, self.step))
+                setattr(layer, name, LoraLinear(base, a, b, layout, self.step, self.kernel))
             self._stacks.append(stacks)
+
+    def _kernel(self) -> LoraKernel | None:
+        """The C kernel for the grouped tokens' add, where it runs: float32 on CPU, every fused
+        linear's W and C a multiple of its vector width, and it could be built."""
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return None
+        kernel = load_lora_kernel()
+        if kernel is None:
+            return None
+        if all(kernel.takes(len(layout.parts) * self.max_rank, layout.chunk) for layout in self._layouts.values()):
+            return kernel
+        log.info("the LoRA add runs on torch's batched matmuls: the C kernel takes ranks and widths in multiples "
+                 "of %d floats", kernel.lanes)
+        return None
 
     def read(self, directory: Path) -> LoraAdapter:
         """A checked adapter from its directory (lora_files.read_adapter against this model)."""
@@ -241,8 +266,9 @@ class LoraSlots:
 
     def begin_step(self, rows: list[RowInput]) -> None:
         """Group the step's packed tokens by their row's adapter slot (the forward packs the rows'
-        tokens in order) and build what LoraLinear needs for this step: long rows add over their
-        own runs, the other adapter tokens are grouped by slot."""
+        tokens in order) and build what LoraLinear needs for this step: with the C kernel, every
+        adapter token listed by slot; else long rows add over their own runs and the other adapter
+        tokens are grouped by slot."""
         step = self.step
         step.clear()
         index: list[int] = []
@@ -250,18 +276,23 @@ class LoraSlots:
         offset = 0
         for row in rows:
             count = len(row.token_ids)
-            if row.lora_slot and count >= RUN_MIN_TOKENS:
+            if row.lora_slot and count >= RUN_MIN_TOKENS and self.kernel is None:
                 step.runs.append((row.lora_slot, offset, offset + count))
             elif row.lora_slot:
                 index.extend(range(offset, offset + count))
                 slots.extend([row.lora_slot] * count)
             offset += count
         step.active = bool(step.runs or index)
+        if not index:
+            return
+        if self.kernel is not None:
+            order = sorted(range(len(index)), key=slots.__getitem__)
+            step.listed = (torch.tensor([index[place] for place in order], dtype=torch.long),
+                           torch.tensor([slots[place] for place in order], dtype=torch.long))
+            return
         present = sorted(set(slots))
         if len(index) == offset and len(present) == 1:  # one adapter, every token: one run
             step.runs.append((present[0], 0, offset))
-            return
-        if not index:
             return
         if len(present) > 1:
             step.batched = self._batched(index, slots, present)
