@@ -11,6 +11,7 @@ import torch
 
 from lora_adapters import ADAPTERS, make_adapter
 from tito_engine.model import lora
+from tito_engine.model.lora_kernel import load_lora_kernel
 from tito_engine.model.runner import KVCacheSpec, ModelRunner
 from tito_engine.scheduling.plan import RowInput
 
@@ -41,24 +42,80 @@ def _step(runner: ModelRunner, slots: list[int]) -> list[torch.Tensor]:
     return [first, runner.execute(decode)]
 
 
-@pytest.fixture(params=["per adapter", "batched"])
-def add_path(request, monkeypatch):
-    """Every step takes one path: PADDING_LIMIT 0 pads nothing (one matmul pair per adapter), a
-    large one batches every mixed step."""
+@pytest.fixture(params=["per adapter", "batched", "in place", "kernel"])
+def add_path(request, monkeypatch, runners):
+    """Every step takes one path: without the C kernel, PADDING_LIMIT 0 pads nothing (one matmul
+    pair per adapter) and a large one batches every mixed step; RUN_MIN_TOKENS 1 adds every row
+    over its own run; with the kernel (where it builds), every short row is listed for it."""
+    if request.param == "kernel":
+        if runners[1].lora.kernel is None:
+            pytest.skip("the LoRA kernel does not build here (no C compiler, or no AVX2)")
+    else:
+        monkeypatch.setattr(runners[1].lora, "kernel", None)
     monkeypatch.setattr(lora, "PADDING_LIMIT", 0 if request.param == "per adapter" else 100)
+    monkeypatch.setattr(lora, "RUN_MIN_TOKENS", 1 if request.param == "in place" else 1000)
     return request.param
 
 
-def test_the_batched_add_is_taken_when_groups_are_even_and_not_beside_a_long_prefill(runners):
+def test_each_add_path_is_taken_where_it_is_cheapest(runners, monkeypatch):
     slots = runners[1].lora
+    monkeypatch.setattr(slots, "kernel", None)
     decode = [RowInput([5], 7, [0, 1], True, None, slot) for slot in (1, 2, 3, 0, 1, 2, 3, 3)]
     slots.begin_step(decode)
     plan = slots.step.batched
     assert (plan.lo, plan.hi, plan.width) == (1, 4, 3) and plan.padding.tolist() == [2, 5]
     assert plan.tokens.tolist() == [0, 4, 0, 1, 5, 1, 2, 6, 7]  # slot 3 has three tokens, slots 1 and 2 pad
-    slots.begin_step([RowInput(list(range(40)), 0, list(range(10)), True, None, 1), decode[1]])
-    assert slots.step.batched is None and len(slots.step.segments) == 2  # 40 prefill tokens beside 1
+    slots.begin_step([RowInput(list(range(40)), 0, list(range(10)), True, None, 1), decode[1], decode[2]])
+    step = slots.step
+    assert step.runs == [(1, 0, 40)]  # a prefill chunk adds in place over its own tokens
+    assert step.batched.tokens.tolist() == [40, 41] and not step.segments  # the decode tokens beside it
+    uneven = [RowInput([5], 7, [0, 1], True, None, slot) for slot in (1, 3, 3, 3)]
+    slots.begin_step([RowInput(list(range(40)), 0, list(range(10)), True, None, 0), *uneven])
+    segments = [(slot, positions.tolist()) for slot, positions in slots.step.segments]
+    assert segments == [(1, [40]), (3, [41, 42, 43])]  # groups too uneven to pad: one product pair each
+    slots.begin_step([RowInput([5], 7, [0, 1], True, None, 2)] * 3)
+    assert slots.step.runs == [(2, 0, 3)] and not slots.step.segments  # one adapter, every token
     slots.end_step()
+
+
+def test_with_the_kernel_every_adapter_token_is_listed_by_slot(runners):
+    slots = runners[1].lora
+    if slots.kernel is None:
+        pytest.skip("the LoRA kernel does not build here (no C compiler, or no AVX2)")
+    decode = [RowInput([5], 7, [0, 1], True, None, slot) for slot in (3, 1, 0, 3, 1)]
+    slots.begin_step([*decode, RowInput(list(range(40)), 0, list(range(10)), True, None, 2)])
+    positions, listed_slots = slots.step.listed
+    assert positions.tolist() == [1, 4, *range(5, 45), 0, 3]  # sorted by slot, each slot's in order
+    assert listed_slots.tolist() == [1, 1, *[2] * 40, 3, 3]
+    assert not slots.step.runs and slots.step.batched is None and not slots.step.segments
+    slots.end_step()
+
+
+@pytest.mark.parametrize("rank", [16, 32])
+def test_the_kernel_adds_what_the_batched_matmuls_add(rank):
+    """Random stacks in lora.py's layout (q/k/v under grouped-query attention: 4 chunks), tokens of
+    three slots in tiles of every size (1 to 4 of a slot, then a partial tile), x with a row stride
+    wider than its row: y changes on the listed rows only, by (x A^T) B of each row's slot."""
+    kernel = load_lora_kernel()
+    if kernel is None:
+        pytest.skip("the LoRA kernel does not build here (no C compiler, or no AVX2)")
+    generator = torch.Generator().manual_seed(7)
+    slots, in_features, parts, chunk, chunk_parts = 4, 96, 3, 32, [0, 0, 1, 2]
+    a = torch.randn(slots, in_features, parts * rank, generator=generator)
+    b = torch.randn(slots, len(chunk_parts), rank, chunk, generator=generator)
+    wide = torch.randn(12, in_features + 16, generator=generator)
+    x, y = wide[:, :in_features], torch.randn(12, len(chunk_parts) * chunk, generator=generator)
+    positions = torch.tensor([9, 0, 4, 2, 7, 11, 1, 5])
+    token_slots = torch.tensor([1, 2, 2, 2, 2, 2, 3, 3])
+    expected = y.clone()
+    for position, slot in zip(positions.tolist(), token_slots.tolist()):
+        xa = x[position] @ a[slot]
+        for index, part in enumerate(chunk_parts):
+            expected[position, index * chunk:(index + 1) * chunk] += xa[part * rank:(part + 1) * rank] @ b[slot, index]
+    kernel.add(y, x, a, b, torch.tensor(chunk_parts), positions, token_slots)
+    torch.testing.assert_close(y, expected, atol=1e-3, rtol=1e-4)
+    untouched = [row for row in range(12) if row not in positions.tolist()]
+    assert torch.equal(y[untouched], expected[untouched])
 
 
 def test_base_rows_are_the_same_bits_as_without_adapters(runners, add_path):

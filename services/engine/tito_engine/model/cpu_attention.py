@@ -395,6 +395,34 @@ def _build(compiler: str, target: Path, compile_flags: tuple[str, ...], code: st
         os.replace(shared, target)
 
 
+def built_library(name: str, code: str, compiler: str, version: str, compile_flags: tuple[str, ...],
+                  link_flags: tuple[str, ...]) -> ctypes.CDLL:
+    """`code` built with these flags into the kernel cache (one file per source, flags, compiler and
+    CPU, built once), loaded."""
+    key = hashlib.sha256("\0".join((code, *compile_flags, *link_flags, compiler, version, _cpu_identity()))
+                         .encode()).hexdigest()[:24]
+    target = _cache_dir() / f"{name}_{key}.so"
+    if not target.exists():
+        _build(compiler, target, compile_flags, code, link_flags)
+        log.info("built the %s kernel: %s", name, target)
+    return ctypes.CDLL(str(target))
+
+
+def load_c_library(name: str, code: str, *, what: str, fallback: str) -> ctypes.CDLL | None:
+    """A kernel library built with the usual flags (one thread), or None, logged once as `what`
+    could not be had and `fallback` runs instead."""
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("no C compiler (cc, or $CC) found for %s: %s", what, fallback)
+        return None
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        return built_library(name, code, compiler, version, _compile_flags(), LINK_FLAGS)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("%s could not be built or loaded (%s): %s", what, exc, fallback)
+        return None
+
+
 @functools.cache
 def load_attention_kernel() -> "AttentionKernel | None":
     """The compiled kernels, built once per machine and cached; None (logged once) when they
@@ -406,14 +434,7 @@ def load_attention_kernel() -> "AttentionKernel | None":
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        compile_flags = _compile_flags()
-        key = hashlib.sha256("\0".join((SOURCE, *compile_flags, *LINK_FLAGS, compiler, version, _cpu_identity()))
-                             .encode()).hexdigest()[:24]
-        target = _cache_dir() / f"paged_attention_{key}.so"
-        if not target.exists():
-            _build(compiler, target, compile_flags)
-            log.info("built the CPU attention kernels: %s", target)
-        library = ctypes.CDLL(str(target))
+        library = built_library("paged_attention", SOURCE, compiler, version, _compile_flags(), (*LINK_FLAGS, "-lm"))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("the CPU attention kernels could not be built or loaded (%s): attention runs on "
                     "the torch path", exc)

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import subprocess
 
 import torch
 
-from tito_engine.model.cpu_attention import _build, _cache_dir, _compile_flags, _compiler, _cpu_identity
+from tito_engine.model.cpu_attention import _compile_flags, _compiler, built_library
 
 log = logging.getLogger(__name__)
 
@@ -185,17 +184,6 @@ class Int8Kernel:
         return out
 
 
-def _built(compiler: str, version: str, compile_flags: tuple[str, ...], link_flags: tuple[str, ...]) -> ctypes.CDLL:
-    """The kernel built with these flags (cached per source, flags, compiler and CPU), loaded."""
-    key = hashlib.sha256("\0".join((SOURCE, *compile_flags, *link_flags, compiler, version, _cpu_identity()))
-                         .encode()).hexdigest()[:24]
-    target = _cache_dir() / f"int8_linear_{key}.so"
-    if not target.exists():
-        _build(compiler, target, compile_flags, SOURCE, link_flags)
-        log.info("built the int8 linear kernel: %s", target)
-    return ctypes.CDLL(str(target))
-
-
 @functools.cache
 def load_int8_kernel() -> Int8Kernel | None:
     """The compiled kernel, built once per machine and cached; None (logged once) when it cannot be."""
@@ -206,10 +194,11 @@ def load_int8_kernel() -> Int8Kernel | None:
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
         try:
-            library = _built(compiler, version, (*_compile_flags(), *EXTRA_FLAGS), LINK_FLAGS)
+            library = built_library("int8_linear", SOURCE, compiler, version, (*_compile_flags(), *EXTRA_FLAGS),
+                                    LINK_FLAGS)
         except RuntimeError as exc:  # no OpenMP for this compiler: the kernel runs on one thread
             log.info("the int8 linear kernel is built without OpenMP (%s)", str(exc)[-200:])
-            library = _built(compiler, version, _compile_flags(), ("-shared",))
+            library = built_library("int8_linear", SOURCE, compiler, version, _compile_flags(), ("-shared",))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("the int8 linear kernel could not be built or loaded (%s): float32 int8 linears run on "
                     "torch's slower path", exc)
