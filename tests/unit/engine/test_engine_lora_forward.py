@@ -2,7 +2,8 @@
 the engine runs it: in one step mixing the base model and two adapters, the base rows' logits are
 the same bits as an engine without adapters gives for the same step, and each adapter row's are
 those of that row alone under its adapter, whether the step adds the adapters one matmul pair
-each or in two batched matmuls over padded groups; a slot cleared adds nothing."""
+each, in two batched matmuls over padded groups, in place over a prefill row's own tokens, or in
+the C kernel (which adds what the batched matmuls add); a slot cleared adds nothing."""
 
 from __future__ import annotations
 

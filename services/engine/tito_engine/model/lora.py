@@ -10,8 +10,7 @@ into chunks of C columns, C the greatest common divisor of the parts' widths (q/
 grouped-query attention: the k width; gate/up: the intermediate size), each chunk lying in one
 part, and B as `[slots, chunks, max_rank, C]`, pre-multiplied by the adapter's scaling: each
 chunk is one small product of its part's rank columns. The fused B, block-diagonal, would have
-read and multiplied two thirds zeros for q/k/v and half for gate/up (on bench/lora.py's model the
-add took 1.4x as long). An adapter of a smaller rank, or one that leaves a module out, leaves
+read and multiplied two thirds zeros for q/k/v and half for gate/up. An adapter of a smaller rank, or one that leaves a module out, leaves
 zeros there, which add nothing.
 
 A step's rows may use different adapters and the base model at once. Before the forward, the
@@ -26,7 +25,9 @@ batched matmuls over the slots' stacks and one scatter-add (`BatchedAdapters`); 
 small matmul pair per adapter present in the step (a segmented matmul). Base-model tokens are
 never written (the add goes to the adapter tokens' rows only), so their results are the same bits
 as in an engine without adapters, and a step with no adapter rows skips the add entirely (one
-attribute read per linear).
+attribute read per linear). On CPU in float32 the grouped tokens' add runs in a C kernel instead
+(lora_kernel.py: each token where it lies, no gather, padding or scatter; every adapter token of
+the step, prefill rows included, is then listed for it).
 
 One masked product against every slot at once (four tensor operations per linear whatever the
 number of adapters) was measured against this and lost: on CPU a small matmul's time grows with
