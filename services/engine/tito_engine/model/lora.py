@@ -10,8 +10,8 @@ into chunks of C columns, C the greatest common divisor of the parts' widths (q/
 grouped-query attention: the k width; gate/up: the intermediate size), each chunk lying in one
 part, and B as `[slots, chunks, max_rank, C]`, pre-multiplied by the adapter's scaling: each
 chunk is one small product of its part's rank columns. The fused B, block-diagonal, would have
-read and multiplied two thirds zeros for q/k/v and half for gate/up. An adapter of a smaller rank, or one that leaves a module out, leaves
-zeros there, which add nothing.
+read and multiplied two thirds zeros for q/k/v and half for gate/up. An adapter of a smaller
+rank, or one that leaves a module out, leaves zeros there, which add nothing.
 
 A step's rows may use different adapters and the base model at once. Before the forward, the
 runner groups the step's packed tokens by their row's slot (`LoraSlots.begin_step`); each
