@@ -1,6 +1,7 @@
 """vLLM's token-in/token-out HTTP API: tito's gateway against vLLM's own servers, in one run.
 
     .venv/bin/python bench/vllm_api.py [--rounds 2] [--concurrency 1 32] [--output-len 64] [--stream-tokens 256]
+    .venv/bin/python bench/vllm_api.py --skip-derender --skip-aiperf --concurrency 32   # (b) alone, at c=32
     .venv/bin/python bench/vllm_api.py --smoke   # tito alone, a few short calls: checks that it runs
 
 Starts, on one model (default tiny-qwen2-h256, float32, prefix caching off; its vocabulary has
@@ -16,8 +17,9 @@ The same client code drives both sides, in paired rounds (the order rotates each
     `stream_state` (vLLM's: every output token so far, replayed through a fresh parser per call;
     tito's: derender's sealed state, its size independent of the output's length), with
     `chat_request` and `prompt_token_ids` on every call as vLLM needs them; 1 and 16 such
-    streams at once. Measured over HTTP, server to server: per-chunk latency over the first and
-    the last 32 chunks of a stream, chunks/s, and the state's size at the end.
+    streams at once (--skip-derender leaves it out). Measured over HTTP, server to server:
+    per-chunk latency over the first and the last 32 chunks of a stream, chunks/s, and the
+    state's size at the end.
 (b) The pipeline: render -> generate (streamed) -> derender (whole) over HTTP for 32 chats with
     64 greedy tokens (ignore_eos), at each concurrency: output tok/s, and TTFT (render sent to the
     first generated token) p50.
@@ -238,7 +240,7 @@ def api_rounds(args, sides: dict[str, Side], ids: list[int]) -> tuple[dict, dict
     pipeline: dict[tuple[str, int], list[dict]] = {}
     for round_index, order in rounds(args, sides):
         for name in order:
-            for streams in args.streams:
+            for streams in [] if args.skip_derender else args.streams:
                 derender.setdefault((name, streams), []).append(asyncio.run(derender_bench(sides[name], streams, ids)))
             for concurrency in args.concurrency:
                 time.sleep(0 if args.smoke else VLLM_IDLE_S)
@@ -299,6 +301,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--stream-tokens", type=int, default=256)
     parser.add_argument("--skip-aiperf", action="store_true", help="leave out (c), AIPerf's vllm_generate")
+    parser.add_argument("--skip-derender", action="store_true", help="leave out (a), the streamed derender")
     parser.add_argument("--smoke", action="store_true", help="tito's side alone, the smallest run (see above)")
     args = parser.parse_args()
     if args.smoke:
@@ -326,7 +329,8 @@ def main() -> int:
 
     print(f"\nmodel {args.model}, float32; derender streams of {len(ids)} tokens, one per call; "
           f"{args.chats} chats x {args.output_len} tokens (greedy, ignore_eos); {args.rounds} rounds, best round:")
-    print_derender(derender, args.streams, sides)
+    if derender:
+        print_derender(derender, args.streams, sides)
     print_throughput("", pipeline, args.concurrency, sides)
     if aiperf:
         print(f"AIPerf vllm_generate, {args.chats} streamed requests of {AIPERF_INPUT_LEN} prompt tokens "
