@@ -104,7 +104,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from processes import log_tail, stop_process, vllm_cli
+from processes import log_tail, process_tree_cpu_seconds, stop_process, vllm_cli
 from processes import spawn as spawn_logged
 from tito.cpu_affinity import allowed_cpus, format_cpu_list, run_on
 from tito_models.paths import resolve_model
@@ -564,29 +564,6 @@ class WholePipeline(EngineOnRendered):
                 yield [0]
             if chunk.HasField("usage"):
                 yield [0] * (chunk.usage.completion_tokens - seen)
-
-
-def process_tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of `pid` and its descendants so far (Linux /proc)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent pid, cpu seconds)
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat_file:
-                fields = stat_file.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks)
-    tree, total, frontier = {pid}, 0.0, [pid]
-    while frontier:
-        parent = frontier.pop()
-        total += stats.get(parent, (0, 0.0))[1]
-        children = [child for child, (ppid, _) in stats.items() if ppid == parent and child not in tree]
-        tree.update(children)
-        frontier.extend(children)
-    return total
 
 
 class AsyncLLMWorker(Setup):

@@ -1,5 +1,5 @@
 """The processes the benchmarks start: `vllm` commands that work with both vLLM wheels, and servers
-in their own sessions with their output in a log file."""
+in their own sessions with their output in a log file; the CPU time a process tree has used."""
 
 from __future__ import annotations
 
@@ -89,3 +89,35 @@ def wait_vllm_engine_healthy(address: str, process: subprocess.Popen, name: str,
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name} did not start in {timeout:.0f}s:\n{log_tail(process)}")
             time.sleep(0.5)
+
+
+def process_tree_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """User + system CPU seconds so far of `pid` and each of its descendants, with each one's name
+    (`/proc/PID/comm`: vLLM names its engine processes `VLLM::EngineCore`, `VLLM::Worker`), by pid
+    (Linux /proc; empty elsewhere)."""
+    if not os.path.isdir("/proc"):
+        return {}
+    ticks = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, str, float]] = {}  # pid -> (parent pid, name, cpu seconds)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat_file:
+                head, rest = stat_file.read().rsplit(")", 1)
+        except OSError:
+            continue
+        fields = rest.split()
+        stats[int(entry)] = (int(fields[1]), head.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / ticks)
+    tree, frontier = {pid: stats[pid][1:]} if pid in stats else {}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [child for child, (ppid, _, _) in stats.items() if ppid == parent and child not in tree]
+        tree.update((child, stats[child][1:]) for child in children)
+        frontier.extend(children)
+    return tree
+
+
+def process_tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and its descendants so far (Linux /proc)."""
+    return sum(seconds for _, seconds in process_tree_cpu(pid).values())

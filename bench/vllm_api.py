@@ -1,6 +1,7 @@
 """vLLM's token-in/token-out HTTP API: tito's gateway against vLLM's own servers, in one run.
 
     .venv/bin/python bench/vllm_api.py [--rounds 2] [--concurrency 1 32] [--output-len 64] [--stream-tokens 256]
+    .venv/bin/python bench/vllm_api.py --skip-derender --skip-aiperf --concurrency 32   # (b) alone, at c=32
     .venv/bin/python bench/vllm_api.py --smoke   # tito alone, a few short calls: checks that it runs
 
 Starts, on one model (default tiny-qwen2-h256, float32, prefix caching off; its vocabulary has
@@ -16,8 +17,9 @@ The same client code drives both sides, in paired rounds (the order rotates each
     `stream_state` (vLLM's: every output token so far, replayed through a fresh parser per call;
     tito's: derender's sealed state, its size independent of the output's length), with
     `chat_request` and `prompt_token_ids` on every call as vLLM needs them; 1 and 16 such
-    streams at once. Measured over HTTP, server to server: per-chunk latency over the first and
-    the last 32 chunks of a stream, chunks/s, and the state's size at the end.
+    streams at once (--skip-derender leaves it out). Measured over HTTP, server to server:
+    per-chunk latency over the first and the last 32 chunks of a stream, chunks/s, and the
+    state's size at the end.
 (b) The pipeline: render -> generate (streamed) -> derender (whole) over HTTP for 32 chats with
     64 greedy tokens (ignore_eos), at each concurrency: output tok/s, and TTFT (render sent to the
     first generated token) p50.
@@ -28,7 +30,10 @@ The same client code drives both sides, in paired rounds (the order rotates each
     exactly that many tokens. AIPerf's output tok/s and TTFT p50 (its own start-up, about 20 s
     a run here, is outside its measurement). --skip-aiperf leaves it out.
 
-Prints per side and setting, then the ratios (median [min-max] over rounds):
+Prints per side and setting, then the ratios (median [min-max] over rounds), and for (b) the CPU
+milliseconds per output token of every server process (tito's gateway, render, engine server,
+engine core, derender; vLLM's render server, API server, EngineCore, Worker) and of the client,
+from /proc (Linux): on a few shared cores, where each side spends its time:
 
     derender x16 chunks/s tito / vLLM 3.1x ...        higher is better
     c=32 tok/s tito / vLLM 1.3x ...                   higher is better
@@ -54,7 +59,7 @@ import time
 from pathlib import Path
 
 from gateway import free_port, wait_healthy
-from processes import spawn, stop_process, vllm_cli
+from processes import process_tree_cpu, spawn, stop_process, vllm_cli
 
 TITO, VLLM = "tito", "vLLM"
 KV_CACHE_BYTES = 64 << 20
@@ -157,8 +162,49 @@ async def pipeline_bench(side: Side, chats: list[dict], concurrency: int) -> dic
         started = time.perf_counter()
         results = await asyncio.gather(*(run(body) for body in chats))
         elapsed = time.perf_counter() - started
-    return {"tok/s": sum(t for t, _ in results) / elapsed,
+    return {"tok/s": sum(t for t, _ in results) / elapsed, "tokens": sum(t for t, _ in results),
             "ttft p50": 1e3 * statistics.median(ttft for _, ttft in results)}
+
+
+def process_label(pid: int, name: str, root: str) -> str:
+    """A server process's part: tito's service (`tito_cli serve NAME`, its engine core the engine's
+    child), vLLM's engine processes by their own names, anything else its root's."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            args = cmdline.read().decode(errors="replace").split("\0")
+        with open(f"/proc/{pid}/stat") as stat_file:
+            parent = int(stat_file.read().rsplit(")", 1)[1].split()[1])
+        with open(f"/proc/{parent}/cmdline", "rb") as cmdline:
+            parent_args = cmdline.read().decode(errors="replace").split("\0")
+    except OSError:
+        return root
+    if "tito_cli" in args and "serve" in args:
+        return f"tito {args[args.index('serve') + 1]}"
+    if "serve" in parent_args and "engine" in parent_args and any("spawn_main" in arg for arg in args):
+        return "tito engine core"
+    return name if name.startswith("VLLM::") else root
+
+
+def servers_cpu(roots: dict[str, subprocess.Popen]) -> dict[str, float]:
+    """CPU seconds so far of every process of the servers started as `roots` (label -> process),
+    summed by process_label."""
+    seconds: dict[str, float] = {}
+    for root, process in roots.items():
+        for pid, (name, used) in process_tree_cpu(process.pid).items():
+            label = process_label(pid, name, root)
+            seconds[label] = seconds.get(label, 0.0) + used
+    return seconds
+
+
+def measured_pipeline(side: Side, chats: list[dict], concurrency: int, roots: dict[str, subprocess.Popen]) -> dict:
+    """pipeline_bench, with the CPU seconds each of the side's server processes (`roots`) and this
+    client spent on it ("cpu": label -> seconds)."""
+    before, client = servers_cpu(roots), time.process_time()
+    result = asyncio.run(pipeline_bench(side, chats, concurrency))
+    client, after = time.process_time() - client, servers_cpu(roots)
+    result["cpu"] = {label: after[label] - before.get(label, 0.0) for label in after}
+    result["cpu"]["client (this process)"] = client
+    return result
 
 
 def aiperf_bench(side: Side, model: str, requests: int, output_len: int, concurrency: int, out: Path) -> dict:
@@ -231,19 +277,24 @@ def rounds(args, sides: dict[str, Side]):
         yield round_index, list(sides) if round_index % 2 == 0 else list(reversed(sides))
 
 
-def api_rounds(args, sides: dict[str, Side], ids: list[int]) -> tuple[dict, dict]:
+def side_roots(processes: dict, name: str) -> dict[str, subprocess.Popen]:
+    """The server processes of side `name`, by label."""
+    return {label: process for label, process in processes.items() if (label == TITO) == (name == TITO)}
+
+
+def api_rounds(args, sides: dict[str, Side], ids: list[int], processes: dict) -> tuple[dict, dict]:
     """(a) and (b): {(side, streams): [per round]}, {(side, concurrency): [per round]}."""
     chats = [chat(i, args.output_len) for i in range(args.chats)]
     derender: dict[tuple[str, int], list[dict]] = {}
     pipeline: dict[tuple[str, int], list[dict]] = {}
     for round_index, order in rounds(args, sides):
         for name in order:
-            for streams in args.streams:
+            for streams in [] if args.skip_derender else args.streams:
                 derender.setdefault((name, streams), []).append(asyncio.run(derender_bench(sides[name], streams, ids)))
             for concurrency in args.concurrency:
                 time.sleep(0 if args.smoke else VLLM_IDLE_S)
-                pipeline.setdefault((name, concurrency), []).append(asyncio.run(
-                    pipeline_bench(sides[name], chats, concurrency)))
+                pipeline.setdefault((name, concurrency), []).append(
+                    measured_pipeline(sides[name], chats, concurrency, side_roots(processes, name)))
         print(f"round {round_index + 1}/{args.rounds} done", flush=True)
     return derender, pipeline
 
@@ -289,6 +340,19 @@ def print_throughput(label: str, results: dict, concurrencies: list[int], sides:
                              [t["ttft p50"] / v["ttft p50"] for t, v in zip(tito, vllm)]))
 
 
+def print_cpu(results: dict) -> None:
+    """CPU milliseconds per output token of each server process and of the client, over all
+    rounds: where each side spends its time (Linux /proc; nothing elsewhere)."""
+    print("CPU ms per output token (all rounds; the client is the same code for both sides):")
+    for (name, concurrency), runs in results.items():
+        tokens = sum(run["tokens"] for run in runs)
+        labels = sorted({label for run in runs for label in run["cpu"]})
+        spent = {label: sum(run["cpu"].get(label, 0.0) for run in runs) for label in labels}
+        servers = sum(seconds for label, seconds in spent.items() if not label.startswith("client"))
+        parts = ", ".join(f"{label} {1e3 * seconds / tokens:.3f}" for label, seconds in spent.items() if seconds)
+        print(f"{name:<6} c={concurrency:<4} servers {1e3 * servers / tokens:.3f}: {parts}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-qwen2-h256")
@@ -299,6 +363,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--stream-tokens", type=int, default=256)
     parser.add_argument("--skip-aiperf", action="store_true", help="leave out (c), AIPerf's vllm_generate")
+    parser.add_argument("--skip-derender", action="store_true", help="leave out (a), the streamed derender")
     parser.add_argument("--smoke", action="store_true", help="tito's side alone, the smallest run (see above)")
     args = parser.parse_args()
     if args.smoke:
@@ -317,7 +382,7 @@ def main() -> int:
     aiperf: dict[tuple[str, int], list[dict]] = {}
     try:
         wait_ready(processes, sides)
-        derender, pipeline = api_rounds(args, sides, ids)
+        derender, pipeline = api_rounds(args, sides, ids, processes)
         if not args.skip_aiperf:
             aiperf = aiperf_rounds(args, sides, model, tmp)
     finally:
@@ -326,8 +391,10 @@ def main() -> int:
 
     print(f"\nmodel {args.model}, float32; derender streams of {len(ids)} tokens, one per call; "
           f"{args.chats} chats x {args.output_len} tokens (greedy, ignore_eos); {args.rounds} rounds, best round:")
-    print_derender(derender, args.streams, sides)
+    if derender:
+        print_derender(derender, args.streams, sides)
     print_throughput("", pipeline, args.concurrency, sides)
+    print_cpu(pipeline)
     if aiperf:
         print(f"AIPerf vllm_generate, {args.chats} streamed requests of {AIPERF_INPUT_LEN} prompt tokens "
               f"x {args.output_len} tokens (greedy, ignore_eos), best round:")

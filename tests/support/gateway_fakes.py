@@ -215,7 +215,10 @@ def _position(token: int, top: int) -> engine_pb2.PositionLogprobs:
 class FakeDerender:
     """Derender's Derender stream: each engine response's ids as text (`<id>` each), its end with
     the finish reason and usage (completion tokens of every choice finished so far, as derender
-    counts them)."""
+    counts them). The contexts its streams opened with, in `contexts`."""
+
+    def __init__(self) -> None:
+        self.contexts: list[derender_pb2.DerenderContext] = []
 
     def Derender(self, requests, timeout=None, metadata=None):  # noqa: N802 - the stub's name
         return self._chunks(requests)
@@ -225,6 +228,7 @@ class FakeDerender:
         async for message in requests:
             if message.HasField("context"):
                 context = message.context
+                self.contexts.append(context)
                 continue
             response = message.generate_response
             chunk = derender_pb2.ChatChunk(index=response.index, content="".join(f"<{t}>" for t in response.token_ids),

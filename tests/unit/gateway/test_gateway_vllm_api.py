@@ -243,20 +243,65 @@ def test_abort_reaches_the_engine_by_either_id(client, upstream):
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "request_ids"
 
 
+def _derender_chat(client, answer: dict, prompt_ids: list[int] | None, chat: dict = CHAT) -> dict:
+    body = {"generate_response": answer, "prompt_tokens": len(prompt_ids or [0, 0]), "chat_request": chat}
+    if prompt_ids is not None:
+        body["prompt_token_ids"] = prompt_ids
+    reply = client.post("/v1/chat/completions/derender", json=body)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
 def test_derender_chat_renders_the_chat_request_for_its_context(client, upstream):
     rendered = _rendered(client)
     answer = _generate(client, rendered)
-    reply = client.post("/v1/chat/completions/derender", json={
-        "generate_response": answer, "prompt_token_ids": rendered["token_ids"],
-        "prompt_tokens": len(rendered["token_ids"]), "chat_request": CHAT})
-    assert reply.status_code == 200, reply.text
-    body = reply.json()
+    body = _derender_chat(client, answer, None)
     ids = answer["choices"][0]["token_ids"]
     assert body["choices"][0]["message"]["content"] == "".join(f"<{t}>" for t in ids)
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"]["prompt_tokens"] == len(rendered["token_ids"]) and body["usage"]["completion_tokens"] == 3
+    assert body["usage"]["completion_tokens"] == 3
     assert body["id"] == answer["request_id"]
     assert upstream.pipeline.render.calls["RenderChat"] == 2  # the render endpoint's, then derender's context
+
+
+def test_derender_chat_takes_the_context_the_render_endpoint_kept_for_the_chat(client, upstream):
+    """The chat and prompt the render endpoint answered: derender's context is the one render gave
+    then (render is not asked again), the same context a fresh render gives."""
+    rendered = _rendered(client)
+    answer = _generate(client, rendered)
+    kept = _derender_chat(client, answer, rendered["token_ids"])
+    assert upstream.pipeline.render.calls["RenderChat"] == 1
+    ids = answer["choices"][0]["token_ids"]
+    assert kept["choices"][0]["message"]["content"] == "".join(f"<{t}>" for t in ids)
+    assert kept["usage"]["prompt_tokens"] == len(rendered["token_ids"]) and kept["usage"]["completion_tokens"] == 3
+    _derender_chat(client, answer, None)  # no prompt ids: rendered now
+    assert upstream.pipeline.render.calls["RenderChat"] == 2
+    from_kept, fresh = upstream.pipeline.derender.contexts[-2:]
+    assert from_kept.reasoning_parser == fresh.reasoning_parser and from_kept.tools == fresh.tools
+    from_kept.request_id = fresh.request_id = ""  # render's own id for the call: logs only
+    from_kept.prompt_tokens = fresh.prompt_tokens = 0  # the callers' counts, told apart above
+    assert from_kept == fresh
+
+
+def test_derender_chat_renders_when_no_answer_is_kept_for_its_chat_and_prompt(client, upstream):
+    rendered = _rendered(client)
+    answer = _generate(client, rendered)
+    _derender_chat(client, answer, [40, 41])  # another prompt
+    _derender_chat(client, answer, rendered["token_ids"], {**CHAT, "max_tokens": 4})  # another chat
+    assert upstream.pipeline.render.calls["RenderChat"] == 3
+
+
+def test_a_kept_context_takes_the_derender_calls_stream_options(client, upstream):
+    """Stream options are not part of the kept answer's key: a streamed derender's first chunk
+    asks for usage in every chunk by its own chat_request, whatever the render call asked."""
+    rendered = _rendered(client)
+    chat = {**CHAT, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    reply = client.post("/v1/chat/completions/derender", json={
+        "stream": True, "chat_request": chat, "prompt_token_ids": rendered["token_ids"],
+        "generate_chunk": {"request_id": "x", "choices": [{"index": 0, "token_ids": [5], "finish_reason": None}]}})
+    assert reply.status_code == 200, reply.text
+    assert upstream.pipeline.render.calls["RenderChat"] == 1
+    assert upstream.pipeline.derender.contexts[-1].usage_in_every_chunk
 
 
 def test_derender_chat_without_chat_request_decodes_plainly(client, upstream):

@@ -109,12 +109,17 @@ def _token(value: Any, where: str) -> engine_pb2.TokenLogprob:
     return engine_pb2.TokenLogprob(token_id=token or 0, logprob=float(number), rank=rank)
 
 
-def seed_ids(values: dict[str, Any], response: Any, where: str) -> list[int]:
-    """The prompt tail that seeds the detokenizer: `prompt_token_ids`, else the response's."""
+def given_prompt_ids(values: dict[str, Any], response: Any, where: str) -> list[int] | None:
+    """The prompt's ids the call carries: `prompt_token_ids`, else the response's (None: neither)."""
     given = values.get("prompt_token_ids")
     if given is None and isinstance(response, dict):
         given, where = response.get("prompt_token_ids"), f"{where}.prompt_token_ids"
-    return prompt_ids(given, where)[-PROMPT_TAIL:] if given else []
+    return prompt_ids(given, where) if given else None
+
+
+def seed_ids(values: dict[str, Any], response: Any, where: str) -> list[int]:
+    """The prompt tail that seeds the detokenizer: `prompt_token_ids`, else the response's."""
+    return (given_prompt_ids(values, response, where) or [])[-PROMPT_TAIL:]
 
 
 def plain_context(request_id: str, seed: list[int], prompt_tokens: int, n: int, logprobs: bool,

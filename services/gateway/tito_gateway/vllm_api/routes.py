@@ -431,10 +431,11 @@ class VllmApi:
         generated = values.get("generate_response")
         prompt_tokens = body.integer("prompt_tokens", 0, openai_in.UINT32_MAX)
         responses = derender_in.engine_responses(generated, "generate_response", prompt_tokens)
-        seed = derender_in.seed_ids(values, generated, "generate_response")
+        given = derender_in.given_prompt_ids(values, generated, "generate_response")
+        seed = (given or [])[-derender_in.PROMPT_TAIL:]
         logprobs = any(response.logprobs for response in responses)
         context, logprobs = await self._chat_context(body, generated.get("request_id", ""), seed, prompt_tokens,
-                                                     len(responses), logprobs)
+                                                     len(responses), logprobs, given)
         assembled = openai_out.Assembled()
         await self._derender(context, responses, assembled, 0, 1)
         response_id = generated.get("request_id") or f"chatcmpl-{rid}"
@@ -442,19 +443,25 @@ class VllmApi:
                         media_type="application/json")
 
     async def _chat_context(self, body: openai_in.Body, request_id: str, seed: list[int], prompt_tokens: int | None,
-                            n: int, logprobs: bool) -> tuple[derender_pb2.DerenderContext, bool]:
+                            n: int, logprobs: bool, prompt_ids: list[int] | None = None
+                            ) -> tuple[derender_pb2.DerenderContext, bool]:
         """Derender's context for a chat: render's for `chat_request` (its parsers, tools and
         thinking switch), else a plain one where no parser is configured; and whether the
-        answer carries logprobs."""
+        answer carries logprobs. Render's answer is the one the render endpoint kept for this
+        chat and `prompt_ids` (the caller's prompt) where it has one (`RenderedChats`: a router
+        that rendered here pays render once per chat, not again for every derender), else
+        render's answer now."""
         chat_values = body.obj("chat_request")
         if chat_values is not None:
             call = openai_in.parse_chat(chat_values, await self.gateway.served_model(),
                                         await self.gateway.adapter_names(chat_values))
-            call.request.mm_payload = multimodal_pb2.MM_PAYLOAD_NONE  # derender needs no tensors
-            pipeline = self.pipeline
-            rendered = await pipeline.render.RenderChat(call.request, timeout=pipeline.timeout,
-                                                        metadata=pipeline._metadata)
-            context = rendered.derender_context
+            context = self._kept_context(chat_values, prompt_ids, call)
+            if context is None:
+                call.request.mm_payload = multimodal_pb2.MM_PAYLOAD_NONE  # derender needs no tensors
+                pipeline = self.pipeline
+                rendered = await pipeline.render.RenderChat(call.request, timeout=pipeline.timeout,
+                                                            metadata=pipeline._metadata)
+                context = rendered.derender_context
             context.n = max(context.n, n)
             context.prompt_tokens = prompt_tokens or 0
             return context, call.logprobs
@@ -465,15 +472,29 @@ class VllmApi:
                                                     "parser markup into content.")
         return derender_in.plain_context(request_id, seed, prompt_tokens or 0, n, logprobs), logprobs
 
+    def _kept_context(self, chat_values: dict, prompt_ids: list[int] | None, call: openai_in.ChatCall
+                      ) -> derender_pb2.DerenderContext | None:
+        """Derender's context from the render answer kept for this chat body and these prompt ids
+        (None: none is kept), with this call's stream options (not part of the key)."""
+        if not prompt_ids:
+            return None
+        kept = self.rendered_chats.get(reuse.chat_key(chat_values), prompt_ids)
+        if kept is None:
+            return None
+        context = kept.derender_context
+        context.usage_in_every_chunk = call.request.usage_in_every_chunk
+        return context
+
     async def derender_chat_chunk(self, values: dict, rid: str) -> Response:
         """One chunk of a streamed chat derender: the chat's context on the first chunk (no
         `stream_state`), derender's sealed state after; the chunk and the new state."""
         chunk = await self._chunk_call(values, derender_stream.CHAT_FIELDS)
         context, logprobs = chunk.resumed, chunk.logprobs
         if context is None:
-            seed = derender_in.seed_ids(values, values.get("generate_chunk"), "generate_chunk")
-            context, logprobs = await self._chat_context(chunk.body, chunk.request_id, seed, chunk.prompt_tokens, 1,
-                                                         logprobs)
+            given = derender_in.given_prompt_ids(values, values.get("generate_chunk"), "generate_chunk")
+            context, logprobs = await self._chat_context(chunk.body, chunk.request_id,
+                                                         (given or [])[-derender_in.PROMPT_TAIL:], chunk.prompt_tokens,
+                                                         1, logprobs, given)
         chunks, state = await self._derender_step(context, chunk.responses)
         choices = [derender_stream.chat_choice(response.index, chunks.get(response.index), logprobs)
                    for response in chunk.responses]
