@@ -25,12 +25,18 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
+# As the engine core runs when its threads share the CPUs (cpu_runtime.core_omp_environment): set
+# before torch loads OpenMP, which reads it once. OMP_WAIT_POLICY=ACTIVE measures the spinning wait.
+if not any(name in os.environ for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")):
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -131,7 +137,8 @@ def main() -> None:
     print(f"memory ({args.buffer_mib} MiB buffer, best of {args.repeats}):")
     for threads, rates in bandwidth.items():
         print(f"  {threads} thread(s): read {rates['read'] / 1e9:6.1f} GB/s, copy {rates['copy'] / 1e9:6.1f} GB/s")
-    print(f"\nc=1 decode step, {name} ({args.steps} steps after a {PROMPT_TOKENS}-token prompt, median):")
+    wait = " ".join(f"{var}={os.environ[var]}" for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if var in os.environ)
+    print(f"\nc=1 decode step, {name} ({args.steps} steps after a {PROMPT_TOKENS}-token prompt, median; {wait}):")
     print(f"{'quantization':>12} {'dtype':>9} {'threads':>7} {'weights MB':>10} {'step ms':>8} {'GB/s':>6} "
           f"{'/ read bw':>9} {'/ copy bw':>9}")
     for quantization in args.quantization:
