@@ -14,7 +14,8 @@ token / step time against the machine's bandwidth measured here, in the same run
 each with one torch thread and with all of them (best of --repeats). The engine's step is the
 ModelRunner's forward on one row (what the engine core runs per step at c=1, sampling aside),
 with the threads the engine's CPU plan gives the model (cpu_runtime.plan_cpus), or --threads; its
-ratio is against the read bandwidth at that thread count (on a machine other work keeps busy, one
+ratios are against the read and the copy bandwidth at that thread count (copy, bytes read plus
+written per second, is the usual figure of a machine's bandwidth; on a machine other work keeps busy, one
 thread gives steadier figures: a step on two threads waits for whichever is descheduled). Weight
 bytes are what the linears hold as they are read: float32 / bfloat16 as loaded, int8 values and
 their scales under --quantization int8, int4 values and scales for an int4 checkpoint (--model).
@@ -24,12 +25,18 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
+# As the engine core runs when its threads share the CPUs (cpu_runtime.core_omp_environment): set
+# before torch loads OpenMP, which reads it once. OMP_WAIT_POLICY=ACTIVE measures the spinning wait.
+if not any(name in os.environ for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")):
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -130,15 +137,17 @@ def main() -> None:
     print(f"memory ({args.buffer_mib} MiB buffer, best of {args.repeats}):")
     for threads, rates in bandwidth.items():
         print(f"  {threads} thread(s): read {rates['read'] / 1e9:6.1f} GB/s, copy {rates['copy'] / 1e9:6.1f} GB/s")
-    print(f"\nc=1 decode step, {name} ({args.steps} steps after a {PROMPT_TOKENS}-token prompt, median):")
+    wait = " ".join(f"{var}={os.environ[var]}" for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if var in os.environ)
+    print(f"\nc=1 decode step, {name} ({args.steps} steps after a {PROMPT_TOKENS}-token prompt, median; {wait}):")
     print(f"{'quantization':>12} {'dtype':>9} {'threads':>7} {'weights MB':>10} {'step ms':>8} {'GB/s':>6} "
-          f"{'/ read bw':>9}")
+          f"{'/ read bw':>9} {'/ copy bw':>9}")
     for quantization in args.quantization:
         row = engine_row(model_dir, name, quantization, args.steps, args.threads)
         rate = row["bytes"] / row["step"]
         reference = bandwidth.get(row["threads"]) or memory_bandwidth(args.buffer_mib << 20, row["threads"], 1)
         print(f"{quantization:>12} {row['dtype']:>9} {row['threads']:>7} {row['bytes'] / 1e6:>10.1f} "
-              f"{row['step'] * 1e3:>8.2f} {rate / 1e9:>6.1f} {rate / reference['read']:>8.2f}x")
+              f"{row['step'] * 1e3:>8.2f} {rate / 1e9:>6.1f} {rate / reference['read']:>8.2f}x "
+              f"{rate / reference['copy']:>8.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The engine process's CPU settings: glibc keeps the memory a step frees for the next step, and a
-lone prefill's linears borrow the server's CPUs."""
+"""The engine process's CPU settings: glibc keeps the memory a step frees for the next step, a
+lone prefill's linears borrow the server's CPUs, and a core whose threads share CPUs starts with
+OpenMP's passive wait."""
 
 from __future__ import annotations
 
@@ -83,3 +84,41 @@ def test_nothing_is_lent_without_cpus_or_per_thread_affinity(monkeypatch):
     assert lend_cpus_to_lone_prefill(frozenset()) == 0
     monkeypatch.delattr("os.sched_setaffinity", raising=False)
     assert lend_cpus_to_lone_prefill(frozenset({0})) == 0
+
+
+def _plan(threads: int, core: set[int] | None, server: set[int] | None):
+    from tito_engine.model.cpu_runtime import CpuPlan
+
+    return CpuPlan(threads, None if core is None else frozenset(core), None if server is None else frozenset(server),
+                   "test")
+
+
+@pytest.mark.parametrize("core, server", [(None, None), ({0, 1}, {1})], ids=["not pinned", "pinned over the server"])
+def test_a_core_of_several_threads_on_shared_cpus_starts_with_a_passive_openmp_wait(core, server):
+    from tito_engine.model.cpu_runtime import core_omp_environment
+
+    assert core_omp_environment(_plan(2, core, server), {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+@pytest.mark.parametrize("plan, environ", [
+    ((1, None, None), {}),  # one thread: no parallel region to wait between
+    ((2, {0, 1}, {2}), {}),  # CPUs of its own: spinning is the faster wait
+    ((2, None, None), {"OMP_WAIT_POLICY": "ACTIVE"}),  # the operator's choice stands
+    ((2, None, None), {"GOMP_SPINCOUNT": "100000"}),
+], ids=["one thread", "cpus of its own", "OMP_WAIT_POLICY set", "GOMP_SPINCOUNT set"])
+def test_the_openmp_wait_is_left_alone_otherwise(plan, environ):
+    from tito_engine.model.cpu_runtime import core_omp_environment
+
+    assert core_omp_environment(_plan(*plan), environ) == {}
+
+
+def test_the_core_process_inherits_the_wait_its_plan_asks_for(monkeypatch):
+    from tito_engine.core.engine_core import CoreProcessSpec, _set_core_environment
+    from tito_engine.limits import SchedulerLimits
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    spec = CoreProcessSpec(model_dir="m", model_id="m", device="cpu", max_model_len=None, kv_cache=None,
+                           limits=SchedulerLimits(), cpu_plan=_plan(2, None, None))
+    _set_core_environment(spec)  # what a spawned child starts with: this process's environment
+    assert os.environ.get("OMP_WAIT_POLICY") == "PASSIVE"

@@ -680,6 +680,20 @@ def _run_on_planned_cpus(spec: CoreProcessSpec) -> None:
         log.info("engine core process on CPUs %s", format_cpu_list(spec.cpus))
 
 
+def _set_core_environment(spec: CoreProcessSpec) -> None:
+    """Put what the core's plan asks of its environment (cpu_runtime.core_omp_environment) into this
+    process's, which a spawned child starts with; kept for the cores that replace it."""
+    if spec.cpu_plan is None:
+        return
+    from tito_engine.model.cpu_runtime import core_omp_environment
+
+    updates = core_omp_environment(spec.cpu_plan, os.environ)
+    if updates:
+        os.environ.update(updates)
+        log.info("engine core process: %s (its threads share CPUs: they sleep between parallel regions)",
+                 " ".join(f"{name}={value}" for name, value in updates.items()))
+
+
 def _exit_now(code: int) -> None:
     """Leave without the interpreter's teardown: with torch and a model loaded it takes a second
     or more, and this process holds nothing that needs it (the OS frees the memory and the pipe)."""
@@ -695,6 +709,7 @@ class ProcessCore:
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(target=_child_main, args=(spec, child_conn),
                                         name="tito-engine-core", daemon=True)
+        _set_core_environment(spec)
         self._process.start()
         child_conn.close()
         self._send_lock = threading.Lock()
