@@ -1,17 +1,18 @@
 """End to end: the real SMG gateway (`smg launch --backend vllm`, PyPI smg) in front of a tito engine
 process, which it drives over SMG's vllm.grpc.engine.VllmEngine, and the official `openai` SDK
 against SMG, on each engine backend (native, and vllm: `tito serve engine --backend vllm`) over the
-same checkpoint (tiny-qwen2-d64: vLLM's CPU attention refuses head_dim 16): chat whole and
-streamed, completions with the engine's own tokens, stop strings (an answer one ended still reports
-the prompt's cached tokens), seed, n, logprobs, json_schema, a Responses call; SMG's own reasoning
-and tool-call parsers read the engine's tokens (a `<think>` block and a `get_weather` call, the
-engine constrained to them by a regex: a random model writes neither); a client that drops its
-stream frees the engine's slot. Over tito-demo (native only: its head_dim 16 keeps it off vLLM's
-CPU attention) the parsers read what the model itself answers. The same 32 greedy chats answer
-alike through SMG -> each backend, through tito's own gateway -> render -> engine -> derender, and
-through SMG -> `vllm serve --grpc` (vLLM with SMG's own servicer, smg-grpc-servicer) on the same
-checkpoint. An image chat on tiny-qwen2-vl-smg (the Qwen2-VL checkpoint shape SMG's own image
-preprocessing accepts) answers as tito's own pipeline does."""
+same checkpoint (tiny-qwen2-d64: vLLM's CPU attention refuses head_dim 16): chat whole and streamed,
+completions with the engine's own tokens, stop strings (an answer one ended still reports the
+prompt's cached tokens), seed, n, logprobs, json_schema, a Responses call; SMG's own reasoning and
+tool-call parsers read the engine's tokens (a `<think>` block and a `get_weather` call, the engine
+constrained to them by a regex: a random model writes neither); a client that drops its stream frees
+the engine's slot; with the parser flags `tito serve all --smg-address` gives it, SMG splits
+`<think>` reasoning as tito's own qwen3 parser does. Over tito-demo (native only: its head_dim 16
+keeps it off vLLM's CPU attention) the parsers read what the model itself answers. The same 32
+greedy chats answer alike through SMG -> each backend, through tito's own gateway -> render ->
+engine -> derender, and through SMG -> `vllm serve --grpc` (vLLM with SMG's own servicer,
+smg-grpc-servicer) on the same checkpoint. An image chat on tiny-qwen2-vl-smg (the Qwen2-VL
+checkpoint shape SMG's own image preprocessing accepts) answers as tito's own pipeline does."""
 
 from __future__ import annotations
 
