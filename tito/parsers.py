@@ -78,6 +78,11 @@ class ReasoningFormat:
     structural: bool = False
     #: SMG's `--reasoning-parser` for the same format ("": SMG picks its own).
     smg: str = ""
+    #: SMG's Symphony table (`--parser symphony`) that splits the output exactly as tito does,
+    #: where SMG's legacy parser (`smg`) does not; used only where tito parses no tool calls: SMG
+    #: refuses a Symphony reasoning table beside a legacy tool-call parser, and the table's own
+    #: tool-call reading is not tito's hermes (it drops `<tool_call>` tags and parses no call).
+    smg_symphony: str = ""
 
 
 _TOOL_FORMATS = (
@@ -105,7 +110,9 @@ _TOOL_FORMATS = (
 )
 
 _REASONING_FORMATS = (
-    ReasoningFormat("qwen3", "Qwen3, GLM-4.5, DeepSeek-V3.1", THINK, smg="qwen3"),
+    # SMG 1.13's legacy `qwen3` files an answer without a `<think>` block as reasoning (unless the
+    # request turns thinking off); its Symphony table `qwen3_tagged` makes it content, as tito does.
+    ReasoningFormat("qwen3", "Qwen3, GLM-4.5, DeepSeek-V3.1", THINK, smg="qwen3", smg_symphony="qwen3_tagged"),
     ReasoningFormat("deepseek_r1", "DeepSeek-R1", THINK, smg="deepseek_r1"),
     ReasoningFormat("gpt_oss", "gpt-oss (harmony)", HARMONY, structural=True),
 )

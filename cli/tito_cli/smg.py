@@ -66,7 +66,12 @@ def check_smg(address: str, engine_address: str) -> str:
 def parser_flags(reasoning: str, tool: str) -> list[str]:
     """SMG's parser flags for tito's parser names ("" = none): the same format where SMG has one,
     passthrough where tito parses nothing (SMG would otherwise guess from the model's name), and
-    no flag where SMG reads the format its own way (gpt-oss's harmony)."""
+    no flag where SMG reads the format its own way (gpt-oss's harmony). Where SMG's legacy parser
+    for a reasoning format differs from tito's and tito parses no tool calls, SMG's Symphony table
+    for the format instead (alone: SMG takes no other parser name beside it)."""
+    symphony = REASONING_FORMATS[reasoning].smg_symphony if reasoning else ""
+    if symphony and not tool:
+        return ["--parser", "symphony", "--reasoning-parser", symphony]
     flags = []
     for flag, name, table in (("--reasoning-parser", reasoning, REASONING_FORMATS),
                               ("--tool-call-parser", tool, TOOL_FORMATS)):

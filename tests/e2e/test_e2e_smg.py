@@ -1,17 +1,18 @@
 """End to end: the real SMG gateway (`smg launch --backend vllm`, PyPI smg) in front of a tito engine
 process, which it drives over SMG's vllm.grpc.engine.VllmEngine, and the official `openai` SDK
 against SMG, on each engine backend (native, and vllm: `tito serve engine --backend vllm`) over the
-same checkpoint (tiny-qwen2-d64: vLLM's CPU attention refuses head_dim 16): chat whole and
-streamed, completions with the engine's own tokens, stop strings (an answer one ended still reports
-the prompt's cached tokens), seed, n, logprobs, json_schema, a Responses call; SMG's own reasoning
-and tool-call parsers read the engine's tokens (a `<think>` block and a `get_weather` call, the
-engine constrained to them by a regex: a random model writes neither); a client that drops its
-stream frees the engine's slot. Over tito-demo (native only: its head_dim 16 keeps it off vLLM's
-CPU attention) the parsers read what the model itself answers. The same 32 greedy chats answer
-alike through SMG -> each backend, through tito's own gateway -> render -> engine -> derender, and
-through SMG -> `vllm serve --grpc` (vLLM with SMG's own servicer, smg-grpc-servicer) on the same
-checkpoint. An image chat on tiny-qwen2-vl-smg (the Qwen2-VL checkpoint shape SMG's own image
-preprocessing accepts) answers as tito's own pipeline does."""
+same checkpoint (tiny-qwen2-d64: vLLM's CPU attention refuses head_dim 16): chat whole and streamed,
+completions with the engine's own tokens, stop strings (an answer one ended still reports the
+prompt's cached tokens), seed, n, logprobs, json_schema, a Responses call; SMG's own reasoning and
+tool-call parsers read the engine's tokens (a `<think>` block and a `get_weather` call, the engine
+constrained to them by a regex: a random model writes neither); a client that drops its stream frees
+the engine's slot; with the parser flags `tito serve all --smg-address` gives it, SMG splits
+`<think>` reasoning as tito's own qwen3 parser does. Over tito-demo (native only: its head_dim 16
+keeps it off vLLM's CPU attention) the parsers read what the model itself answers. The same 32
+greedy chats answer alike through SMG -> each backend, through tito's own gateway -> render ->
+engine -> derender, and through SMG -> `vllm serve --grpc` (vLLM with SMG's own servicer,
+smg-grpc-servicer) on the same checkpoint. An image chat on tiny-qwen2-vl-smg (the Qwen2-VL
+checkpoint shape SMG's own image preprocessing accepts) answers as tito's own pipeline does."""
 
 from __future__ import annotations
 
@@ -347,6 +348,55 @@ def test_smgs_tool_parser_reads_a_call_the_engine_wrote(parsing_client, model):
     assert re.fullmatch("[A-Z][a-z]{1,6}", arguments["city"])
 
 
+@pytest.fixture(scope="module")
+def tito_parsers_client(engine_address, model, tmp_path_factory):
+    """SMG with the parser flags `tito serve all --smg-address` gives it for a qwen3-reasoning model
+    that writes no tool calls (per backend)."""
+    from tito_cli.smg import parser_flags
+
+    with running_smg([engine_address], model, tmp_path_factory.mktemp("tito-parsers-smg"),
+                     parser_flags("qwen3", "")) as running:
+        with openai.OpenAI(base_url=f"{running.base}/v1", api_key="none", max_retries=0, timeout=120) as sdk:
+            yield sdk
+
+
+def _split_by_titos_qwen3(text: str) -> tuple[str, str]:
+    """(reasoning, content) of `text` as tito's derender splits it with its qwen3 parser."""
+    from tito_derender.domain import OutputDelta
+    from tito_derender.parsers import REASONING_PARSERS
+
+    split = REASONING_PARSERS["qwen3"](False, None).process(OutputDelta(content=text), final=True)
+    return split.reasoning_content, split.content
+
+
+def _split_through(sdk, model: str, regex: str, stream: bool) -> tuple[str, str]:
+    """(reasoning, content) of SMG's answer to a chat constrained to `regex`, whole or streamed."""
+    asked = {"model": model, "messages": _chat("Think, then answer."), "max_tokens": 160,
+             "extra_body": {"regex": regex}, **GREEDY}
+    if not stream:
+        message = sdk.chat.completions.create(**asked).choices[0].message
+        return message.reasoning_content or "", message.content or ""
+    reasoning, content = [], []
+    for chunk in sdk.chat.completions.create(stream=True, **asked):
+        for choice in chunk.choices:
+            reasoning.append(getattr(choice.delta, "reasoning_content", None) or "")
+            content.append(choice.delta.content or "")
+    return "".join(reasoning), "".join(content)
+
+
+@pytest.mark.parametrize("regex", [WORDS, f"<think>\n{WORDS}\n</think>\n\n{WORDS}", f"{WORDS}\n</think>\n\n{WORDS}"],
+                         ids=["no think block", "think block", "a closing tag only"])
+def test_smg_with_titos_parser_flags_splits_reasoning_as_titos_derender(tito_parsers_client, client, model, regex):
+    """A think-less answer is content (SMG's legacy qwen3 would file it as reasoning), a think block
+    is reasoning, whole and streamed, exactly as tito's own qwen3 parser splits the same text."""
+    raw = client.chat.completions.create(model=model, messages=_chat("Think, then answer."), max_tokens=160,
+                                         extra_body={"regex": regex}, **GREEDY).choices[0].message.content
+    expected = _split_by_titos_qwen3(raw)
+    for stream in (False, True):
+        assert _split_through(tito_parsers_client, model, regex, stream) == expected, (raw, stream)
+    assert expected[1]  # each case has content
+
+
 def test_a_responses_call_answers_as_the_chat_does(client, model):
     chat = client.chat.completions.create(model=model, messages=_chat("Hello! What can you do?"), max_tokens=24,
                                           **GREEDY)
@@ -357,10 +407,13 @@ def test_a_responses_call_answers_as_the_chat_does(client, model):
 
 @pytest.fixture(scope="module")
 def demo_client(demo_model, tmp_path_factory):
-    """SMG with its own Qwen parsers over a tito engine serving tito-demo (thinks, calls get_weather)."""
+    """SMG with its own Qwen parsers, as tito names them for tito-demo (qwen3 reasoning, hermes
+    calls), over a tito engine serving tito-demo (thinks, calls get_weather)."""
+    from tito_cli.smg import parser_flags
+
     with running_tcp_engine(demo_model, tmp_path_factory.mktemp("demo-engine")) as address:
         with running_smg([address], str(demo_model), tmp_path_factory.mktemp("demo-smg"),
-                         ["--reasoning-parser", "qwen3", "--tool-call-parser", "qwen"]) as running:
+                         parser_flags("qwen3", "hermes")) as running:
             with openai.OpenAI(base_url=f"{running.base}/v1", api_key="none", max_retries=0, timeout=120) as sdk:
                 yield sdk, str(demo_model)
 
@@ -380,6 +433,19 @@ def test_smgs_reasoning_and_tool_parsers_read_the_engines_tokens(demo_client):
     assert choice.finish_reason == "tool_calls"
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Tokyo"}
+
+
+def test_an_answer_with_thinking_off_is_content_through_smgs_legacy_qwen3(demo_client):
+    """What tito's parsers for tito-demo (qwen3 with hermes calls: SMG's legacy qwen3, since its
+    Symphony table reads no hermes calls) do with a think-less answer: content, as through tito's
+    gateway, where the request turns thinking off (the template then closes the block itself)."""
+    from tito_models import demo
+
+    client, model = demo_client
+    message = client.chat.completions.create(
+        model=model, messages=_chat("Hello! What can you do?"), max_tokens=80, **GREEDY,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
+    assert message.content.strip() == demo.GREETING_ANSWER and not message.reasoning_content
 
 
 def test_the_responses_api_through_smg(demo_client):

@@ -29,6 +29,15 @@ def test_tito_parsers_become_smgs_names_and_none_becomes_passthrough():
     assert smg_launch.parser_flags("gpt_oss", "gpt_oss") == []
 
 
+def test_qwen3_reasoning_without_tool_calls_takes_smgs_symphony_table_alone():
+    # SMG's legacy qwen3 files a think-less answer as reasoning; its qwen3_tagged table does as tito
+    # does, and SMG takes no other parser name beside it.
+    assert smg_launch.parser_flags("qwen3", "") == ["--parser", "symphony", "--reasoning-parser", "qwen3_tagged"]
+    # deepseek_r1 starts in reasoning in both: SMG's legacy parser is the same format.
+    assert smg_launch.parser_flags("deepseek_r1", "") == ["--reasoning-parser", "deepseek_r1",
+                                                          "--tool-call-parser", "passthrough"]
+
+
 def _choices(help_text: str, flag: str) -> set[str]:
     match = re.search(re.escape(flag) + r" \{([^}]*)\}", help_text)
     assert match, flag
@@ -41,7 +50,8 @@ def test_every_smg_parser_name_tito_declares_is_one_the_installed_smg_offers():
                                timeout=60).stdout
     for flag, table in (("--reasoning-parser", REASONING_FORMATS), ("--tool-call-parser", TOOL_FORMATS)):
         offered = _choices(help_text, flag)
-        declared = {entry.smg for entry in table.values() if entry.smg} | {smg_launch.SMG_NO_PARSER}
+        declared = {name for entry in table.values() for name in (entry.smg, getattr(entry, "smg_symphony", ""))
+                    if name} | {smg_launch.SMG_NO_PARSER}
         assert declared <= offered, (flag, declared - offered)
 
 
