@@ -1,8 +1,8 @@
 """End to end: vLLM's token-in/token-out HTTP API on `tito serve gateway` over the three services
 as processes (the demo model). Render endpoint -> generate endpoint -> derender endpoint gives
 the text /v1/chat/completions gives for the same greedy chat, and so do the render endpoint's ids
-forwarded to the chat (`kv_transfer_params.prompt_token_ids`); an RL-style loop gets logprobs and
-reproduces its samples by seed; an abort ends a running generate; the real services' refusals
+forwarded to the chat (`kv_transfer_params.prompt_token_ids`); an RL-style loop (64 prompts x 4 seeds) gets logprobs and
+reproduces its samples by seed in any batch; an abort ends a running generate; the real services' refusals
 arrive as vLLM's error JSON naming the field; AIPerf's `vllm_generate` (tito's endpoint plugin)
 benchmarks the generate endpoint to completion with exact token counts."""
 
@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -90,24 +91,32 @@ def test_completion_render_generate_derender_gives_the_completions_text(http):
 
 
 def test_rl_loop_gets_logprobs_and_reproduces_by_seed(http):
-    prompts = [_ok(http.post("/v1/chat/completions/render", json={
-        "model": MODEL, "messages": [{"role": "user", "content": f"Tell me about {city}."}], **NO_THINKING}))
-        ["token_ids"] for city in ("Paris", "Tokyo", "Lima")]
+    """The issue's rollout shape: 64 prompts x 4 seeded samples, 8 in flight at once as a trainer's
+    workers send them; every sample replayed alone gives the same tokens."""
+    topics = ("Paris", "Tokyo", "Lima", "rivers", "bread", "chess", "the moon", "rain")
+    with ThreadPoolExecutor(8) as pool:
+        prompts = list(pool.map(lambda index: _ok(http.post("/v1/chat/completions/render", json={
+            "model": MODEL, "messages": [{"role": "user", "content": f"Tell me about {topics[index % 8]}, part "
+                                          f"{index // 8}."}], **NO_THINKING}))["token_ids"], range(64)))
 
-    def sample(ids: list[int], seed: int) -> dict:
-        return _ok(http.post("/inference/v1/generate", json={
-            "token_ids": ids, "sampling_params": {"temperature": 4.0, "seed": seed, "max_tokens": 8, "logprobs": 0,
-                                                  "ignore_eos": True}}))["choices"][0]
+        def sample(key: tuple[int, int]) -> dict:
+            prompt, seed = key
+            return _ok(http.post("/inference/v1/generate", json={
+                "token_ids": prompts[prompt], "sampling_params": {"temperature": 4.0, "seed": seed, "max_tokens": 8,
+                                                                  "logprobs": 0, "ignore_eos": True}}))["choices"][0]
 
-    samples = {(p, seed): sample(ids, seed) for p, ids in enumerate(prompts) for seed in (1, 2)}
+        keys = [(prompt, seed) for prompt in range(64) for seed in (1, 2, 3, 4)]
+        samples = dict(zip(keys, pool.map(sample, keys)))
+        replays = dict(zip(keys[::-1], pool.map(sample, keys[::-1])))  # another order, other batch neighbours
+    assert len({tuple(ids) for ids in prompts}) == 64
     for choice in samples.values():
         entries = choice["logprobs"]["content"]
         assert [entry["token_id"] for entry in entries] == choice["token_ids"] and len(entries) == 8
         assert all(entry["logprob"] <= 0.0 for entry in entries)
         assert all(entry["top_logprobs"][0]["token_id"] == entry["token_id"] for entry in entries)
-    for (p, seed), choice in samples.items():
-        assert sample(prompts[p], seed)["token_ids"] == choice["token_ids"]
-    assert any(samples[(p, 1)]["token_ids"] != samples[(p, 2)]["token_ids"] for p in range(len(prompts)))
+    for key in keys:
+        assert replays[key]["token_ids"] == samples[key]["token_ids"], key
+    assert any(samples[(prompt, 1)]["token_ids"] != samples[(prompt, 2)]["token_ids"] for prompt in range(64))
 
 
 def test_abort_ends_a_running_generate(http, base):
