@@ -119,7 +119,12 @@ def given_prompt_ids(values: dict[str, Any], response: Any, where: str) -> list[
 
 def seed_ids(values: dict[str, Any], response: Any, where: str) -> list[int]:
     """The prompt tail that seeds the detokenizer: `prompt_token_ids`, else the response's."""
-    return (given_prompt_ids(values, response, where) or [])[-PROMPT_TAIL:]
+    return seed_tail(given_prompt_ids(values, response, where))
+
+
+def seed_tail(prompt_ids: list[int] | None) -> list[int]:
+    """The tail of a prompt's ids that seeds the detokenizer (none: no ids)."""
+    return (prompt_ids or [])[-PROMPT_TAIL:]
 
 
 def plain_context(request_id: str, seed: list[int], prompt_tokens: int, n: int, logprobs: bool,

@@ -432,18 +432,17 @@ class VllmApi:
         prompt_tokens = body.integer("prompt_tokens", 0, openai_in.UINT32_MAX)
         responses = derender_in.engine_responses(generated, "generate_response", prompt_tokens)
         given = derender_in.given_prompt_ids(values, generated, "generate_response")
-        seed = (given or [])[-derender_in.PROMPT_TAIL:]
         logprobs = any(response.logprobs for response in responses)
-        context, logprobs = await self._chat_context(body, generated.get("request_id", ""), seed, prompt_tokens,
-                                                     len(responses), logprobs, given)
+        context, logprobs = await self._chat_context(body, generated.get("request_id", ""), given, prompt_tokens,
+                                                     len(responses), logprobs)
         assembled = openai_out.Assembled()
         await self._derender(context, responses, assembled, 0, 1)
         response_id = generated.get("request_id") or f"chatcmpl-{rid}"
         return Response(dumps(openai_out.chat_completion(response_id, model, assembled, logprobs)),
                         media_type="application/json")
 
-    async def _chat_context(self, body: openai_in.Body, request_id: str, seed: list[int], prompt_tokens: int | None,
-                            n: int, logprobs: bool, prompt_ids: list[int] | None = None
+    async def _chat_context(self, body: openai_in.Body, request_id: str, prompt_ids: list[int] | None,
+                            prompt_tokens: int | None, n: int, logprobs: bool
                             ) -> tuple[derender_pb2.DerenderContext, bool]:
         """Derender's context for a chat: render's for `chat_request` (its parsers, tools and
         thinking switch), else a plain one where no parser is configured; and whether the
@@ -470,6 +469,7 @@ class VllmApi:
             raise openai_in.invalid("chat_request", "chat_request is required when a tool or reasoning parser "
                                                     "is configured because plain detokenization would leak raw "
                                                     "parser markup into content.")
+        seed = derender_in.seed_tail(prompt_ids)
         return derender_in.plain_context(request_id, seed, prompt_tokens or 0, n, logprobs), logprobs
 
     def _kept_context(self, chat_values: dict, prompt_ids: list[int] | None, call: openai_in.ChatCall
@@ -481,7 +481,8 @@ class VllmApi:
         kept = self.rendered_chats.get(reuse.chat_key(chat_values), prompt_ids)
         if kept is None:
             return None
-        context = kept.derender_context
+        context = derender_pb2.DerenderContext()
+        context.CopyFrom(kept.derender_context)  # the kept answer serves later calls unchanged
         context.usage_in_every_chunk = call.request.usage_in_every_chunk
         return context
 
@@ -492,9 +493,8 @@ class VllmApi:
         context, logprobs = chunk.resumed, chunk.logprobs
         if context is None:
             given = derender_in.given_prompt_ids(values, values.get("generate_chunk"), "generate_chunk")
-            context, logprobs = await self._chat_context(chunk.body, chunk.request_id,
-                                                         (given or [])[-derender_in.PROMPT_TAIL:], chunk.prompt_tokens,
-                                                         1, logprobs, given)
+            context, logprobs = await self._chat_context(chunk.body, chunk.request_id, given, chunk.prompt_tokens, 1,
+                                                         logprobs)
         chunks, state = await self._derender_step(context, chunk.responses)
         choices = [derender_stream.chat_choice(response.index, chunks.get(response.index), logprobs)
                    for response in chunk.responses]
