@@ -302,6 +302,14 @@ def test_a_kept_context_takes_the_derender_calls_stream_options(client, upstream
     assert reply.status_code == 200, reply.text
     assert upstream.pipeline.render.calls["RenderChat"] == 1
     assert upstream.pipeline.derender.contexts[-1].usage_in_every_chunk
+    # the kept answer itself is unchanged: each later derender of the chat has its own choices and options
+    two = _generate(client, {**rendered, "sampling_params": {**rendered.get("sampling_params", {}), "n": 2}})
+    _derender_chat(client, two, rendered["token_ids"])
+    assert upstream.pipeline.derender.contexts[-1].n == 2
+    _derender_chat(client, _generate(client, rendered), rendered["token_ids"])
+    assert upstream.pipeline.render.calls["RenderChat"] == 1
+    last = upstream.pipeline.derender.contexts[-1]
+    assert last.n == 1 and not last.usage_in_every_chunk
 
 
 def test_derender_chat_without_chat_request_decodes_plainly(client, upstream):

@@ -481,8 +481,7 @@ class VllmApi:
         kept = self.rendered_chats.get(reuse.chat_key(chat_values), prompt_ids)
         if kept is None:
             return None
-        context = derender_pb2.DerenderContext()
-        context.CopyFrom(kept.derender_context)  # the kept answer serves later calls unchanged
+        context = kept.derender_context  # of a copy (RenderedChats.get): the kept answer stays as it was
         context.usage_in_every_chunk = call.request.usage_in_every_chunk
         return context
 
